@@ -1,0 +1,621 @@
+//! The public engine: initialize / register / connect / transfer / status / notify / finalize.
+//!
+//! A transfer's path: validate every descriptor against the local registry and the peer's
+//! region table -> merge adjacent descriptors -> cut the batch into one part per stream share ->
+//! queue the parts on the peer's link (lock-free, bounded) -> the link's workers submit them
+//! -> the last completion settles the request and wakes waiters.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result, Status};
+use crate::notify::NotifyStore;
+use crate::options::Options;
+use crate::queue::{NotifyDesc, Part, PartBody, Request, SegPair, TransferOp, TransferStatus};
+use crate::registry::{Abort, MemType, Pin, Registry};
+use crate::stats::LatencySummary;
+use crate::transport::server::{Server, ServerCtx};
+use crate::transport::tcp::{ConnectParams, TcpLink};
+use crate::transport::Link;
+use crate::wire::MAX_DESCS;
+
+/// A memory range: start address and length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MemDesc {
+    /// Start address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// A registered region, as returned by `register_mem`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MemHandle {
+    /// Registry id.
+    pub id: u64,
+    /// Start address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Memory type.
+    pub mem_type: MemType,
+}
+
+/// One descriptor of a batch: `len` bytes between `local_addr` and `remote_addr`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TransferOpDesc {
+    /// Address in this engine's registered memory.
+    pub local_addr: u64,
+    /// Address in the peer's registered memory.
+    pub remote_addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// State of an asynchronous connect.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ConnectStatus {
+    /// No connect was made (or the peer was disconnected).
+    NotConnect,
+    /// A connect is running.
+    Connecting,
+    /// Connected and alive.
+    Connected,
+    /// The last connect failed, or the link died.
+    ConnectFailed,
+}
+
+/// Per-peer figures returned by [`Engine::stats`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct PeerSnapshot {
+    /// Peer address.
+    pub peer: String,
+    /// Backend name.
+    pub backend: &'static str,
+    /// Whether the link is usable.
+    pub alive: bool,
+    /// Bytes written to the peer.
+    pub bytes_write: u64,
+    /// Bytes read from it.
+    pub bytes_read: u64,
+    /// Completed WRITE requests.
+    pub ops_write: u64,
+    /// Completed READ requests.
+    pub ops_read: u64,
+    /// Failed or timed-out requests.
+    pub errors: u64,
+    /// Notifications sent.
+    pub notifies: u64,
+    /// Latency of recent requests.
+    pub latency: LatencySummary,
+}
+
+/// A transfer request handle.
+pub type TransferReq = Arc<Request>;
+
+struct PeerConn {
+    link: Arc<dyn Link>,
+    /// Recent requests, so that a later notify can wait for their data.
+    recent: Mutex<Vec<Weak<Request>>>,
+}
+
+enum PeerSlot {
+    Connecting,
+    Connected(Arc<PeerConn>),
+    Failed,
+}
+
+struct Running {
+    local_engine: String,
+    opts: Options,
+    pid: u32,
+    registry: Arc<Registry>,
+    notifies: Arc<NotifyStore>,
+    server: Option<Arc<Server>>,
+    peers: Mutex<HashMap<String, PeerSlot>>,
+    next_req: AtomicU64,
+}
+
+/// A transfer engine (one per process is typical). All methods take `&self` and are thread-safe.
+pub struct Engine {
+    state: Mutex<Option<Arc<Running>>>,
+    finalized: std::sync::atomic::AtomicBool,
+}
+
+impl Default for Engine {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Parses "ip:port", "[v6]:port", "host:port" into one socket address.
+pub fn parse_addr(s: &str) -> Result<SocketAddr> {
+    if let Ok(a) = s.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    match s.to_socket_addrs() {
+        Ok(mut it) => it.next().ok_or_else(|| Error::param(format!("address {s:?} resolves to nothing"))),
+        Err(_) => Err(Error::param(format!("address {s:?} is not \"ip:port\" (IPv6 as \"[::1]:port\")"))),
+    }
+}
+
+impl Engine {
+    /// A new, uninitialized engine.
+    pub fn new() -> Self {
+        crate::log::init();
+        Engine { state: Mutex::new(None), finalized: Default::default() }
+    }
+
+    fn running(&self) -> Result<Arc<Running>> {
+        let r = self.state.lock().unwrap().clone();
+        match r {
+            Some(r) if r.pid != std::process::id() => Err(Error::failed(format!(
+                "this engine was initialized in process {}; its threads do not survive fork() \
+                 (this is process {}): create a new engine in the child",
+                r.pid,
+                std::process::id()
+            ))),
+            Some(r) => Ok(r),
+            None if self.finalized.load(Ordering::Acquire) => {
+                Err(Error::failed("the engine was finalized; create a new one"))
+            }
+            None => Err(Error::failed("the engine is not initialized: call initialize() first")),
+        }
+    }
+
+    /// Starts the engine. `local_engine` is "ip:port" to listen (port 0 = ephemeral) or "ip"
+    /// alone for a client-only engine.
+    pub fn initialize(&self, local_engine: &str, options: &HashMap<String, String>) -> Result<()> {
+        let opts = Options::parse(options)?;
+        let mut st = self.state.lock().unwrap();
+        if st.is_some() {
+            return Err(Error::failed("the engine is already initialized"));
+        }
+        if self.finalized.load(Ordering::Acquire) {
+            return Err(Error::failed("the engine was finalized; create a new one"));
+        }
+        let registry = Arc::new(Registry::new());
+        let notifies = Arc::new(NotifyStore::new(opts.max_notifies));
+        let pid = std::process::id();
+        let bare = local_engine.trim_start_matches('[').trim_end_matches(']');
+        let (local, server) = if let Ok(ip) = bare.parse::<IpAddr>() {
+            // Client only: an id that is unique per process.
+            (format!("{ip}#{pid}"), None)
+        } else {
+            let addr = parse_addr(local_engine)?;
+            let l = TcpListener::bind(addr)
+                .map_err(|e| Error::param(format!("cannot listen on {local_engine:?}: {e}")))?;
+            let bound = l.local_addr().map_err(|e| Error::failed(e.to_string()))?.to_string();
+            let ctx = Arc::new(ServerCtx {
+                engine_id: bound.clone(),
+                pid,
+                registry: registry.clone(),
+                notifies: notifies.clone(),
+                handshake_timeout: opts.handshake_timeout,
+            });
+            (bound, Some(Server::start(l, ctx)?))
+        };
+        tracing::info!(engine = %local, "engine initialized");
+        *st = Some(Arc::new(Running {
+            local_engine: local,
+            opts,
+            pid,
+            registry,
+            notifies,
+            server,
+            peers: Mutex::new(HashMap::new()),
+            next_req: AtomicU64::new(1),
+        }));
+        Ok(())
+    }
+
+    /// The bound "ip:port" (or "ip#pid" for a client-only engine).
+    pub fn local_engine(&self) -> Result<String> {
+        Ok(self.running()?.local_engine.clone())
+    }
+
+    /// Stops the engine: fails every pending request (FAILED), closes links and the listener,
+    /// deregisters all memory. Later calls fail; a second finalize is a no-op.
+    pub fn finalize(&self) -> Result<()> {
+        let Some(r) = self.state.lock().unwrap().take() else { return Ok(()) };
+        self.finalized.store(true, Ordering::Release);
+        let slots: Vec<_> = r.peers.lock().unwrap().drain().collect();
+        for (_, slot) in slots {
+            if let PeerSlot::Connected(c) = slot {
+                c.link.close(Error::failed("the engine was finalized"));
+            }
+        }
+        if let Some(s) = &r.server {
+            s.stop();
+        }
+        r.registry.clear(r.opts.deregister_timeout)?;
+        tracing::info!(engine = %r.local_engine, "engine finalized");
+        Ok(())
+    }
+
+    /// Registers `[desc.addr, desc.addr + desc.len)`.
+    pub fn register_mem(&self, desc: MemDesc, mem_type: MemType) -> Result<MemHandle> {
+        let r = self.running()?;
+        let region = r.registry.register(desc.addr, desc.len, mem_type)?;
+        Ok(MemHandle { id: region.id, addr: region.addr, len: region.len, mem_type })
+    }
+
+    /// Deregisters a region, waiting for (then aborting) transfers that use it. Idempotent.
+    pub fn deregister_mem(&self, h: &MemHandle) -> Result<()> {
+        let r = self.running()?;
+        r.registry.deregister(h.addr, h.len, r.opts.deregister_timeout).map(|_| ())
+    }
+
+    fn link_params(r: &Running, timeout: Duration) -> ConnectParams {
+        ConnectParams {
+            local_id: r.local_engine.clone(),
+            streams: r.opts.streams,
+            queue_depth: r.opts.queue_depth,
+            timeout,
+        }
+    }
+
+    fn begin_connect(r: &Running, key: &str) -> Result<()> {
+        let mut peers = r.peers.lock().unwrap();
+        match peers.get(key) {
+            Some(PeerSlot::Connected(c)) if c.link.is_alive() => {
+                Err(Error::new(Status::AlreadyConnected, format!("already connected to {key}")))
+            }
+            Some(PeerSlot::Connecting) => Err(Error::new(
+                Status::AlreadyConnected,
+                format!("a connect to {key} is already in progress"),
+            )),
+            Some(PeerSlot::Connected(c)) => {
+                // The old link died: close it (joins its threads) and connect anew.
+                c.link.close(Error::not_connected(format!("link to {key} replaced")));
+                peers.insert(key.to_string(), PeerSlot::Connecting);
+                Ok(())
+            }
+            _ => {
+                peers.insert(key.to_string(), PeerSlot::Connecting);
+                Ok(())
+            }
+        }
+    }
+
+    fn finish_connect(r: &Running, key: &str, res: Result<Arc<TcpLink>>, keep_failure: bool) -> Result<()> {
+        let mut peers = r.peers.lock().unwrap();
+        match res {
+            Ok(link) => {
+                tracing::info!(peer = %key, backend = "tcp", "connected");
+                let conn = PeerConn { link, recent: Mutex::new(Vec::new()) };
+                peers.insert(key.to_string(), PeerSlot::Connected(Arc::new(conn)));
+                Ok(())
+            }
+            Err(e) => {
+                if keep_failure {
+                    tracing::warn!(peer = %key, error = %e, "async connect failed");
+                    peers.insert(key.to_string(), PeerSlot::Failed);
+                } else {
+                    peers.remove(key);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Connects to the engine listening at `remote` ("ip:port"): handshake, region table.
+    pub fn connect(&self, remote: &str, timeout: Duration) -> Result<()> {
+        let r = self.running()?;
+        let addr = parse_addr(remote)?;
+        let key = remote.to_string();
+        Self::begin_connect(&r, &key)?;
+        let res = TcpLink::connect(&key, addr, &Self::link_params(&r, timeout));
+        Self::finish_connect(&r, &key, res, false)
+    }
+
+    /// Starts a connect in the background; poll with [`Engine::get_async_connect_status`].
+    pub fn connect_async(&self, remote: &str) -> Result<()> {
+        let r = self.running()?;
+        let addr = parse_addr(remote)?;
+        let key = remote.to_string();
+        Self::begin_connect(&r, &key)?;
+        let params = Self::link_params(&r, r.opts.connect_timeout);
+        let r2 = r.clone();
+        std::thread::Builder::new()
+            .name("hixl-connect".into())
+            .spawn(move || {
+                let res = TcpLink::connect(&key, addr, &params);
+                let _ = Self::finish_connect(&r2, &key, res, true);
+            })
+            .map_err(|e| Error::failed(format!("cannot start the connect thread: {e}")))?;
+        Ok(())
+    }
+
+    /// The state of a connect to `remote`.
+    pub fn get_async_connect_status(&self, remote: &str) -> Result<ConnectStatus> {
+        let r = self.running()?;
+        let peers = r.peers.lock().unwrap();
+        Ok(match peers.get(remote) {
+            None => ConnectStatus::NotConnect,
+            Some(PeerSlot::Connecting) => ConnectStatus::Connecting,
+            Some(PeerSlot::Connected(c)) if c.link.is_alive() => ConnectStatus::Connected,
+            Some(_) => ConnectStatus::ConnectFailed,
+        })
+    }
+
+    /// Closes the link to `remote`; its pending requests fail with NOT_CONNECTED.
+    pub fn disconnect(&self, remote: &str, _timeout: Duration) -> Result<()> {
+        let r = self.running()?;
+        let slot = r.peers.lock().unwrap().remove(remote);
+        match slot {
+            Some(PeerSlot::Connected(c)) => {
+                c.link.close(Error::not_connected(format!("disconnected from {remote}")));
+                Ok(())
+            }
+            Some(PeerSlot::Failed) => Ok(()),
+            Some(PeerSlot::Connecting) => {
+                r.peers.lock().unwrap().insert(remote.to_string(), PeerSlot::Connecting);
+                Err(Error::failed(format!("a connect to {remote} is in progress; wait for it first")))
+            }
+            None => Err(Error::not_connected(format!("not connected to {remote}"))),
+        }
+    }
+
+    fn conn(r: &Running, remote: &str) -> Result<Arc<PeerConn>> {
+        match r.peers.lock().unwrap().get(remote) {
+            Some(PeerSlot::Connected(c)) if c.link.is_alive() => Ok(c.clone()),
+            Some(PeerSlot::Connected(c)) => Err(Error::not_connected(format!(
+                "the link to {remote} died: {}",
+                c.link.dead_reason().unwrap_or_default()
+            ))),
+            _ => Err(Error::not_connected(format!("not connected to {remote}: call connect() first"))),
+        }
+    }
+
+    /// The regions the peer had registered at connect.
+    pub fn remote_mems(&self, remote: &str) -> Result<Vec<MemDesc>> {
+        let r = self.running()?;
+        let c = Self::conn(&r, remote)?;
+        let info = c.link.peer_info();
+        Ok(info.regions.regions().iter().map(|&(addr, len)| MemDesc { addr, len }).collect())
+    }
+
+    /// Runs a batch and waits for it (up to `timeout`).
+    pub fn transfer_sync(
+        &self,
+        remote: &str,
+        op: TransferOp,
+        descs: &[TransferOpDesc],
+        timeout: Duration,
+    ) -> Result<()> {
+        let req = self.transfer_async(remote, op, descs, None, Some(timeout))?;
+        req.wait(None);
+        req.result()
+    }
+
+    /// Validates and queues a batch; returns at once. `notify` is delivered to the peer after
+    /// all of the batch's bytes are there. `timeout` (default `hixl.transfer_timeout_ms`) is the
+    /// request's deadline.
+    pub fn transfer_async(
+        &self,
+        remote: &str,
+        op: TransferOp,
+        descs: &[TransferOpDesc],
+        notify: Option<NotifyDesc>,
+        timeout: Option<Duration>,
+    ) -> Result<TransferReq> {
+        let r = self.running()?;
+        let conn = Self::conn(&r, remote)?;
+        if descs.is_empty() {
+            return Err(Error::param("the descriptor list is empty"));
+        }
+        let (segs, pins, bytes) = validate(&r, &conn, remote, descs)?;
+        let parts = split(segs, bytes, r.opts.streams, r.opts.split_bytes);
+        let timeout = timeout.unwrap_or(r.opts.transfer_timeout);
+        let id = r.next_req.fetch_add(1, Ordering::Relaxed);
+        let extra = usize::from(notify.is_some());
+        let req = Arc::new(Request::new(
+            id,
+            op,
+            remote.to_string(),
+            bytes,
+            descs.len(),
+            parts.len(),
+            timeout,
+            pins,
+            notify,
+        ));
+        let parts: Vec<Part> =
+            parts.into_iter().map(|s| Part { req: req.clone(), body: PartBody::Data(s) }).collect();
+        if let Err(e) = conn.link.submit(parts, extra) {
+            req.settle(TransferStatus::Failed, Some(e.clone()));
+            req.release_pins();
+            return Err(e);
+        }
+        remember(&conn, &req);
+        Ok(req)
+    }
+
+    /// Status of a request (WAITING turns into TIMEOUT past its deadline).
+    pub fn get_transfer_status(&self, req: &TransferReq) -> Result<TransferStatus> {
+        Ok(req.status())
+    }
+
+    /// Sends a notification; it is delivered after the data of every transfer to the same peer
+    /// submitted before it.
+    pub fn send_notify(&self, remote: &str, n: NotifyDesc, timeout: Duration) -> Result<()> {
+        let r = self.running()?;
+        let conn = Self::conn(&r, remote)?;
+        let deadline = Instant::now() + timeout;
+        let earlier: Vec<_> = conn.recent.lock().unwrap().iter().filter_map(|w| w.upgrade()).collect();
+        for q in earlier {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if q.wait(Some(left)) == TransferStatus::Waiting {
+                return Err(Error::timeout(format!(
+                    "notify to {remote}: an earlier transfer was still in flight after {timeout:?}"
+                )));
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let id = r.next_req.fetch_add(1, Ordering::Relaxed);
+        let req = Arc::new(Request::new(id, TransferOp::Write, remote.into(), 0, 0, 1, left, vec![], None));
+        conn.link.submit(vec![Part { req: req.clone(), body: PartBody::Notify(n) }], 0)?;
+        req.wait(None);
+        req.result().map_err(|e| match e.status {
+            Status::Timeout | Status::ResourceExhausted => e,
+            _ => Error::new(Status::NotifyFailed, format!("notify to {remote} failed: {}", e.message)),
+        })
+    }
+
+    /// Returns and clears the notifications received so far.
+    pub fn get_notifies(&self) -> Result<Vec<NotifyDesc>> {
+        Ok(self.running()?.notifies.take())
+    }
+
+    /// Per-peer counters.
+    pub fn stats(&self) -> Result<Vec<PeerSnapshot>> {
+        let r = self.running()?;
+        let peers = r.peers.lock().unwrap();
+        let mut out = Vec::new();
+        for (peer, slot) in peers.iter() {
+            if let PeerSlot::Connected(c) = slot {
+                let s = c.link.stats();
+                let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+                out.push(PeerSnapshot {
+                    peer: peer.clone(),
+                    backend: c.link.backend(),
+                    alive: c.link.is_alive(),
+                    bytes_write: l(&s.bytes_write),
+                    bytes_read: l(&s.bytes_read),
+                    ops_write: l(&s.ops_write),
+                    ops_read: l(&s.ops_read),
+                    errors: l(&s.errors),
+                    notifies: l(&s.notifies),
+                    latency: s.latency(),
+                });
+            }
+        }
+        out.sort_by(|a, b| a.peer.cmp(&b.peer));
+        Ok(out)
+    }
+
+    /// Number of registered regions.
+    pub fn registered_count(&self) -> Result<usize> {
+        Ok(self.running()?.registry.len())
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.finalize();
+    }
+}
+
+fn remember(conn: &PeerConn, req: &Arc<Request>) {
+    let mut recent = conn.recent.lock().unwrap();
+    if recent.len() >= 256 {
+        recent.retain(|w| w.upgrade().is_some_and(|q| q.status() == TransferStatus::Waiting));
+    }
+    recent.push(Arc::downgrade(req));
+}
+
+/// Checks every descriptor, pins the local regions, merges adjacent descriptors.
+fn validate(
+    r: &Running,
+    conn: &PeerConn,
+    remote: &str,
+    descs: &[TransferOpDesc],
+) -> Result<(Vec<SegPair>, Vec<Pin>, u64)> {
+    let table = conn.link.peer_info().regions;
+    let holder: Arc<dyn Abort> = conn.link.clone();
+    let mut pins: Vec<Pin> = Vec::new();
+    let mut segs: Vec<SegPair> = Vec::with_capacity(descs.len());
+    let mut bytes = 0u64;
+    for (i, d) in descs.iter().enumerate() {
+        if d.len == 0 {
+            return Err(Error::param(format!("descriptor {i}: length is 0")));
+        }
+        let in_pinned = pins.iter().any(|p| p.region().contains(d.local_addr, d.len));
+        if !in_pinned {
+            let region = r
+                .registry
+                .lookup(d.local_addr, d.len, "local")
+                .map_err(|e| Error::param(format!("descriptor {i}: {}", e.message)))?;
+            pins.push(region.pin(holder.clone())?);
+        }
+        if !table.contains(d.remote_addr, d.len) {
+            return Err(Error::param(format!(
+                "descriptor {i}: remote range 0x{:x}+{} is not inside a region that {remote} had \
+                 registered at connect",
+                d.remote_addr, d.len
+            )));
+        }
+        bytes += d.len;
+        match segs.last_mut() {
+            Some(p) if p.local + p.len == d.local_addr && p.remote + p.len == d.remote_addr => p.len += d.len,
+            _ => segs.push(SegPair { local: d.local_addr, remote: d.remote_addr, len: d.len }),
+        }
+    }
+    Ok((segs, pins, bytes))
+}
+
+/// Cuts merged segments into parts: one per stream for large batches (splitting segments at
+/// the boundaries), never more than `MAX_DESCS` segments per part.
+pub fn split(segs: Vec<SegPair>, bytes: u64, streams: usize, split_bytes: u64) -> Vec<Vec<SegPair>> {
+    let shares = if bytes >= split_bytes && streams > 1 { streams as u64 } else { 1 };
+    let per = bytes.div_ceil(shares).max(1);
+    let mut parts = Vec::new();
+    let mut cur: Vec<SegPair> = Vec::new();
+    let mut cur_bytes = 0u64;
+    for mut s in segs {
+        while s.len > 0 {
+            let room = per - cur_bytes;
+            let take = s.len.min(room);
+            cur.push(SegPair { local: s.local, remote: s.remote, len: take });
+            cur_bytes += take;
+            s.local += take;
+            s.remote += take;
+            s.len -= take;
+            if cur_bytes == per || cur.len() == MAX_DESCS {
+                parts.push(std::mem::take(&mut cur));
+                cur_bytes = 0;
+            }
+        }
+    }
+    if !cur.is_empty() {
+        parts.push(cur);
+    }
+    parts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sp(local: u64, remote: u64, len: u64) -> SegPair {
+        SegPair { local, remote, len }
+    }
+
+    #[test]
+    fn split_small_batch_is_one_part() {
+        let p = split(vec![sp(0, 100, 10), sp(50, 200, 10)], 20, 2, 1 << 20);
+        assert_eq!(p, vec![vec![sp(0, 100, 10), sp(50, 200, 10)]]);
+    }
+
+    #[test]
+    fn split_large_batch_cuts_segments_evenly() {
+        let p = split(vec![sp(0, 1000, 30), sp(100, 2000, 10)], 40, 2, 16);
+        assert_eq!(p, vec![vec![sp(0, 1000, 20)], vec![sp(20, 1020, 10), sp(100, 2000, 10)]]);
+        let total: u64 = p.iter().flatten().map(|s| s.len).sum();
+        assert_eq!(total, 40);
+    }
+
+    #[test]
+    fn split_caps_segments_per_part() {
+        let segs: Vec<_> = (0..(MAX_DESCS as u64 + 5)).map(|i| sp(i * 2, i * 2, 1)).collect();
+        let n = segs.len() as u64;
+        let p = split(segs, n, 1, u64::MAX);
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[0].len(), MAX_DESCS);
+        assert_eq!(p[1].len(), 5);
+    }
+}

@@ -1,0 +1,123 @@
+//! Engine options: a string map with documented keys. Unknown keys and bad values are
+//! `PARAM_INVALID` naming the key and the value.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// Parsed options with their defaults.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// `hixl.streams`: TCP streams per peer link.
+    pub streams: usize,
+    /// `hixl.queue_depth`: request-queue slots per link (a request takes one per stream share).
+    pub queue_depth: usize,
+    /// `hixl.split_bytes`: requests of at least this many bytes are split across the streams.
+    pub split_bytes: u64,
+    /// `hixl.transfer_timeout_ms`: deadline of an async transfer that gives none.
+    pub transfer_timeout: Duration,
+    /// `hixl.connect_timeout_ms`: deadline of `connect_async`.
+    pub connect_timeout: Duration,
+    /// `hixl.handshake_timeout_ms`: how long the listener waits for a new stream's Hello.
+    pub handshake_timeout: Duration,
+    /// `hixl.deregister_timeout_ms`: how long deregistration waits for in-flight transfers
+    /// before aborting their links.
+    pub deregister_timeout: Duration,
+    /// `hixl.max_notifies`: pending received notifications per peer.
+    pub max_notifies: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            streams: 2,
+            queue_depth: 4096,
+            split_bytes: 1 << 20,
+            transfer_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(3),
+            handshake_timeout: Duration::from_secs(5),
+            deregister_timeout: Duration::from_secs(5),
+            max_notifies: 4096,
+        }
+    }
+}
+
+/// Every accepted key with its default, for docs and `hixl info`.
+pub const KEYS: &[(&str, &str, &str)] = &[
+    ("hixl.streams", "2", "TCP streams per peer link (1..64)"),
+    ("hixl.queue_depth", "4096", "request-queue slots per link (1..1048576)"),
+    ("hixl.split_bytes", "1048576", "requests of at least this many bytes are split across streams"),
+    ("hixl.transfer_timeout_ms", "10000", "deadline of an async transfer that gives none"),
+    ("hixl.connect_timeout_ms", "3000", "deadline of connect_async"),
+    ("hixl.handshake_timeout_ms", "5000", "how long the listener waits for a new stream's Hello"),
+    ("hixl.deregister_timeout_ms", "5000", "wait for in-flight transfers before aborting them"),
+    ("hixl.max_notifies", "4096", "pending received notifications per peer"),
+];
+
+fn int(key: &str, v: &str, min: u64, max: u64) -> Result<u64> {
+    match v.trim().parse::<u64>() {
+        Ok(n) if (min..=max).contains(&n) => Ok(n),
+        _ => {
+            Err(Error::param(format!("option {key}={v:?} is invalid: expected an integer in {min}..={max}")))
+        }
+    }
+}
+
+impl Options {
+    /// Parses a string map on top of the defaults.
+    pub fn parse(map: &HashMap<String, String>) -> Result<Options> {
+        let mut o = Options::default();
+        let mut keys: Vec<_> = map.keys().collect();
+        keys.sort();
+        for k in keys {
+            let v = map[k].as_str();
+            let ms = |min| int(k, v, min, 86_400_000).map(Duration::from_millis);
+            match k.as_str() {
+                "hixl.streams" => o.streams = int(k, v, 1, 64)? as usize,
+                "hixl.queue_depth" => o.queue_depth = int(k, v, 1, 1 << 20)? as usize,
+                "hixl.split_bytes" => o.split_bytes = int(k, v, 1, u64::MAX)?,
+                "hixl.transfer_timeout_ms" => o.transfer_timeout = ms(1)?,
+                "hixl.connect_timeout_ms" => o.connect_timeout = ms(1)?,
+                "hixl.handshake_timeout_ms" => o.handshake_timeout = ms(1)?,
+                "hixl.deregister_timeout_ms" => o.deregister_timeout = ms(0)?,
+                "hixl.max_notifies" => o.max_notifies = int(k, v, 1, 1 << 20)? as usize,
+                _ => {
+                    let known: Vec<_> = KEYS.iter().map(|k| k.0).collect();
+                    return Err(Error::param(format!(
+                        "unknown option key {k:?} (value {v:?}); known keys: {}",
+                        known.join(", ")
+                    )));
+                }
+            }
+        }
+        Ok(o)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(kv: &[(&str, &str)]) -> HashMap<String, String> {
+        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn defaults_and_overrides() {
+        assert_eq!(Options::parse(&map(&[])).unwrap(), Options::default());
+        let o = Options::parse(&map(&[("hixl.streams", "4"), ("hixl.transfer_timeout_ms", "250")])).unwrap();
+        assert_eq!(o.streams, 4);
+        assert_eq!(o.transfer_timeout, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn bad_keys_and_values_name_themselves() {
+        let e = Options::parse(&map(&[("hixl.stream", "4")])).unwrap_err();
+        assert!(e.message.contains("\"hixl.stream\"") && e.message.contains("\"4\""), "{e}");
+        let e = Options::parse(&map(&[("hixl.streams", "0")])).unwrap_err();
+        assert!(e.message.contains("hixl.streams=\"0\""), "{e}");
+        let e = Options::parse(&map(&[("hixl.queue_depth", "lots")])).unwrap_err();
+        assert!(e.message.contains("lots"), "{e}");
+    }
+}

@@ -1,0 +1,488 @@
+//! Requests and the lock-free bounded queue between callers and link workers.
+//!
+//! A [`Request`] is one user transfer (a whole batch of descriptors). Before it is queued it is
+//! cut into [`Part`]s (one per stream share); workers pop many parts per wake-up and submit them
+//! together. The request's state is an atomic that flips once, WAITING -> COMPLETED | FAILED |
+//! TIMEOUT; waiters spin briefly, then sleep on a condition variable.
+
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::ArrayQueue;
+
+use crate::error::{Error, Result, Status};
+use crate::registry::Pin;
+
+/// Direction of a transfer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransferOp {
+    /// Remote -> local.
+    Read,
+    /// Local -> remote.
+    Write,
+}
+
+/// State of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum TransferStatus {
+    /// Still in flight.
+    Waiting = 0,
+    /// All bytes are at the destination.
+    Completed = 1,
+    /// Failed; see [`Request::error`].
+    Failed = 2,
+    /// Did not finish before its deadline.
+    Timeout = 3,
+}
+
+impl TransferStatus {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => TransferStatus::Waiting,
+            1 => TransferStatus::Completed,
+            2 => TransferStatus::Failed,
+            _ => TransferStatus::Timeout,
+        }
+    }
+}
+
+/// One contiguous piece of a transfer: `len` bytes between `local` and `remote`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegPair {
+    /// Local address.
+    pub local: u64,
+    /// Remote address.
+    pub remote: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// A notification: a name and a message.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct NotifyDesc {
+    /// Name (who or what it is about).
+    pub name: String,
+    /// Message body.
+    pub msg: String,
+}
+
+/// A user transfer in flight.
+pub struct Request {
+    /// Engine-unique id.
+    pub id: u64,
+    /// Direction.
+    pub op: TransferOp,
+    /// Peer address.
+    pub peer: String,
+    /// Bytes moved by the whole request.
+    pub bytes: u64,
+    /// Number of descriptors the caller passed.
+    pub descs: usize,
+    /// When it was submitted.
+    pub started: Instant,
+    deadline: Instant,
+    state: AtomicU8,
+    parts_left: AtomicUsize,
+    error: Mutex<Option<Error>>,
+    pins: Mutex<Vec<Pin>>,
+    notify_after: Mutex<Option<NotifyDesc>>,
+    sleep: Mutex<()>,
+    wake: Condvar,
+    sleepers: AtomicUsize,
+}
+
+impl Request {
+    /// A new WAITING request with `parts` parts outstanding.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        id: u64,
+        op: TransferOp,
+        peer: String,
+        bytes: u64,
+        descs: usize,
+        parts: usize,
+        timeout: Duration,
+        pins: Vec<Pin>,
+        notify_after: Option<NotifyDesc>,
+    ) -> Self {
+        let now = Instant::now();
+        Request {
+            id,
+            op,
+            peer,
+            bytes,
+            descs,
+            started: now,
+            deadline: now + timeout,
+            state: AtomicU8::new(TransferStatus::Waiting as u8),
+            parts_left: AtomicUsize::new(parts),
+            error: Mutex::new(None),
+            pins: Mutex::new(pins),
+            notify_after: Mutex::new(notify_after),
+            sleep: Mutex::new(()),
+            wake: Condvar::new(),
+            sleepers: AtomicUsize::new(0),
+        }
+    }
+
+    /// Current status; a WAITING request past its deadline turns into TIMEOUT here.
+    pub fn status(&self) -> TransferStatus {
+        let s = TransferStatus::from_u8(self.state.load(Ordering::Acquire));
+        if s == TransferStatus::Waiting && Instant::now() >= self.deadline {
+            self.settle(
+                TransferStatus::Timeout,
+                Some(Error::timeout(format!(
+                    "transfer {} to {} did not finish within its deadline ({:?})",
+                    self.id,
+                    self.peer,
+                    self.deadline - self.started
+                ))),
+            );
+            return TransferStatus::from_u8(self.state.load(Ordering::Acquire));
+        }
+        s
+    }
+
+    /// The error of a FAILED or TIMEOUT request.
+    pub fn error(&self) -> Option<Error> {
+        self.error.lock().unwrap().clone()
+    }
+
+    /// Converts the final state into a `Result` (WAITING counts as TIMEOUT for sync callers).
+    pub fn result(&self) -> Result<()> {
+        match self.status() {
+            TransferStatus::Completed => Ok(()),
+            TransferStatus::Waiting => {
+                Err(Error::timeout(format!("transfer {} to {} still waiting", self.id, self.peer)))
+            }
+            _ => Err(self.error().unwrap_or_else(|| Error::failed("transfer failed"))),
+        }
+    }
+
+    /// The request's own deadline.
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Blocks until the request leaves WAITING, the request's deadline passes, or `timeout`
+    /// (if any) expires, whichever is first; returns the status then.
+    pub fn wait(&self, timeout: Option<Duration>) -> TransferStatus {
+        let until = timeout.map_or(self.deadline, |t| self.deadline.min(Instant::now() + t));
+        // Short adaptive spin: small transfers finish in microseconds.
+        for i in 0..64 {
+            let s = self.status();
+            if s != TransferStatus::Waiting {
+                return s;
+            }
+            if i < 32 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        let mut g = self.sleep.lock().unwrap();
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        loop {
+            // Read the raw state here: settling (status() past the deadline) takes this lock.
+            let s = TransferStatus::from_u8(self.state.load(Ordering::Acquire));
+            let now = Instant::now();
+            if s != TransferStatus::Waiting || now >= until {
+                self.sleepers.fetch_sub(1, Ordering::SeqCst);
+                drop(g);
+                return self.status();
+            }
+            g = self.wake.wait_timeout(g, until - now).unwrap().0;
+        }
+    }
+
+    /// Moves WAITING into a final state once; later calls are ignored. Wakes waiters.
+    pub fn settle(&self, to: TransferStatus, err: Option<Error>) -> bool {
+        if let Some(e) = &err {
+            let mut slot = self.error.lock().unwrap();
+            if self.state.load(Ordering::Acquire) != TransferStatus::Waiting as u8 {
+                return false;
+            }
+            slot.get_or_insert_with(|| e.clone());
+        }
+        let won = self
+            .state
+            .compare_exchange(TransferStatus::Waiting as u8, to as u8, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if won && self.sleepers.load(Ordering::SeqCst) > 0 {
+            let _g = self.sleep.lock().unwrap();
+            self.wake.notify_all();
+        }
+        won
+    }
+
+    /// Records the end of one part. Returns true when it was the last one; the caller then
+    /// decides between settling and sending the notify that follows the data.
+    pub fn part_done(&self, res: &Result<()>) -> bool {
+        if let Err(e) = res {
+            self.error.lock().unwrap().get_or_insert_with(|| e.clone());
+        }
+        self.parts_left.fetch_sub(1, Ordering::AcqRel) == 1
+    }
+
+    /// Adds parts (the notify sent after the data).
+    pub fn add_parts(&self, n: usize) {
+        self.parts_left.fetch_add(n, Ordering::AcqRel);
+    }
+
+    /// The first error recorded by any part.
+    pub fn part_error(&self) -> Option<Error> {
+        self.error.lock().unwrap().clone()
+    }
+
+    /// Takes the notification that must follow the data, if any.
+    pub fn take_notify_after(&self) -> Option<NotifyDesc> {
+        self.notify_after.lock().unwrap().take()
+    }
+
+    /// Releases the pinned regions (all I/O for this request has stopped).
+    pub fn release_pins(&self) {
+        self.pins.lock().unwrap().clear();
+    }
+}
+
+/// What a part carries.
+#[derive(Debug)]
+pub enum PartBody {
+    /// Data segments of a READ or WRITE.
+    Data(Vec<SegPair>),
+    /// A notification.
+    Notify(NotifyDesc),
+}
+
+/// A unit of work for one stream: a share of a request.
+pub struct Part {
+    /// The request it belongs to.
+    pub req: std::sync::Arc<Request>,
+    /// Its content.
+    pub body: PartBody,
+}
+
+/// A bounded lock-free MPMC queue with reservations and a doorbell for sleeping workers.
+pub struct WorkQueue<T> {
+    q: ArrayQueue<T>,
+    reserved: AtomicUsize,
+    closed: AtomicBool,
+    sleepers: AtomicUsize,
+    bell: Mutex<()>,
+    ring: Condvar,
+}
+
+impl<T> WorkQueue<T> {
+    /// A queue holding at most `capacity` items.
+    pub fn new(capacity: usize) -> Self {
+        WorkQueue {
+            q: ArrayQueue::new(capacity.max(1)),
+            reserved: AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
+            sleepers: AtomicUsize::new(0),
+            bell: Mutex::new(()),
+            ring: Condvar::new(),
+        }
+    }
+
+    /// Capacity.
+    pub fn capacity(&self) -> usize {
+        self.q.capacity()
+    }
+
+    /// Reserves `n` slots; `RESOURCE_EXHAUSTED` at once when they are not free.
+    pub fn reserve(&self, n: usize) -> Result<()> {
+        let cap = self.q.capacity();
+        let mut cur = self.reserved.load(Ordering::Relaxed);
+        loop {
+            if cur + n > cap {
+                return Err(Error::new(
+                    Status::ResourceExhausted,
+                    format!(
+                        "request queue full: {cur} of {cap} slots in use, {n} more needed \
+                         (raise hixl.queue_depth or wait for transfers to finish)"
+                    ),
+                ));
+            }
+            match self.reserved.compare_exchange_weak(cur, cur + n, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => return Ok(()),
+                Err(v) => cur = v,
+            }
+        }
+    }
+
+    /// Gives back reservations that will not be used.
+    pub fn unreserve(&self, n: usize) {
+        self.reserved.fetch_sub(n, Ordering::AcqRel);
+    }
+
+    /// Pushes an item into a slot reserved earlier and rings the bell.
+    pub fn push_reserved(&self, item: T) {
+        if self.q.push(item).is_err() {
+            unreachable!("a reserved slot is always free");
+        }
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            let _g = self.bell.lock().unwrap();
+            self.ring.notify_one();
+        }
+    }
+
+    /// Pops up to `max` items into `out`; sleeps up to `idle` when empty. Returns false once
+    /// the queue is closed and empty.
+    pub fn pop_batch(&self, out: &mut Vec<T>, max: usize, idle: Duration) -> bool {
+        loop {
+            while out.len() < max {
+                match self.q.pop() {
+                    Some(x) => {
+                        self.reserved.fetch_sub(1, Ordering::AcqRel);
+                        out.push(x);
+                    }
+                    None => break,
+                }
+            }
+            if !out.is_empty() {
+                return true;
+            }
+            if self.closed.load(Ordering::Acquire) {
+                return false;
+            }
+            let g = self.bell.lock().unwrap();
+            self.sleepers.fetch_add(1, Ordering::SeqCst);
+            if self.q.is_empty() && !self.closed.load(Ordering::Acquire) {
+                let _ = self.ring.wait_timeout(g, idle).unwrap();
+            }
+            self.sleepers.fetch_sub(1, Ordering::SeqCst);
+            if self.q.is_empty() {
+                return !self.closed.load(Ordering::Acquire);
+            }
+        }
+    }
+
+    /// Closes the queue: workers drain what is left and then stop.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        let _g = self.bell.lock().unwrap();
+        self.ring.notify_all();
+    }
+
+    /// Whether `close` was called.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Pops one item without waiting (used to fail leftovers).
+    pub fn pop(&self) -> Option<T> {
+        let x = self.q.pop();
+        if x.is_some() {
+            self.reserved.fetch_sub(1, Ordering::AcqRel);
+        }
+        x
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn full_queue_refuses_at_once() {
+        let q = WorkQueue::<u32>::new(4);
+        q.reserve(3).unwrap();
+        let e = q.reserve(2).unwrap_err();
+        assert_eq!(e.status, Status::ResourceExhausted);
+        assert!(e.message.contains("3 of 4"), "{e}");
+        q.reserve(1).unwrap();
+        for i in 0..4 {
+            q.push_reserved(i);
+        }
+        let mut out = vec![];
+        assert!(q.pop_batch(&mut out, 16, Duration::from_millis(1)));
+        assert_eq!(out, vec![0, 1, 2, 3], "one wake-up drains the batch in order");
+        q.reserve(4).unwrap();
+    }
+
+    #[test]
+    fn workers_wake_on_push_and_stop_on_close() {
+        let q = Arc::new(WorkQueue::<u64>::new(1024));
+        let total = Arc::new(AtomicUsize::new(0));
+        let workers: Vec<_> = (0..3)
+            .map(|_| {
+                let q = q.clone();
+                let total = total.clone();
+                std::thread::spawn(move || {
+                    let mut out = vec![];
+                    while q.pop_batch(&mut out, 64, Duration::from_secs(5)) {
+                        total.fetch_add(out.iter().sum::<u64>() as usize, Ordering::SeqCst);
+                        out.clear();
+                    }
+                })
+            })
+            .collect();
+        let producers: Vec<_> = (0..4)
+            .map(|_| {
+                let q = q.clone();
+                std::thread::spawn(move || {
+                    for i in 1..=1000u64 {
+                        while q.reserve(1).is_err() {
+                            std::thread::yield_now();
+                        }
+                        q.push_reserved(i);
+                    }
+                })
+            })
+            .collect();
+        for p in producers {
+            p.join().unwrap();
+        }
+        q.close();
+        for w in workers {
+            w.join().unwrap();
+        }
+        assert_eq!(total.load(Ordering::SeqCst), 4 * 500500);
+    }
+
+    #[test]
+    fn request_settles_once_and_times_out() {
+        let r =
+            Request::new(1, TransferOp::Write, "p".into(), 8, 1, 2, Duration::from_millis(30), vec![], None);
+        assert_eq!(r.status(), TransferStatus::Waiting);
+        assert!(!r.part_done(&Ok(())));
+        assert!(r.part_done(&Ok(())));
+        assert!(r.settle(TransferStatus::Completed, None));
+        assert!(!r.settle(TransferStatus::Failed, Some(Error::failed("late"))));
+        assert_eq!(r.wait(None), TransferStatus::Completed);
+        assert!(r.error().is_none());
+
+        let t =
+            Request::new(2, TransferOp::Read, "p".into(), 8, 1, 1, Duration::from_millis(30), vec![], None);
+        let t0 = Instant::now();
+        assert_eq!(t.wait(Some(Duration::from_millis(5))), TransferStatus::Waiting);
+        assert_eq!(t.wait(None), TransferStatus::Timeout);
+        assert!(t0.elapsed() >= Duration::from_millis(30));
+        assert_eq!(t.result().unwrap_err().status, Status::Timeout);
+    }
+
+    #[test]
+    fn waiter_wakes_on_settle() {
+        let r = Arc::new(Request::new(
+            3,
+            TransferOp::Write,
+            "p".into(),
+            1,
+            1,
+            1,
+            Duration::from_secs(10),
+            vec![],
+            None,
+        ));
+        let r2 = r.clone();
+        let t = std::thread::spawn(move || r2.wait(None));
+        std::thread::sleep(Duration::from_millis(20));
+        r.settle(TransferStatus::Failed, Some(Error::not_connected("gone")));
+        assert_eq!(t.join().unwrap(), TransferStatus::Failed);
+        assert_eq!(r.error().unwrap().status, Status::NotConnected);
+    }
+}

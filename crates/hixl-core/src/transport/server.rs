@@ -1,0 +1,264 @@
+//! The target side: a listener that accepts streams and serves data frames from its own
+//! threads. Every remote range is checked against this engine's registry before a byte is read
+//! into it or written from it; a refused frame is answered with PARAM_INVALID and its bulk is
+//! discarded, so the stream stays usable. No application code runs here.
+
+use std::collections::HashMap;
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result, Status};
+use crate::notify::NotifyStore;
+use crate::registry::{Abort, Pin, Registry};
+use crate::transport::io::{self, iov};
+use crate::wire::{self, Frame, Header, Seg};
+
+/// What served streams need from the engine.
+pub struct ServerCtx {
+    /// This engine's id.
+    pub engine_id: String,
+    /// This process's id.
+    pub pid: u32,
+    /// The registry to check ranges against.
+    pub registry: Arc<Registry>,
+    /// Where incoming notifications go.
+    pub notifies: Arc<NotifyStore>,
+    /// Deadline for a new stream's Hello.
+    pub handshake_timeout: Duration,
+}
+
+struct Served {
+    sock: TcpStream,
+}
+
+impl Abort for Served {
+    fn abort(&self, _why: &str) {
+        io::shutdown(self.sock.as_raw_fd());
+    }
+}
+
+/// A running listener.
+pub struct Server {
+    listener: TcpListener,
+    ctx: Arc<ServerCtx>,
+    stopping: AtomicBool,
+    served: Mutex<HashMap<u64, Arc<Served>>>,
+    next: AtomicU64,
+    live: Mutex<usize>,
+    gone: Condvar,
+    accept: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Server {
+    /// Starts serving `listener` on a background thread.
+    pub fn start(listener: TcpListener, ctx: Arc<ServerCtx>) -> Result<Arc<Server>> {
+        let srv = Arc::new(Server {
+            listener,
+            ctx,
+            stopping: AtomicBool::new(false),
+            served: Mutex::new(HashMap::new()),
+            next: AtomicU64::new(0),
+            live: Mutex::new(0),
+            gone: Condvar::new(),
+            accept: Mutex::new(None),
+        });
+        let s = srv.clone();
+        let h = std::thread::Builder::new()
+            .name("hixl-accept".into())
+            .spawn(move || s.accept_loop())
+            .map_err(|e| Error::failed(format!("cannot start the accept thread: {e}")))?;
+        *srv.accept.lock().unwrap() = Some(h);
+        Ok(srv)
+    }
+
+    fn accept_loop(self: Arc<Self>) {
+        loop {
+            match self.listener.accept() {
+                Ok((sock, from)) => {
+                    if self.stopping.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let id = self.next.fetch_add(1, Ordering::Relaxed);
+                    let served = match sock.try_clone() {
+                        Ok(c) => Arc::new(Served { sock: c }),
+                        Err(_) => continue,
+                    };
+                    self.served.lock().unwrap().insert(id, served.clone());
+                    *self.live.lock().unwrap() += 1;
+                    let srv = self.clone();
+                    let spawned = std::thread::Builder::new().name("hixl-serve".into()).spawn(move || {
+                        if let Err(e) = serve(&srv.ctx, &sock, &served) {
+                            tracing::info!(from = %from, error = %e, "served stream ended");
+                        }
+                        srv.served.lock().unwrap().remove(&id);
+                        *srv.live.lock().unwrap() -= 1;
+                        srv.gone.notify_all();
+                    });
+                    if spawned.is_err() {
+                        self.served.lock().unwrap().remove(&id);
+                        *self.live.lock().unwrap() -= 1;
+                    }
+                }
+                Err(e) => {
+                    if self.stopping.load(Ordering::Acquire) {
+                        break;
+                    }
+                    tracing::warn!(error = %e, "accept failed");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        }
+    }
+
+    /// Stops accepting, closes every served stream and waits (bounded) for their threads.
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::Release);
+        io::shutdown(self.listener.as_raw_fd());
+        if let Some(h) = self.accept.lock().unwrap().take() {
+            let _ = h.join();
+        }
+        for s in self.served.lock().unwrap().values() {
+            s.abort("engine finalized");
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut live = self.live.lock().unwrap();
+        while *live > 0 && Instant::now() < deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            live = self.gone.wait_timeout(live, left).unwrap().0;
+        }
+    }
+}
+
+fn send(sock: &TcpStream, f: &Frame, tag: u64) -> std::io::Result<()> {
+    io::send_bytes(sock.as_raw_fd(), &wire::encode(f, tag, 0))
+}
+
+/// Checks every segment against the registry and pins the regions they fall in.
+fn check_and_pin(reg: &Registry, segs: &[Seg], holder: &Arc<Served>) -> Result<Vec<Pin>> {
+    let mut pins: Vec<Pin> = Vec::new();
+    for s in segs {
+        if let Some(p) = pins.last() {
+            if p.region().contains(s.addr, s.len) {
+                continue;
+            }
+        }
+        let region = reg.lookup(s.addr, s.len, "remote")?;
+        if !pins.iter().any(|p| p.region().id == region.id) {
+            pins.push(region.pin(holder.clone())?);
+        }
+    }
+    Ok(pins)
+}
+
+fn serve(ctx: &ServerCtx, sock: &TcpStream, served: &Arc<Served>) -> std::io::Result<()> {
+    let fd = sock.as_raw_fd();
+    sock.set_nodelay(true)?;
+    sock.set_read_timeout(Some(ctx.handshake_timeout))?;
+    let mut payload = Vec::new();
+    let (_, hello) = io::recv_frame(fd, &mut payload)?;
+    let Frame::Hello { engine_id: peer, .. } = hello else {
+        let err = Frame::Error { status: Status::ParamInvalid.code(), message: "expected Hello".into() };
+        send(sock, &err, 0)?;
+        return Err(std::io::Error::other(format!("first frame was {:?}, not Hello", hello.kind())));
+    };
+    let welcome =
+        Frame::Welcome { engine_id: ctx.engine_id.clone(), pid: ctx.pid, regions: ctx.registry.table() };
+    send(sock, &welcome, 0)?;
+    sock.set_read_timeout(None)?;
+    loop {
+        let (h, f) = match io::recv_frame(fd, &mut payload) {
+            Ok(x) => x,
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                let err = Frame::Error { status: Status::ParamInvalid.code(), message: e.to_string() };
+                let _ = send(sock, &err, 0);
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
+        match f {
+            Frame::Write { segs } => serve_write(ctx, sock, served, &h, &segs)?,
+            Frame::Read { segs } => serve_read(ctx, sock, served, &h, &segs)?,
+            Frame::Notify { name, msg } => {
+                let ack = match ctx.notifies.push(&peer, name, msg) {
+                    Ok(()) => Frame::Ack { status: 0, message: String::new() },
+                    Err(e) => Frame::Ack { status: e.code(), message: e.message },
+                };
+                send(sock, &ack, h.tag)?;
+            }
+            Frame::Heartbeat => send(sock, &Frame::HeartbeatAck, h.tag)?,
+            Frame::RegionsQuery => send(sock, &Frame::RegionsTable { regions: ctx.registry.table() }, h.tag)?,
+            Frame::Bye => {
+                send(sock, &Frame::Ack { status: 0, message: String::new() }, h.tag)?;
+                return Ok(());
+            }
+            other => {
+                let message = format!("unexpected {:?} frame from an initiator", other.kind());
+                send(
+                    sock,
+                    &Frame::Error { status: Status::ParamInvalid.code(), message: message.clone() },
+                    h.tag,
+                )?;
+                return Err(std::io::Error::other(message));
+            }
+        }
+    }
+}
+
+fn serve_write(
+    ctx: &ServerCtx,
+    sock: &TcpStream,
+    served: &Arc<Served>,
+    h: &Header,
+    segs: &[Seg],
+) -> std::io::Result<()> {
+    let fd = sock.as_raw_fd();
+    let ack = match check_and_pin(&ctx.registry, segs, served) {
+        Ok(pins) => {
+            let mut iovs: Vec<_> = segs.iter().map(|s| iov(s.addr, s.len)).collect();
+            // SAFETY: every segment was checked to lie inside a registered region, and those
+            // regions are pinned (cannot be deregistered and freed) until `pins` drops.
+            unsafe { io::recv_all(fd, &mut iovs)? };
+            drop(pins);
+            Frame::Ack { status: 0, message: String::new() }
+        }
+        Err(e) => {
+            io::discard(fd, h.bulk_len)?;
+            Frame::Ack { status: e.code(), message: e.message }
+        }
+    };
+    send(sock, &ack, h.tag)
+}
+
+fn serve_read(
+    ctx: &ServerCtx,
+    sock: &TcpStream,
+    served: &Arc<Served>,
+    h: &Header,
+    segs: &[Seg],
+) -> std::io::Result<()> {
+    let total = match wire::total_len(segs) {
+        Ok(t) => t,
+        Err(e) => {
+            let resp = Frame::ReadResp { status: Status::ParamInvalid.code(), message: e.to_string() };
+            return send(sock, &resp, h.tag);
+        }
+    };
+    match check_and_pin(&ctx.registry, segs, served) {
+        Ok(pins) => {
+            let head = wire::encode(&Frame::ReadResp { status: 0, message: String::new() }, h.tag, total);
+            let mut iovs = Vec::with_capacity(segs.len() + 1);
+            iovs.push(io::iov_of(&head));
+            iovs.extend(segs.iter().map(|s| iov(s.addr, s.len)));
+            // SAFETY: `head` lives until the call returns; the segments lie in registered
+            // regions pinned until `pins` drops.
+            unsafe { io::send_all(sock.as_raw_fd(), &mut iovs)? };
+            drop(pins);
+            Ok(())
+        }
+        Err(e) => send(sock, &Frame::ReadResp { status: e.code(), message: e.message }, h.tag),
+    }
+}

@@ -1,0 +1,470 @@
+//! The TCP link (initiator side): a pool of N streams to one peer. Each stream has a writer
+//! thread that drains the link's request queue in batches and a reader thread that never waits
+//! on its own writes (no bidirectional deadlock). Bytes go straight between the socket and
+//! registered memory with sendmsg/readv; nothing is staged.
+
+use std::collections::VecDeque;
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{JoinHandle, ThreadId};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result, Status};
+use crate::queue::{Part, PartBody, Request, TransferOp, TransferStatus, WorkQueue};
+use crate::registry::{Abort, RemoteTable};
+use crate::stats::PeerStats;
+use crate::transport::io::{self, iov};
+use crate::transport::{Link, PeerInfo};
+use crate::wire::{self, Frame, Seg};
+
+/// Most parts a writer takes from the queue per wake-up.
+const BATCH_PARTS: usize = 64;
+
+/// Connection parameters.
+#[derive(Clone, Debug)]
+pub struct ConnectParams {
+    /// This engine's id, sent in Hello.
+    pub local_id: String,
+    /// Streams in the pool.
+    pub streams: usize,
+    /// Request queue capacity (in parts).
+    pub queue_depth: usize,
+    /// Deadline for connecting and the handshake.
+    pub timeout: Duration,
+}
+
+struct Pending {
+    tag: u64,
+    part: Part,
+}
+
+struct Stream {
+    sock: TcpStream,
+    pending: Mutex<VecDeque<Pending>>,
+    next_tag: AtomicU64,
+}
+
+/// A TCP link to one peer.
+pub struct TcpLink {
+    peer: String,
+    info: Mutex<PeerInfo>,
+    queue: WorkQueue<Part>,
+    streams: Vec<Arc<Stream>>,
+    alive: AtomicBool,
+    reason: Mutex<Option<Error>>,
+    stats: Arc<PeerStats>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    thread_ids: Mutex<Vec<ThreadId>>,
+}
+
+fn connect_one(addr: SocketAddr, deadline: Instant, peer: &str) -> Result<TcpStream> {
+    let mut last: Option<std::io::Error> = None;
+    let mut backoff = Duration::from_millis(2);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::timeout(format!(
+                "connect to {peer}: no answer within the timeout (last error: {})",
+                last.map_or("none".into(), |e| e.to_string())
+            )));
+        }
+        match TcpStream::connect_timeout(&addr, left) {
+            Ok(s) => return Ok(s),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                // Nobody listens yet (peers start in any order): retry until the deadline.
+                last = Some(e);
+                std::thread::sleep(backoff.min(left));
+                backoff = (backoff * 2).min(Duration::from_millis(50));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => last = Some(e),
+            Err(e) => return Err(Error::not_connected(format!("connect to {peer}: {e}"))),
+        }
+    }
+}
+
+fn handshake(
+    s: &TcpStream,
+    p: &ConnectParams,
+    nonce: u64,
+    i: usize,
+    deadline: Instant,
+    peer: &str,
+) -> Result<PeerInfo> {
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let map_io = |e: std::io::Error| {
+        if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+            Error::timeout(format!("handshake with {peer}: no answer within the timeout"))
+        } else {
+            Error::not_connected(format!("handshake with {peer}: {e}"))
+        }
+    };
+    s.set_read_timeout(Some(left)).map_err(map_io)?;
+    s.set_write_timeout(Some(left)).map_err(map_io)?;
+    s.set_nodelay(true).map_err(map_io)?;
+    let hello = Frame::Hello {
+        engine_id: p.local_id.clone(),
+        link_nonce: nonce,
+        stream_index: i as u16,
+        stream_count: p.streams as u16,
+    };
+    io::send_bytes(s.as_raw_fd(), &wire::encode(&hello, 0, 0)).map_err(map_io)?;
+    let mut buf = Vec::new();
+    let (_, f) = io::recv_frame(s.as_raw_fd(), &mut buf).map_err(map_io)?;
+    s.set_read_timeout(None).map_err(map_io)?;
+    s.set_write_timeout(None).map_err(map_io)?;
+    match f {
+        Frame::Welcome { engine_id, pid, regions } => {
+            Ok(PeerInfo { engine_id, pid, regions: RemoteTable::new(regions) })
+        }
+        Frame::Error { status, message } => {
+            Err(Error::new(Status::from_code(status), format!("{peer} refused the handshake: {message}")))
+        }
+        other => {
+            Err(Error::not_connected(format!("handshake with {peer}: unexpected {:?} frame", other.kind())))
+        }
+    }
+}
+
+impl TcpLink {
+    /// Connects `p.streams` streams to `peer`, performs the handshake on each and starts the
+    /// stream threads.
+    pub fn connect(peer: &str, addr: SocketAddr, p: &ConnectParams) -> Result<Arc<TcpLink>> {
+        let deadline = Instant::now() + p.timeout;
+        let nonce = Instant::now().elapsed().as_nanos() as u64 ^ ((std::process::id() as u64) << 32);
+        let mut socks = Vec::with_capacity(p.streams);
+        let mut info: Option<PeerInfo> = None;
+        for i in 0..p.streams {
+            let s = connect_one(addr, deadline, peer)?;
+            let pi = handshake(&s, p, nonce, i, deadline, peer)?;
+            if let Some(first) = &info {
+                if first.engine_id != pi.engine_id {
+                    return Err(Error::not_connected(format!(
+                        "{peer} answered as {} and then as {}",
+                        first.engine_id, pi.engine_id
+                    )));
+                }
+            } else {
+                info = Some(pi);
+            }
+            socks.push(s);
+        }
+        let info = info.ok_or_else(|| Error::param("hixl.streams must be at least 1"))?;
+        let link = Arc::new(TcpLink {
+            peer: peer.to_string(),
+            info: Mutex::new(info),
+            queue: WorkQueue::new(p.queue_depth),
+            streams: socks
+                .into_iter()
+                .map(|sock| {
+                    Arc::new(Stream {
+                        sock,
+                        pending: Mutex::new(VecDeque::new()),
+                        next_tag: AtomicU64::new(1),
+                    })
+                })
+                .collect(),
+            alive: AtomicBool::new(true),
+            reason: Mutex::new(None),
+            stats: Arc::new(PeerStats::default()),
+            threads: Mutex::new(Vec::new()),
+            thread_ids: Mutex::new(Vec::new()),
+        });
+        let mut handles = Vec::new();
+        for (i, s) in link.streams.iter().enumerate() {
+            for role in ["w", "r"] {
+                let (l, s) = (link.clone(), s.clone());
+                let h = std::thread::Builder::new()
+                    .name(format!("hixl-tcp{role}{i}"))
+                    .spawn(move || if role == "w" { l.writer(&s) } else { l.reader(&s) })
+                    .map_err(|e| Error::failed(format!("cannot start stream thread: {e}")))?;
+                link.thread_ids.lock().unwrap().push(h.thread().id());
+                handles.push(h);
+            }
+        }
+        *link.threads.lock().unwrap() = handles;
+        Ok(link)
+    }
+
+    fn writer(self: &Arc<Self>, s: &Stream) {
+        let mut batch = Vec::with_capacity(BATCH_PARTS);
+        while self.queue.pop_batch(&mut batch, BATCH_PARTS, Duration::from_secs(1)) {
+            if batch.is_empty() {
+                continue;
+            }
+            if let Err(e) = self.send_batch(s, &mut batch) {
+                self.close(Error::not_connected(format!(
+                    "stream to {} failed while sending: {e}",
+                    self.peer
+                )));
+            }
+        }
+        self.fail_pending(s);
+    }
+
+    fn send_batch(&self, s: &Stream, batch: &mut Vec<Part>) -> std::io::Result<()> {
+        let mut heads = Vec::with_capacity(batch.len());
+        for part in batch.iter() {
+            let tag = s.next_tag.fetch_add(1, Ordering::Relaxed);
+            let frame = match &part.body {
+                PartBody::Data(segs) => {
+                    let remote = segs.iter().map(|p| Seg { addr: p.remote, len: p.len }).collect();
+                    match part.req.op {
+                        TransferOp::Write => Frame::Write { segs: remote },
+                        TransferOp::Read => Frame::Read { segs: remote },
+                    }
+                }
+                PartBody::Notify(n) => Frame::Notify { name: n.name.clone(), msg: n.msg.clone() },
+            };
+            heads.push((tag, wire::encode(&frame, tag, 0)));
+        }
+        let mut iovs = Vec::with_capacity(batch.len() * 2);
+        for (part, (_, head)) in batch.iter().zip(&heads) {
+            iovs.push(io::iov_of(head));
+            if let (PartBody::Data(segs), TransferOp::Write) = (&part.body, part.req.op) {
+                iovs.extend(segs.iter().map(|p| iov(p.local, p.len)));
+            }
+        }
+        {
+            let mut pend = s.pending.lock().unwrap();
+            for (part, (tag, _)) in batch.drain(..).zip(&heads) {
+                pend.push_back(Pending { tag: *tag, part });
+            }
+        }
+        // SAFETY: the headers live in `heads` until the call returns; local segments lie in
+        // regions pinned by their requests, which stay pinned until the parts complete.
+        unsafe { io::send_all(s.sock.as_raw_fd(), &mut iovs) }
+    }
+
+    fn reader(self: &Arc<Self>, s: &Stream) {
+        let fd = s.sock.as_raw_fd();
+        let mut payload = Vec::new();
+        loop {
+            let (h, f) = match io::recv_frame(fd, &mut payload) {
+                Ok(x) => x,
+                Err(e) => {
+                    self.close(Error::not_connected(format!("stream to {} failed: {e}", self.peer)));
+                    break;
+                }
+            };
+            let status_of = |status: u32, message: String| {
+                if status == 0 {
+                    Ok(())
+                } else {
+                    Err(Error::new(Status::from_code(status), format!("{} refused: {message}", self.peer)))
+                }
+            };
+            match f {
+                Frame::Ack { status, message } => match self.pop_pending(s, h.tag) {
+                    Some(p) => self.finish_part(p.part, status_of(status, message)),
+                    None => break,
+                },
+                Frame::ReadResp { status, message } => {
+                    let Some(p) = self.pop_pending(s, h.tag) else { break };
+                    let mut res = status_of(status, message);
+                    if res.is_ok() {
+                        if let Err(e) = self.recv_read_bulk(fd, &p.part, h.bulk_len) {
+                            let err = Error::not_connected(format!(
+                                "stream to {} failed in a read: {e}",
+                                self.peer
+                            ));
+                            self.finish_part(p.part, Err(err.clone()));
+                            self.close(err);
+                            break;
+                        }
+                    }
+                    res = res.and(Ok(()));
+                    self.finish_part(p.part, res);
+                }
+                Frame::HeartbeatAck => {}
+                Frame::Error { status, message } => {
+                    self.close(Error::new(
+                        Status::from_code(status),
+                        format!("{} closed the link: {message}", self.peer),
+                    ));
+                    break;
+                }
+                other => {
+                    self.close(Error::not_connected(format!(
+                        "{} sent an unexpected {:?} frame",
+                        self.peer,
+                        other.kind()
+                    )));
+                    break;
+                }
+            }
+        }
+        self.fail_pending(s);
+    }
+
+    fn recv_read_bulk(&self, fd: i32, part: &Part, bulk: u64) -> std::io::Result<()> {
+        let PartBody::Data(segs) = &part.body else {
+            return Err(std::io::Error::other("read response for a notify"));
+        };
+        let want: u64 = segs.iter().map(|p| p.len).sum();
+        if want != bulk {
+            return Err(std::io::Error::other(format!(
+                "read response carries {bulk} bytes, expected {want}"
+            )));
+        }
+        let mut iovs: Vec<_> = segs.iter().map(|p| iov(p.local, p.len)).collect();
+        // SAFETY: the local segments lie in regions pinned by the request until it completes.
+        unsafe { io::recv_all(fd, &mut iovs) }
+    }
+
+    fn pop_pending(&self, s: &Stream, tag: u64) -> Option<Pending> {
+        let p = s.pending.lock().unwrap().pop_front();
+        match p {
+            Some(p) if p.tag == tag => Some(p),
+            Some(p) => {
+                let err =
+                    Error::not_connected(format!("{} answered tag {tag}, expected {}", self.peer, p.tag));
+                self.finish_part(p.part, Err(err.clone()));
+                self.close(err);
+                None
+            }
+            None => {
+                self.close(Error::not_connected(format!(
+                    "{} answered tag {tag} that was never sent",
+                    self.peer
+                )));
+                None
+            }
+        }
+    }
+
+    fn fail_pending(&self, s: &Stream) {
+        let err = self.close_reason();
+        loop {
+            let p = s.pending.lock().unwrap().pop_front();
+            match p {
+                Some(p) => self.finish_part(p.part, Err(err.clone())),
+                None => break,
+            }
+        }
+    }
+
+    fn close_reason(&self) -> Error {
+        self.reason
+            .lock()
+            .unwrap()
+            .clone()
+            .unwrap_or_else(|| Error::not_connected(format!("link to {} is closed", self.peer)))
+    }
+
+    /// Records the end of one part; the last part settles the request or queues its notify.
+    fn finish_part(&self, part: Part, res: Result<()>) {
+        let req = part.req;
+        if !req.part_done(&res) {
+            return;
+        }
+        let notify = req.take_notify_after();
+        if let Some(err) = req.part_error() {
+            if notify.is_some() {
+                self.queue.unreserve(1);
+            }
+            self.settle(&req, TransferStatus::Failed, Some(err));
+        } else if let Some(n) = notify {
+            // The data is at the target: now the notification may go (on any stream).
+            req.add_parts(1);
+            self.queue.push_reserved(Part { req, body: PartBody::Notify(n) });
+            self.fail_queued_if_closed();
+        } else {
+            self.settle(&req, TransferStatus::Completed, None);
+        }
+    }
+
+    fn settle(&self, req: &Arc<Request>, to: TransferStatus, err: Option<Error>) {
+        let ok = to == TransferStatus::Completed;
+        let latency = req.started.elapsed();
+        if req.descs == 0 {
+            if ok {
+                self.stats.notifies.fetch_add(1, Ordering::Relaxed);
+            }
+        } else {
+            self.stats.record(req.op, req.bytes, ok, latency);
+        }
+        tracing::debug!(
+            peer = %self.peer, op = ?req.op, descs = req.descs, bytes = req.bytes,
+            latency_us = latency.as_micros() as u64, status = ?to, "transfer done"
+        );
+        req.settle(to, err);
+        req.release_pins();
+    }
+
+    fn fail_queued_if_closed(&self) {
+        if self.queue.is_closed() {
+            let err = self.close_reason();
+            while let Some(p) = self.queue.pop() {
+                self.finish_part(p, Err(err.clone()));
+            }
+        }
+    }
+}
+
+impl Link for TcpLink {
+    fn backend(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn peer_info(&self) -> PeerInfo {
+        self.info.lock().unwrap().clone()
+    }
+
+    fn set_regions(&self, regions: RemoteTable) {
+        self.info.lock().unwrap().regions = regions;
+    }
+
+    fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()> {
+        if !self.alive.load(Ordering::Acquire) {
+            return Err(self.close_reason());
+        }
+        self.queue.reserve(parts.len() + extra_slots)?;
+        for p in parts {
+            self.queue.push_reserved(p);
+        }
+        self.fail_queued_if_closed();
+        Ok(())
+    }
+
+    fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+
+    fn dead_reason(&self) -> Option<String> {
+        self.reason.lock().unwrap().as_ref().map(|e| e.message.clone())
+    }
+
+    fn close(&self, why: Error) {
+        if self.alive.swap(false, Ordering::AcqRel) {
+            tracing::info!(peer = %self.peer, reason = %why.message, "closing link");
+            *self.reason.lock().unwrap() = Some(why);
+            self.queue.close();
+            for s in &self.streams {
+                io::shutdown(s.sock.as_raw_fd());
+            }
+        }
+        self.fail_queued_if_closed();
+        for s in &self.streams {
+            self.fail_pending(s);
+        }
+        let me = std::thread::current().id();
+        if !self.thread_ids.lock().unwrap().contains(&me) {
+            let handles = std::mem::take(&mut *self.threads.lock().unwrap());
+            for h in handles {
+                let _ = h.join();
+            }
+        }
+    }
+
+    fn stats(&self) -> Arc<PeerStats> {
+        self.stats.clone()
+    }
+}
+
+impl Abort for TcpLink {
+    fn abort(&self, why: &str) {
+        self.close(Error::failed(why.to_string()));
+    }
+}

@@ -1,0 +1,550 @@
+//! The sans-IO wire protocol: frame encoding and decoding as pure functions.
+//!
+//! Every frame starts with a fixed 24-byte header:
+//!
+//! ```text
+//! 0  magic "HX" | 2 version | 3 kind | 4 payload_len u32 | 8 tag u64 | 16 bulk_len u64
+//! ```
+//!
+//! followed by `payload_len` bytes of payload (descriptors, strings) and then `bulk_len` bytes
+//! of raw data that the I/O layer moves straight between the socket and registered memory (it
+//! never passes through this module). All integers are little endian. Decoding validates every
+//! field and every length against the limits below before anything is allocated.
+
+use std::fmt;
+
+/// Frame magic.
+pub const MAGIC: [u8; 2] = *b"HX";
+/// Protocol version; a peer with another version is refused at the handshake.
+pub const VERSION: u8 = 1;
+/// Size of the fixed header.
+pub const HEADER_LEN: usize = 24;
+/// Most descriptors in one data frame.
+pub const MAX_DESCS: usize = 1 << 16;
+/// Largest payload (descriptor table, strings) of any frame.
+pub const MAX_PAYLOAD: u32 = 4 << 20;
+/// Longest engine id / notify name in bytes.
+pub const MAX_NAME: usize = 1024;
+/// Longest notify message / error message in bytes.
+pub const MAX_MSG: usize = 1 << 20;
+/// Most regions in a region table.
+pub const MAX_REGIONS: usize = (MAX_PAYLOAD as usize - 64 - MAX_NAME) / 16;
+
+/// What went wrong while decoding; the I/O layer treats it as a protocol violation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WireError {
+    /// The first two bytes are not "HX".
+    BadMagic([u8; 2]),
+    /// The peer speaks another protocol version.
+    BadVersion(u8),
+    /// Unknown frame kind byte.
+    BadKind(u8),
+    /// A length field exceeds its limit.
+    TooLarge { field: &'static str, value: u64, limit: u64 },
+    /// The payload ended before a field was complete.
+    Truncated { field: &'static str },
+    /// Bytes left over after the last field.
+    Trailing(usize),
+    /// A field holds an impossible value.
+    Invalid { field: &'static str, value: u64 },
+    /// A string is not UTF-8.
+    Utf8 { field: &'static str },
+}
+
+impl fmt::Display for WireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WireError::BadMagic(m) => write!(f, "bad frame magic {m:?}"),
+            WireError::BadVersion(v) => {
+                write!(f, "protocol version {v} is not supported (this engine speaks {VERSION})")
+            }
+            WireError::BadKind(k) => write!(f, "unknown frame kind {k}"),
+            WireError::TooLarge { field, value, limit } => {
+                write!(f, "{field}={value} exceeds the limit {limit}")
+            }
+            WireError::Truncated { field } => write!(f, "frame truncated in field {field}"),
+            WireError::Trailing(n) => write!(f, "{n} unexpected trailing bytes in frame"),
+            WireError::Invalid { field, value } => write!(f, "invalid {field}={value}"),
+            WireError::Utf8 { field } => write!(f, "{field} is not valid UTF-8"),
+        }
+    }
+}
+
+impl std::error::Error for WireError {}
+
+/// Frame kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    /// Initiator's first frame on every stream.
+    Hello = 1,
+    /// Target's answer to Hello, with its region table.
+    Welcome = 2,
+    /// Write descriptors, followed by the bytes.
+    Write = 3,
+    /// Read descriptors.
+    Read = 4,
+    /// Answer to Read: status, then the bytes on success.
+    ReadResp = 5,
+    /// Answer to Write / Notify / Bye.
+    Ack = 6,
+    /// A notification.
+    Notify = 7,
+    /// Liveness probe.
+    Heartbeat = 8,
+    /// Answer to Heartbeat.
+    HeartbeatAck = 9,
+    /// Fatal protocol error; the stream closes after it.
+    Error = 10,
+    /// Orderly close.
+    Bye = 11,
+    /// Ask for the current region table.
+    RegionsQuery = 12,
+    /// Answer to RegionsQuery.
+    RegionsTable = 13,
+}
+
+impl Kind {
+    fn from_u8(b: u8) -> Result<Kind, WireError> {
+        Ok(match b {
+            1 => Kind::Hello,
+            2 => Kind::Welcome,
+            3 => Kind::Write,
+            4 => Kind::Read,
+            5 => Kind::ReadResp,
+            6 => Kind::Ack,
+            7 => Kind::Notify,
+            8 => Kind::Heartbeat,
+            9 => Kind::HeartbeatAck,
+            10 => Kind::Error,
+            11 => Kind::Bye,
+            12 => Kind::RegionsQuery,
+            13 => Kind::RegionsTable,
+            _ => return Err(WireError::BadKind(b)),
+        })
+    }
+}
+
+/// The fixed frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// Frame kind.
+    pub kind: Kind,
+    /// Payload bytes after the header.
+    pub payload_len: u32,
+    /// Correlates answers with requests.
+    pub tag: u64,
+    /// Raw data bytes after the payload.
+    pub bulk_len: u64,
+}
+
+/// A remote memory segment named in a data frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Seg {
+    /// Address in the target's registered memory.
+    pub addr: u64,
+    /// Length in bytes (>= 1).
+    pub len: u64,
+}
+
+/// A decoded frame (payload only; bulk bytes are moved by the I/O layer).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// See [`Kind::Hello`].
+    Hello { engine_id: String, link_nonce: u64, stream_index: u16, stream_count: u16 },
+    /// See [`Kind::Welcome`].
+    Welcome { engine_id: String, pid: u32, regions: Vec<(u64, u64)> },
+    /// See [`Kind::Write`]; `bulk_len` equals the sum of the segment lengths.
+    Write { segs: Vec<Seg> },
+    /// See [`Kind::Read`].
+    Read { segs: Vec<Seg> },
+    /// See [`Kind::ReadResp`]; bytes follow only when `status == 0`.
+    ReadResp { status: u32, message: String },
+    /// See [`Kind::Ack`].
+    Ack { status: u32, message: String },
+    /// See [`Kind::Notify`].
+    Notify { name: String, msg: String },
+    /// See [`Kind::Heartbeat`].
+    Heartbeat,
+    /// See [`Kind::HeartbeatAck`].
+    HeartbeatAck,
+    /// See [`Kind::Error`].
+    Error { status: u32, message: String },
+    /// See [`Kind::Bye`].
+    Bye,
+    /// See [`Kind::RegionsQuery`].
+    RegionsQuery,
+    /// See [`Kind::RegionsTable`].
+    RegionsTable { regions: Vec<(u64, u64)> },
+}
+
+impl Frame {
+    /// The frame's kind.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Frame::Hello { .. } => Kind::Hello,
+            Frame::Welcome { .. } => Kind::Welcome,
+            Frame::Write { .. } => Kind::Write,
+            Frame::Read { .. } => Kind::Read,
+            Frame::ReadResp { .. } => Kind::ReadResp,
+            Frame::Ack { .. } => Kind::Ack,
+            Frame::Notify { .. } => Kind::Notify,
+            Frame::Heartbeat => Kind::Heartbeat,
+            Frame::HeartbeatAck => Kind::HeartbeatAck,
+            Frame::Error { .. } => Kind::Error,
+            Frame::Bye => Kind::Bye,
+            Frame::RegionsQuery => Kind::RegionsQuery,
+            Frame::RegionsTable { .. } => Kind::RegionsTable,
+        }
+    }
+
+    /// Bytes of raw data that follow this frame on the stream.
+    pub fn bulk_len(&self) -> u64 {
+        match self {
+            Frame::Write { segs } => segs.iter().map(|s| s.len).sum(),
+            _ => 0,
+        }
+    }
+}
+
+/// Sum of segment lengths, or an error on overflow.
+pub fn total_len(segs: &[Seg]) -> Result<u64, WireError> {
+    segs.iter().try_fold(0u64, |acc, s| {
+        acc.checked_add(s.len).ok_or(WireError::Invalid { field: "segment total", value: u64::MAX })
+    })
+}
+
+/// Encodes `frame` with `tag` into header + payload. For `ReadResp` with status 0,
+/// `read_bulk` is the number of bytes that the caller will send after it.
+pub fn encode(frame: &Frame, tag: u64, read_bulk: u64) -> Vec<u8> {
+    let mut p = Vec::with_capacity(HEADER_LEN + 64);
+    p.extend_from_slice(&[0u8; HEADER_LEN]);
+    let mut bulk = frame.bulk_len();
+    match frame {
+        Frame::Hello { engine_id, link_nonce, stream_index, stream_count } => {
+            put_str(&mut p, engine_id);
+            p.extend_from_slice(&link_nonce.to_le_bytes());
+            p.extend_from_slice(&stream_index.to_le_bytes());
+            p.extend_from_slice(&stream_count.to_le_bytes());
+        }
+        Frame::Welcome { engine_id, pid, regions } => {
+            put_str(&mut p, engine_id);
+            p.extend_from_slice(&pid.to_le_bytes());
+            put_regions(&mut p, regions);
+        }
+        Frame::Write { segs } | Frame::Read { segs } => {
+            p.extend_from_slice(&(segs.len() as u32).to_le_bytes());
+            for s in segs {
+                p.extend_from_slice(&s.addr.to_le_bytes());
+                p.extend_from_slice(&s.len.to_le_bytes());
+            }
+        }
+        Frame::ReadResp { status, message } => {
+            p.extend_from_slice(&status.to_le_bytes());
+            put_str(&mut p, message);
+            if *status == 0 {
+                bulk = read_bulk;
+            }
+        }
+        Frame::Ack { status, message } | Frame::Error { status, message } => {
+            p.extend_from_slice(&status.to_le_bytes());
+            put_str(&mut p, message);
+        }
+        Frame::Notify { name, msg } => {
+            put_str(&mut p, name);
+            put_str(&mut p, msg);
+        }
+        Frame::RegionsTable { regions } => put_regions(&mut p, regions),
+        Frame::Heartbeat | Frame::HeartbeatAck | Frame::Bye | Frame::RegionsQuery => {}
+    }
+    let payload_len = (p.len() - HEADER_LEN) as u32;
+    let h = Header { kind: frame.kind(), payload_len, tag, bulk_len: bulk };
+    p[..HEADER_LEN].copy_from_slice(&encode_header(&h));
+    p
+}
+
+/// Encodes a header alone.
+pub fn encode_header(h: &Header) -> [u8; HEADER_LEN] {
+    let mut b = [0u8; HEADER_LEN];
+    b[0..2].copy_from_slice(&MAGIC);
+    b[2] = VERSION;
+    b[3] = h.kind as u8;
+    b[4..8].copy_from_slice(&h.payload_len.to_le_bytes());
+    b[8..16].copy_from_slice(&h.tag.to_le_bytes());
+    b[16..24].copy_from_slice(&h.bulk_len.to_le_bytes());
+    b
+}
+
+/// Decodes and validates a header.
+pub fn decode_header(b: &[u8; HEADER_LEN]) -> Result<Header, WireError> {
+    if b[0..2] != MAGIC {
+        return Err(WireError::BadMagic([b[0], b[1]]));
+    }
+    if b[2] != VERSION {
+        return Err(WireError::BadVersion(b[2]));
+    }
+    let kind = Kind::from_u8(b[3])?;
+    let payload_len = u32::from_le_bytes(b[4..8].try_into().unwrap());
+    if payload_len > MAX_PAYLOAD {
+        return Err(WireError::TooLarge {
+            field: "payload_len",
+            value: payload_len as u64,
+            limit: MAX_PAYLOAD as u64,
+        });
+    }
+    let tag = u64::from_le_bytes(b[8..16].try_into().unwrap());
+    let bulk_len = u64::from_le_bytes(b[16..24].try_into().unwrap());
+    if bulk_len != 0 && !matches!(kind, Kind::Write | Kind::ReadResp) {
+        return Err(WireError::Invalid { field: "bulk_len", value: bulk_len });
+    }
+    Ok(Header { kind, payload_len, tag, bulk_len })
+}
+
+/// Decodes the payload of a frame whose header was already decoded. Checks that data frames'
+/// `bulk_len` matches their descriptors.
+pub fn decode_payload(h: &Header, payload: &[u8]) -> Result<Frame, WireError> {
+    if payload.len() != h.payload_len as usize {
+        return Err(WireError::Truncated { field: "payload" });
+    }
+    let mut r = Reader { b: payload };
+    let frame = match h.kind {
+        Kind::Hello => Frame::Hello {
+            engine_id: r.str("engine_id", MAX_NAME)?,
+            link_nonce: r.u64("link_nonce")?,
+            stream_index: r.u16("stream_index")?,
+            stream_count: r.u16("stream_count")?,
+        },
+        Kind::Welcome => Frame::Welcome {
+            engine_id: r.str("engine_id", MAX_NAME)?,
+            pid: r.u32("pid")?,
+            regions: r.regions()?,
+        },
+        Kind::Write | Kind::Read => {
+            let n = r.u32("segment count")? as usize;
+            if n > MAX_DESCS {
+                return Err(WireError::TooLarge {
+                    field: "segment count",
+                    value: n as u64,
+                    limit: MAX_DESCS as u64,
+                });
+            }
+            if r.b.len() != n * 16 {
+                return Err(WireError::Truncated { field: "segments" });
+            }
+            let mut segs = Vec::with_capacity(n);
+            for _ in 0..n {
+                let addr = r.u64("segment addr")?;
+                let len = r.u64("segment len")?;
+                if len == 0 {
+                    return Err(WireError::Invalid { field: "segment len", value: 0 });
+                }
+                if addr.checked_add(len).is_none() {
+                    return Err(WireError::Invalid { field: "segment addr", value: addr });
+                }
+                segs.push(Seg { addr, len });
+            }
+            let total = total_len(&segs)?;
+            let expect = if h.kind == Kind::Write { total } else { 0 };
+            if h.bulk_len != expect {
+                return Err(WireError::Invalid { field: "bulk_len", value: h.bulk_len });
+            }
+            if h.kind == Kind::Write {
+                Frame::Write { segs }
+            } else {
+                Frame::Read { segs }
+            }
+        }
+        Kind::ReadResp => {
+            let status = r.u32("status")?;
+            let message = r.str("message", MAX_MSG)?;
+            if status != 0 && h.bulk_len != 0 {
+                return Err(WireError::Invalid { field: "bulk_len", value: h.bulk_len });
+            }
+            Frame::ReadResp { status, message }
+        }
+        Kind::Ack => Frame::Ack { status: r.u32("status")?, message: r.str("message", MAX_MSG)? },
+        Kind::Error => Frame::Error { status: r.u32("status")?, message: r.str("message", MAX_MSG)? },
+        Kind::Notify => {
+            Frame::Notify { name: r.str("notify name", MAX_NAME)?, msg: r.str("notify msg", MAX_MSG)? }
+        }
+        Kind::Heartbeat => Frame::Heartbeat,
+        Kind::HeartbeatAck => Frame::HeartbeatAck,
+        Kind::Bye => Frame::Bye,
+        Kind::RegionsQuery => Frame::RegionsQuery,
+        Kind::RegionsTable => Frame::RegionsTable { regions: r.regions()? },
+    };
+    if !r.b.is_empty() {
+        return Err(WireError::Trailing(r.b.len()));
+    }
+    Ok(frame)
+}
+
+/// Decodes one whole frame (header + payload) from a buffer; returns the frame, its header and
+/// the bytes consumed. Used by tests and the fuzz target; the I/O layer reads in two steps.
+pub fn decode(buf: &[u8]) -> Result<(Header, Frame, usize), WireError> {
+    let hb: &[u8; HEADER_LEN] =
+        buf.get(..HEADER_LEN).ok_or(WireError::Truncated { field: "header" })?.try_into().unwrap();
+    let h = decode_header(hb)?;
+    let end = HEADER_LEN + h.payload_len as usize;
+    let payload = buf.get(HEADER_LEN..end).ok_or(WireError::Truncated { field: "payload" })?;
+    Ok((h, decode_payload(&h, payload)?, end))
+}
+
+fn put_str(p: &mut Vec<u8>, s: &str) {
+    p.extend_from_slice(&(s.len() as u32).to_le_bytes());
+    p.extend_from_slice(s.as_bytes());
+}
+
+fn put_regions(p: &mut Vec<u8>, regions: &[(u64, u64)]) {
+    p.extend_from_slice(&(regions.len() as u32).to_le_bytes());
+    for (a, l) in regions {
+        p.extend_from_slice(&a.to_le_bytes());
+        p.extend_from_slice(&l.to_le_bytes());
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], WireError> {
+        if self.b.len() < n {
+            return Err(WireError::Truncated { field });
+        }
+        let (h, t) = self.b.split_at(n);
+        self.b = t;
+        Ok(h)
+    }
+    fn u16(&mut self, f: &'static str) -> Result<u16, WireError> {
+        Ok(u16::from_le_bytes(self.take(2, f)?.try_into().unwrap()))
+    }
+    fn u32(&mut self, f: &'static str) -> Result<u32, WireError> {
+        Ok(u32::from_le_bytes(self.take(4, f)?.try_into().unwrap()))
+    }
+    fn u64(&mut self, f: &'static str) -> Result<u64, WireError> {
+        Ok(u64::from_le_bytes(self.take(8, f)?.try_into().unwrap()))
+    }
+    fn str(&mut self, f: &'static str, limit: usize) -> Result<String, WireError> {
+        let n = self.u32(f)? as usize;
+        if n > limit {
+            return Err(WireError::TooLarge { field: f, value: n as u64, limit: limit as u64 });
+        }
+        let b = self.take(n, f)?;
+        String::from_utf8(b.to_vec()).map_err(|_| WireError::Utf8 { field: f })
+    }
+    fn regions(&mut self) -> Result<Vec<(u64, u64)>, WireError> {
+        let n = self.u32("region count")? as usize;
+        if n > MAX_REGIONS || self.b.len() < n * 16 {
+            return Err(if n > MAX_REGIONS {
+                WireError::TooLarge { field: "region count", value: n as u64, limit: MAX_REGIONS as u64 }
+            } else {
+                WireError::Truncated { field: "regions" }
+            });
+        }
+        let mut v = Vec::with_capacity(n);
+        for _ in 0..n {
+            let a = self.u64("region addr")?;
+            let l = self.u64("region len")?;
+            if l == 0 || a.checked_add(l).is_none() {
+                return Err(WireError::Invalid { field: "region", value: a });
+            }
+            v.push((a, l));
+        }
+        Ok(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn seg() -> impl Strategy<Value = Seg> {
+        (0u64..u64::MAX / 2, 1u64..1 << 40).prop_map(|(addr, len)| Seg { addr, len })
+    }
+
+    fn frame() -> impl Strategy<Value = Frame> {
+        let s = "[a-zA-Z0-9:._ -]{0,40}";
+        let regions = prop::collection::vec((1u64..1 << 48, 1u64..1 << 30), 0..20);
+        prop_oneof![
+            (s, any::<u64>(), any::<u16>(), any::<u16>()).prop_map(|(e, n, i, c)| Frame::Hello {
+                engine_id: e,
+                link_nonce: n,
+                stream_index: i,
+                stream_count: c
+            }),
+            (s, any::<u32>(), regions.clone()).prop_map(|(e, pid, regions)| Frame::Welcome {
+                engine_id: e,
+                pid,
+                regions
+            }),
+            prop::collection::vec(seg(), 0..50).prop_map(|segs| Frame::Write { segs }),
+            prop::collection::vec(seg(), 0..50).prop_map(|segs| Frame::Read { segs }),
+            (1u32.., s).prop_map(|(status, message)| Frame::ReadResp { status, message }),
+            (any::<u32>(), s).prop_map(|(status, message)| Frame::Ack { status, message }),
+            (any::<u32>(), s).prop_map(|(status, message)| Frame::Error { status, message }),
+            (s, s).prop_map(|(name, msg)| Frame::Notify { name, msg }),
+            Just(Frame::Heartbeat),
+            Just(Frame::HeartbeatAck),
+            Just(Frame::Bye),
+            Just(Frame::RegionsQuery),
+            regions.prop_map(|regions| Frame::RegionsTable { regions }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip(f in frame(), tag in any::<u64>()) {
+            let buf = encode(&f, tag, 0);
+            let (h, g, used) = decode(&buf).unwrap();
+            prop_assert_eq!(used, buf.len());
+            prop_assert_eq!(h.tag, tag);
+            prop_assert_eq!(h.bulk_len, f.bulk_len());
+            prop_assert_eq!(g, f);
+        }
+
+        #[test]
+        fn truncation_is_rejected(f in frame(), cut in 0usize..1000) {
+            let buf = encode(&f, 1, 0);
+            let cut = cut % buf.len();
+            prop_assert!(decode(&buf[..cut]).is_err());
+        }
+
+        #[test]
+        fn random_bytes_never_panic(b in prop::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode(&b);
+        }
+
+        #[test]
+        fn mutated_frames_never_panic(f in frame(), i in any::<usize>(), v in any::<u8>()) {
+            let mut buf = encode(&f, 7, 0);
+            let i = i % buf.len();
+            buf[i] = v;
+            let _ = decode(&buf);
+        }
+    }
+
+    #[test]
+    fn oversized_fields_are_rejected() {
+        let mut h = encode_header(&Header { kind: Kind::Write, payload_len: 0, tag: 0, bulk_len: 0 });
+        h[4..8].copy_from_slice(&(MAX_PAYLOAD + 1).to_le_bytes());
+        assert!(matches!(decode_header(&h), Err(WireError::TooLarge { field: "payload_len", .. })));
+        let mut buf = encode(&Frame::Read { segs: vec![] }, 0, 0);
+        buf[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&((MAX_DESCS + 1) as u32).to_le_bytes());
+        assert!(matches!(decode(&buf), Err(WireError::TooLarge { field: "segment count", .. })));
+        let mut v = encode(&Frame::Heartbeat, 0, 0);
+        v[2] = 9;
+        assert_eq!(decode(&v).unwrap_err(), WireError::BadVersion(9));
+        let w = encode(&Frame::Write { segs: vec![Seg { addr: 1, len: 4 }] }, 0, 0);
+        let (h, _, _) = decode(&w).unwrap();
+        assert_eq!(h.bulk_len, 4);
+        let mut bad = w.clone();
+        bad[16..24].copy_from_slice(&5u64.to_le_bytes());
+        assert!(decode(&bad).is_err(), "bulk_len must match the segments");
+        let zero = encode(&Frame::Write { segs: vec![Seg { addr: 1, len: 0 }] }, 0, 0);
+        assert!(decode(&zero).is_err(), "zero-length segment");
+        let wrap = encode(&Frame::Read { segs: vec![Seg { addr: u64::MAX, len: 2 }] }, 0, 0);
+        assert!(decode(&wrap).is_err(), "wrapping segment");
+    }
+}

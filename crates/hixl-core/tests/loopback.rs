@@ -1,0 +1,301 @@
+//! Two engines in one process over TCP loopback: real sockets, bytes compared exactly.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use hixl_core::{
+    ConnectStatus, Engine, MemDesc, MemType, NotifyDesc, Status, TransferOp, TransferOpDesc, TransferStatus,
+};
+
+const T: Duration = Duration::from_secs(10);
+
+fn engine(listen: &str, opts: &[(&str, &str)]) -> Engine {
+    let e = Engine::new();
+    let o: HashMap<String, String> = opts.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    e.initialize(listen, &o).unwrap();
+    e
+}
+
+fn fill(buf: &mut [u8], seed: u64) {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407) | 1;
+    for b in buf.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+}
+
+struct Pair {
+    a: Engine,
+    b: Engine,
+    peer: String,
+    abuf: Vec<u8>,
+    bbuf: Vec<u8>,
+}
+
+fn pair(size: usize, opts: &[(&str, &str)]) -> Pair {
+    let a = engine("127.0.0.1", opts);
+    let b = engine("127.0.0.1:0", opts);
+    let mut abuf = vec![0u8; size];
+    let mut bbuf = vec![0u8; size];
+    a.register_mem(MemDesc { addr: abuf.as_mut_ptr() as u64, len: size as u64 }, MemType::Host).unwrap();
+    b.register_mem(MemDesc { addr: bbuf.as_mut_ptr() as u64, len: size as u64 }, MemType::Host).unwrap();
+    let peer = b.local_engine().unwrap();
+    a.connect(&peer, T).unwrap();
+    Pair { a, b, peer, abuf, bbuf }
+}
+
+#[test]
+fn write_then_read_back_large_and_scattered() {
+    for (size, streams) in [(64usize << 20, "2"), (3 << 20, "1"), (1, "4")] {
+        let mut p = pair(size.max(1 << 16), &[("hixl.streams", streams)]);
+        fill(&mut p.abuf[..size], size as u64);
+        let la = p.abuf.as_ptr() as u64;
+        let rb = p.bbuf.as_ptr() as u64;
+        p.a.transfer_sync(
+            &p.peer,
+            TransferOp::Write,
+            &[TransferOpDesc { local_addr: la, remote_addr: rb, len: size as u64 }],
+            T,
+        )
+        .unwrap();
+        assert!(p.bbuf[..size] == p.abuf[..size], "write of {size} B");
+        // Read back into a zeroed local buffer.
+        let want = p.abuf[..size].to_vec();
+        p.abuf.fill(0);
+        p.a.transfer_sync(
+            &p.peer,
+            TransferOp::Read,
+            &[TransferOpDesc { local_addr: la, remote_addr: rb, len: size as u64 }],
+            T,
+        )
+        .unwrap();
+        assert!(p.abuf[..size] == want[..], "read of {size} B");
+        drop(p.a);
+        drop(p.b);
+    }
+
+    // 4096 scattered 512-byte blocks in a permuted order, in one call.
+    let n = 4096usize;
+    let mut p = pair(n * 512 * 2, &[]);
+    fill(&mut p.abuf, 99);
+    let la = p.abuf.as_ptr() as u64;
+    let rb = p.bbuf.as_ptr() as u64;
+    let descs: Vec<_> = (0..n)
+        .map(|i| TransferOpDesc {
+            local_addr: la + (i * 1024) as u64,
+            remote_addr: rb + (((i * 7919) % n) * 1024) as u64,
+            len: 512,
+        })
+        .collect();
+    p.a.transfer_sync(&p.peer, TransferOp::Write, &descs, T).unwrap();
+    for i in 0..n {
+        let r = ((i * 7919) % n) * 1024;
+        assert_eq!(&p.bbuf[r..r + 512], &p.abuf[i * 1024..i * 1024 + 512]);
+        assert!(p.bbuf[r + 512..r + 1024].iter().all(|&b| b == 0), "gap bytes untouched");
+    }
+    let stats = p.a.stats().unwrap();
+    assert_eq!(stats[0].bytes_write, (n * 512) as u64);
+    assert_eq!(stats[0].backend, "tcp");
+}
+
+#[test]
+fn bad_ranges_are_refused_and_nothing_is_written() {
+    let mut p = pair(4096, &[]);
+    fill(&mut p.abuf, 1);
+    let la = p.abuf.as_ptr() as u64;
+    let rb = p.bbuf.as_ptr() as u64;
+    let e =
+        p.a.transfer_sync(
+            &p.peer,
+            TransferOp::Write,
+            &[TransferOpDesc { local_addr: la, remote_addr: rb + 4000, len: 100 }],
+            T,
+        )
+        .unwrap_err();
+    assert_eq!(e.status, Status::ParamInvalid);
+    assert!(e.message.contains("remote range"), "{e}");
+    let e =
+        p.a.transfer_sync(
+            &p.peer,
+            TransferOp::Write,
+            &[TransferOpDesc { local_addr: la - 1, remote_addr: rb, len: 10 }],
+            T,
+        )
+        .unwrap_err();
+    assert!(e.message.contains("local range"), "{e}");
+    // A good descriptor followed by a bad one: the whole batch is refused.
+    let e =
+        p.a.transfer_sync(
+            &p.peer,
+            TransferOp::Write,
+            &[
+                TransferOpDesc { local_addr: la, remote_addr: rb, len: 10 },
+                TransferOpDesc { local_addr: la, remote_addr: rb, len: 0 },
+            ],
+            T,
+        )
+        .unwrap_err();
+    assert!(e.message.contains("descriptor 1"), "{e}");
+    assert!(p.bbuf.iter().all(|&b| b == 0), "nothing was written");
+    let e = p.a.transfer_sync("127.0.0.1:1", TransferOp::Write, &[], T).unwrap_err();
+    assert_eq!(e.status, Status::NotConnected);
+    let _ = &mut p.bbuf;
+}
+
+#[test]
+fn target_refuses_ranges_it_no_longer_has() {
+    // The initiator's table is from connect time; the target checks again and refuses.
+    let mut p = pair(8192, &[]);
+    let rb = p.bbuf.as_ptr() as u64;
+    let bh = hixl_core::MemHandle { id: 0, addr: rb, len: 8192, mem_type: MemType::Host };
+    p.b.deregister_mem(&bh).unwrap();
+    fill(&mut p.abuf, 3);
+    let la = p.abuf.as_ptr() as u64;
+    let e =
+        p.a.transfer_sync(
+            &p.peer,
+            TransferOp::Write,
+            &[TransferOpDesc { local_addr: la, remote_addr: rb, len: 8192 }],
+            T,
+        )
+        .unwrap_err();
+    assert_eq!(e.status, Status::ParamInvalid, "{e}");
+    assert!(p.bbuf.iter().all(|&b| b == 0));
+    // The link is still usable afterwards.
+    let mut other = vec![0u8; 64];
+    p.b.register_mem(MemDesc { addr: other.as_mut_ptr() as u64, len: 64 }, MemType::Host).unwrap();
+    let e = p.a.transfer_sync(
+        &p.peer,
+        TransferOp::Write,
+        &[TransferOpDesc { local_addr: la, remote_addr: other.as_ptr() as u64, len: 64 }],
+        T,
+    );
+    assert_eq!(e.unwrap_err().status, Status::ParamInvalid, "not in the connect-time table");
+    assert!(other.iter().all(|&b| b == 0));
+}
+
+#[test]
+fn connect_rules_and_async_status() {
+    let a = engine("127.0.0.1", &[]);
+    let b = engine("[::1]:0", &[]);
+    let peer = b.local_engine().unwrap();
+    assert!(peer.starts_with("[::1]:"), "{peer}");
+    a.connect(&peer, T).unwrap();
+    assert_eq!(a.connect(&peer, T).unwrap_err().status, Status::AlreadyConnected);
+    assert_eq!(a.get_async_connect_status(&peer).unwrap(), ConnectStatus::Connected);
+    a.disconnect(&peer, T).unwrap();
+    assert_eq!(a.get_async_connect_status(&peer).unwrap(), ConnectStatus::NotConnect);
+    a.connect_async(&peer).unwrap();
+    let t0 = std::time::Instant::now();
+    while a.get_async_connect_status(&peer).unwrap() == ConnectStatus::Connecting {
+        assert!(t0.elapsed() < T);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(a.get_async_connect_status(&peer).unwrap(), ConnectStatus::Connected);
+
+    // Nobody listening: TIMEOUT within the deadline.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead = l.local_addr().unwrap().to_string();
+    drop(l);
+    let t0 = std::time::Instant::now();
+    let e = a.connect(&dead, Duration::from_millis(200)).unwrap_err();
+    assert_eq!(e.status, Status::Timeout, "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    assert_eq!(a.connect("nonsense", T).unwrap_err().status, Status::ParamInvalid);
+}
+
+#[test]
+fn notify_follows_data_and_finalize_fails_everything() {
+    let mut p = pair(1 << 20, &[]);
+    fill(&mut p.abuf, 5);
+    let la = p.abuf.as_ptr() as u64;
+    let rb = p.bbuf.as_ptr() as u64;
+    let req =
+        p.a.transfer_async(
+            &p.peer,
+            TransferOp::Write,
+            &[TransferOpDesc { local_addr: la, remote_addr: rb, len: 1 << 20 }],
+            Some(NotifyDesc { name: "layer".into(), msg: "0".into() }),
+            None,
+        )
+        .unwrap();
+    // Poll the target: when the notify is there, the bytes must be there.
+    let t0 = std::time::Instant::now();
+    let got = loop {
+        let n = p.b.get_notifies().unwrap();
+        if !n.is_empty() {
+            break n;
+        }
+        assert!(t0.elapsed() < T, "notify never arrived");
+        std::thread::yield_now();
+    };
+    assert!(p.bbuf == p.abuf, "data visible before the notify");
+    assert_eq!(got, vec![NotifyDesc { name: "layer".into(), msg: "0".into() }]);
+    assert_eq!(req.wait(Some(T)), TransferStatus::Completed);
+    p.a.send_notify(&p.peer, NotifyDesc { name: "n".into(), msg: "m".into() }, T).unwrap();
+    assert_eq!(p.b.get_notifies().unwrap().len(), 1);
+    assert!(p.b.get_notifies().unwrap().is_empty(), "get_notifies clears");
+
+    p.a.finalize().unwrap();
+    p.a.finalize().unwrap();
+    let e = p.a.register_mem(MemDesc { addr: la, len: 1 }, MemType::Host).unwrap_err();
+    assert_eq!(e.status, Status::Failed);
+    assert!(e.message.contains("finalized"), "{e}");
+}
+
+#[test]
+fn notify_cap_per_peer() {
+    let p = pair(64, &[("hixl.max_notifies", "3")]);
+    for i in 0..3 {
+        p.a.send_notify(&p.peer, NotifyDesc { name: format!("{i}"), msg: String::new() }, T).unwrap();
+    }
+    let e = p.a.send_notify(&p.peer, NotifyDesc::default(), T).unwrap_err();
+    assert_eq!(e.status, Status::ResourceExhausted, "{e}");
+    assert_eq!(p.b.get_notifies().unwrap().len(), 3);
+    p.a.send_notify(&p.peer, NotifyDesc::default(), T).unwrap();
+}
+
+#[test]
+fn full_queue_is_resource_exhausted() {
+    let mut p = pair(1 << 20, &[("hixl.queue_depth", "2"), ("hixl.streams", "1")]);
+    let la = p.abuf.as_ptr() as u64;
+    let rb = p.bbuf.as_ptr() as u64;
+    let d = [TransferOpDesc { local_addr: la, remote_addr: rb, len: 1 << 20 }];
+    let mut reqs = vec![];
+    let mut exhausted = None;
+    for _ in 0..200 {
+        match p.a.transfer_async(&p.peer, TransferOp::Write, &d, None, None) {
+            Ok(r) => reqs.push(r),
+            Err(e) => {
+                exhausted = Some(e);
+                break;
+            }
+        }
+    }
+    let e = exhausted.expect("a 2-slot queue must fill up");
+    assert_eq!(e.status, Status::ResourceExhausted);
+    for r in reqs {
+        assert_eq!(r.wait(Some(T)), TransferStatus::Completed);
+    }
+    let _ = &mut p.bbuf;
+}
+
+#[test]
+fn peer_finalize_fails_pending_requests() {
+    let mut p = pair(64 << 20, &[("hixl.streams", "1")]);
+    let la = p.abuf.as_ptr() as u64;
+    let rb = p.bbuf.as_ptr() as u64;
+    let d = [TransferOpDesc { local_addr: la, remote_addr: rb, len: 64 << 20 }];
+    let reqs: Vec<_> =
+        (0..8).map(|_| p.a.transfer_async(&p.peer, TransferOp::Write, &d, None, None).unwrap()).collect();
+    p.b.finalize().unwrap();
+    for r in reqs {
+        let s = r.wait(Some(T));
+        assert!(s == TransferStatus::Completed || s == TransferStatus::Failed, "{s:?}");
+    }
+    let e = p.a.transfer_sync(&p.peer, TransferOp::Write, &d, T).unwrap_err();
+    assert_eq!(e.status, Status::NotConnected, "{e}");
+    let _ = &mut p.bbuf;
+}
