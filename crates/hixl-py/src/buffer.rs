@@ -1,0 +1,70 @@
+//! Keeping Python objects alive while their memory is registered: buffer-protocol exports
+//! (numpy, bytearray, memoryview, mmap) and torch CPU tensors.
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use crate::errors;
+
+/// What a registration keeps alive until deregistration.
+pub enum KeepAlive {
+    /// A buffer-protocol export, released (under the GIL) on drop.
+    Buffer(#[allow(dead_code)] BufferView),
+    /// An object without the buffer protocol (torch tensor): a strong reference.
+    Object(#[allow(dead_code)] Py<PyAny>),
+}
+
+/// An exported `Py_buffer`.
+pub struct BufferView(Box<ffi::Py_buffer>);
+
+// SAFETY: the view is only created, read and released while holding the GIL (Drop attaches to
+// the interpreter); the pointer it carries is plain memory that the engine registers.
+unsafe impl Send for BufferView {}
+// SAFETY: see above; no interior mutation happens outside the GIL.
+unsafe impl Sync for BufferView {}
+
+impl Drop for BufferView {
+    fn drop(&mut self) {
+        Python::with_gil(|_| {
+            // SAFETY: the view was filled by a successful PyObject_GetBuffer and is released
+            // exactly once, here, with the GIL held.
+            unsafe { ffi::PyBuffer_Release(&mut *self.0) };
+        });
+    }
+}
+
+/// Finds the memory of `obj`: `(addr, len, keepalive)`.
+pub fn export(obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64, KeepAlive)> {
+    let py = obj.py();
+    // SAFETY: Py_buffer is a plain C struct; zeroed is the documented initial state.
+    let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
+    let flags = ffi::PyBUF_WRITABLE | ffi::PyBUF_C_CONTIGUOUS;
+    // SAFETY: obj is a live object (we hold the GIL and a reference); view is writable.
+    let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) };
+    if rc == 0 {
+        let (addr, len) = (view.buf as u64, view.len as u64);
+        return Ok((addr, len, KeepAlive::Buffer(BufferView(view))));
+    }
+    let buf_err = PyErr::take(py);
+    if obj.hasattr("data_ptr")? && obj.hasattr("untyped_storage")? {
+        let device: String = obj.getattr("device")?.getattr("type")?.extract()?;
+        if device != "cpu" {
+            return Err(errors::to_py(hixl_core::Error::new(
+                hixl_core::Status::Unsupported,
+                format!("tensor on device {device:?}: only CPU tensors can be registered as HOST memory"),
+            )));
+        }
+        if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
+            return Err(errors::param("tensor is not contiguous: call .contiguous() first"));
+        }
+        let addr: u64 = obj.call_method0("data_ptr")?.extract()?;
+        let numel: u64 = obj.call_method0("numel")?.extract()?;
+        let esize: u64 = obj.call_method0("element_size")?.extract()?;
+        return Ok((addr, numel * esize, KeepAlive::Object(obj.clone().unbind())));
+    }
+    let why = buf_err.map(|e| e.to_string()).unwrap_or_default();
+    let tname = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+    Err(errors::param(format!(
+        "object of type {tname} is not a writable C-contiguous buffer or a torch CPU tensor ({why})"
+    )))
+}

@@ -1,0 +1,361 @@
+//! `Hixl` (the engine), `MemHandle` and `TransferReq`. The GIL is released around every call
+//! into the core that can block, wait or copy.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use hixl_core::Engine;
+
+use crate::buffer::{self, KeepAlive};
+use crate::errors::{self, to_py};
+use crate::types::{self, AsyncConnectStatus, MemDesc, MemType, NotifyDesc, TransferOp, TransferStatus};
+
+/// How long one GIL-free wait slice lasts before Python signals (Ctrl-C) are checked.
+const SLICE: Duration = Duration::from_millis(50);
+
+fn ms(name: &str, v: Option<f64>) -> PyResult<Option<Duration>> {
+    match v {
+        None => Ok(None),
+        Some(x) if x.is_finite() && x >= 0.0 => Ok(Some(Duration::from_secs_f64(x / 1000.0))),
+        Some(x) => Err(errors::param(format!("{name}={x} must be a non-negative number of milliseconds"))),
+    }
+}
+
+/// A registered region.
+#[pyclass(frozen, module = "hixl._hixl")]
+pub struct MemHandle {
+    /// Start address.
+    #[pyo3(get)]
+    addr: u64,
+    /// Length in bytes.
+    #[pyo3(get)]
+    len: u64,
+    /// Registry id.
+    #[pyo3(get)]
+    id: u64,
+    /// Memory type.
+    #[pyo3(get)]
+    mem_type: MemType,
+}
+
+#[pymethods]
+impl MemHandle {
+    fn __repr__(&self) -> String {
+        format!("MemHandle(id={}, addr=0x{:x}, len={})", self.id, self.addr, self.len)
+    }
+}
+
+/// An asynchronous transfer. `wait()` blocks without the GIL.
+#[pyclass(frozen, module = "hixl._hixl")]
+pub struct TransferReq {
+    req: hixl_core::TransferReq,
+    user_data: Py<PyAny>,
+}
+
+/// Waits in GIL-free slices so that Ctrl-C (KeyboardInterrupt) gets through.
+fn wait_req(py: Python<'_>, req: &hixl_core::TransferReq, timeout: Option<Duration>) -> PyResult<TransferStatus> {
+    let until = timeout.map(|t| Instant::now() + t);
+    loop {
+        let slice = match until {
+            Some(u) => u.saturating_duration_since(Instant::now()).min(SLICE),
+            None => SLICE,
+        };
+        let s = py.allow_threads(|| req.wait(Some(slice)));
+        if s != hixl_core::TransferStatus::Waiting {
+            return Ok(s.into());
+        }
+        py.check_signals()?;
+        if until.is_some_and(|u| Instant::now() >= u) {
+            return Ok(TransferStatus::WAITING);
+        }
+    }
+}
+
+#[pymethods]
+impl TransferReq {
+    /// Waits up to `timeout_ms` (default: the request's own deadline); returns the status.
+    #[pyo3(signature = (timeout_ms = None))]
+    fn wait(&self, py: Python<'_>, timeout_ms: Option<f64>) -> PyResult<TransferStatus> {
+        wait_req(py, &self.req, ms("timeout_ms", timeout_ms)?)
+    }
+    /// Current status without waiting.
+    fn status(&self) -> TransferStatus {
+        self.req.status().into()
+    }
+    /// Raises the request's error if it FAILED or timed out; returns None when COMPLETED.
+    fn result(&self) -> PyResult<()> {
+        self.req.result().map_err(to_py)
+    }
+    /// The object passed as `user_data`.
+    #[getter]
+    fn user_data(&self, py: Python<'_>) -> Py<PyAny> {
+        self.user_data.clone_ref(py)
+    }
+    /// Request id.
+    #[getter]
+    fn id(&self) -> u64 {
+        self.req.id
+    }
+    /// Bytes the request moves.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.req.bytes
+    }
+    fn __repr__(&self) -> String {
+        format!("TransferReq(id={}, status={:?})", self.req.id, TransferStatus::from(self.req.status()))
+    }
+}
+
+/// The engine: one per process is typical.
+#[pyclass(frozen, module = "hixl._hixl", subclass)]
+pub struct Hixl {
+    engine: Arc<Engine>,
+    keep: Mutex<HashMap<(u64, u64), KeepAlive>>,
+}
+
+fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::TransferOpDesc>> {
+    if descs.is_instance_of::<PyList>() || descs.is_instance_of::<PyTuple>() {
+        let mut out = Vec::with_capacity(descs.len()?);
+        for (i, item) in descs.try_iter()?.enumerate() {
+            let item = item?;
+            if let Ok(d) = item.downcast::<types::TransferOpDesc>() {
+                out.push((*d.get()).into());
+            } else if let Ok(t) = item.downcast::<PyTuple>() {
+                if t.len() != 3 {
+                    return Err(errors::param(format!("descs[{i}] must have 3 fields, got {}", t.len())));
+                }
+                out.push(hixl_core::TransferOpDesc {
+                    local_addr: types::uint(&format!("descs[{i}].local_addr"), &t.get_item(0)?)?,
+                    remote_addr: types::uint(&format!("descs[{i}].remote_addr"), &t.get_item(1)?)?,
+                    len: types::uint(&format!("descs[{i}].length"), &t.get_item(2)?)?,
+                });
+            } else {
+                let t = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+                return Err(errors::param(format!(
+                    "descs[{i}] is a {t}; expected hixl.TransferOpDesc or (local_addr, remote_addr, length)"
+                )));
+            }
+        }
+        return Ok(out);
+    }
+    // Fast path: a uint64 array of shape (N, 3), read once.
+    let buf = PyBuffer::<u64>::get(descs).map_err(|e| {
+        errors::param(format!(
+            "descs must be a list of TransferOpDesc or a numpy uint64 array of shape (N, 3): {e}"
+        ))
+    })?;
+    let shape = buf.shape();
+    if shape.len() != 2 || shape[1] != 3 || !buf.is_c_contiguous() {
+        return Err(errors::param(format!(
+            "descs array must be C-contiguous with shape (N, 3), got shape {shape:?}"
+        )));
+    }
+    let flat = buf.to_vec(descs.py())?;
+    Ok(flat
+        .chunks_exact(3)
+        .map(|c| hixl_core::TransferOpDesc { local_addr: c[0], remote_addr: c[1], len: c[2] })
+        .collect())
+}
+
+#[pymethods]
+impl Hixl {
+    #[new]
+    fn py_new() -> Self {
+        Hixl { engine: Arc::new(Engine::new()), keep: Mutex::new(HashMap::new()) }
+    }
+
+    /// Starts the engine: "ip:port" listens (port 0 = ephemeral), "ip" alone is client only.
+    #[pyo3(signature = (local_engine, options = None))]
+    fn initialize(&self, py: Python<'_>, local_engine: &str, options: Option<HashMap<String, String>>) -> PyResult<()> {
+        let opts = options.unwrap_or_default();
+        let e = self.engine.clone();
+        py.allow_threads(|| e.initialize(local_engine, &opts)).map_err(to_py)
+    }
+
+    /// The bound "ip:port".
+    #[getter]
+    fn local_engine(&self) -> PyResult<String> {
+        self.engine.local_engine().map_err(to_py)
+    }
+
+    /// Stops the engine; pending requests fail, memory is deregistered. Idempotent.
+    fn finalize(&self, py: Python<'_>) -> PyResult<()> {
+        let e = self.engine.clone();
+        let r = py.allow_threads(|| e.finalize());
+        let released = std::mem::take(&mut *self.keep.lock().unwrap());
+        drop(released);
+        r.map_err(to_py)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        self.finalize(py)?;
+        Ok(false)
+    }
+
+    /// Registers a raw range.
+    #[pyo3(signature = (desc, mem_type = MemType::HOST))]
+    fn register_mem(&self, py: Python<'_>, desc: MemDesc, mem_type: MemType) -> PyResult<MemHandle> {
+        let e = self.engine.clone();
+        let h = py
+            .allow_threads(|| e.register_mem(hixl_core::MemDesc { addr: desc.addr, len: desc.len }, mem_type.into()))
+            .map_err(to_py)?;
+        Ok(MemHandle { addr: h.addr, len: h.len, id: h.id, mem_type })
+    }
+
+    /// Registers the memory of a buffer (numpy, bytearray, memoryview, mmap) or a torch CPU
+    /// tensor, keeping the object alive until deregistration.
+    #[pyo3(signature = (obj, mem_type = MemType::HOST))]
+    fn register(&self, py: Python<'_>, obj: &Bound<'_, PyAny>, mem_type: MemType) -> PyResult<MemHandle> {
+        let (addr, len, keep) = buffer::export(obj)?;
+        if len == 0 {
+            return Err(errors::param("cannot register an empty buffer (length=0)"));
+        }
+        let h = self.register_mem(py, MemDesc { addr, len }, mem_type)?;
+        self.keep.lock().unwrap().entry((addr, len)).or_insert(keep);
+        Ok(h)
+    }
+
+    /// Deregisters; waits for (then aborts) transfers using the region. Idempotent.
+    fn deregister_mem(&self, py: Python<'_>, handle: &MemHandle) -> PyResult<()> {
+        let e = self.engine.clone();
+        let core = hixl_core::MemHandle { id: handle.id, addr: handle.addr, len: handle.len, mem_type: handle.mem_type.into() };
+        py.allow_threads(|| e.deregister_mem(&core)).map_err(to_py)?;
+        let released = self.keep.lock().unwrap().remove(&(handle.addr, handle.len));
+        drop(released);
+        Ok(())
+    }
+
+    /// Connects to the engine at `remote` ("ip:port").
+    #[pyo3(signature = (remote, timeout_ms = 1000.0))]
+    fn connect(&self, py: Python<'_>, remote: &str, timeout_ms: f64) -> PyResult<()> {
+        let t = ms("timeout_ms", Some(timeout_ms))?.unwrap();
+        let e = self.engine.clone();
+        py.allow_threads(|| e.connect(remote, t)).map_err(to_py)
+    }
+
+    /// Closes the link to `remote`.
+    #[pyo3(signature = (remote, timeout_ms = 1000.0))]
+    fn disconnect(&self, py: Python<'_>, remote: &str, timeout_ms: f64) -> PyResult<()> {
+        let t = ms("timeout_ms", Some(timeout_ms))?.unwrap();
+        let e = self.engine.clone();
+        py.allow_threads(|| e.disconnect(remote, t)).map_err(to_py)
+    }
+
+    /// Starts a connect in the background.
+    fn connect_async(&self, remote: &str) -> PyResult<()> {
+        self.engine.connect_async(remote).map_err(to_py)
+    }
+
+    /// State of the connect to `remote`.
+    fn get_async_connect_status(&self, remote: &str) -> PyResult<AsyncConnectStatus> {
+        self.engine.get_async_connect_status(remote).map(Into::into).map_err(to_py)
+    }
+
+    /// Regions the peer had registered at connect.
+    fn remote_mems(&self, remote: &str) -> PyResult<Vec<MemDesc>> {
+        let v = self.engine.remote_mems(remote).map_err(to_py)?;
+        Ok(v.into_iter().map(|m| MemDesc { addr: m.addr, len: m.len }).collect())
+    }
+
+    /// Runs a batch and waits for it.
+    #[pyo3(signature = (remote, op, descs, timeout_ms = 1000.0))]
+    fn transfer_sync(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        op: TransferOp,
+        descs: &Bound<'_, PyAny>,
+        timeout_ms: f64,
+    ) -> PyResult<()> {
+        let t = ms("timeout_ms", Some(timeout_ms))?;
+        let d = parse_descs(descs)?;
+        let e = self.engine.clone();
+        let req = py.allow_threads(|| e.transfer_async(remote, op.into(), &d, None, t)).map_err(to_py)?;
+        wait_req(py, &req, None)?;
+        req.result().map_err(to_py)
+    }
+
+    /// Queues a batch and returns at once. `notify` reaches the peer after the bytes do.
+    #[pyo3(signature = (remote, op, descs, user_data = None, notify = None, timeout_ms = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn transfer_async(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        op: TransferOp,
+        descs: &Bound<'_, PyAny>,
+        user_data: Option<Py<PyAny>>,
+        notify: Option<NotifyDesc>,
+        timeout_ms: Option<f64>,
+    ) -> PyResult<TransferReq> {
+        let t = ms("timeout_ms", timeout_ms)?;
+        let d = parse_descs(descs)?;
+        let e = self.engine.clone();
+        let n = notify.map(Into::into);
+        let req = py.allow_threads(|| e.transfer_async(remote, op.into(), &d, n, t)).map_err(to_py)?;
+        Ok(TransferReq { req, user_data: user_data.unwrap_or_else(|| py.None()) })
+    }
+
+    /// Status of one request, or a list of statuses for a list of requests.
+    fn get_transfer_status(&self, py: Python<'_>, req: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        if let Ok(r) = req.downcast::<TransferReq>() {
+            let s: TransferStatus = r.get().req.status().into();
+            return Ok(s.into_pyobject(py)?.into_any().unbind());
+        }
+        let mut out = Vec::new();
+        for item in req.try_iter()? {
+            let item = item?;
+            let r = item.downcast::<TransferReq>().map_err(|_| errors::param("expected TransferReq items"))?;
+            out.push(TransferStatus::from(r.get().req.status()));
+        }
+        Ok(out.into_pyobject(py)?.into_any().unbind())
+    }
+
+    /// Sends a notification after every earlier transfer to the peer has landed.
+    #[pyo3(signature = (remote, notify, timeout_ms = 1000.0))]
+    fn send_notify(&self, py: Python<'_>, remote: &str, notify: NotifyDesc, timeout_ms: f64) -> PyResult<()> {
+        let t = ms("timeout_ms", Some(timeout_ms))?.unwrap();
+        let e = self.engine.clone();
+        py.allow_threads(|| e.send_notify(remote, notify.into(), t)).map_err(to_py)
+    }
+
+    /// Returns and clears the notifications received.
+    fn get_notifies(&self) -> PyResult<Vec<NotifyDesc>> {
+        Ok(self.engine.get_notifies().map_err(to_py)?.into_iter().map(Into::into).collect())
+    }
+
+    /// Per-peer counters: {peer: {backend, alive, bytes_write, ..., latency_us: {...}}}.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for s in self.engine.stats().map_err(to_py)? {
+            let d = PyDict::new(py);
+            d.set_item("backend", s.backend)?;
+            d.set_item("alive", s.alive)?;
+            d.set_item("bytes_write", s.bytes_write)?;
+            d.set_item("bytes_read", s.bytes_read)?;
+            d.set_item("ops_write", s.ops_write)?;
+            d.set_item("ops_read", s.ops_read)?;
+            d.set_item("errors", s.errors)?;
+            d.set_item("notifies", s.notifies)?;
+            let l = PyDict::new(py);
+            l.set_item("count", s.latency.count)?;
+            l.set_item("avg", s.latency.avg_us)?;
+            l.set_item("p50", s.latency.p50_us)?;
+            l.set_item("p99", s.latency.p99_us)?;
+            l.set_item("max", s.latency.max_us)?;
+            d.set_item("latency_us", l)?;
+            out.set_item(s.peer, d)?;
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,210 @@
+//! Enums and descriptor classes, mirroring hixl-core's types.
+
+use pyo3::prelude::*;
+use pyo3::types::PyInt;
+
+use crate::errors;
+
+/// Reads a non-negative integer argument, naming it in the error.
+pub fn uint(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if !v.is_instance_of::<PyInt>() {
+        let t = v.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        return Err(errors::param(format!("{name} must be an int, got {t} {v}")));
+    }
+    match v.extract::<u64>() {
+        Ok(x) => Ok(x),
+        Err(_) => Err(errors::param(format!("{name}={v} is out of range: expected 0 <= {name} < 2**64"))),
+    }
+}
+
+/// Where memory lives.
+#[pyclass(eq, eq_int, frozen, hash, module = "hixl._hixl")]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(clippy::upper_case_acronyms)]
+pub enum MemType {
+    HOST = 0,
+    DEVICE = 1,
+}
+
+impl From<MemType> for hixl_core::MemType {
+    fn from(m: MemType) -> Self {
+        match m {
+            MemType::HOST => hixl_core::MemType::Host,
+            MemType::DEVICE => hixl_core::MemType::Device,
+        }
+    }
+}
+
+/// Direction of a transfer: READ copies remote -> local, WRITE local -> remote.
+#[pyclass(eq, eq_int, frozen, hash, module = "hixl._hixl")]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(clippy::upper_case_acronyms)]
+pub enum TransferOp {
+    READ = 0,
+    WRITE = 1,
+}
+
+impl From<TransferOp> for hixl_core::TransferOp {
+    fn from(o: TransferOp) -> Self {
+        match o {
+            TransferOp::READ => hixl_core::TransferOp::Read,
+            TransferOp::WRITE => hixl_core::TransferOp::Write,
+        }
+    }
+}
+
+/// State of a transfer request.
+#[pyclass(eq, eq_int, frozen, hash, module = "hixl._hixl")]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+#[allow(clippy::upper_case_acronyms)]
+pub enum TransferStatus {
+    WAITING = 0,
+    COMPLETED = 1,
+    TIMEOUT = 2,
+    FAILED = 3,
+}
+
+impl From<hixl_core::TransferStatus> for TransferStatus {
+    fn from(s: hixl_core::TransferStatus) -> Self {
+        match s {
+            hixl_core::TransferStatus::Waiting => TransferStatus::WAITING,
+            hixl_core::TransferStatus::Completed => TransferStatus::COMPLETED,
+            hixl_core::TransferStatus::Timeout => TransferStatus::TIMEOUT,
+            hixl_core::TransferStatus::Failed => TransferStatus::FAILED,
+        }
+    }
+}
+
+/// State of a connect.
+#[pyclass(eq, eq_int, frozen, hash, module = "hixl._hixl")]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(clippy::upper_case_acronyms, non_camel_case_types)]
+pub enum AsyncConnectStatus {
+    NOT_CONNECT = 0,
+    CONNECTING = 1,
+    CONNECTED = 2,
+    CONNECT_FAILED = 3,
+}
+
+impl From<hixl_core::ConnectStatus> for AsyncConnectStatus {
+    fn from(s: hixl_core::ConnectStatus) -> Self {
+        match s {
+            hixl_core::ConnectStatus::NotConnect => AsyncConnectStatus::NOT_CONNECT,
+            hixl_core::ConnectStatus::Connecting => AsyncConnectStatus::CONNECTING,
+            hixl_core::ConnectStatus::Connected => AsyncConnectStatus::CONNECTED,
+            hixl_core::ConnectStatus::ConnectFailed => AsyncConnectStatus::CONNECT_FAILED,
+        }
+    }
+}
+
+/// A memory range: `MemDesc(addr, length)`.
+#[pyclass(frozen, eq, hash, module = "hixl._hixl")]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MemDesc {
+    /// Start address.
+    #[pyo3(get)]
+    pub addr: u64,
+    /// Length in bytes.
+    #[pyo3(get)]
+    pub len: u64,
+}
+
+#[pymethods]
+impl MemDesc {
+    #[new]
+    fn py_new(addr: &Bound<'_, PyAny>, length: &Bound<'_, PyAny>) -> PyResult<Self> {
+        Ok(MemDesc { addr: uint("addr", addr)?, len: uint("length", length)? })
+    }
+    /// Same as `len`.
+    #[getter]
+    fn length(&self) -> u64 {
+        self.len
+    }
+    fn __repr__(&self) -> String {
+        format!("MemDesc(addr=0x{:x}, length={})", self.addr, self.len)
+    }
+}
+
+/// One descriptor: `TransferOpDesc(local_addr, remote_addr, length)`.
+#[pyclass(frozen, eq, hash, module = "hixl._hixl")]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TransferOpDesc {
+    /// Address in this engine's registered memory.
+    #[pyo3(get)]
+    pub local_addr: u64,
+    /// Address in the peer's registered memory.
+    #[pyo3(get)]
+    pub remote_addr: u64,
+    /// Length in bytes.
+    #[pyo3(get)]
+    pub len: u64,
+}
+
+#[pymethods]
+impl TransferOpDesc {
+    #[new]
+    fn py_new(
+        local_addr: &Bound<'_, PyAny>,
+        remote_addr: &Bound<'_, PyAny>,
+        length: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        Ok(TransferOpDesc {
+            local_addr: uint("local_addr", local_addr)?,
+            remote_addr: uint("remote_addr", remote_addr)?,
+            len: uint("length", length)?,
+        })
+    }
+    /// Same as `len`.
+    #[getter]
+    fn length(&self) -> u64 {
+        self.len
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "TransferOpDesc(local_addr=0x{:x}, remote_addr=0x{:x}, length={})",
+            self.local_addr, self.remote_addr, self.len
+        )
+    }
+}
+
+impl From<TransferOpDesc> for hixl_core::TransferOpDesc {
+    fn from(d: TransferOpDesc) -> Self {
+        hixl_core::TransferOpDesc { local_addr: d.local_addr, remote_addr: d.remote_addr, len: d.len }
+    }
+}
+
+/// A notification: `NotifyDesc(name, msg)`.
+#[pyclass(frozen, eq, hash, module = "hixl._hixl")]
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct NotifyDesc {
+    /// Name.
+    #[pyo3(get)]
+    pub name: String,
+    /// Message.
+    #[pyo3(get)]
+    pub msg: String,
+}
+
+#[pymethods]
+impl NotifyDesc {
+    #[new]
+    #[pyo3(signature = (name, msg = String::new()))]
+    fn py_new(name: String, msg: String) -> Self {
+        NotifyDesc { name, msg }
+    }
+    fn __repr__(&self) -> String {
+        format!("NotifyDesc(name={:?}, msg={:?})", self.name, self.msg)
+    }
+}
+
+impl From<NotifyDesc> for hixl_core::NotifyDesc {
+    fn from(n: NotifyDesc) -> Self {
+        hixl_core::NotifyDesc { name: n.name, msg: n.msg }
+    }
+}
+
+impl From<hixl_core::NotifyDesc> for NotifyDesc {
+    fn from(n: hixl_core::NotifyDesc) -> Self {
+        NotifyDesc { name: n.name, msg: n.msg }
+    }
+}

@@ -1,0 +1,51 @@
+"""A target engine in its own process, driven over stdin/stdout by the tests.
+
+Start: python _peer.py SIZE [OPTIONS_JSON]. It registers a zeroed SIZE-byte buffer and prints
+"READY <engine> <buf_addr>". Commands (one per line), each answered by one line:
+  save OFF LEN PATH   write buf[OFF:OFF+LEN] to PATH            -> OK
+  fill SEED           fill the buffer with random bytes          -> OK
+  zero                zero the buffer                            -> OK
+  notifies            get_notifies() as JSON [[name, msg], ...]  -> JSON
+  exit                finalize and exit                          -> OK
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+import hixl
+
+
+def main() -> None:
+    size = int(sys.argv[1])
+    options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else None
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1:0", options)
+    buf = np.zeros(size, np.uint8)
+    e.register(buf)
+    print(f"READY {e.local_engine} {buf.ctypes.data}", flush=True)
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "save":
+            off, n, path = int(args[0]), int(args[1]), args[2]
+            buf[off : off + n].tofile(path)
+            print("OK", flush=True)
+        elif cmd == "fill":
+            buf[:] = np.random.default_rng(int(args[0])).integers(0, 256, size, dtype=np.uint8)
+            print("OK", flush=True)
+        elif cmd == "zero":
+            buf[:] = 0
+            print("OK", flush=True)
+        elif cmd == "notifies":
+            print(json.dumps([[n.name, n.msg] for n in e.get_notifies()]), flush=True)
+        elif cmd == "exit":
+            e.finalize()
+            print("OK", flush=True)
+            return
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Shared fixtures: a target engine in a separate process, and helpers to compare its bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hixl
+
+PEER = Path(__file__).with_name("_peer.py")
+
+
+class Peer:
+    """A target process with one registered buffer."""
+
+    def __init__(self, size: int, options: dict[str, str] | None = None) -> None:
+        args = [sys.executable, str(PEER), str(size)]
+        if options:
+            args.append(json.dumps(options))
+        self.size = size
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+        line = self._line()
+        tag, self.engine, addr = line.split()
+        assert tag == "READY", line
+        self.addr = int(addr)
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer exited with {self.proc.wait(10)}")
+        return line.strip()
+
+    def cmd(self, *words: object) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(" ".join(map(str, words)) + "\n")
+        self.proc.stdin.flush()
+        return self._line()
+
+    def read(self, off: int = 0, n: int | None = None) -> np.ndarray:
+        """The target's bytes [off, off+n), fetched out of band (not through hixl)."""
+        n = self.size - off if n is None else n
+        fd, path = tempfile.mkstemp(prefix="hixl-peer-")
+        os.close(fd)
+        try:
+            assert self.cmd("save", off, n, path) == "OK"
+            return np.fromfile(path, dtype=np.uint8)
+        finally:
+            os.unlink(path)
+
+    def notifies(self) -> list[list[str]]:
+        return json.loads(self.cmd("notifies"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.cmd("exit")
+            except (RuntimeError, BrokenPipeError):
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture
+def make_peer() -> Iterator:
+    peers: list[Peer] = []
+
+    def make(size: int, options: dict[str, str] | None = None) -> Peer:
+        p = Peer(size, options)
+        peers.append(p)
+        return p
+
+    yield make
+    for p in peers:
+        p.close()
+
+
+@pytest.fixture
+def engine() -> Iterator[hixl.Hixl]:
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1")
+    yield e
+    e.finalize()
+
+
+def random_bytes(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
