@@ -408,6 +408,9 @@ impl Engine {
         if descs.is_empty() {
             return Err(Error::param("the descriptor list is empty"));
         }
+        if let Some(n) = &notify {
+            check_notify(n)?;
+        }
         let (segs, pins, bytes) = validate(&r, &conn, remote, descs)?;
         let parts = split(segs, bytes, r.opts.streams, r.opts.split_bytes);
         let timeout = timeout.unwrap_or(r.opts.transfer_timeout);
@@ -444,7 +447,18 @@ impl Engine {
     /// submitted before it.
     pub fn send_notify(&self, remote: &str, n: NotifyDesc, timeout: Duration) -> Result<()> {
         let r = self.running()?;
-        let conn = Self::conn(&r, remote)?;
+        let conn = Self::conn(&r, remote).map_err(|e| {
+            let died = matches!(r.peers.lock().unwrap().get(remote), Some(PeerSlot::Connected(_)));
+            if died {
+                Error::new(
+                    Status::NotifyFailed,
+                    format!("notify to {remote} cannot be delivered: {}", e.message),
+                )
+            } else {
+                e
+            }
+        })?;
+        check_notify(&n)?;
         let deadline = Instant::now() + timeout;
         let earlier: Vec<_> = conn.recent.lock().unwrap().iter().filter_map(|w| w.upgrade()).collect();
         for q in earlier {
@@ -508,6 +522,19 @@ impl Drop for Engine {
     fn drop(&mut self) {
         let _ = self.finalize();
     }
+}
+
+fn check_notify(n: &NotifyDesc) -> Result<()> {
+    if n.name.len() > crate::wire::MAX_NAME || n.msg.len() > crate::wire::MAX_MSG {
+        return Err(Error::param(format!(
+            "notify name ({} bytes) or msg ({} bytes) is too long: the limits are {} and {} bytes",
+            n.name.len(),
+            n.msg.len(),
+            crate::wire::MAX_NAME,
+            crate::wire::MAX_MSG
+        )));
+    }
+    Ok(())
 }
 
 fn remember(conn: &PeerConn, req: &Arc<Request>) {

@@ -58,7 +58,11 @@ pub struct TransferReq {
 }
 
 /// Waits in GIL-free slices so that Ctrl-C (KeyboardInterrupt) gets through.
-fn wait_req(py: Python<'_>, req: &hixl_core::TransferReq, timeout: Option<Duration>) -> PyResult<TransferStatus> {
+fn wait_req(
+    py: Python<'_>,
+    req: &hixl_core::TransferReq,
+    timeout: Option<Duration>,
+) -> PyResult<TransferStatus> {
     let until = timeout.map(|t| Instant::now() + t);
     loop {
         let slice = match until {
@@ -171,7 +175,12 @@ impl Hixl {
 
     /// Starts the engine: "ip:port" listens (port 0 = ephemeral), "ip" alone is client only.
     #[pyo3(signature = (local_engine, options = None))]
-    fn initialize(&self, py: Python<'_>, local_engine: &str, options: Option<HashMap<String, String>>) -> PyResult<()> {
+    fn initialize(
+        &self,
+        py: Python<'_>,
+        local_engine: &str,
+        options: Option<HashMap<String, String>>,
+    ) -> PyResult<()> {
         let opts = options.unwrap_or_default();
         let e = self.engine.clone();
         py.allow_threads(|| e.initialize(local_engine, &opts)).map_err(to_py)
@@ -207,7 +216,9 @@ impl Hixl {
     fn register_mem(&self, py: Python<'_>, desc: MemDesc, mem_type: MemType) -> PyResult<MemHandle> {
         let e = self.engine.clone();
         let h = py
-            .allow_threads(|| e.register_mem(hixl_core::MemDesc { addr: desc.addr, len: desc.len }, mem_type.into()))
+            .allow_threads(|| {
+                e.register_mem(hixl_core::MemDesc { addr: desc.addr, len: desc.len }, mem_type.into())
+            })
             .map_err(to_py)?;
         Ok(MemHandle { addr: h.addr, len: h.len, id: h.id, mem_type })
     }
@@ -228,7 +239,12 @@ impl Hixl {
     /// Deregisters; waits for (then aborts) transfers using the region. Idempotent.
     fn deregister_mem(&self, py: Python<'_>, handle: &MemHandle) -> PyResult<()> {
         let e = self.engine.clone();
-        let core = hixl_core::MemHandle { id: handle.id, addr: handle.addr, len: handle.len, mem_type: handle.mem_type.into() };
+        let core = hixl_core::MemHandle {
+            id: handle.id,
+            addr: handle.addr,
+            len: handle.len,
+            mem_type: handle.mem_type.into(),
+        };
         py.allow_threads(|| e.deregister_mem(&core)).map_err(to_py)?;
         let released = self.keep.lock().unwrap().remove(&(handle.addr, handle.len));
         drop(released);
@@ -315,7 +331,8 @@ impl Hixl {
         let mut out = Vec::new();
         for item in req.try_iter()? {
             let item = item?;
-            let r = item.downcast::<TransferReq>().map_err(|_| errors::param("expected TransferReq items"))?;
+            let r =
+                item.downcast::<TransferReq>().map_err(|_| errors::param("expected TransferReq items"))?;
             out.push(TransferStatus::from(r.get().req.status()));
         }
         Ok(out.into_pyobject(py)?.into_any().unbind())

@@ -1,0 +1,215 @@
+"""Every status code Python can reach, raised by the condition that causes it; bad input is
+refused with a clear message and nothing is written at the target."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import numpy as np
+import pytest
+from conftest import random_bytes
+
+import hixl
+
+W = hixl.TransferOp.WRITE
+
+
+def wait_status(e: hixl.Hixl, peer: str, want, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = e.get_async_connect_status(peer)
+        if s == want:
+            return s
+        time.sleep(0.005)
+    raise AssertionError(f"{peer} never reached {want}, last {s}")
+
+
+def test_status_enum_and_hierarchy():
+    assert hixl.Status.PARAM_INVALID == 103900 and hixl.Status.FAILED == 503900
+    for cls, code in [
+        (hixl.ParamInvalid, 103900), (hixl.Timeout, 103901), (hixl.NotConnected, 103902),
+        (hixl.AlreadyConnected, 103903), (hixl.NotifyFailed, 103904), (hixl.Unsupported, 103905),
+        (hixl.ResourceExhausted, 203900), (hixl.Failed, 503900),
+    ]:
+        err = cls("x")
+        assert isinstance(err, hixl.HixlError) and err.code == code
+
+
+def test_bad_ranges_are_refused_and_nothing_is_written(engine, make_peer):
+    peer = make_peer(4096)
+    engine.connect(peer.engine, timeout_ms=5000)
+    src = random_bytes(4096, 1)
+    engine.register(src)
+    a, r = src.ctypes.data, peer.addr
+    cases = [
+        ([(a, r + 4000, 100)], "remote range"),                # past the remote region
+        ([(a, r - 1, 10)], "remote range"),                    # before it
+        ([(a + 4000, r, 100)], "local range"),                 # past the local region
+        ([(a, r, 10), (a, r + 10, 0)], "descriptor 1: length is 0"),
+        ([(a, r, 10), (a + 1, r + 8192, 1)], "descriptor 1"),  # one bad descriptor refuses all
+        ([], "empty"),
+    ]
+    for descs, words in cases:
+        with pytest.raises(hixl.ParamInvalid) as ei:
+            engine.transfer_sync(peer.engine, W, descs)
+        assert ei.value.code == 103900 and words in str(ei.value), str(ei.value)
+    assert not peer.read().any(), "nothing was written"
+
+
+def test_wrong_types_and_negative_sizes(engine):
+    with pytest.raises(hixl.ParamInvalid, match="length=-5"):
+        hixl.TransferOpDesc(1, 2, -5)
+    with pytest.raises(hixl.ParamInvalid, match="local_addr must be an int"):
+        hixl.TransferOpDesc("a", 2, 3)
+    with pytest.raises(hixl.ParamInvalid, match="addr=-1"):
+        hixl.MemDesc(-1, 10)
+    with pytest.raises(hixl.ParamInvalid, match=r"descs\[0\]"):
+        engine.transfer_sync("127.0.0.1:1", W, ["nope"])
+    with pytest.raises(hixl.ParamInvalid, match="shape"):
+        engine.transfer_sync("127.0.0.1:1", W, np.zeros((2, 2), np.uint64))
+    with pytest.raises(hixl.ParamInvalid, match="uint64"):
+        engine.transfer_sync("127.0.0.1:1", W, np.zeros((2, 3), np.float32))
+    with pytest.raises(hixl.ParamInvalid, match="timeout_ms=-1"):
+        engine.connect("127.0.0.1:1", timeout_ms=-1)
+
+
+def test_registration_errors(engine):
+    buf = np.zeros(4096, np.uint8)
+    h = engine.register(buf)
+    assert (h.addr, h.len) == (buf.ctypes.data, 4096)
+    assert engine.register_mem(hixl.MemDesc(h.addr, 4096)).id == h.id, "same range, same handle"
+    with pytest.raises(hixl.ParamInvalid, match="overlaps"):
+        engine.register_mem(hixl.MemDesc(h.addr + 100, 4096))
+    with pytest.raises(hixl.ParamInvalid, match="null"):
+        engine.register_mem(hixl.MemDesc(0, 10))
+    with pytest.raises(hixl.ParamInvalid, match="len=0"):
+        engine.register_mem(hixl.MemDesc(h.addr + 8192, 0))
+    with pytest.raises(hixl.ParamInvalid, match="bytes"):
+        engine.register(b"read-only bytes")
+    with pytest.raises(hixl.Unsupported):
+        engine.register_mem(hixl.MemDesc(1 << 40, 10), hixl.MemType.DEVICE)
+    engine.deregister_mem(h)
+    engine.deregister_mem(h)  # idempotent
+
+
+def test_options_are_checked():
+    e = hixl.Hixl()
+    with pytest.raises(hixl.ParamInvalid, match='"hixl.nope"'):
+        e.initialize("127.0.0.1", {"hixl.nope": "1"})
+    with pytest.raises(hixl.ParamInvalid, match='hixl.streams="0"'):
+        e.initialize("127.0.0.1", {"hixl.streams": "0"})
+    with pytest.raises(hixl.ParamInvalid, match="cannot listen"):
+        e.initialize("8.8.8.8:1")
+    keys = {k for k, _, _ in hixl.option_keys()}
+    assert "hixl.streams" in keys and "hixl.transfer_timeout_ms" in keys
+
+
+def test_connect_timeout_and_not_connected(engine):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = "127.0.0.1:%d" % s.getsockname()[1]
+    s.close()
+    t0 = time.monotonic()
+    with pytest.raises(hixl.Timeout) as ei:
+        engine.connect(dead, timeout_ms=200)
+    assert time.monotonic() - t0 < 3 and dead in str(ei.value) and ei.value.code == 103901
+    with pytest.raises(hixl.NotConnected, match="not connected to 127.0.0.1:9"):
+        engine.transfer_sync("127.0.0.1:9", W, [(1, 2, 3)])
+    with pytest.raises(hixl.NotConnected):
+        engine.disconnect("127.0.0.1:9")
+    with pytest.raises(hixl.ParamInvalid, match="not-an-address"):
+        engine.connect("not-an-address")
+
+
+def test_dead_peer_not_connected_and_notify_failed(engine, make_peer):
+    peer = make_peer(4096)
+    engine.connect(peer.engine, timeout_ms=5000)
+    src = np.zeros(4096, np.uint8)
+    engine.register(src)
+    peer.proc.kill()
+    peer.proc.wait(10)
+    wait_status(engine, peer.engine, hixl.AsyncConnectStatus.CONNECT_FAILED)
+    with pytest.raises(hixl.NotConnected, match="died"):
+        engine.transfer_sync(peer.engine, W, [(src.ctypes.data, peer.addr, 16)])
+    with pytest.raises(hixl.NotifyFailed) as ei:
+        engine.send_notify(peer.engine, hixl.NotifyDesc("n", "m"))
+    assert ei.value.code == 103904
+
+
+def test_transfer_timeout_and_ctrl_c(engine, make_peer):
+    size = 64 << 20
+    peer = make_peer(size)
+    engine.connect(peer.engine, timeout_ms=5000)
+    src = np.ones(size, np.uint8)
+    engine.register(src)
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(hixl.Timeout):
+            engine.transfer_sync(peer.engine, W, [(src.ctypes.data, peer.addr, size)], timeout_ms=300)
+        assert time.monotonic() - t0 < 5
+        req = engine.transfer_async(peer.engine, W, [(src.ctypes.data, peer.addr, size)])
+        assert req.wait(timeout_ms=50) == hixl.TransferStatus.WAITING
+        old = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            import threading
+
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+            with pytest.raises(KeyboardInterrupt):
+                req.wait(timeout_ms=5000)
+        finally:
+            signal.signal(signal.SIGINT, old)
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    assert req.wait(timeout_ms=20_000) == hixl.TransferStatus.COMPLETED
+    assert (peer.read(size - 4096) == 1).all()
+
+
+def test_queue_full_is_resource_exhausted(make_peer):
+    size = 32 << 20
+    peer = make_peer(size)
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1", {"hixl.queue_depth": "1", "hixl.streams": "1"})
+        e.connect(peer.engine, timeout_ms=5000)
+        src = np.ones(size, np.uint8)
+        e.register(src)
+        reqs, err = [], None
+        for _ in range(100):
+            try:
+                reqs.append(e.transfer_async(peer.engine, W, [(src.ctypes.data, peer.addr, size)]))
+            except hixl.ResourceExhausted as x:
+                err = x
+                break
+        assert err is not None and err.code == 203900 and "queue full" in str(err)
+        for r in reqs:
+            assert r.wait(30_000) == hixl.TransferStatus.COMPLETED
+
+
+def test_notify_cap_is_resource_exhausted(make_peer, engine):
+    peer = make_peer(64, {"hixl.max_notifies": "2"})
+    engine.connect(peer.engine, timeout_ms=5000)
+    engine.send_notify(peer.engine, hixl.NotifyDesc("a", "1"))
+    engine.send_notify(peer.engine, hixl.NotifyDesc("b", "2"))
+    with pytest.raises(hixl.ResourceExhausted, match="pending"):
+        engine.send_notify(peer.engine, hixl.NotifyDesc("c", "3"))
+    assert peer.notifies() == [["a", "1"], ["b", "2"]]
+    engine.send_notify(peer.engine, hixl.NotifyDesc("d", "4"))
+    with pytest.raises(hixl.ParamInvalid, match="too long"):
+        engine.send_notify(peer.engine, hixl.NotifyDesc("x" * 2000, ""))
+
+
+def test_use_after_finalize_is_failed():
+    e = hixl.Hixl()
+    with pytest.raises(hixl.Failed, match="not initialized"):
+        e.register(bytearray(10))
+    e.initialize("127.0.0.1:0")
+    with pytest.raises(hixl.Failed, match="already initialized"):
+        e.initialize("127.0.0.1:0")
+    e.finalize()
+    e.finalize()
+    with pytest.raises(hixl.Failed, match="finalized") as ei:
+        e.connect("127.0.0.1:1")
+    assert ei.value.code == 503900

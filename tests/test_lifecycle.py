@@ -1,0 +1,165 @@
+"""Buffers, the GIL and lifetimes: what Python code relies on."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import signal
+import threading
+import time
+import weakref
+
+import numpy as np
+from conftest import random_bytes
+
+import hixl
+
+W, R = hixl.TransferOp.WRITE, hixl.TransferOp.READ
+
+
+def test_register_any_writable_buffer(engine, make_peer):
+    peer = make_peer(4 * 4096)
+    engine.connect(peer.engine, timeout_ms=5000)
+    ba = bytearray(os.urandom(4096))
+    mv = memoryview(bytearray(os.urandom(4096)))
+    mm = mmap.mmap(-1, 4096)
+    mm.write(os.urandom(4096))
+    arr = random_bytes(4096, 5).view(np.float32)  # non-uint8 dtype: registered by bytes
+    sources = [ba, mv, mm, arr]
+    for i, obj in enumerate(sources):
+        h = engine.register(obj)
+        assert h.len == 4096
+        engine.transfer_sync(peer.engine, W, [(h.addr, peer.addr + i * 4096, 4096)])
+    target = peer.read()
+    for i, obj in enumerate(sources):
+        assert target[i * 4096 : (i + 1) * 4096].tobytes() == bytes(memoryview(obj).cast("B"))
+    # READ into a bytearray lands in the object itself.
+    dst = bytearray(4096)
+    engine.register(dst)
+    engine.transfer_sync(peer.engine, R, [(np.frombuffer(dst, np.uint8).ctypes.data, peer.addr, 4096)])
+    assert bytes(dst) == bytes(ba)
+
+
+def test_registered_object_is_kept_alive_until_deregistered(engine):
+    arr = np.zeros(4096, np.uint8)
+    ref = weakref.ref(arr)
+    h = engine.register(arr)
+    del arr
+    gc.collect()
+    assert ref() is not None, "the engine keeps the buffer alive"
+    engine.deregister_mem(h)
+    gc.collect()
+    assert ref() is None, "released after deregistration"
+
+
+def test_gil_is_released_while_a_transfer_waits(engine, make_peer):
+    size = 64 << 20
+    peer = make_peer(size)
+    engine.connect(peer.engine, timeout_ms=5000)
+    src = np.ones(size, np.uint8)
+    engine.register(src)
+    os.kill(peer.proc.pid, signal.SIGSTOP)  # the transfer cannot finish while the peer sleeps
+    done = threading.Event()
+
+    def transfer():
+        engine.transfer_sync(peer.engine, W, [(src.ctypes.data, peer.addr, size)], 20_000)
+        done.set()
+
+    t = threading.Thread(target=transfer)
+    t.start()
+    time.sleep(0.05)
+    count, t0 = 0, time.monotonic()
+    while time.monotonic() - t0 < 0.5:  # Python keeps running during the blocked transfer
+        count += 1
+    assert not done.is_set()
+    os.kill(peer.proc.pid, signal.SIGCONT)
+    t.join(30)
+    assert done.is_set()
+    assert count > 50_000, f"main thread only ran {count} iterations: GIL held?"
+    assert (peer.read(size - 16) == 1).all()
+
+
+def test_two_threads_transfer_at_once(engine, make_peer):
+    size = 16 << 20
+    peer = make_peer(2 * size)
+    engine.connect(peer.engine, timeout_ms=5000)
+    srcs = [random_bytes(size, s) for s in (1, 2)]
+    for s in srcs:
+        engine.register(s)
+    errors = []
+
+    def run(i):
+        try:
+            for _ in range(5):
+                engine.transfer_sync(
+                    peer.engine, W, [(srcs[i].ctypes.data, peer.addr + i * size, size)], 30_000
+                )
+        except Exception as x:  # noqa: BLE001 - reported below
+            errors.append(x)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors
+    target = peer.read()
+    assert np.array_equal(target[:size], srcs[0]) and np.array_equal(target[size:], srcs[1])
+
+
+def test_deregister_during_transfer_fails_it_and_never_hangs(make_peer):
+    size = 64 << 20
+    peer = make_peer(size)
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1", {"hixl.deregister_timeout_ms": "200"})
+        e.connect(peer.engine, timeout_ms=5000)
+        src = np.ones(size, np.uint8)
+        h = e.register(src)
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        try:
+            req = e.transfer_async(peer.engine, W, [(src.ctypes.data, peer.addr, size)])
+            t0 = time.monotonic()
+            e.deregister_mem(h)  # waits 200 ms, then aborts the link that uses the region
+            assert time.monotonic() - t0 < 10
+            assert req.wait(5000) == hixl.TransferStatus.FAILED
+        finally:
+            os.kill(peer.proc.pid, signal.SIGCONT)
+
+
+def test_finalize_with_requests_in_flight(make_peer):
+    size = 64 << 20
+    peer = make_peer(size)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1")
+    e.connect(peer.engine, timeout_ms=5000)
+    src = np.ones(size, np.uint8)
+    e.register(src)
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    try:
+        reqs = [e.transfer_async(peer.engine, W, [(src.ctypes.data, peer.addr, size)]) for _ in range(3)]
+        e.finalize()
+        assert [r.status() for r in reqs] == [hixl.TransferStatus.FAILED] * 3
+        assert "finalized" in str(_error_of(reqs[0]))
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+
+
+def _error_of(req):
+    try:
+        req.result()
+    except hixl.HixlError as x:
+        return x
+    return None
+
+
+def test_log_level():
+    hixl.set_log_level("DEBUG")
+    assert hixl.get_log_level() == "DEBUG"
+    hixl.set_log_level("WARN")
+    try:
+        hixl.set_log_level("LOUD")
+    except hixl.ParamInvalid as x:
+        assert "LOUD" in str(x)
+    else:
+        raise AssertionError("bad level accepted")
