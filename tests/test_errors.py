@@ -30,9 +30,14 @@ def wait_status(e: hixl.Hixl, peer: str, want, timeout_s: float = 10.0):
 def test_status_enum_and_hierarchy():
     assert hixl.Status.PARAM_INVALID == 103900 and hixl.Status.FAILED == 503900
     for cls, code in [
-        (hixl.ParamInvalid, 103900), (hixl.Timeout, 103901), (hixl.NotConnected, 103902),
-        (hixl.AlreadyConnected, 103903), (hixl.NotifyFailed, 103904), (hixl.Unsupported, 103905),
-        (hixl.ResourceExhausted, 203900), (hixl.Failed, 503900),
+        (hixl.ParamInvalid, 103900),
+        (hixl.Timeout, 103901),
+        (hixl.NotConnected, 103902),
+        (hixl.AlreadyConnected, 103903),
+        (hixl.NotifyFailed, 103904),
+        (hixl.Unsupported, 103905),
+        (hixl.ResourceExhausted, 203900),
+        (hixl.Failed, 503900),
     ]:
         err = cls("x")
         assert isinstance(err, hixl.HixlError) and err.code == code
@@ -45,9 +50,9 @@ def test_bad_ranges_are_refused_and_nothing_is_written(engine, make_peer):
     engine.register(src)
     a, r = src.ctypes.data, peer.addr
     cases = [
-        ([(a, r + 4000, 100)], "remote range"),                # past the remote region
-        ([(a, r - 1, 10)], "remote range"),                    # before it
-        ([(a + 4000, r, 100)], "local range"),                 # past the local region
+        ([(a, r + 4000, 100)], "remote range"),  # past the remote region
+        ([(a, r - 1, 10)], "remote range"),  # before it
+        ([(a + 4000, r, 100)], "local range"),  # past the local region
         ([(a, r, 10), (a, r + 10, 0)], "descriptor 1: length is 0"),
         ([(a, r, 10), (a + 1, r + 8192, 1)], "descriptor 1"),  # one bad descriptor refuses all
         ([], "empty"),
@@ -110,7 +115,7 @@ def test_options_are_checked():
 def test_connect_timeout_and_not_connected(engine):
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
-    dead = "127.0.0.1:%d" % s.getsockname()[1]
+    dead = f"127.0.0.1:{s.getsockname()[1]}"
     s.close()
     t0 = time.monotonic()
     with pytest.raises(hixl.Timeout) as ei:
@@ -149,7 +154,9 @@ def test_transfer_timeout_and_ctrl_c(engine, make_peer):
     try:
         t0 = time.monotonic()
         with pytest.raises(hixl.Timeout):
-            engine.transfer_sync(peer.engine, W, [(src.ctypes.data, peer.addr, size)], timeout_ms=300)
+            engine.transfer_sync(
+                peer.engine, W, [(src.ctypes.data, peer.addr, size)], timeout_ms=300
+            )
         assert time.monotonic() - t0 < 5
         req = engine.transfer_async(peer.engine, W, [(src.ctypes.data, peer.addr, size)])
         assert req.wait(timeout_ms=50) == hixl.TransferStatus.WAITING

@@ -37,7 +37,9 @@ def test_register_any_writable_buffer(engine, make_peer):
     # READ into a bytearray lands in the object itself.
     dst = bytearray(4096)
     engine.register(dst)
-    engine.transfer_sync(peer.engine, R, [(np.frombuffer(dst, np.uint8).ctypes.data, peer.addr, 4096)])
+    engine.transfer_sync(
+        peer.engine, R, [(np.frombuffer(dst, np.uint8).ctypes.data, peer.addr, 4096)]
+    )
     assert bytes(dst) == bytes(ba)
 
 
@@ -137,7 +139,9 @@ def test_finalize_with_requests_in_flight(make_peer):
     e.register(src)
     os.kill(peer.proc.pid, signal.SIGSTOP)
     try:
-        reqs = [e.transfer_async(peer.engine, W, [(src.ctypes.data, peer.addr, size)]) for _ in range(3)]
+        reqs = [
+            e.transfer_async(peer.engine, W, [(src.ctypes.data, peer.addr, size)]) for _ in range(3)
+        ]
         e.finalize()
         assert [r.status() for r in reqs] == [hixl.TransferStatus.FAILED] * 3
         assert "finalized" in str(_error_of(reqs[0]))

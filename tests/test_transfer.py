@@ -29,7 +29,9 @@ def test_write_then_read_back(engine, make_peer, size):
     back = np.zeros(size + 2 * GUARD, np.uint8)
     engine.register(back)
     engine.transfer_sync(
-        peer.engine, R, [hixl.TransferOpDesc(back.ctypes.data + GUARD, peer.addr + dst_off, size)],
+        peer.engine,
+        R,
+        [hixl.TransferOpDesc(back.ctypes.data + GUARD, peer.addr + dst_off, size)],
         30_000,
     )
     assert np.array_equal(back[GUARD : GUARD + size], src)
@@ -100,7 +102,9 @@ def test_notify_after_transfer_arrives_after_the_bytes(engine, make_peer):
     src = random_bytes(8 << 20, 11)
     engine.register(src)
     req = engine.transfer_async(
-        peer.engine, W, [(src.ctypes.data, peer.addr, 8 << 20)],
+        peer.engine,
+        W,
+        [(src.ctypes.data, peer.addr, 8 << 20)],
         notify=hixl.NotifyDesc("kv", "req-1"),
     )
     assert req.wait(10_000) == hixl.TransferStatus.COMPLETED

@@ -19,6 +19,7 @@
 //! # Ok::<(), hixl_core::Error>(())
 //! ```
 
+pub mod bench;
 pub mod engine;
 pub mod error;
 pub mod log;

@@ -23,6 +23,9 @@ pub enum TransferOp {
     Write,
 }
 
+/// How long a waiter spins before it sleeps.
+const SPIN: Duration = Duration::from_micros(50);
+
 /// State of a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -170,13 +173,20 @@ impl Request {
     /// (if any) expires, whichever is first; returns the status then.
     pub fn wait(&self, timeout: Option<Duration>) -> TransferStatus {
         let until = timeout.map_or(self.deadline, |t| self.deadline.min(Instant::now() + t));
-        // Short adaptive spin: small transfers finish in microseconds.
-        for i in 0..64 {
+        // Short spin (yielding, so the threads that complete us can run) before parking:
+        // small transfers finish in tens of microseconds and a wake-up costs about as much.
+        let spin_until = Instant::now() + SPIN;
+        let mut i = 0u32;
+        loop {
             let s = self.status();
             if s != TransferStatus::Waiting {
                 return s;
             }
-            if i < 32 {
+            if Instant::now() >= spin_until.min(until) {
+                break;
+            }
+            i += 1;
+            if i < 16 {
                 std::hint::spin_loop();
             } else {
                 std::thread::yield_now();
@@ -365,6 +375,11 @@ impl<T> WorkQueue<T> {
         self.closed.store(true, Ordering::Release);
         let _g = self.bell.lock().unwrap();
         self.ring.notify_all();
+    }
+
+    /// Whether no item is queued.
+    pub fn is_empty(&self) -> bool {
+        self.q.is_empty()
     }
 
     /// Whether `close` was called.

@@ -26,6 +26,26 @@ fn option_keys() -> Vec<(&'static str, &'static str, &'static str)> {
     hixl_core::options::KEYS.to_vec()
 }
 
+/// Baseline: starts a raw TCP sink (Rust recv loop) in this process; returns its address.
+#[pyfunction]
+fn _raw_tcp_sink(listen: &str) -> PyResult<String> {
+    hixl_core::bench::raw_tcp_sink(listen).map_err(errors::to_py)
+}
+
+/// Baseline: sends `iters` messages of `size` bytes to a raw sink over `streams` connections;
+/// seconds per message.
+#[pyfunction]
+#[pyo3(signature = (addr, size, iters, streams = 1))]
+fn _raw_tcp_send(
+    py: Python<'_>,
+    addr: &str,
+    size: usize,
+    iters: usize,
+    streams: usize,
+) -> PyResult<Vec<f64>> {
+    py.allow_threads(|| hixl_core::bench::raw_tcp_send(addr, size, iters, streams)).map_err(errors::to_py)
+}
+
 #[pymodule]
 fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", hixl_core::VERSION)?;
@@ -42,5 +62,7 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(get_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(option_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(_raw_tcp_sink, m)?)?;
+    m.add_function(wrap_pyfunction!(_raw_tcp_send, m)?)?;
     Ok(())
 }

@@ -21,6 +21,8 @@ use crate::wire::{self, Frame, Seg};
 
 /// Most parts a writer takes from the queue per wake-up.
 const BATCH_PARTS: usize = 64;
+/// Requests up to this size may be sent by the calling thread (see `try_send_inline`).
+const INLINE_BYTES: u64 = 64 * 1024;
 
 /// Connection parameters.
 #[derive(Clone, Debug)]
@@ -42,6 +44,8 @@ struct Pending {
 
 struct Stream {
     sock: TcpStream,
+    /// Held while frames are written, so that frames of two senders never interleave.
+    send_lock: Mutex<()>,
     pending: Mutex<VecDeque<Pending>>,
     next_tag: AtomicU64,
 }
@@ -160,6 +164,7 @@ impl TcpLink {
                 .map(|sock| {
                     Arc::new(Stream {
                         sock,
+                        send_lock: Mutex::new(()),
                         pending: Mutex::new(VecDeque::new()),
                         next_tag: AtomicU64::new(1),
                     })
@@ -204,6 +209,37 @@ impl TcpLink {
     }
 
     fn send_batch(&self, s: &Stream, batch: &mut Vec<Part>) -> std::io::Result<()> {
+        let _g = s.send_lock.lock().unwrap();
+        self.send_locked(s, batch)
+    }
+
+    /// Small requests skip the queue when a stream is idle: the caller writes the frame itself,
+    /// which saves a thread wake-up on the latency path. Returns the part back otherwise.
+    fn try_send_inline(&self, part: Part) -> Option<Part> {
+        let small = match &part.body {
+            PartBody::Data(segs) => segs.iter().map(|p| p.len).sum::<u64>() <= INLINE_BYTES,
+            PartBody::Notify(_) => true,
+        };
+        if !small || !self.queue.is_empty() {
+            return Some(part);
+        }
+        for s in &self.streams {
+            if let Ok(_g) = s.send_lock.try_lock() {
+                let mut batch = vec![part];
+                if let Err(e) = self.send_locked(s, &mut batch) {
+                    drop(_g);
+                    self.close(Error::not_connected(format!(
+                        "stream to {} failed while sending: {e}",
+                        self.peer
+                    )));
+                }
+                return None;
+            }
+        }
+        Some(part)
+    }
+
+    fn send_locked(&self, s: &Stream, batch: &mut Vec<Part>) -> std::io::Result<()> {
         let mut heads = Vec::with_capacity(batch.len());
         for part in batch.iter() {
             let tag = s.next_tag.fetch_add(1, Ordering::Relaxed);
@@ -421,6 +457,17 @@ impl Link for TcpLink {
             return Err(self.close_reason());
         }
         self.queue.reserve(parts.len() + extra_slots)?;
+        let mut parts = parts.into_iter();
+        if parts.len() == 1 {
+            let part = parts.next().unwrap();
+            match self.try_send_inline(part) {
+                None => {
+                    self.queue.unreserve(1);
+                    return Ok(());
+                }
+                Some(p) => self.queue.push_reserved(p),
+            }
+        }
         for p in parts {
             self.queue.push_reserved(p);
         }
