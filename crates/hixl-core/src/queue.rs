@@ -342,11 +342,26 @@ impl<T> WorkQueue<T> {
     /// Pops up to `max` items into `out`; sleeps up to `idle` when empty. Returns false once
     /// the queue is closed and empty.
     pub fn pop_batch(&self, out: &mut Vec<T>, max: usize, idle: Duration) -> bool {
+        self.pop_weighted(out, max, u64::MAX, |_| 0, idle)
+    }
+
+    /// Like `pop_batch`, but stops taking items once their summed `weight` reaches
+    /// `max_weight` (so one worker does not take every large item while others idle).
+    pub fn pop_weighted(
+        &self,
+        out: &mut Vec<T>,
+        max: usize,
+        max_weight: u64,
+        weight: impl Fn(&T) -> u64,
+        idle: Duration,
+    ) -> bool {
+        let mut taken = 0u64;
         loop {
-            while out.len() < max {
+            while out.len() < max && taken < max_weight {
                 match self.q.pop() {
                     Some(x) => {
                         self.reserved.fetch_sub(1, Ordering::AcqRel);
+                        taken = taken.saturating_add(weight(&x));
                         out.push(x);
                     }
                     None => break,

@@ -21,6 +21,9 @@ use crate::wire::{self, Frame, Seg};
 
 /// Most parts a writer takes from the queue per wake-up.
 const BATCH_PARTS: usize = 64;
+/// A writer stops taking parts once it holds this many bytes, leaving the rest to the
+/// other streams' writers.
+const BATCH_BYTES: u64 = 256 * 1024;
 /// Requests up to this size may be sent by the calling thread (see `try_send_inline`).
 const INLINE_BYTES: u64 = 64 * 1024;
 
@@ -194,7 +197,11 @@ impl TcpLink {
 
     fn writer(self: &Arc<Self>, s: &Stream) {
         let mut batch = Vec::with_capacity(BATCH_PARTS);
-        while self.queue.pop_batch(&mut batch, BATCH_PARTS, Duration::from_secs(1)) {
+        let bytes = |p: &Part| match &p.body {
+            PartBody::Data(segs) => segs.iter().map(|s| s.len).sum(),
+            PartBody::Notify(_) => 0,
+        };
+        while self.queue.pop_weighted(&mut batch, BATCH_PARTS, BATCH_BYTES, bytes, Duration::from_secs(1)) {
             if batch.is_empty() {
                 continue;
             }
