@@ -167,3 +167,26 @@ def test_log_level():
         assert "LOUD" in str(x)
     else:
         raise AssertionError("bad level accepted")
+
+
+def test_engine_used_after_fork_fails_clearly(engine):
+    import warnings
+
+    r, w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: intended here
+        pid = os.fork()
+    if pid == 0:  # child: the engine's threads did not survive; it must say so, not hang
+        os.close(r)
+        try:
+            engine.register(bytearray(64))
+            msg = b"no error"
+        except hixl.Failed as x:
+            msg = str(x).encode()
+        os.write(w, msg)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        msg = f.read().decode()
+    os.waitpid(pid, 0)
+    assert "fork" in msg, msg

@@ -19,6 +19,8 @@ __all__ = [
     "TransferReq",
     "TransferStatus",
     "__version__",
+    "_raw_tcp_send",
+    "_raw_tcp_sink",
     "get_log_level",
     "option_keys",
     "set_log_level",

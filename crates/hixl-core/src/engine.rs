@@ -577,12 +577,17 @@ fn validate(
             )));
         }
         bytes += d.len;
-        match segs.last_mut() {
-            Some(p) if p.local + p.len == d.local_addr && p.remote + p.len == d.remote_addr => p.len += d.len,
-            _ => segs.push(SegPair { local: d.local_addr, remote: d.remote_addr, len: d.len }),
-        }
+        push_merged(&mut segs, d);
     }
     Ok((segs, pins, bytes))
+}
+
+/// Appends a descriptor, extending the last segment when both sides continue it.
+fn push_merged(segs: &mut Vec<SegPair>, d: &TransferOpDesc) {
+    match segs.last_mut() {
+        Some(p) if p.local + p.len == d.local_addr && p.remote + p.len == d.remote_addr => p.len += d.len,
+        _ => segs.push(SegPair { local: d.local_addr, remote: d.remote_addr, len: d.len }),
+    }
 }
 
 /// Cuts merged segments into parts: one per stream for large batches (splitting segments at
@@ -620,6 +625,19 @@ mod tests {
 
     fn sp(local: u64, remote: u64, len: u64) -> SegPair {
         SegPair { local, remote, len }
+    }
+
+    #[test]
+    fn adjacent_descriptors_merge_into_one_segment() {
+        let d = |l, r, n| TransferOpDesc { local_addr: l, remote_addr: r, len: n };
+        let mut segs = Vec::new();
+        // 4 blocks contiguous on both sides, then one contiguous only locally, then a gap.
+        for x in
+            [d(0, 1000, 10), d(10, 1010, 10), d(20, 1020, 5), d(25, 1025, 5), d(30, 2000, 8), d(50, 2008, 2)]
+        {
+            push_merged(&mut segs, &x);
+        }
+        assert_eq!(segs, vec![sp(0, 1000, 30), sp(30, 2000, 8), sp(50, 2008, 2)]);
     }
 
     #[test]

@@ -202,6 +202,16 @@ impl TcpLink {
             PartBody::Notify(_) => 0,
         };
         while self.queue.pop_weighted(&mut batch, BATCH_PARTS, BATCH_BYTES, bytes, Duration::from_secs(1)) {
+            // A request that already timed out is not sent any further.
+            for p in std::mem::take(&mut batch) {
+                if p.req.status() == TransferStatus::Waiting {
+                    batch.push(p);
+                } else {
+                    let err =
+                        p.req.error().unwrap_or_else(|| Error::timeout("request ended before it was sent"));
+                    self.finish_part(p, Err(err));
+                }
+            }
             if batch.is_empty() {
                 continue;
             }
@@ -305,7 +315,7 @@ impl TcpLink {
                 },
                 Frame::ReadResp { status, message } => {
                     let Some(p) = self.pop_pending(s, h.tag) else { break };
-                    let mut res = status_of(status, message);
+                    let res = status_of(status, message);
                     if res.is_ok() {
                         if let Err(e) = self.recv_read_bulk(fd, &p.part, h.bulk_len) {
                             let err = Error::not_connected(format!(
@@ -317,7 +327,6 @@ impl TcpLink {
                             break;
                         }
                     }
-                    res = res.and(Ok(()));
                     self.finish_part(p.part, res);
                 }
                 Frame::HeartbeatAck => {}
