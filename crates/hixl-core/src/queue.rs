@@ -275,8 +275,14 @@ pub struct Part {
 }
 
 /// A bounded lock-free MPMC queue with reservations and a doorbell for sleeping workers.
+///
+/// Besides the shared queue that any worker drains, it may have per-worker *lanes*: the shares
+/// of one split request are pushed one per lane, so that every stream carries its share even
+/// when one worker could have popped them all before the others woke. One reservation counter
+/// bounds the items in the shared queue and the lanes together.
 pub struct WorkQueue<T> {
     q: ArrayQueue<T>,
+    lanes: Vec<ArrayQueue<T>>,
     reserved: AtomicUsize,
     closed: AtomicBool,
     sleepers: AtomicUsize,
@@ -285,10 +291,17 @@ pub struct WorkQueue<T> {
 }
 
 impl<T> WorkQueue<T> {
-    /// A queue holding at most `capacity` items.
+    /// A queue holding at most `capacity` items, without lanes.
     pub fn new(capacity: usize) -> Self {
+        Self::with_lanes(capacity, 0)
+    }
+
+    /// A queue holding at most `capacity` items in all, with `lanes` per-worker lanes.
+    pub fn with_lanes(capacity: usize, lanes: usize) -> Self {
+        let cap = capacity.max(1);
         WorkQueue {
-            q: ArrayQueue::new(capacity.max(1)),
+            q: ArrayQueue::new(cap),
+            lanes: (0..lanes).map(|_| ArrayQueue::new(cap)).collect(),
             reserved: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
@@ -300,6 +313,11 @@ impl<T> WorkQueue<T> {
     /// Capacity.
     pub fn capacity(&self) -> usize {
         self.q.capacity()
+    }
+
+    /// Number of lanes.
+    pub fn lanes(&self) -> usize {
+        self.lanes.len()
     }
 
     /// Reserves `n` slots; `RESOURCE_EXHAUSTED` at once when they are not free.
@@ -339,16 +357,43 @@ impl<T> WorkQueue<T> {
         }
     }
 
-    /// Pops up to `max` items into `out`; sleeps up to `idle` when empty. Returns false once
-    /// the queue is closed and empty.
-    pub fn pop_batch(&self, out: &mut Vec<T>, max: usize, idle: Duration) -> bool {
-        self.pop_weighted(out, max, u64::MAX, |_| 0, idle)
+    /// Pushes an item reserved earlier into one worker's lane and wakes the workers (all of
+    /// them: the bell does not know which sleeper owns the lane).
+    pub fn push_reserved_lane(&self, lane: usize, item: T) {
+        if self.lanes[lane].push(item).is_err() {
+            unreachable!("a reserved slot is always free");
+        }
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            let _g = self.bell.lock().unwrap();
+            self.ring.notify_all();
+        }
     }
 
-    /// Like `pop_batch`, but stops taking items once their summed `weight` reaches
-    /// `max_weight` (so one worker does not take every large item while others idle).
+    /// Pops up to `max` shared items into `out`; sleeps up to `idle` when empty. Returns false
+    /// once the queue is closed and empty.
+    pub fn pop_batch(&self, out: &mut Vec<T>, max: usize, idle: Duration) -> bool {
+        self.pop_weighted(None, out, max, u64::MAX, |_| 0, idle)
+    }
+
+    fn empty_for(&self, lane: Option<usize>) -> bool {
+        self.q.is_empty() && lane.is_none_or(|l| self.lanes[l].is_empty())
+    }
+
+    fn pop_from(&self, lane: Option<usize>) -> Option<T> {
+        let x = lane.and_then(|l| self.lanes[l].pop()).or_else(|| self.q.pop());
+        if x.is_some() {
+            self.reserved.fetch_sub(1, Ordering::AcqRel);
+        }
+        x
+    }
+
+    /// Pops items of `lane` (if any) first, then shared ones, into `out`: at most `max`, and
+    /// no more once their summed `weight` reaches `max_weight` (so one worker does not take
+    /// every large item while the others idle). Sleeps up to `idle` when there is nothing.
+    /// Returns false once the queue is closed and empty.
     pub fn pop_weighted(
         &self,
+        lane: Option<usize>,
         out: &mut Vec<T>,
         max: usize,
         max_weight: u64,
@@ -358,9 +403,8 @@ impl<T> WorkQueue<T> {
         let mut taken = 0u64;
         loop {
             while out.len() < max && taken < max_weight {
-                match self.q.pop() {
+                match self.pop_from(lane) {
                     Some(x) => {
-                        self.reserved.fetch_sub(1, Ordering::AcqRel);
                         taken = taken.saturating_add(weight(&x));
                         out.push(x);
                     }
@@ -375,11 +419,11 @@ impl<T> WorkQueue<T> {
             }
             let g = self.bell.lock().unwrap();
             self.sleepers.fetch_add(1, Ordering::SeqCst);
-            if self.q.is_empty() && !self.closed.load(Ordering::Acquire) {
+            if self.empty_for(lane) && !self.closed.load(Ordering::Acquire) {
                 let _ = self.ring.wait_timeout(g, idle).unwrap();
             }
             self.sleepers.fetch_sub(1, Ordering::SeqCst);
-            if self.q.is_empty() {
+            if self.empty_for(lane) {
                 return !self.closed.load(Ordering::Acquire);
             }
         }
@@ -392,9 +436,9 @@ impl<T> WorkQueue<T> {
         self.ring.notify_all();
     }
 
-    /// Whether no item is queued.
+    /// Whether nothing is queued, shared or in any lane.
     pub fn is_empty(&self) -> bool {
-        self.q.is_empty()
+        self.q.is_empty() && self.lanes.iter().all(|l| l.is_empty())
     }
 
     /// Whether `close` was called.
@@ -402,13 +446,13 @@ impl<T> WorkQueue<T> {
         self.closed.load(Ordering::Acquire)
     }
 
-    /// Pops one item without waiting (used to fail leftovers).
+    /// Pops one item from anywhere without waiting (used to fail leftovers).
     pub fn pop(&self) -> Option<T> {
-        let x = self.q.pop();
-        if x.is_some() {
+        if let Some(x) = self.lanes.iter().find_map(|l| l.pop()) {
             self.reserved.fetch_sub(1, Ordering::AcqRel);
+            return Some(x);
         }
-        x
+        self.pop_from(None)
     }
 }
 
@@ -432,6 +476,25 @@ mod tests {
         assert!(q.pop_batch(&mut out, 16, Duration::from_millis(1)));
         assert_eq!(out, vec![0, 1, 2, 3], "one wake-up drains the batch in order");
         q.reserve(4).unwrap();
+    }
+
+    #[test]
+    fn lanes_go_to_their_worker_and_share_the_bound() {
+        let q = WorkQueue::<u32>::with_lanes(3, 2);
+        q.reserve(3).unwrap();
+        assert!(q.reserve(1).is_err(), "lanes count against the same bound");
+        q.push_reserved_lane(0, 10);
+        q.push_reserved_lane(1, 11);
+        q.push_reserved(12);
+        let mut out = vec![];
+        assert!(q.pop_weighted(Some(1), &mut out, 1, u64::MAX, |_| 0, Duration::ZERO));
+        assert_eq!(out, vec![11], "a worker takes its own lane first");
+        out.clear();
+        assert!(q.pop_weighted(Some(1), &mut out, 8, u64::MAX, |_| 0, Duration::ZERO));
+        assert_eq!(out, vec![12], "then shared items, never another lane");
+        assert_eq!(q.pop(), Some(10));
+        assert!(q.is_empty());
+        q.reserve(3).unwrap();
     }
 
     #[test]

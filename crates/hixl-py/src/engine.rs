@@ -159,10 +159,17 @@ fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::TransferOpDe
             "descs array must be C-contiguous with shape (N, 3), got shape {shape:?}"
         )));
     }
-    let flat = buf.to_vec(descs.py())?;
-    Ok(flat
+    // One pass straight from the array's memory into the descriptors (no intermediate copy).
+    let cells = buf
+        .as_slice(descs.py())
+        .ok_or_else(|| errors::param("descs array must be C-contiguous with shape (N, 3)"))?;
+    Ok(cells
         .chunks_exact(3)
-        .map(|c| hixl_core::TransferOpDesc { local_addr: c[0], remote_addr: c[1], len: c[2] })
+        .map(|c| hixl_core::TransferOpDesc {
+            local_addr: c[0].get(),
+            remote_addr: c[1].get(),
+            len: c[2].get(),
+        })
         .collect())
 }
 

@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
@@ -46,6 +46,8 @@ struct Pending {
 }
 
 struct Stream {
+    /// Index of this stream, and of its lane in the link's queue.
+    lane: usize,
     sock: TcpStream,
     /// Held while frames are written, so that frames of two senders never interleave.
     send_lock: Mutex<()>,
@@ -58,6 +60,8 @@ pub struct TcpLink {
     peer: String,
     info: Mutex<PeerInfo>,
     queue: WorkQueue<Part>,
+    /// Where the next split request's first share goes (rotates, to spread the load).
+    next_lane: AtomicUsize,
     streams: Vec<Arc<Stream>>,
     alive: AtomicBool,
     reason: Mutex<Option<Error>>,
@@ -161,11 +165,14 @@ impl TcpLink {
         let link = Arc::new(TcpLink {
             peer: peer.to_string(),
             info: Mutex::new(info),
-            queue: WorkQueue::new(p.queue_depth),
+            queue: WorkQueue::with_lanes(p.queue_depth, socks.len()),
+            next_lane: AtomicUsize::new(0),
             streams: socks
                 .into_iter()
-                .map(|sock| {
+                .enumerate()
+                .map(|(lane, sock)| {
                     Arc::new(Stream {
+                        lane,
                         sock,
                         send_lock: Mutex::new(()),
                         pending: Mutex::new(VecDeque::new()),
@@ -201,7 +208,15 @@ impl TcpLink {
             PartBody::Data(segs) => segs.iter().map(|s| s.len).sum(),
             PartBody::Notify(_) => 0,
         };
-        while self.queue.pop_weighted(&mut batch, BATCH_PARTS, BATCH_BYTES, bytes, Duration::from_secs(1)) {
+        let lane = Some(s.lane);
+        while self.queue.pop_weighted(
+            lane,
+            &mut batch,
+            BATCH_PARTS,
+            BATCH_BYTES,
+            bytes,
+            Duration::from_secs(1),
+        ) {
             // A request that already timed out is not sent any further.
             for p in std::mem::take(&mut batch) {
                 if p.req.status() == TransferStatus::Waiting {
@@ -484,8 +499,16 @@ impl Link for TcpLink {
                 Some(p) => self.queue.push_reserved(p),
             }
         }
-        for p in parts {
-            self.queue.push_reserved(p);
+        if parts.len() > 1 {
+            // The shares of a split request: one per stream, so that all streams carry one.
+            let start = self.next_lane.fetch_add(1, Ordering::Relaxed);
+            for (i, p) in parts.enumerate() {
+                self.queue.push_reserved_lane((start + i) % self.streams.len(), p);
+            }
+        } else {
+            for p in parts {
+                self.queue.push_reserved(p);
+            }
         }
         self.fail_queued_if_closed();
         Ok(())
