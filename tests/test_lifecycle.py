@@ -11,6 +11,7 @@ import time
 import weakref
 
 import numpy as np
+import pytest
 from conftest import random_bytes
 
 import hixl
@@ -190,3 +191,55 @@ def test_engine_used_after_fork_fails_clearly(engine):
         msg = f.read().decode()
     os.waitpid(pid, 0)
     assert "fork" in msg, msg
+
+
+class _TensorLike:
+    """Duck-typed stand-in with torch's tensor interface (data_ptr, untyped_storage, device,
+    is_contiguous, numel, element_size) over numpy memory: exercises the tensor path where
+    torch is not installed. The real-torch test below runs when torch is importable."""
+
+    class _Dev:
+        def __init__(self, kind: str) -> None:
+            self.type = kind
+
+    def __init__(self, arr: np.ndarray, device: str = "cpu", contiguous: bool = True) -> None:
+        self.arr, self.device, self.contiguous = arr, self._Dev(device), contiguous
+
+    def data_ptr(self) -> int:
+        return self.arr.ctypes.data
+
+    def untyped_storage(self) -> object:
+        return self.arr
+
+    def is_contiguous(self) -> bool:
+        return self.contiguous
+
+    def numel(self) -> int:
+        return self.arr.size
+
+    def element_size(self) -> int:
+        return self.arr.itemsize
+
+
+def test_tensor_like_objects_register_by_data_ptr(engine, make_peer):
+    peer = make_peer(4096)
+    engine.connect(peer.engine, timeout_ms=5000)
+    arr = random_bytes(4096, 4).view(np.float16)
+    t = _TensorLike(arr)
+    h = engine.register(t)
+    assert (h.addr, h.len) == (arr.ctypes.data, 4096)
+    engine.transfer_sync(peer.engine, W, [(h.addr, peer.addr, 4096)])
+    assert peer.read().tobytes() == arr.tobytes()
+    with pytest.raises(hixl.Unsupported, match="cuda"):
+        engine.register(_TensorLike(np.zeros(8), device="cuda"))
+    with pytest.raises(hixl.ParamInvalid, match="contiguous"):
+        engine.register(_TensorLike(np.zeros(8), contiguous=False))
+
+
+def test_torch_cpu_tensor():
+    torch = pytest.importorskip("torch", reason="torch is not installed (not a dependency)")
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1")
+        t = torch.arange(1024, dtype=torch.float32)
+        h = e.register(t)
+        assert (h.addr, h.len) == (t.data_ptr(), 4096)

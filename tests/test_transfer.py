@@ -136,3 +136,25 @@ def test_remote_mems_and_ipv6(make_peer):
 
             time.sleep(0.001)
         assert s == hixl.AsyncConnectStatus.CONNECTED
+
+
+def test_batch_status_query_reports_each_final_status_once(engine, make_peer):
+    peer = make_peer(64 * 1024)
+    engine.connect(peer.engine, timeout_ms=5000)
+    src = random_bytes(64 * 1024, 9)
+    engine.register(src)
+    reqs = [
+        engine.transfer_async(
+            peer.engine,
+            W,
+            [(src.ctypes.data + i * 4096, peer.addr + i * 4096, 4096)],
+            user_data=f"blk{i}",
+        )
+        for i in range(16)
+    ]
+    for r in reqs:
+        assert r.wait(10_000) == hixl.TransferStatus.COMPLETED
+    got = engine.get_transfer_status()
+    assert sorted(got) == sorted((f"blk{i}", hixl.TransferStatus.COMPLETED) for i in range(16))
+    assert engine.get_transfer_status() == [], "final statuses are reported once"
+    assert np.array_equal(peer.read(), src)

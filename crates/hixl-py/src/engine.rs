@@ -120,7 +120,12 @@ impl TransferReq {
 pub struct Hixl {
     engine: Arc<Engine>,
     keep: Mutex<HashMap<(u64, u64), KeepAlive>>,
+    /// Requests not yet reported final by the no-argument `get_transfer_status()`.
+    unreported: Mutex<Vec<Py<TransferReq>>>,
 }
+
+/// Past this many unreported requests, finished ones are forgotten unreported.
+const MAX_UNREPORTED: usize = 65536;
 
 fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::TransferOpDesc>> {
     if descs.is_instance_of::<PyList>() || descs.is_instance_of::<PyTuple>() {
@@ -177,7 +182,11 @@ fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::TransferOpDe
 impl Hixl {
     #[new]
     fn py_new() -> Self {
-        Hixl { engine: Arc::new(Engine::new()), keep: Mutex::new(HashMap::new()) }
+        Hixl {
+            engine: Arc::new(Engine::new()),
+            keep: Mutex::new(HashMap::new()),
+            unreported: Mutex::new(Vec::new()),
+        }
     }
 
     /// Starts the engine: "ip:port" listens (port 0 = ephemeral), "ip" alone is client only.
@@ -320,17 +329,36 @@ impl Hixl {
         user_data: Option<Py<PyAny>>,
         notify: Option<NotifyDesc>,
         timeout_ms: Option<f64>,
-    ) -> PyResult<TransferReq> {
+    ) -> PyResult<Py<TransferReq>> {
         let t = ms("timeout_ms", timeout_ms)?;
         let d = parse_descs(descs)?;
         let e = self.engine.clone();
         let n = notify.map(Into::into);
         let req = py.allow_threads(|| e.transfer_async(remote, op.into(), &d, n, t)).map_err(to_py)?;
-        Ok(TransferReq { req, user_data: user_data.unwrap_or_else(|| py.None()) })
+        let obj = Py::new(py, TransferReq { req, user_data: user_data.unwrap_or_else(|| py.None()) })?;
+        let mut un = self.unreported.lock().unwrap();
+        if un.len() >= MAX_UNREPORTED {
+            un.retain(|r| r.get().req.status() == hixl_core::TransferStatus::Waiting);
+        }
+        un.push(obj.clone_ref(py));
+        Ok(obj)
     }
 
-    /// Status of one request, or a list of statuses for a list of requests.
-    fn get_transfer_status(&self, py: Python<'_>, req: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+    /// Status of one request; a list of statuses for a list of requests; with no argument,
+    /// `[(user_data, status), ...]` for every request still in flight or finished since the
+    /// previous no-argument call (each final status is reported once).
+    #[pyo3(signature = (req = None))]
+    fn get_transfer_status(&self, py: Python<'_>, req: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
+        let Some(req) = req else {
+            let mut out = Vec::new();
+            self.unreported.lock().unwrap().retain(|r| {
+                let r = r.get();
+                let s = r.req.status();
+                out.push((r.user_data.clone_ref(py), TransferStatus::from(s)));
+                s == hixl_core::TransferStatus::Waiting
+            });
+            return Ok(out.into_pyobject(py)?.into_any().unbind());
+        };
         if let Ok(r) = req.downcast::<TransferReq>() {
             let s: TransferStatus = r.get().req.status().into();
             return Ok(s.into_pyobject(py)?.into_any().unbind());
