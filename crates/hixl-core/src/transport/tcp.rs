@@ -95,36 +95,46 @@ fn connect_one(addr: SocketAddr, deadline: Instant, peer: &str) -> Result<TcpStr
     }
 }
 
-fn handshake(
+fn handshake_io_error(peer: &str) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |e: std::io::Error| {
+        if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+            Error::timeout(format!("handshake with {peer}: no answer within the timeout"))
+        } else {
+            Error::not_connected(format!("handshake with {peer}: {e}"))
+        }
+    }
+}
+
+/// Sends Hello on a fresh stream (with the connect deadline as socket timeouts).
+fn send_hello(
     s: &TcpStream,
     p: &ConnectParams,
     nonce: u64,
     i: usize,
     deadline: Instant,
     peer: &str,
-) -> Result<PeerInfo> {
+) -> Result<()> {
+    let map_io = handshake_io_error(peer);
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    let map_io = |e: std::io::Error| {
-        if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
-            Error::timeout(format!("handshake with {peer}: no answer within the timeout"))
-        } else {
-            Error::not_connected(format!("handshake with {peer}: {e}"))
-        }
-    };
-    s.set_read_timeout(Some(left)).map_err(map_io)?;
-    s.set_write_timeout(Some(left)).map_err(map_io)?;
-    s.set_nodelay(true).map_err(map_io)?;
+    s.set_read_timeout(Some(left)).map_err(&map_io)?;
+    s.set_write_timeout(Some(left)).map_err(&map_io)?;
+    s.set_nodelay(true).map_err(&map_io)?;
     let hello = Frame::Hello {
         engine_id: p.local_id.clone(),
         link_nonce: nonce,
         stream_index: i as u16,
         stream_count: p.streams as u16,
     };
-    io::send_bytes(s.as_raw_fd(), &wire::encode(&hello, 0, 0)).map_err(map_io)?;
+    io::send_bytes(s.as_raw_fd(), &wire::encode(&hello, 0, 0)).map_err(&map_io)
+}
+
+/// Reads the Welcome that answers Hello, then clears the socket timeouts.
+fn recv_welcome(s: &TcpStream, peer: &str) -> Result<PeerInfo> {
+    let map_io = handshake_io_error(peer);
     let mut buf = Vec::new();
-    let (_, f) = io::recv_frame(s.as_raw_fd(), &mut buf).map_err(map_io)?;
-    s.set_read_timeout(None).map_err(map_io)?;
-    s.set_write_timeout(None).map_err(map_io)?;
+    let (_, f) = io::recv_frame(s.as_raw_fd(), &mut buf).map_err(&map_io)?;
+    s.set_read_timeout(None).map_err(&map_io)?;
+    s.set_write_timeout(None).map_err(&map_io)?;
     match f {
         Frame::Welcome { engine_id, pid, regions } => {
             Ok(PeerInfo { engine_id, pid, regions: RemoteTable::new(regions) })
@@ -144,11 +154,17 @@ impl TcpLink {
     pub fn connect(peer: &str, addr: SocketAddr, p: &ConnectParams) -> Result<Arc<TcpLink>> {
         let deadline = Instant::now() + p.timeout;
         let nonce = Instant::now().elapsed().as_nanos() as u64 ^ ((std::process::id() as u64) << 32);
+        // Connect every stream and send every Hello first, then read the Welcomes: the
+        // target answers the streams in parallel, so connecting costs about one round trip.
         let mut socks = Vec::with_capacity(p.streams);
-        let mut info: Option<PeerInfo> = None;
         for i in 0..p.streams {
             let s = connect_one(addr, deadline, peer)?;
-            let pi = handshake(&s, p, nonce, i, deadline, peer)?;
+            send_hello(&s, p, nonce, i, deadline, peer)?;
+            socks.push(s);
+        }
+        let mut info: Option<PeerInfo> = None;
+        for s in &socks {
+            let pi = recv_welcome(s, peer)?;
             if let Some(first) = &info {
                 if first.engine_id != pi.engine_id {
                     return Err(Error::not_connected(format!(
@@ -159,7 +175,6 @@ impl TcpLink {
             } else {
                 info = Some(pi);
             }
-            socks.push(s);
         }
         let info = info.ok_or_else(|| Error::param("hixl.streams must be at least 1"))?;
         let link = Arc::new(TcpLink {
