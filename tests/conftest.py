@@ -89,9 +89,10 @@ def make_peer() -> Iterator:
 
 
 @pytest.fixture
-def engine() -> Iterator[hixl.Hixl]:
+def engine(request) -> Iterator[hixl.Hixl]:
+    """An initiator engine; TCP data path unless parametrized indirectly with a transport."""
     e = hixl.Hixl()
-    e.initialize("127.0.0.1")
+    e.initialize("127.0.0.1", {"hixl.transport": getattr(request, "param", "tcp")})
     yield e
     e.finalize()
 

@@ -179,7 +179,9 @@ def test_queue_full_is_resource_exhausted(make_peer):
     size = 32 << 20
     peer = make_peer(size)
     with hixl.Hixl() as e:
-        e.initialize("127.0.0.1", {"hixl.queue_depth": "1", "hixl.streams": "1"})
+        e.initialize(
+            "127.0.0.1", {"hixl.queue_depth": "1", "hixl.streams": "1", "hixl.transport": "tcp"}
+        )
         e.connect(peer.engine, timeout_ms=5000)
         src = np.ones(size, np.uint8)
         e.register(src)

@@ -12,7 +12,11 @@ W, R = hixl.TransferOp.WRITE, hixl.TransferOp.READ
 GUARD = 64
 
 
-@pytest.mark.parametrize("size", [1, 7, 4096, 65_537, 1 << 20, 5_000_003, 64 << 20])
+BOTH = pytest.mark.parametrize("engine", ["tcp", "shm"], indirect=True)
+
+
+@BOTH
+@pytest.mark.parametrize("size", [1, 7, 4096, 65_537, 1 << 20, 5_000_003, 128 << 20])
 def test_write_then_read_back(engine, make_peer, size):
     peer = make_peer(size + 2 * GUARD)
     engine.connect(peer.engine, timeout_ms=5000)
@@ -38,6 +42,7 @@ def test_write_then_read_back(engine, make_peer, size):
     assert not back[:GUARD].any() and not back[GUARD + size :].any()
 
 
+@BOTH
 @pytest.mark.parametrize("count", [1, 2, 100, 1024, 8192])
 @pytest.mark.parametrize("as_array", [False, True])
 def test_scattered_batches(engine, make_peer, count, as_array):
@@ -73,7 +78,8 @@ def test_scattered_batches(engine, make_peer, count, as_array):
     assert np.array_equal(back, want)
 
 
-def test_many_async_requests_complete_individually(engine, make_peer):
+@BOTH
+def test_many_async_requests_complete_individually(engine, make_peer, request):
     peer = make_peer(1 << 20)
     engine.connect(peer.engine, timeout_ms=5000)
     src = random_bytes(1 << 20, 3)
@@ -92,10 +98,15 @@ def test_many_async_requests_complete_individually(engine, make_peer):
     assert engine.get_transfer_status(reqs[0]) == hixl.TransferStatus.COMPLETED
     assert np.array_equal(peer.read(), src)
     st = engine.stats()[peer.engine]
-    assert st["backend"] == "tcp" and st["bytes_write"] == 1 << 20 and st["ops_write"] == 256
+    assert (
+        st["backend"] == request.node.callspec.params["engine"]
+        and st["bytes_write"] == 1 << 20
+        and st["ops_write"] == 256
+    )
     assert st["latency_us"]["count"] == 256
 
 
+@BOTH
 def test_notify_after_transfer_arrives_after_the_bytes(engine, make_peer):
     peer = make_peer(8 << 20)
     engine.connect(peer.engine, timeout_ms=5000)

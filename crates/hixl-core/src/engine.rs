@@ -13,11 +13,12 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result, Status};
 use crate::notify::NotifyStore;
-use crate::options::Options;
+use crate::options::{Options, Transport};
 use crate::queue::{NotifyDesc, Part, PartBody, Request, SegPair, TransferOp, TransferStatus};
 use crate::registry::{Abort, MemType, Pin, Registry};
 use crate::stats::LatencySummary;
 use crate::transport::server::{Server, ServerCtx};
+use crate::transport::shm::{self, Probe, ShmLink};
 use crate::transport::tcp::{ConnectParams, TcpLink};
 use crate::transport::Link;
 use crate::wire::MAX_DESCS;
@@ -110,6 +111,9 @@ enum PeerSlot {
 
 struct Running {
     local_engine: String,
+    host: String,
+    /// Read by same-host peers at connect to prove direct access (lives as long as the engine).
+    _probe: Probe,
     opts: Options,
     pid: u32,
     registry: Arc<Registry>,
@@ -180,6 +184,8 @@ impl Engine {
         let registry = Arc::new(Registry::new());
         let notifies = Arc::new(NotifyStore::new(opts.max_notifies));
         let pid = std::process::id();
+        let host = shm::host_id();
+        let probe = Probe::new();
         let bare = local_engine.trim_start_matches('[').trim_end_matches(']');
         let (local, server) = if let Ok(ip) = bare.parse::<IpAddr>() {
             // Client only: an id that is unique per process.
@@ -195,12 +201,17 @@ impl Engine {
                 registry: registry.clone(),
                 notifies: notifies.clone(),
                 handshake_timeout: opts.handshake_timeout,
+                host: host.clone(),
+                probe_addr: probe.addr(),
+                probe_token: probe.token(),
             });
             (bound, Some(Server::start(l, ctx)?))
         };
         tracing::info!(engine = %local, "engine initialized");
         *st = Some(Arc::new(Running {
             local_engine: local,
+            host,
+            _probe: probe,
             opts,
             pid,
             registry,
@@ -240,13 +251,22 @@ impl Engine {
     pub fn register_mem(&self, desc: MemDesc, mem_type: MemType) -> Result<MemHandle> {
         let r = self.running()?;
         let region = r.registry.register(desc.addr, desc.len, mem_type)?;
+        if let Some(s) = &r.server {
+            s.publish_regions(None)?;
+        }
         Ok(MemHandle { id: region.id, addr: region.addr, len: region.len, mem_type })
     }
 
     /// Deregisters a region, waiting for (then aborting) transfers that use it. Idempotent.
     pub fn deregister_mem(&self, h: &MemHandle) -> Result<()> {
         let r = self.running()?;
-        r.registry.deregister(h.addr, h.len, r.opts.deregister_timeout).map(|_| ())
+        let removed = r.registry.deregister(h.addr, h.len, r.opts.deregister_timeout)?;
+        match &r.server {
+            // Same-host peers copy without a target-side check: they must drop the region
+            // from their tables before its memory may be freed.
+            Some(s) if removed => s.publish_regions(Some(r.opts.deregister_timeout)),
+            _ => Ok(()),
+        }
     }
 
     fn link_params(r: &Running, timeout: Duration) -> ConnectParams {
@@ -255,6 +275,7 @@ impl Engine {
             streams: r.opts.streams,
             queue_depth: r.opts.queue_depth,
             timeout,
+            host: r.host.clone(),
         }
     }
 
@@ -281,11 +302,43 @@ impl Engine {
         }
     }
 
-    fn finish_connect(r: &Running, key: &str, res: Result<Arc<TcpLink>>, keep_failure: bool) -> Result<()> {
+    /// Connects the TCP link, then picks the data backend (see `hixl.transport`).
+    fn open_link(r: &Running, key: &str, addr: SocketAddr, timeout: Duration) -> Result<Arc<dyn Link>> {
+        let tcp = TcpLink::connect(key, addr, &Self::link_params(r, timeout))?;
+        if r.opts.transport == Transport::Tcp {
+            return Ok(tcp);
+        }
+        let info = tcp.peer_info();
+        let why_not = if info.host != r.host {
+            Some(format!("the peer runs on another host ({})", info.host))
+        } else {
+            shm::probe_peer(info.pid, info.probe_addr, info.probe_token).err()
+        };
+        match why_not {
+            None => {
+                let link = ShmLink::new(tcp.clone(), r.opts.shm_threads, r.opts.queue_depth);
+                link.map(|l| l as Arc<dyn Link>).inspect_err(|e| tcp.close(e.clone()))
+            }
+            Some(why) if r.opts.transport == Transport::Shm => {
+                let e = Error::new(
+                    Status::Unsupported,
+                    format!("hixl.transport=shm, but {key} cannot be reached directly: {why}"),
+                );
+                tcp.close(e.clone());
+                Err(e)
+            }
+            Some(why) => {
+                tracing::info!(peer = %key, "using tcp for data: {why}");
+                Ok(tcp)
+            }
+        }
+    }
+
+    fn finish_connect(r: &Running, key: &str, res: Result<Arc<dyn Link>>, keep_failure: bool) -> Result<()> {
         let mut peers = r.peers.lock().unwrap();
         match res {
             Ok(link) => {
-                tracing::info!(peer = %key, backend = "tcp", "connected");
+                tracing::info!(peer = %key, backend = link.backend(), "connected");
                 let conn = PeerConn { link, recent: Mutex::new(Vec::new()) };
                 peers.insert(key.to_string(), PeerSlot::Connected(Arc::new(conn)));
                 Ok(())
@@ -308,7 +361,7 @@ impl Engine {
         let addr = parse_addr(remote)?;
         let key = remote.to_string();
         Self::begin_connect(&r, &key)?;
-        let res = TcpLink::connect(&key, addr, &Self::link_params(&r, timeout));
+        let res = Self::open_link(&r, &key, addr, timeout);
         Self::finish_connect(&r, &key, res, false)
     }
 
@@ -318,12 +371,12 @@ impl Engine {
         let addr = parse_addr(remote)?;
         let key = remote.to_string();
         Self::begin_connect(&r, &key)?;
-        let params = Self::link_params(&r, r.opts.connect_timeout);
+        let timeout = r.opts.connect_timeout;
         let r2 = r.clone();
         std::thread::Builder::new()
             .name("hixl-connect".into())
             .spawn(move || {
-                let res = TcpLink::connect(&key, addr, &params);
+                let res = Self::open_link(&r2, &key, addr, timeout);
                 let _ = Self::finish_connect(&r2, &key, res, true);
             })
             .map_err(|e| Error::failed(format!("cannot start the connect thread: {e}")))?;
@@ -412,7 +465,7 @@ impl Engine {
             check_notify(n)?;
         }
         let (segs, pins, bytes) = validate(&r, &conn, remote, descs)?;
-        let parts = split(segs, bytes, r.opts.streams, r.opts.split_bytes);
+        let parts = split(segs, bytes, conn.link.parallelism(), r.opts.split_bytes);
         let timeout = timeout.unwrap_or(r.opts.transfer_timeout);
         let id = r.next_req.fetch_add(1, Ordering::Relaxed);
         let extra = usize::from(notify.is_some());
@@ -552,7 +605,7 @@ fn validate(
     remote: &str,
     descs: &[TransferOpDesc],
 ) -> Result<(Vec<SegPair>, Vec<Pin>, u64)> {
-    let table = conn.link.peer_info().regions;
+    let table = conn.link.table();
     let holder: Arc<dyn Abort> = conn.link.clone();
     let mut pins: Vec<Pin> = Vec::new();
     let mut segs: Vec<SegPair> = Vec::with_capacity(descs.len());

@@ -6,6 +6,17 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 
+/// Which backend carries a link's data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// Same host and cross-memory attach permitted: shm; otherwise tcp.
+    Auto,
+    /// Cross-memory attach only; connecting fails with UNSUPPORTED where it cannot work.
+    Shm,
+    /// TCP only.
+    Tcp,
+}
+
 /// Parsed options with their defaults.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Options {
@@ -26,6 +37,10 @@ pub struct Options {
     pub deregister_timeout: Duration,
     /// `hixl.max_notifies`: pending received notifications per peer.
     pub max_notifies: usize,
+    /// `hixl.transport`: auto | shm | tcp.
+    pub transport: Transport,
+    /// `hixl.shm_threads`: copy threads per same-host link.
+    pub shm_threads: usize,
 }
 
 impl Default for Options {
@@ -39,6 +54,8 @@ impl Default for Options {
             handshake_timeout: Duration::from_secs(5),
             deregister_timeout: Duration::from_secs(5),
             max_notifies: 4096,
+            transport: Transport::Auto,
+            shm_threads: 2,
         }
     }
 }
@@ -53,6 +70,8 @@ pub const KEYS: &[(&str, &str, &str)] = &[
     ("hixl.handshake_timeout_ms", "5000", "how long the listener waits for a new stream's Hello"),
     ("hixl.deregister_timeout_ms", "5000", "wait for in-flight transfers before aborting them"),
     ("hixl.max_notifies", "4096", "pending received notifications per peer"),
+    ("hixl.transport", "auto", "auto | shm | tcp: backend for data (control is always TCP)"),
+    ("hixl.shm_threads", "2", "copy threads per same-host link (1..64)"),
 ];
 
 fn int(key: &str, v: &str, min: u64, max: u64) -> Result<u64> {
@@ -82,6 +101,19 @@ impl Options {
                 "hixl.handshake_timeout_ms" => o.handshake_timeout = ms(1)?,
                 "hixl.deregister_timeout_ms" => o.deregister_timeout = ms(0)?,
                 "hixl.max_notifies" => o.max_notifies = int(k, v, 1, 1 << 20)? as usize,
+                "hixl.shm_threads" => o.shm_threads = int(k, v, 1, 64)? as usize,
+                "hixl.transport" => {
+                    o.transport = match v.trim().to_ascii_lowercase().as_str() {
+                        "auto" => Transport::Auto,
+                        "shm" => Transport::Shm,
+                        "tcp" => Transport::Tcp,
+                        _ => {
+                            return Err(Error::param(format!(
+                                "option hixl.transport={v:?} is invalid: expected auto, shm or tcp"
+                            )))
+                        }
+                    }
+                }
                 _ => {
                     let known: Vec<_> = KEYS.iter().map(|k| k.0).collect();
                     return Err(Error::param(format!(

@@ -28,7 +28,7 @@ pub const MAX_NAME: usize = 1024;
 /// Longest notify message / error message in bytes.
 pub const MAX_MSG: usize = 1 << 20;
 /// Most regions in a region table.
-pub const MAX_REGIONS: usize = (MAX_PAYLOAD as usize - 64 - MAX_NAME) / 16;
+pub const MAX_REGIONS: usize = (MAX_PAYLOAD as usize - 64 - 2 * MAX_NAME) / 16;
 
 /// What went wrong while decoding; the I/O layer treats it as a protocol violation.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -102,6 +102,10 @@ pub enum Kind {
     RegionsQuery = 12,
     /// Answer to RegionsQuery.
     RegionsTable = 13,
+    /// Target -> initiator, unsolicited: the target's region table changed.
+    RegionsUpdate = 14,
+    /// Initiator -> target: the update was applied and no direct access uses a removed region.
+    RegionsAck = 15,
 }
 
 impl Kind {
@@ -120,6 +124,8 @@ impl Kind {
             11 => Kind::Bye,
             12 => Kind::RegionsQuery,
             13 => Kind::RegionsTable,
+            14 => Kind::RegionsUpdate,
+            15 => Kind::RegionsAck,
             _ => return Err(WireError::BadKind(b)),
         })
     }
@@ -151,9 +157,18 @@ pub struct Seg {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Frame {
     /// See [`Kind::Hello`].
-    Hello { engine_id: String, link_nonce: u64, stream_index: u16, stream_count: u16 },
-    /// See [`Kind::Welcome`].
-    Welcome { engine_id: String, pid: u32, regions: Vec<(u64, u64)> },
+    Hello { engine_id: String, host: String, link_nonce: u64, stream_index: u16, stream_count: u16 },
+    /// See [`Kind::Welcome`]. `host` identifies the machine (boot id and host name); `pid`,
+    /// `probe_addr` and `probe_token` let a same-host initiator check that it may reach this
+    /// process's memory directly (it reads the 8-byte token at `probe_addr`).
+    Welcome {
+        engine_id: String,
+        host: String,
+        pid: u32,
+        probe_addr: u64,
+        probe_token: u64,
+        regions: Vec<(u64, u64)>,
+    },
     /// See [`Kind::Write`]; `bulk_len` equals the sum of the segment lengths.
     Write { segs: Vec<Seg> },
     /// See [`Kind::Read`].
@@ -176,6 +191,10 @@ pub enum Frame {
     RegionsQuery,
     /// See [`Kind::RegionsTable`].
     RegionsTable { regions: Vec<(u64, u64)> },
+    /// See [`Kind::RegionsUpdate`].
+    RegionsUpdate { version: u64, regions: Vec<(u64, u64)> },
+    /// See [`Kind::RegionsAck`].
+    RegionsAck { version: u64 },
 }
 
 impl Frame {
@@ -195,6 +214,8 @@ impl Frame {
             Frame::Bye => Kind::Bye,
             Frame::RegionsQuery => Kind::RegionsQuery,
             Frame::RegionsTable { .. } => Kind::RegionsTable,
+            Frame::RegionsUpdate { .. } => Kind::RegionsUpdate,
+            Frame::RegionsAck { .. } => Kind::RegionsAck,
         }
     }
 
@@ -221,15 +242,19 @@ pub fn encode(frame: &Frame, tag: u64, read_bulk: u64) -> Vec<u8> {
     p.extend_from_slice(&[0u8; HEADER_LEN]);
     let mut bulk = frame.bulk_len();
     match frame {
-        Frame::Hello { engine_id, link_nonce, stream_index, stream_count } => {
+        Frame::Hello { engine_id, host, link_nonce, stream_index, stream_count } => {
             put_str(&mut p, engine_id);
+            put_str(&mut p, host);
             p.extend_from_slice(&link_nonce.to_le_bytes());
             p.extend_from_slice(&stream_index.to_le_bytes());
             p.extend_from_slice(&stream_count.to_le_bytes());
         }
-        Frame::Welcome { engine_id, pid, regions } => {
+        Frame::Welcome { engine_id, host, pid, probe_addr, probe_token, regions } => {
             put_str(&mut p, engine_id);
+            put_str(&mut p, host);
             p.extend_from_slice(&pid.to_le_bytes());
+            p.extend_from_slice(&probe_addr.to_le_bytes());
+            p.extend_from_slice(&probe_token.to_le_bytes());
             put_regions(&mut p, regions);
         }
         Frame::Write { segs } | Frame::Read { segs } => {
@@ -255,6 +280,11 @@ pub fn encode(frame: &Frame, tag: u64, read_bulk: u64) -> Vec<u8> {
             put_str(&mut p, msg);
         }
         Frame::RegionsTable { regions } => put_regions(&mut p, regions),
+        Frame::RegionsUpdate { version, regions } => {
+            p.extend_from_slice(&version.to_le_bytes());
+            put_regions(&mut p, regions);
+        }
+        Frame::RegionsAck { version } => p.extend_from_slice(&version.to_le_bytes()),
         Frame::Heartbeat | Frame::HeartbeatAck | Frame::Bye | Frame::RegionsQuery => {}
     }
     let payload_len = (p.len() - HEADER_LEN) as u32;
@@ -310,13 +340,17 @@ pub fn decode_payload(h: &Header, payload: &[u8]) -> Result<Frame, WireError> {
     let frame = match h.kind {
         Kind::Hello => Frame::Hello {
             engine_id: r.str("engine_id", MAX_NAME)?,
+            host: r.str("host", MAX_NAME)?,
             link_nonce: r.u64("link_nonce")?,
             stream_index: r.u16("stream_index")?,
             stream_count: r.u16("stream_count")?,
         },
         Kind::Welcome => Frame::Welcome {
             engine_id: r.str("engine_id", MAX_NAME)?,
+            host: r.str("host", MAX_NAME)?,
             pid: r.u32("pid")?,
+            probe_addr: r.u64("probe_addr")?,
+            probe_token: r.u64("probe_token")?,
             regions: r.regions()?,
         },
         Kind::Write | Kind::Read => {
@@ -372,6 +406,8 @@ pub fn decode_payload(h: &Header, payload: &[u8]) -> Result<Frame, WireError> {
         Kind::Bye => Frame::Bye,
         Kind::RegionsQuery => Frame::RegionsQuery,
         Kind::RegionsTable => Frame::RegionsTable { regions: r.regions()? },
+        Kind::RegionsUpdate => Frame::RegionsUpdate { version: r.u64("version")?, regions: r.regions()? },
+        Kind::RegionsAck => Frame::RegionsAck { version: r.u64("version")? },
     };
     if !r.b.is_empty() {
         return Err(WireError::Trailing(r.b.len()));
@@ -469,15 +505,14 @@ mod tests {
         let regions = prop::collection::vec((1u64..1 << 48, 1u64..1 << 30), 0..20);
         prop_oneof![
             (s, any::<u64>(), any::<u16>(), any::<u16>()).prop_map(|(e, n, i, c)| Frame::Hello {
+                host: e.chars().rev().collect(),
                 engine_id: e,
                 link_nonce: n,
                 stream_index: i,
                 stream_count: c
             }),
-            (s, any::<u32>(), regions.clone()).prop_map(|(e, pid, regions)| Frame::Welcome {
-                engine_id: e,
-                pid,
-                regions
+            (s, s, any::<u32>(), any::<u64>(), regions.clone()).prop_map(|(e, host, pid, x, regions)| {
+                Frame::Welcome { engine_id: e, host, pid, probe_addr: x, probe_token: !x, regions }
             }),
             prop::collection::vec(seg(), 0..50).prop_map(|segs| Frame::Write { segs }),
             prop::collection::vec(seg(), 0..50).prop_map(|segs| Frame::Read { segs }),
@@ -489,7 +524,9 @@ mod tests {
             Just(Frame::HeartbeatAck),
             Just(Frame::Bye),
             Just(Frame::RegionsQuery),
-            regions.prop_map(|regions| Frame::RegionsTable { regions }),
+            regions.clone().prop_map(|regions| Frame::RegionsTable { regions }),
+            (any::<u64>(), regions).prop_map(|(version, regions)| Frame::RegionsUpdate { version, regions }),
+            any::<u64>().prop_map(|version| Frame::RegionsAck { version }),
         ]
     }
 

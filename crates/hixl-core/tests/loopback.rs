@@ -34,7 +34,13 @@ struct Pair {
     bbuf: Vec<u8>,
 }
 
+/// Two engines; the TCP data path unless `opts` names another `hixl.transport`.
 fn pair(size: usize, opts: &[(&str, &str)]) -> Pair {
+    let mut opts = opts.to_vec();
+    if !opts.iter().any(|(k, _)| *k == "hixl.transport") {
+        opts.push(("hixl.transport", "tcp"));
+    }
+    let opts = &opts[..];
     let a = engine("127.0.0.1", opts);
     let b = engine("127.0.0.1:0", opts);
     let mut abuf = vec![0u8; size];
@@ -298,4 +304,94 @@ fn peer_finalize_fails_pending_requests() {
     let e = p.a.transfer_sync(&p.peer, TransferOp::Write, &d, T).unwrap_err();
     assert_eq!(e.status, Status::NotConnected, "{e}");
     let _ = &mut p.bbuf;
+}
+
+#[test]
+fn forced_shm_moves_bytes_and_names_the_backend() {
+    for transport in ["shm", "auto"] {
+        let size = 8 << 20;
+        let mut p = pair(size, &[("hixl.transport", transport)]);
+        fill(&mut p.abuf, 77);
+        let la = p.abuf.as_ptr() as u64;
+        let rb = p.bbuf.as_ptr() as u64;
+        // Large (split over the copy threads), scattered small, and a READ back.
+        p.a.transfer_sync(
+            &p.peer,
+            TransferOp::Write,
+            &[TransferOpDesc { local_addr: la, remote_addr: rb, len: size as u64 }],
+            T,
+        )
+        .unwrap();
+        assert!(p.bbuf == p.abuf);
+        let descs: Vec<_> = (0..3000u64)
+            .map(|i| TransferOpDesc {
+                local_addr: la + i * 1024,
+                remote_addr: rb + ((i * 7) % 3000) * 1024 + 8,
+                len: 100,
+            })
+            .collect();
+        p.bbuf.fill(0);
+        p.a.transfer_sync(&p.peer, TransferOp::Write, &descs, T).unwrap();
+        for i in 0..3000usize {
+            let r = ((i * 7) % 3000) * 1024 + 8;
+            assert_eq!(&p.bbuf[r..r + 100], &p.abuf[i * 1024..i * 1024 + 100]);
+            assert_eq!(p.bbuf[r - 1], 0);
+            assert_eq!(p.bbuf[r + 100], 0);
+        }
+        let want = p.bbuf.clone();
+        p.abuf.fill(0);
+        p.a.transfer_sync(
+            &p.peer,
+            TransferOp::Read,
+            &[TransferOpDesc { local_addr: la, remote_addr: rb, len: size as u64 }],
+            T,
+        )
+        .unwrap();
+        assert!(p.abuf == want);
+        let st = p.a.stats().unwrap();
+        assert_eq!(st[0].backend, "shm", "{transport}");
+        assert_eq!(st[0].bytes_read, size as u64);
+        // Notify after data over the control link.
+        let req =
+            p.a.transfer_async(
+                &p.peer,
+                TransferOp::Write,
+                &[TransferOpDesc { local_addr: la, remote_addr: rb, len: 4096 }],
+                Some(NotifyDesc { name: "n".into(), msg: "m".into() }),
+                None,
+            )
+            .unwrap();
+        assert_eq!(req.wait(Some(T)), TransferStatus::Completed);
+        assert_eq!(p.b.get_notifies().unwrap().len(), 1);
+    }
+}
+
+#[test]
+fn deregistered_target_region_is_dropped_from_shm_tables() {
+    let mut p = pair(1 << 16, &[("hixl.transport", "shm")]);
+    let la = p.abuf.as_ptr() as u64;
+    let rb = p.bbuf.as_ptr() as u64;
+    let d = [TransferOpDesc { local_addr: la, remote_addr: rb, len: 4096 }];
+    p.a.transfer_sync(&p.peer, TransferOp::Write, &d, T).unwrap();
+    // The target deregisters: it returns only after the initiator confirmed the new table.
+    let bh = hixl_core::MemHandle { id: 0, addr: rb, len: 1 << 16, mem_type: MemType::Host };
+    p.b.deregister_mem(&bh).unwrap();
+    p.bbuf.fill(0);
+    let e = p.a.transfer_sync(&p.peer, TransferOp::Write, &d, T).unwrap_err();
+    assert_eq!(e.status, Status::ParamInvalid, "{e}");
+    assert!(p.bbuf.iter().all(|&b| b == 0), "nothing written into the deregistered region");
+    // And a newly registered region becomes usable without reconnecting.
+    let mut fresh = vec![0u8; 4096];
+    p.b.register_mem(MemDesc { addr: fresh.as_mut_ptr() as u64, len: 4096 }, MemType::Host).unwrap();
+    let d2 = [TransferOpDesc { local_addr: la, remote_addr: fresh.as_ptr() as u64, len: 4096 }];
+    let t0 = std::time::Instant::now();
+    loop {
+        match p.a.transfer_sync(&p.peer, TransferOp::Write, &d2, T) {
+            Ok(()) => break,
+            Err(e) if t0.elapsed() < T => assert_eq!(e.status, Status::ParamInvalid),
+            Err(e) => panic!("update never arrived: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(&fresh[..], &p.abuf[..4096]);
 }

@@ -3,12 +3,14 @@
 
 pub mod io;
 pub mod server;
+pub mod shm;
 pub mod tcp;
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::error::Result;
-use crate::queue::Part;
+use crate::error::{Error, Result};
+use crate::queue::{Part, Request, TransferStatus};
 use crate::registry::RemoteTable;
 use crate::stats::PeerStats;
 
@@ -17,9 +19,15 @@ use crate::stats::PeerStats;
 pub struct PeerInfo {
     /// The peer engine's id (its listen address).
     pub engine_id: String,
+    /// The peer's machine identity.
+    pub host: String,
     /// The peer's process id.
     pub pid: u32,
-    /// The regions it had registered at connect.
+    /// Address of the peer's probe token (for the same-host check).
+    pub probe_addr: u64,
+    /// The token stored there.
+    pub probe_token: u64,
+    /// The peer's regions (at connect, then as updated by the peer).
     pub regions: RemoteTable,
 }
 
@@ -29,8 +37,10 @@ pub trait Link: crate::registry::Abort + Send + Sync {
     fn backend(&self) -> &'static str;
     /// Handshake facts about the peer.
     fn peer_info(&self) -> PeerInfo;
-    /// Replaces the cached region table (after a refresh).
-    fn set_regions(&self, regions: RemoteTable);
+    /// The peer's current region table; hold the guard only briefly (updates wait for it).
+    fn table(&self) -> std::sync::RwLockReadGuard<'_, RemoteTable>;
+    /// How many workers can carry shares of one request in parallel.
+    fn parallelism(&self) -> usize;
     /// Queues the parts of one request; `extra_slots` more queue slots are reserved for
     /// follow-up parts (the notify that follows the data). `RESOURCE_EXHAUSTED` when full.
     fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()>;
@@ -42,4 +52,31 @@ pub trait Link: crate::registry::Abort + Send + Sync {
     fn close(&self, why: crate::error::Error);
     /// Per-peer counters.
     fn stats(&self) -> Arc<PeerStats>;
+}
+
+/// Settles a request once all its I/O has stopped: counts it, logs it (DEBUG), wakes waiters
+/// and releases its pinned regions.
+pub(crate) fn settle_request(
+    backend: &str,
+    stats: &PeerStats,
+    peer: &str,
+    req: &Arc<Request>,
+    to: TransferStatus,
+    err: Option<Error>,
+) {
+    let ok = to == TransferStatus::Completed;
+    let latency = req.started.elapsed();
+    if req.descs == 0 {
+        if ok {
+            stats.notifies.fetch_add(1, Ordering::Relaxed);
+        }
+    } else {
+        stats.record(req.op, req.bytes, ok, latency);
+    }
+    tracing::debug!(
+        peer = %peer, backend = backend, op = ?req.op, descs = req.descs, bytes = req.bytes,
+        latency_us = latency.as_micros() as u64, status = ?to, "transfer done"
+    );
+    req.settle(to, err);
+    req.release_pins();
 }

@@ -29,10 +29,24 @@ pub struct ServerCtx {
     pub notifies: Arc<NotifyStore>,
     /// Deadline for a new stream's Hello.
     pub handshake_timeout: Duration,
+    /// This machine's identity (see `shm::host_id`).
+    pub host: String,
+    /// Address and token of the probe that same-host initiators read directly.
+    pub probe_addr: u64,
+    /// The token stored at `probe_addr`.
+    pub probe_token: u64,
 }
 
 struct Served {
     sock: TcpStream,
+    /// Frames of the serve thread and region updates never interleave.
+    send_lock: Mutex<()>,
+    /// Set after Hello: the first stream of a link on this host (region updates need its ack).
+    acks_updates: AtomicBool,
+    /// First stream of its link (region updates go there).
+    link_head: AtomicBool,
+    /// Highest region-table version the peer confirmed.
+    acked: AtomicU64,
 }
 
 impl Abort for Served {
@@ -51,6 +65,8 @@ pub struct Server {
     live: Mutex<usize>,
     gone: Condvar,
     accept: Mutex<Option<JoinHandle<()>>>,
+    version: AtomicU64,
+    acks: Condvar,
 }
 
 impl Server {
@@ -65,6 +81,8 @@ impl Server {
             live: Mutex::new(0),
             gone: Condvar::new(),
             accept: Mutex::new(None),
+            version: AtomicU64::new(0),
+            acks: Condvar::new(),
         });
         let s = srv.clone();
         let h = std::thread::Builder::new()
@@ -84,19 +102,26 @@ impl Server {
                     }
                     let id = self.next.fetch_add(1, Ordering::Relaxed);
                     let served = match sock.try_clone() {
-                        Ok(c) => Arc::new(Served { sock: c }),
+                        Ok(c) => Arc::new(Served {
+                            sock: c,
+                            send_lock: Mutex::new(()),
+                            acks_updates: AtomicBool::new(false),
+                            link_head: AtomicBool::new(false),
+                            acked: AtomicU64::new(0),
+                        }),
                         Err(_) => continue,
                     };
                     self.served.lock().unwrap().insert(id, served.clone());
                     *self.live.lock().unwrap() += 1;
                     let srv = self.clone();
                     let spawned = std::thread::Builder::new().name("hixl-serve".into()).spawn(move || {
-                        if let Err(e) = serve(&srv.ctx, &sock, &served) {
+                        if let Err(e) = serve(&srv, &sock, &served) {
                             tracing::info!(from = %from, error = %e, "served stream ended");
                         }
                         srv.served.lock().unwrap().remove(&id);
                         *srv.live.lock().unwrap() -= 1;
                         srv.gone.notify_all();
+                        srv.acks.notify_all();
                     });
                     if spawned.is_err() {
                         self.served.lock().unwrap().remove(&id);
@@ -111,6 +136,63 @@ impl Server {
                     std::thread::sleep(Duration::from_millis(10));
                 }
             }
+        }
+    }
+
+    /// Sends the current region table to every connected initiator. With `wait`, also waits
+    /// until every initiator on this host (which may access memory directly, without the
+    /// target-side check) confirmed it; one that does not within `wait` is disconnected and
+    /// the call fails, so the caller must not free the memory.
+    pub fn publish_regions(&self, wait: Option<Duration>) -> Result<()> {
+        let version = self.version.fetch_add(1, Ordering::AcqRel) + 1;
+        let frame = wire::encode(&Frame::RegionsUpdate { version, regions: self.ctx.registry.table() }, 0, 0);
+        let heads: Vec<Arc<Served>> = self
+            .served
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|s| s.link_head.load(Ordering::Acquire))
+            .cloned()
+            .collect();
+        let deadline = Instant::now() + wait.unwrap_or(Duration::from_secs(1));
+        let mut late = Vec::new();
+        for s in &heads {
+            match lock_until(&s.send_lock, deadline) {
+                Some(_g) => {
+                    if io::send_bytes(s.sock.as_raw_fd(), &frame).is_err() {
+                        s.abort("cannot send a region update");
+                    }
+                }
+                None => late.push(s.clone()),
+            }
+        }
+        let Some(_) = wait else { return Ok(()) };
+        let live = |s: &Arc<Served>| Arc::strong_count(s) > 1; // the serve thread still holds it
+        let mut g = self.live.lock().unwrap();
+        loop {
+            let pending: Vec<_> = heads
+                .iter()
+                .filter(|s| {
+                    s.acks_updates.load(Ordering::Acquire)
+                        && s.acked.load(Ordering::Acquire) < version
+                        && live(s)
+                })
+                .collect();
+            let now = Instant::now();
+            if pending.is_empty() && late.is_empty() {
+                return Ok(());
+            }
+            if now >= deadline {
+                let n = pending.len() + late.len();
+                for s in pending.into_iter().chain(late.iter()) {
+                    s.abort("peer did not confirm a region update");
+                }
+                return Err(Error::failed(format!(
+                    "{n} same-host peer(s) did not confirm the region update within {wait:?}; they were \
+                     disconnected, and the memory must stay allocated"
+                )));
+            }
+            g = self.acks.wait_timeout(g, deadline - now).unwrap().0;
         }
     }
 
@@ -133,8 +215,21 @@ impl Server {
     }
 }
 
-fn send(sock: &TcpStream, f: &Frame, tag: u64) -> std::io::Result<()> {
-    io::send_bytes(sock.as_raw_fd(), &wire::encode(f, tag, 0))
+fn lock_until<T>(m: &Mutex<T>, deadline: Instant) -> Option<std::sync::MutexGuard<'_, T>> {
+    loop {
+        if let Ok(g) = m.try_lock() {
+            return Some(g);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+fn send(served: &Served, f: &Frame, tag: u64) -> std::io::Result<()> {
+    let _g = served.send_lock.lock().unwrap();
+    io::send_bytes(served.sock.as_raw_fd(), &wire::encode(f, tag, 0))
 }
 
 /// Checks every segment against the registry and pins the regions they fall in.
@@ -154,27 +249,41 @@ fn check_and_pin(reg: &Registry, segs: &[Seg], holder: &Arc<Served>) -> Result<V
     Ok(pins)
 }
 
-fn serve(ctx: &ServerCtx, sock: &TcpStream, served: &Arc<Served>) -> std::io::Result<()> {
+fn serve(srv: &Server, sock: &TcpStream, served: &Arc<Served>) -> std::io::Result<()> {
+    let ctx = &*srv.ctx;
     let fd = sock.as_raw_fd();
     sock.set_nodelay(true)?;
     sock.set_read_timeout(Some(ctx.handshake_timeout))?;
     let mut payload = Vec::new();
     let (_, hello) = io::recv_frame(fd, &mut payload)?;
-    let Frame::Hello { engine_id: peer, .. } = hello else {
+    let Frame::Hello { engine_id: peer, host, stream_index, .. } = hello else {
         let err = Frame::Error { status: Status::ParamInvalid.code(), message: "expected Hello".into() };
-        send(sock, &err, 0)?;
+        send(served, &err, 0)?;
         return Err(std::io::Error::other(format!("first frame was {:?}, not Hello", hello.kind())));
     };
-    let welcome =
-        Frame::Welcome { engine_id: ctx.engine_id.clone(), pid: ctx.pid, regions: ctx.registry.table() };
-    send(sock, &welcome, 0)?;
+    served.link_head.store(stream_index == 0, Ordering::Release);
+    served.acks_updates.store(stream_index == 0 && host == ctx.host, Ordering::Release);
+    {
+        // The table is read and sent under the send lock, after this stream became visible to
+        // `publish_regions`: any later update is sent after the Welcome, never before it.
+        let _g = served.send_lock.lock().unwrap();
+        let welcome = Frame::Welcome {
+            engine_id: ctx.engine_id.clone(),
+            host: ctx.host.clone(),
+            pid: ctx.pid,
+            probe_addr: ctx.probe_addr,
+            probe_token: ctx.probe_token,
+            regions: ctx.registry.table(),
+        };
+        io::send_bytes(fd, &wire::encode(&welcome, 0, 0))?;
+    }
     sock.set_read_timeout(None)?;
     loop {
         let (h, f) = match io::recv_frame(fd, &mut payload) {
             Ok(x) => x,
             Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
                 let err = Frame::Error { status: Status::ParamInvalid.code(), message: e.to_string() };
-                let _ = send(sock, &err, 0);
+                let _ = send(served, &err, 0);
                 return Err(e);
             }
             Err(e) => return Err(e),
@@ -187,18 +296,25 @@ fn serve(ctx: &ServerCtx, sock: &TcpStream, served: &Arc<Served>) -> std::io::Re
                     Ok(()) => Frame::Ack { status: 0, message: String::new() },
                     Err(e) => Frame::Ack { status: e.code(), message: e.message },
                 };
-                send(sock, &ack, h.tag)?;
+                send(served, &ack, h.tag)?;
             }
-            Frame::Heartbeat => send(sock, &Frame::HeartbeatAck, h.tag)?,
-            Frame::RegionsQuery => send(sock, &Frame::RegionsTable { regions: ctx.registry.table() }, h.tag)?,
+            Frame::Heartbeat => send(served, &Frame::HeartbeatAck, h.tag)?,
+            Frame::RegionsAck { version } => {
+                served.acked.fetch_max(version, Ordering::AcqRel);
+                let _g = srv.live.lock().unwrap();
+                srv.acks.notify_all();
+            }
+            Frame::RegionsQuery => {
+                send(served, &Frame::RegionsTable { regions: ctx.registry.table() }, h.tag)?
+            }
             Frame::Bye => {
-                send(sock, &Frame::Ack { status: 0, message: String::new() }, h.tag)?;
+                send(served, &Frame::Ack { status: 0, message: String::new() }, h.tag)?;
                 return Ok(());
             }
             other => {
                 let message = format!("unexpected {:?} frame from an initiator", other.kind());
                 send(
-                    sock,
+                    served,
                     &Frame::Error { status: Status::ParamInvalid.code(), message: message.clone() },
                     h.tag,
                 )?;
@@ -230,7 +346,7 @@ fn serve_write(
             Frame::Ack { status: e.code(), message: e.message }
         }
     };
-    send(sock, &ack, h.tag)
+    send(served, &ack, h.tag)
 }
 
 fn serve_read(
@@ -244,7 +360,7 @@ fn serve_read(
         Ok(t) => t,
         Err(e) => {
             let resp = Frame::ReadResp { status: Status::ParamInvalid.code(), message: e.to_string() };
-            return send(sock, &resp, h.tag);
+            return send(served, &resp, h.tag);
         }
     };
     match check_and_pin(&ctx.registry, segs, served) {
@@ -253,12 +369,13 @@ fn serve_read(
             let mut iovs = Vec::with_capacity(segs.len() + 1);
             iovs.push(io::iov_of(&head));
             iovs.extend(segs.iter().map(|s| iov(s.addr, s.len)));
+            let _g = served.send_lock.lock().unwrap();
             // SAFETY: `head` lives until the call returns; the segments lie in registered
             // regions pinned until `pins` drops.
             unsafe { io::send_all(sock.as_raw_fd(), &mut iovs)? };
             drop(pins);
             Ok(())
         }
-        Err(e) => send(sock, &Frame::ReadResp { status: e.code(), message: e.message }, h.tag),
+        Err(e) => send(served, &Frame::ReadResp { status: e.code(), message: e.message }, h.tag),
     }
 }

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
@@ -38,6 +38,8 @@ pub struct ConnectParams {
     pub queue_depth: usize,
     /// Deadline for connecting and the handshake.
     pub timeout: Duration,
+    /// This machine's identity, sent in Hello.
+    pub host: String,
 }
 
 struct Pending {
@@ -58,7 +60,9 @@ struct Stream {
 /// A TCP link to one peer.
 pub struct TcpLink {
     peer: String,
-    info: Mutex<PeerInfo>,
+    info: PeerInfo,
+    /// The peer's region table; direct-access backends hold a read guard while they copy.
+    table: RwLock<RemoteTable>,
     queue: WorkQueue<Part>,
     /// Where the next split request's first share goes (rotates, to spread the load).
     next_lane: AtomicUsize,
@@ -68,6 +72,7 @@ pub struct TcpLink {
     stats: Arc<PeerStats>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     thread_ids: Mutex<Vec<ThreadId>>,
+    label: std::sync::OnceLock<&'static str>,
 }
 
 fn connect_one(addr: SocketAddr, deadline: Instant, peer: &str) -> Result<TcpStream> {
@@ -121,6 +126,7 @@ fn send_hello(
     s.set_nodelay(true).map_err(&map_io)?;
     let hello = Frame::Hello {
         engine_id: p.local_id.clone(),
+        host: p.host.clone(),
         link_nonce: nonce,
         stream_index: i as u16,
         stream_count: p.streams as u16,
@@ -136,8 +142,8 @@ fn recv_welcome(s: &TcpStream, peer: &str) -> Result<PeerInfo> {
     s.set_read_timeout(None).map_err(&map_io)?;
     s.set_write_timeout(None).map_err(&map_io)?;
     match f {
-        Frame::Welcome { engine_id, pid, regions } => {
-            Ok(PeerInfo { engine_id, pid, regions: RemoteTable::new(regions) })
+        Frame::Welcome { engine_id, host, pid, probe_addr, probe_token, regions } => {
+            Ok(PeerInfo { engine_id, host, pid, probe_addr, probe_token, regions: RemoteTable::new(regions) })
         }
         Frame::Error { status, message } => {
             Err(Error::new(Status::from_code(status), format!("{peer} refused the handshake: {message}")))
@@ -179,7 +185,8 @@ impl TcpLink {
         let info = info.ok_or_else(|| Error::param("hixl.streams must be at least 1"))?;
         let link = Arc::new(TcpLink {
             peer: peer.to_string(),
-            info: Mutex::new(info),
+            table: RwLock::new(info.regions.clone()),
+            info,
             queue: WorkQueue::with_lanes(p.queue_depth, socks.len()),
             next_lane: AtomicUsize::new(0),
             streams: socks
@@ -200,6 +207,7 @@ impl TcpLink {
             stats: Arc::new(PeerStats::default()),
             threads: Mutex::new(Vec::new()),
             thread_ids: Mutex::new(Vec::new()),
+            label: std::sync::OnceLock::new(),
         });
         let mut handles = Vec::new();
         for (i, s) in link.streams.iter().enumerate() {
@@ -360,6 +368,19 @@ impl TcpLink {
                     self.finish_part(p.part, res);
                 }
                 Frame::HeartbeatAck => {}
+                Frame::RegionsUpdate { version, regions } => {
+                    // Waits for direct copies that use the old table, then confirms.
+                    *self.table.write().unwrap() = RemoteTable::new(regions);
+                    let ack = wire::encode(&Frame::RegionsAck { version }, 0, 0);
+                    let sent = {
+                        let _g = s.send_lock.lock().unwrap();
+                        io::send_bytes(fd, &ack)
+                    };
+                    if let Err(e) = sent {
+                        self.close(Error::not_connected(format!("stream to {} failed: {e}", self.peer)));
+                        break;
+                    }
+                }
                 Frame::Error { status, message } => {
                     self.close(Error::new(
                         Status::from_code(status),
@@ -458,21 +479,14 @@ impl TcpLink {
     }
 
     fn settle(&self, req: &Arc<Request>, to: TransferStatus, err: Option<Error>) {
-        let ok = to == TransferStatus::Completed;
-        let latency = req.started.elapsed();
-        if req.descs == 0 {
-            if ok {
-                self.stats.notifies.fetch_add(1, Ordering::Relaxed);
-            }
-        } else {
-            self.stats.record(req.op, req.bytes, ok, latency);
-        }
-        tracing::debug!(
-            peer = %self.peer, op = ?req.op, descs = req.descs, bytes = req.bytes,
-            latency_us = latency.as_micros() as u64, status = ?to, "transfer done"
-        );
-        req.settle(to, err);
-        req.release_pins();
+        let backend = self.label.get().copied().unwrap_or("tcp");
+        super::settle_request(backend, &self.stats, &self.peer, req, to, err);
+    }
+
+    /// Names the backend in logs when another backend carries the data over this link's
+    /// control channel.
+    pub fn set_label(&self, backend: &'static str) {
+        let _ = self.label.set(backend);
     }
 
     fn fail_queued_if_closed(&self) {
@@ -491,11 +505,15 @@ impl Link for TcpLink {
     }
 
     fn peer_info(&self) -> PeerInfo {
-        self.info.lock().unwrap().clone()
+        PeerInfo { regions: self.table.read().unwrap().clone(), ..self.info.clone() }
     }
 
-    fn set_regions(&self, regions: RemoteTable) {
-        self.info.lock().unwrap().regions = regions;
+    fn table(&self) -> RwLockReadGuard<'_, RemoteTable> {
+        self.table.read().unwrap()
+    }
+
+    fn parallelism(&self) -> usize {
+        self.streams.len()
     }
 
     fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()> {

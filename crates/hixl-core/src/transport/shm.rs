@@ -1,0 +1,387 @@
+//! Same-host backend: cross-memory attach. `process_vm_writev` / `process_vm_readv` copy
+//! between this process's registered memory and the peer's in one system call per 1024
+//! segments, with the peer doing nothing: one-sided, no intermediate copy.
+//!
+//! Trust model: CMA needs ptrace permission over the peer (same user, or CAP_SYS_PTRACE), which
+//! already allows reading and writing all of its memory. There is no target-side check on this
+//! path, so the initiator checks every remote range against the peer's region table while it
+//! holds that table's read guard; the target publishes changes and waits for the
+//! acknowledgement before memory is freed (see `Server::publish_regions`).
+
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLockReadGuard};
+use std::thread::{JoinHandle, ThreadId};
+use std::time::Duration;
+
+use crate::error::{Error, Result, Status};
+use crate::queue::{Part, PartBody, SegPair, TransferOp, TransferStatus, WorkQueue};
+use crate::registry::{Abort, RemoteTable};
+use crate::stats::PeerStats;
+use crate::transport::io::{iov, IOV_MAX};
+use crate::transport::tcp::TcpLink;
+use crate::transport::{settle_request, Link, PeerInfo};
+
+/// Requests up to this size are copied by the calling thread (no hand-off, no wake-up).
+const INLINE_BYTES: u64 = 256 * 1024;
+/// A worker stops taking parts once it holds this many bytes.
+const BATCH_BYTES: u64 = 4 << 20;
+
+/// This machine's identity: kernel boot id and host name. Equal strings mean the same kernel.
+pub fn host_id() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    // SAFETY: utsname is plain data; uname fills it and NUL-terminates its fields.
+    let mut uts: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: `uts` is a valid, writable utsname.
+    let node = if unsafe { libc::uname(&mut uts) } == 0 {
+        // SAFETY: nodename is NUL-terminated by the kernel.
+        unsafe { std::ffi::CStr::from_ptr(uts.nodename.as_ptr()) }.to_string_lossy().into_owned()
+    } else {
+        String::new()
+    };
+    format!("{}/{}", boot.trim(), node)
+}
+
+/// An 8-byte token at a stable address that same-host peers read to prove direct access.
+pub struct Probe {
+    cell: Box<u64>,
+}
+
+impl Default for Probe {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Probe {
+    /// A probe holding a fresh random token.
+    pub fn new() -> Self {
+        let mut token = 0u64;
+        // SAFETY: getrandom writes at most 8 bytes into `token`.
+        let n = unsafe { libc::getrandom(&mut token as *mut u64 as *mut libc::c_void, 8, 0) };
+        if n != 8 {
+            token = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos() as u64
+                ^ ((std::process::id() as u64) << 40);
+        }
+        Probe { cell: Box::new(token | 1) }
+    }
+    /// Where the token lives.
+    pub fn addr(&self) -> u64 {
+        &*self.cell as *const u64 as u64
+    }
+    /// The token.
+    pub fn token(&self) -> u64 {
+        *self.cell
+    }
+}
+
+/// Reads the peer's probe token directly; Ok when CMA to that process works.
+pub fn probe_peer(pid: u32, addr: u64, token: u64) -> std::result::Result<(), String> {
+    let mut got = 0u64;
+    let local = iov(&mut got as *mut u64 as u64, 8);
+    let remote = iov(addr, 8);
+    // SAFETY: `local` covers the 8 bytes of `got`; the remote side is checked by the kernel.
+    let r = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(format!("cross-memory attach to pid {pid} failed: {e}"));
+    }
+    if r != 8 || got != token {
+        return Err(format!("pid {pid} is not the peer (another pid namespace?)"));
+    }
+    Ok(())
+}
+
+fn cma_error(pid: i32, e: std::io::Error) -> Error {
+    match e.raw_os_error() {
+        Some(libc::EFAULT) => Error::param(format!("a range is not accessible in pid {pid} (EFAULT): {e}")),
+        Some(libc::ESRCH) => Error::not_connected(format!("peer process {pid} is gone (ESRCH)")),
+        Some(libc::EPERM) => {
+            Error::new(Status::Unsupported, format!("not permitted to access pid {pid} (EPERM): {e}"))
+        }
+        _ => Error::failed(format!("cross-memory attach to pid {pid} failed: {e}")),
+    }
+}
+
+/// Copies every segment with process_vm_writev (WRITE) or process_vm_readv (READ), at most
+/// IOV_MAX segments per call, resuming after short counts.
+///
+/// # Safety
+/// Local segments must lie in memory of this process that stays valid during the call.
+pub unsafe fn cma(pid: i32, op: TransferOp, segs: &[SegPair]) -> Result<()> {
+    let (mut i, mut off) = (0usize, 0u64);
+    let mut local = Vec::with_capacity(segs.len().min(IOV_MAX));
+    let mut remote = Vec::with_capacity(segs.len().min(IOV_MAX));
+    while i < segs.len() {
+        local.clear();
+        remote.clear();
+        for (k, s) in segs[i..segs.len().min(i + IOV_MAX)].iter().enumerate() {
+            let o = if k == 0 { off } else { 0 };
+            local.push(iov(s.local + o, s.len - o));
+            remote.push(iov(s.remote + o, s.len - o));
+        }
+        let n = local.len() as libc::c_ulong;
+        // SAFETY: local iovecs lie in registered, pinned memory (caller's contract); remote
+        // ones were checked against the peer's table and are validated by the kernel.
+        let r = unsafe {
+            match op {
+                TransferOp::Write => libc::process_vm_writev(pid, local.as_ptr(), n, remote.as_ptr(), n, 0),
+                TransferOp::Read => libc::process_vm_readv(pid, local.as_ptr(), n, remote.as_ptr(), n, 0),
+            }
+        };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(cma_error(pid, e));
+        }
+        if r == 0 {
+            return Err(Error::failed(format!("cross-memory attach to pid {pid} made no progress")));
+        }
+        let mut left = r as u64;
+        while left > 0 {
+            let rest = segs[i].len - off;
+            if left >= rest {
+                left -= rest;
+                i += 1;
+                off = 0;
+            } else {
+                off += left;
+                left = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A same-host link: data by CMA, control (handshake, notifications) over the TCP link.
+pub struct ShmLink {
+    tcp: Arc<TcpLink>,
+    pid: i32,
+    pidfd: Option<OwnedFd>,
+    workers: usize,
+    queue: WorkQueue<Part>,
+    next_lane: AtomicUsize,
+    closed: AtomicBool,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    thread_ids: Mutex<Vec<ThreadId>>,
+}
+
+impl ShmLink {
+    /// Wraps a connected TCP link whose peer passed the probe; starts `workers` copy threads.
+    pub fn new(tcp: Arc<TcpLink>, workers: usize, queue_depth: usize) -> Result<Arc<ShmLink>> {
+        let pid = tcp.peer_info().pid as i32;
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as RawFd;
+        // SAFETY: a non-negative return is a fresh descriptor that we now own.
+        let pidfd = (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) });
+        tcp.set_label("shm");
+        let workers = workers.max(1);
+        let link = Arc::new(ShmLink {
+            tcp,
+            pid,
+            pidfd,
+            workers,
+            queue: WorkQueue::with_lanes(queue_depth, workers),
+            next_lane: AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
+            threads: Mutex::new(Vec::new()),
+            thread_ids: Mutex::new(Vec::new()),
+        });
+        let mut handles = Vec::new();
+        for lane in 0..workers {
+            let l = link.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("hixl-shm{lane}"))
+                .spawn(move || l.worker(lane))
+                .map_err(|e| Error::failed(format!("cannot start a copy thread: {e}")))?;
+            link.thread_ids.lock().unwrap().push(h.thread().id());
+            handles.push(h);
+        }
+        *link.threads.lock().unwrap() = handles;
+        Ok(link)
+    }
+
+    fn peer_exited(&self) -> bool {
+        let Some(fd) = &self.pidfd else { return false };
+        let mut p =
+            libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(fd), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd and a zero timeout.
+        unsafe { libc::poll(&mut p, 1, 0) > 0 }
+    }
+
+    fn worker(self: &Arc<Self>, lane: usize) {
+        let bytes = |p: &Part| match &p.body {
+            PartBody::Data(segs) => segs.iter().map(|s| s.len).sum(),
+            PartBody::Notify(_) => 0,
+        };
+        let mut batch = Vec::new();
+        while self.queue.pop_weighted(Some(lane), &mut batch, 64, BATCH_BYTES, bytes, Duration::from_secs(1))
+        {
+            for part in batch.drain(..) {
+                let res = if part.req.status() == TransferStatus::Waiting {
+                    self.execute(&part)
+                } else {
+                    Err(part.req.error().unwrap_or_else(|| Error::timeout("request ended before it ran")))
+                };
+                self.finish_part(part, res);
+            }
+        }
+    }
+
+    /// Copies one part, holding the peer's region table so that it cannot change meanwhile.
+    fn execute(&self, part: &Part) -> Result<()> {
+        let PartBody::Data(segs) = &part.body else {
+            return Err(Error::failed("a notification reached the copy path"));
+        };
+        if !self.is_alive() {
+            return Err(self.reason());
+        }
+        if self.peer_exited() {
+            let err = Error::not_connected(format!("peer process {} exited", self.pid));
+            self.close(err.clone());
+            return Err(err);
+        }
+        let table: RwLockReadGuard<'_, RemoteTable> = self.tcp.table();
+        if let Some(s) = segs.iter().find(|s| !table.contains(s.remote, s.len)) {
+            return Err(Error::param(format!(
+                "remote range 0x{:x}+{} is no longer registered at the peer",
+                s.remote, s.len
+            )));
+        }
+        // SAFETY: local segments lie in regions pinned by the request until it settles.
+        let res = unsafe { cma(self.pid, part.req.op, segs) };
+        drop(table);
+        if let Err(e) = &res {
+            if e.status == Status::NotConnected {
+                self.close(e.clone());
+            }
+        }
+        res
+    }
+
+    fn reason(&self) -> Error {
+        Error::not_connected(format!(
+            "the link to pid {} is closed: {}",
+            self.pid,
+            self.tcp.dead_reason().unwrap_or_else(|| "closed".into())
+        ))
+    }
+
+    fn finish_part(&self, part: Part, res: Result<()>) {
+        let req = part.req;
+        if !req.part_done(&res) {
+            return;
+        }
+        let notify = req.take_notify_after();
+        let stats = self.tcp.stats();
+        let peer = self.tcp.peer_info().engine_id;
+        if let Some(err) = req.part_error() {
+            settle_request("shm", &stats, &peer, &req, TransferStatus::Failed, Some(err));
+        } else if let Some(n) = notify {
+            // The bytes are in the peer's memory (the copy returned): the notify may go.
+            req.add_parts(1);
+            if let Err(e) = self.tcp.submit(vec![Part { req: req.clone(), body: PartBody::Notify(n) }], 0) {
+                req.part_done(&Err(e.clone()));
+                settle_request("shm", &stats, &peer, &req, TransferStatus::Failed, Some(e));
+            }
+        } else {
+            settle_request("shm", &stats, &peer, &req, TransferStatus::Completed, None);
+        }
+    }
+
+    fn fail_queued(&self) {
+        let err = self.reason();
+        while let Some(p) = self.queue.pop() {
+            self.finish_part(p, Err(err.clone()));
+        }
+    }
+}
+
+impl Link for ShmLink {
+    fn backend(&self) -> &'static str {
+        "shm"
+    }
+
+    fn peer_info(&self) -> PeerInfo {
+        self.tcp.peer_info()
+    }
+
+    fn table(&self) -> RwLockReadGuard<'_, RemoteTable> {
+        self.tcp.table()
+    }
+
+    fn parallelism(&self) -> usize {
+        self.workers
+    }
+
+    fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()> {
+        if !self.is_alive() {
+            return Err(self.reason());
+        }
+        if parts.iter().all(|p| matches!(p.body, PartBody::Notify(_))) {
+            return self.tcp.submit(parts, extra_slots);
+        }
+        if parts.len() == 1 {
+            let small = match &parts[0].body {
+                PartBody::Data(segs) => segs.iter().map(|s| s.len).sum::<u64>() <= INLINE_BYTES,
+                PartBody::Notify(_) => false,
+            };
+            if small {
+                let part = parts.into_iter().next().unwrap();
+                let res = self.execute(&part);
+                self.finish_part(part, res);
+                return Ok(());
+            }
+        }
+        self.queue.reserve(parts.len())?;
+        let start = self.next_lane.fetch_add(1, Ordering::Relaxed);
+        let n = parts.len();
+        for (i, p) in parts.into_iter().enumerate() {
+            if n > 1 {
+                self.queue.push_reserved_lane((start + i) % self.workers, p);
+            } else {
+                self.queue.push_reserved(p);
+            }
+        }
+        if self.queue.is_closed() {
+            self.fail_queued();
+        }
+        Ok(())
+    }
+
+    fn is_alive(&self) -> bool {
+        !self.closed.load(Ordering::Acquire) && self.tcp.is_alive()
+    }
+
+    fn dead_reason(&self) -> Option<String> {
+        self.tcp.dead_reason()
+    }
+
+    fn close(&self, why: Error) {
+        self.closed.store(true, Ordering::Release);
+        self.queue.close();
+        self.tcp.close(why);
+        self.fail_queued();
+        let me = std::thread::current().id();
+        if !self.thread_ids.lock().unwrap().contains(&me) {
+            for h in std::mem::take(&mut *self.threads.lock().unwrap()) {
+                let _ = h.join();
+            }
+        }
+    }
+
+    fn stats(&self) -> Arc<PeerStats> {
+        self.tcp.stats()
+    }
+}
+
+impl Abort for ShmLink {
+    fn abort(&self, why: &str) {
+        self.close(Error::failed(why.to_string()));
+    }
+}
