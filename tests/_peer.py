@@ -11,7 +11,9 @@ Start: python _peer.py SIZE [OPTIONS_JSON]. It registers a zeroed SIZE-byte buff
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import sys
 
 import numpy as np
@@ -20,6 +22,9 @@ import hixl
 
 
 def main() -> None:
+    if os.environ.get("HIXL_TEST_NONDUMPABLE") == "1":
+        # Only processes with CAP_SYS_PTRACE may now read or write this one's memory.
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
     size = int(sys.argv[1])
     options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else None
     e = hixl.Hixl()

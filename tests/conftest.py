@@ -21,13 +21,20 @@ PEER = Path(__file__).with_name("_peer.py")
 class Peer:
     """A target process with one registered buffer."""
 
-    def __init__(self, size: int, options: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, size: int, options: dict[str, str] | None = None, env: dict[str, str] | None = None
+    ) -> None:
         args = [sys.executable, str(PEER), str(size)]
         if options:
             args.append(json.dumps(options))
         self.size = size
         self.proc = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env={**os.environ, **(env or {})},
         )
         line = self._line()
         tag, self.engine, addr = line.split()
@@ -78,8 +85,10 @@ class Peer:
 def make_peer() -> Iterator:
     peers: list[Peer] = []
 
-    def make(size: int, options: dict[str, str] | None = None) -> Peer:
-        p = Peer(size, options)
+    def make(
+        size: int, options: dict[str, str] | None = None, env: dict[str, str] | None = None
+    ) -> Peer:
+        p = Peer(size, options, env)
         peers.append(p)
         return p
 

@@ -127,7 +127,7 @@ pub struct Hixl {
 /// Past this many unreported requests, finished ones are forgotten unreported.
 const MAX_UNREPORTED: usize = 65536;
 
-fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::TransferOpDesc>> {
+pub(crate) fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::TransferOpDesc>> {
     if descs.is_instance_of::<PyList>() || descs.is_instance_of::<PyTuple>() {
         let mut out = Vec::with_capacity(descs.len()?);
         for (i, item) in descs.try_iter()?.enumerate() {

@@ -46,6 +46,21 @@ fn _raw_tcp_send(
     py.allow_threads(|| hixl_core::bench::raw_tcp_send(addr, size, iters, streams)).map_err(errors::to_py)
 }
 
+/// Baseline: raw process_vm_writev/readv of `descs` (a (N, 3) uint64 array of local, remote,
+/// length) to `pid`; seconds per round.
+#[pyfunction]
+fn _raw_cma(
+    py: Python<'_>,
+    pid: u32,
+    write: bool,
+    descs: &Bound<'_, PyAny>,
+    iters: usize,
+) -> PyResult<Vec<f64>> {
+    let d: Vec<(u64, u64, u64)> =
+        engine::parse_descs(descs)?.into_iter().map(|d| (d.local_addr, d.remote_addr, d.len)).collect();
+    py.allow_threads(|| hixl_core::bench::raw_cma(pid, write, &d, iters)).map_err(errors::to_py)
+}
+
 #[pymodule]
 fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", hixl_core::VERSION)?;
@@ -64,5 +79,6 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(option_keys, m)?)?;
     m.add_function(wrap_pyfunction!(_raw_tcp_sink, m)?)?;
     m.add_function(wrap_pyfunction!(_raw_tcp_send, m)?)?;
+    m.add_function(wrap_pyfunction!(_raw_cma, m)?)?;
     Ok(())
 }

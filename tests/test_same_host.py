@@ -1,0 +1,99 @@
+"""Same-host specifics: backend choice and fallback, peer exit during a direct copy.
+(Byte-for-byte WRITE/READ over forced shm runs in test_transfer.py, parametrized.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hixl
+
+W = hixl.TransferOp.WRITE
+INITIATOR = Path(__file__).with_name("_initiator.py")
+
+
+def test_auto_picks_shm_on_this_host(make_peer):
+    peer = make_peer(4096)
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1")  # hixl.transport defaults to auto
+        e.connect(peer.engine, timeout_ms=5000)
+        assert e.stats()[peer.engine]["backend"] == "shm"
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1", {"hixl.transport": "tcp"})
+        e.connect(peer.engine, timeout_ms=5000)
+        assert e.stats()[peer.engine]["backend"] == "tcp"
+    with pytest.raises(hixl.ParamInvalid, match="hixl.transport"):
+        hixl.Hixl().initialize("127.0.0.1", {"hixl.transport": "rdma-please"})
+
+
+def _can_drop_ptrace() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to drop CAP_SYS_PTRACE for the initiator"
+    if shutil.which("setpriv") is None:
+        return "setpriv (util-linux) is not installed"
+    return None
+
+
+@pytest.mark.skipif(_can_drop_ptrace() is not None, reason=str(_can_drop_ptrace()))
+def test_unreachable_target_falls_back_to_tcp_and_refuses_forced_shm(make_peer):
+    # The target makes itself non-dumpable, and the initiator runs without CAP_SYS_PTRACE:
+    # the kernel refuses cross-memory attach between them, as between two users.
+    size = 1 << 20
+    peer = make_peer(size, env={"HIXL_TEST_NONDUMPABLE": "1"})
+    cmd = [
+        "setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace",
+        sys.executable, str(INITIATOR), peer.engine, str(peer.addr), str(size),
+    ]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["auto_backend"] == "tcp"
+    assert out["auto_bytes_ok"]
+    name, code, msg = out["shm_error"]
+    assert (name, code) == ("Unsupported", 103905), msg
+    assert "cannot be reached directly" in msg and "Operation not permitted" in msg, msg
+    # This process keeps CAP_SYS_PTRACE: it may still use shm to the same target.
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1", {"hixl.transport": "shm"})
+        e.connect(peer.engine, timeout_ms=5000)
+
+
+def test_peer_exit_during_long_shm_transfers_fails_cleanly(make_peer):
+    size = 128 << 20
+    peer = make_peer(size)
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1", {"hixl.transport": "shm"})
+        e.connect(peer.engine, timeout_ms=5000)
+        src = np.ones(size, np.uint8)
+        e.register(src)
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def hammer():
+            try:
+                while not stop.is_set():
+                    e.transfer_sync(peer.engine, W, [(src.ctypes.data, peer.addr, size)], 10_000)
+            except hixl.HixlError as x:
+                errors.append(x)
+
+        t = threading.Thread(target=hammer)
+        t.start()
+        time.sleep(0.2)
+        peer.proc.kill()
+        peer.proc.wait(10)
+        t.join(20)
+        stop.set()
+        assert not t.is_alive(), "a transfer hung after the peer died"
+        assert errors, "transfers to a dead peer must fail"
+        assert isinstance(errors[0], hixl.NotConnected | hixl.Failed), repr(errors[0])
+        with pytest.raises(hixl.NotConnected):
+            e.transfer_sync(peer.engine, W, [(src.ctypes.data, peer.addr, 4096)])
