@@ -97,3 +97,31 @@ def test_peer_exit_during_long_shm_transfers_fails_cleanly(make_peer):
         assert isinstance(errors[0], hixl.NotConnected | hixl.Failed), repr(errors[0])
         with pytest.raises(hixl.NotConnected):
             e.transfer_sync(peer.engine, W, [(src.ctypes.data, peer.addr, 4096)])
+
+
+def test_alloc_gives_aligned_shared_memory_that_transfers_and_outlives_deregistration():
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    with hixl.Hixl() as t, hixl.Hixl() as e:
+        t.initialize("127.0.0.1:0")
+        e.initialize("127.0.0.1", {"hixl.transport": "shm"})
+        dst = t.alloc(3 << 20)  # rounded up to 4 MiB
+        src = e.alloc(1 << 20)
+        assert isinstance(dst, np.ndarray) and dst.dtype == np.uint8 and dst.nbytes == 4 << 20
+        assert dst.ctypes.data % (2 << 20) == 0 and src.ctypes.data % (2 << 20) == 0
+        assert not dst.any(), "zero-filled"
+        src[:] = np.random.default_rng(3).integers(0, 256, src.nbytes, dtype=np.uint8)
+        e.connect(t.local_engine, timeout_ms=5000)
+        assert e.remote_mems(t.local_engine) == [hixl.MemDesc(dst.ctypes.data, 4 << 20)]
+        e.transfer_sync(t.local_engine, W, [(src.ctypes.data, dst.ctypes.data + 4096, src.nbytes)])
+        assert np.array_equal(dst[4096 : 4096 + src.nbytes], src)
+        assert not dst[:4096].any() and not dst[4096 + src.nbytes :].any()
+        h = t.register(dst)  # the same range: the handle of the allocation
+        t.deregister_mem(h)
+        dst[:] = 1  # still mapped: the array holds the memory
+        assert dst.sum() == dst.nbytes
+        with pytest.raises(hixl.ParamInvalid):
+            e.transfer_sync(t.local_engine, W, [(src.ctypes.data, dst.ctypes.data, 16)])
+        with pytest.raises(hixl.ParamInvalid, match="size=0"):
+            e.alloc(0)
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert after == before, "nothing left in /dev/shm"

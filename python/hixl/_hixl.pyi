@@ -3,6 +3,7 @@
 from collections.abc import Sequence
 from typing import Any, Self, TypeAlias, final, overload
 
+import numpy as np
 import numpy.typing as npt
 from typing_extensions import disjoint_base
 
@@ -14,6 +15,7 @@ __all__ = [
     "MemHandle",
     "MemType",
     "NotifyDesc",
+    "ShmBuffer",
     "TransferOp",
     "TransferOpDesc",
     "TransferReq",
@@ -108,6 +110,12 @@ class TransferReq:
     @property
     def nbytes(self) -> int: ...
 
+@final
+class ShmBuffer:  # exports the buffer protocol (a writable 1-D byte buffer)
+    @property
+    def addr(self) -> int: ...
+    def __len__(self) -> int: ...
+
 _Descs: TypeAlias = Sequence[TransferOpDesc | tuple[int, int, int]] | npt.NDArray[Any]
 
 @disjoint_base
@@ -121,6 +129,7 @@ class Hixl:
     def __exit__(self, *_args: object) -> bool: ...
     def register_mem(self, desc: MemDesc, mem_type: MemType = ...) -> MemHandle: ...
     def register(self, obj: Any, mem_type: MemType = ...) -> MemHandle: ...
+    def alloc(self, size: int) -> npt.NDArray[np.uint8]: ...
     def deregister_mem(self, handle: MemHandle) -> None: ...
     def connect(self, remote: str, timeout_ms: float = 1000.0) -> None: ...
     def disconnect(self, remote: str, timeout_ms: float = 1000.0) -> None: ...

@@ -18,7 +18,7 @@ use crate::queue::{NotifyDesc, Part, PartBody, Request, SegPair, TransferOp, Tra
 use crate::registry::{Abort, MemType, Pin, Registry};
 use crate::stats::LatencySummary;
 use crate::transport::server::{Server, ServerCtx};
-use crate::transport::shm::{self, Probe, ShmLink};
+use crate::transport::shm::{self, Probe, SharedMem, ShmLink};
 use crate::transport::tcp::{ConnectParams, TcpLink};
 use crate::transport::Link;
 use crate::wire::MAX_DESCS;
@@ -121,6 +121,8 @@ struct Running {
     server: Option<Arc<Server>>,
     peers: Mutex<HashMap<String, PeerSlot>>,
     next_req: AtomicU64,
+    /// Memory from `alloc`, by address; dropped (unmapped unless referenced) on deregistration.
+    allocated: Mutex<HashMap<u64, Arc<SharedMem>>>,
 }
 
 /// A transfer engine (one per process is typical). All methods take `&self` and are thread-safe.
@@ -219,6 +221,7 @@ impl Engine {
             server,
             peers: Mutex::new(HashMap::new()),
             next_req: AtomicU64::new(1),
+            allocated: Mutex::new(HashMap::new()),
         }));
         Ok(())
     }
@@ -239,12 +242,24 @@ impl Engine {
                 c.link.close(Error::failed("the engine was finalized"));
             }
         }
-        if let Some(s) = &r.server {
-            s.stop();
+        // Empty the registry, then make same-host peers (direct copies) confirm the empty
+        // table before the listener stops and memory may be freed.
+        let cleared = r.registry.clear(r.opts.deregister_timeout);
+        let published = match &r.server {
+            Some(s) => {
+                let p = s.publish_regions(Some(r.opts.deregister_timeout));
+                s.stop();
+                p
+            }
+            None => Ok(()),
+        };
+        let allocated = std::mem::take(&mut *r.allocated.lock().unwrap());
+        if published.is_err() {
+            // A peer may still copy into it: leak rather than free memory under it.
+            std::mem::forget(allocated);
         }
-        r.registry.clear(r.opts.deregister_timeout)?;
         tracing::info!(engine = %r.local_engine, "engine finalized");
-        Ok(())
+        cleared.and(published)
     }
 
     /// Registers `[desc.addr, desc.addr + desc.len)`.
@@ -257,6 +272,17 @@ impl Engine {
         Ok(MemHandle { id: region.id, addr: region.addr, len: region.len, mem_type })
     }
 
+    /// Allocates `size` bytes of shared memory (memfd, 2 MiB aligned, size rounded up to 2 MiB)
+    /// and registers it. The engine frees it on deregistration or finalize, unless the caller
+    /// still holds the returned `Arc` (then it is freed when that goes).
+    pub fn alloc(&self, size: u64) -> Result<(MemHandle, Arc<SharedMem>)> {
+        let r = self.running()?;
+        let mem = Arc::new(SharedMem::new(size)?);
+        let h = self.register_mem(MemDesc { addr: mem.addr(), len: mem.len() }, MemType::Host)?;
+        r.allocated.lock().unwrap().insert(mem.addr(), mem.clone());
+        Ok((h, mem))
+    }
+
     /// Deregisters a region, waiting for (then aborting) transfers that use it. Idempotent.
     pub fn deregister_mem(&self, h: &MemHandle) -> Result<()> {
         let r = self.running()?;
@@ -264,9 +290,11 @@ impl Engine {
         match &r.server {
             // Same-host peers copy without a target-side check: they must drop the region
             // from their tables before its memory may be freed.
-            Some(s) if removed => s.publish_regions(Some(r.opts.deregister_timeout)),
-            _ => Ok(()),
+            Some(s) if removed => s.publish_regions(Some(r.opts.deregister_timeout))?,
+            _ => {}
         }
+        r.allocated.lock().unwrap().remove(&h.addr);
+        Ok(())
     }
 
     fn link_params(r: &Running, timeout: Duration) -> ConnectParams {

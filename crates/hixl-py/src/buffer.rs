@@ -68,3 +68,59 @@ pub fn export(obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64, KeepAlive)> {
         "object of type {tname} is not a writable C-contiguous buffer or a torch CPU tensor ({why})"
     )))
 }
+
+/// Engine-allocated shared memory as a Python buffer (what `Hixl.alloc` wraps in a numpy
+/// array). Every export holds a reference, so the mapping outlives deregistration while any
+/// array still uses it.
+#[pyclass(frozen, module = "hixl._hixl")]
+pub struct ShmBuffer {
+    pub mem: std::sync::Arc<hixl_core::transport::shm::SharedMem>,
+}
+
+#[pymethods]
+impl ShmBuffer {
+    /// Exports the mapping as a writable 1-D byte buffer.
+    ///
+    /// # Safety
+    /// Called by CPython with a valid `view` to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let mem = &slf.get().mem;
+        // SAFETY: `view` is valid (CPython's contract); the mapping lives as long as `slf`,
+        // which FillInfo stores (with a new reference) in view.obj.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                mem.addr() as *mut std::os::raw::c_void,
+                mem.len() as ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    /// Nothing to release: the view's reference to this object keeps the mapping alive.
+    ///
+    /// # Safety
+    /// Called by CPython with the view it got from `__getbuffer__`.
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+
+    /// Start address.
+    #[getter]
+    fn addr(&self) -> u64 {
+        self.mem.addr()
+    }
+
+    /// Length in bytes.
+    fn __len__(&self) -> usize {
+        self.mem.len() as usize
+    }
+}

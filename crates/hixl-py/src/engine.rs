@@ -212,8 +212,11 @@ impl Hixl {
     fn finalize(&self, py: Python<'_>) -> PyResult<()> {
         let e = self.engine.clone();
         let r = py.allow_threads(|| e.finalize());
-        let released = std::mem::take(&mut *self.keep.lock().unwrap());
-        drop(released);
+        if r.is_ok() {
+            // On error a peer may still access the memory: the objects stay referenced.
+            let released = std::mem::take(&mut *self.keep.lock().unwrap());
+            drop(released);
+        }
         r.map_err(to_py)
     }
 
@@ -250,6 +253,21 @@ impl Hixl {
         let h = self.register_mem(py, MemDesc { addr, len }, mem_type)?;
         self.keep.lock().unwrap().entry((addr, len)).or_insert(keep);
         Ok(h)
+    }
+
+    /// Allocates `size` bytes of shared memory (memfd, 2 MiB aligned, rounded up to 2 MiB),
+    /// registers it and returns it as a numpy uint8 array (a `ShmBuffer` if numpy is missing).
+    /// Freed once deregistered (or finalized) and no longer referenced.
+    fn alloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        let size = types::uint("size", size)?;
+        let e = self.engine.clone();
+        let (h, mem) = py.allow_threads(|| e.alloc(size)).map_err(to_py)?;
+        let buf = Py::new(py, buffer::ShmBuffer { mem })?;
+        self.keep.lock().unwrap().insert((h.addr, h.len), KeepAlive::Object(buf.clone_ref(py).into_any()));
+        match py.import("numpy") {
+            Ok(np) => Ok(np.call_method1("frombuffer", (buf, "uint8"))?.unbind()),
+            Err(_) => Ok(buf.into_any()),
+        }
     }
 
     /// Deregisters; waits for (then aborts) transfers using the region. Idempotent.

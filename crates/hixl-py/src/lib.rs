@@ -74,6 +74,7 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::MemHandle>()?;
     m.add_class::<engine::TransferReq>()?;
     m.add_class::<engine::Hixl>()?;
+    m.add_class::<buffer::ShmBuffer>()?;
     m.add_function(wrap_pyfunction!(set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(get_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(option_keys, m)?)?;
