@@ -97,6 +97,8 @@ def main() -> None:
             "median_GBps": nbytes / statistics.median(secs) / 1e9,
         }
 
+    # What a copy through a shared mapping could do at best: memcpy in one process, one thread.
+    row("memcpy_1thread_big", timed(lambda: np.copyto(dst[:size], src[:size]), iters), size)
     row("raw_cma_write_big", hixl._hixl._raw_cma(pid, True, big_w, iters), size)
     row("hixl_write_big", timed(lambda: e.transfer_sync(peer, W, big_w, 60_000), iters), size)
     row("raw_cma_read_big", hixl._hixl._raw_cma(pid, False, big_r, iters), size)
@@ -132,6 +134,7 @@ def main() -> None:
           f"{iters} runs, hixl.shm_threads={a.threads}")  # fmt: skip
     print(f"{'row':26} {'best GB/s':>10} {'median GB/s':>12} {'x raw best':>11} {'x raw med':>10}")
     for name, base in [
+        ("memcpy_1thread_big", "raw_cma_write_big"),
         ("raw_cma_write_big", None), ("hixl_write_big", "raw_cma_write_big"),
         ("raw_cma_read_big", None), ("hixl_read_big", "raw_cma_read_big"),
         ("raw_cma_write_scattered", None), ("hixl_write_scattered", "raw_cma_write_scattered"),
