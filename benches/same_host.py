@@ -32,9 +32,13 @@ def serve(size: int) -> None:
     e.initialize("127.0.0.1:0")
     buf = np.ones(size, np.uint8)  # touched: no zero-page reads
     e.register(buf)
+    shared = e.alloc(size)  # engine-allocated: same-host peers copy through a mapping
+    shared[:] = 1
     import os
 
-    print(f"READY {e.local_engine} {os.getpid()} {buf.ctypes.data}", flush=True)
+    print(
+        f"READY {e.local_engine} {os.getpid()} {buf.ctypes.data} {shared.ctypes.data}", flush=True
+    )
     sys.stdin.read()
     e.finalize()
 
@@ -63,14 +67,14 @@ def main() -> None:
     size = 32 * MIB if a.quick else 128 * MIB
     iters = a.iters or (3 if a.quick else 10)
     nblk, blk = (2048 if a.quick else 8192), 16 * 1024
-    span = max(size, nblk * blk)
+    span = max(size, nblk * blk)  # a multiple of 2 MiB, as alloc rounds
     target = subprocess.Popen(
         [sys.executable, __file__, "--serve", str(span)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    tag, peer, pid, raddr = target.stdout.readline().split()
+    tag, peer, pid, raddr, saddr = target.stdout.readline().split()
     assert tag == "READY"
-    pid, raddr = int(pid), int(raddr)
+    pid, raddr, saddr = int(pid), int(raddr), int(saddr)
 
     e = hixl.Hixl()
     e.initialize("127.0.0.1", {"hixl.transport": "shm", "hixl.shm_threads": str(a.threads)})
@@ -109,6 +113,23 @@ def main() -> None:
         timed(lambda: e.transfer_sync(peer, W, scat, 60_000), iters), nblk * blk,
     )  # fmt: skip
 
+    # The same moves into the target's engine-allocated memory: memcpy through a mapping.
+    direct0 = e.stats()[peer]["direct_parts"]
+
+    def to_shared(d: np.ndarray) -> np.ndarray:
+        out = d.copy()
+        out[:, 1] = out[:, 1] - np.uint64(raddr) + np.uint64(saddr)
+        return out
+
+    m_w, m_r, m_s = to_shared(big_w), to_shared(big_r), to_shared(scat)
+    row("hixl_write_big_mapped", timed(lambda: e.transfer_sync(peer, W, m_w, 60_000), iters), size)
+    row("hixl_read_big_mapped", timed(lambda: e.transfer_sync(peer, R, m_r, 60_000), iters), size)
+    row(
+        "hixl_write_scattered_mapped",
+        timed(lambda: e.transfer_sync(peer, W, m_s, 60_000), iters), nblk * blk,
+    )  # fmt: skip
+    assert e.stats()[peer]["direct_parts"] > direct0, "the mapped path was not used"
+
     small = [(src.ctypes.data, raddr, 4096)]
     n_small = 2000 if a.quick else 20000
     lat = timed(lambda: e.transfer_sync(peer, W, small), n_small)
@@ -138,6 +159,9 @@ def main() -> None:
         ("raw_cma_write_big", None), ("hixl_write_big", "raw_cma_write_big"),
         ("raw_cma_read_big", None), ("hixl_read_big", "raw_cma_read_big"),
         ("raw_cma_write_scattered", None), ("hixl_write_scattered", "raw_cma_write_scattered"),
+        ("hixl_write_big_mapped", "raw_cma_write_big"),
+        ("hixl_read_big_mapped", "raw_cma_read_big"),
+        ("hixl_write_scattered_mapped", "raw_cma_write_scattered"),
     ]:  # fmt: skip
         r = rows[name]
         b = rows[base] if base else r

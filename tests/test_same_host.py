@@ -115,6 +115,7 @@ def test_alloc_gives_aligned_shared_memory_that_transfers_and_outlives_deregistr
         e.transfer_sync(t.local_engine, W, [(src.ctypes.data, dst.ctypes.data + 4096, src.nbytes)])
         assert np.array_equal(dst[4096 : 4096 + src.nbytes], src)
         assert not dst[:4096].any() and not dst[4096 + src.nbytes :].any()
+        assert e.stats()[t.local_engine]["direct_parts"] >= 1, "copied through the mapping"
         h = t.register(dst)  # the same range: the handle of the allocation
         t.deregister_mem(h)
         dst[:] = 1  # still mapped: the array holds the memory

@@ -90,6 +90,8 @@ pub struct PeerSnapshot {
     pub errors: u64,
     /// Notifications sent.
     pub notifies: u64,
+    /// Same-host parts copied through a mapping of the peer's memory (not CMA).
+    pub direct_parts: u64,
     /// Latency of recent requests.
     pub latency: LatencySummary,
 }
@@ -278,9 +280,12 @@ impl Engine {
     pub fn alloc(&self, size: u64) -> Result<(MemHandle, Arc<SharedMem>)> {
         let r = self.running()?;
         let mem = Arc::new(SharedMem::new(size)?);
-        let h = self.register_mem(MemDesc { addr: mem.addr(), len: mem.len() }, MemType::Host)?;
+        let region = r.registry.register_fd(mem.addr(), mem.len(), MemType::Host, mem.fd())?;
         r.allocated.lock().unwrap().insert(mem.addr(), mem.clone());
-        Ok((h, mem))
+        if let Some(s) = &r.server {
+            s.publish_regions(None)?;
+        }
+        Ok((MemHandle { id: region.id, addr: region.addr, len: region.len, mem_type: MemType::Host }, mem))
     }
 
     /// Deregisters a region, waiting for (then aborting) transfers that use it. Idempotent.
@@ -457,7 +462,7 @@ impl Engine {
         let r = self.running()?;
         let c = Self::conn(&r, remote)?;
         let info = c.link.peer_info();
-        Ok(info.regions.regions().iter().map(|&(addr, len)| MemDesc { addr, len }).collect())
+        Ok(info.regions.regions().iter().map(|r| MemDesc { addr: r.addr, len: r.len }).collect())
     }
 
     /// Runs a batch and waits for it (up to `timeout`).
@@ -585,6 +590,7 @@ impl Engine {
                     ops_read: l(&s.ops_read),
                     errors: l(&s.errors),
                     notifies: l(&s.notifies),
+                    direct_parts: l(&s.direct_parts),
                     latency: s.latency(),
                 });
             }

@@ -12,6 +12,7 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result, Status};
+use crate::wire::RegionEntry;
 
 /// Where a region's memory lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -45,6 +46,8 @@ pub struct Region {
     pub len: u64,
     /// Memory type.
     pub mem_type: MemType,
+    /// memfd of engine-allocated shared memory (peers on this host may map it), or -1.
+    pub fd: i32,
     pins: Mutex<PinSet>,
     released: Condvar,
 }
@@ -159,6 +162,11 @@ impl Registry {
     /// Registers `[addr, addr+len)`. The identical range again returns the existing region; any
     /// other overlap, a null address or a zero length is `PARAM_INVALID`.
     pub fn register(&self, addr: u64, len: u64, mem_type: MemType) -> Result<Arc<Region>> {
+        self.register_fd(addr, len, mem_type, -1)
+    }
+
+    /// Like `register`, for memory backed by the memfd `fd` (shared with same-host peers).
+    pub fn register_fd(&self, addr: u64, len: u64, mem_type: MemType, fd: i32) -> Result<Arc<Region>> {
         if addr == 0 {
             return Err(Error::param("cannot register a null address (addr=0x0)"));
         }
@@ -193,6 +201,7 @@ impl Registry {
             addr,
             len,
             mem_type,
+            fd,
             pins: Mutex::new(PinSet::default()),
             released: Condvar::new(),
         });
@@ -239,9 +248,10 @@ impl Registry {
         first_err.map_or(Ok(()), Err)
     }
 
-    /// The region table sent to peers: `(addr, len)` sorted by address.
-    pub fn table(&self) -> Vec<(u64, u64)> {
-        self.regions.read().unwrap().values().map(|r| (r.addr, r.len)).collect()
+    /// The region table sent to peers, sorted by address.
+    pub fn table(&self) -> Vec<RegionEntry> {
+        let map = self.regions.read().unwrap();
+        map.values().map(|r| RegionEntry { addr: r.addr, len: r.len, id: r.id, fd: r.fd }).collect()
     }
 
     /// Number of regions.
@@ -262,28 +272,30 @@ fn overlap(addr: u64, len: u64, r: &Region) -> Error {
 /// A sorted copy of a peer's region table, for checking remote ranges before sending.
 #[derive(Clone, Debug, Default)]
 pub struct RemoteTable {
-    regions: Vec<(u64, u64)>,
+    regions: Vec<RegionEntry>,
 }
 
 impl RemoteTable {
-    /// Builds a table from `(addr, len)` pairs in any order.
-    pub fn new(mut regions: Vec<(u64, u64)>) -> Self {
+    /// Builds a table from entries in any order.
+    pub fn new(mut regions: Vec<RegionEntry>) -> Self {
         regions.sort_unstable();
         RemoteTable { regions }
     }
 
+    /// The region that contains all of `[addr, addr+len)`.
+    pub fn find(&self, addr: u64, len: u64) -> Option<&RegionEntry> {
+        let i = self.regions.partition_point(|r| r.addr <= addr);
+        let r = self.regions.get(i.checked_sub(1)?)?;
+        (addr >= r.addr && addr.checked_add(len).is_some_and(|e| e <= r.addr + r.len)).then_some(r)
+    }
+
     /// Whether `[addr, addr+len)` lies inside one region of the table.
     pub fn contains(&self, addr: u64, len: u64) -> bool {
-        let i = self.regions.partition_point(|&(a, _)| a <= addr);
-        if i == 0 {
-            return false;
-        }
-        let (a, l) = self.regions[i - 1];
-        addr >= a && addr.checked_add(len).is_some_and(|e| e <= a + l)
+        self.find(addr, len).is_some()
     }
 
     /// The regions, sorted by address.
-    pub fn regions(&self) -> &[(u64, u64)] {
+    pub fn regions(&self) -> &[RegionEntry] {
         &self.regions
     }
 }
@@ -367,7 +379,9 @@ mod tests {
 
     #[test]
     fn remote_table_contains() {
-        let t = RemoteTable::new(vec![(0x3000, 0x10), (0x1000, 0x100)]);
+        let e = |addr, len| RegionEntry { addr, len, id: addr, fd: -1 };
+        let t = RemoteTable::new(vec![e(0x3000, 0x10), e(0x1000, 0x100)]);
+        assert_eq!(t.find(0x3008, 8).unwrap().id, 0x3000);
         assert!(t.contains(0x1000, 0x100));
         assert!(t.contains(0x3008, 8));
         assert!(!t.contains(0x3008, 9));

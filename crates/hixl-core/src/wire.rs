@@ -27,8 +27,24 @@ pub const MAX_PAYLOAD: u32 = 4 << 20;
 pub const MAX_NAME: usize = 1024;
 /// Longest notify message / error message in bytes.
 pub const MAX_MSG: usize = 1 << 20;
+/// Bytes of one region-table entry on the wire.
+pub const REGION_ENTRY_LEN: usize = 28;
 /// Most regions in a region table.
-pub const MAX_REGIONS: usize = (MAX_PAYLOAD as usize - 64 - 2 * MAX_NAME) / 16;
+pub const MAX_REGIONS: usize = (MAX_PAYLOAD as usize - 64 - 2 * MAX_NAME) / REGION_ENTRY_LEN;
+
+/// One registered region as peers see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RegionEntry {
+    /// Start address in the owner's address space.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The owner's registry id (never reused within one engine).
+    pub id: u64,
+    /// For engine-allocated shared memory: the owner's memfd descriptor, which a same-host
+    /// peer may open through /proc and map; -1 otherwise.
+    pub fd: i32,
+}
 
 /// What went wrong while decoding; the I/O layer treats it as a protocol violation.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -167,7 +183,7 @@ pub enum Frame {
         pid: u32,
         probe_addr: u64,
         probe_token: u64,
-        regions: Vec<(u64, u64)>,
+        regions: Vec<RegionEntry>,
     },
     /// See [`Kind::Write`]; `bulk_len` equals the sum of the segment lengths.
     Write { segs: Vec<Seg> },
@@ -190,9 +206,9 @@ pub enum Frame {
     /// See [`Kind::RegionsQuery`].
     RegionsQuery,
     /// See [`Kind::RegionsTable`].
-    RegionsTable { regions: Vec<(u64, u64)> },
+    RegionsTable { regions: Vec<RegionEntry> },
     /// See [`Kind::RegionsUpdate`].
-    RegionsUpdate { version: u64, regions: Vec<(u64, u64)> },
+    RegionsUpdate { version: u64, regions: Vec<RegionEntry> },
     /// See [`Kind::RegionsAck`].
     RegionsAck { version: u64 },
 }
@@ -431,11 +447,13 @@ fn put_str(p: &mut Vec<u8>, s: &str) {
     p.extend_from_slice(s.as_bytes());
 }
 
-fn put_regions(p: &mut Vec<u8>, regions: &[(u64, u64)]) {
+fn put_regions(p: &mut Vec<u8>, regions: &[RegionEntry]) {
     p.extend_from_slice(&(regions.len() as u32).to_le_bytes());
-    for (a, l) in regions {
-        p.extend_from_slice(&a.to_le_bytes());
-        p.extend_from_slice(&l.to_le_bytes());
+    for r in regions {
+        p.extend_from_slice(&r.addr.to_le_bytes());
+        p.extend_from_slice(&r.len.to_le_bytes());
+        p.extend_from_slice(&r.id.to_le_bytes());
+        p.extend_from_slice(&r.fd.to_le_bytes());
     }
 }
 
@@ -469,9 +487,9 @@ impl<'a> Reader<'a> {
         let b = self.take(n, f)?;
         String::from_utf8(b.to_vec()).map_err(|_| WireError::Utf8 { field: f })
     }
-    fn regions(&mut self) -> Result<Vec<(u64, u64)>, WireError> {
+    fn regions(&mut self) -> Result<Vec<RegionEntry>, WireError> {
         let n = self.u32("region count")? as usize;
-        if n > MAX_REGIONS || self.b.len() < n * 16 {
+        if n > MAX_REGIONS || self.b.len() < n * REGION_ENTRY_LEN {
             return Err(if n > MAX_REGIONS {
                 WireError::TooLarge { field: "region count", value: n as u64, limit: MAX_REGIONS as u64 }
             } else {
@@ -480,12 +498,17 @@ impl<'a> Reader<'a> {
         }
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
-            let a = self.u64("region addr")?;
-            let l = self.u64("region len")?;
-            if l == 0 || a.checked_add(l).is_none() {
-                return Err(WireError::Invalid { field: "region", value: a });
+            let addr = self.u64("region addr")?;
+            let len = self.u64("region len")?;
+            let id = self.u64("region id")?;
+            let fd = self.u32("region fd")? as i32;
+            if len == 0 || addr.checked_add(len).is_none() {
+                return Err(WireError::Invalid { field: "region", value: addr });
             }
-            v.push((a, l));
+            if fd < -1 {
+                return Err(WireError::Invalid { field: "region fd", value: fd as u64 });
+            }
+            v.push(RegionEntry { addr, len, id, fd });
         }
         Ok(v)
     }
@@ -502,7 +525,11 @@ mod tests {
 
     fn frame() -> impl Strategy<Value = Frame> {
         let s = "[a-zA-Z0-9:._ -]{0,40}";
-        let regions = prop::collection::vec((1u64..1 << 48, 1u64..1 << 30), 0..20);
+        let regions = prop::collection::vec(
+            (1u64..1 << 48, 1u64..1 << 30, any::<u64>(), -1i32..1000)
+                .prop_map(|(addr, len, id, fd)| RegionEntry { addr, len, id, fd }),
+            0..20,
+        );
         prop_oneof![
             (s, any::<u64>(), any::<u16>(), any::<u16>()).prop_map(|(e, n, i, c)| Frame::Hello {
                 host: e.chars().rev().collect(),

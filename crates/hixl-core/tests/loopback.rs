@@ -169,17 +169,18 @@ fn target_refuses_ranges_it_no_longer_has() {
         .unwrap_err();
     assert_eq!(e.status, Status::ParamInvalid, "{e}");
     assert!(p.bbuf.iter().all(|&b| b == 0));
-    // The link is still usable afterwards.
+    // The link is still usable afterwards, and a region registered later becomes reachable
+    // once the target's table update arrives.
     let mut other = vec![0u8; 64];
     p.b.register_mem(MemDesc { addr: other.as_mut_ptr() as u64, len: 64 }, MemType::Host).unwrap();
-    let e = p.a.transfer_sync(
-        &p.peer,
-        TransferOp::Write,
-        &[TransferOpDesc { local_addr: la, remote_addr: other.as_ptr() as u64, len: 64 }],
-        T,
-    );
-    assert_eq!(e.unwrap_err().status, Status::ParamInvalid, "not in the connect-time table");
-    assert!(other.iter().all(|&b| b == 0));
+    let d = [TransferOpDesc { local_addr: la, remote_addr: other.as_ptr() as u64, len: 64 }];
+    let t0 = std::time::Instant::now();
+    while let Err(e) = p.a.transfer_sync(&p.peer, TransferOp::Write, &d, T) {
+        assert_eq!(e.status, Status::ParamInvalid, "{e}");
+        assert!(t0.elapsed() < T, "the table update never arrived");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(&other[..], &p.abuf[..64]);
 }
 
 #[test]
@@ -394,4 +395,32 @@ fn deregistered_target_region_is_dropped_from_shm_tables() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(&fresh[..], &p.abuf[..4096]);
+}
+
+#[test]
+fn engine_allocated_peer_memory_is_copied_through_a_mapping() {
+    let a = engine("127.0.0.1", &[("hixl.transport", "shm")]);
+    let b = engine("127.0.0.1:0", &[]);
+    let peer = b.local_engine().unwrap();
+    let (bh, bmem) = b.alloc(3 << 20).unwrap();
+    assert_eq!(bh.addr % (2 << 20), 0);
+    assert_eq!(bh.len, 4 << 20);
+    let mut src = vec![0u8; 1 << 20];
+    fill(&mut src, 9);
+    a.register_mem(MemDesc { addr: src.as_mut_ptr() as u64, len: src.len() as u64 }, MemType::Host).unwrap();
+    a.connect(&peer, T).unwrap();
+    let d = [TransferOpDesc { local_addr: src.as_ptr() as u64, remote_addr: bh.addr + 100, len: 1 << 20 }];
+    a.transfer_sync(&peer, TransferOp::Write, &d, T).unwrap();
+    // SAFETY: the allocation is alive (we hold `bmem`) and 4 MiB long.
+    let target = unsafe { std::slice::from_raw_parts(bmem.addr() as *const u8, bmem.len() as usize) };
+    assert_eq!(&target[100..100 + (1 << 20)], &src[..]);
+    assert!(target[..100].iter().all(|&x| x == 0) && target[100 + (1 << 20)..].iter().all(|&x| x == 0));
+    src.fill(0);
+    a.transfer_sync(&peer, TransferOp::Read, &d, T).unwrap();
+    assert_eq!(&target[100..100 + (1 << 20)], &src[..]);
+    assert!(a.stats().unwrap()[0].direct_parts >= 2, "copied through the mapping, not CMA");
+    // Deregistered at the target: refused, nothing written.
+    b.deregister_mem(&bh).unwrap();
+    let e = a.transfer_sync(&peer, TransferOp::Write, &d, T).unwrap_err();
+    assert_eq!(e.status, Status::ParamInvalid, "{e}");
 }

@@ -417,6 +417,7 @@ impl Hixl {
             d.set_item("ops_read", s.ops_read)?;
             d.set_item("errors", s.errors)?;
             d.set_item("notifies", s.notifies)?;
+            d.set_item("direct_parts", s.direct_parts)?;
             let l = PyDict::new(py);
             l.set_item("count", s.latency.count)?;
             l.set_item("avg", s.latency.avg_us)?;

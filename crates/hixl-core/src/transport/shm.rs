@@ -21,6 +21,7 @@ use crate::stats::PeerStats;
 use crate::transport::io::{iov, IOV_MAX};
 use crate::transport::tcp::TcpLink;
 use crate::transport::{settle_request, Link, PeerInfo};
+use crate::wire::RegionEntry;
 
 /// Requests up to this size are copied by the calling thread (no hand-off, no wake-up).
 const INLINE_BYTES: u64 = 256 * 1024;
@@ -158,10 +159,59 @@ pub unsafe fn cma(pid: i32, op: TransferOp, segs: &[SegPair]) -> Result<()> {
     Ok(())
 }
 
-/// A same-host link: data by CMA, control (handshake, notifications) over the TCP link.
+/// A peer's engine-allocated region mapped into this process (through /proc/PID/fd/N).
+struct PeerMapping {
+    base: u64,
+    len: u64,
+}
+
+impl Drop for PeerMapping {
+    fn drop(&mut self) {
+        // SAFETY: exactly the mapping made in `map_peer_region`, unmapped once (last Arc).
+        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len as usize) };
+    }
+}
+
+/// Maps a same-host peer's memfd region; checks that the descriptor is a hixl memfd of the
+/// expected size first.
+fn map_peer_region(pid: i32, e: &RegionEntry) -> std::io::Result<PeerMapping> {
+    use std::os::fd::AsRawFd;
+    let path = format!("/proc/{pid}/fd/{}", e.fd);
+    let target = std::fs::read_link(&path)?;
+    if !target.to_string_lossy().starts_with("/memfd:hixl") {
+        return Err(std::io::Error::other(format!("{path} is {target:?}, not a hixl memfd")));
+    }
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&path)?;
+    if f.metadata()?.len() < e.len {
+        return Err(std::io::Error::other(format!("{path} is smaller than the region")));
+    }
+    // SAFETY: a new shared mapping of a file we opened; no existing memory is affected.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            e.len as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(PeerMapping { base: p as u64, len: e.len })
+}
+
+/// A same-host link: data by CMA (or by memcpy through a mapping, for the peer's
+/// engine-allocated regions), control (handshake, notifications) over the TCP link.
 pub struct ShmLink {
     tcp: Arc<TcpLink>,
     pid: i32,
+    /// Mapped peer regions by registry id (ids are never reused, so a stale entry can never
+    /// stand for new memory at the same address).
+    maps: Mutex<std::collections::HashMap<u64, Arc<PeerMapping>>>,
+    /// Cleared after a mapping failed: CMA only from then on.
+    direct_ok: AtomicBool,
     pidfd: Option<OwnedFd>,
     workers: usize,
     queue: WorkQueue<Part>,
@@ -184,6 +234,8 @@ impl ShmLink {
         let link = Arc::new(ShmLink {
             tcp,
             pid,
+            maps: Mutex::new(std::collections::HashMap::new()),
+            direct_ok: AtomicBool::new(true),
             pidfd,
             workers,
             queue: WorkQueue::with_lanes(queue_depth, workers),
@@ -253,8 +305,15 @@ impl ShmLink {
                 s.remote, s.len
             )));
         }
-        // SAFETY: local segments lie in regions pinned by the request until it settles.
-        let res = unsafe { cma(self.pid, part.req.op, segs) };
+        let res = match self.direct_mappings(&table, segs) {
+            Some(maps) => {
+                self.copy_direct(part.req.op, segs, &maps);
+                self.tcp.stats().direct_parts.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            // SAFETY: local segments lie in regions pinned by the request until it settles.
+            None => unsafe { cma(self.pid, part.req.op, segs) },
+        };
         drop(table);
         if let Err(e) = &res {
             if e.status == Status::NotConnected {
@@ -262,6 +321,66 @@ impl ShmLink {
             }
         }
         res
+    }
+
+    /// For every segment, the mapping of the peer region it lies in, when all of them lie in
+    /// engine-allocated regions that could be mapped; None means: use CMA.
+    fn direct_mappings(&self, table: &RemoteTable, segs: &[SegPair]) -> Option<Vec<(Arc<PeerMapping>, u64)>> {
+        if !self.direct_ok.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut maps = self.maps.lock().unwrap();
+        if maps.len() > table.regions().len() {
+            maps.retain(|id, _| table.regions().iter().any(|r| r.id == *id));
+        }
+        let mut out: Vec<(Arc<PeerMapping>, u64)> = Vec::with_capacity(segs.len());
+        let mut last: Option<(u64, Arc<PeerMapping>, u64)> = None; // (id, mapping, region addr)
+        for s in segs {
+            let e = table.find(s.remote, s.len)?;
+            if e.fd < 0 {
+                return None;
+            }
+            if let Some((id, m, base)) = &last {
+                if *id == e.id {
+                    out.push((m.clone(), *base));
+                    continue;
+                }
+            }
+            let m = match maps.get(&e.id) {
+                Some(m) => m.clone(),
+                None => match map_peer_region(self.pid, e) {
+                    Ok(m) => {
+                        let m = Arc::new(m);
+                        maps.insert(e.id, m.clone());
+                        m
+                    }
+                    Err(err) => {
+                        tracing::info!(pid = self.pid, error = %err, "cannot map the peer's memory; using CMA");
+                        self.direct_ok.store(false, Ordering::Relaxed);
+                        return None;
+                    }
+                },
+            };
+            last = Some((e.id, m.clone(), e.addr));
+            out.push((m, e.addr));
+        }
+        Some(out)
+    }
+
+    fn copy_direct(&self, op: TransferOp, segs: &[SegPair], maps: &[(Arc<PeerMapping>, u64)]) {
+        for (s, (m, base)) in segs.iter().zip(maps) {
+            let remote = (m.base + (s.remote - base)) as *mut u8;
+            let local = s.local as *mut u8;
+            // SAFETY: the remote range lies inside the peer region (checked against the table
+            // under its read guard) and so inside the mapping; the local range lies in a region
+            // pinned by the request. `copy` (memmove) tolerates the odd case of both naming one memfd.
+            unsafe {
+                match op {
+                    TransferOp::Write => std::ptr::copy(local, remote, s.len as usize),
+                    TransferOp::Read => std::ptr::copy(remote, local, s.len as usize),
+                }
+            }
+        }
     }
 
     fn reason(&self) -> Error {
@@ -367,6 +486,7 @@ impl Link for ShmLink {
         self.queue.close();
         self.tcp.close(why);
         self.fail_queued();
+        self.maps.lock().unwrap().clear();
         let me = std::thread::current().id();
         if !self.thread_ids.lock().unwrap().contains(&me) {
             for h in std::mem::take(&mut *self.threads.lock().unwrap()) {
@@ -474,6 +594,11 @@ impl SharedMem {
     /// Length in bytes (a multiple of 2 MiB).
     pub fn len(&self) -> u64 {
         self.len
+    }
+
+    /// The memfd (kept open while mapped, so same-host peers can map it through /proc).
+    pub fn fd(&self) -> i32 {
+        std::os::fd::AsRawFd::as_raw_fd(&self._fd)
     }
 
     /// Always false: a SharedMem has at least 2 MiB.
