@@ -658,8 +658,8 @@ fn validate(
         }
         if !table.contains(d.remote_addr, d.len) {
             return Err(Error::param(format!(
-                "descriptor {i}: remote range 0x{:x}+{} is not inside a region that {remote} had \
-                 registered at connect",
+                "descriptor {i}: remote range 0x{:x}+{} is not inside a region registered at \
+                 {remote} (as of its last region-table update)",
                 d.remote_addr, d.len
             )));
         }

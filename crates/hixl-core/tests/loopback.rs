@@ -302,6 +302,12 @@ fn peer_finalize_fails_pending_requests() {
         let s = r.wait(Some(T));
         assert!(s == TransferStatus::Completed || s == TransferStatus::Failed, "{s:?}");
     }
+    // Once the initiator noticed (it first receives the peer's emptied table, then EOF):
+    let t0 = std::time::Instant::now();
+    while p.a.get_async_connect_status(&p.peer).unwrap() != ConnectStatus::ConnectFailed {
+        assert!(t0.elapsed() < T, "the link never died");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let e = p.a.transfer_sync(&p.peer, TransferOp::Write, &d, T).unwrap_err();
     assert_eq!(e.status, Status::NotConnected, "{e}");
     let _ = &mut p.bbuf;

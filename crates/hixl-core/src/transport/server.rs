@@ -47,6 +47,8 @@ struct Served {
     link_head: AtomicBool,
     /// Highest region-table version the peer confirmed.
     acked: AtomicU64,
+    /// Set when the serve thread is done with this stream (it confirms nothing any more).
+    ended: AtomicBool,
 }
 
 impl Abort for Served {
@@ -108,6 +110,7 @@ impl Server {
                             acks_updates: AtomicBool::new(false),
                             link_head: AtomicBool::new(false),
                             acked: AtomicU64::new(0),
+                            ended: AtomicBool::new(false),
                         }),
                         Err(_) => continue,
                     };
@@ -119,6 +122,9 @@ impl Server {
                             tracing::info!(from = %from, error = %e, "served stream ended");
                         }
                         srv.served.lock().unwrap().remove(&id);
+                        // Flag first, then the lock: a publisher that saw the stream running
+                        // is already waiting and gets this wake-up.
+                        served.ended.store(true, Ordering::Release);
                         *srv.live.lock().unwrap() -= 1;
                         srv.gone.notify_all();
                         srv.acks.notify_all();
@@ -167,7 +173,7 @@ impl Server {
             }
         }
         let Some(_) = wait else { return Ok(()) };
-        let live = |s: &Arc<Served>| Arc::strong_count(s) > 1; // the serve thread still holds it
+        let live = |s: &Arc<Served>| !s.ended.load(Ordering::Acquire);
         let mut g = self.live.lock().unwrap();
         loop {
             let pending: Vec<_> = heads
