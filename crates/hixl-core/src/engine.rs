@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result, Status};
 use crate::notify::NotifyStore;
 use crate::options::{Options, Transport};
-use crate::queue::{NotifyDesc, Part, PartBody, Request, SegPair, TransferOp, TransferStatus};
+use crate::queue::{NotifyDesc, Part, PartBody, Request, SegPair, Strided, TransferOp, TransferStatus};
 use crate::registry::{Abort, MemType, Pin, Registry};
 use crate::stats::LatencySummary;
 use crate::transport::server::{Server, ServerCtx};
@@ -54,6 +54,21 @@ pub struct TransferOpDesc {
     pub remote_addr: u64,
     /// Length in bytes.
     pub len: u64,
+}
+
+/// A strided descriptor: `count` elements of `size` bytes; element i sits at
+/// `base + i * stride` locally and at `remote_base + i * remote_stride` (default: `stride`)
+/// at the peer, so a layout can be re-packed on the way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StridedDesc {
+    /// Number of elements (>= 1).
+    pub count: u64,
+    /// Bytes per element (>= 1).
+    pub size: u64,
+    /// Local distance between elements (>= size).
+    pub stride: u64,
+    /// Remote distance between elements (>= size); None means `stride`.
+    pub remote_stride: Option<u64>,
 }
 
 /// State of an asynchronous connect.
@@ -309,6 +324,8 @@ impl Engine {
             queue_depth: r.opts.queue_depth,
             timeout,
             host: r.host.clone(),
+            coalesce: r.opts.coalesce,
+            coalesce_max_ops: r.opts.coalesce_max_ops,
         }
     }
 
@@ -499,29 +516,126 @@ impl Engine {
         }
         let (segs, pins, bytes) = validate(&r, &conn, remote, descs)?;
         let parts = split(segs, bytes, conn.link.parallelism(), r.opts.split_bytes);
+        let bodies = parts.into_iter().map(PartBody::Data).collect();
+        self.submit(&r, &conn, remote, op, bodies, bytes, descs.len(), pins, notify, timeout)
+    }
+
+    /// Makes the request for validated parts and queues them on the peer's link.
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &self,
+        r: &Running,
+        conn: &PeerConn,
+        remote: &str,
+        op: TransferOp,
+        bodies: Vec<PartBody>,
+        bytes: u64,
+        descs: usize,
+        pins: Vec<Pin>,
+        notify: Option<NotifyDesc>,
+        timeout: Option<Duration>,
+    ) -> Result<TransferReq> {
         let timeout = timeout.unwrap_or(r.opts.transfer_timeout);
         let id = r.next_req.fetch_add(1, Ordering::Relaxed);
         let extra = usize::from(notify.is_some());
-        let req = Arc::new(Request::new(
-            id,
-            op,
-            remote.to_string(),
-            bytes,
-            descs.len(),
-            parts.len(),
-            timeout,
-            pins,
-            notify,
-        ));
-        let parts: Vec<Part> =
-            parts.into_iter().map(|s| Part { req: req.clone(), body: PartBody::Data(s) }).collect();
+        let n = bodies.len();
+        let req = Arc::new(Request::new(id, op, remote.to_string(), bytes, descs, n, timeout, pins, notify));
+        let parts: Vec<Part> = bodies.into_iter().map(|body| Part { req: req.clone(), body }).collect();
         if let Err(e) = conn.link.submit(parts, extra) {
             req.settle(TransferStatus::Failed, Some(e.clone()));
             req.release_pins();
             return Err(e);
         }
-        remember(&conn, &req);
+        remember(conn, &req);
         Ok(req)
+    }
+
+    /// One-sided WRITE of `len` bytes, waiting up to `timeout`.
+    pub fn put(
+        &self,
+        remote: &str,
+        local_addr: u64,
+        remote_addr: u64,
+        len: u64,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.transfer_sync(
+            remote,
+            TransferOp::Write,
+            &[TransferOpDesc { local_addr, remote_addr, len }],
+            timeout,
+        )
+    }
+
+    /// One-sided READ of `len` bytes, waiting up to `timeout`.
+    pub fn get(
+        &self,
+        remote: &str,
+        local_addr: u64,
+        remote_addr: u64,
+        len: u64,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.transfer_sync(
+            remote,
+            TransferOp::Read,
+            &[TransferOpDesc { local_addr, remote_addr, len }],
+            timeout,
+        )
+    }
+
+    /// Strided WRITE (see [`StridedDesc`]), waiting up to `timeout`.
+    pub fn put_strided(
+        &self,
+        remote: &str,
+        local_base: u64,
+        remote_base: u64,
+        d: &StridedDesc,
+        timeout: Duration,
+    ) -> Result<()> {
+        let req =
+            self.strided_async(remote, TransferOp::Write, local_base, remote_base, d, None, Some(timeout))?;
+        req.wait(None);
+        req.result()
+    }
+
+    /// Strided READ (see [`StridedDesc`]), waiting up to `timeout`.
+    pub fn get_strided(
+        &self,
+        remote: &str,
+        local_base: u64,
+        remote_base: u64,
+        d: &StridedDesc,
+        timeout: Duration,
+    ) -> Result<()> {
+        let req =
+            self.strided_async(remote, TransferOp::Read, local_base, remote_base, d, None, Some(timeout))?;
+        req.wait(None);
+        req.result()
+    }
+
+    /// Queues a strided transfer and returns at once: one request, one descriptor on the wire,
+    /// expanded into segments only by the backend, a chunk at a time.
+    #[allow(clippy::too_many_arguments)]
+    pub fn strided_async(
+        &self,
+        remote: &str,
+        op: TransferOp,
+        local_base: u64,
+        remote_base: u64,
+        d: &StridedDesc,
+        notify: Option<NotifyDesc>,
+        timeout: Option<Duration>,
+    ) -> Result<TransferReq> {
+        let r = self.running()?;
+        let conn = Self::conn(&r, remote)?;
+        if let Some(n) = &notify {
+            check_notify(n)?;
+        }
+        let (st, pins) = validate_strided(&r, &conn, remote, local_base, remote_base, d)?;
+        let shares = if st.bytes() >= r.opts.split_bytes { conn.link.parallelism() } else { 1 };
+        let bodies: Vec<PartBody> = st.split(shares).into_iter().map(PartBody::Strided).collect();
+        self.submit(&r, &conn, remote, op, bodies, st.bytes(), 1, pins, notify, timeout)
     }
 
     /// Status of a request (WAITING turns into TIMEOUT past its deadline).
@@ -667,6 +781,75 @@ fn validate(
         push_merged(&mut segs, d);
     }
     Ok((segs, pins, bytes))
+}
+
+/// Checks a strided descriptor (counts, strides, 64-byte alignment, both spans inside one
+/// registered region) and pins the local region.
+fn validate_strided(
+    r: &Running,
+    conn: &PeerConn,
+    remote: &str,
+    local_base: u64,
+    remote_base: u64,
+    d: &StridedDesc,
+) -> Result<(Strided, Vec<Pin>)> {
+    let rstride = d.remote_stride.unwrap_or(d.stride);
+    if d.count == 0 {
+        return Err(Error::param("count=0: a strided descriptor needs at least one element"));
+    }
+    if d.size == 0 {
+        return Err(Error::param("size=0: elements need at least one byte"));
+    }
+    for (name, v) in [("stride", d.stride), ("remote_stride", rstride)] {
+        if v < d.size {
+            return Err(Error::param(format!(
+                "{name}={v} is smaller than size={}: elements would overlap",
+                d.size
+            )));
+        }
+    }
+    if r.opts.strict_alignment {
+        for (name, v) in [
+            ("local_base", local_base),
+            ("remote_base", remote_base),
+            ("stride", d.stride),
+            ("remote_stride", rstride),
+        ] {
+            if v % 64 != 0 {
+                return Err(Error::param(format!(
+                    "{name}=0x{v:x} ({v}) is not a multiple of 64 bytes (hixl.strict_alignment=0 relaxes this)"
+                )));
+            }
+        }
+    }
+    let span = |stride: u64| (d.count - 1).checked_mul(stride).and_then(|x| x.checked_add(d.size));
+    let (Some(lspan), Some(rspan)) = (span(d.stride), span(rstride)) else {
+        return Err(Error::param(format!(
+            "count={} with these strides overflows the address space",
+            d.count
+        )));
+    };
+    d.count
+        .checked_mul(d.size)
+        .ok_or_else(|| Error::param(format!("count={} x size={} overflows", d.count, d.size)))?;
+    let region = r.registry.lookup(local_base, lspan, "local strided").map_err(|e| {
+        Error::param(format!("{} (the whole strided range must lie in one region)", e.message))
+    })?;
+    let pin = region.pin(conn.link.clone())?;
+    if !conn.link.table().contains(remote_base, rspan) {
+        return Err(Error::param(format!(
+            "remote strided range 0x{remote_base:x}+{rspan} is not inside one region registered at {remote}"
+        )));
+    }
+    let st = Strided {
+        local: local_base,
+        remote: remote_base,
+        count: d.count,
+        size: d.size,
+        lstride: d.stride,
+        rstride,
+    };
+    Ok((st, vec![pin]))
 }
 
 /// Appends a descriptor, extending the last segment when both sides continue it.

@@ -31,7 +31,9 @@ pub mod stats;
 pub mod transport;
 pub mod wire;
 
-pub use engine::{ConnectStatus, Engine, MemDesc, MemHandle, PeerSnapshot, TransferOpDesc, TransferReq};
+pub use engine::{
+    ConnectStatus, Engine, MemDesc, MemHandle, PeerSnapshot, StridedDesc, TransferOpDesc, TransferReq,
+};
 pub use error::{Error, Result, Status};
 pub use queue::{NotifyDesc, TransferOp, TransferStatus};
 pub use registry::MemType;

@@ -41,6 +41,12 @@ pub struct Options {
     pub transport: Transport,
     /// `hixl.shm_threads`: copy threads per same-host link.
     pub shm_threads: usize,
+    /// `hixl.strict_alignment`: strided bases and strides must be multiples of 64 bytes.
+    pub strict_alignment: bool,
+    /// `hixl.coalesce_us`: a TCP writer waits this long for more small requests (0 = off).
+    pub coalesce: Duration,
+    /// `hixl.coalesce_max_ops`: most requests one coalesced batch takes.
+    pub coalesce_max_ops: usize,
 }
 
 impl Default for Options {
@@ -56,6 +62,9 @@ impl Default for Options {
             max_notifies: 4096,
             transport: Transport::Auto,
             shm_threads: 2,
+            strict_alignment: true,
+            coalesce: Duration::ZERO,
+            coalesce_max_ops: 64,
         }
     }
 }
@@ -72,6 +81,9 @@ pub const KEYS: &[(&str, &str, &str)] = &[
     ("hixl.max_notifies", "4096", "pending received notifications per peer"),
     ("hixl.transport", "auto", "auto | shm | tcp: backend for data (control is always TCP)"),
     ("hixl.shm_threads", "2", "copy threads per same-host link (1..64)"),
+    ("hixl.strict_alignment", "1", "1: strided bases and strides must be multiples of 64 bytes; 0: any"),
+    ("hixl.coalesce_us", "0", "TCP: wait this long for more small requests to send together (0 = off)"),
+    ("hixl.coalesce_max_ops", "64", "TCP: most requests in one coalesced batch (1..4096)"),
 ];
 
 fn int(key: &str, v: &str, min: u64, max: u64) -> Result<u64> {
@@ -102,6 +114,9 @@ impl Options {
                 "hixl.deregister_timeout_ms" => o.deregister_timeout = ms(0)?,
                 "hixl.max_notifies" => o.max_notifies = int(k, v, 1, 1 << 20)? as usize,
                 "hixl.shm_threads" => o.shm_threads = int(k, v, 1, 64)? as usize,
+                "hixl.strict_alignment" => o.strict_alignment = int(k, v, 0, 1)? == 1,
+                "hixl.coalesce_us" => o.coalesce = Duration::from_micros(int(k, v, 0, 1_000_000)?),
+                "hixl.coalesce_max_ops" => o.coalesce_max_ops = int(k, v, 1, 4096)? as usize,
                 "hixl.transport" => {
                     o.transport = match v.trim().to_ascii_lowercase().as_str() {
                         "auto" => Transport::Auto,

@@ -257,13 +257,94 @@ impl Request {
     }
 }
 
+/// `count` elements of `size` bytes: element i is at `local + i * lstride` here and at
+/// `remote + i * rstride` at the peer. Stays this compact through the queue and on the wire;
+/// backends expand it into segments a chunk at a time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Strided {
+    /// Local address of element 0.
+    pub local: u64,
+    /// Remote address of element 0.
+    pub remote: u64,
+    /// Number of elements (>= 1).
+    pub count: u64,
+    /// Bytes per element (>= 1).
+    pub size: u64,
+    /// Local distance between elements (>= size).
+    pub lstride: u64,
+    /// Remote distance between elements (>= size).
+    pub rstride: u64,
+}
+
+impl Strided {
+    /// Bytes moved.
+    pub fn bytes(&self) -> u64 {
+        self.count * self.size
+    }
+
+    /// Element `i` as a segment pair.
+    pub fn seg(&self, i: u64) -> SegPair {
+        SegPair {
+            local: self.local + i * self.lstride,
+            remote: self.remote + i * self.rstride,
+            len: self.size,
+        }
+    }
+
+    /// Calls `f` with the segments of elements, at most `chunk` at a time, reusing one buffer.
+    pub fn for_each_chunk<E>(
+        &self,
+        chunk: usize,
+        mut f: impl FnMut(&[SegPair]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let mut buf = Vec::with_capacity(chunk.min(self.count as usize));
+        let mut i = 0;
+        while i < self.count {
+            buf.clear();
+            let n = (self.count - i).min(chunk as u64);
+            buf.extend((i..i + n).map(|k| self.seg(k)));
+            f(&buf)?;
+            i += n;
+        }
+        Ok(())
+    }
+
+    /// Cuts into at most `parts` strided pieces of about equal element counts.
+    pub fn split(self, parts: usize) -> Vec<Strided> {
+        let parts = (parts as u64).clamp(1, self.count);
+        let per = self.count.div_ceil(parts);
+        let mut out = Vec::with_capacity(parts as usize);
+        let mut i = 0;
+        while i < self.count {
+            let n = per.min(self.count - i);
+            let s = self.seg(i);
+            out.push(Strided { local: s.local, remote: s.remote, count: n, ..self });
+            i += n;
+        }
+        out
+    }
+}
+
 /// What a part carries.
 #[derive(Debug)]
 pub enum PartBody {
     /// Data segments of a READ or WRITE.
     Data(Vec<SegPair>),
+    /// A strided READ or WRITE.
+    Strided(Strided),
     /// A notification.
     Notify(NotifyDesc),
+}
+
+impl PartBody {
+    /// Data bytes the part moves (0 for a notification).
+    pub fn bytes(&self) -> u64 {
+        match self {
+            PartBody::Data(segs) => segs.iter().map(|s| s.len).sum(),
+            PartBody::Strided(s) => s.bytes(),
+            PartBody::Notify(_) => 0,
+        }
+    }
 }
 
 /// A unit of work for one stream: a share of a request.
@@ -460,6 +541,25 @@ impl<T> WorkQueue<T> {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn strided_expands_in_chunks_and_splits_evenly() {
+        let s = Strided { local: 1000, remote: 5000, count: 10, size: 8, lstride: 64, rstride: 128 };
+        assert_eq!(s.bytes(), 80);
+        let mut seen = vec![];
+        s.for_each_chunk(4, |c| {
+            assert!(c.len() <= 4);
+            seen.extend_from_slice(c);
+            Ok::<(), ()>(())
+        })
+        .unwrap();
+        assert_eq!(seen.len(), 10);
+        assert_eq!(seen[9], SegPair { local: 1000 + 9 * 64, remote: 5000 + 9 * 128, len: 8 });
+        let parts = s.split(3);
+        assert_eq!(parts.iter().map(|p| p.count).collect::<Vec<_>>(), vec![4, 4, 2]);
+        assert_eq!(parts[1].seg(0), s.seg(4));
+        assert_eq!(s.split(100).len(), 10, "never more parts than elements");
+    }
 
     #[test]
     fn full_queue_refuses_at_once() {

@@ -122,6 +122,10 @@ pub enum Kind {
     RegionsUpdate = 14,
     /// Initiator -> target: the update was applied and no direct access uses a removed region.
     RegionsAck = 15,
+    /// A strided write: one descriptor, followed by `count * size` bytes.
+    WriteStrided = 16,
+    /// A strided read: one descriptor.
+    ReadStrided = 17,
 }
 
 impl Kind {
@@ -142,6 +146,8 @@ impl Kind {
             13 => Kind::RegionsTable,
             14 => Kind::RegionsUpdate,
             15 => Kind::RegionsAck,
+            16 => Kind::WriteStrided,
+            17 => Kind::ReadStrided,
             _ => return Err(WireError::BadKind(b)),
         })
     }
@@ -167,6 +173,30 @@ pub struct Seg {
     pub addr: u64,
     /// Length in bytes (>= 1).
     pub len: u64,
+}
+
+/// `count` elements of `size` bytes at `addr + i * stride` in the target's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StridedSeg {
+    /// Address of element 0.
+    pub addr: u64,
+    /// Elements (>= 1).
+    pub count: u64,
+    /// Bytes per element (>= 1).
+    pub size: u64,
+    /// Distance between elements (>= size).
+    pub stride: u64,
+}
+
+impl StridedSeg {
+    /// Bytes moved (`count * size`), or None on overflow.
+    pub fn bytes(&self) -> Option<u64> {
+        self.count.checked_mul(self.size)
+    }
+    /// Bytes from element 0 to the end of the last element, or None on overflow.
+    pub fn span(&self) -> Option<u64> {
+        (self.count - 1).checked_mul(self.stride)?.checked_add(self.size)
+    }
 }
 
 /// A decoded frame (payload only; bulk bytes are moved by the I/O layer).
@@ -211,6 +241,10 @@ pub enum Frame {
     RegionsUpdate { version: u64, regions: Vec<RegionEntry> },
     /// See [`Kind::RegionsAck`].
     RegionsAck { version: u64 },
+    /// See [`Kind::WriteStrided`].
+    WriteStrided { seg: StridedSeg },
+    /// See [`Kind::ReadStrided`].
+    ReadStrided { seg: StridedSeg },
 }
 
 impl Frame {
@@ -232,6 +266,8 @@ impl Frame {
             Frame::RegionsTable { .. } => Kind::RegionsTable,
             Frame::RegionsUpdate { .. } => Kind::RegionsUpdate,
             Frame::RegionsAck { .. } => Kind::RegionsAck,
+            Frame::WriteStrided { .. } => Kind::WriteStrided,
+            Frame::ReadStrided { .. } => Kind::ReadStrided,
         }
     }
 
@@ -239,6 +275,7 @@ impl Frame {
     pub fn bulk_len(&self) -> u64 {
         match self {
             Frame::Write { segs } => segs.iter().map(|s| s.len).sum(),
+            Frame::WriteStrided { seg } => seg.bytes().unwrap_or(0),
             _ => 0,
         }
     }
@@ -301,6 +338,11 @@ pub fn encode(frame: &Frame, tag: u64, read_bulk: u64) -> Vec<u8> {
             put_regions(&mut p, regions);
         }
         Frame::RegionsAck { version } => p.extend_from_slice(&version.to_le_bytes()),
+        Frame::WriteStrided { seg } | Frame::ReadStrided { seg } => {
+            for v in [seg.addr, seg.count, seg.size, seg.stride] {
+                p.extend_from_slice(&v.to_le_bytes());
+            }
+        }
         Frame::Heartbeat | Frame::HeartbeatAck | Frame::Bye | Frame::RegionsQuery => {}
     }
     let payload_len = (p.len() - HEADER_LEN) as u32;
@@ -340,7 +382,7 @@ pub fn decode_header(b: &[u8; HEADER_LEN]) -> Result<Header, WireError> {
     }
     let tag = u64::from_le_bytes(b[8..16].try_into().unwrap());
     let bulk_len = u64::from_le_bytes(b[16..24].try_into().unwrap());
-    if bulk_len != 0 && !matches!(kind, Kind::Write | Kind::ReadResp) {
+    if bulk_len != 0 && !matches!(kind, Kind::Write | Kind::WriteStrided | Kind::ReadResp) {
         return Err(WireError::Invalid { field: "bulk_len", value: bulk_len });
     }
     Ok(Header { kind, payload_len, tag, bulk_len })
@@ -424,6 +466,38 @@ pub fn decode_payload(h: &Header, payload: &[u8]) -> Result<Frame, WireError> {
         Kind::RegionsTable => Frame::RegionsTable { regions: r.regions()? },
         Kind::RegionsUpdate => Frame::RegionsUpdate { version: r.u64("version")?, regions: r.regions()? },
         Kind::RegionsAck => Frame::RegionsAck { version: r.u64("version")? },
+        Kind::WriteStrided | Kind::ReadStrided => {
+            let seg = StridedSeg {
+                addr: r.u64("strided addr")?,
+                count: r.u64("strided count")?,
+                size: r.u64("strided size")?,
+                stride: r.u64("strided stride")?,
+            };
+            if seg.count == 0 {
+                return Err(WireError::Invalid { field: "strided count", value: 0 });
+            }
+            if seg.size == 0 {
+                return Err(WireError::Invalid { field: "strided size", value: 0 });
+            }
+            if seg.stride < seg.size {
+                return Err(WireError::Invalid { field: "strided stride", value: seg.stride });
+            }
+            let (Some(bytes), Some(span)) = (seg.bytes(), seg.span()) else {
+                return Err(WireError::Invalid { field: "strided count", value: seg.count });
+            };
+            if seg.addr.checked_add(span).is_none() {
+                return Err(WireError::Invalid { field: "strided addr", value: seg.addr });
+            }
+            let expect = if h.kind == Kind::WriteStrided { bytes } else { 0 };
+            if h.bulk_len != expect {
+                return Err(WireError::Invalid { field: "bulk_len", value: h.bulk_len });
+            }
+            if h.kind == Kind::WriteStrided {
+                Frame::WriteStrided { seg }
+            } else {
+                Frame::ReadStrided { seg }
+            }
+        }
     };
     if !r.b.is_empty() {
         return Err(WireError::Trailing(r.b.len()));
@@ -554,6 +628,16 @@ mod tests {
             regions.clone().prop_map(|regions| Frame::RegionsTable { regions }),
             (any::<u64>(), regions).prop_map(|(version, regions)| Frame::RegionsUpdate { version, regions }),
             any::<u64>().prop_map(|version| Frame::RegionsAck { version }),
+            (1u64..1 << 40, 1u64..1 << 20, 1u64..1 << 12, 0u64..1 << 12).prop_map(
+                |(addr, count, size, pad)| {
+                    Frame::WriteStrided { seg: StridedSeg { addr, count, size, stride: size + pad } }
+                }
+            ),
+            (1u64..1 << 40, 1u64..1 << 20, 1u64..1 << 12, 0u64..1 << 12).prop_map(
+                |(addr, count, size, pad)| {
+                    Frame::ReadStrided { seg: StridedSeg { addr, count, size, stride: size + pad } }
+                }
+            ),
         ]
     }
 

@@ -430,3 +430,91 @@ fn engine_allocated_peer_memory_is_copied_through_a_mapping() {
     let e = a.transfer_sync(&peer, TransferOp::Write, &d, T).unwrap_err();
     assert_eq!(e.status, Status::ParamInvalid, "{e}");
 }
+
+#[test]
+fn strided_put_get_repacks_and_leaves_padding_alone() {
+    use hixl_core::StridedDesc;
+    for transport in ["tcp", "shm"] {
+        // Force splitting over the streams/threads too.
+        let mut p = pair(1 << 20, &[("hixl.transport", transport), ("hixl.split_bytes", "4096")]);
+        fill(&mut p.abuf, 21);
+        let (la, rb) = (p.abuf.as_ptr() as u64, p.bbuf.as_ptr() as u64);
+        let la = la.div_ceil(64) * 64;
+        let rb = rb.div_ceil(64) * 64;
+        let (lo, ro) = ((la - p.abuf.as_ptr() as u64) as usize, (rb - p.bbuf.as_ptr() as u64) as usize);
+        // 300 elements of 192 bytes: 256-byte stride here, re-packed at a 320-byte stride there.
+        let d = StridedDesc { count: 300, size: 192, stride: 256, remote_stride: Some(320) };
+        p.a.put_strided(&p.peer, la, rb, &d, T).unwrap();
+        for i in 0..300usize {
+            let (l, r) = (lo + i * 256, ro + i * 320);
+            assert_eq!(&p.bbuf[r..r + 192], &p.abuf[l..l + 192], "element {i} ({transport})");
+            assert!(p.bbuf[r + 192..r + 320].iter().all(|&x| x == 0), "padding after {i} untouched");
+        }
+        assert!(p.bbuf[..ro].iter().all(|&x| x == 0) && p.bbuf[ro + 300 * 320..].iter().all(|&x| x == 0));
+        // Read it back into a zeroed local layout with the local stride.
+        let want: Vec<u8> = p.abuf.clone();
+        p.abuf.fill(0);
+        p.a.get_strided(&p.peer, la, rb, &d, T).unwrap();
+        for i in 0..300usize {
+            let l = lo + i * 256;
+            assert_eq!(&p.abuf[l..l + 192], &want[l..l + 192]);
+            assert!(p.abuf[l + 192..l + 256].iter().all(|&x| x == 0));
+        }
+        let st = p.a.stats().unwrap();
+        assert_eq!(st[0].backend, transport);
+        assert_eq!(st[0].bytes_write, 300 * 192);
+    }
+}
+
+#[test]
+fn strided_validation_names_field_and_value() {
+    use hixl_core::StridedDesc;
+    let p = pair(1 << 16, &[]);
+    let la = (p.abuf.as_ptr() as u64).div_ceil(64) * 64;
+    let rb = (p.bbuf.as_ptr() as u64).div_ceil(64) * 64;
+    let d = |count, size, stride, rs| StridedDesc { count, size, stride, remote_stride: rs };
+    let cases = [
+        (la, rb, d(0, 64, 64, None), "count=0"),
+        (la, rb, d(4, 0, 64, None), "size=0"),
+        (la, rb, d(4, 128, 64, None), "stride=64 is smaller than size=128"),
+        (la, rb, d(4, 64, 64, Some(32)), "remote_stride=32"),
+        (la + 8, rb, d(4, 64, 64, None), "local_base="),
+        (la, rb + 8, d(4, 64, 64, None), "remote_base="),
+        (la, rb, d(4, 64, 96, None), "stride=0x60 (96) is not a multiple of 64"),
+        (la, rb, d(1 << 20, 64, 64, None), "one region"),
+        (la, rb, d(2, 64, 1 << 40, None), "local strided range"),
+    ];
+    for (l, r, desc, words) in cases {
+        let e = p.a.put_strided(&p.peer, l, r, &desc, T).unwrap_err();
+        assert_eq!(e.status, Status::ParamInvalid, "{e}");
+        assert!(e.message.contains(words), "{words:?} not in {e}");
+    }
+    // Relaxed alignment accepts odd bases and strides.
+    let q = pair(1 << 16, &[("hixl.strict_alignment", "0")]);
+    let la = q.abuf.as_ptr() as u64 + 3;
+    let rb = q.bbuf.as_ptr() as u64 + 5;
+    q.a.put_strided(&q.peer, la, rb, &d(10, 7, 13, Some(11)), T).unwrap();
+    for i in 0..10usize {
+        assert_eq!(&q.bbuf[5 + i * 11..5 + i * 11 + 7], &q.abuf[3 + i * 13..3 + i * 13 + 7]);
+    }
+}
+
+#[test]
+fn coalesced_small_requests_complete_individually() {
+    let mut p = pair(1 << 20, &[("hixl.coalesce_us", "200"), ("hixl.streams", "1")]);
+    fill(&mut p.abuf, 8);
+    let (la, rb) = (p.abuf.as_ptr() as u64, p.bbuf.as_ptr() as u64);
+    let reqs: Vec<_> = (0..256u64)
+        .map(|i| {
+            let d = [TransferOpDesc { local_addr: la + i * 4096, remote_addr: rb + i * 4096, len: 4096 }];
+            let n = (i % 64 == 0).then(|| NotifyDesc { name: format!("n{i}"), msg: String::new() });
+            p.a.transfer_async(&p.peer, TransferOp::Write, &d, n, None).unwrap()
+        })
+        .collect();
+    for r in &reqs {
+        assert_eq!(r.wait(Some(T)), TransferStatus::Completed);
+    }
+    assert!(p.bbuf == p.abuf);
+    assert_eq!(p.b.get_notifies().unwrap().len(), 4);
+    assert_eq!(p.a.stats().unwrap()[0].ops_write, 256);
+}

@@ -15,7 +15,7 @@ use crate::error::{Error, Result, Status};
 use crate::notify::NotifyStore;
 use crate::registry::{Abort, Pin, Registry};
 use crate::transport::io::{self, iov};
-use crate::wire::{self, Frame, Header, Seg};
+use crate::wire::{self, Frame, Header, Seg, StridedSeg};
 
 /// What served streams need from the engine.
 pub struct ServerCtx {
@@ -295,8 +295,10 @@ fn serve(srv: &Server, sock: &TcpStream, served: &Arc<Served>) -> std::io::Resul
             Err(e) => return Err(e),
         };
         match f {
-            Frame::Write { segs } => serve_write(ctx, sock, served, &h, &segs)?,
-            Frame::Read { segs } => serve_read(ctx, sock, served, &h, &segs)?,
+            Frame::Write { segs } => serve_write(ctx, sock, served, &h, Ranges::List(&segs))?,
+            Frame::Read { segs } => serve_read(ctx, sock, served, &h, Ranges::List(&segs))?,
+            Frame::WriteStrided { seg } => serve_write(ctx, sock, served, &h, Ranges::Strided(seg))?,
+            Frame::ReadStrided { seg } => serve_read(ctx, sock, served, &h, Ranges::Strided(seg))?,
             Frame::Notify { name, msg } => {
                 let ack = match ctx.notifies.push(&peer, name, msg) {
                     Ok(()) => Frame::Ack { status: 0, message: String::new() },
@@ -330,20 +332,67 @@ fn serve(srv: &Server, sock: &TcpStream, served: &Arc<Served>) -> std::io::Resul
     }
 }
 
+/// The target ranges of one data frame: a list of segments or one strided descriptor.
+enum Ranges<'a> {
+    List(&'a [Seg]),
+    Strided(StridedSeg),
+}
+
+impl Ranges<'_> {
+    /// Checks the ranges against the registry and pins their regions.
+    fn pin(&self, reg: &Registry, holder: &Arc<Served>) -> Result<Vec<Pin>> {
+        match self {
+            Ranges::List(segs) => check_and_pin(reg, segs, holder),
+            Ranges::Strided(st) => {
+                let span = st.span().ok_or_else(|| Error::param("strided range overflows"))?;
+                let region = reg.lookup(st.addr, span, "remote strided")?;
+                Ok(vec![region.pin(holder.clone())?])
+            }
+        }
+    }
+
+    /// Calls `f` with iovecs over the ranges, at most IOV_MAX at a time.
+    fn for_each_chunk(
+        &self,
+        mut f: impl FnMut(&mut [libc::iovec]) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let mut buf: Vec<libc::iovec> = Vec::new();
+        match self {
+            Ranges::List(segs) => {
+                for c in segs.chunks(io::IOV_MAX) {
+                    buf.clear();
+                    buf.extend(c.iter().map(|s| iov(s.addr, s.len)));
+                    f(&mut buf)?;
+                }
+            }
+            Ranges::Strided(st) => {
+                let mut i = 0;
+                while i < st.count {
+                    let n = (st.count - i).min(io::IOV_MAX as u64);
+                    buf.clear();
+                    buf.extend((i..i + n).map(|k| iov(st.addr + k * st.stride, st.size)));
+                    f(&mut buf)?;
+                    i += n;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 fn serve_write(
     ctx: &ServerCtx,
     sock: &TcpStream,
     served: &Arc<Served>,
     h: &Header,
-    segs: &[Seg],
+    ranges: Ranges<'_>,
 ) -> std::io::Result<()> {
     let fd = sock.as_raw_fd();
-    let ack = match check_and_pin(&ctx.registry, segs, served) {
+    let ack = match ranges.pin(&ctx.registry, served) {
         Ok(pins) => {
-            let mut iovs: Vec<_> = segs.iter().map(|s| iov(s.addr, s.len)).collect();
-            // SAFETY: every segment was checked to lie inside a registered region, and those
+            // SAFETY: every range was checked to lie inside a registered region, and those
             // regions are pinned (cannot be deregistered and freed) until `pins` drops.
-            unsafe { io::recv_all(fd, &mut iovs)? };
+            ranges.for_each_chunk(|v| unsafe { io::recv_all(fd, v) })?;
             drop(pins);
             Frame::Ack { status: 0, message: String::new() }
         }
@@ -360,25 +409,24 @@ fn serve_read(
     sock: &TcpStream,
     served: &Arc<Served>,
     h: &Header,
-    segs: &[Seg],
+    ranges: Ranges<'_>,
 ) -> std::io::Result<()> {
-    let total = match wire::total_len(segs) {
-        Ok(t) => t,
-        Err(e) => {
-            let resp = Frame::ReadResp { status: Status::ParamInvalid.code(), message: e.to_string() };
-            return send(served, &resp, h.tag);
-        }
+    let total = match &ranges {
+        Ranges::List(segs) => wire::total_len(segs).ok(),
+        Ranges::Strided(st) => st.bytes(),
     };
-    match check_and_pin(&ctx.registry, segs, served) {
+    let Some(total) = total else {
+        let resp = Frame::ReadResp { status: Status::ParamInvalid.code(), message: "ranges overflow".into() };
+        return send(served, &resp, h.tag);
+    };
+    match ranges.pin(&ctx.registry, served) {
         Ok(pins) => {
             let head = wire::encode(&Frame::ReadResp { status: 0, message: String::new() }, h.tag, total);
-            let mut iovs = Vec::with_capacity(segs.len() + 1);
-            iovs.push(io::iov_of(&head));
-            iovs.extend(segs.iter().map(|s| iov(s.addr, s.len)));
+            let fd = sock.as_raw_fd();
             let _g = served.send_lock.lock().unwrap();
-            // SAFETY: `head` lives until the call returns; the segments lie in registered
-            // regions pinned until `pins` drops.
-            unsafe { io::send_all(sock.as_raw_fd(), &mut iovs)? };
+            io::send_bytes(fd, &head)?;
+            // SAFETY: the ranges lie in registered regions pinned until `pins` drops.
+            ranges.for_each_chunk(|v| unsafe { io::send_all(fd, v) })?;
             drop(pins);
             Ok(())
         }

@@ -267,10 +267,7 @@ impl ShmLink {
     }
 
     fn worker(self: &Arc<Self>, lane: usize) {
-        let bytes = |p: &Part| match &p.body {
-            PartBody::Data(segs) => segs.iter().map(|s| s.len).sum(),
-            PartBody::Notify(_) => 0,
-        };
+        let bytes = |p: &Part| p.body.bytes();
         let mut batch = Vec::new();
         while self.queue.pop_weighted(Some(lane), &mut batch, 64, BATCH_BYTES, bytes, Duration::from_secs(1))
         {
@@ -287,9 +284,9 @@ impl ShmLink {
 
     /// Copies one part, holding the peer's region table so that it cannot change meanwhile.
     fn execute(&self, part: &Part) -> Result<()> {
-        let PartBody::Data(segs) = &part.body else {
+        if matches!(part.body, PartBody::Notify(_)) {
             return Err(Error::failed("a notification reached the copy path"));
-        };
+        }
         if !self.is_alive() {
             return Err(self.reason());
         }
@@ -298,21 +295,12 @@ impl ShmLink {
             self.close(err.clone());
             return Err(err);
         }
+        let op = part.req.op;
         let table: RwLockReadGuard<'_, RemoteTable> = self.tcp.table();
-        if let Some(s) = segs.iter().find(|s| !table.contains(s.remote, s.len)) {
-            return Err(Error::param(format!(
-                "remote range 0x{:x}+{} is no longer registered at the peer",
-                s.remote, s.len
-            )));
-        }
-        let res = match self.direct_mappings(&table, segs) {
-            Some(maps) => {
-                self.copy_direct(part.req.op, segs, &maps);
-                self.tcp.stats().direct_parts.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            // SAFETY: local segments lie in regions pinned by the request until it settles.
-            None => unsafe { cma(self.pid, part.req.op, segs) },
+        let res = match &part.body {
+            PartBody::Data(segs) => self.copy_segs(&table, op, segs),
+            PartBody::Strided(st) => st.for_each_chunk(IOV_MAX, |c| self.copy_segs(&table, op, c)),
+            PartBody::Notify(_) => Ok(()),
         };
         drop(table);
         if let Err(e) = &res {
@@ -321,6 +309,26 @@ impl ShmLink {
             }
         }
         res
+    }
+
+    /// Checks the segments against the peer's table (whose guard the caller holds), then
+    /// copies them through mappings of the peer's memory where possible, else by CMA.
+    fn copy_segs(&self, table: &RemoteTable, op: TransferOp, segs: &[SegPair]) -> Result<()> {
+        if let Some(s) = segs.iter().find(|s| !table.contains(s.remote, s.len)) {
+            return Err(Error::param(format!(
+                "remote range 0x{:x}+{} is no longer registered at the peer",
+                s.remote, s.len
+            )));
+        }
+        match self.direct_mappings(table, segs) {
+            Some(maps) => {
+                self.copy_direct(op, segs, &maps);
+                self.tcp.stats().direct_parts.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            // SAFETY: local segments lie in regions pinned by the request until it settles.
+            None => unsafe { cma(self.pid, op, segs) },
+        }
     }
 
     /// For every segment, the mapping of the peer region it lies in, when all of them lie in
@@ -446,10 +454,8 @@ impl Link for ShmLink {
             return self.tcp.submit(parts, extra_slots);
         }
         if parts.len() == 1 {
-            let small = match &parts[0].body {
-                PartBody::Data(segs) => segs.iter().map(|s| s.len).sum::<u64>() <= INLINE_BYTES,
-                PartBody::Notify(_) => false,
-            };
+            let small =
+                !matches!(parts[0].body, PartBody::Notify(_)) && parts[0].body.bytes() <= INLINE_BYTES;
             if small {
                 let part = parts.into_iter().next().unwrap();
                 let res = self.execute(&part);

@@ -12,12 +12,12 @@ use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result, Status};
-use crate::queue::{Part, PartBody, Request, TransferOp, TransferStatus, WorkQueue};
+use crate::queue::{Part, PartBody, Request, Strided, TransferOp, TransferStatus, WorkQueue};
 use crate::registry::{Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::io::{self, iov};
 use crate::transport::{Link, PeerInfo};
-use crate::wire::{self, Frame, Seg};
+use crate::wire::{self, Frame, Seg, StridedSeg};
 
 /// Most parts a writer takes from the queue per wake-up.
 const BATCH_PARTS: usize = 64;
@@ -40,6 +40,10 @@ pub struct ConnectParams {
     pub timeout: Duration,
     /// This machine's identity, sent in Hello.
     pub host: String,
+    /// How long a writer waits for more small requests before sending (zero: no wait).
+    pub coalesce: Duration,
+    /// Most requests in one coalesced batch.
+    pub coalesce_max_ops: usize,
 }
 
 struct Pending {
@@ -73,6 +77,8 @@ pub struct TcpLink {
     threads: Mutex<Vec<JoinHandle<()>>>,
     thread_ids: Mutex<Vec<ThreadId>>,
     label: std::sync::OnceLock<&'static str>,
+    coalesce: Duration,
+    coalesce_max_ops: usize,
 }
 
 fn connect_one(addr: SocketAddr, deadline: Instant, peer: &str) -> Result<TcpStream> {
@@ -208,6 +214,8 @@ impl TcpLink {
             threads: Mutex::new(Vec::new()),
             thread_ids: Mutex::new(Vec::new()),
             label: std::sync::OnceLock::new(),
+            coalesce: p.coalesce,
+            coalesce_max_ops: p.coalesce_max_ops,
         });
         let mut handles = Vec::new();
         for (i, s) in link.streams.iter().enumerate() {
@@ -227,10 +235,7 @@ impl TcpLink {
 
     fn writer(self: &Arc<Self>, s: &Stream) {
         let mut batch = Vec::with_capacity(BATCH_PARTS);
-        let bytes = |p: &Part| match &p.body {
-            PartBody::Data(segs) => segs.iter().map(|s| s.len).sum(),
-            PartBody::Notify(_) => 0,
-        };
+        let bytes = |p: &Part| p.body.bytes();
         let lane = Some(s.lane);
         while self.queue.pop_weighted(
             lane,
@@ -240,6 +245,7 @@ impl TcpLink {
             bytes,
             Duration::from_secs(1),
         ) {
+            self.coalesce_more(lane, &mut batch, bytes);
             // A request that already timed out is not sent any further.
             for p in std::mem::take(&mut batch) {
                 if p.req.status() == TransferStatus::Waiting {
@@ -263,6 +269,26 @@ impl TcpLink {
         self.fail_pending(s);
     }
 
+    /// With `hixl.coalesce_us`, waits that long after the first small request for more, so
+    /// that they go out as one send; each still completes on its own.
+    fn coalesce_more(&self, lane: Option<usize>, batch: &mut Vec<Part>, bytes: impl Fn(&Part) -> u64 + Copy) {
+        if self.coalesce.is_zero() || batch.is_empty() {
+            return;
+        }
+        let until = Instant::now() + self.coalesce;
+        let max = self.coalesce_max_ops.max(1);
+        while batch.len() < max
+            && batch.iter().map(bytes).sum::<u64>() < BATCH_BYTES
+            && Instant::now() < until
+        {
+            let before = batch.len();
+            self.queue.pop_weighted(lane, batch, max, BATCH_BYTES, bytes, Duration::ZERO);
+            if batch.len() == before {
+                std::thread::yield_now();
+            }
+        }
+    }
+
     fn send_batch(&self, s: &Stream, batch: &mut Vec<Part>) -> std::io::Result<()> {
         let _g = s.send_lock.lock().unwrap();
         self.send_locked(s, batch)
@@ -271,11 +297,8 @@ impl TcpLink {
     /// Small requests skip the queue when a stream is idle: the caller writes the frame itself,
     /// which saves a thread wake-up on the latency path. Returns the part back otherwise.
     fn try_send_inline(&self, part: Part) -> Option<Part> {
-        let small = match &part.body {
-            PartBody::Data(segs) => segs.iter().map(|p| p.len).sum::<u64>() <= INLINE_BYTES,
-            PartBody::Notify(_) => true,
-        };
-        if !small || !self.queue.is_empty() {
+        let small = part.body.bytes() <= INLINE_BYTES;
+        if !small || !self.queue.is_empty() || !self.coalesce.is_zero() {
             return Some(part);
         }
         for s in &self.streams {
@@ -298,23 +321,38 @@ impl TcpLink {
         let mut heads = Vec::with_capacity(batch.len());
         for part in batch.iter() {
             let tag = s.next_tag.fetch_add(1, Ordering::Relaxed);
-            let frame = match &part.body {
-                PartBody::Data(segs) => {
+            let frame = match (&part.body, part.req.op) {
+                (PartBody::Data(segs), op) => {
                     let remote = segs.iter().map(|p| Seg { addr: p.remote, len: p.len }).collect();
-                    match part.req.op {
+                    match op {
                         TransferOp::Write => Frame::Write { segs: remote },
                         TransferOp::Read => Frame::Read { segs: remote },
                     }
                 }
-                PartBody::Notify(n) => Frame::Notify { name: n.name.clone(), msg: n.msg.clone() },
+                (PartBody::Strided(st), op) => {
+                    let seg =
+                        StridedSeg { addr: st.remote, count: st.count, size: st.size, stride: st.rstride };
+                    match op {
+                        TransferOp::Write => Frame::WriteStrided { seg },
+                        TransferOp::Read => Frame::ReadStrided { seg },
+                    }
+                }
+                (PartBody::Notify(n), _) => Frame::Notify { name: n.name.clone(), msg: n.msg.clone() },
             };
             heads.push((tag, wire::encode(&frame, tag, 0)));
         }
+        // Headers and plain segments go as one vectored send; a strided write's elements are
+        // expanded IOV_MAX at a time where its header ends (never all at once).
         let mut iovs = Vec::with_capacity(batch.len() * 2);
+        let mut strided_after: Vec<(usize, Strided)> = Vec::new();
         for (part, (_, head)) in batch.iter().zip(&heads) {
             iovs.push(io::iov_of(head));
-            if let (PartBody::Data(segs), TransferOp::Write) = (&part.body, part.req.op) {
-                iovs.extend(segs.iter().map(|p| iov(p.local, p.len)));
+            match (&part.body, part.req.op) {
+                (PartBody::Data(segs), TransferOp::Write) => {
+                    iovs.extend(segs.iter().map(|p| iov(p.local, p.len)))
+                }
+                (PartBody::Strided(st), TransferOp::Write) => strided_after.push((iovs.len(), *st)),
+                _ => {}
             }
         }
         {
@@ -323,9 +361,21 @@ impl TcpLink {
                 pend.push_back(Pending { tag: *tag, part });
             }
         }
-        // SAFETY: the headers live in `heads` until the call returns; local segments lie in
-        // regions pinned by their requests, which stay pinned until the parts complete.
-        unsafe { io::send_all(s.sock.as_raw_fd(), &mut iovs) }
+        let fd = s.sock.as_raw_fd();
+        let mut sent = 0;
+        for (pos, st) in strided_after {
+            // SAFETY: headers live in `heads` until we return; local segments lie in regions
+            // pinned by their requests until the parts complete.
+            unsafe { io::send_all(fd, &mut iovs[sent..pos])? };
+            sent = pos;
+            st.for_each_chunk(io::IOV_MAX, |c| {
+                let mut v: Vec<_> = c.iter().map(|p| iov(p.local, p.len)).collect();
+                // SAFETY: as above: pinned local memory.
+                unsafe { io::send_all(fd, &mut v) }
+            })?;
+        }
+        // SAFETY: as above.
+        unsafe { io::send_all(fd, &mut iovs[sent..]) }
     }
 
     fn reader(self: &Arc<Self>, s: &Stream) {
@@ -402,18 +452,22 @@ impl TcpLink {
     }
 
     fn recv_read_bulk(&self, fd: i32, part: &Part, bulk: u64) -> std::io::Result<()> {
-        let PartBody::Data(segs) = &part.body else {
-            return Err(std::io::Error::other("read response for a notify"));
-        };
-        let want: u64 = segs.iter().map(|p| p.len).sum();
-        if want != bulk {
+        let want = part.body.bytes();
+        if want != bulk || matches!(part.body, PartBody::Notify(_)) {
             return Err(std::io::Error::other(format!(
                 "read response carries {bulk} bytes, expected {want}"
             )));
         }
-        let mut iovs: Vec<_> = segs.iter().map(|p| iov(p.local, p.len)).collect();
-        // SAFETY: the local segments lie in regions pinned by the request until it completes.
-        unsafe { io::recv_all(fd, &mut iovs) }
+        let recv = |segs: &[crate::queue::SegPair]| {
+            let mut iovs: Vec<_> = segs.iter().map(|p| iov(p.local, p.len)).collect();
+            // SAFETY: the local segments lie in regions pinned by the request until it completes.
+            unsafe { io::recv_all(fd, &mut iovs) }
+        };
+        match &part.body {
+            PartBody::Data(segs) => recv(segs),
+            PartBody::Strided(st) => st.for_each_chunk(io::IOV_MAX, recv),
+            PartBody::Notify(_) => Ok(()),
+        }
     }
 
     fn pop_pending(&self, s: &Stream, tag: u64) -> Option<Pending> {
