@@ -6,6 +6,7 @@ target runs no application code. See README.md for the full API, options and sta
 
 from __future__ import annotations
 
+from . import kv
 from ._errors import (
     AlreadyConnected,
     Failed,
@@ -26,6 +27,7 @@ from ._hixl import (
     MemType,
     NotifyDesc,
     ShmBuffer,
+    StridedDesc,
     TransferOp,
     TransferOpDesc,
     TransferReq,
@@ -35,6 +37,7 @@ from ._hixl import (
     option_keys,
     set_log_level,
 )
+from ._layout import KVLayout, aligned_empty
 
 __all__ = [
     "AlreadyConnected",
@@ -42,6 +45,7 @@ __all__ = [
     "Failed",
     "Hixl",
     "HixlError",
+    "KVLayout",
     "MemDesc",
     "MemHandle",
     "MemType",
@@ -51,6 +55,7 @@ __all__ = [
     "ParamInvalid",
     "ResourceExhausted",
     "ShmBuffer",
+    "StridedDesc",
     "Status",
     "Timeout",
     "TransferOp",
@@ -59,7 +64,9 @@ __all__ = [
     "TransferStatus",
     "Unsupported",
     "__version__",
+    "aligned_empty",
     "get_log_level",
+    "kv",
     "option_keys",
     "set_log_level",
 ]

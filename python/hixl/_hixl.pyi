@@ -16,6 +16,7 @@ __all__ = [
     "MemType",
     "NotifyDesc",
     "ShmBuffer",
+    "StridedDesc",
     "TransferOp",
     "TransferOpDesc",
     "TransferReq",
@@ -88,6 +89,22 @@ class NotifyDesc:
     def msg(self) -> str: ...
 
 @final
+class StridedDesc:
+    def __new__(
+        cls, count: int, size: int, stride: int, remote_stride: int | None = None
+    ) -> StridedDesc: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def stride(self) -> int: ...
+    @property
+    def remote_stride(self) -> int | None: ...
+    @property
+    def nbytes(self) -> int: ...
+
+@final
 class MemHandle:
     @property
     def addr(self) -> int: ...
@@ -154,6 +171,76 @@ class Hixl:
     def get_transfer_status(self, req: Sequence[TransferReq]) -> list[TransferStatus]: ...
     @overload
     def get_transfer_status(self, req: None = None) -> list[tuple[Any, TransferStatus]]: ...
+    def put(
+        self,
+        remote: str,
+        local_addr: int,
+        remote_addr: int,
+        length: int,
+        timeout_ms: float = 1000.0,
+    ) -> None: ...
+    def get(
+        self,
+        remote: str,
+        local_addr: int,
+        remote_addr: int,
+        length: int,
+        timeout_ms: float = 1000.0,
+    ) -> None: ...
+    def put_async(
+        self,
+        remote: str,
+        local_addr: int,
+        remote_addr: int,
+        length: int,
+        user_data: Any = None,
+        timeout_ms: float | None = None,
+    ) -> TransferReq: ...
+    def get_async(
+        self,
+        remote: str,
+        local_addr: int,
+        remote_addr: int,
+        length: int,
+        user_data: Any = None,
+        timeout_ms: float | None = None,
+    ) -> TransferReq: ...
+    def put_strided(
+        self,
+        remote: str,
+        local_base: int,
+        remote_base: int,
+        desc: StridedDesc,
+        timeout_ms: float = 1000.0,
+    ) -> None: ...
+    def get_strided(
+        self,
+        remote: str,
+        local_base: int,
+        remote_base: int,
+        desc: StridedDesc,
+        timeout_ms: float = 1000.0,
+    ) -> None: ...
+    def put_strided_async(
+        self,
+        remote: str,
+        local_base: int,
+        remote_base: int,
+        desc: StridedDesc,
+        user_data: Any = None,
+        notify: NotifyDesc | None = None,
+        timeout_ms: float | None = None,
+    ) -> TransferReq: ...
+    def get_strided_async(
+        self,
+        remote: str,
+        local_base: int,
+        remote_base: int,
+        desc: StridedDesc,
+        user_data: Any = None,
+        notify: NotifyDesc | None = None,
+        timeout_ms: float | None = None,
+    ) -> TransferReq: ...
     def send_notify(self, remote: str, notify: NotifyDesc, timeout_ms: float = 1000.0) -> None: ...
     def get_notifies(self) -> list[NotifyDesc]: ...
     def stats(self) -> dict[str, dict[str, Any]]: ...

@@ -13,7 +13,9 @@ use hixl_core::Engine;
 
 use crate::buffer::{self, KeepAlive};
 use crate::errors::{self, to_py};
-use crate::types::{self, AsyncConnectStatus, MemDesc, MemType, NotifyDesc, TransferOp, TransferStatus};
+use crate::types::{
+    self, AsyncConnectStatus, MemDesc, MemType, NotifyDesc, StridedDesc, TransferOp, TransferStatus,
+};
 
 /// How long one GIL-free wait slice lasts before Python signals (Ctrl-C) are checked.
 const SLICE: Duration = Duration::from_millis(50);
@@ -178,6 +180,71 @@ pub(crate) fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::T
         .collect())
 }
 
+fn finish_sync(py: Python<'_>, req: &hixl_core::TransferReq) -> PyResult<()> {
+    wait_req(py, req, None)?;
+    req.result().map_err(to_py)
+}
+
+impl Hixl {
+    /// Wraps a request for Python and remembers it for the no-argument status query.
+    fn track(
+        &self,
+        py: Python<'_>,
+        req: hixl_core::TransferReq,
+        user_data: Option<Py<PyAny>>,
+    ) -> PyResult<Py<TransferReq>> {
+        let obj = Py::new(py, TransferReq { req, user_data: user_data.unwrap_or_else(|| py.None()) })?;
+        let mut un = self.unreported.lock().unwrap();
+        if un.len() >= MAX_UNREPORTED {
+            un.retain(|r| r.get().req.status() == hixl_core::TransferStatus::Waiting);
+        }
+        un.push(obj.clone_ref(py));
+        Ok(obj)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn one(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        op: TransferOp,
+        local_addr: &Bound<'_, PyAny>,
+        remote_addr: &Bound<'_, PyAny>,
+        length: &Bound<'_, PyAny>,
+        timeout_ms: Option<f64>,
+    ) -> PyResult<hixl_core::TransferReq> {
+        let d = [hixl_core::TransferOpDesc {
+            local_addr: types::uint("local_addr", local_addr)?,
+            remote_addr: types::uint("remote_addr", remote_addr)?,
+            len: types::uint("length", length)?,
+        }];
+        let t = ms("timeout_ms", timeout_ms)?;
+        let e = self.engine.clone();
+        py.allow_threads(|| e.transfer_async(remote, op.into(), &d, None, t)).map_err(to_py)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn strided(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        op: TransferOp,
+        local_base: &Bound<'_, PyAny>,
+        remote_base: &Bound<'_, PyAny>,
+        desc: StridedDesc,
+        notify: Option<NotifyDesc>,
+        timeout_ms: Option<f64>,
+    ) -> PyResult<hixl_core::TransferReq> {
+        let lb = types::uint("local_base", local_base)?;
+        let rb = types::uint("remote_base", remote_base)?;
+        let t = ms("timeout_ms", timeout_ms)?;
+        let e = self.engine.clone();
+        let d: hixl_core::StridedDesc = desc.into();
+        let n = notify.map(Into::into);
+        py.allow_threads(|| e.strided_async(remote, op.into(), lb, rb, &d, n, t)).map_err(to_py)
+    }
+}
+
 #[pymethods]
 impl Hixl {
     #[new]
@@ -331,8 +398,7 @@ impl Hixl {
         let d = parse_descs(descs)?;
         let e = self.engine.clone();
         let req = py.allow_threads(|| e.transfer_async(remote, op.into(), &d, None, t)).map_err(to_py)?;
-        wait_req(py, &req, None)?;
-        req.result().map_err(to_py)
+        finish_sync(py, &req)
     }
 
     /// Queues a batch and returns at once. `notify` reaches the peer after the bytes do.
@@ -353,13 +419,159 @@ impl Hixl {
         let e = self.engine.clone();
         let n = notify.map(Into::into);
         let req = py.allow_threads(|| e.transfer_async(remote, op.into(), &d, n, t)).map_err(to_py)?;
-        let obj = Py::new(py, TransferReq { req, user_data: user_data.unwrap_or_else(|| py.None()) })?;
-        let mut un = self.unreported.lock().unwrap();
-        if un.len() >= MAX_UNREPORTED {
-            un.retain(|r| r.get().req.status() == hixl_core::TransferStatus::Waiting);
-        }
-        un.push(obj.clone_ref(py));
-        Ok(obj)
+        self.track(py, req, user_data)
+    }
+
+    /// One-sided WRITE of `length` bytes.
+    #[pyo3(signature = (remote, local_addr, remote_addr, length, timeout_ms = 1000.0))]
+    fn put(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        local_addr: &Bound<'_, PyAny>,
+        remote_addr: &Bound<'_, PyAny>,
+        length: &Bound<'_, PyAny>,
+        timeout_ms: f64,
+    ) -> PyResult<()> {
+        let req =
+            self.one(py, remote, TransferOp::WRITE, local_addr, remote_addr, length, Some(timeout_ms))?;
+        finish_sync(py, &req)
+    }
+
+    /// One-sided READ of `length` bytes.
+    #[pyo3(signature = (remote, local_addr, remote_addr, length, timeout_ms = 1000.0))]
+    fn get(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        local_addr: &Bound<'_, PyAny>,
+        remote_addr: &Bound<'_, PyAny>,
+        length: &Bound<'_, PyAny>,
+        timeout_ms: f64,
+    ) -> PyResult<()> {
+        let req =
+            self.one(py, remote, TransferOp::READ, local_addr, remote_addr, length, Some(timeout_ms))?;
+        finish_sync(py, &req)
+    }
+
+    /// Asynchronous `put`.
+    #[pyo3(signature = (remote, local_addr, remote_addr, length, user_data = None, timeout_ms = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn put_async(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        local_addr: &Bound<'_, PyAny>,
+        remote_addr: &Bound<'_, PyAny>,
+        length: &Bound<'_, PyAny>,
+        user_data: Option<Py<PyAny>>,
+        timeout_ms: Option<f64>,
+    ) -> PyResult<Py<TransferReq>> {
+        let req = self.one(py, remote, TransferOp::WRITE, local_addr, remote_addr, length, timeout_ms)?;
+        self.track(py, req, user_data)
+    }
+
+    /// Asynchronous `get`.
+    #[pyo3(signature = (remote, local_addr, remote_addr, length, user_data = None, timeout_ms = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn get_async(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        local_addr: &Bound<'_, PyAny>,
+        remote_addr: &Bound<'_, PyAny>,
+        length: &Bound<'_, PyAny>,
+        user_data: Option<Py<PyAny>>,
+        timeout_ms: Option<f64>,
+    ) -> PyResult<Py<TransferReq>> {
+        let req = self.one(py, remote, TransferOp::READ, local_addr, remote_addr, length, timeout_ms)?;
+        self.track(py, req, user_data)
+    }
+
+    /// Strided WRITE: one request, one descriptor, whatever `desc.count` is.
+    #[pyo3(signature = (remote, local_base, remote_base, desc, timeout_ms = 1000.0))]
+    fn put_strided(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        local_base: &Bound<'_, PyAny>,
+        remote_base: &Bound<'_, PyAny>,
+        desc: StridedDesc,
+        timeout_ms: f64,
+    ) -> PyResult<()> {
+        let req = self.strided(
+            py,
+            remote,
+            TransferOp::WRITE,
+            local_base,
+            remote_base,
+            desc,
+            None,
+            Some(timeout_ms),
+        )?;
+        finish_sync(py, &req)
+    }
+
+    /// Strided READ.
+    #[pyo3(signature = (remote, local_base, remote_base, desc, timeout_ms = 1000.0))]
+    fn get_strided(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        local_base: &Bound<'_, PyAny>,
+        remote_base: &Bound<'_, PyAny>,
+        desc: StridedDesc,
+        timeout_ms: f64,
+    ) -> PyResult<()> {
+        let req = self.strided(
+            py,
+            remote,
+            TransferOp::READ,
+            local_base,
+            remote_base,
+            desc,
+            None,
+            Some(timeout_ms),
+        )?;
+        finish_sync(py, &req)
+    }
+
+    /// Asynchronous `put_strided`; `notify` arrives after the bytes.
+    #[pyo3(signature = (remote, local_base, remote_base, desc, user_data = None, notify = None, timeout_ms = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn put_strided_async(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        local_base: &Bound<'_, PyAny>,
+        remote_base: &Bound<'_, PyAny>,
+        desc: StridedDesc,
+        user_data: Option<Py<PyAny>>,
+        notify: Option<NotifyDesc>,
+        timeout_ms: Option<f64>,
+    ) -> PyResult<Py<TransferReq>> {
+        let req =
+            self.strided(py, remote, TransferOp::WRITE, local_base, remote_base, desc, notify, timeout_ms)?;
+        self.track(py, req, user_data)
+    }
+
+    /// Asynchronous `get_strided`.
+    #[pyo3(signature = (remote, local_base, remote_base, desc, user_data = None, notify = None, timeout_ms = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn get_strided_async(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        local_base: &Bound<'_, PyAny>,
+        remote_base: &Bound<'_, PyAny>,
+        desc: StridedDesc,
+        user_data: Option<Py<PyAny>>,
+        notify: Option<NotifyDesc>,
+        timeout_ms: Option<f64>,
+    ) -> PyResult<Py<TransferReq>> {
+        let req =
+            self.strided(py, remote, TransferOp::READ, local_base, remote_base, desc, notify, timeout_ms)?;
+        self.track(py, req, user_data)
     }
 
     /// Status of one request; a list of statuses for a list of requests; with no argument,

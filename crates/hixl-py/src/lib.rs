@@ -71,6 +71,7 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::MemDesc>()?;
     m.add_class::<types::TransferOpDesc>()?;
     m.add_class::<types::NotifyDesc>()?;
+    m.add_class::<types::StridedDesc>()?;
     m.add_class::<engine::MemHandle>()?;
     m.add_class::<engine::TransferReq>()?;
     m.add_class::<engine::Hixl>()?;

@@ -208,3 +208,66 @@ impl From<hixl_core::NotifyDesc> for NotifyDesc {
         NotifyDesc { name: n.name, msg: n.msg }
     }
 }
+
+/// A strided descriptor: `StridedDesc(count, size, stride, remote_stride=None)`; element i is
+/// at `base + i * stride` (remote: `i * remote_stride`, default `stride`).
+#[pyclass(frozen, eq, hash, module = "hixl._hixl")]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StridedDesc {
+    /// Elements.
+    #[pyo3(get)]
+    pub count: u64,
+    /// Bytes per element.
+    #[pyo3(get)]
+    pub size: u64,
+    /// Local distance between elements.
+    #[pyo3(get)]
+    pub stride: u64,
+    /// Remote distance between elements (None: `stride`).
+    #[pyo3(get)]
+    pub remote_stride: Option<u64>,
+}
+
+#[pymethods]
+impl StridedDesc {
+    #[new]
+    #[pyo3(signature = (count, size, stride, remote_stride = None))]
+    fn py_new(
+        count: &Bound<'_, PyAny>,
+        size: &Bound<'_, PyAny>,
+        stride: &Bound<'_, PyAny>,
+        remote_stride: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        Ok(StridedDesc {
+            count: uint("count", count)?,
+            size: uint("size", size)?,
+            stride: uint("stride", stride)?,
+            remote_stride: remote_stride.map(|r| uint("remote_stride", r)).transpose()?,
+        })
+    }
+    /// Bytes moved (`count * size`).
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.count.saturating_mul(self.size)
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "StridedDesc(count={}, size={}, stride={}, remote_stride={})",
+            self.count,
+            self.size,
+            self.stride,
+            self.remote_stride.map_or("None".into(), |r| r.to_string())
+        )
+    }
+}
+
+impl From<StridedDesc> for hixl_core::StridedDesc {
+    fn from(d: StridedDesc) -> Self {
+        hixl_core::StridedDesc {
+            count: d.count,
+            size: d.size,
+            stride: d.stride,
+            remote_stride: d.remote_stride,
+        }
+    }
+}
