@@ -25,7 +25,7 @@ const BATCH_PARTS: usize = 64;
 /// other streams' writers.
 const BATCH_BYTES: u64 = 256 * 1024;
 /// Requests up to this size may be sent by the calling thread (see `try_send_inline`).
-const INLINE_BYTES: u64 = 64 * 1024;
+const INLINE_BYTES: u64 = 256 * 1024;
 
 /// Connection parameters.
 #[derive(Clone, Debug)]
