@@ -105,7 +105,7 @@ pub struct PeerSnapshot {
     pub errors: u64,
     /// Notifications sent.
     pub notifies: u64,
-    /// Same-host parts copied through a mapping of the peer's memory (not CMA).
+    /// Same-host copies done through a mapping of the peer's memory (not CMA).
     pub direct_parts: u64,
     /// Latency of recent requests.
     pub latency: LatencySummary,
@@ -593,10 +593,7 @@ impl Engine {
         d: &StridedDesc,
         timeout: Duration,
     ) -> Result<()> {
-        let req =
-            self.strided_async(remote, TransferOp::Write, local_base, remote_base, d, None, Some(timeout))?;
-        req.wait(None);
-        req.result()
+        self.strided_sync(remote, TransferOp::Write, local_base, remote_base, d, timeout)
     }
 
     /// Strided READ (see [`StridedDesc`]), waiting up to `timeout`.
@@ -608,8 +605,19 @@ impl Engine {
         d: &StridedDesc,
         timeout: Duration,
     ) -> Result<()> {
-        let req =
-            self.strided_async(remote, TransferOp::Read, local_base, remote_base, d, None, Some(timeout))?;
+        self.strided_sync(remote, TransferOp::Read, local_base, remote_base, d, timeout)
+    }
+
+    fn strided_sync(
+        &self,
+        remote: &str,
+        op: TransferOp,
+        local_base: u64,
+        remote_base: u64,
+        d: &StridedDesc,
+        timeout: Duration,
+    ) -> Result<()> {
+        let req = self.strided_async(remote, op, local_base, remote_base, d, None, Some(timeout))?;
         req.wait(None);
         req.result()
     }

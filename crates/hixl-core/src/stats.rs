@@ -23,7 +23,8 @@ pub struct PeerStats {
     pub errors: AtomicU64,
     /// Notifications sent.
     pub notifies: AtomicU64,
-    /// Same-host parts copied through a mapping of the peer's memory instead of CMA.
+    /// Same-host copies (a part, or 1024 elements of a strided part) done through a mapping
+    /// of the peer's memory instead of CMA.
     pub direct_parts: AtomicU64,
     latencies: Mutex<Vec<u64>>,
     next: AtomicU64,
