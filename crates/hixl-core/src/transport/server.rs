@@ -49,6 +49,22 @@ struct Served {
     acked: AtomicU64,
     /// Set when the serve thread is done with this stream (it confirms nothing any more).
     ended: AtomicBool,
+    /// Newest region-table version this stream's peer must be sent.
+    due: AtomicU64,
+    /// Newest version sent to it.
+    sent: AtomicU64,
+}
+
+/// Sends the current region table if a newer version is due. The caller holds the send lock.
+fn send_update_if_due(ctx: &ServerCtx, s: &Served) -> std::io::Result<()> {
+    let due = s.due.load(Ordering::Acquire);
+    if due <= s.sent.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    let frame = wire::encode(&Frame::RegionsUpdate { version: due, regions: ctx.registry.table() }, 0, 0);
+    io::send_bytes(s.sock.as_raw_fd(), &frame)?;
+    s.sent.fetch_max(due, Ordering::AcqRel);
+    Ok(())
 }
 
 impl Abort for Served {
@@ -111,6 +127,8 @@ impl Server {
                             link_head: AtomicBool::new(false),
                             acked: AtomicU64::new(0),
                             ended: AtomicBool::new(false),
+                            due: AtomicU64::new(0),
+                            sent: AtomicU64::new(0),
                         }),
                         Err(_) => continue,
                     };
@@ -151,7 +169,6 @@ impl Server {
     /// the call fails, so the caller must not free the memory.
     pub fn publish_regions(&self, wait: Option<Duration>) -> Result<()> {
         let version = self.version.fetch_add(1, Ordering::AcqRel) + 1;
-        let frame = wire::encode(&Frame::RegionsUpdate { version, regions: self.ctx.registry.table() }, 0, 0);
         let heads: Vec<Arc<Served>> = self
             .served
             .lock()
@@ -160,20 +177,18 @@ impl Server {
             .filter(|s| s.link_head.load(Ordering::Acquire))
             .cloned()
             .collect();
-        let deadline = Instant::now() + wait.unwrap_or(Duration::from_secs(1));
-        let mut late = Vec::new();
         for s in &heads {
-            match lock_until(&s.send_lock, deadline) {
-                Some(_g) => {
-                    if io::send_bytes(s.sock.as_raw_fd(), &frame).is_err() {
-                        s.abort("cannot send a region update");
-                    }
+            // Due first, then try to send: a serve thread busy with a frame sends it when that
+            // frame is done (it checks after releasing the lock), so nobody blocks here.
+            s.due.fetch_max(version, Ordering::SeqCst);
+            if let Ok(_g) = s.send_lock.try_lock() {
+                if send_update_if_due(&self.ctx, s).is_err() {
+                    s.abort("cannot send a region update");
                 }
-                None => late.push(s.clone()),
             }
         }
-        let Some(_) = wait else { return Ok(()) };
-        let live = |s: &Arc<Served>| !s.ended.load(Ordering::Acquire);
+        let Some(wait) = wait else { return Ok(()) };
+        let deadline = Instant::now() + wait;
         let mut g = self.live.lock().unwrap();
         loop {
             let pending: Vec<_> = heads
@@ -181,21 +196,21 @@ impl Server {
                 .filter(|s| {
                     s.acks_updates.load(Ordering::Acquire)
                         && s.acked.load(Ordering::Acquire) < version
-                        && live(s)
+                        && !s.ended.load(Ordering::Acquire)
                 })
                 .collect();
             let now = Instant::now();
-            if pending.is_empty() && late.is_empty() {
+            if pending.is_empty() {
                 return Ok(());
             }
             if now >= deadline {
-                let n = pending.len() + late.len();
-                for s in pending.into_iter().chain(late.iter()) {
+                for s in &pending {
                     s.abort("peer did not confirm a region update");
                 }
                 return Err(Error::failed(format!(
-                    "{n} same-host peer(s) did not confirm the region update within {wait:?}; they were \
-                     disconnected, and the memory must stay allocated"
+                    "{} same-host peer(s) did not confirm the region update within {wait:?}; they \
+                     were disconnected, and the memory must stay allocated",
+                    pending.len()
                 )));
             }
             g = self.acks.wait_timeout(g, deadline - now).unwrap().0;
@@ -218,18 +233,6 @@ impl Server {
             let left = deadline.saturating_duration_since(Instant::now());
             live = self.gone.wait_timeout(live, left).unwrap().0;
         }
-    }
-}
-
-fn lock_until<T>(m: &Mutex<T>, deadline: Instant) -> Option<std::sync::MutexGuard<'_, T>> {
-    loop {
-        if let Ok(g) = m.try_lock() {
-            return Some(g);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_micros(200));
     }
 }
 
@@ -285,6 +288,10 @@ fn serve(srv: &Server, sock: &TcpStream, served: &Arc<Served>) -> std::io::Resul
     }
     sock.set_read_timeout(None)?;
     loop {
+        if served.due.load(Ordering::SeqCst) > served.sent.load(Ordering::Acquire) {
+            let _g = served.send_lock.lock().unwrap();
+            send_update_if_due(ctx, served)?;
+        }
         let (h, f) = match io::recv_frame(fd, &mut payload) {
             Ok(x) => x,
             Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
