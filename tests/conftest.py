@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -68,17 +70,32 @@ class Peer:
     def notifies(self) -> list[list[str]]:
         return json.loads(self.cmd("notifies"))
 
+    @contextlib.contextmanager
+    def stopped(self) -> Iterator[None]:
+        """Freezes the peer (SIGSTOP) for the block, so transfers to it cannot finish; it is
+        resumed on exit whatever happens inside."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.cmd("exit")
-            except (RuntimeError, BrokenPipeError):
-                pass
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        """Asks the peer to exit (never waiting on its answer), killing it after 10 s."""
+        if self.proc.poll() is not None:
+            return
+        os.kill(self.proc.pid, signal.SIGCONT)
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("exit\n")
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
 
 
 @pytest.fixture

@@ -150,8 +150,7 @@ def test_transfer_timeout_and_ctrl_c(engine, make_peer):
     engine.connect(peer.engine, timeout_ms=5000)
     src = np.ones(size, np.uint8)
     engine.register(src)
-    os.kill(peer.proc.pid, signal.SIGSTOP)
-    try:
+    with peer.stopped():
         t0 = time.monotonic()
         with pytest.raises(hixl.Timeout):
             engine.transfer_sync(
@@ -169,8 +168,6 @@ def test_transfer_timeout_and_ctrl_c(engine, make_peer):
                 req.wait(timeout_ms=5000)
         finally:
             signal.signal(signal.SIGINT, old)
-    finally:
-        os.kill(peer.proc.pid, signal.SIGCONT)
     assert req.wait(timeout_ms=20_000) == hixl.TransferStatus.COMPLETED
     assert (peer.read(size - 4096) == 1).all()
 

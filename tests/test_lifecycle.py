@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import mmap
 import os
-import signal
 import threading
 import time
 import weakref
@@ -62,21 +61,20 @@ def test_gil_is_released_while_a_transfer_waits(engine, make_peer):
     engine.connect(peer.engine, timeout_ms=5000)
     src = np.ones(size, np.uint8)
     engine.register(src)
-    os.kill(peer.proc.pid, signal.SIGSTOP)  # the transfer cannot finish while the peer sleeps
     done = threading.Event()
 
     def transfer():
         engine.transfer_sync(peer.engine, W, [(src.ctypes.data, peer.addr, size)], 20_000)
         done.set()
 
-    t = threading.Thread(target=transfer)
-    t.start()
-    time.sleep(0.05)
-    count, t0 = 0, time.monotonic()
-    while time.monotonic() - t0 < 0.5:  # Python keeps running during the blocked transfer
-        count += 1
-    assert not done.is_set()
-    os.kill(peer.proc.pid, signal.SIGCONT)
+    with peer.stopped():  # the transfer cannot finish while the peer sleeps
+        t = threading.Thread(target=transfer)
+        t.start()
+        time.sleep(0.05)
+        count, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < 0.5:  # Python keeps running during the blocked transfer
+            count += 1
+        assert not done.is_set()
     t.join(30)
     assert done.is_set()
     assert count > 50_000, f"main thread only ran {count} iterations: GIL held?"
@@ -119,15 +117,12 @@ def test_deregister_during_transfer_fails_it_and_never_hangs(make_peer):
         e.connect(peer.engine, timeout_ms=5000)
         src = np.ones(size, np.uint8)
         h = e.register(src)
-        os.kill(peer.proc.pid, signal.SIGSTOP)
-        try:
+        with peer.stopped():
             req = e.transfer_async(peer.engine, W, [(src.ctypes.data, peer.addr, size)])
             t0 = time.monotonic()
             e.deregister_mem(h)  # waits 200 ms, then aborts the link that uses the region
             assert time.monotonic() - t0 < 10
             assert req.wait(5000) == hixl.TransferStatus.FAILED
-        finally:
-            os.kill(peer.proc.pid, signal.SIGCONT)
 
 
 def test_finalize_with_requests_in_flight(make_peer):
@@ -138,16 +133,13 @@ def test_finalize_with_requests_in_flight(make_peer):
     e.connect(peer.engine, timeout_ms=5000)
     src = np.ones(size, np.uint8)
     e.register(src)
-    os.kill(peer.proc.pid, signal.SIGSTOP)
-    try:
+    with peer.stopped():
         reqs = [
             e.transfer_async(peer.engine, W, [(src.ctypes.data, peer.addr, size)]) for _ in range(3)
         ]
         e.finalize()
         assert [r.status() for r in reqs] == [hixl.TransferStatus.FAILED] * 3
         assert "finalized" in str(_error_of(reqs[0]))
-    finally:
-        os.kill(peer.proc.pid, signal.SIGCONT)
 
 
 def _error_of(req):

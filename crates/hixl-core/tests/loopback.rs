@@ -59,24 +59,12 @@ fn write_then_read_back_large_and_scattered() {
         fill(&mut p.abuf[..size], size as u64);
         let la = p.abuf.as_ptr() as u64;
         let rb = p.bbuf.as_ptr() as u64;
-        p.a.transfer_sync(
-            &p.peer,
-            TransferOp::Write,
-            &[TransferOpDesc { local_addr: la, remote_addr: rb, len: size as u64 }],
-            T,
-        )
-        .unwrap();
+        p.a.put(&p.peer, la, rb, size as u64, T).unwrap();
         assert!(p.bbuf[..size] == p.abuf[..size], "write of {size} B");
         // Read back into a zeroed local buffer.
         let want = p.abuf[..size].to_vec();
         p.abuf.fill(0);
-        p.a.transfer_sync(
-            &p.peer,
-            TransferOp::Read,
-            &[TransferOpDesc { local_addr: la, remote_addr: rb, len: size as u64 }],
-            T,
-        )
-        .unwrap();
+        p.a.get(&p.peer, la, rb, size as u64, T).unwrap();
         assert!(p.abuf[..size] == want[..], "read of {size} B");
         drop(p.a);
         drop(p.b);
@@ -112,24 +100,10 @@ fn bad_ranges_are_refused_and_nothing_is_written() {
     fill(&mut p.abuf, 1);
     let la = p.abuf.as_ptr() as u64;
     let rb = p.bbuf.as_ptr() as u64;
-    let e =
-        p.a.transfer_sync(
-            &p.peer,
-            TransferOp::Write,
-            &[TransferOpDesc { local_addr: la, remote_addr: rb + 4000, len: 100 }],
-            T,
-        )
-        .unwrap_err();
+    let e = p.a.put(&p.peer, la, rb + 4000, 100, T).unwrap_err();
     assert_eq!(e.status, Status::ParamInvalid);
     assert!(e.message.contains("remote range"), "{e}");
-    let e =
-        p.a.transfer_sync(
-            &p.peer,
-            TransferOp::Write,
-            &[TransferOpDesc { local_addr: la - 1, remote_addr: rb, len: 10 }],
-            T,
-        )
-        .unwrap_err();
+    let e = p.a.put(&p.peer, la - 1, rb, 10, T).unwrap_err();
     assert!(e.message.contains("local range"), "{e}");
     // A good descriptor followed by a bad one: the whole batch is refused.
     let e =
@@ -159,14 +133,7 @@ fn target_refuses_ranges_it_no_longer_has() {
     p.b.deregister_mem(&bh).unwrap();
     fill(&mut p.abuf, 3);
     let la = p.abuf.as_ptr() as u64;
-    let e =
-        p.a.transfer_sync(
-            &p.peer,
-            TransferOp::Write,
-            &[TransferOpDesc { local_addr: la, remote_addr: rb, len: 8192 }],
-            T,
-        )
-        .unwrap_err();
+    let e = p.a.put(&p.peer, la, rb, 8192, T).unwrap_err();
     assert_eq!(e.status, Status::ParamInvalid, "{e}");
     assert!(p.bbuf.iter().all(|&b| b == 0));
     // The link is still usable afterwards, and a region registered later becomes reachable
@@ -322,13 +289,7 @@ fn forced_shm_moves_bytes_and_names_the_backend() {
         let la = p.abuf.as_ptr() as u64;
         let rb = p.bbuf.as_ptr() as u64;
         // Large (split over the copy threads), scattered small, and a READ back.
-        p.a.transfer_sync(
-            &p.peer,
-            TransferOp::Write,
-            &[TransferOpDesc { local_addr: la, remote_addr: rb, len: size as u64 }],
-            T,
-        )
-        .unwrap();
+        p.a.put(&p.peer, la, rb, size as u64, T).unwrap();
         assert!(p.bbuf == p.abuf);
         let descs: Vec<_> = (0..3000u64)
             .map(|i| TransferOpDesc {
@@ -347,13 +308,7 @@ fn forced_shm_moves_bytes_and_names_the_backend() {
         }
         let want = p.bbuf.clone();
         p.abuf.fill(0);
-        p.a.transfer_sync(
-            &p.peer,
-            TransferOp::Read,
-            &[TransferOpDesc { local_addr: la, remote_addr: rb, len: size as u64 }],
-            T,
-        )
-        .unwrap();
+        p.a.get(&p.peer, la, rb, size as u64, T).unwrap();
         assert!(p.abuf == want);
         let st = p.a.stats().unwrap();
         assert_eq!(st[0].backend, "shm", "{transport}");
