@@ -7,7 +7,8 @@ pub mod shm;
 pub mod tcp;
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::thread::{JoinHandle, ThreadId};
 
 use crate::error::{Error, Result};
 use crate::queue::{Part, Request, TransferStatus};
@@ -79,4 +80,36 @@ pub(crate) fn settle_request(
     );
     req.settle(to, err);
     req.release_pins();
+}
+
+/// The threads of a link: started by name, joined when the link closes, unless the closing
+/// thread is one of them (it then just returns and ends by itself).
+#[derive(Default)]
+pub(crate) struct Workers {
+    handles: Mutex<Vec<JoinHandle<()>>>,
+    ids: Mutex<Vec<ThreadId>>,
+}
+
+impl Workers {
+    /// Starts a named thread.
+    pub(crate) fn spawn(&self, name: String, f: impl FnOnce() + Send + 'static) -> Result<()> {
+        let h = std::thread::Builder::new()
+            .name(name.clone())
+            .spawn(f)
+            .map_err(|e| Error::failed(format!("cannot start thread {name}: {e}")))?;
+        self.ids.lock().unwrap().push(h.thread().id());
+        self.handles.lock().unwrap().push(h);
+        Ok(())
+    }
+
+    /// Joins every thread, unless called from one of them.
+    pub(crate) fn join_unless_own(&self) {
+        let me = std::thread::current().id();
+        if self.ids.lock().unwrap().contains(&me) {
+            return;
+        }
+        for h in std::mem::take(&mut *self.handles.lock().unwrap()) {
+            let _ = h.join();
+        }
+    }
 }

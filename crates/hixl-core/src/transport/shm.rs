@@ -11,7 +11,6 @@
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLockReadGuard};
-use std::thread::{JoinHandle, ThreadId};
 use std::time::Duration;
 
 use crate::error::{Error, Result, Status};
@@ -20,7 +19,7 @@ use crate::registry::{Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::io::{iov, IOV_MAX};
 use crate::transport::tcp::TcpLink;
-use crate::transport::{settle_request, Link, PeerInfo};
+use crate::transport::{settle_request, Link, PeerInfo, Workers};
 use crate::wire::RegionEntry;
 
 /// Requests up to this size are copied by the calling thread (no hand-off, no wake-up).
@@ -217,8 +216,7 @@ pub struct ShmLink {
     queue: WorkQueue<Part>,
     next_lane: AtomicUsize,
     closed: AtomicBool,
-    threads: Mutex<Vec<JoinHandle<()>>>,
-    thread_ids: Mutex<Vec<ThreadId>>,
+    threads: Workers,
 }
 
 impl ShmLink {
@@ -241,20 +239,15 @@ impl ShmLink {
             queue: WorkQueue::with_lanes(queue_depth, workers),
             next_lane: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
-            threads: Mutex::new(Vec::new()),
-            thread_ids: Mutex::new(Vec::new()),
+            threads: Workers::default(),
         });
-        let mut handles = Vec::new();
         for lane in 0..workers {
             let l = link.clone();
-            let h = std::thread::Builder::new()
-                .name(format!("hixl-shm{lane}"))
-                .spawn(move || l.worker(lane))
-                .map_err(|e| Error::failed(format!("cannot start a copy thread: {e}")))?;
-            link.thread_ids.lock().unwrap().push(h.thread().id());
-            handles.push(h);
+            if let Err(e) = link.threads.spawn(format!("hixl-shm{lane}"), move || l.worker(lane)) {
+                link.close(e.clone());
+                return Err(e);
+            }
         }
-        *link.threads.lock().unwrap() = handles;
         Ok(link)
     }
 
@@ -493,12 +486,7 @@ impl Link for ShmLink {
         self.tcp.close(why);
         self.fail_queued();
         self.maps.lock().unwrap().clear();
-        let me = std::thread::current().id();
-        if !self.thread_ids.lock().unwrap().contains(&me) {
-            for h in std::mem::take(&mut *self.threads.lock().unwrap()) {
-                let _ = h.join();
-            }
-        }
+        self.threads.join_unless_own();
     }
 
     fn stats(&self) -> Arc<PeerStats> {

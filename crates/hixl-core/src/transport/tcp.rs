@@ -8,7 +8,6 @@ use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
-use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result, Status};
@@ -16,7 +15,7 @@ use crate::queue::{Part, PartBody, Request, Strided, TransferOp, TransferStatus,
 use crate::registry::{Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::io::{self, iov};
-use crate::transport::{Link, PeerInfo};
+use crate::transport::{Link, PeerInfo, Workers};
 use crate::wire::{self, Frame, Seg, StridedSeg};
 
 /// Most parts a writer takes from the queue per wake-up.
@@ -74,8 +73,7 @@ pub struct TcpLink {
     alive: AtomicBool,
     reason: Mutex<Option<Error>>,
     stats: Arc<PeerStats>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
-    thread_ids: Mutex<Vec<ThreadId>>,
+    threads: Workers,
     label: std::sync::OnceLock<&'static str>,
     coalesce: Duration,
     coalesce_max_ops: usize,
@@ -211,25 +209,21 @@ impl TcpLink {
             alive: AtomicBool::new(true),
             reason: Mutex::new(None),
             stats: Arc::new(PeerStats::default()),
-            threads: Mutex::new(Vec::new()),
-            thread_ids: Mutex::new(Vec::new()),
+            threads: Workers::default(),
             label: std::sync::OnceLock::new(),
             coalesce: p.coalesce,
             coalesce_max_ops: p.coalesce_max_ops,
         });
-        let mut handles = Vec::new();
         for (i, s) in link.streams.iter().enumerate() {
             for role in ["w", "r"] {
                 let (l, s) = (link.clone(), s.clone());
-                let h = std::thread::Builder::new()
-                    .name(format!("hixl-tcp{role}{i}"))
-                    .spawn(move || if role == "w" { l.writer(&s) } else { l.reader(&s) })
-                    .map_err(|e| Error::failed(format!("cannot start stream thread: {e}")))?;
-                link.thread_ids.lock().unwrap().push(h.thread().id());
-                handles.push(h);
+                let f = move || if role == "w" { l.writer(&s) } else { l.reader(&s) };
+                if let Err(e) = link.threads.spawn(format!("hixl-tcp{role}{i}"), f) {
+                    link.close(e.clone());
+                    return Err(e);
+                }
             }
         }
-        *link.threads.lock().unwrap() = handles;
         Ok(link)
     }
 
@@ -622,13 +616,7 @@ impl Link for TcpLink {
         for s in &self.streams {
             self.fail_pending(s);
         }
-        let me = std::thread::current().id();
-        if !self.thread_ids.lock().unwrap().contains(&me) {
-            let handles = std::mem::take(&mut *self.threads.lock().unwrap());
-            for h in handles {
-                let _ = h.join();
-            }
-        }
+        self.threads.join_unless_own();
     }
 
     fn stats(&self) -> Arc<PeerStats> {
