@@ -125,3 +125,27 @@ pub fn raw_cma(pid: u32, write: bool, descs: &[(u64, u64, u64)], iters: usize) -
     }
     Ok(out)
 }
+
+/// Baseline for any copy: one thread copying `count` blocks of `block` bytes between two
+/// buffers of this process (`copy_from_slice`, i.e. memcpy), both touched before timing.
+/// Returns each round's seconds after one warm-up round.
+pub fn raw_memcpy(block: usize, count: usize, iters: usize) -> Result<Vec<f64>> {
+    let total = block
+        .checked_mul(count)
+        .filter(|&t| t > 0)
+        .ok_or_else(|| Error::param(format!("block={block} x count={count} is not a valid size")))?;
+    let src = vec![5u8; total];
+    let mut dst = vec![1u8; total];
+    let mut out = Vec::with_capacity(iters);
+    for i in 0..=iters {
+        let t0 = Instant::now();
+        for (d, s) in dst.chunks_mut(block).zip(src.chunks(block)) {
+            d.copy_from_slice(s);
+        }
+        std::hint::black_box(&mut dst);
+        if i > 0 {
+            out.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(out)
+}

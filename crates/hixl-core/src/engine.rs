@@ -860,8 +860,9 @@ fn validate_strided(
     Ok((st, vec![pin]))
 }
 
-/// Appends a descriptor, extending the last segment when both sides continue it.
-fn push_merged(segs: &mut Vec<SegPair>, d: &TransferOpDesc) {
+/// Appends a descriptor, extending the last segment when both sides continue it (public for
+/// the hot-path benches).
+pub fn push_merged(segs: &mut Vec<SegPair>, d: &TransferOpDesc) {
     match segs.last_mut() {
         Some(p) if p.local + p.len == d.local_addr && p.remote + p.len == d.remote_addr => p.len += d.len,
         _ => segs.push(SegPair { local: d.local_addr, remote: d.remote_addr, len: d.len }),

@@ -61,6 +61,18 @@ fn _raw_cma(
     py.allow_threads(|| hixl_core::bench::raw_cma(pid, write, &d, iters)).map_err(errors::to_py)
 }
 
+/// Baseline: one-thread memcpy of `count` blocks of `block` bytes; seconds per round.
+#[pyfunction]
+fn _raw_memcpy(py: Python<'_>, block: usize, count: usize, iters: usize) -> PyResult<Vec<f64>> {
+    py.allow_threads(|| hixl_core::bench::raw_memcpy(block, count, iters)).map_err(errors::to_py)
+}
+
+/// This host's identity as same-host peers compare it: "boot_id/hostname".
+#[pyfunction]
+fn _host_identity() -> String {
+    hixl_core::transport::shm::host_id()
+}
+
 #[pymodule]
 fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", hixl_core::VERSION)?;
@@ -82,5 +94,7 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_raw_tcp_sink, m)?)?;
     m.add_function(wrap_pyfunction!(_raw_tcp_send, m)?)?;
     m.add_function(wrap_pyfunction!(_raw_cma, m)?)?;
+    m.add_function(wrap_pyfunction!(_raw_memcpy, m)?)?;
+    m.add_function(wrap_pyfunction!(_host_identity, m)?)?;
     Ok(())
 }
