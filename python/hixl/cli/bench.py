@@ -1,0 +1,713 @@
+"""Measure how fast hixl moves your kind of data between two engines on this machine or two.
+
+By default this command starts the target process itself on localhost and sweeps block sizes
+(4K..64M) for WRITE and READ. Across two hosts run ``--role target --listen IP:PORT`` on one and
+``--role initiator --remote IP:PORT`` on the other.
+
+Per row: bandwidth in decimal GB/s (all bytes / wall time of the timed requests), per-request
+latency avg/p50/p99 (post to completion seen by the waiting thread), post time (the
+transfer_async call itself) and CPU seconds per GB moved on each side (the target reports its
+CPU time through a registered stats cell that the initiator reads one-sidedly).
+
+--baseline measures, in the same run and with the same sizes, this machine's raw limits in
+native code: one-thread memcpy, raw process_vm_writev/readv of the same descriptors (same host
+only) and raw TCP send/recv over as many connections as hixl uses, and prints hixl's ratio to
+each.
+
+examples:
+  hixl bench --quick
+  hixl bench --op write --transport shm,tcp --block-sizes 4K-64M --baseline --json out.json
+  hixl bench --batch-sizes 1,64 --scatter --check
+  hixl bench --role target --listen 10.0.0.1:18500 --target-mem 1G
+  hixl bench --role initiator --remote 10.0.0.1:18500 --transport tcp
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import Hixl, HixlError, StridedDesc, TransferOp, TransferStatus, aligned_empty
+from .._hixl import _raw_cma, _raw_memcpy, _raw_tcp_send
+from . import _report
+from ._machine import describe, host_hash
+from ._sizes import human, parse_count_list, parse_size, parse_size_list
+from ._target import CELL_BYTES, Cell, serve
+
+NAME = "bench"
+HELP = "measure bandwidth, latency and CPU cost (sweeps, checks, baselines, JSON/CSV/plot)"
+
+QUICK_BLOCKS = "4K,64K,1M,16M"
+CORRUPT_ENV = "HIXL_BENCH_CORRUPT"
+_OPS = {"write": TransferOp.WRITE, "read": TransferOp.READ}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("roles")
+    g.add_argument(
+        "--role",
+        choices=["local", "target", "initiator"],
+        default="local",
+        help="local (default): start a target here; target: serve; initiator: "
+        "measure against --remote",
+    )
+    g.add_argument(
+        "--listen",
+        default=None,
+        metavar="IP:PORT",
+        help="target: address to listen on (default 127.0.0.1:0)",
+    )
+    g.add_argument("--remote", default=None, metavar="IP:PORT", help="initiator: the target")
+    g.add_argument(
+        "--target-mem",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="target: bytes to register (default 256M; local role: what the sweep needs)",
+    )
+    g.add_argument("--until-stdin-closes", action="store_true", help=argparse.SUPPRESS)
+    g = p.add_argument_group("what to move")
+    g.add_argument(
+        "--op",
+        default="write,read",
+        type=_op_list,
+        metavar="OPS",
+        help="write, read or both as 'write,read' (default)",
+    )
+    g.add_argument(
+        "--transport",
+        default=None,
+        type=_transport_list,
+        metavar="LIST",
+        help="auto|shm|tcp, comma-separated for one line each (default auto; --quick: auto,tcp)",
+    )
+    g.add_argument(
+        "--block-sizes",
+        type=parse_size_list,
+        default=None,
+        metavar="SIZES",
+        help="bytes per descriptor: a range of powers of two '4K-64M' (default) or a list '4K,1M'",
+    )
+    g.add_argument(
+        "--batch-sizes",
+        type=parse_count_list,
+        default=None,
+        metavar="COUNTS",
+        help="descriptors per request, e.g. '1,16,256' or '1-256' (default 1)",
+    )
+    g.add_argument(
+        "--max-request",
+        type=parse_size,
+        default=parse_size("256M"),
+        metavar="SIZE",
+        help="skip rows whose block x batch exceeds this (default 256M)",
+    )
+    g.add_argument(
+        "--scatter",
+        action="store_true",
+        help="remote blocks in a permuted order, so nothing can be merged",
+    )
+    g.add_argument(
+        "--strided",
+        action="store_true",
+        help="each request is one strided descriptor (count=batch, size=block, "
+        "remote stride 2 x block)",
+    )
+    g = p.add_argument_group("how")
+    g.add_argument("--streams", type=_positive, default=None, help="hixl.streams (TCP connections)")
+    g.add_argument(
+        "--threads",
+        type=_positive,
+        default=1,
+        help="initiator threads submitting requests (default 1)",
+    )
+    g.add_argument(
+        "--pipeline-depth",
+        type=_positive,
+        default=1,
+        help="requests in flight per thread (default 1)",
+    )
+    g.add_argument(
+        "--iterations",
+        type=_positive,
+        default=None,
+        help="timed requests per row (default: about 1 GiB, 16..20000 requests)",
+    )
+    g.add_argument(
+        "--warmup",
+        type=_non_negative,
+        default=None,
+        help="untimed requests per row (default: one per slot, at least 4)",
+    )
+    g.add_argument(
+        "--timeout-ms",
+        type=_positive,
+        default=60_000,
+        help="per-request wait limit (default 60000)",
+    )
+    g.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any engine option for both sides, e.g. hixl.shm_threads=4 (repeatable)",
+    )
+    g.add_argument(
+        "--check",
+        action="store_true",
+        help="verify the bytes after each row (fresh random data per row)",
+    )
+    g.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also measure memcpy, raw process_vm_writev and raw sockets; print ratios",
+    )
+    g.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a representative subset in under 30 s ({QUICK_BLOCKS}, write+read, auto+tcp)",
+    )
+    g.add_argument("--seed", type=int, default=1, help="seed for data and permutations")
+    g = p.add_argument_group("output")
+    g.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="write JSON (to stdout when no PATH: the table is then left out)",
+    )
+    g.add_argument(
+        "--csv",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="write CSV (to stdout when no PATH)",
+    )
+    g.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="draw bandwidth vs block size (needs matplotlib: pip install 'hixl[plot]')",
+    )
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return v
+
+
+def _non_negative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return v
+
+
+def _op_list(text: str) -> list[str]:
+    ops = [o.strip().lower() for o in text.split(",")]
+    bad = [o for o in ops if o not in _OPS]
+    if bad or not ops:
+        raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r}: ops are read and write")
+    return list(dict.fromkeys(ops))
+
+
+def _transport_list(text: str) -> list[str]:
+    ts = [t.strip().lower() for t in text.split(",")]
+    bad = [t for t in ts if t not in ("auto", "shm", "tcp")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r}: transports are auto, shm and tcp")
+    return list(dict.fromkeys(ts))
+
+
+def _options(args: argparse.Namespace, p: argparse.ArgumentParser) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for kv in args.option:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            p.error(f"argument --option: {kv!r} is not KEY=VALUE")
+        out[key.strip()] = value.strip()
+    if args.streams:
+        out["hixl.streams"] = str(args.streams)
+    return out
+
+
+@dataclass
+class Plan:
+    """Everything a sweep needs decided before the first byte moves."""
+
+    ops: list[str]
+    transports: list[str]
+    blocks: list[int]
+    batches: list[int]
+    threads: int
+    depth: int
+    scatter: bool
+    strided: bool
+    check: bool
+    baseline: bool
+    iterations: int | None
+    warmup: int | None
+    timeout_ms: int
+    quick: bool
+    seed: int
+    options: dict[str, str]
+    shapes: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def slots(self) -> int:
+        return self.threads * self.depth
+
+    @property
+    def slot_bytes(self) -> int:
+        """Local bytes of one in-flight request at the largest shape."""
+        return max(b * n for b, n in self.shapes)
+
+    @property
+    def remote_slot_bytes(self) -> int:
+        return self.slot_bytes * (2 if self.strided else 1)
+
+    @property
+    def remote_bytes(self) -> int:
+        return self.slots * self.remote_slot_bytes
+
+    def iters_for(self, req_bytes: int) -> int:
+        if self.iterations:
+            return self.iterations
+        budget, lo, hi = ((128 << 20), 8, 2000) if self.quick else ((1 << 30), 16, 20000)
+        n = -(-budget // req_bytes)
+        return max(lo, self.slots, min(hi, n))
+
+
+def make_plan(args: argparse.Namespace, p: argparse.ArgumentParser) -> Plan:
+    blocks = args.block_sizes or parse_size_list(QUICK_BLOCKS if args.quick else "4K-64M")
+    batches = args.batch_sizes or [1]
+    if args.strided and any(b % 64 for b in blocks):
+        p.error("--strided needs block sizes that are multiples of 64 bytes")
+    shapes = [(b, n) for n in batches for b in blocks if b * n <= args.max_request]
+    if not shapes:
+        p.error(f"no block x batch fits --max-request {human(args.max_request)}")
+    transports = args.transport or (["auto", "tcp"] if args.quick else ["auto"])
+    return Plan(
+        ops=args.op,
+        transports=transports,
+        blocks=blocks,
+        batches=batches,
+        threads=args.threads,
+        depth=args.pipeline_depth,
+        scatter=args.scatter,
+        strided=args.strided,
+        check=args.check,
+        baseline=args.baseline,
+        iterations=args.iterations,
+        warmup=args.warmup,
+        timeout_ms=args.timeout_ms,
+        quick=args.quick,
+        seed=args.seed,
+        options=_options(args, p),
+        shapes=shapes,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    p: argparse.ArgumentParser = args.parser
+    if args.role == "target":
+        if args.remote:
+            p.error("--remote is for --role initiator")
+        return serve(
+            args.listen or "127.0.0.1:0",
+            args.target_mem or (256 << 20),
+            _options(args, p),
+            args.until_stdin_closes,
+        )
+    if args.role == "initiator" and not args.remote:
+        p.error("--role initiator needs --remote IP:PORT")
+    if args.role == "local" and (args.remote or args.listen):
+        p.error("--remote/--listen need --role initiator/target")
+    if args.json == "-" and args.csv == "-":
+        p.error("--json and --csv cannot both go to stdout")
+    plan = make_plan(args, p)
+    if args.plot:
+        _report.require_matplotlib(p)
+    target = None
+    remote = args.remote
+    if args.role == "local":
+        target, remote = _start_target(plan)
+    try:
+        rows = Sweep(plan, remote).run()
+    finally:
+        if target is not None:
+            _stop_target(target)
+    meta = {"machine": describe(), "argv": sys.argv[1:], "plan": _plan_meta(plan)}
+    _report.emit(rows, meta, json_path=args.json, csv_path=args.csv, plot_path=args.plot)
+    failed = [r for r in rows if r.get("check") not in (None, "ok")]
+    for r in failed:
+        print(f"hixl bench: check FAILED: {r['check']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _plan_meta(plan: Plan) -> dict[str, Any]:
+    keys = (
+        "ops",
+        "transports",
+        "blocks",
+        "batches",
+        "threads",
+        "depth",
+        "scatter",
+        "strided",
+        "check",
+        "baseline",
+        "quick",
+        "options",
+    )
+    return {k: getattr(plan, k) for k in keys}
+
+
+def _start_target(plan: Plan) -> tuple[subprocess.Popen[str], str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "hixl.cli",
+        "bench",
+        "--role",
+        "target",
+        "--listen",
+        "127.0.0.1:0",
+        "--target-mem",
+        str(plan.remote_bytes),
+        "--until-stdin-closes",
+    ]
+    for k, v in plan.options.items():
+        cmd += ["--option", f"{k}={v}"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().split()
+    if len(line) != 2 or line[0] != "READY":
+        proc.kill()
+        raise SystemExit(f"hixl bench: the target process did not start (said {line!r})")
+    return proc, line[1]
+
+
+def _stop_target(proc: subprocess.Popen[str]) -> None:
+    try:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(30)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait()
+
+
+def _local_ip_towards(remote: str) -> str:
+    """The local address this host uses to reach `remote` (no packet is sent)."""
+    host, _, port = remote.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host.strip("[]"), int(port)))
+        return str(s.getsockname()[0])
+
+
+class Sweep:
+    """One initiator process: an engine per transport, local slots, the rows."""
+
+    def __init__(self, plan: Plan, remote: str) -> None:
+        self.plan = plan
+        self.remote = remote
+        self.rng = np.random.default_rng(plan.seed)
+        # One slot per (thread, in-flight request), then a scratch slot for checks, then a
+        # small area to read the target's stats cell into.
+        self.local = aligned_empty(
+            plan.slot_bytes * (plan.slots + 1) + CELL_BYTES, np.uint8, alignment=2 << 20
+        )
+        self.local[:] = 3
+        self.lbase = self.local.ctypes.data
+        self.scratch_off = plan.slot_bytes * plan.slots
+        self.cell_off = self.scratch_off + plan.slot_bytes
+        self.corrupt = os.environ.get(CORRUPT_ENV, "") not in ("", "0")
+
+    # -- descriptors ---------------------------------------------------------------------
+
+    def descs(self, block: int, batch: int, slot: int, local_off: int, perm: np.ndarray) -> Any:
+        """The request of `slot` at this shape, with local bytes at `local_off`."""
+        lb = self.lbase + local_off
+        rb = self.rbase + slot * self.plan.remote_slot_bytes
+        if self.plan.strided:
+            return (lb, rb, StridedDesc(batch, block, block, 2 * block))
+        i = np.arange(batch, dtype=np.uint64)
+        b = np.uint64(block)
+        return np.stack([lb + i * b, rb + perm * b, np.full(batch, b)], axis=1).astype(np.uint64)
+
+    def submit(self, e: Hixl, op: TransferOp, d: Any) -> Any:
+        if self.plan.strided:
+            lb, rb, sd = d
+            f = e.put_strided_async if op == TransferOp.WRITE else e.get_strided_async
+            return f(self.remote, lb, rb, sd, timeout_ms=self.plan.timeout_ms)
+        return e.transfer_async(self.remote, op, d, timeout_ms=self.plan.timeout_ms)
+
+    def finish(self, req: Any) -> None:
+        if req.wait(self.plan.timeout_ms + 1000) != TransferStatus.COMPLETED:
+            req.result()  # raises the request's own error
+            raise HixlError(f"request {req.id} did not complete within its timeout")
+
+    def cell(self, e: Hixl) -> Cell:
+        e.get(self.remote, self.lbase + self.cell_off, self.cell_addr, 64, self.plan.timeout_ms)
+        return Cell.decode(self.local[self.cell_off : self.cell_off + 64].view(np.uint64))
+
+    # -- the sweep -----------------------------------------------------------------------
+
+    def connect(self, transport: str) -> tuple[Hixl, str]:
+        e = Hixl()
+        local_ip = _local_ip_towards(self.remote)
+        e.initialize(local_ip, {**self.plan.options, "hixl.transport": transport})
+        e.register(self.local)
+        e.connect(self.remote, timeout_ms=10_000)
+        mems = e.remote_mems(self.remote)
+        cells = [m for m in mems if m.len == CELL_BYTES]
+        datas = [m for m in mems if m.len != CELL_BYTES]
+        if not cells or not datas:
+            raise SystemExit(f"hixl bench: {self.remote} is not a hixl bench target")
+        self.cell_addr = cells[0].addr
+        data = max(datas, key=lambda m: m.len)
+        if data.len < self.plan.remote_bytes:
+            raise SystemExit(
+                f"hixl bench: the target registered {human(data.len)}, this sweep needs "
+                f"{human(self.plan.remote_bytes)} (start it with --target-mem "
+                f"{self.plan.remote_bytes})"
+            )
+        self.rbase = data.addr
+        return e, str(e.stats()[self.remote]["backend"])
+
+    def run(self) -> list[dict[str, Any]]:
+        plan = self.plan
+        rows: list[dict[str, Any]] = []
+        todo = len(plan.transports) * len(plan.ops) * len(plan.shapes)
+        bar = _report.progress(todo)
+        seen: set[str] = set()
+        try:
+            for transport in plan.transports:
+                e, backend = self.connect(transport)
+                try:
+                    if backend in seen:  # auto chose what another listed transport measures
+                        bar.update(len(plan.ops) * len(plan.shapes))
+                        continue
+                    seen.add(backend)
+                    target = self.cell(e)
+                    for op in plan.ops:
+                        for block, batch in plan.shapes:
+                            rows.append(self.row(e, backend, target, op, block, batch))
+                            bar.update(1)
+                finally:
+                    e.finalize()
+        finally:
+            bar.close()
+        return rows
+
+    def row(
+        self, e: Hixl, backend: str, target: Cell, op_name: str, block: int, batch: int
+    ) -> dict[str, Any]:
+        plan, op = self.plan, _OPS[op_name]
+        req_bytes = block * batch
+        perm = (self.rng.permutation(batch) if plan.scatter else np.arange(batch)).astype(np.uint64)
+        slot_descs = [
+            self.descs(block, batch, k, k * plan.slot_bytes, perm) for k in range(plan.slots)
+        ]
+        n = plan.iters_for(req_bytes)
+        warm = plan.warmup if plan.warmup is not None else max(4, plan.slots)
+        if plan.check:
+            self.prepare_check(e, op, block, batch, perm, req_bytes)
+        self.drive(e, op, slot_descs, warm, record=None)
+        lat: list[float] = []
+        post: list[float] = []
+        cell0, cpu0, t0 = self.cell(e), time.process_time(), time.perf_counter()
+        self.drive(e, op, slot_descs, n, record=(lat, post))
+        wall, cpu1 = time.perf_counter() - t0, time.process_time()
+        cell1 = self.cell(e)
+        gb = req_bytes * n / 1e9
+        lat_us = sorted(x * 1e6 for x in lat)
+        row: dict[str, Any] = {
+            "op": op_name,
+            "transport": backend,
+            "block": block,
+            "batch": batch,
+            "request_bytes": req_bytes,
+            "requests": n,
+            "seconds": wall,
+            "gbps": gb / wall,
+            "lat_avg_us": statistics.fmean(lat_us),
+            "lat_p50_us": lat_us[len(lat_us) // 2],
+            "lat_p99_us": lat_us[min(len(lat_us) - 1, int(len(lat_us) * 0.99))],
+            "post_us": statistics.fmean(post) * 1e6,
+            "cpu_initiator_s_per_gb": (cpu1 - cpu0) / gb,
+            "cpu_target_s_per_gb": (cell1.cpu_s - cell0.cpu_s) / gb,
+            "check": self.verify(e, op, block, batch, perm, req_bytes) if plan.check else None,
+        }
+        if plan.baseline:
+            row.update(self.baselines(target, op, slot_descs[0], block, batch, row["gbps"]))
+        return row
+
+    def drive(
+        self,
+        e: Hixl,
+        op: TransferOp,
+        slot_descs: list[Any],
+        n: int,
+        record: tuple[list[float], list[float]] | None,
+    ) -> None:
+        """Runs `n` requests over the threads, each keeping `depth` in flight."""
+        plan = self.plan
+        errors: list[BaseException] = []
+
+        def worker(t: int, count: int) -> None:
+            mine = slot_descs[t * plan.depth : (t + 1) * plan.depth]
+            inflight: deque[tuple[Any, float]] = deque()
+            issued = 0
+            try:
+                while issued < count or inflight:
+                    while issued < count and len(inflight) < plan.depth:
+                        t0 = time.perf_counter()
+                        req = self.submit(e, op, mine[issued % plan.depth])
+                        if record is not None:
+                            record[1].append(time.perf_counter() - t0)
+                        inflight.append((req, t0))
+                        issued += 1
+                    req, t0 = inflight.popleft()
+                    self.finish(req)
+                    if record is not None:
+                        record[0].append(time.perf_counter() - t0)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+                errors.append(exc)
+                for req, _ in inflight:
+                    req.wait(plan.timeout_ms + 1000)
+
+        shares = [
+            n // plan.threads + (1 if t < n % plan.threads else 0) for t in range(plan.threads)
+        ]
+        if plan.threads == 1:
+            worker(0, shares[0])
+        else:
+            ths = [threading.Thread(target=worker, args=(t, c)) for t, c in enumerate(shares)]
+            for th in ths:
+                th.start()
+            for th in ths:
+                th.join()
+        if errors:
+            raise errors[0]
+
+    # -- --check -------------------------------------------------------------------------
+
+    def _slot_view(self, k: int, req_bytes: int) -> np.ndarray:
+        off = k * self.plan.slot_bytes
+        return self.local[off : off + req_bytes]
+
+    def prepare_check(
+        self, e: Hixl, op: TransferOp, block: int, batch: int, perm: np.ndarray, req_bytes: int
+    ) -> None:
+        """WRITE rows: fresh random source in every slot. READ rows: fresh random bytes put
+        into each slot's remote range (through a WRITE from scratch), local slots zeroed."""
+        scratch = self.local[self.scratch_off : self.scratch_off + req_bytes]
+        for k in range(self.plan.slots):
+            if op == TransferOp.WRITE:
+                self._slot_view(k, req_bytes)[:] = self.rng.integers(0, 256, req_bytes, np.uint8)
+            else:
+                scratch[:] = self.rng.integers(0, 256, req_bytes, np.uint8)
+                self.finish(
+                    self.submit(
+                        e, TransferOp.WRITE, self.descs(block, batch, k, self.scratch_off, perm)
+                    )
+                )
+                self._slot_view(k, req_bytes)[:] = scratch  # the expectation, kept locally
+        self.expected = [self._slot_view(k, req_bytes).copy() for k in range(self.plan.slots)]
+        if op == TransferOp.READ:
+            for k in range(self.plan.slots):
+                self._slot_view(k, req_bytes)[:] = 0
+
+    def verify(
+        self, e: Hixl, op: TransferOp, block: int, batch: int, perm: np.ndarray, req_bytes: int
+    ) -> str:
+        """'ok', or where the first wrong byte is. WRITE rows read each slot's remote range
+        back into scratch; READ rows compare the local slots themselves."""
+        scratch = self.local[self.scratch_off : self.scratch_off + req_bytes]
+        for k in range(self.plan.slots):
+            if op == TransferOp.WRITE:
+                scratch[:] = 0
+                self.finish(
+                    self.submit(
+                        e, TransferOp.READ, self.descs(block, batch, k, self.scratch_off, perm)
+                    )
+                )
+                got = scratch
+            else:
+                got = self._slot_view(k, req_bytes)
+            if self.corrupt:  # test hook: proves the checker catches a wrong byte
+                got[req_bytes // 2] ^= 0xFF
+            bad = np.flatnonzero(got != self.expected[k])
+            if bad.size:
+                i = int(bad[0])
+                name = "write" if op == TransferOp.WRITE else "read"
+                return (
+                    f"{name} block={human(block)} batch={batch} slot {k}: byte {i} is "
+                    f"0x{int(got[i]):02x}, expected 0x{int(self.expected[k][i]):02x} "
+                    f"({bad.size} bytes differ)"
+                )
+        return "ok"
+
+    # -- --baseline ----------------------------------------------------------------------
+
+    def baselines(
+        self, target: Cell, op: TransferOp, d: Any, block: int, batch: int, gbps: float
+    ) -> dict[str, Any]:
+        req = block * batch
+        iters = max(3, min(1000, (256 << 20) // req))
+
+        def rate(times: list[float]) -> float:
+            return req / statistics.median(times) / 1e9
+
+        out: dict[str, Any] = {}
+        out["memcpy_gbps"] = rate(_raw_memcpy(block, batch, iters))
+        out["cma_gbps"] = None
+        if target.host_hash == host_hash():
+            if self.plan.strided:
+                lb, rb, sd = d
+                i = np.arange(batch, dtype=np.uint64)
+                d = np.stack(
+                    [
+                        lb + i * np.uint64(block),
+                        rb + i * np.uint64(2 * block),
+                        np.full(batch, block, np.uint64),
+                    ],
+                    axis=1,
+                ).astype(np.uint64)
+            try:
+                out["cma_gbps"] = rate(_raw_cma(target.pid, op == TransferOp.WRITE, d, iters))
+            except HixlError as exc:
+                out["cma_note"] = str(exc)
+        host = self.remote.rpartition(":")[0]
+        # Like hixl, use every stream only for requests it splits (hixl.split_bytes).
+        streams = int(self.plan.options.get("hixl.streams", "2"))
+        if req < int(self.plan.options.get("hixl.split_bytes", str(1 << 20))):
+            streams = 1
+        out["socket_gbps"] = rate(_raw_tcp_send(f"{host}:{target.sink_port}", req, iters, streams))
+        for k in ("memcpy", "cma", "socket"):
+            base = out[f"{k}_gbps"]
+            out[f"x_{k}"] = gbps / base if base else None
+        return out

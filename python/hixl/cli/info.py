@@ -1,0 +1,109 @@
+"""Show this hixl build and machine: version, which transports work here (and why one does
+not), the host identity same-host peers compare, and every engine option with its default.
+
+The same-host check is real: it starts a second process with an engine and connects to it
+with hixl.transport=shm, so the answer holds for peers started the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from typing import Any
+
+from .. import Hixl, HixlError, option_keys
+from ._machine import describe
+
+NAME = "info"
+HELP = "version, transports available here (and why not), host identity, options"
+
+_PEER = (
+    "import sys, hixl\n"
+    "e = hixl.Hixl(); e.initialize('127.0.0.1:0')\n"
+    "print(e.local_engine, flush=True); sys.stdin.read(); e.finalize()\n"
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _ptrace_scope() -> str | None:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _probe(transport: str) -> tuple[bool, str]:
+    """Connects to a fresh peer process with `transport` forced; (works, why)."""
+    peer = subprocess.Popen(
+        [sys.executable, "-c", _PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert peer.stdout is not None
+        addr = peer.stdout.readline().strip()
+        if not addr:
+            return False, "the probe peer process did not start"
+        with Hixl() as e:
+            e.initialize("127.0.0.1", {"hixl.transport": transport})
+            try:
+                e.connect(addr, timeout_ms=5000)
+            except HixlError as exc:
+                return False, str(exc)
+            return True, f"works (backend {e.stats()[addr]['backend']})"
+    finally:
+        assert peer.stdin is not None
+        peer.stdin.close()
+        try:
+            peer.wait(10)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+
+
+def gather() -> dict[str, Any]:
+    transports: dict[str, dict[str, Any]] = {}
+    for t in ("tcp", "shm"):
+        ok, why = _probe(t)
+        transports[t] = {"available": ok, "detail": why}
+    scope = _ptrace_scope()
+    if scope not in (None, "0"):
+        transports["shm"]["detail"] += (
+            f"; kernel.yama.ptrace_scope={scope}: peers that are not this process's "
+            "descendants may fall back to tcp"
+        )
+    transports["rdma"] = {
+        "available": False,
+        "detail": "not built: this wheel has no RDMA verbs backend",
+    }
+    transports["device"] = {
+        "available": False,
+        "detail": "not built: MemType.DEVICE raises Unsupported (no GPU/NPU backend in this wheel)",
+    }
+    return {
+        **describe(),
+        "transports": transports,
+        "options": [{"key": k, "default": d, "meaning": m} for k, d, m in option_keys()],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    info = gather()
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"hixl {info['hixl_version']}")
+    for k in ("host_identity", "cpu", "cores", "mem_gib", "kernel", "python"):
+        print(f"  {k:14} {info[k]}")
+    print("transports:")
+    for name, t in info["transports"].items():
+        mark = "yes" if t["available"] else "no "
+        print(f"  {name:7} {mark}  {t['detail']}")
+    print("options (key, default, meaning):")
+    w = max(len(o["key"]) for o in info["options"])
+    for o in info["options"]:
+        print(f"  {o['key']:{w}}  {o['default']:>8}  {o['meaning']}")
+    return 0

@@ -1,0 +1,214 @@
+"""The ``hixl`` command end to end: real processes, real transfers, parsed output."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hixl.cli._report import COLUMNS
+
+HIXL = shutil.which("hixl", path=str(Path(sys.executable).parent)) or shutil.which("hixl")
+
+
+def cmd(*args: str) -> list[str]:
+    """The installed console script when there is one, else ``python -m hixl.cli``."""
+    return [HIXL, *args] if HIXL else [sys.executable, "-m", "hixl.cli", *args]
+
+
+def hixl(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd(*args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_console_script_is_installed() -> None:
+    assert HIXL is not None, "pip install should put a 'hixl' script next to the interpreter"
+
+
+@pytest.mark.parametrize("sub", [[], ["bench"], ["info"], ["demo"]])
+def test_every_subcommand_has_help(sub: list[str]) -> None:
+    r = hixl(*sub, "--help")
+    assert r.returncode == 0, r.stderr
+    assert "usage: hixl" in r.stdout
+
+
+def test_quick_json_has_every_column() -> None:
+    r = hixl("bench", "--quick", "--json", "--check", "--baseline", timeout=180)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)  # nothing but JSON on stdout
+    assert doc["machine"]["cores"] >= 1 and doc["machine"]["hixl_version"]
+    rows = doc["rows"]
+    ops = {(row["op"], row["transport"]) for row in rows}
+    assert ops == {("write", "shm"), ("read", "shm"), ("write", "tcp"), ("read", "tcp")}
+    for row in rows:
+        for key, _, _ in COLUMNS:
+            assert key in row, f"column {key} missing from {row}"
+        assert row["check"] == "ok"
+        assert row["gbps"] > 0 and row["requests"] >= 8
+        assert 0 < row["lat_p50_us"] <= row["lat_p99_us"]
+        assert row["memcpy_gbps"] > 0 and row["socket_gbps"] > 0 and row["cma_gbps"] > 0
+        assert row["x_memcpy"] == pytest.approx(row["gbps"] / row["memcpy_gbps"])
+        assert row["cpu_initiator_s_per_gb"] >= 0 and row["cpu_target_s_per_gb"] >= 0
+
+
+@pytest.mark.parametrize(
+    "mode", [[], ["--scatter", "--batch-sizes", "1,8"], ["--strided", "--batch-sizes", "4"]]
+)
+def test_check_passes_on_clean_runs(mode: list[str]) -> None:
+    r = hixl(
+        "bench",
+        "--block-sizes",
+        "4K,256K",
+        "--transport",
+        "shm,tcp",
+        "--iterations",
+        "6",
+        "--pipeline-depth",
+        "2",
+        "--threads",
+        "2",
+        "--check",
+        "--csv",
+        *mode,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    header = lines[0].split(",")
+    rows = [dict(zip(header, line.split(","), strict=True)) for line in lines[1:]]
+    assert rows and all(row["check"] == "ok" for row in rows)
+
+
+def test_check_catches_corruption() -> None:
+    r = hixl(
+        "bench",
+        "--block-sizes",
+        "64K",
+        "--transport",
+        "tcp",
+        "--iterations",
+        "4",
+        "--check",
+        "--json",
+        env={"HIXL_BENCH_CORRUPT": "1"},
+    )
+    assert r.returncode == 1
+    rows = json.loads(r.stdout)["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        assert "byte 32768 is" in row["check"] and "expected" in row["check"]
+    assert r.stderr.count("check FAILED") == 2
+
+
+def test_target_and_initiator_roles(free_port: int) -> None:
+    addr = f"127.0.0.1:{free_port}"
+    target = subprocess.Popen(
+        cmd("bench", "--role", "target", "--listen", addr, "--target-mem", "8M"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert target.stdout is not None
+        assert target.stdout.readline().split() == ["READY", addr]
+        r = hixl(
+            "bench",
+            "--role",
+            "initiator",
+            "--remote",
+            addr,
+            "--block-sizes",
+            "4K,1M",
+            "--iterations",
+            "8",
+            "--check",
+            "--json",
+            "--transport",
+            "tcp",
+        )
+        assert r.returncode == 0, r.stderr
+        rows = json.loads(r.stdout)["rows"]
+        assert [(row["op"], row["block"]) for row in rows] == [
+            ("write", 4096),
+            ("write", 1 << 20),
+            ("read", 4096),
+            ("read", 1 << 20),
+        ]
+        assert all(row["check"] == "ok" and row["transport"] == "tcp" for row in rows)
+        # The sweep needs more than the target holds: a clear error, not a crash.
+        r = hixl(
+            "bench",
+            "--role",
+            "initiator",
+            "--remote",
+            addr,
+            "--block-sizes",
+            "16M",
+            "--iterations",
+            "2",
+        )
+        assert r.returncode != 0 and "--target-mem" in r.stderr
+    finally:
+        target.send_signal(signal.SIGTERM)
+        target.wait(20)
+    assert target.returncode == 0
+
+
+def test_plot_writes_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bw.png"
+    r = hixl("bench", "--block-sizes", "4K,64K", "--iterations", "4", "--plot", str(out))
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["bench", "--block-sizes", "4Q"], "'4Q'"),
+        (["bench", "--op", "copy"], "'copy'"),
+        (["bench", "--transport", "rdma"], "'rdma'"),
+        (["bench", "--threads", "0"], "'0'"),
+        (["bench", "--batch-sizes", "8-2"], "'8-2'"),
+        (["bench", "--role", "initiator"], "--remote"),
+        (["bench", "--option", "novalue"], "'novalue'"),
+        (["bench", "--bogus"], "--bogus"),
+        (["bench", "--strided", "--block-sizes", "100"], "64 bytes"),
+        (["frobnicate"], "frobnicate"),
+    ],
+)
+def test_bad_arguments_give_one_line_and_exit_2(args: list[str], names: str) -> None:
+    r = hixl(*args)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert names in lines[0] and "error" in lines[0]
+
+
+def test_info_reports_transports_and_options() -> None:
+    r = hixl("info", "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["transports"]["tcp"]["available"] is True
+    assert info["transports"]["shm"]["available"] is True, info["transports"]["shm"]
+    assert info["transports"]["rdma"]["available"] is False
+    assert "not built" in info["transports"]["rdma"]["detail"]
+    keys = {o["key"] for o in info["options"]}
+    assert {"hixl.streams", "hixl.transport", "hixl.shm_threads"} <= keys
+    assert "/" in info["host_identity"]
+    text = hixl("info")
+    assert text.returncode == 0 and "transports:" in text.stdout
