@@ -1,0 +1,62 @@
+"""The KV-cache layer (LLM-DataDist style): ranks, caches, and cache/block/layerwise
+transfers between a prefill ("prompt") and a decode ("decoder") process.
+
+Every name here is also exported from ``hixl`` itself.
+"""
+
+from ._cache import Cache, CacheInfo
+from ._context import (
+    LLMClusterInfo,
+    allocate_cache,
+    deallocate_cache,
+    finalize,
+    init,
+    link,
+    unlink,
+)
+from ._errors import (
+    LLM_CACHE_NOT_FOUND,
+    LLM_NOT_LINKED,
+    LLM_ROLE_MISMATCH,
+    LLM_SUCCESS,
+    LLM_TOO_LARGE,
+    LLMError,
+)
+from ._layerwise import LayerSynchronizer, receive_cache_async, transfer_cache_async
+from ._transfer import (
+    TransferConfig,
+    TransferResult,
+    TransferTask,
+    pull_blocks,
+    pull_cache,
+    push_blocks,
+    push_cache,
+)
+
+__all__ = [
+    "LLM_CACHE_NOT_FOUND",
+    "LLM_NOT_LINKED",
+    "LLM_ROLE_MISMATCH",
+    "LLM_SUCCESS",
+    "LLM_TOO_LARGE",
+    "Cache",
+    "CacheInfo",
+    "LLMClusterInfo",
+    "LLMError",
+    "LayerSynchronizer",
+    "TransferConfig",
+    "TransferResult",
+    "TransferTask",
+    "allocate_cache",
+    "deallocate_cache",
+    "finalize",
+    "init",
+    "link",
+    "pull_blocks",
+    "pull_cache",
+    "push_blocks",
+    "push_cache",
+    "receive_cache_async",
+    "transfer_cache_async",
+    "unlink",
+]

@@ -1,0 +1,177 @@
+"""A registered KV cache: its geometry (layers, blocks) and the byte ranges they occupy."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._errors import ParamInvalid
+from .._hixl import MemHandle
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """What peers know of a cache: name, shape, dtype, address and the axes that matter."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    addr: int
+    nbytes: int
+    layer_axis: int
+    block_axis: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "addr": self.addr,
+            "nbytes": self.nbytes,
+            "layer_axis": self.layer_axis,
+            "block_axis": self.block_axis,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> CacheInfo:
+        return cls(
+            str(d["name"]),
+            tuple(int(x) for x in d["shape"]),
+            str(d["dtype"]),
+            int(d["addr"]),
+            int(d["nbytes"]),
+            int(d["layer_axis"]),
+            None if d["block_axis"] is None else int(d["block_axis"]),
+        )
+
+    @property
+    def itemsize(self) -> int:
+        return int(np.dtype(self.dtype).itemsize)
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape[self.layer_axis]
+
+    def layer_ranges(self, layer: int) -> list[tuple[int, int]]:
+        """(byte offset, length) of every contiguous piece of one layer: one piece when the
+        layer axis is the first, one per index of the axes before it otherwise."""
+        if not 0 <= layer < self.num_layers:
+            raise ParamInvalid(f"layer={layer} is out of range 0..{self.num_layers - 1}")
+        inner = math.prod(self.shape[self.layer_axis + 1 :]) * self.itemsize
+        outer = math.prod(self.shape[: self.layer_axis])
+        step = self.num_layers * inner
+        return [(o * step + layer * inner, inner) for o in range(outer)]
+
+    @property
+    def num_blocks(self) -> int:
+        if self.block_axis is None:
+            raise ParamInvalid(f"cache {self.name!r} has no block axis (shape {self.shape})")
+        return self.shape[self.block_axis]
+
+    @property
+    def block_bytes(self) -> int:
+        assert self.block_axis is not None
+        return math.prod(self.shape[self.block_axis + 1 :]) * self.itemsize
+
+    def block_pieces(self) -> int:
+        """Contiguous pieces of one block: one per index of the axes before the block axis
+        (layers x K/V for the usual paged layout)."""
+        assert self.block_axis is not None
+        return math.prod(self.shape[: self.block_axis])
+
+
+@dataclass(eq=False)
+class Cache:
+    """A KV cache registered with the process's engine (zero copy: the caller's memory).
+
+    ``name`` is how peers address it; ``layer_ranges(k)`` are the byte ranges of layer k."""
+
+    info: CacheInfo
+    array: Any = field(repr=False)
+    handle: MemHandle = field(repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.info.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.info.dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return self.info.num_layers
+
+    @property
+    def addr(self) -> int:
+        return self.info.addr
+
+    @property
+    def nbytes(self) -> int:
+        return self.info.nbytes
+
+    def layer_ranges(self, layer: int) -> list[tuple[int, int]]:
+        return self.info.layer_ranges(layer)
+
+
+def as_array(obj: Any) -> np.ndarray:
+    """A numpy view of `obj` (numpy array, torch CPU tensor, or any writable buffer)."""
+    if isinstance(obj, np.ndarray):
+        arr = obj
+    elif hasattr(obj, "data_ptr") and hasattr(obj, "device"):
+        from .._errors import Unsupported
+
+        if getattr(obj.device, "type", "cpu") != "cpu":
+            raise Unsupported(f"tensor on device {obj.device}: only host (CPU) caches exist yet")
+        arr = obj.detach().numpy() if hasattr(obj, "detach") else obj.numpy()
+    else:
+        try:
+            arr = np.frombuffer(memoryview(obj), np.uint8)
+        except TypeError as exc:
+            raise ParamInvalid(
+                f"cache of type {type(obj).__name__} is not an array, tensor or buffer"
+            ) from exc
+    if not arr.flags.c_contiguous:
+        raise ParamInvalid(f"cache array of shape {arr.shape} is not C-contiguous")
+    if arr.nbytes == 0:
+        raise ParamInvalid("cache array is empty (0 bytes)")
+    return arr
+
+
+def describe(name: str, arr: np.ndarray, layer_axis: int, block_axis: int | None) -> CacheInfo:
+    nd = arr.ndim
+    if not -nd <= layer_axis < nd:
+        raise ParamInvalid(f"layer_axis={layer_axis} is out of range for shape {arr.shape}")
+    layer_axis %= nd
+    if block_axis is not None:
+        if not -nd <= block_axis < nd:
+            block_axis = None  # no block axis in this shape: not a paged cache
+        else:
+            block_axis %= nd
+    return CacheInfo(
+        name,
+        tuple(int(x) for x in arr.shape),
+        arr.dtype.str,
+        int(arr.ctypes.data),
+        int(arr.nbytes),
+        layer_axis,
+        block_axis,
+    )
+
+
+def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, count): consecutive ids on both sides become one run."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs

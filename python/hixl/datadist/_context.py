@@ -1,0 +1,356 @@
+"""The process's KV-cache context: one engine, this rank's directory, the linked peers."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import Failed, NotConnected, ParamInvalid, Timeout, Unsupported
+from .._hixl import Hixl, MemType, NotifyDesc
+from ._cache import Cache, CacheInfo, as_array, describe
+from ._directory import Directory, DirectoryReader, PeerDirectory
+from ._errors import LLM_CACHE_NOT_FOUND, LLM_NOT_LINKED, LLM_ROLE_MISMATCH, LLMError
+
+ROLES = ("prompt", "decoder", "mix")
+
+
+@dataclass(frozen=True)
+class LLMClusterInfo:
+    """A rank to link to: its cluster_id (the rank), optionally its address ("ip:port") and
+    the role it must have. Without an address, the one given for this rank in
+    ``hixl.init(peers=...)`` / ``HIXL_PEERS`` is used."""
+
+    cluster_id: int
+    role: str | None = None
+    address: str | None = None
+    device_id: int = 0
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LLMClusterInfo:
+        """Keys: cluster_id (required), role, device_id, and address or ip + port."""
+        if "cluster_id" not in d:
+            raise ParamInvalid(f"cluster info {dict(d)!r} has no cluster_id")
+        address = d.get("address")
+        if address is None and "ip" in d and "port" in d:
+            address = f"{d['ip']}:{d['port']}"
+        role = d.get("role")
+        if role is not None and role not in ROLES:
+            raise ParamInvalid(f"role={role!r} must be one of {', '.join(ROLES)}")
+        return cls(_rank(d["cluster_id"]), role, address, int(d.get("device_id", 0)))
+
+
+def _rank(v: Any) -> int:
+    try:
+        r = int(v)
+    except (TypeError, ValueError):
+        r = -1
+    if r < 0:
+        raise ParamInvalid(f"cluster_id={v!r} must be an integer >= 0")
+    return r
+
+
+def parse_peers(text: str) -> dict[int, str]:
+    """'1=10.0.0.2:18000,2=10.0.0.3:18000' -> {1: '10.0.0.2:18000', 2: ...}."""
+    out: dict[int, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        rank, sep, addr = part.partition("=")
+        if not sep or ":" not in addr:
+            raise ParamInvalid(f"HIXL_PEERS entry {part!r} is not RANK=IP:PORT")
+        out[_rank(rank)] = addr.strip()
+    return out
+
+
+class Mailbox:
+    """Routes the engine's notifications to whoever waits for them (get_notifies returns
+    and clears everything, so one place must take them and hand them out)."""
+
+    def __init__(self, engine: Hixl, keep: int = 65536) -> None:
+        self.engine = engine
+        self.keep = keep
+        self.pending: list[NotifyDesc] = []
+        self.lock = threading.Lock()
+
+    def take(self, match: Callable[[NotifyDesc], bool]) -> list[NotifyDesc]:
+        with self.lock:
+            self.pending += self.engine.get_notifies()
+            got = [n for n in self.pending if match(n)]
+            if got:
+                self.pending = [n for n in self.pending if not match(n)]
+            del self.pending[: max(0, len(self.pending) - self.keep)]
+            return got
+
+
+class Context:
+    """Everything hixl.init() creates."""
+
+    def __init__(
+        self, rank: int, role: str, listen: str, device_id: int, options: Mapping[str, str] | None
+    ) -> None:
+        self.rank, self.role, self.device_id = rank, role, device_id
+        self.engine = Hixl()
+        self.engine.initialize(listen, dict(options or {}))
+        try:
+            self.directory = Directory(self.engine, rank, role)
+            self.reader = DirectoryReader(self.engine)
+        except BaseException:
+            self.engine.finalize()
+            raise
+        self.mailbox = Mailbox(self.engine)
+        self.known: dict[int, str] = {}
+        self.peers: dict[int, PeerDirectory] = {}
+        self.caches: dict[str, Cache] = {}
+        self.lock = threading.Lock()
+        self.counter = 0
+
+    @property
+    def address(self) -> str:
+        return self.engine.local_engine
+
+    # -- links ---------------------------------------------------------------------------
+
+    def link(self, info: LLMClusterInfo, timeout_ms: int) -> None:
+        address = info.address or self.known.get(info.cluster_id)
+        if address is None:
+            raise ParamInvalid(
+                f"no address for cluster_id={info.cluster_id}: give one in "
+                "LLMClusterInfo or in init(peers=...) / HIXL_PEERS"
+            )
+        if info.cluster_id == self.rank:
+            raise ParamInvalid(f"cluster_id={info.cluster_id} is this process's own rank")
+        with self.lock:
+            if info.cluster_id in self.peers:
+                return
+        _connect_retrying(self.engine, address, timeout_ms)
+        try:
+            peer = self.reader.fetch(address)
+            if peer.rank != info.cluster_id:
+                raise LLMError(
+                    LLM_NOT_LINKED,
+                    f"{address} is rank {peer.rank}, not cluster_id={info.cluster_id}",
+                )
+            if info.role is not None and peer.role != info.role:
+                raise LLMError(
+                    LLM_ROLE_MISMATCH,
+                    f"rank {peer.rank} at {address} has role {peer.role!r}, expected {info.role!r}",
+                )
+            if peer.role == self.role and peer.role != "mix":
+                raise LLMError(
+                    LLM_ROLE_MISMATCH,
+                    f"cannot link {self.role!r} rank {self.rank} "
+                    f"to {peer.role!r} rank {peer.rank} at {address}: prompt and "
+                    'decoder ranks are not interchangeable ("mix" links with both)',
+                )
+        except BaseException:
+            self.engine.disconnect(address)
+            raise
+        with self.lock:
+            self.known[peer.rank] = address
+            self.peers[peer.rank] = peer
+
+    def unlink(self, rank: int) -> None:
+        with self.lock:
+            peer = self.peers.pop(rank, None)
+        if peer is not None:
+            self.engine.disconnect(peer.address)
+
+    def peer(self, rank: int) -> PeerDirectory:
+        with self.lock:
+            p = self.peers.get(rank)
+        if p is None:
+            raise LLMError(
+                LLM_NOT_LINKED,
+                f"rank {rank} is not linked to rank {self.rank}: "
+                "call hixl.link() or pass it in init(peers=...)",
+            )
+        return p
+
+    def remote_cache(self, rank: int, name: str) -> tuple[PeerDirectory, CacheInfo]:
+        """The peer's cache called `name`; re-reads its directory once when unknown."""
+        p = self.peer(rank)
+        info = p.caches.get(name)
+        if info is None:
+            fresh = self.reader.fetch(p.address, p.dir_addr)
+            with self.lock:
+                p.caches = fresh.caches
+            info = p.caches.get(name)
+        if info is None:
+            raise LLMError(
+                LLM_CACHE_NOT_FOUND,
+                f"cache {name!r} does not exist on rank {rank} "
+                f"(it has: {sorted(p.caches) or 'none'})",
+            )
+        return p, info
+
+    # -- caches --------------------------------------------------------------------------
+
+    def allocate(
+        self, obj: Any, mem_type: Any, name: str | None, layer_axis: int, block_axis: int | None
+    ) -> Cache:
+        if mem_type in ("device", MemType.DEVICE):
+            raise Unsupported(
+                "mem_type='device': no device (GPU/NPU) backend in this build; use host memory"
+            )
+        if mem_type not in ("host", MemType.HOST):
+            raise ParamInvalid(f"mem_type={mem_type!r} must be 'host' or 'device'")
+        arr = as_array(obj)
+        with self.lock:
+            if name is None:
+                while str(self.counter) in self.caches:
+                    self.counter += 1
+                name = str(self.counter)
+                self.counter += 1
+            if not isinstance(name, str) or not name:
+                raise ParamInvalid(f"name={name!r} must be a non-empty string")
+            if name in self.caches:
+                raise ParamInvalid(f"a cache named {name!r} already exists on rank {self.rank}")
+            info = describe(name, arr, layer_axis, block_axis)
+            handle = self.engine.register(arr)
+            cache = Cache(info, arr, handle)
+            self.caches[name] = cache
+        try:
+            self.directory.add(info)
+        except BaseException:
+            with self.lock:
+                del self.caches[name]
+            self.engine.deregister_mem(handle)
+            raise
+        return cache
+
+    def deallocate(self, cache: Cache) -> None:
+        with self.lock:
+            if self.caches.get(cache.name) is not cache:
+                return
+            del self.caches[cache.name]
+        self.directory.remove(cache.name)
+        self.engine.deregister_mem(cache.handle)
+
+    def finalize(self) -> None:
+        self.engine.finalize()
+
+
+def _connect_retrying(engine: Hixl, address: str, timeout_ms: int) -> None:
+    """Connects, retrying while the peer is not up yet (launched workers start in any
+    order), until `timeout_ms` has passed."""
+    deadline = time.monotonic() + timeout_ms / 1000
+    while True:
+        left_ms = (deadline - time.monotonic()) * 1000
+        try:
+            engine.connect(address, timeout_ms=max(100.0, min(left_ms, 2000.0)))
+            return
+        except (NotConnected, Timeout) as exc:
+            if time.monotonic() + 0.05 >= deadline:
+                raise LLMError.from_engine(exc, f"link to {address}") from exc
+            time.sleep(0.05)
+
+
+_ctx: Context | None = None
+_ctx_lock = threading.Lock()
+
+
+def context() -> Context:
+    ctx = _ctx
+    if ctx is None:
+        raise Failed("the KV-cache layer is not initialized: call hixl.init() first")
+    return ctx
+
+
+def init(
+    cluster_id: int | None = None,
+    role: str | None = None,
+    listen: str | None = None,
+    peers: Mapping[int, str] | None = None,
+    device_id: int | None = None,
+    options: Mapping[str, str] | None = None,
+    link_timeout_ms: int = 10_000,
+) -> LLMClusterInfo:
+    """Creates this process's engine and links to `peers`. Each argument left out is read
+    from the environment: HIXL_CLUSTER_ID, HIXL_ROLE, HIXL_LISTEN (default 127.0.0.1:0),
+    HIXL_PEERS ("1=ip:port,2=ip:port"), HIXL_DEVICE_ID. Returns this rank's own info."""
+    global _ctx
+    env = os.environ
+    if cluster_id is None:
+        if "HIXL_CLUSTER_ID" not in env:
+            raise ParamInvalid("cluster_id is missing: pass cluster_id= or set HIXL_CLUSTER_ID")
+        cluster_id = env["HIXL_CLUSTER_ID"]  # type: ignore[assignment]
+    rank = _rank(cluster_id)
+    role = role if role is not None else env.get("HIXL_ROLE", "mix")
+    if role not in ROLES:
+        raise ParamInvalid(f"role={role!r} must be one of {', '.join(ROLES)}")
+    listen = listen or env.get("HIXL_LISTEN", "127.0.0.1:0")
+    peer_map = dict(peers) if peers is not None else parse_peers(env.get("HIXL_PEERS", ""))
+    dev = device_id if device_id is not None else int(env.get("HIXL_DEVICE_ID", "0"))
+    with _ctx_lock:
+        if _ctx is not None:
+            raise Failed(
+                f"hixl.init() was already called (rank {_ctx.rank}); call hixl.finalize() first"
+            )
+        ctx = Context(rank, role, listen, dev, options)
+        ctx.known.update({_rank(r): a for r, a in peer_map.items()})
+        try:
+            for r in peer_map:
+                ctx.link(LLMClusterInfo(_rank(r)), link_timeout_ms)
+        except BaseException:
+            ctx.finalize()
+            raise
+        _ctx = ctx
+    return LLMClusterInfo(rank, role, ctx.address, dev)
+
+
+def finalize() -> None:
+    """Ends the KV-cache layer: deregisters every cache and stops the engine. Idempotent."""
+    global _ctx
+    with _ctx_lock:
+        ctx, _ctx = _ctx, None
+    if ctx is not None:
+        ctx.finalize()
+
+
+def _infos(items: Iterable[Any] | Any) -> list[LLMClusterInfo]:
+    if isinstance(items, (LLMClusterInfo, int, dict)):
+        items = [items]
+    out = []
+    for it in items:
+        if isinstance(it, LLMClusterInfo):
+            out.append(it)
+        elif isinstance(it, Mapping):
+            out.append(LLMClusterInfo.from_dict(it))
+        else:
+            out.append(LLMClusterInfo(_rank(it)))
+    return out
+
+
+def link(clusters: Iterable[Any] | Any, timeout_ms: int = 10_000) -> None:
+    """Links this rank to each cluster (LLMClusterInfo, dict or rank): connects, reads its
+    directory and checks the roles. Already linked ranks are skipped."""
+    ctx = context()
+    for info in _infos(clusters):
+        ctx.link(info, timeout_ms)
+
+
+def unlink(clusters: Iterable[Any] | Any) -> None:
+    """Disconnects from each cluster (LLMClusterInfo, dict or rank); unknown ones are ignored."""
+    ctx = context()
+    for info in _infos(clusters):
+        ctx.unlink(info.cluster_id)
+
+
+def allocate_cache(
+    obj: Any,
+    mem_type: Any = "host",
+    name: str | None = None,
+    layer_axis: int = 0,
+    block_axis: int | None = 2,
+) -> Cache:
+    """Registers `obj` (numpy array, torch CPU tensor or writable buffer; zero copy) as a KV
+    cache that linked peers can address by `name` (default: allocation order "0", "1", ...).
+    `layer_axis` is the axis of layers, `block_axis` that of blocks for paged transfers."""
+    return context().allocate(obj, mem_type, name, layer_axis, block_axis)
+
+
+def deallocate_cache(cache: Cache) -> None:
+    """Deregisters a cache and removes it from this rank's directory. Idempotent."""
+    context().deallocate(cache)

@@ -1,0 +1,37 @@
+"""LLMError: what the KV-cache layer raises, with an LLM-DataDist style ``status_code``."""
+
+from __future__ import annotations
+
+from .._errors import HixlError, Status
+
+#: The transfer succeeded.
+LLM_SUCCESS = "LLM_SUCCESS"
+#: The remote cache does not exist (the message names the cache and the rank).
+LLM_CACHE_NOT_FOUND = "LLM_002001"
+#: The transfer is larger than the registered destination (the message names both sizes).
+LLM_TOO_LARGE = "LLM_002002"
+#: The two ranks may not link: both "prompt" or both "decoder".
+LLM_ROLE_MISMATCH = "LLM_002003"
+#: The rank is not linked (call hixl.link or pass it in peers=).
+LLM_NOT_LINKED = "LLM_002004"
+
+
+class LLMError(HixlError):
+    """An error of the KV-cache layer. ``status_code`` is one of the ``LLM_00200x`` strings
+    above, or, when the engine failed, the engine's numeric code as a string (``"103901"``
+    for a timeout); ``code`` is always the numeric engine status, and ``__cause__`` is the
+    engine's own HixlError when there is one."""
+
+    def __init__(self, status_code: str, message: str, status: Status = Status.PARAM_INVALID):
+        super().__init__(message)
+        self.status_code = status_code
+        self.status = status
+
+    def __str__(self) -> str:
+        return f"{self.status_code}: {self.message}"
+
+    @classmethod
+    def from_engine(cls, err: HixlError, what: str) -> LLMError:
+        out = cls(str(err.code), f"{what}: {err}", err.status)
+        out.__cause__ = err
+        return out

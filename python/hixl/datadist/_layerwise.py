@@ -1,0 +1,292 @@
+"""Layer-by-layer transfers: the consumer starts on layer k as soon as it has arrived, the
+producer starts sending layer k as soon as it has computed it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from .._errors import HixlError, ParamInvalid
+from .._errors import Timeout as HixlTimeout
+from .._hixl import NotifyDesc, TransferOp, TransferReq, TransferStatus
+from ._cache import Cache
+from ._context import context
+from ._errors import LLMError
+from ._transfer import (
+    Request,
+    TransferConfig,
+    TransferTask,
+    as_llm_error,
+    check_fits,
+    descs,
+    layer_pairs,
+    run_requests,
+    same_geometry,
+)
+
+#: Name of the notification a producer sends after each layer's bytes are visible; the message
+#: is "RANK:CACHE_NAME:LAYER".
+LAYER_NOTIFY = "hixl.kv.layer"
+
+
+class LayerSynchronizer:
+    """Tracks which layers of a cache are present (consumer) or computed (producer).
+
+    ``get_current_layer()`` is the number of layers present, counted from layer 0 without a
+    gap; ``wait_sync()`` blocks until the next ``sync_interval`` layers are present;
+    ``layer_ready(k)`` is the producer's call after computing layer k."""
+
+    def __init__(self, total_layers: int, sync_interval: int = 1) -> None:
+        for name, v in (("total_layers", total_layers), ("sync_interval", sync_interval)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ParamInvalid(f"{name}={v!r} must be an integer >= 1")
+        self.total_layers = total_layers
+        self.sync_interval = sync_interval
+        self._cond = threading.Condition()
+        self._present = [False] * total_layers
+        self._current = 0
+        self._synced = 0
+        self._ready: deque[int] = deque()
+        self._error: BaseException | None = None
+        #: monotonic times per event ("ready", "arrived") and layer, for timelines.
+        self.times: dict[str, dict[int, float]] = {"ready": {}, "arrived": {}}
+
+    def get_current_layer(self) -> int:
+        with self._cond:
+            return self._current
+
+    def _wait_for(self, count: int, timeout_ms: float | None) -> int:
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        with self._cond:
+            while self._current < count:
+                if self._error is not None:
+                    raise self._error
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise HixlTimeout(
+                        f"{self._current} of {self.total_layers} layers present "
+                        f"after {timeout_ms} ms, waiting for {count}"
+                    )
+                self._cond.wait(left)
+            return self._current
+
+    def wait_sync(self, timeout_ms: float | None = None) -> int:
+        """Blocks until `sync_interval` more layers than at the last wait_sync are present (or
+        all of them) and returns the count. Raises the transfer's error if it failed, and
+        hixl.Timeout after `timeout_ms`. Without a timeout it still ends: the transfer
+        behind it fails within its own timeout."""
+        with self._cond:
+            target = min(self.total_layers, self._synced + self.sync_interval)
+        got = self._wait_for(target, timeout_ms)
+        with self._cond:
+            self._synced = max(self._synced, got)
+        return got
+
+    def wait_layer(self, layer: int, timeout_ms: float | None = None) -> None:
+        """Blocks until layer `layer` (and every one before it) is present."""
+        if not 0 <= layer < self.total_layers:
+            raise ParamInvalid(f"layer={layer} is out of range 0..{self.total_layers - 1}")
+        self._wait_for(layer + 1, timeout_ms)
+
+    def layer_ready(self, layer: int) -> None:
+        """Producer: layer `layer` is computed; a push task sends it at once."""
+        if not isinstance(layer, int) or not 0 <= layer < self.total_layers:
+            raise ParamInvalid(f"layer={layer!r} is out of range 0..{self.total_layers - 1}")
+        with self._cond:
+            if self._present[layer]:
+                raise ParamInvalid(f"layer {layer} was already marked ready")
+            self._mark(layer, "ready")
+            self._ready.append(layer)
+
+    def _mark(self, layer: int, event: str) -> None:
+        self._present[layer] = True
+        self.times[event][layer] = time.monotonic()
+        while self._current < self.total_layers and self._present[self._current]:
+            self._current += 1
+        self._cond.notify_all()
+
+    def _arrive(self, layer: int) -> None:
+        with self._cond:
+            if not self._present[layer]:
+                self._mark(layer, "arrived")
+
+    def _fail(self, err: BaseException) -> None:
+        with self._cond:
+            self._error = err
+            self._cond.notify_all()
+
+    def _take_ready(self, timeout_s: float) -> int | None:
+        with self._cond:
+            if not self._ready:
+                self._cond.wait(timeout_s)
+            return self._ready.popleft() if self._ready else None
+
+
+def _check_layers(cache: Cache, syncer: LayerSynchronizer) -> None:
+    if syncer.total_layers != cache.num_layers:
+        raise ParamInvalid(
+            f"synchronizer has total_layers={syncer.total_layers}, cache "
+            f"{cache.name!r} has {cache.num_layers} layers"
+        )
+
+
+def transfer_cache_async(
+    remote_rank: int,
+    local_cache: Cache,
+    synchronizer: LayerSynchronizer,
+    mode: str = "pull",
+    transfer_config: TransferConfig | None = None,
+    remote_name: str | None = None,
+) -> TransferTask:
+    """Moves a cache layer by layer in the background and returns the task at once.
+
+    pull: reads the remote cache's layers in order; the synchronizer counts arrivals.
+    push: sends layer k as soon as ``synchronizer.layer_ready(k)`` is called, each followed by
+    a notification that the receiver's ``receive_cache_async`` counts."""
+    if mode not in ("pull", "push"):
+        raise ParamInvalid(f"mode={mode!r} must be 'pull' or 'push'")
+    _check_layers(local_cache, synchronizer)
+    ctx, cfg = context(), transfer_config or TransferConfig()
+    name = remote_name or local_cache.name
+
+    def pull(task: TransferTask) -> None:
+        peer, remote = ctx.remote_cache(remote_rank, name)
+        if not same_geometry(local_cache.info, remote):
+            raise ParamInvalid(
+                f"layerwise pull needs equal shapes: local {local_cache.shape}, "
+                f"remote {remote.shape} on rank {remote_rank}"
+            )
+        reqs = []
+        for k in range(local_cache.num_layers):
+            p = layer_pairs(local_cache.info, remote, k)
+            reqs.append(
+                Request(
+                    remote_rank,
+                    peer.address,
+                    TransferOp.READ,
+                    descs(p),
+                    sum(x[2] for x in p),
+                    layer=k,
+                )
+            )
+        run_requests(ctx, task, reqs, cfg, on_done=lambda r: synchronizer._arrive(r.layer or 0))
+
+    def push(task: TransferTask) -> None:
+        peer, remote = ctx.remote_cache(remote_rank, name)
+        check_fits(local_cache.info, remote, f"rank {ctx.rank}", f"rank {remote_rank}")
+        if not same_geometry(local_cache.info, remote):
+            raise ParamInvalid(
+                f"layerwise push needs equal shapes: local {local_cache.shape}, "
+                f"remote {remote.shape} on rank {remote_rank}"
+            )
+        total = local_cache.num_layers
+        inflight: deque[tuple[int, int, TransferReq]] = deque()
+        submitted, finished = 0, 0
+        gap_deadline = time.monotonic() + cfg.timeout_ms / 1000
+
+        def reap() -> None:
+            nonlocal finished
+            k, n, h = inflight.popleft()
+            if h.wait(cfg.timeout_ms + 2000) != TransferStatus.COMPLETED:
+                h.result()
+                raise HixlTimeout(f"layer {k} to rank {remote_rank} still waiting")
+            task.mark("sent", k)
+            task.result.bytes += n
+            task.result.per_rank[remote_rank].bytes += n
+            finished += 1
+
+        while finished < total:
+            while inflight and inflight[0][2].status() != TransferStatus.WAITING:
+                reap()
+            if submitted == total:
+                if inflight:
+                    reap()
+                continue
+            k = synchronizer._take_ready(0.0005 if inflight else 0.05)
+            if k is None:
+                if time.monotonic() > gap_deadline:
+                    raise HixlTimeout(
+                        f"no layer was marked ready for {cfg.timeout_ms} ms "
+                        f"({submitted} of {total} sent)"
+                    )
+                continue
+            gap_deadline = time.monotonic() + cfg.timeout_ms / 1000
+            while len(inflight) >= cfg.max_concurrent:
+                reap()
+            p = layer_pairs(local_cache.info, remote, k)
+            note = NotifyDesc(LAYER_NOTIFY, f"{ctx.rank}:{name}:{k}")
+            task.mark("submitted", k)
+            h = ctx.engine.transfer_async(
+                peer.address, TransferOp.WRITE, descs(p), notify=note, timeout_ms=cfg.timeout_ms
+            )
+            inflight.append((k, sum(x[2] for x in p), h))
+            submitted += 1
+
+    body = pull if mode == "pull" else push
+
+    def guarded(task: TransferTask) -> None:
+        try:
+            body(task)
+        except BaseException as exc:
+            err = as_llm_error(exc, f"layerwise {mode} with rank {remote_rank}")
+            if mode == "pull":
+                synchronizer._fail(err)
+            raise err from exc
+        if task.result.error is not None and mode == "pull":
+            synchronizer._fail(task.result.error)
+
+    return TransferTask(guarded, [remote_rank], run_async=True)
+
+
+def receive_cache_async(
+    remote_rank: int,
+    local_cache: Cache,
+    synchronizer: LayerSynchronizer,
+    transfer_config: TransferConfig | None = None,
+) -> TransferTask:
+    """Follows a producer's layerwise push into `local_cache`: each layer counts as present
+    when its notification arrives, which the producer's engine sends only after that layer's
+    bytes are visible here. Fails with a timeout when no layer arrives for timeout_ms."""
+    _check_layers(local_cache, synchronizer)
+    ctx, cfg = context(), transfer_config or TransferConfig()
+    prefix = f"{int(remote_rank)}:{local_cache.name}:"
+
+    def match(n: NotifyDesc) -> bool:
+        return n.name == LAYER_NOTIFY and n.msg.startswith(prefix)
+
+    def body(task: TransferTask) -> None:
+        total, got = local_cache.num_layers, 0
+        layer_bytes = local_cache.nbytes // total
+        gap_deadline = time.monotonic() + cfg.timeout_ms / 1000
+        try:
+            while synchronizer.get_current_layer() < total:
+                notes = ctx.mailbox.take(match)
+                for n in notes:
+                    k = int(n.msg[len(prefix) :])
+                    if not 0 <= k < total:
+                        raise ParamInvalid(
+                            f"rank {remote_rank} announced layer {k} of a {total}-layer cache"
+                        )
+                    synchronizer._arrive(k)
+                    task.mark("arrived", k)
+                    task.result.bytes += layer_bytes
+                    task.result.per_rank[remote_rank].bytes += layer_bytes
+                    got += 1
+                if notes:
+                    gap_deadline = time.monotonic() + cfg.timeout_ms / 1000
+                elif time.monotonic() > gap_deadline:
+                    raise LLMError(
+                        str(int(HixlTimeout.status)),
+                        f"no layer of cache {local_cache.name!r} arrived from rank "
+                        f"{remote_rank} for {cfg.timeout_ms} ms ({got} of {total})",
+                        HixlTimeout.status,
+                    )
+                else:
+                    time.sleep(0.0002)
+        except (HixlError, ValueError) as exc:
+            err = as_llm_error(exc, f"receiving cache {local_cache.name!r}")
+            synchronizer._fail(err)
+            raise err from exc
+
+    return TransferTask(body, [remote_rank], run_async=True)

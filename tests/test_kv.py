@@ -1,0 +1,303 @@
+"""The KV-cache layer across real processes: each rank is its own process, bytes compared
+byte for byte against what the source rank was filled with."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hixl
+
+WORKER = str(Path(__file__).with_name("_kv_worker.py"))
+SHAPE = (8, 2, 16, 4, 2, 64)  # layers, K/V, blocks, block_tokens, kv_heads, head_dim
+DT = np.float16
+
+
+def filled(shape: tuple[int, ...], seed: int | None, dtype: Any = DT) -> np.ndarray:
+    """What a worker's alloc with this seed holds (zeros without a seed)."""
+    dt = np.dtype(dtype)
+    if seed is None:
+        return np.zeros(shape, dt)
+    n = int(np.prod(shape)) * dt.itemsize
+    return np.random.default_rng(seed).integers(0, 256, n, np.uint8).view(dt).reshape(shape)
+
+
+class Rank:
+    """A worker process configured only through the environment."""
+
+    def __init__(
+        self,
+        cluster_id: int,
+        role: str,
+        peers: dict[int, str] | None = None,
+        options: dict[str, str] | None = None,
+    ) -> None:
+        env = {
+            **os.environ,
+            "HIXL_CLUSTER_ID": str(cluster_id),
+            "HIXL_ROLE": role,
+            "HIXL_LISTEN": "127.0.0.1:0",
+            "HIXL_PEERS": ",".join(f"{r}={a}" for r, a in (peers or {}).items()),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, WORKER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert self.proc.stdout is not None
+        tag, self.address = self.proc.stdout.readline().split()
+        assert tag == "READY"
+        self.rank = cluster_id
+
+    def call(self, cmd: str, **kw: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
+        self.proc.stdin.flush()
+        return dict(json.loads(self.proc.stdout.readline()))
+
+    def ok(self, cmd: str, **kw: Any) -> dict[str, Any]:
+        out = self.call(cmd, **kw)
+        assert out["ok"], out
+        return out
+
+    def array(self, name: str, shape: tuple[int, ...], dtype: Any = DT) -> np.ndarray:
+        raw = bytes.fromhex(self.ok("bytes", name=name)["hex"])
+        return np.frombuffer(raw, dtype).reshape(shape)
+
+    def close(self) -> None:
+        try:
+            self.call("exit")
+            self.proc.wait(10)
+        except (OSError, ValueError, subprocess.TimeoutExpired, json.JSONDecodeError):
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def ranks() -> Iterator:
+    made: list[Rank] = []
+
+    def make(cluster_id: int, role: str, peers: dict[int, str] | None = None) -> Rank:
+        r = Rank(cluster_id, role, peers)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+@pytest.fixture
+def kv() -> Iterator:
+    """hixl.init for this (test) process; finalized afterwards whatever happens."""
+    yield hixl.init
+    hixl.finalize()
+
+
+def test_pull_cache(ranks, kv) -> None:
+    prompt = ranks(0, "prompt")
+    prompt.ok("alloc", name="kv", shape=SHAPE, dtype="float16", seed=1)
+    kv(cluster_id=1, role="decoder", peers={0: prompt.address})
+    local = hixl.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    assert (local.name, local.shape, local.num_layers) == ("kv", SHAPE, 8)
+    res = hixl.pull_cache(0, local).wait()
+    assert res.status_code == "LLM_SUCCESS" and res.bytes == local.nbytes > 0
+    assert res.per_rank[0].bytes == local.nbytes and res.elapsed_s > 0
+    assert local.array.tobytes() == filled(SHAPE, 1).tobytes()
+
+
+def test_names_default_to_allocation_order_and_peers_see_new_caches(ranks, kv) -> None:
+    prompt = ranks(0, "prompt")
+    kv(cluster_id=1, role="decoder", peers={0: prompt.address})
+    a = hixl.allocate_cache(np.zeros(64, np.uint8))
+    b = hixl.allocate_cache(np.zeros(64, np.uint8))
+    assert (a.name, b.name) == ("0", "1")
+    # A cache the peer allocates after the link is found on first use.
+    prompt.ok("alloc", name="late", shape=[4, 256], dtype="uint8", seed=5)
+    late = hixl.allocate_cache(np.zeros((4, 256), np.uint8), name="late")
+    hixl.pull_cache(0, late)
+    assert late.array.tobytes() == filled((4, 256), 5, np.uint8).tobytes()
+
+
+def test_push_cache_to_three_ranks_from_one_buffer(ranks, kv) -> None:
+    decoders = [ranks(r, "decoder") for r in (1, 2, 3)]
+    for d in decoders:
+        d.ok("alloc", name="kv", shape=SHAPE, dtype="float16", seed=None)
+    kv(cluster_id=0, role="prompt", peers={d.rank: d.address for d in decoders})
+    src = hixl.allocate_cache(filled(SHAPE, 7).copy(), name="kv")
+    cfg = hixl.TransferConfig(max_concurrent=6, async_enable=True)
+    task = hixl.push_cache([1, 2, 3], src, cfg)
+    res = task.wait(30_000)
+    assert task.is_done() and res.bytes == 3 * src.nbytes
+    assert {r: pr.bytes for r, pr in res.per_rank.items()} == {r: src.nbytes for r in (1, 2, 3)}
+    for d in decoders:
+        assert d.array("kv", SHAPE).tobytes() == src.array.tobytes()
+
+
+def test_blocks_with_scattered_ids(ranks, kv) -> None:
+    prompt = ranks(0, "prompt")
+    prompt.ok("alloc", name="kv", shape=SHAPE, dtype="float16", seed=3)
+    prompt.ok("alloc", name="dst", shape=SHAPE, dtype="float16", seed=None)
+    kv(cluster_id=1, role="decoder", peers={0: prompt.address})
+    big = (8, 2, 24, 4, 2, 64)  # the decoder's pool has more blocks than the prompt's
+    local = hixl.allocate_cache(np.zeros(big, DT), name="kv")
+    src, dst = [3, 4, 5, 9, 0, 15], [10, 11, 12, 1, 23, 2]
+    res = hixl.pull_blocks(0, local, src, dst).wait()
+    want = np.zeros(big, DT)
+    want[:, :, dst] = filled(SHAPE, 3)[:, :, src]
+    assert local.array.tobytes() == want.tobytes()
+    assert res.bytes == len(src) * 8 * 2 * 4 * 2 * 64 * 2
+    # push_blocks: local blocks 10..12 and 1 go back into the prompt's "dst" cache.
+    hixl.push_blocks(0, local, [10, 11, 12, 1], [0, 1, 2, 7], remote_name="dst")
+    want_remote = np.zeros(SHAPE, DT)
+    want_remote[:, :, [0, 1, 2, 7]] = filled(SHAPE, 3)[:, :, [3, 4, 5, 9]]
+    assert prompt.array("dst", SHAPE).tobytes() == want_remote.tobytes()
+    with pytest.raises(hixl.LLMError, match="block id 16 is out of range 0..15") as e:
+        hixl.pull_blocks(0, local, [16], [0])
+    assert e.value.status_code == "103900"  # the engine's PARAM_INVALID code
+
+
+def test_layerwise_pull_arrives_in_order(ranks, kv) -> None:
+    shape = (32, 2, 16, 16, 8, 64)  # 32 layers of 512 KiB
+    prompt = ranks(0, "prompt")
+    prompt.ok("alloc", name="kv", shape=shape, dtype="float16", seed=11)
+    kv(cluster_id=1, role="decoder", peers={0: prompt.address})
+    local = hixl.allocate_cache(np.zeros(shape, DT), name="kv")
+    syncer = hixl.LayerSynchronizer(32, sync_interval=4)
+    task = hixl.transfer_cache_async(0, local, syncer, mode="pull")
+    seen = []
+    while not seen or seen[-1] < 32:
+        seen.append(syncer.wait_sync(timeout_ms=30_000))
+        n = seen[-1]
+        # Every layer counted as present holds the final bytes already.
+        assert local.array[:n].tobytes() == filled(shape, 11)[:n].tobytes()
+    assert all(s % 4 == 0 for s in seen)
+    task.wait(30_000)
+    arrived = [syncer.times["arrived"][k] for k in range(32)]
+    assert arrived == sorted(arrived) and arrived[0] < arrived[-1]
+    assert local.array.tobytes() == filled(shape, 11).tobytes()
+
+
+def test_layerwise_push_overlaps_compute(ranks, kv) -> None:
+    decoder = ranks(1, "decoder")
+    decoder.ok("alloc", name="kv", shape=SHAPE, dtype="float16", seed=None)
+    decoder.ok("receive", rank=0, name="kv")
+    kv(cluster_id=0, role="prompt", peers={1: decoder.address})
+    want = filled(SHAPE, 21)
+    cache = hixl.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    syncer = hixl.LayerSynchronizer(8)
+    task = hixl.transfer_cache_async(1, cache, syncer, mode="push")
+    for k in range(8):
+        time.sleep(0.02)  # "computing" layer k
+        cache.array[k] = want[k]
+        syncer.layer_ready(k)
+    res = task.wait(30_000)
+    got = decoder.ok("received")
+    assert res.bytes == cache.nbytes and got["bytes"] == cache.nbytes
+    # The consumer had layer 0 before the producer even started sending the last layer.
+    assert got["arrived"][0] < task.layer_times["submitted"][7]
+    assert decoder.array("kv", SHAPE).tobytes() == want.tobytes()
+
+
+def test_missing_cache_and_too_large(ranks, kv) -> None:
+    prompt = ranks(0, "prompt")
+    prompt.ok("alloc", name="small", shape=[2, 1024], dtype="uint8", seed=1)
+    prompt.ok("alloc", name="big", shape=[2, 4096], dtype="uint8", seed=1)
+    kv(cluster_id=1, role="decoder", peers={0: prompt.address})
+    local = hixl.allocate_cache(np.zeros((2, 2048), np.uint8), name="small")
+    cfg = hixl.TransferConfig(async_enable=True)
+    task = hixl.pull_cache(0, local, cfg, remote_name="nope")
+    with pytest.raises(hixl.LLMError) as e:
+        task.wait(10_000)
+    assert e.value.status_code == "LLM_002001"
+    assert "'nope'" in str(e.value) and "rank 0" in str(e.value)
+    with pytest.raises(hixl.LLMError) as e:
+        hixl.pull_cache(0, local, remote_name="big")  # synchronous: raises from the call
+    assert e.value.status_code == "LLM_002002"
+    assert "8192" in str(e.value) and "4096" in str(e.value)
+    assert local.array.sum() == 0  # nothing was moved
+    # The link still works for a valid transfer.
+    hixl.pull_cache(0, local, remote_name="small")
+    assert local.array.tobytes()[:2048] == filled((2, 1024), 1, np.uint8).tobytes()
+
+
+def test_engine_errors_keep_their_codes(ranks, kv) -> None:
+    decoder = ranks(1, "decoder")
+    decoder.ok("alloc", name="kv", shape=SHAPE, dtype="float16", seed=None)
+    kv(cluster_id=0, role="prompt", peers={1: decoder.address})
+    cache = hixl.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    decoder.proc.kill()
+    decoder.proc.wait()
+    with pytest.raises(hixl.LLMError) as e:
+        hixl.push_cache(1, cache, hixl.TransferConfig(timeout_ms=2000))
+    assert e.value.status_code in {"103901", "103902", "503900"}
+    assert isinstance(e.value.__cause__, hixl.HixlError)
+    # A receive with nothing coming times out within its timeout.
+    syncer = hixl.LayerSynchronizer(8)
+    t0 = time.monotonic()
+    task = hixl.receive_cache_async(5, cache, syncer, hixl.TransferConfig(timeout_ms=300))
+    with pytest.raises(hixl.LLMError) as e:
+        syncer.wait_sync()
+    assert e.value.status_code == "103901" and time.monotonic() - t0 < 5
+    with pytest.raises(hixl.LLMError):
+        task.wait(5000)
+
+
+@pytest.mark.parametrize("mine", ["prompt", "decoder"])
+def test_same_roles_refuse_to_link(ranks, kv, mine: str) -> None:
+    other = ranks(0, mine)
+    kv(cluster_id=1, role=mine)
+    with pytest.raises(hixl.LLMError) as e:
+        hixl.link([hixl.LLMClusterInfo.from_dict({"cluster_id": 0, "address": other.address})])
+    assert e.value.status_code == "LLM_002003" and "not interchangeable" in str(e.value)
+    mix = ranks(2, "mix")
+    hixl.link([{"cluster_id": 2, "address": mix.address}])  # mix links with both
+    with pytest.raises(hixl.LLMError, match="LLM_002004"):
+        hixl.pull_cache(0, hixl.allocate_cache(np.zeros(64, np.uint8)))
+
+
+def test_init_from_environment_only(ranks, monkeypatch) -> None:
+    prompt = ranks(0, "prompt")
+    prompt.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=9)
+    decoder = ranks(1, "decoder", peers={0: prompt.address})  # a bare hixl.init() links
+    decoder.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=None)
+    decoder.ok("pull", rank=0, name="kv")
+    assert (
+        decoder.array("kv", (4, 512), np.uint8).tobytes() == filled((4, 512), 9, np.uint8).tobytes()
+    )
+    for var in ("HIXL_CLUSTER_ID", "HIXL_ROLE", "HIXL_PEERS"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(hixl.ParamInvalid, match="HIXL_CLUSTER_ID"):
+        hixl.init()
+
+
+def test_bad_arguments(kv) -> None:
+    with pytest.raises(hixl.ParamInvalid, match="role='boss'"):
+        hixl.init(cluster_id=0, role="boss")
+    kv(cluster_id=0, role="mix")
+    with pytest.raises(hixl.Failed, match="already called"):
+        hixl.init(cluster_id=1)
+    with pytest.raises(hixl.Unsupported, match="device"):
+        hixl.allocate_cache(np.zeros(64, np.uint8), mem_type="device")
+    with pytest.raises(hixl.ParamInvalid, match="max_concurrent=0"):
+        hixl.TransferConfig(max_concurrent=0)
+    with pytest.raises(hixl.ParamInvalid, match="total_layers=0"):
+        hixl.LayerSynchronizer(0)
+    c = hixl.allocate_cache(np.zeros((4, 64), np.uint8), name="x")
+    with pytest.raises(hixl.ParamInvalid, match="already exists"):
+        hixl.allocate_cache(np.zeros(64, np.uint8), name="x")
+    with pytest.raises(hixl.ParamInvalid, match="total_layers=8"):
+        hixl.transfer_cache_async(0, c, hixl.LayerSynchronizer(8))
+    with pytest.raises(hixl.ParamInvalid, match="not C-contiguous"):
+        hixl.allocate_cache(np.zeros((8, 8), np.uint8)[:, ::2])
