@@ -182,7 +182,8 @@ def test_layerwise_pull_arrives_in_order(ranks, kv) -> None:
         n = seen[-1]
         # Every layer counted as present holds the final bytes already.
         assert local.array[:n].tobytes() == filled(shape, 11)[:n].tobytes()
-    assert all(s % 4 == 0 for s in seen)
+    # Each wait_sync returned once at least 4 more layers (or all) were present.
+    assert all(b - a >= 4 or b == 32 for a, b in zip([0, *seen], seen, strict=False))
     task.wait(30_000)
     arrived = [syncer.times["arrived"][k] for k in range(32)]
     assert arrived == sorted(arrived) and arrived[0] < arrived[-1]
