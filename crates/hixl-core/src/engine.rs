@@ -474,12 +474,13 @@ impl Engine {
         }
     }
 
-    /// The regions the peer had registered at connect.
+    /// The regions the peer has registered, as of the last region-table update this engine
+    /// received from it (the peer pushes one after every registration and deregistration).
     pub fn remote_mems(&self, remote: &str) -> Result<Vec<MemDesc>> {
         let r = self.running()?;
         let c = Self::conn(&r, remote)?;
-        let info = c.link.peer_info();
-        Ok(info.regions.regions().iter().map(|r| MemDesc { addr: r.addr, len: r.len }).collect())
+        let table = c.link.table();
+        Ok(table.regions().iter().map(|r| MemDesc { addr: r.addr, len: r.len }).collect())
     }
 
     /// Runs a batch and waits for it (up to `timeout`).

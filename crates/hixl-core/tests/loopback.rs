@@ -473,3 +473,26 @@ fn coalesced_small_requests_complete_individually() {
     assert_eq!(p.b.get_notifies().unwrap().len(), 4);
     assert_eq!(p.a.stats().unwrap()[0].ops_write, 256);
 }
+
+#[test]
+fn remote_mems_follows_registrations_after_connect() {
+    let p = pair(4096, &[]);
+    assert_eq!(p.a.remote_mems(&p.peer).unwrap().len(), 1);
+    let mut late = vec![0u8; 8192];
+    let h = p.b.register_mem(MemDesc { addr: late.as_mut_ptr() as u64, len: 8192 }, MemType::Host).unwrap();
+    let has = |want: bool| {
+        let deadline = std::time::Instant::now() + T;
+        loop {
+            let now = p.a.remote_mems(&p.peer).unwrap().iter().any(|m| m.addr == h.addr && m.len == 8192);
+            if now == want {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "remote_mems never showed want={want}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    has(true);
+    p.b.deregister_mem(&h).unwrap();
+    has(false);
+    drop(late);
+}
