@@ -102,6 +102,21 @@ class KVLayout:
     def rows_per_layer(self) -> int:
         return 2 * self.num_blocks * self.block_tokens * self.num_kv_heads
 
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        """(layers, 2, blocks, block_tokens, kv_heads, padded head row) in ``dtype`` elements."""
+        row = self.head_stride // self.itemsize
+        return (self.num_layers, 2, self.num_blocks, self.block_tokens, self.num_kv_heads, row)
+
+    def array(self, alignment: int = 4096) -> np.ndarray:
+        """A zeroed, aligned array of ``shape`` and ``dtype``: what ``hixl.allocate_cache``
+        takes (layer axis 0, block axis 2). ``[..., :head_dim]`` is the used part of a row."""
+        import numpy as np
+
+        out = self.empty(alignment).view(np.dtype(self.dtype)).reshape(self.shape)
+        out[...] = 0
+        return out
+
     def empty(self, alignment: int = 4096) -> np.ndarray:
         """An aligned uint8 buffer of ``nbytes`` (uninitialized)."""
         return aligned_empty(self.nbytes, "uint8", alignment)
