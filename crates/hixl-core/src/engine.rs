@@ -15,7 +15,7 @@ use crate::error::{Error, Result, Status};
 use crate::notify::NotifyStore;
 use crate::options::{Options, Transport};
 use crate::queue::{NotifyDesc, Part, PartBody, Request, SegPair, Strided, TransferOp, TransferStatus};
-use crate::registry::{Abort, MemType, Pin, Registry};
+use crate::registry::{read_only, Abort, Access, MemType, Pin, Registry};
 use crate::stats::LatencySummary;
 use crate::transport::server::{Server, ServerCtx};
 use crate::transport::shm::{self, Probe, SharedMem, ShmLink};
@@ -223,7 +223,11 @@ impl Engine {
                 host: host.clone(),
                 probe_addr: probe.addr(),
                 probe_token: probe.token(),
+                secret: opts.secret.clone(),
             });
+            if opts.secret.is_none() && !addr.ip().is_loopback() {
+                warn_open_listener(&bound);
+            }
             (bound, Some(Server::start(l, ctx)?))
         };
         tracing::info!(engine = %local, "engine initialized");
@@ -279,10 +283,16 @@ impl Engine {
         cleared.and(published)
     }
 
-    /// Registers `[desc.addr, desc.addr + desc.len)`.
+    /// Registers `[desc.addr, desc.addr + desc.len)` for peers to READ and WRITE.
     pub fn register_mem(&self, desc: MemDesc, mem_type: MemType) -> Result<MemHandle> {
+        self.register_mem_access(desc, mem_type, Access::ReadWrite)
+    }
+
+    /// Registers with an access mode: `Access::ReadOnly` regions may be READ by peers, and a
+    /// peer's WRITE into them is refused by this engine (PARAM_INVALID, nothing written).
+    pub fn register_mem_access(&self, desc: MemDesc, mem_type: MemType, access: Access) -> Result<MemHandle> {
         let r = self.running()?;
-        let region = r.registry.register(desc.addr, desc.len, mem_type)?;
+        let region = r.registry.register_with(desc.addr, desc.len, mem_type, -1, access)?;
         if let Some(s) = &r.server {
             s.publish_regions(None)?;
         }
@@ -326,6 +336,8 @@ impl Engine {
             host: r.host.clone(),
             coalesce: r.opts.coalesce,
             coalesce_max_ops: r.opts.coalesce_max_ops,
+            secret: r.opts.secret.clone(),
+            heartbeat: r.opts.heartbeat,
         }
     }
 
@@ -515,7 +527,7 @@ impl Engine {
         if let Some(n) = &notify {
             check_notify(n)?;
         }
-        let (segs, pins, bytes) = validate(&r, &conn, remote, descs)?;
+        let (segs, pins, bytes) = validate(&r, &conn, remote, descs, op == TransferOp::Write)?;
         let parts = split(segs, bytes, conn.link.parallelism(), r.opts.split_bytes);
         let bodies = parts.into_iter().map(PartBody::Data).collect();
         self.submit(&r, &conn, remote, op, bodies, bytes, descs.len(), pins, notify, timeout)
@@ -641,7 +653,8 @@ impl Engine {
         if let Some(n) = &notify {
             check_notify(n)?;
         }
-        let (st, pins) = validate_strided(&r, &conn, remote, local_base, remote_base, d)?;
+        let write = op == TransferOp::Write;
+        let (st, pins) = validate_strided(&r, &conn, remote, local_base, remote_base, d, write)?;
         let shares = if st.bytes() >= r.opts.split_bytes { conn.link.parallelism() } else { 1 };
         let bodies: Vec<PartBody> = st.split(shares).into_iter().map(PartBody::Strided).collect();
         self.submit(&r, &conn, remote, op, bodies, st.bytes(), 1, pins, notify, timeout)
@@ -734,6 +747,18 @@ impl Drop for Engine {
     }
 }
 
+/// Logs, once per process, that a listener reachable from other hosts has no cluster secret.
+fn warn_open_listener(bound: &str) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            listen = %bound,
+            "listening on a non-loopback address without a cluster secret: anyone who can reach \
+             this port can read and write registered memory; set hixl.secret or HIXL_SECRET"
+        );
+    });
+}
+
 fn check_notify(n: &NotifyDesc) -> Result<()> {
     if n.name.len() > crate::wire::MAX_NAME || n.msg.len() > crate::wire::MAX_MSG {
         return Err(Error::param(format!(
@@ -761,6 +786,7 @@ fn validate(
     conn: &PeerConn,
     remote: &str,
     descs: &[TransferOpDesc],
+    write: bool,
 ) -> Result<(Vec<SegPair>, Vec<Pin>, u64)> {
     let table = conn.link.table();
     let holder: Arc<dyn Abort> = conn.link.clone();
@@ -779,12 +805,21 @@ fn validate(
                 .map_err(|e| Error::param(format!("descriptor {i}: {}", e.message)))?;
             pins.push(region.pin(holder.clone())?);
         }
-        if !table.contains(d.remote_addr, d.len) {
-            return Err(Error::param(format!(
-                "descriptor {i}: remote range 0x{:x}+{} is not inside a region registered at \
-                 {remote} (as of its last region-table update)",
-                d.remote_addr, d.len
-            )));
+        match table.find(d.remote_addr, d.len) {
+            None => {
+                return Err(Error::param(format!(
+                    "descriptor {i}: remote range 0x{:x}+{} is not inside a region registered at \
+                     {remote} (as of its last region-table update)",
+                    d.remote_addr, d.len
+                )))
+            }
+            Some(e) if write && !e.writable => {
+                return Err(Error::param(format!(
+                    "descriptor {i}: {}",
+                    read_only(d.remote_addr, d.len).message
+                )))
+            }
+            Some(_) => {}
         }
         bytes += d.len;
         push_merged(&mut segs, d);
@@ -801,6 +836,7 @@ fn validate_strided(
     local_base: u64,
     remote_base: u64,
     d: &StridedDesc,
+    write: bool,
 ) -> Result<(Strided, Vec<Pin>)> {
     let rstride = d.remote_stride.unwrap_or(d.stride);
     if d.count == 0 {
@@ -845,10 +881,12 @@ fn validate_strided(
         Error::param(format!("{} (the whole strided range must lie in one region)", e.message))
     })?;
     let pin = region.pin(conn.link.clone())?;
-    if !conn.link.table().contains(remote_base, rspan) {
-        return Err(Error::param(format!(
+    match conn.link.table().find(remote_base, rspan) {
+        None => return Err(Error::param(format!(
             "remote strided range 0x{remote_base:x}+{rspan} is not inside one region registered at {remote}"
-        )));
+        ))),
+        Some(e) if write && !e.writable => return Err(read_only(remote_base, rspan)),
+        Some(_) => {}
     }
     let st = Strided {
         local: local_base,

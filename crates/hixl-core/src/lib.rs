@@ -19,6 +19,7 @@
 //! # Ok::<(), hixl_core::Error>(())
 //! ```
 
+pub mod auth;
 pub mod bench;
 pub mod engine;
 pub mod error;
@@ -36,7 +37,7 @@ pub use engine::{
 };
 pub use error::{Error, Result, Status};
 pub use queue::{NotifyDesc, TransferOp, TransferStatus};
-pub use registry::MemType;
+pub use registry::{Access, MemType};
 
 /// The crate version.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

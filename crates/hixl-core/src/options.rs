@@ -4,7 +4,11 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use crate::auth::Secret;
 use crate::error::{Error, Result};
+
+/// Environment variable that supplies the cluster secret when `hixl.secret` is not given.
+pub const SECRET_ENV: &str = "HIXL_SECRET";
 
 /// Which backend carries a link's data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,6 +51,11 @@ pub struct Options {
     pub coalesce: Duration,
     /// `hixl.coalesce_max_ops`: most requests one coalesced batch takes.
     pub coalesce_max_ops: usize,
+    /// `hixl.secret` (or `HIXL_SECRET`): peers must prove they know it before anything else.
+    pub secret: Option<Secret>,
+    /// `hixl.heartbeat_ms`: idle links are probed this often; a peer silent for three
+    /// intervals is declared dead (zero: off).
+    pub heartbeat: Duration,
 }
 
 impl Default for Options {
@@ -65,6 +74,8 @@ impl Default for Options {
             strict_alignment: true,
             coalesce: Duration::ZERO,
             coalesce_max_ops: 64,
+            secret: None,
+            heartbeat: Duration::from_millis(1000),
         }
     }
 }
@@ -84,6 +95,16 @@ pub const KEYS: &[(&str, &str, &str)] = &[
     ("hixl.strict_alignment", "1", "1: strided bases and strides must be multiples of 64 bytes; 0: any"),
     ("hixl.coalesce_us", "0", "TCP: wait this long for more small requests to send together (0 = off)"),
     ("hixl.coalesce_max_ops", "64", "TCP: most requests in one coalesced batch (1..4096)"),
+    (
+        "hixl.secret",
+        "",
+        "cluster secret; peers must prove they know it (HMAC-SHA256 challenge-response); env HIXL_SECRET",
+    ),
+    (
+        "hixl.heartbeat_ms",
+        "1000",
+        "probe idle links this often; a peer silent for 3 intervals is dead (0 = off)",
+    ),
 ];
 
 fn int(key: &str, v: &str, min: u64, max: u64) -> Result<u64> {
@@ -117,6 +138,8 @@ impl Options {
                 "hixl.strict_alignment" => o.strict_alignment = int(k, v, 0, 1)? == 1,
                 "hixl.coalesce_us" => o.coalesce = Duration::from_micros(int(k, v, 0, 1_000_000)?),
                 "hixl.coalesce_max_ops" => o.coalesce_max_ops = int(k, v, 1, 4096)? as usize,
+                "hixl.secret" => o.secret = Some(Secret::new(v)?),
+                "hixl.heartbeat_ms" => o.heartbeat = Duration::from_millis(int(k, v, 0, 600_000)?),
                 "hixl.transport" => {
                     o.transport = match v.trim().to_ascii_lowercase().as_str() {
                         "auto" => Transport::Auto,
@@ -131,10 +154,24 @@ impl Options {
                 }
                 _ => {
                     let known: Vec<_> = KEYS.iter().map(|k| k.0).collect();
+                    // A misspelt secret key must not echo the secret.
+                    let lower = k.to_ascii_lowercase();
+                    let shown = if ["secret", "key", "token", "pass"].iter().any(|w| lower.contains(w)) {
+                        "<redacted>".to_string()
+                    } else {
+                        format!("{v:?}")
+                    };
                     return Err(Error::param(format!(
-                        "unknown option key {k:?} (value {v:?}); known keys: {}",
+                        "unknown option key {k:?} (value {shown}); known keys: {}",
                         known.join(", ")
                     )));
+                }
+            }
+        }
+        if o.secret.is_none() {
+            if let Ok(v) = std::env::var(SECRET_ENV) {
+                if !v.is_empty() {
+                    o.secret = Some(Secret::new(&v)?);
                 }
             }
         }

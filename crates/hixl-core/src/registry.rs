@@ -48,6 +48,8 @@ pub struct Region {
     pub mem_type: MemType,
     /// memfd of engine-allocated shared memory (peers on this host may map it), or -1.
     pub fd: i32,
+    /// False for read-only regions: peers may READ them but never WRITE them.
+    pub writable: bool,
     pins: Mutex<PinSet>,
     released: Condvar,
 }
@@ -167,6 +169,19 @@ impl Registry {
 
     /// Like `register`, for memory backed by the memfd `fd` (shared with same-host peers).
     pub fn register_fd(&self, addr: u64, len: u64, mem_type: MemType, fd: i32) -> Result<Arc<Region>> {
+        self.register_with(addr, len, mem_type, fd, Access::ReadWrite)
+    }
+
+    /// Registers with an explicit access mode (`fd` is -1 for ordinary memory).
+    pub fn register_with(
+        &self,
+        addr: u64,
+        len: u64,
+        mem_type: MemType,
+        fd: i32,
+        access: Access,
+    ) -> Result<Arc<Region>> {
+        let writable = access == Access::ReadWrite;
         if addr == 0 {
             return Err(Error::param("cannot register a null address (addr=0x0)"));
         }
@@ -185,6 +200,14 @@ impl Registry {
         let mut map = self.regions.write().unwrap();
         if let Some((_, r)) = map.range(..=addr).next_back() {
             if r.addr == addr && r.len == len && r.mem_type == mem_type {
+                if r.writable != writable {
+                    return Err(Error::param(format!(
+                        "region 0x{addr:x}+{len} is already registered with access={:?}; \
+                         deregister it before registering it with access={:?}",
+                        Access::of(r.writable).as_str(),
+                        access.as_str()
+                    )));
+                }
                 return Ok(r.clone());
             }
             if r.end() > addr {
@@ -202,6 +225,7 @@ impl Registry {
             len,
             mem_type,
             fd,
+            writable,
             pins: Mutex::new(PinSet::default()),
             released: Condvar::new(),
         });
@@ -218,6 +242,15 @@ impl Registry {
                 "{side} range 0x{addr:x}+{len} is not inside a region registered on this engine"
             ))),
         }
+    }
+
+    /// Like `lookup`, and for `write` also refuses a read-only region.
+    pub fn lookup_for(&self, addr: u64, len: u64, side: &str, write: bool) -> Result<Arc<Region>> {
+        let r = self.lookup(addr, len, side)?;
+        if write && !r.writable {
+            return Err(read_only(addr, len));
+        }
+        Ok(r)
     }
 
     /// Removes the region registered exactly at `[addr, addr+len)`, waiting up to `wait` for
@@ -251,7 +284,9 @@ impl Registry {
     /// The region table sent to peers, sorted by address.
     pub fn table(&self) -> Vec<RegionEntry> {
         let map = self.regions.read().unwrap();
-        map.values().map(|r| RegionEntry { addr: r.addr, len: r.len, id: r.id, fd: r.fd }).collect()
+        map.values()
+            .map(|r| RegionEntry { addr: r.addr, len: r.len, id: r.id, fd: r.fd, writable: r.writable })
+            .collect()
     }
 
     /// Number of regions.
@@ -262,6 +297,51 @@ impl Registry {
     /// Whether no region is registered.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// The error for a WRITE into a read-only region.
+pub fn read_only(addr: u64, len: u64) -> Error {
+    Error::param(format!(
+        "range 0x{addr:x}+{len} lies in a read-only region (registered with access=\"r\"): peers may \
+         READ it but not WRITE it"
+    ))
+}
+
+/// Who may do what with a registered region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Access {
+    /// Peers may READ and WRITE it (the default).
+    #[default]
+    ReadWrite,
+    /// Peers may only READ it.
+    ReadOnly,
+}
+
+impl Access {
+    /// "rw" -> ReadWrite, "r" -> ReadOnly; anything else is PARAM_INVALID naming it.
+    pub fn parse(s: &str) -> Result<Access> {
+        match s {
+            "rw" => Ok(Access::ReadWrite),
+            "r" => Ok(Access::ReadOnly),
+            other => Err(Error::param(format!("access={other:?} must be \"rw\" or \"r\""))),
+        }
+    }
+
+    fn of(writable: bool) -> Access {
+        if writable {
+            Access::ReadWrite
+        } else {
+            Access::ReadOnly
+        }
+    }
+
+    /// "rw" or "r".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Access::ReadWrite => "rw",
+            Access::ReadOnly => "r",
+        }
     }
 }
 
@@ -379,7 +459,7 @@ mod tests {
 
     #[test]
     fn remote_table_contains() {
-        let e = |addr, len| RegionEntry { addr, len, id: addr, fd: -1 };
+        let e = |addr, len| RegionEntry { addr, len, id: addr, fd: -1, writable: true };
         let t = RemoteTable::new(vec![e(0x3000, 0x10), e(0x1000, 0x100)]);
         assert_eq!(t.find(0x3008, 8).unwrap().id, 0x3000);
         assert!(t.contains(0x1000, 0x100));

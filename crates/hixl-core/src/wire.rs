@@ -16,7 +16,7 @@ use std::fmt;
 /// Frame magic.
 pub const MAGIC: [u8; 2] = *b"HX";
 /// Protocol version; a peer with another version is refused at the handshake.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 24;
 /// Most descriptors in one data frame.
@@ -28,7 +28,7 @@ pub const MAX_NAME: usize = 1024;
 /// Longest notify message / error message in bytes.
 pub const MAX_MSG: usize = 1 << 20;
 /// Bytes of one region-table entry on the wire.
-pub const REGION_ENTRY_LEN: usize = 28;
+pub const REGION_ENTRY_LEN: usize = 32;
 /// Most regions in a region table.
 pub const MAX_REGIONS: usize = (MAX_PAYLOAD as usize - 64 - 2 * MAX_NAME) / REGION_ENTRY_LEN;
 
@@ -44,6 +44,8 @@ pub struct RegionEntry {
     /// For engine-allocated shared memory: the owner's memfd descriptor, which a same-host
     /// peer may open through /proc and map; -1 otherwise.
     pub fd: i32,
+    /// False for regions registered read-only (`access="r"`): peers may READ, not WRITE.
+    pub writable: bool,
 }
 
 /// What went wrong while decoding; the I/O layer treats it as a protocol violation.
@@ -126,6 +128,11 @@ pub enum Kind {
     WriteStrided = 16,
     /// A strided read: one descriptor.
     ReadStrided = 17,
+    /// Target -> initiator after Hello, when the target has a cluster secret: its nonce and
+    /// its proof (see `auth`).
+    AuthChallenge = 18,
+    /// Initiator -> target: the initiator's proof.
+    AuthResponse = 19,
 }
 
 impl Kind {
@@ -148,6 +155,8 @@ impl Kind {
             15 => Kind::RegionsAck,
             16 => Kind::WriteStrided,
             17 => Kind::ReadStrided,
+            18 => Kind::AuthChallenge,
+            19 => Kind::AuthResponse,
             _ => return Err(WireError::BadKind(b)),
         })
     }
@@ -203,7 +212,15 @@ impl StridedSeg {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Frame {
     /// See [`Kind::Hello`].
-    Hello { engine_id: String, host: String, link_nonce: u64, stream_index: u16, stream_count: u16 },
+    Hello {
+        engine_id: String,
+        host: String,
+        link_nonce: u64,
+        stream_index: u16,
+        stream_count: u16,
+        /// Fresh random challenge for the target (used when it has a cluster secret).
+        auth_nonce: [u8; 32],
+    },
     /// See [`Kind::Welcome`]. `host` identifies the machine (boot id and host name); `pid`,
     /// `probe_addr` and `probe_token` let a same-host initiator check that it may reach this
     /// process's memory directly (it reads the 8-byte token at `probe_addr`).
@@ -245,6 +262,10 @@ pub enum Frame {
     WriteStrided { seg: StridedSeg },
     /// See [`Kind::ReadStrided`].
     ReadStrided { seg: StridedSeg },
+    /// See [`Kind::AuthChallenge`].
+    AuthChallenge { nonce: [u8; 32], proof: [u8; 32] },
+    /// See [`Kind::AuthResponse`].
+    AuthResponse { proof: [u8; 32] },
 }
 
 impl Frame {
@@ -268,6 +289,8 @@ impl Frame {
             Frame::RegionsAck { .. } => Kind::RegionsAck,
             Frame::WriteStrided { .. } => Kind::WriteStrided,
             Frame::ReadStrided { .. } => Kind::ReadStrided,
+            Frame::AuthChallenge { .. } => Kind::AuthChallenge,
+            Frame::AuthResponse { .. } => Kind::AuthResponse,
         }
     }
 
@@ -295,13 +318,19 @@ pub fn encode(frame: &Frame, tag: u64, read_bulk: u64) -> Vec<u8> {
     p.extend_from_slice(&[0u8; HEADER_LEN]);
     let mut bulk = frame.bulk_len();
     match frame {
-        Frame::Hello { engine_id, host, link_nonce, stream_index, stream_count } => {
+        Frame::Hello { engine_id, host, link_nonce, stream_index, stream_count, auth_nonce } => {
             put_str(&mut p, engine_id);
             put_str(&mut p, host);
             p.extend_from_slice(&link_nonce.to_le_bytes());
             p.extend_from_slice(&stream_index.to_le_bytes());
             p.extend_from_slice(&stream_count.to_le_bytes());
+            p.extend_from_slice(auth_nonce);
         }
+        Frame::AuthChallenge { nonce, proof } => {
+            p.extend_from_slice(nonce);
+            p.extend_from_slice(proof);
+        }
+        Frame::AuthResponse { proof } => p.extend_from_slice(proof),
         Frame::Welcome { engine_id, host, pid, probe_addr, probe_token, regions } => {
             put_str(&mut p, engine_id);
             put_str(&mut p, host);
@@ -402,7 +431,12 @@ pub fn decode_payload(h: &Header, payload: &[u8]) -> Result<Frame, WireError> {
             link_nonce: r.u64("link_nonce")?,
             stream_index: r.u16("stream_index")?,
             stream_count: r.u16("stream_count")?,
+            auth_nonce: r.bytes32("auth_nonce")?,
         },
+        Kind::AuthChallenge => {
+            Frame::AuthChallenge { nonce: r.bytes32("auth nonce")?, proof: r.bytes32("auth proof")? }
+        }
+        Kind::AuthResponse => Frame::AuthResponse { proof: r.bytes32("auth proof")? },
         Kind::Welcome => Frame::Welcome {
             engine_id: r.str("engine_id", MAX_NAME)?,
             host: r.str("host", MAX_NAME)?,
@@ -528,6 +562,7 @@ fn put_regions(p: &mut Vec<u8>, regions: &[RegionEntry]) {
         p.extend_from_slice(&r.len.to_le_bytes());
         p.extend_from_slice(&r.id.to_le_bytes());
         p.extend_from_slice(&r.fd.to_le_bytes());
+        p.extend_from_slice(&u32::from(r.writable).to_le_bytes());
     }
 }
 
@@ -553,6 +588,9 @@ impl<'a> Reader<'a> {
     fn u64(&mut self, f: &'static str) -> Result<u64, WireError> {
         Ok(u64::from_le_bytes(self.take(8, f)?.try_into().unwrap()))
     }
+    fn bytes32(&mut self, f: &'static str) -> Result<[u8; 32], WireError> {
+        Ok(self.take(32, f)?.try_into().unwrap())
+    }
     fn str(&mut self, f: &'static str, limit: usize) -> Result<String, WireError> {
         let n = self.u32(f)? as usize;
         if n > limit {
@@ -576,13 +614,18 @@ impl<'a> Reader<'a> {
             let len = self.u64("region len")?;
             let id = self.u64("region id")?;
             let fd = self.u32("region fd")? as i32;
+            let writable = match self.u32("region flags")? {
+                0 => false,
+                1 => true,
+                other => return Err(WireError::Invalid { field: "region flags", value: other as u64 }),
+            };
             if len == 0 || addr.checked_add(len).is_none() {
                 return Err(WireError::Invalid { field: "region", value: addr });
             }
             if fd < -1 {
                 return Err(WireError::Invalid { field: "region fd", value: fd as u64 });
             }
-            v.push(RegionEntry { addr, len, id, fd });
+            v.push(RegionEntry { addr, len, id, fd, writable });
         }
         Ok(v)
     }
@@ -600,18 +643,24 @@ mod tests {
     fn frame() -> impl Strategy<Value = Frame> {
         let s = "[a-zA-Z0-9:._ -]{0,40}";
         let regions = prop::collection::vec(
-            (1u64..1 << 48, 1u64..1 << 30, any::<u64>(), -1i32..1000)
-                .prop_map(|(addr, len, id, fd)| RegionEntry { addr, len, id, fd }),
+            (1u64..1 << 48, 1u64..1 << 30, any::<u64>(), -1i32..1000, any::<bool>())
+                .prop_map(|(addr, len, id, fd, writable)| RegionEntry { addr, len, id, fd, writable }),
             0..20,
         );
         prop_oneof![
-            (s, any::<u64>(), any::<u16>(), any::<u16>()).prop_map(|(e, n, i, c)| Frame::Hello {
-                host: e.chars().rev().collect(),
-                engine_id: e,
-                link_nonce: n,
-                stream_index: i,
-                stream_count: c
+            (s, any::<u64>(), any::<u16>(), any::<u16>(), any::<[u8; 32]>()).prop_map(|(e, n, i, c, a)| {
+                Frame::Hello {
+                    host: e.chars().rev().collect(),
+                    engine_id: e,
+                    link_nonce: n,
+                    stream_index: i,
+                    stream_count: c,
+                    auth_nonce: a,
+                }
             }),
+            (any::<[u8; 32]>(), any::<[u8; 32]>())
+                .prop_map(|(nonce, proof)| Frame::AuthChallenge { nonce, proof }),
+            any::<[u8; 32]>().prop_map(|proof| Frame::AuthResponse { proof }),
             (s, s, any::<u32>(), any::<u64>(), regions.clone()).prop_map(|(e, host, pid, x, regions)| {
                 Frame::Welcome { engine_id: e, host, pid, probe_addr: x, probe_token: !x, regions }
             }),

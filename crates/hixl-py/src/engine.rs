@@ -297,27 +297,41 @@ impl Hixl {
         Ok(false)
     }
 
-    /// Registers a raw range.
-    #[pyo3(signature = (desc, mem_type = MemType::HOST))]
-    fn register_mem(&self, py: Python<'_>, desc: MemDesc, mem_type: MemType) -> PyResult<MemHandle> {
+    /// Registers a raw range. `access="r"` lets peers READ it but never WRITE it.
+    #[pyo3(signature = (desc, mem_type = MemType::HOST, access = "rw"))]
+    fn register_mem(
+        &self,
+        py: Python<'_>,
+        desc: MemDesc,
+        mem_type: MemType,
+        access: &str,
+    ) -> PyResult<MemHandle> {
+        let access = hixl_core::Access::parse(access).map_err(to_py)?;
         let e = self.engine.clone();
         let h = py
             .allow_threads(|| {
-                e.register_mem(hixl_core::MemDesc { addr: desc.addr, len: desc.len }, mem_type.into())
+                let d = hixl_core::MemDesc { addr: desc.addr, len: desc.len };
+                e.register_mem_access(d, mem_type.into(), access)
             })
             .map_err(to_py)?;
         Ok(MemHandle { addr: h.addr, len: h.len, id: h.id, mem_type })
     }
 
     /// Registers the memory of a buffer (numpy, bytearray, memoryview, mmap) or a torch CPU
-    /// tensor, keeping the object alive until deregistration.
-    #[pyo3(signature = (obj, mem_type = MemType::HOST))]
-    fn register(&self, py: Python<'_>, obj: &Bound<'_, PyAny>, mem_type: MemType) -> PyResult<MemHandle> {
+    /// tensor, keeping the object alive until deregistration. `access="r"`: read-only for peers.
+    #[pyo3(signature = (obj, mem_type = MemType::HOST, access = "rw"))]
+    fn register(
+        &self,
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        mem_type: MemType,
+        access: &str,
+    ) -> PyResult<MemHandle> {
         let (addr, len, keep) = buffer::export(obj)?;
         if len == 0 {
             return Err(errors::param("cannot register an empty buffer (length=0)"));
         }
-        let h = self.register_mem(py, MemDesc { addr, len }, mem_type)?;
+        let h = self.register_mem(py, MemDesc { addr, len }, mem_type, access)?;
         self.keep.lock().unwrap().entry((addr, len)).or_insert(keep);
         Ok(h)
     }

@@ -2,6 +2,7 @@
 //! in every case; `tcp` is also the data path between hosts.
 
 pub mod io;
+pub mod liveness;
 pub mod server;
 pub mod shm;
 pub mod tcp;

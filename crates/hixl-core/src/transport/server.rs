@@ -11,6 +11,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::auth::{self, Secret};
 use crate::error::{Error, Result, Status};
 use crate::notify::NotifyStore;
 use crate::registry::{Abort, Pin, Registry};
@@ -35,6 +36,8 @@ pub struct ServerCtx {
     pub probe_addr: u64,
     /// The token stored at `probe_addr`.
     pub probe_token: u64,
+    /// The cluster secret every stream must prove it knows before Welcome, if any.
+    pub secret: Option<Secret>,
 }
 
 struct Served {
@@ -242,7 +245,7 @@ fn send(served: &Served, f: &Frame, tag: u64) -> std::io::Result<()> {
 }
 
 /// Checks every segment against the registry and pins the regions they fall in.
-fn check_and_pin(reg: &Registry, segs: &[Seg], holder: &Arc<Served>) -> Result<Vec<Pin>> {
+fn check_and_pin(reg: &Registry, segs: &[Seg], holder: &Arc<Served>, write: bool) -> Result<Vec<Pin>> {
     let mut pins: Vec<Pin> = Vec::new();
     for s in segs {
         if let Some(p) = pins.last() {
@@ -250,7 +253,7 @@ fn check_and_pin(reg: &Registry, segs: &[Seg], holder: &Arc<Served>) -> Result<V
                 continue;
             }
         }
-        let region = reg.lookup(s.addr, s.len, "remote")?;
+        let region = reg.lookup_for(s.addr, s.len, "remote", write)?;
         if !pins.iter().any(|p| p.region().id == region.id) {
             pins.push(region.pin(holder.clone())?);
         }
@@ -265,11 +268,14 @@ fn serve(srv: &Server, sock: &TcpStream, served: &Arc<Served>) -> std::io::Resul
     sock.set_read_timeout(Some(ctx.handshake_timeout))?;
     let mut payload = Vec::new();
     let (_, hello) = io::recv_frame(fd, &mut payload)?;
-    let Frame::Hello { engine_id: peer, host, stream_index, .. } = hello else {
+    let Frame::Hello { engine_id: peer, host, stream_index, auth_nonce, .. } = hello else {
         let err = Frame::Error { status: Status::ParamInvalid.code(), message: "expected Hello".into() };
         send(served, &err, 0)?;
         return Err(std::io::Error::other(format!("first frame was {:?}, not Hello", hello.kind())));
     };
+    if let Some(secret) = &ctx.secret {
+        authenticate(secret, served, &auth_nonce, &mut payload)?;
+    }
     served.link_head.store(stream_index == 0, Ordering::Release);
     served.acks_updates.store(stream_index == 0 && host == ctx.host, Ordering::Release);
     {
@@ -339,6 +345,31 @@ fn serve(srv: &Server, sock: &TcpStream, served: &Arc<Served>) -> std::io::Resul
     }
 }
 
+/// Proves this target knows the secret and checks that the initiator does too; nothing about
+/// this engine is sent before that succeeds.
+fn authenticate(
+    secret: &Secret,
+    served: &Served,
+    ni: &auth::Nonce,
+    payload: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    let nt = auth::nonce().map_err(|e| std::io::Error::other(e.message))?;
+    send(served, &Frame::AuthChallenge { nonce: nt, proof: secret.target_proof(ni, &nt) }, 0)?;
+    let fd = served.sock.as_raw_fd();
+    let ok = match io::recv_frame(fd, payload)? {
+        (_, Frame::AuthResponse { proof }) => secret.check_initiator(ni, &nt, &proof),
+        _ => false,
+    };
+    if !ok {
+        let message = "authentication failed: the initiator does not know this cluster's secret \
+                       (hixl.secret / HIXL_SECRET)";
+        let _ =
+            send(served, &Frame::Error { status: Status::NotConnected.code(), message: message.into() }, 0);
+        return Err(std::io::Error::other("an initiator failed authentication"));
+    }
+    Ok(())
+}
+
 /// The target ranges of one data frame: a list of segments or one strided descriptor.
 enum Ranges<'a> {
     List(&'a [Seg]),
@@ -347,12 +378,12 @@ enum Ranges<'a> {
 
 impl Ranges<'_> {
     /// Checks the ranges against the registry and pins their regions.
-    fn pin(&self, reg: &Registry, holder: &Arc<Served>) -> Result<Vec<Pin>> {
+    fn pin(&self, reg: &Registry, holder: &Arc<Served>, write: bool) -> Result<Vec<Pin>> {
         match self {
-            Ranges::List(segs) => check_and_pin(reg, segs, holder),
+            Ranges::List(segs) => check_and_pin(reg, segs, holder, write),
             Ranges::Strided(st) => {
                 let span = st.span().ok_or_else(|| Error::param("strided range overflows"))?;
-                let region = reg.lookup(st.addr, span, "remote strided")?;
+                let region = reg.lookup_for(st.addr, span, "remote strided", write)?;
                 Ok(vec![region.pin(holder.clone())?])
             }
         }
@@ -395,7 +426,7 @@ fn serve_write(
     ranges: Ranges<'_>,
 ) -> std::io::Result<()> {
     let fd = sock.as_raw_fd();
-    let ack = match ranges.pin(&ctx.registry, served) {
+    let ack = match ranges.pin(&ctx.registry, served, true) {
         Ok(pins) => {
             // SAFETY: every range was checked to lie inside a registered region, and those
             // regions are pinned (cannot be deregistered and freed) until `pins` drops.
@@ -426,7 +457,7 @@ fn serve_read(
         let resp = Frame::ReadResp { status: Status::ParamInvalid.code(), message: "ranges overflow".into() };
         return send(served, &resp, h.tag);
     };
-    match ranges.pin(&ctx.registry, served) {
+    match ranges.pin(&ctx.registry, served, false) {
         Ok(pins) => {
             let head = wire::encode(&Frame::ReadResp { status: 0, message: String::new() }, h.tag, total);
             let fd = sock.as_raw_fd();

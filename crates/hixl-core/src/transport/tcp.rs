@@ -10,11 +10,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
+use crate::auth::{self, Secret};
 use crate::error::{Error, Result, Status};
 use crate::queue::{Part, PartBody, Request, Strided, TransferOp, TransferStatus, WorkQueue};
 use crate::registry::{Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::io::{self, iov};
+use crate::transport::liveness::{self, Liveness};
 use crate::transport::{Link, PeerInfo, Workers};
 use crate::wire::{self, Frame, Seg, StridedSeg};
 
@@ -43,6 +45,10 @@ pub struct ConnectParams {
     pub coalesce: Duration,
     /// Most requests in one coalesced batch.
     pub coalesce_max_ops: usize,
+    /// The cluster secret, if this engine has one (then every peer must prove it too).
+    pub secret: Option<Secret>,
+    /// Heartbeat interval on idle links (zero: off).
+    pub heartbeat: Duration,
 }
 
 struct Pending {
@@ -122,7 +128,8 @@ fn send_hello(
     i: usize,
     deadline: Instant,
     peer: &str,
-) -> Result<()> {
+) -> Result<auth::Nonce> {
+    let auth_nonce = auth::nonce()?;
     let map_io = handshake_io_error(peer);
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     s.set_read_timeout(Some(left)).map_err(&map_io)?;
@@ -134,15 +141,37 @@ fn send_hello(
         link_nonce: nonce,
         stream_index: i as u16,
         stream_count: p.streams as u16,
+        auth_nonce,
     };
-    io::send_bytes(s.as_raw_fd(), &wire::encode(&hello, 0, 0)).map_err(&map_io)
+    io::send_bytes(s.as_raw_fd(), &wire::encode(&hello, 0, 0)).map_err(&map_io)?;
+    Ok(auth_nonce)
 }
 
-/// Reads the Welcome that answers Hello, then clears the socket timeouts.
-fn recv_welcome(s: &TcpStream, peer: &str) -> Result<PeerInfo> {
+/// Reads the Welcome that answers Hello (authenticating first when the target challenges, or
+/// when this engine has a secret), then clears the socket timeouts.
+fn recv_welcome(s: &TcpStream, peer: &str, p: &ConnectParams, ni: &auth::Nonce) -> Result<PeerInfo> {
     let map_io = handshake_io_error(peer);
     let mut buf = Vec::new();
-    let (_, f) = io::recv_frame(s.as_raw_fd(), &mut buf).map_err(&map_io)?;
+    let (_, mut f) = io::recv_frame(s.as_raw_fd(), &mut buf).map_err(&map_io)?;
+    if let Frame::AuthChallenge { nonce: nt, proof } = f {
+        let Some(secret) = &p.secret else {
+            return Err(Error::not_connected(format!(
+                "{peer} requires a cluster secret: set hixl.secret (or HIXL_SECRET) to the cluster's secret"
+            )));
+        };
+        if !secret.check_target(ni, &nt, &proof) {
+            return Err(Error::not_connected(format!(
+                "{peer} failed authentication: it does not know this cluster's secret"
+            )));
+        }
+        let answer = Frame::AuthResponse { proof: secret.initiator_proof(ni, &nt) };
+        io::send_bytes(s.as_raw_fd(), &wire::encode(&answer, 0, 0)).map_err(&map_io)?;
+        f = io::recv_frame(s.as_raw_fd(), &mut buf).map_err(&map_io)?.1;
+    } else if p.secret.is_some() && matches!(f, Frame::Welcome { .. }) {
+        return Err(Error::not_connected(format!(
+            "{peer} did not authenticate, but this engine has a cluster secret (hixl.secret): refusing it"
+        )));
+    }
     s.set_read_timeout(None).map_err(&map_io)?;
     s.set_write_timeout(None).map_err(&map_io)?;
     match f {
@@ -167,14 +196,15 @@ impl TcpLink {
         // Connect every stream and send every Hello first, then read the Welcomes: the
         // target answers the streams in parallel, so connecting costs about one round trip.
         let mut socks = Vec::with_capacity(p.streams);
+        let mut nonces = Vec::with_capacity(p.streams);
         for i in 0..p.streams {
             let s = connect_one(addr, deadline, peer)?;
-            send_hello(&s, p, nonce, i, deadline, peer)?;
+            nonces.push(send_hello(&s, p, nonce, i, deadline, peer)?);
             socks.push(s);
         }
         let mut info: Option<PeerInfo> = None;
-        for s in &socks {
-            let pi = recv_welcome(s, peer)?;
+        for (s, ni) in socks.iter().zip(&nonces) {
+            let pi = recv_welcome(s, peer, p, ni)?;
             if let Some(first) = &info {
                 if first.engine_id != pi.engine_id {
                     return Err(Error::not_connected(format!(
@@ -214,6 +244,13 @@ impl TcpLink {
             coalesce: p.coalesce,
             coalesce_max_ops: p.coalesce_max_ops,
         });
+        if !p.heartbeat.is_zero() {
+            let (l, every) = (link.clone(), p.heartbeat);
+            if let Err(e) = link.threads.spawn("hixl-heartbeat".into(), move || l.heartbeat(every)) {
+                link.close(e.clone());
+                return Err(e);
+            }
+        }
         for (i, s) in link.streams.iter().enumerate() {
             for role in ["w", "r"] {
                 let (l, s) = (link.clone(), s.clone());
@@ -370,6 +407,46 @@ impl TcpLink {
         }
         // SAFETY: as above.
         unsafe { io::send_all(fd, &mut iovs[sent..]) }
+    }
+
+    /// Probes the peer every `every` (a Heartbeat on each stream that is not busy sending) and
+    /// closes the link once the peer has made no progress for `liveness::MISSED` intervals.
+    fn heartbeat(self: &Arc<Self>, every: Duration) {
+        let probe = wire::encode(&Frame::Heartbeat, 0, 0);
+        let mut live = Liveness::new(every, Instant::now());
+        let mut probes_sent: u64 = 0;
+        let slice = every.min(Duration::from_millis(20));
+        let mut next = Instant::now() + every;
+        while self.is_alive() {
+            std::thread::sleep(slice);
+            let now = Instant::now();
+            if now < next {
+                continue;
+            }
+            next = now + every;
+            for s in &self.streams {
+                if let Ok(_g) = s.send_lock.try_lock() {
+                    if io::send_bytes(s.sock.as_raw_fd(), &probe).is_ok() {
+                        probes_sent += probe.len() as u64;
+                    }
+                }
+            }
+            let mut progress: i128 = -(probes_sent as i128);
+            for s in &self.streams {
+                let Some((received, acked)) = liveness::tcp_progress(s.sock.as_raw_fd()) else { return };
+                progress += received as i128 + acked as i128;
+            }
+            if let Some(silent) = live.observe(progress, now) {
+                self.close(Error::not_connected(format!(
+                    "{} stopped answering: no progress for {} ms ({} heartbeats of {} ms missed)",
+                    self.peer,
+                    silent.as_millis(),
+                    liveness::MISSED,
+                    every.as_millis()
+                )));
+                return;
+            }
+        }
     }
 
     fn reader(self: &Arc<Self>, s: &Stream) {
