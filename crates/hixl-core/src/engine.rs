@@ -882,9 +882,11 @@ fn validate_strided(
     })?;
     let pin = region.pin(conn.link.clone())?;
     match conn.link.table().find(remote_base, rspan) {
-        None => return Err(Error::param(format!(
+        None => {
+            return Err(Error::param(format!(
             "remote strided range 0x{remote_base:x}+{rspan} is not inside one region registered at {remote}"
-        ))),
+        )))
+        }
         Some(e) if write && !e.writable => return Err(read_only(remote_base, rspan)),
         Some(_) => {}
     }

@@ -154,15 +154,9 @@ impl Options {
                 }
                 _ => {
                     let known: Vec<_> = KEYS.iter().map(|k| k.0).collect();
-                    // A misspelt secret key must not echo the secret.
-                    let lower = k.to_ascii_lowercase();
-                    let shown = if ["secret", "key", "token", "pass"].iter().any(|w| lower.contains(w)) {
-                        "<redacted>".to_string()
-                    } else {
-                        format!("{v:?}")
-                    };
+                    // The value is not echoed: a misspelt secret key must not leak the secret.
                     return Err(Error::param(format!(
-                        "unknown option key {k:?} (value {shown}); known keys: {}",
+                        "unknown option key {k:?}; known keys: {}",
                         known.join(", ")
                     )));
                 }
@@ -198,7 +192,7 @@ mod tests {
     #[test]
     fn bad_keys_and_values_name_themselves() {
         let e = Options::parse(&map(&[("hixl.stream", "4")])).unwrap_err();
-        assert!(e.message.contains("\"hixl.stream\"") && e.message.contains("\"4\""), "{e}");
+        assert!(e.message.contains("\"hixl.stream\"") && !e.message.contains("\"4\""), "{e}");
         let e = Options::parse(&map(&[("hixl.streams", "0")])).unwrap_err();
         assert!(e.message.contains("hixl.streams=\"0\""), "{e}");
         let e = Options::parse(&map(&[("hixl.queue_depth", "lots")])).unwrap_err();

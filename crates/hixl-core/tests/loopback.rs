@@ -496,3 +496,85 @@ fn remote_mems_follows_registrations_after_connect() {
     has(false);
     drop(late);
 }
+
+/// Connects an initiator with `mine` to a target with `theirs` (secrets; None = none).
+fn connect_with_secrets(
+    mine: Option<&str>,
+    theirs: Option<&str>,
+) -> (Engine, Engine, String, hixl_core::Result<()>) {
+    fn opt(s: Option<&str>) -> Vec<(&str, &str)> {
+        let mut v = vec![("hixl.transport", "tcp")];
+        if let Some(s) = s {
+            v.push(("hixl.secret", s));
+        }
+        v
+    }
+    let a = engine("127.0.0.1", &opt(mine));
+    let b = engine("127.0.0.1:0", &opt(theirs));
+    let peer = b.local_engine().unwrap();
+    let res = a.connect(&peer, T);
+    (a, b, peer, res)
+}
+
+#[test]
+fn cluster_secret_is_mutual_and_never_shown() {
+    let (a, b, peer, res) = connect_with_secrets(Some("s3cret-A"), Some("s3cret-A"));
+    res.unwrap();
+    let mut src = vec![9u8; 4096];
+    let mut dst = vec![0u8; 4096];
+    let hs = a.register_mem(MemDesc { addr: src.as_mut_ptr() as u64, len: 4096 }, MemType::Host).unwrap();
+    let hd = b.register_mem(MemDesc { addr: dst.as_mut_ptr() as u64, len: 4096 }, MemType::Host).unwrap();
+    // The table update of `hd` may still be on its way.
+    let deadline = std::time::Instant::now() + T;
+    while !a.remote_mems(&peer).unwrap().iter().any(|m| m.addr == hd.addr) {
+        assert!(std::time::Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    a.put(&peer, hs.addr, hd.addr, 4096, T).unwrap();
+    assert!(dst.iter().all(|&x| x == 9));
+
+    for (mine, theirs, says) in [
+        (None, Some("s3cret-A"), "requires a cluster secret"),
+        (Some("s3cret-B"), Some("s3cret-A"), "does not know this cluster's secret"),
+        (Some("s3cret-A"), None, "did not authenticate"),
+    ] {
+        let (_a, _b, _peer, res) = connect_with_secrets(mine, theirs);
+        let e = res.unwrap_err();
+        assert_eq!(e.status, Status::NotConnected, "{e}");
+        assert!(e.message.contains(says), "{e}");
+        assert!(!e.message.contains("s3cret"), "the secret leaked into: {e}");
+    }
+    // A misspelt option key never echoes its value.
+    let e = Engine::new()
+        .initialize("127.0.0.1", &[("hixl.secrte".to_string(), "s3cret-A".to_string())].into())
+        .unwrap_err();
+    assert!(!e.message.contains("s3cret") && e.message.contains("hixl.secrte"), "{e}");
+}
+
+#[test]
+fn read_only_regions_can_be_read_not_written() {
+    let a = engine("127.0.0.1", &[("hixl.transport", "tcp")]);
+    let b = engine("127.0.0.1:0", &[]);
+    let mut ro = vec![5u8; 8192];
+    let mut local = vec![0u8; 8192];
+    let h = b
+        .register_mem_access(
+            MemDesc { addr: ro.as_mut_ptr() as u64, len: 8192 },
+            MemType::Host,
+            hixl_core::Access::ReadOnly,
+        )
+        .unwrap();
+    let l = a.register_mem(MemDesc { addr: local.as_mut_ptr() as u64, len: 8192 }, MemType::Host).unwrap();
+    let peer = b.local_engine().unwrap();
+    a.connect(&peer, T).unwrap();
+    a.get(&peer, l.addr, h.addr, 8192, T).unwrap();
+    assert!(local.iter().all(|&x| x == 5));
+    local.fill(1);
+    let e = a.put(&peer, l.addr, h.addr + 100, 64, T).unwrap_err();
+    assert_eq!(e.status, Status::ParamInvalid);
+    assert!(e.message.contains("read-only"), "{e}");
+    assert!(ro.iter().all(|&x| x == 5));
+    // Registering the same range read-write while it is read-only is refused.
+    let e = b.register_mem(MemDesc { addr: ro.as_mut_ptr() as u64, len: 8192 }, MemType::Host).unwrap_err();
+    assert!(e.message.contains("access=\"r\""), "{e}");
+}

@@ -1,0 +1,129 @@
+//! A time-bounded fuzz run of the frame decoder, the code that reads whatever a peer sends:
+//! random bytes, random bytes behind a valid header, and valid frames with random mutations,
+//! truncations and splices. It must never panic, never loop, and never accept a frame whose
+//! re-encoding differs. `HIXL_FUZZ_SECONDS` sets the time (default 2; CI runs longer).
+
+use std::time::{Duration, Instant};
+
+use hixl_core::wire::{self, Frame, RegionEntry, Seg, StridedSeg, HEADER_LEN};
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+fn seed_frames() -> Vec<Vec<u8>> {
+    let regions = vec![RegionEntry { addr: 0x1000, len: 4096, id: 1, fd: -1, writable: true }];
+    let frames = vec![
+        Frame::Hello {
+            engine_id: "a:1".into(),
+            host: "h".into(),
+            link_nonce: 3,
+            stream_index: 0,
+            stream_count: 2,
+            auth_nonce: [7; 32],
+        },
+        Frame::Welcome {
+            engine_id: "b".into(),
+            host: "h".into(),
+            pid: 1,
+            probe_addr: 2,
+            probe_token: 3,
+            regions: regions.clone(),
+        },
+        Frame::Write { segs: vec![Seg { addr: 0x1000, len: 16 }, Seg { addr: 0x2000, len: 8 }] },
+        Frame::Read { segs: vec![Seg { addr: 0x1000, len: 16 }] },
+        Frame::ReadResp { status: 0, message: String::new() },
+        Frame::Ack { status: 103900, message: "no".into() },
+        Frame::Notify { name: "n".into(), msg: "m".into() },
+        Frame::RegionsUpdate { version: 9, regions },
+        Frame::WriteStrided { seg: StridedSeg { addr: 0x1000, count: 4, size: 64, stride: 128 } },
+        Frame::ReadStrided { seg: StridedSeg { addr: 0x1000, count: 4, size: 64, stride: 128 } },
+        Frame::AuthChallenge { nonce: [1; 32], proof: [2; 32] },
+        Frame::AuthResponse { proof: [3; 32] },
+        Frame::Heartbeat,
+        Frame::Bye,
+    ];
+    frames
+        .iter()
+        .map(|f| wire::encode(f, 5, if matches!(f, Frame::ReadResp { .. }) { 16 } else { 0 }))
+        .collect()
+}
+
+fn check(buf: &[u8]) {
+    if let Ok((h, f, used)) = wire::decode(buf) {
+        assert!(used <= buf.len());
+        let again = wire::encode(&f, h.tag, h.bulk_len);
+        assert_eq!(&again[..], &buf[..used], "accepted a frame that does not re-encode to itself: {f:?}");
+    }
+}
+
+#[test]
+fn decoder_survives_hostile_input() {
+    let secs: u64 = std::env::var("HIXL_FUZZ_SECONDS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
+    let end = Instant::now() + Duration::from_secs(secs);
+    let seeds = seed_frames();
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ std::process::id() as u64);
+    let mut runs = 0u64;
+    while Instant::now() < end {
+        for _ in 0..1000 {
+            let mut buf = match rng.below(4) {
+                0 => {
+                    let n = rng.below(256) as usize;
+                    rng.bytes(n)
+                }
+                1 => {
+                    // A plausible header (magic, version, any kind) over random payload.
+                    let mut b = seeds[0][..4].to_vec();
+                    b[3] = rng.below(24) as u8;
+                    let n = rng.below(300) as usize;
+                    b.extend_from_slice(&(n as u32).to_le_bytes());
+                    b.extend_from_slice(&rng.bytes(16));
+                    b.extend_from_slice(&rng.bytes(n));
+                    b
+                }
+                _ => seeds[rng.below(seeds.len() as u64) as usize].clone(),
+            };
+            for _ in 0..rng.below(6) {
+                if buf.is_empty() {
+                    break;
+                }
+                let i = rng.below(buf.len() as u64) as usize;
+                match rng.below(4) {
+                    0 => buf[i] = rng.next() as u8,
+                    1 => buf.truncate(i),
+                    2 => {
+                        let n = rng.below(40) as usize;
+                        let tail = rng.bytes(n);
+                        buf.splice(i..i, tail);
+                    }
+                    _ => {
+                        // Overwrite an aligned 8-byte field with an extreme value.
+                        let v =
+                            [0u64, 1, u64::MAX, u64::MAX / 2, 1 << 32, 0xFFFF_FFFF][rng.below(6) as usize];
+                        let i = HEADER_LEN.min(buf.len()) + (i / 8) * 8;
+                        if i + 8 <= buf.len() {
+                            buf[i..i + 8].copy_from_slice(&v.to_le_bytes());
+                        }
+                    }
+                }
+            }
+            check(&buf);
+            runs += 1;
+        }
+    }
+    println!("decoded {runs} hostile inputs in {secs} s");
+    assert!(runs > 1000);
+}
