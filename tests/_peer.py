@@ -1,6 +1,7 @@
 """A target engine in its own process, driven over stdin/stdout by the tests.
 
-Start: python _peer.py SIZE [OPTIONS_JSON]. It registers a zeroed SIZE-byte buffer and prints
+Start: python _peer.py SIZE [OPTIONS_JSON] (listening on $HIXL_TEST_LISTEN, default
+127.0.0.1:0). It registers a zeroed SIZE-byte buffer and prints
 "READY <engine> <buf_addr>". Commands (one per line), each answered by one line:
   save OFF LEN PATH   write buf[OFF:OFF+LEN] to PATH            -> OK
   fill SEED           fill the buffer with random bytes          -> OK
@@ -28,7 +29,7 @@ def main() -> None:
     size = int(sys.argv[1])
     options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else None
     e = hixl.Hixl()
-    e.initialize("127.0.0.1:0", options)
+    e.initialize(os.environ.get("HIXL_TEST_LISTEN", "127.0.0.1:0"), options)
     buf = np.zeros(size, np.uint8)
     e.register(buf)
     print(f"READY {e.local_engine} {buf.ctypes.data}", flush=True)

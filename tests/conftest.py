@@ -24,9 +24,13 @@ class Peer:
     """A target process with one registered buffer."""
 
     def __init__(
-        self, size: int, options: dict[str, str] | None = None, env: dict[str, str] | None = None
+        self,
+        size: int,
+        options: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
     ) -> None:
-        args = [sys.executable, str(PEER), str(size)]
+        args = [*(prefix or []), sys.executable, str(PEER), str(size)]
         if options:
             args.append(json.dumps(options))
         self.size = size
@@ -103,9 +107,12 @@ def make_peer() -> Iterator:
     peers: list[Peer] = []
 
     def make(
-        size: int, options: dict[str, str] | None = None, env: dict[str, str] | None = None
+        size: int,
+        options: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
     ) -> Peer:
-        p = Peer(size, options, env)
+        p = Peer(size, options, env, prefix)
         peers.append(p)
         return p
 

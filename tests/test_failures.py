@@ -1,0 +1,197 @@
+"""Peers that freeze or die mid-transfer: every pending request ends within its timeout, new
+transfers fail clearly, other peers are unaffected, and a restarted peer works again."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import random_bytes
+
+import hixl
+
+W, R = hixl.TransferOp.WRITE, hixl.TransferOp.READ
+ENDED = {hixl.TransferStatus.COMPLETED, hixl.TransferStatus.FAILED, hixl.TransferStatus.TIMEOUT}
+
+
+def error_of(req: hixl.TransferReq) -> hixl.HixlError | None:
+    try:
+        req.result()
+    except hixl.HixlError as exc:
+        return exc
+    return None
+
+
+def wait_not_connected(
+    e: hixl.Hixl, peer: str, src: np.ndarray, remote: int, within_s: float
+) -> float:
+    """Seconds until a new transfer to `peer` raises NotConnected (fails the test after
+    `within_s`)."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            e.transfer_sync(peer, W, [(src.ctypes.data, remote, 4096)], timeout_ms=200)
+        except hixl.NotConnected:
+            return time.monotonic() - t0
+        except hixl.Timeout:
+            pass
+        assert time.monotonic() - t0 < within_s, (
+            "transfers to the dead peer never said NotConnected"
+        )
+        time.sleep(0.02)
+
+
+def test_frozen_peer_is_declared_dead_within_three_heartbeats(make_peer) -> None:
+    size = 64 << 20
+    peer = make_peer(size)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.transport": "tcp", "hixl.heartbeat_ms": "200"})
+    try:
+        src = random_bytes(size, 3)
+        e.register(src)
+        e.connect(peer.engine, timeout_ms=5000)
+        with peer.stopped():
+            t0 = time.monotonic()
+            req = e.transfer_async(
+                peer.engine, W, [(src.ctypes.data, peer.addr, size)], timeout_ms=30_000
+            )
+            st = req.wait(10_000)
+            took = time.monotonic() - t0
+            assert st == hixl.TransferStatus.FAILED, st
+            assert "stopped answering" in str(error_of(req))
+            assert took < 2.5, f"declared dead after {took:.2f} s (3 x 200 ms expected)"
+            with pytest.raises(hixl.NotConnected, match="stopped answering"):
+                e.put(peer.engine, src.ctypes.data, peer.addr, 4096)
+        # Resumed, the peer is reachable again through a new connect.
+        e.connect(peer.engine, timeout_ms=5000)
+        e.transfer_sync(peer.engine, W, [(src.ctypes.data, peer.addr, size)], timeout_ms=20_000)
+        assert (peer.read() == src).all()
+    finally:
+        e.finalize()
+
+
+def test_idle_link_to_a_frozen_peer_dies_and_a_busy_live_one_does_not(make_peer) -> None:
+    size = 256 << 20
+    live, frozen = make_peer(size), make_peer(4096)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.transport": "tcp", "hixl.heartbeat_ms": "100"})
+    try:
+        src = random_bytes(size, 4)
+        e.register(src)
+        e.connect(live.engine, timeout_ms=5000)
+        e.connect(frozen.engine, timeout_ms=5000)
+        with frozen.stopped():
+            # A long stream of big writes to the live peer (many heartbeat intervals long)...
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 1.5:
+                e.transfer_sync(live.engine, W, [(src.ctypes.data, live.addr, size)], 30_000)
+            # ...never looks like silence, while the idle link to the frozen one died.
+            assert e.stats()[live.engine]["alive"]
+            assert not e.stats()[frozen.engine]["alive"]
+        assert (live.read() == src).all()
+    finally:
+        e.finalize()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_sigkill_mid_transfer_then_restart_on_the_same_address(
+    make_peer, free_port, transport: str
+) -> None:
+    size = 64 << 20
+    addr = f"127.0.0.1:{free_port}"
+    victim = make_peer(size, env={"HIXL_TEST_LISTEN": addr})
+    bystander = make_peer(size)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.transport": transport})
+    try:
+        src = random_bytes(size, 5)
+        e.register(src)
+        e.connect(victim.engine, timeout_ms=5000)
+        e.connect(bystander.engine, timeout_ms=5000)
+        assert e.stats()[victim.engine]["backend"] == transport
+
+        # The bystander keeps transferring the whole time; every one must succeed.
+        stop, errors, rounds = threading.Event(), [], [0]
+
+        def other() -> None:
+            try:
+                while not stop.is_set():
+                    e.transfer_sync(
+                        bystander.engine, W, [(src.ctypes.data, bystander.addr, size)], 20_000
+                    )
+                    rounds[0] += 1
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        th = threading.Thread(target=other)
+        th.start()
+        timeout_ms = 5000
+        reqs = [
+            e.transfer_async(
+                victim.engine, W, [(src.ctypes.data, victim.addr, size)], timeout_ms=timeout_ms
+            )
+            for _ in range(32)
+        ]
+        time.sleep(0.02)
+        t0 = time.monotonic()
+        victim.proc.kill()
+        victim.proc.wait()
+        statuses = [r.wait(timeout_ms + 2000) for r in reqs]
+        ended_after = time.monotonic() - t0
+        assert set(statuses) <= ENDED, statuses
+        failed = [
+            r for r, st in zip(reqs, statuses, strict=True) if st != hixl.TransferStatus.COMPLETED
+        ]
+        assert failed, "every request finished before the kill: nothing was tested"
+        assert ended_after < timeout_ms / 1000 + 1, (
+            f"pending requests ended after {ended_after:.1f} s"
+        )
+        assert wait_not_connected(e, victim.engine, src, victim.addr, within_s=5) < 5
+        stop.set()
+        th.join(60)
+        assert not errors, errors
+        assert rounds[0] >= 1
+        assert (bystander.read() == src).all()
+
+        # The peer comes back on the same address: connect works again and bytes are right.
+        again = make_peer(size, env={"HIXL_TEST_LISTEN": addr})
+        assert again.engine == victim.engine
+        e.connect(again.engine, timeout_ms=5000)
+        e.transfer_sync(again.engine, W, [(src.ctypes.data, again.addr, size)], 20_000)
+        assert (again.read() == src).all()
+    finally:
+        e.finalize()
+
+
+def test_garbage_collected_request_and_buffer_while_pending(make_peer) -> None:
+    size = 64 << 20
+    peer = make_peer(size)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.transport": "tcp"})
+    try:
+        src = random_bytes(size, 6)
+        expected = src.copy()
+        h = e.register(src)
+        del src  # the engine keeps the registered buffer alive
+        gc.collect()
+        e.connect(peer.engine, timeout_ms=5000)
+        for _ in range(8):
+            e.transfer_async(peer.engine, W, [(h.addr, peer.addr, size)])  # dropped at once
+        gc.collect()
+        # Nobody holds the requests any more, yet they run to the end and nothing crashes.
+        deadline = time.monotonic() + 30
+        while not (peer.read() == expected).all():
+            assert time.monotonic() < deadline, "dropped requests never finished"
+            time.sleep(0.05)
+        assert e.stats()[peer.engine]["ops_write"] >= 1
+        e.deregister_mem(h)  # now the buffer may go
+        gc.collect()
+        assert peer.read(0, 16).size == 16
+    finally:
+        e.finalize()
+    e.finalize()  # twice is fine
+    with pytest.raises(hixl.Failed, match="finalized"):
+        e.connect(peer.engine)
