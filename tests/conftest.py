@@ -142,3 +142,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak-seconds",
+        type=float,
+        default=float(os.environ.get("HIXL_SOAK_SECONDS", "20")),
+        help="duration of tests/test_soak.py (default 20, or $HIXL_SOAK_SECONDS)",
+    )
+
+
+@pytest.fixture
+def soak_seconds(request: pytest.FixtureRequest) -> float:
+    return float(request.config.getoption("--soak-seconds"))
