@@ -578,3 +578,58 @@ fn read_only_regions_can_be_read_not_written() {
     let e = b.register_mem(MemDesc { addr: ro.as_mut_ptr() as u64, len: 8192 }, MemType::Host).unwrap_err();
     assert!(e.message.contains("access=\"r\""), "{e}");
 }
+
+// Lifecycle: the tests named `lifecycle_*` also run under valgrind in CI (.ci/run), which
+// would report any use of freed memory or a read of memory the engine no longer owns.
+
+#[test]
+fn lifecycle_deregister_while_a_transfer_uses_the_region() {
+    for transport in ["tcp", "shm"] {
+        let mut p = pair(32 << 20, &[("hixl.transport", transport), ("hixl.deregister_timeout_ms", "50")]);
+        let mut local = vec![3u8; 32 << 20];
+        let h =
+            p.a.register_mem(MemDesc { addr: local.as_mut_ptr() as u64, len: 32 << 20 }, MemType::Host)
+                .unwrap();
+        let d = [TransferOpDesc { local_addr: h.addr, remote_addr: p.bbuf.as_ptr() as u64, len: 32 << 20 }];
+        let reqs: Vec<_> = (0..16)
+            .map(|_| p.a.transfer_async(&p.peer, TransferOp::Write, &d, None, None).unwrap())
+            .collect();
+        let _ = p.a.deregister_mem(&h); // waits 50 ms for the transfers, then aborts them
+        for r in &reqs {
+            let s = r.wait(Some(T));
+            assert!(s == TransferStatus::Completed || s == TransferStatus::Failed, "{transport}: {s:?}");
+        }
+        drop(local); // freed only now that nothing can touch it
+        let e = p.a.transfer_sync(&p.peer, TransferOp::Write, &d, T).unwrap_err();
+        assert!(matches!(e.status, Status::ParamInvalid | Status::NotConnected), "{e}");
+        let _ = &mut p.abuf;
+    }
+}
+
+#[test]
+fn lifecycle_finalize_with_requests_in_flight_twice_and_after() {
+    for transport in ["tcp", "shm"] {
+        let p = pair(32 << 20, &[("hixl.transport", transport)]);
+        let d = [TransferOpDesc {
+            local_addr: p.abuf.as_ptr() as u64,
+            remote_addr: p.bbuf.as_ptr() as u64,
+            len: 32 << 20,
+        }];
+        let reqs: Vec<_> =
+            (0..16).map(|_| p.a.transfer_async(&p.peer, TransferOp::Read, &d, None, None).unwrap()).collect();
+        // Dropping a request handle while it is pending is fine too.
+        drop(p.a.transfer_async(&p.peer, TransferOp::Write, &d, None, None).unwrap());
+        p.a.finalize().unwrap();
+        for r in &reqs {
+            let s = r.wait(Some(T));
+            assert!(s == TransferStatus::Completed || s == TransferStatus::Failed, "{transport}: {s:?}");
+        }
+        p.a.finalize().unwrap(); // twice
+        let e = p.a.transfer_sync(&p.peer, TransferOp::Read, &d, T).unwrap_err();
+        assert_eq!(e.status, Status::Failed, "{e}");
+        assert!(p.a.register_mem(MemDesc { addr: 4096, len: 1 }, MemType::Host).is_err());
+        assert!(p.a.connect(&p.peer, T).is_err());
+        p.b.finalize().unwrap();
+        drop(p);
+    }
+}
