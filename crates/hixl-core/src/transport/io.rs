@@ -134,6 +134,33 @@ pub fn proto(e: wire::WireError) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e)
 }
 
+/// Turns on TCP keepalive: after `idle_s` seconds without traffic the kernel probes every
+/// `interval_s` seconds and reports the connection dead after `count` unanswered probes, so a
+/// blocked read on a connection whose peer vanished without a FIN ends.
+pub fn keepalive(fd: RawFd, idle_s: i32, interval_s: i32, count: i32) -> io::Result<()> {
+    for (level, opt, v) in [
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle_s),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, interval_s),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, count),
+    ] {
+        // SAFETY: `v` is a live c_int and the length matches it.
+        let r = unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                opt,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 /// Shuts a socket down in both directions (wakes threads blocked on it).
 pub fn shutdown(fd: RawFd) {
     // SAFETY: shutdown on a possibly closed fd only returns an error.

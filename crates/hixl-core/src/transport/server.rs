@@ -265,6 +265,9 @@ fn serve(srv: &Server, sock: &TcpStream, served: &Arc<Served>) -> std::io::Resul
     let ctx = &*srv.ctx;
     let fd = sock.as_raw_fd();
     sock.set_nodelay(true)?;
+    // The target sends no heartbeats of its own; keepalive ends a serve thread whose
+    // initiator vanished without closing (a cut link) in about 25 s instead of never.
+    io::keepalive(fd, 10, 5, 3)?;
     sock.set_read_timeout(Some(ctx.handshake_timeout))?;
     let mut payload = Vec::new();
     let (_, hello) = io::recv_frame(fd, &mut payload)?;
