@@ -134,6 +134,14 @@ pub fn proto(e: wire::WireError) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e)
 }
 
+/// Bytes in a socket's send queue (not yet sent or not yet acknowledged), or None.
+pub fn queued_bytes(fd: RawFd) -> Option<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ (SIOCOUTQ) writes one c_int to the pointer, which is live.
+    let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut n as *mut libc::c_int) };
+    (r == 0).then_some(n as usize)
+}
+
 /// Turns on TCP keepalive: after `idle_s` seconds without traffic the kernel probes every
 /// `interval_s` seconds and reports the connection dead after `count` unanswered probes, so a
 /// blocked read on a connection whose peer vanished without a FIN ends.

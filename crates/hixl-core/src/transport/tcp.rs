@@ -409,7 +409,7 @@ impl TcpLink {
         unsafe { io::send_all(fd, &mut iovs[sent..]) }
     }
 
-    /// Probes the peer every `every` (a Heartbeat on each stream that is not busy sending) and
+    /// Probes the peer every `every` (a Heartbeat on each stream that is idle) and
     /// closes the link once the peer has made no progress for `liveness::MISSED` intervals.
     fn heartbeat(self: &Arc<Self>, every: Duration) {
         let probe = wire::encode(&Frame::Heartbeat, 0, 0);
@@ -425,8 +425,12 @@ impl TcpLink {
             }
             next = now + every;
             for s in &self.streams {
+                // Only on a stream nobody is writing to and whose send queue is empty, so the
+                // probe can never block this thread (a cut link leaves data queued; then the
+                // missing progress speaks for itself).
                 if let Ok(_g) = s.send_lock.try_lock() {
-                    if io::send_bytes(s.sock.as_raw_fd(), &probe).is_ok() {
+                    let fd = s.sock.as_raw_fd();
+                    if io::queued_bytes(fd) == Some(0) && io::send_bytes(fd, &probe).is_ok() {
                         probes_sent += probe.len() as u64;
                     }
                 }
