@@ -82,6 +82,18 @@ def page(doc: dict, png_name: str) -> str:
             )
         out.append("")
     out += [
+        "## Notes",
+        "",
+        "- Same host, 512 KiB to 2 MiB: requests up to 256 KiB are copied by the calling",
+        "  thread; larger ones are handed to the copy threads (`hixl.shm_threads`), and with",
+        "  one request in flight that hand-off (two wake-ups on this 2-core VM) costs more",
+        "  than the copy. More requests in flight (`--pipeline-depth`) partly hide it. Not",
+        "  fixed yet.",
+        "- Small blocks are bound by the per-request cost from Python (post, wait), not by",
+        "  copying: compare `p50 us` with the ratio columns.",
+        "- `x raw tcp` above 1 for small blocks: the raw baseline is a blocking ping-pong,",
+        "  while a hixl waiter spins briefly before it sleeps.",
+        "",
         "## Reproduce",
         "",
         "    pip install '.[plot]'",
