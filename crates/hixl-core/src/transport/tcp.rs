@@ -83,6 +83,8 @@ pub struct TcpLink {
     label: std::sync::OnceLock<&'static str>,
     coalesce: Duration,
     coalesce_max_ops: usize,
+    /// Wakes the heartbeat thread when the link closes (it sleeps a whole interval otherwise).
+    closing: (Mutex<()>, std::sync::Condvar),
 }
 
 fn connect_one(addr: SocketAddr, deadline: Instant, peer: &str) -> Result<TcpStream> {
@@ -243,6 +245,7 @@ impl TcpLink {
             label: std::sync::OnceLock::new(),
             coalesce: p.coalesce,
             coalesce_max_ops: p.coalesce_max_ops,
+            closing: (Mutex::new(()), std::sync::Condvar::new()),
         });
         if !p.heartbeat.is_zero() {
             let (l, every) = (link.clone(), p.heartbeat);
@@ -415,15 +418,19 @@ impl TcpLink {
         let probe = wire::encode(&Frame::Heartbeat, 0, 0);
         let mut live = Liveness::new(every, Instant::now());
         let mut probes_sent: u64 = 0;
-        let slice = every.min(Duration::from_millis(20));
-        let mut next = Instant::now() + every;
-        while self.is_alive() {
-            std::thread::sleep(slice);
-            let now = Instant::now();
-            if now < next {
-                continue;
+        loop {
+            {
+                // One wake-up per interval (an idle engine stays idle); close() rings earlier.
+                let g = self.closing.0.lock().unwrap();
+                if !self.is_alive() {
+                    return;
+                }
+                let _ = self.closing.1.wait_timeout(g, every).unwrap();
             }
-            next = now + every;
+            if !self.is_alive() {
+                return;
+            }
+            let now = Instant::now();
             for s in &self.streams {
                 // Only on a stream nobody is writing to and whose send queue is empty, so the
                 // probe can never block this thread (a cut link leaves data queued; then the
@@ -689,6 +696,10 @@ impl Link for TcpLink {
             tracing::info!(peer = %self.peer, reason = %why.message, "closing link");
             *self.reason.lock().unwrap() = Some(why);
             self.queue.close();
+            {
+                let _g = self.closing.0.lock().unwrap();
+                self.closing.1.notify_all();
+            }
             for s in &self.streams {
                 io::shutdown(s.sock.as_raw_fd());
             }
