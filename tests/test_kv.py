@@ -263,7 +263,14 @@ def test_same_roles_refuse_to_link(ranks, kv, mine: str) -> None:
         hixl.link([hixl.LLMClusterInfo.from_dict({"cluster_id": 0, "address": other.address})])
     assert e.value.status_code == "LLM_002003" and "not interchangeable" in str(e.value)
     mix = ranks(2, "mix")
+    mix.ok("alloc", name="m", shape=[64], dtype="uint8", seed=4)
     hixl.link([{"cluster_id": 2, "address": mix.address}])  # mix links with both
+    m = hixl.allocate_cache(np.zeros(64, np.uint8), name="m")
+    hixl.pull_cache(2, m)
+    assert m.array.tobytes() == filled((64,), 4, np.uint8).tobytes()
+    hixl.unlink([2])
+    with pytest.raises(hixl.LLMError, match="LLM_002004"):
+        hixl.pull_cache(2, m)
     with pytest.raises(hixl.LLMError, match="LLM_002004"):
         hixl.pull_cache(0, hixl.allocate_cache(np.zeros(64, np.uint8)))
 
