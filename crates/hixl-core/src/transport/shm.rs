@@ -24,6 +24,9 @@ use crate::wire::RegionEntry;
 
 /// Requests up to this size are copied by the calling thread (no hand-off, no wake-up).
 const INLINE_BYTES: u64 = 256 * 1024;
+/// How long a copy thread polls for the next request before it sleeps (see
+/// `WorkQueue::with_spin`): back-to-back requests then need no wake-up.
+const WORKER_SPIN: Duration = Duration::from_micros(100);
 /// A worker stops taking parts once it holds this many bytes.
 const BATCH_BYTES: u64 = 4 << 20;
 
@@ -236,7 +239,7 @@ impl ShmLink {
             direct_ok: AtomicBool::new(true),
             pidfd,
             workers,
-            queue: WorkQueue::with_lanes(queue_depth, workers),
+            queue: WorkQueue::with_lanes(queue_depth, workers).with_spin(WORKER_SPIN),
             next_lane: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
             threads: Workers::default(),

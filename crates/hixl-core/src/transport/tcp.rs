@@ -27,6 +27,9 @@ const BATCH_PARTS: usize = 64;
 const BATCH_BYTES: u64 = 256 * 1024;
 /// Requests up to this size may be sent by the calling thread (see `try_send_inline`).
 const INLINE_BYTES: u64 = 256 * 1024;
+/// How long a stream writer polls for the next request before it sleeps (see
+/// `WorkQueue::with_spin`).
+const WRITER_SPIN: Duration = Duration::from_micros(100);
 
 /// Connection parameters.
 #[derive(Clone, Debug)]
@@ -223,7 +226,7 @@ impl TcpLink {
             peer: peer.to_string(),
             table: RwLock::new(info.regions.clone()),
             info,
-            queue: WorkQueue::with_lanes(p.queue_depth, socks.len()),
+            queue: WorkQueue::with_lanes(p.queue_depth, socks.len()).with_spin(WRITER_SPIN),
             next_lane: AtomicUsize::new(0),
             streams: socks
                 .into_iter()
