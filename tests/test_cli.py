@@ -167,6 +167,25 @@ def test_target_and_initiator_roles(free_port: int) -> None:
     assert target.returncode == 0
 
 
+def test_a_hixl_error_is_one_line_and_exit_1(free_port: int) -> None:
+    r = hixl(
+        "bench",
+        "--role",
+        "initiator",
+        "--remote",
+        f"127.0.0.1:{free_port}",
+        "--block-sizes",
+        "4K",
+        "--iterations",
+        "2",
+        "--timeout-ms",
+        "500",
+    )
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hixl bench: TIMEOUT"), r.stderr
+
+
 def test_plot_writes_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "bw.png"

@@ -46,12 +46,17 @@ def build_parser() -> OneLineParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
+    from .. import HixlError
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
         print("hixl: interrupted", file=sys.stderr)
         return 130
+    except HixlError as exc:  # the run itself failed: say why in one line
+        print(f"hixl {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--timeout-ms",
         type=_positive,
         default=60_000,
-        help="per-request wait limit (default 60000)",
+        help="each request's deadline and the connect timeout (default 60000)",
     )
     g.add_argument(
         "--option",
@@ -480,7 +480,7 @@ class Sweep:
         local_ip = _local_ip_towards(self.remote)
         e.initialize(local_ip, {**self.plan.options, "hixl.transport": transport})
         e.register(self.local)
-        e.connect(self.remote, timeout_ms=10_000)
+        e.connect(self.remote, timeout_ms=self.plan.timeout_ms)
         mems = e.remote_mems(self.remote)
         cells = [m for m in mems if m.len == CELL_BYTES]
         datas = [m for m in mems if m.len != CELL_BYTES]
