@@ -9,20 +9,21 @@ from collections import deque
 
 from .._errors import HixlError, ParamInvalid
 from .._errors import Timeout as HixlTimeout
-from .._hixl import NotifyDesc, TransferOp, TransferReq, TransferStatus
+from .._hixl import NotifyDesc, TransferOp
 from ._cache import Cache
 from ._context import context
 from ._errors import LLMError
 from ._transfer import (
+    Pipeline,
     Request,
     TransferConfig,
     TransferTask,
     as_llm_error,
     check_fits,
-    descs,
-    layer_pairs,
+    layer_request,
     run_requests,
     same_geometry,
+    whole_requests,
 )
 
 #: Name of the notification a producer sends after each layer's bytes are visible; the message
@@ -157,20 +158,13 @@ def transfer_cache_async(
                 f"layerwise pull needs equal shapes: local {local_cache.shape}, "
                 f"remote {remote.shape} on rank {remote_rank}"
             )
-        reqs = []
-        for k in range(local_cache.num_layers):
-            p = layer_pairs(local_cache.info, remote, k)
-            reqs.append(
-                Request(
-                    remote_rank,
-                    peer.address,
-                    TransferOp.READ,
-                    descs(p),
-                    sum(x[2] for x in p),
-                    layer=k,
-                )
-            )
-        run_requests(ctx, task, reqs, cfg, on_done=lambda r: synchronizer._arrive(r.layer or 0))
+        reqs = whole_requests(local_cache.info, remote, remote_rank, peer.address, TransferOp.READ)
+
+        def arrived(r: Request) -> None:
+            assert r.layer is not None
+            synchronizer._arrive(r.layer)
+
+        run_requests(ctx, task, reqs, cfg, on_done=arrived)
 
     def push(task: TransferTask) -> None:
         peer, remote = ctx.remote_cache(remote_rank, name)
@@ -181,29 +175,13 @@ def transfer_cache_async(
                 f"remote {remote.shape} on rank {remote_rank}"
             )
         total = local_cache.num_layers
-        inflight: deque[tuple[int, int, TransferReq]] = deque()
-        submitted, finished = 0, 0
+        pipe = Pipeline(ctx, task, cfg, on_done=lambda r: task.mark("sent", r.layer or 0))
+        submitted = 0
         gap_deadline = time.monotonic() + cfg.timeout_ms / 1000
-
-        def reap() -> None:
-            nonlocal finished
-            k, n, h = inflight.popleft()
-            if h.wait(cfg.timeout_ms + 2000) != TransferStatus.COMPLETED:
-                h.result()
-                raise HixlTimeout(f"layer {k} to rank {remote_rank} still waiting")
-            task.mark("sent", k)
-            task.result.bytes += n
-            task.result.per_rank[remote_rank].bytes += n
-            finished += 1
-
-        while finished < total:
-            while inflight and inflight[0][2].status() != TransferStatus.WAITING:
-                reap()
-            if submitted == total:
-                if inflight:
-                    reap()
-                continue
-            k = synchronizer._take_ready(0.0005 if inflight else 0.05)
+        while submitted < total and not pipe.failed:
+            while pipe.reap(block=False):  # note finished layers while waiting for more
+                pass
+            k = synchronizer._take_ready(0.0005 if pipe.inflight else 0.05)
             if k is None:
                 if time.monotonic() > gap_deadline:
                     raise HixlTimeout(
@@ -212,16 +190,15 @@ def transfer_cache_async(
                     )
                 continue
             gap_deadline = time.monotonic() + cfg.timeout_ms / 1000
-            while len(inflight) >= cfg.max_concurrent:
-                reap()
-            p = layer_pairs(local_cache.info, remote, k)
             note = NotifyDesc(LAYER_NOTIFY, f"{ctx.rank}:{name}:{k}")
             task.mark("submitted", k)
-            h = ctx.engine.transfer_async(
-                peer.address, TransferOp.WRITE, descs(p), notify=note, timeout_ms=cfg.timeout_ms
+            pipe.submit(
+                layer_request(
+                    local_cache.info, remote, remote_rank, peer.address, TransferOp.WRITE, k, note
+                )
             )
-            inflight.append((k, sum(x[2] for x in p), h))
             submitted += 1
+        pipe.drain()
 
     body = pull if mode == "pull" else push
 

@@ -139,6 +139,70 @@ class TransferTask:
         return self.result
 
 
+class Pipeline:
+    """The requests of one task in flight: at most cfg.max_concurrent at a time, reaped in
+    submission order, their bytes counted per rank. A rank whose request fails is recorded
+    on the task and gets no more requests; the other ranks go on."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        task: TransferTask,
+        cfg: TransferConfig,
+        on_done: Callable[[Request], None] | None = None,
+    ) -> None:
+        self.ctx, self.task, self.cfg, self.on_done = ctx, task, cfg, on_done
+        self.inflight: deque[tuple[Request, TransferReq]] = deque()
+        self.failed: set[int] = set()
+
+    def _fail(self, r: Request, exc: HixlError) -> None:
+        self.failed.add(r.rank)
+        self.task.fail(LLMError.from_engine(exc, f"transfer with rank {r.rank}"), r.rank)
+
+    def submit(self, r: Request) -> None:
+        if r.rank in self.failed:
+            return
+        while len(self.inflight) >= self.cfg.max_concurrent:
+            self.reap()
+        try:
+            h = self.ctx.engine.transfer_async(
+                r.address, r.op, r.descs, notify=r.notify, timeout_ms=self.cfg.timeout_ms
+            )
+        except HixlError as exc:
+            self._fail(r, exc)
+            return
+        self.inflight.append((r, h))
+
+    def reap(self, block: bool = True) -> bool:
+        """Ends the oldest request (waiting for it unless `block` is False); False if there
+        was none to end."""
+        if not self.inflight or (
+            not block and self.inflight[0][1].status() == TransferStatus.WAITING
+        ):
+            return False
+        r, h = self.inflight.popleft()
+        st = h.wait(self.cfg.timeout_ms + 2000)
+        try:
+            if st != TransferStatus.COMPLETED:
+                h.result()
+                raise HixlTimeout(f"request to rank {r.rank} still waiting after its timeout")
+        except HixlError as exc:
+            self._fail(r, exc)
+            return True
+        self.task.result.bytes += r.nbytes
+        pr = self.task.result.per_rank.get(r.rank)
+        if pr is not None:
+            pr.bytes += r.nbytes
+            pr.elapsed_s = time.perf_counter() - self.task._t0
+        if self.on_done is not None:
+            self.on_done(r)
+        return True
+
+    def drain(self) -> None:
+        while self.reap():
+            pass
+
+
 def run_requests(
     ctx: Context,
     task: TransferTask,
@@ -146,46 +210,11 @@ def run_requests(
     cfg: TransferConfig,
     on_done: Callable[[Request], None] | None = None,
 ) -> None:
-    """Submits `reqs` in order keeping at most cfg.max_concurrent in flight; a rank whose
-    request fails gets no more requests, the other ranks go on."""
-    inflight: deque[tuple[Request, TransferReq]] = deque()
-    failed: set[int] = set()
-
-    def reap() -> None:
-        r, h = inflight.popleft()
-        st = h.wait(cfg.timeout_ms + 2000)
-        try:
-            if st != TransferStatus.COMPLETED:
-                h.result()
-                raise HixlTimeout(f"request to rank {r.rank} still waiting after its timeout")
-        except HixlError as exc:
-            failed.add(r.rank)
-            task.fail(LLMError.from_engine(exc, f"transfer with rank {r.rank}"), r.rank)
-            return
-        task.result.bytes += r.nbytes
-        pr = task.result.per_rank.get(r.rank)
-        if pr is not None:
-            pr.bytes += r.nbytes
-            pr.elapsed_s = time.perf_counter() - task._t0
-        if on_done is not None:
-            on_done(r)
-
+    """Submits `reqs` in order through a Pipeline and waits for all of them."""
+    pipe = Pipeline(ctx, task, cfg, on_done)
     for r in reqs:
-        if r.rank in failed:
-            continue
-        while len(inflight) >= cfg.max_concurrent:
-            reap()
-        try:
-            h = ctx.engine.transfer_async(
-                r.address, r.op, r.descs, notify=r.notify, timeout_ms=cfg.timeout_ms
-            )
-        except HixlError as exc:
-            failed.add(r.rank)
-            task.fail(LLMError.from_engine(exc, f"transfer with rank {r.rank}"), r.rank)
-            continue
-        inflight.append((r, h))
-    while inflight:
-        reap()
+        pipe.submit(r)
+    pipe.drain()
 
 
 def descs(pairs: list[tuple[int, int, int]]) -> np.ndarray:
@@ -210,6 +239,20 @@ def layer_pairs(local: CacheInfo, remote: CacheInfo, layer: int) -> list[tuple[i
     return [(local.addr + off, remote.addr + off, n) for off, n in local.layer_ranges(layer)]
 
 
+def layer_request(
+    local: CacheInfo,
+    remote: CacheInfo,
+    rank: int,
+    address: str,
+    op: TransferOp,
+    layer: int,
+    notify: NotifyDesc | None = None,
+) -> Request:
+    """The request moving one layer between two caches of the same geometry."""
+    p = layer_pairs(local, remote, layer)
+    return Request(rank, address, op, descs(p), sum(x[2] for x in p), layer, notify)
+
+
 def whole_requests(
     local: CacheInfo,
     remote: CacheInfo,
@@ -221,11 +264,7 @@ def whole_requests(
     """Requests moving the source's bytes: one per layer when both caches have the same
     geometry, 16 MiB pieces of the byte range otherwise."""
     if same_geometry(local, remote):
-        out = []
-        for k in range(local.num_layers):
-            p = layer_pairs(local, remote, k)
-            out.append(Request(rank, address, op, descs(p), sum(x[2] for x in p), layer=k))
-        return out
+        return [layer_request(local, remote, rank, address, op, k) for k in range(local.num_layers)]
     n = remote.nbytes if op == TransferOp.READ else local.nbytes
     return [
         Request(
