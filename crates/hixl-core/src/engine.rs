@@ -527,7 +527,9 @@ impl Engine {
         if let Some(n) = &notify {
             check_notify(n)?;
         }
-        let (segs, pins, bytes) = validate(&r, &conn, remote, descs, op == TransferOp::Write)?;
+        let write = op == TransferOp::Write;
+        let (segs, pins, bytes) =
+            with_fresh_table(&r, &conn, |miss| validate(&r, &conn, remote, descs, write, miss))?;
         let parts = split(segs, bytes, conn.link.parallelism(), r.opts.split_bytes);
         let bodies = parts.into_iter().map(PartBody::Data).collect();
         self.submit(&r, &conn, remote, op, bodies, bytes, descs.len(), pins, notify, timeout)
@@ -654,7 +656,9 @@ impl Engine {
             check_notify(n)?;
         }
         let write = op == TransferOp::Write;
-        let (st, pins) = validate_strided(&r, &conn, remote, local_base, remote_base, d, write)?;
+        let (st, pins) = with_fresh_table(&r, &conn, |miss| {
+            validate_strided(&r, &conn, remote, (local_base, remote_base), d, write, miss)
+        })?;
         let shares = if st.bytes() >= r.opts.split_bytes { conn.link.parallelism() } else { 1 };
         let bodies: Vec<PartBody> = st.split(shares).into_iter().map(PartBody::Strided).collect();
         self.submit(&r, &conn, remote, op, bodies, st.bytes(), 1, pins, notify, timeout)
@@ -780,6 +784,27 @@ fn remember(conn: &PeerConn, req: &Arc<Request>) {
     recent.push(Arc::downgrade(req));
 }
 
+/// Runs a validation; when it failed only because a remote range is missing from our copy of
+/// the peer's table, asks the peer for its current table once and validates again. A range
+/// the peer registered a moment ago (and announced through another channel) then works,
+/// while a wrong range still fails, one round trip later.
+fn with_fresh_table<T>(
+    r: &Running,
+    conn: &PeerConn,
+    mut check: impl FnMut(&mut bool) -> Result<T>,
+) -> Result<T> {
+    let mut miss = false;
+    match check(&mut miss) {
+        Err(e) if miss => {
+            if conn.link.refresh_table(r.opts.handshake_timeout).is_err() {
+                return Err(e);
+            }
+            check(&mut false)
+        }
+        other => other,
+    }
+}
+
 /// Checks every descriptor, pins the local regions, merges adjacent descriptors.
 fn validate(
     r: &Running,
@@ -787,6 +812,7 @@ fn validate(
     remote: &str,
     descs: &[TransferOpDesc],
     write: bool,
+    remote_miss: &mut bool,
 ) -> Result<(Vec<SegPair>, Vec<Pin>, u64)> {
     let table = conn.link.table();
     let holder: Arc<dyn Abort> = conn.link.clone();
@@ -807,11 +833,12 @@ fn validate(
         }
         match table.find(d.remote_addr, d.len) {
             None => {
+                *remote_miss = true;
                 return Err(Error::param(format!(
                     "descriptor {i}: remote range 0x{:x}+{} is not inside a region registered at \
                      {remote} (as of its last region-table update)",
                     d.remote_addr, d.len
-                )))
+                )));
             }
             Some(e) if write && !e.writable => {
                 return Err(Error::param(format!(
@@ -833,10 +860,10 @@ fn validate_strided(
     r: &Running,
     conn: &PeerConn,
     remote: &str,
-    local_base: u64,
-    remote_base: u64,
+    (local_base, remote_base): (u64, u64),
     d: &StridedDesc,
     write: bool,
+    remote_miss: &mut bool,
 ) -> Result<(Strided, Vec<Pin>)> {
     let rstride = d.remote_stride.unwrap_or(d.stride);
     if d.count == 0 {
@@ -883,9 +910,10 @@ fn validate_strided(
     let pin = region.pin(conn.link.clone())?;
     match conn.link.table().find(remote_base, rspan) {
         None => {
+            *remote_miss = true;
             return Err(Error::param(format!(
             "remote strided range 0x{remote_base:x}+{rspan} is not inside one region registered at {remote}"
-        )))
+        )));
         }
         Some(e) if write && !e.writable => return Err(read_only(remote_base, rspan)),
         Some(_) => {}

@@ -633,3 +633,26 @@ fn lifecycle_finalize_with_requests_in_flight_twice_and_after() {
         drop(p);
     }
 }
+
+#[test]
+fn a_range_the_peer_registered_a_moment_ago_is_found() {
+    // The initiator learns of the range "out of band" (here: directly) before the peer's
+    // table update can have arrived; the engine asks the peer for its table on the miss.
+    for transport in ["tcp", "shm"] {
+        let mut p = pair(4096, &[("hixl.transport", transport)]);
+        fill(&mut p.abuf[..64], 11);
+        let la = p.abuf.as_ptr() as u64;
+        for _ in 0..50 {
+            let mut fresh = vec![0u8; 4096];
+            let h =
+                p.b.register_mem(MemDesc { addr: fresh.as_mut_ptr() as u64, len: 4096 }, MemType::Host)
+                    .unwrap();
+            p.a.put(&p.peer, la, h.addr, 64, T).unwrap();
+            assert_eq!(&fresh[..64], &p.abuf[..64], "{transport}");
+            p.b.deregister_mem(&h).unwrap();
+        }
+        // A range that is registered nowhere still fails.
+        let e = p.a.put(&p.peer, la, 0x10, 64, T).unwrap_err();
+        assert_eq!(e.status, Status::ParamInvalid, "{e}");
+    }
+}

@@ -183,27 +183,7 @@ class Context:
                 f"cache {name!r} does not exist on rank {rank} "
                 f"(it has: {sorted(p.caches) or 'none'})",
             )
-        if name not in p.verified:
-            self._await_region(p, info)
-            p.verified.add(name)
         return p, info
-
-    def _await_region(self, p: PeerDirectory, info: CacheInfo, timeout_s: float = 5.0) -> None:
-        """Waits until this engine's copy of the peer's region table covers the cache: the
-        directory can be read a moment before the table update of a new registration has
-        arrived (both leave the peer when it allocates the cache)."""
-        lo, hi = info.addr, info.addr + info.nbytes
-        deadline = time.monotonic() + timeout_s
-        while not any(
-            m.addr <= lo and hi <= m.addr + m.len for m in self.engine.remote_mems(p.address)
-        ):
-            if time.monotonic() > deadline:
-                raise LLMError(
-                    LLM_CACHE_NOT_FOUND,
-                    f"cache {info.name!r} is in the directory of rank {p.rank}, but its memory "
-                    f"0x{lo:x}+{info.nbytes} is not registered there after {timeout_s} s",
-                )
-            time.sleep(0.001)
 
     # -- caches --------------------------------------------------------------------------
 

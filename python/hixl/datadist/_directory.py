@@ -87,8 +87,6 @@ class PeerDirectory:
     role: str
     dir_addr: int
     caches: dict[str, CacheInfo]
-    #: caches whose memory this engine has seen in the peer's region table
-    verified: set[str] = field(default_factory=set)
 
 
 class DirectoryReader:

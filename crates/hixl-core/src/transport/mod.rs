@@ -41,6 +41,10 @@ pub trait Link: crate::registry::Abort + Send + Sync {
     fn peer_info(&self) -> PeerInfo;
     /// The peer's current region table; hold the guard only briefly (updates wait for it).
     fn table(&self) -> std::sync::RwLockReadGuard<'_, RemoteTable>;
+    /// Asks the peer for its current region table and waits (up to `timeout`) until it is
+    /// installed: for a range the peer registered so recently that its update is still on
+    /// the way (it told us about the range through another channel).
+    fn refresh_table(&self, timeout: std::time::Duration) -> Result<()>;
     /// How many workers can carry shares of one request in parallel.
     fn parallelism(&self) -> usize;
     /// Queues the parts of one request; `extra_slots` more queue slots are reserved for

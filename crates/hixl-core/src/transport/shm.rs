@@ -438,6 +438,10 @@ impl Link for ShmLink {
         self.tcp.table()
     }
 
+    fn refresh_table(&self, timeout: Duration) -> Result<()> {
+        self.tcp.refresh_table(timeout)
+    }
+
     fn parallelism(&self) -> usize {
         self.workers
     }

@@ -86,6 +86,9 @@ pub struct TcpLink {
     label: std::sync::OnceLock<&'static str>,
     coalesce: Duration,
     coalesce_max_ops: usize,
+    /// Counts installed region tables (updates and query answers); `refresh_table` waits
+    /// for it to move.
+    tables: (Mutex<u64>, std::sync::Condvar),
     /// Wakes the heartbeat thread when the link closes (it sleeps a whole interval otherwise).
     closing: (Mutex<()>, std::sync::Condvar),
 }
@@ -249,6 +252,7 @@ impl TcpLink {
             coalesce: p.coalesce,
             coalesce_max_ops: p.coalesce_max_ops,
             closing: (Mutex::new(()), std::sync::Condvar::new()),
+            tables: (Mutex::new(0), std::sync::Condvar::new()),
         });
         if !p.heartbeat.is_zero() {
             let (l, every) = (link.clone(), p.heartbeat);
@@ -463,6 +467,14 @@ impl TcpLink {
         }
     }
 
+    /// Replaces the peer's region table (waiting for direct copies that hold the old one) and
+    /// wakes `refresh_table` callers.
+    fn install_table(&self, regions: Vec<crate::wire::RegionEntry>) {
+        *self.table.write().unwrap() = RemoteTable::new(regions);
+        *self.tables.0.lock().unwrap() += 1;
+        self.tables.1.notify_all();
+    }
+
     fn reader(self: &Arc<Self>, s: &Stream) {
         let fd = s.sock.as_raw_fd();
         let mut payload = Vec::new();
@@ -503,9 +515,10 @@ impl TcpLink {
                     self.finish_part(p.part, res);
                 }
                 Frame::HeartbeatAck => {}
+                Frame::RegionsTable { regions } => self.install_table(regions),
                 Frame::RegionsUpdate { version, regions } => {
                     // Waits for direct copies that use the old table, then confirms.
-                    *self.table.write().unwrap() = RemoteTable::new(regions);
+                    self.install_table(regions);
                     let ack = wire::encode(&Frame::RegionsAck { version }, 0, 0);
                     let sent = {
                         let _g = s.send_lock.lock().unwrap();
@@ -649,6 +662,29 @@ impl Link for TcpLink {
 
     fn table(&self) -> RwLockReadGuard<'_, RemoteTable> {
         self.table.read().unwrap()
+    }
+
+    fn refresh_table(&self, timeout: Duration) -> Result<()> {
+        let seen = *self.tables.0.lock().unwrap();
+        // On the first stream: the one the peer sends its table updates on, so the answer
+        // comes after every update sent before it.
+        let s = &self.streams[0];
+        let query = wire::encode(&Frame::RegionsQuery, 0, 0);
+        {
+            let _g = s.send_lock.lock().unwrap();
+            io::send_bytes(s.sock.as_raw_fd(), &query)
+                .map_err(|e| Error::not_connected(format!("stream to {} failed: {e}", self.peer)))?;
+        }
+        let deadline = Instant::now() + timeout;
+        let mut n = self.tables.0.lock().unwrap();
+        while *n == seen {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if !self.is_alive() || left.is_zero() {
+                return Err(Error::timeout(format!("{} did not send its region table in time", self.peer)));
+            }
+            n = self.tables.1.wait_timeout(n, left.min(Duration::from_millis(50))).unwrap().0;
+        }
+        Ok(())
     }
 
     fn parallelism(&self) -> usize {
