@@ -33,7 +33,6 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -41,292 +40,15 @@ import numpy as np
 from .. import Hixl, HixlError, StridedDesc, TransferOp, TransferStatus, aligned_empty
 from .._hixl import _raw_cma, _raw_memcpy, _raw_tcp_send
 from . import _report
+from ._bench_plan import OPS, Plan, add_arguments, make_plan, options_of, plan_meta
 from ._machine import describe, host_hash
-from ._sizes import human, parse_count_list, parse_size, parse_size_list
+from ._sizes import human
 from ._target import CELL_BYTES, Cell, serve
 
 NAME = "bench"
 HELP = "measure bandwidth, latency and CPU cost (sweeps, checks, baselines, JSON/CSV/plot)"
-
-QUICK_BLOCKS = "4K,64K,1M,16M"
 CORRUPT_ENV = "HIXL_BENCH_CORRUPT"
-_OPS = {"write": TransferOp.WRITE, "read": TransferOp.READ}
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("roles")
-    g.add_argument(
-        "--role",
-        choices=["local", "target", "initiator"],
-        default="local",
-        help="local (default): start a target here; target: serve; initiator: "
-        "measure against --remote",
-    )
-    g.add_argument(
-        "--listen",
-        default=None,
-        metavar="IP:PORT",
-        help="target: address to listen on (default 127.0.0.1:0)",
-    )
-    g.add_argument("--remote", default=None, metavar="IP:PORT", help="initiator: the target")
-    g.add_argument(
-        "--target-mem",
-        type=parse_size,
-        default=None,
-        metavar="SIZE",
-        help="target: bytes to register (default 256M; local role: what the sweep needs)",
-    )
-    g.add_argument("--until-stdin-closes", action="store_true", help=argparse.SUPPRESS)
-    g = p.add_argument_group("what to move")
-    g.add_argument(
-        "--op",
-        default="write,read",
-        type=_op_list,
-        metavar="OPS",
-        help="write, read or both as 'write,read' (default)",
-    )
-    g.add_argument(
-        "--transport",
-        default=None,
-        type=_transport_list,
-        metavar="LIST",
-        help="auto|shm|tcp, comma-separated for one line each (default auto; --quick: auto,tcp)",
-    )
-    g.add_argument(
-        "--block-sizes",
-        type=parse_size_list,
-        default=None,
-        metavar="SIZES",
-        help="bytes per descriptor: a range of powers of two '4K-64M' (default) or a list '4K,1M'",
-    )
-    g.add_argument(
-        "--batch-sizes",
-        type=parse_count_list,
-        default=None,
-        metavar="COUNTS",
-        help="descriptors per request, e.g. '1,16,256' or '1-256' (default 1)",
-    )
-    g.add_argument(
-        "--max-request",
-        type=parse_size,
-        default=parse_size("256M"),
-        metavar="SIZE",
-        help="skip rows whose block x batch exceeds this (default 256M)",
-    )
-    g.add_argument(
-        "--scatter",
-        action="store_true",
-        help="remote blocks in a permuted order, so nothing can be merged",
-    )
-    g.add_argument(
-        "--strided",
-        action="store_true",
-        help="each request is one strided descriptor (count=batch, size=block, "
-        "remote stride 2 x block)",
-    )
-    g = p.add_argument_group("how")
-    g.add_argument("--streams", type=_positive, default=None, help="hixl.streams (TCP connections)")
-    g.add_argument(
-        "--threads",
-        type=_positive,
-        default=1,
-        help="initiator threads submitting requests (default 1)",
-    )
-    g.add_argument(
-        "--pipeline-depth",
-        type=_positive,
-        default=1,
-        help="requests in flight per thread (default 1)",
-    )
-    g.add_argument(
-        "--iterations",
-        type=_positive,
-        default=None,
-        help="timed requests per row (default: about 1 GiB, 16..20000 requests)",
-    )
-    g.add_argument(
-        "--warmup",
-        type=_non_negative,
-        default=None,
-        help="untimed requests per row (default: one per slot, at least 4)",
-    )
-    g.add_argument(
-        "--timeout-ms",
-        type=_positive,
-        default=60_000,
-        help="each request's deadline and the connect timeout (default 60000)",
-    )
-    g.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="any engine option for both sides, e.g. hixl.shm_threads=4 (repeatable)",
-    )
-    g.add_argument(
-        "--check",
-        action="store_true",
-        help="verify the bytes after each row (fresh random data per row)",
-    )
-    g.add_argument(
-        "--baseline",
-        action="store_true",
-        help="also measure memcpy, raw process_vm_writev and raw sockets; print ratios",
-    )
-    g.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"a representative subset in under 30 s ({QUICK_BLOCKS}, write+read, auto+tcp)",
-    )
-    g.add_argument("--seed", type=int, default=1, help="seed for data and permutations")
-    g = p.add_argument_group("output")
-    g.add_argument(
-        "--json",
-        nargs="?",
-        const="-",
-        default=None,
-        metavar="PATH",
-        help="write JSON (to stdout when no PATH: the table is then left out)",
-    )
-    g.add_argument(
-        "--csv",
-        nargs="?",
-        const="-",
-        default=None,
-        metavar="PATH",
-        help="write CSV (to stdout when no PATH)",
-    )
-    g.add_argument(
-        "--plot",
-        default=None,
-        metavar="PNG",
-        help="draw bandwidth vs block size (needs matplotlib: pip install 'hixl[plot]')",
-    )
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return v
-
-
-def _non_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
-    return v
-
-
-def _op_list(text: str) -> list[str]:
-    ops = [o.strip().lower() for o in text.split(",")]
-    bad = [o for o in ops if o not in _OPS]
-    if bad or not ops:
-        raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r}: ops are read and write")
-    return list(dict.fromkeys(ops))
-
-
-def _transport_list(text: str) -> list[str]:
-    ts = [t.strip().lower() for t in text.split(",")]
-    bad = [t for t in ts if t not in ("auto", "shm", "tcp")]
-    if bad:
-        raise argparse.ArgumentTypeError(f"{bad[0]!r}: transports are auto, shm and tcp")
-    return list(dict.fromkeys(ts))
-
-
-def _options(args: argparse.Namespace, p: argparse.ArgumentParser) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for kv in args.option:
-        key, sep, value = kv.partition("=")
-        if not sep or not key:
-            p.error(f"argument --option: {kv!r} is not KEY=VALUE")
-        out[key.strip()] = value.strip()
-    if args.streams:
-        out["hixl.streams"] = str(args.streams)
-    return out
-
-
-@dataclass
-class Plan:
-    """Everything a sweep needs decided before the first byte moves."""
-
-    ops: list[str]
-    transports: list[str]
-    blocks: list[int]
-    batches: list[int]
-    threads: int
-    depth: int
-    scatter: bool
-    strided: bool
-    check: bool
-    baseline: bool
-    iterations: int | None
-    warmup: int | None
-    timeout_ms: int
-    quick: bool
-    seed: int
-    options: dict[str, str]
-    shapes: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def slots(self) -> int:
-        return self.threads * self.depth
-
-    @property
-    def slot_bytes(self) -> int:
-        """Local bytes of one in-flight request at the largest shape."""
-        return max(b * n for b, n in self.shapes)
-
-    @property
-    def remote_slot_bytes(self) -> int:
-        return self.slot_bytes * (2 if self.strided else 1)
-
-    @property
-    def remote_bytes(self) -> int:
-        return self.slots * self.remote_slot_bytes
-
-    def iters_for(self, req_bytes: int) -> int:
-        if self.iterations:
-            return self.iterations
-        budget, lo, hi = ((128 << 20), 8, 2000) if self.quick else ((1 << 30), 16, 20000)
-        n = -(-budget // req_bytes)
-        return max(lo, self.slots, min(hi, n))
-
-
-def make_plan(args: argparse.Namespace, p: argparse.ArgumentParser) -> Plan:
-    blocks = args.block_sizes or parse_size_list(QUICK_BLOCKS if args.quick else "4K-64M")
-    batches = args.batch_sizes or [1]
-    if args.strided and any(b % 64 for b in blocks):
-        p.error("--strided needs block sizes that are multiples of 64 bytes")
-    shapes = [(b, n) for n in batches for b in blocks if b * n <= args.max_request]
-    if not shapes:
-        p.error(f"no block x batch fits --max-request {human(args.max_request)}")
-    transports = args.transport or (["auto", "tcp"] if args.quick else ["auto"])
-    return Plan(
-        ops=args.op,
-        transports=transports,
-        blocks=blocks,
-        batches=batches,
-        threads=args.threads,
-        depth=args.pipeline_depth,
-        scatter=args.scatter,
-        strided=args.strided,
-        check=args.check,
-        baseline=args.baseline,
-        iterations=args.iterations,
-        warmup=args.warmup,
-        timeout_ms=args.timeout_ms,
-        quick=args.quick,
-        seed=args.seed,
-        options=_options(args, p),
-        shapes=shapes,
-    )
+__all__ = ["HELP", "NAME", "add_arguments", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -337,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return serve(
             args.listen or "127.0.0.1:0",
             args.target_mem or (256 << 20),
-            _options(args, p),
+            options_of(args, p),
             args.until_stdin_closes,
         )
     if args.role == "initiator" and not args.remote:
@@ -358,30 +80,12 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if target is not None:
             _stop_target(target)
-    meta = {"machine": describe(), "argv": sys.argv[1:], "plan": _plan_meta(plan)}
+    meta = {"machine": describe(), "argv": sys.argv[1:], "plan": plan_meta(plan)}
     _report.emit(rows, meta, json_path=args.json, csv_path=args.csv, plot_path=args.plot)
     failed = [r for r in rows if r.get("check") not in (None, "ok")]
     for r in failed:
         print(f"hixl bench: check FAILED: {r['check']}", file=sys.stderr)
     return 1 if failed else 0
-
-
-def _plan_meta(plan: Plan) -> dict[str, Any]:
-    keys = (
-        "ops",
-        "transports",
-        "blocks",
-        "batches",
-        "threads",
-        "depth",
-        "scatter",
-        "strided",
-        "check",
-        "baseline",
-        "quick",
-        "options",
-    )
-    return {k: getattr(plan, k) for k in keys}
 
 
 def _start_target(plan: Plan) -> tuple[subprocess.Popen[str], str]:
@@ -525,7 +229,7 @@ class Sweep:
     def row(
         self, e: Hixl, backend: str, target: Cell, op_name: str, block: int, batch: int
     ) -> dict[str, Any]:
-        plan, op = self.plan, _OPS[op_name]
+        plan, op = self.plan, OPS[op_name]
         req_bytes = block * batch
         perm = (self.rng.permutation(batch) if plan.scatter else np.arange(batch)).astype(np.uint64)
         slot_descs = [
