@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hixl import Hixl
 from hixl.cli._report import COLUMNS
 
 HIXL = shutil.which("hixl", path=str(Path(sys.executable).parent)) or shutil.which("hixl")
@@ -38,7 +40,7 @@ def test_console_script_is_installed() -> None:
     assert HIXL is not None, "pip install should put a 'hixl' script next to the interpreter"
 
 
-@pytest.mark.parametrize("sub", [[], ["bench"], ["info"], ["demo"]])
+@pytest.mark.parametrize("sub", [[], ["bench"], ["info"], ["demo"], ["secret"]])
 def test_every_subcommand_has_help(sub: list[str]) -> None:
     r = hixl(*sub, "--help")
     assert r.returncode == 0, r.stderr
@@ -231,3 +233,19 @@ def test_info_reports_transports_and_options() -> None:
     assert "/" in info["host_identity"]
     text = hixl("info")
     assert text.returncode == 0 and "transports:" in text.stdout
+
+
+def test_secret_prints_a_fresh_strong_secret() -> None:
+    outs = []
+    for _ in range(2):
+        r = hixl("secret")
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+        assert re.fullmatch(r"[0-9a-f]{64}\n", r.stdout), repr(r.stdout)
+        outs.append(r.stdout.strip())
+    assert outs[0] != outs[1], "two runs printed the same secret"
+    # What it prints is a secret that an engine accepts.
+    with Hixl() as e:
+        e.initialize("127.0.0.1", {"hixl.secret": outs[0]})
+    help_text = " ".join(hixl("secret", "--help").stdout.split())
+    for words in ("hixl.secret", "HIXL_SECRET", "32 hex characters"):
+        assert words in help_text, help_text

@@ -112,6 +112,33 @@ def test_options_are_checked():
     assert "hixl.streams" in keys and "hixl.transfer_timeout_ms" in keys
 
 
+@pytest.mark.parametrize(
+    "weak",
+    [
+        "summer2024",  # a password: guessed offline in 117 tries in the security review
+        "0123456789abcdef0123456789abcde",  # 31 hex characters: one short
+        "correct-horse-battery-staple-not-hex-40c",  # 40 characters, not hex
+    ],
+)
+@pytest.mark.parametrize("via", ["option", "env"])
+def test_weak_secrets_are_refused(weak: str, via: str, monkeypatch: pytest.MonkeyPatch):
+    options = {"hixl.secret": weak} if via == "option" else {}
+    if via == "env":
+        monkeypatch.setenv("HIXL_SECRET", weak)
+    with hixl.Hixl() as e, pytest.raises(hixl.ParamInvalid, match="hixl secret") as ei:
+        e.initialize("127.0.0.1", options)
+    assert ei.value.code == 103900 and weak not in str(ei.value), str(ei.value)
+
+
+@pytest.mark.parametrize(
+    "strong",
+    ["0123456789abcdefABCDEF0123456789", "3f" * 32],  # 32 (mixed case) and 64 hex
+)
+def test_strong_secrets_are_accepted(strong: str):
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1", {"hixl.secret": strong})
+
+
 def test_connect_timeout_and_not_connected(engine):
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

@@ -12,10 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import _wire as w
 import numpy as np
 import pytest
 
 import hixl
+from hixl.datadist._directory import DIR_BYTES, HEADER, MAGIC
 
 WORKER = str(Path(__file__).with_name("_kv_worker.py"))
 SHAPE = (8, 2, 16, 4, 2, 64)  # layers, K/V, blocks, block_tokens, kv_heads, head_dim
@@ -309,3 +311,105 @@ def test_bad_arguments(kv) -> None:
         hixl.transfer_cache_async(0, c, hixl.LayerSynchronizer(8))
     with pytest.raises(hixl.ParamInvalid, match="not C-contiguous"):
         hixl.allocate_cache(np.zeros((8, 8), np.uint8)[:, ::2])
+
+
+def test_ranks_link_both_ways(ranks) -> None:
+    # Each rank reads the other's directory into its scratch buffer; neither may then take
+    # the other's scratch (holding a copy of its own directory) for the other's directory.
+    a, b = ranks(0, "prompt"), ranks(1, "decoder")
+    a.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=3)
+    b.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=None)
+    a.ok("link", ranks=[{"cluster_id": 1, "address": b.address}])
+    b.ok("link", ranks=[{"cluster_id": 0, "address": a.address}])
+    b.ok("pull", rank=0, name="kv")
+    assert b.array("kv", (4, 512), np.uint8).tobytes() == filled((4, 512), 3, np.uint8).tobytes()
+
+
+def directories(e: hixl.Hixl, address: str, scratch: np.ndarray) -> list[hixl.MemDesc]:
+    """The regions of `address` whose first 8 bytes are the directory magic number."""
+    found = []
+    for m in e.remote_mems(address):
+        if m.len >= HEADER:
+            e.get(address, scratch.ctypes.data, m.addr, 8, 5000)
+            if int(scratch[:8].view(np.uint64)[0]) == MAGIC:
+                found.append(m)
+    return found
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_directory_is_read_only_for_peers(ranks, transport: str) -> None:
+    """Security finding 11: a peer rewrites a rank's directory to send other ranks to the
+    wrong regions. Every peer may read it; none may write it, by engine or raw frame."""
+    victim = ranks(0, "prompt")
+    victim.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=9)
+    with hixl.Hixl() as e:  # the attacker: a plain engine, no KV layer
+        e.initialize("127.0.0.1", {"hixl.transport": transport})
+        mine = hixl.aligned_empty(DIR_BYTES)
+        mine[:] = 0
+        e.register(mine)
+        e.connect(victim.address, timeout_ms=5000)
+        found = directories(e, victim.address, mine)
+        assert len(found) == 1 and found[0].len == DIR_BYTES, found
+        d = found[0]
+        e.get(victim.address, mine.ctypes.data, d.addr, d.len, 5000)
+        before = mine.copy()
+        assert b'"rank":0' in before.tobytes() and b'"kv"' in before.tobytes()
+        mine[:] = 0xEE
+        for off, n in ((0, HEADER), (HEADER, 4096), (0, d.len)):
+            with pytest.raises(hixl.ParamInvalid, match="read-only") as ei:
+                e.put(victim.address, mine.ctypes.data, d.addr + off, n, 5000)
+            assert ei.value.code == hixl.Status.PARAM_INVALID
+        e.get(victim.address, mine.ctypes.data, d.addr, d.len, 5000)
+        assert (mine == before).all(), "the directory changed"
+    # A raw client skips the initiator's own check: the target must refuse the frame itself.
+    host, port = victim.address.rsplit(":", 1)
+    st, _ = w.connect((host, int(port)))
+    with st:
+        st.send(w.WRITE, w.segs([(d.addr, 64)]), tag=1, bulk=b"\xee" * 64)
+        status, message, _ = st.answer(w.ACK)
+        assert status == hixl.Status.PARAM_INVALID and "read-only" in message, message
+    # The directory still sends other ranks to the right cache.
+    decoder = ranks(1, "decoder")
+    decoder.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=None)
+    decoder.ok("link", ranks=[{"cluster_id": 0, "address": victim.address}])
+    decoder.ok("pull", rank=0, name="kv")
+    got = decoder.array("kv", (4, 512), np.uint8).tobytes()
+    assert got == filled((4, 512), 9, np.uint8).tobytes()
+
+
+def test_malformed_directory_is_an_llm_error(kv) -> None:
+    """A malicious target publishes a directory of its own making: linking to it fails with
+    an LLMError naming it, whatever the bytes, and never with a stray exception."""
+    kv(cluster_id=1, role="decoder")
+    good = {"name": "kv", "shape": [4, 8], "dtype": "uint8", "addr": 4096, "nbytes": 32}
+    bodies = [
+        b"\xee" * 64,  # not UTF-8
+        b"[" * 100_000,  # nested past the parser's depth
+        b"[1, 2]",
+        b'{"rank": 0}',
+        json.dumps({"rank": "zero", "role": "prompt", "caches": []}).encode(),
+        json.dumps({"rank": 0, "role": "prompt", "caches": "kv"}).encode(),
+        json.dumps({"rank": 0, "role": "prompt", "caches": [{"name": "kv"}]}).encode(),
+        json.dumps(
+            {"rank": 0, "role": "prompt", "caches": [{**good, "layer_axis": 5, "block_axis": 1}]}
+        ).encode(),
+        json.dumps(
+            {
+                "rank": 0,
+                "role": "prompt",
+                "caches": [{**good, "dtype": "nope", "layer_axis": 0, "block_axis": None}],
+            }
+        ).encode(),
+    ]
+    with hixl.Hixl() as fake:
+        fake.initialize("127.0.0.1:0")
+        buf = hixl.aligned_empty(DIR_BYTES)
+        buf[:] = 0
+        fake.register(buf, access="r")
+        words = buf[:HEADER].view(np.uint64)
+        for body in bodies:
+            buf[HEADER : HEADER + len(body)] = np.frombuffer(body, np.uint8)
+            words[0], words[1], words[2] = MAGIC, 2, len(body)
+            with pytest.raises(hixl.LLMError, match="malformed KV-cache directory") as e:
+                hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
+            assert e.value.status_code == "LLM_002004", body[:40]

@@ -17,8 +17,9 @@ use crate::options::{Options, Transport};
 use crate::queue::{NotifyDesc, Part, PartBody, Request, SegPair, Strided, TransferOp, TransferStatus};
 use crate::registry::{read_only, Abort, Access, MemType, Pin, Registry};
 use crate::stats::LatencySummary;
+use crate::transport::local;
 use crate::transport::server::{Server, ServerCtx};
-use crate::transport::shm::{self, Probe, SharedMem, ShmLink};
+use crate::transport::shm::{self, SharedMem, ShmLink};
 use crate::transport::tcp::{ConnectParams, TcpLink};
 use crate::transport::Link;
 use crate::wire::MAX_DESCS;
@@ -129,8 +130,6 @@ enum PeerSlot {
 struct Running {
     local_engine: String,
     host: String,
-    /// Read by same-host peers at connect to prove direct access (lives as long as the engine).
-    _probe: Probe,
     opts: Options,
     pid: u32,
     registry: Arc<Registry>,
@@ -201,10 +200,9 @@ impl Engine {
             return Err(Error::failed("the engine was finalized; create a new one"));
         }
         let registry = Arc::new(Registry::new());
-        let notifies = Arc::new(NotifyStore::new(opts.max_notifies));
+        let notifies = Arc::new(NotifyStore::new(opts.notify_limits));
         let pid = std::process::id();
         let host = shm::host_id();
-        let probe = Probe::new();
         let bare = local_engine.trim_start_matches('[').trim_end_matches(']');
         let (local, server) = if let Ok(ip) = bare.parse::<IpAddr>() {
             // Client only: an id that is unique per process.
@@ -216,14 +214,14 @@ impl Engine {
             let bound = l.local_addr().map_err(|e| Error::failed(e.to_string()))?.to_string();
             let ctx = Arc::new(ServerCtx {
                 engine_id: bound.clone(),
-                pid,
                 registry: registry.clone(),
                 notifies: notifies.clone(),
                 handshake_timeout: opts.handshake_timeout,
+                slow_peer_timeout: opts.deregister_timeout.max(Duration::from_secs(1)),
                 host: host.clone(),
-                probe_addr: probe.addr(),
-                probe_token: probe.token(),
                 secret: opts.secret.clone(),
+                max_pending: opts.max_pending_handshakes,
+                max_pending_per_source: opts.max_pending_per_source,
             });
             if opts.secret.is_none() && !addr.ip().is_loopback() {
                 warn_open_listener(&bound);
@@ -234,7 +232,6 @@ impl Engine {
         *st = Some(Arc::new(Running {
             local_engine: local,
             host,
-            _probe: probe,
             opts,
             pid,
             registry,
@@ -338,6 +335,7 @@ impl Engine {
             coalesce_max_ops: r.opts.coalesce_max_ops,
             secret: r.opts.secret.clone(),
             heartbeat: r.opts.heartbeat,
+            data_mac: r.opts.data_mac,
         }
     }
 
@@ -370,18 +368,12 @@ impl Engine {
         if r.opts.transport == Transport::Tcp {
             return Ok(tcp);
         }
-        let info = tcp.peer_info();
-        let why_not = if info.host != r.host {
-            Some(format!("the peer runs on another host ({})", info.host))
-        } else {
-            shm::probe_peer(info.pid, info.probe_addr, info.probe_token).err()
-        };
-        match why_not {
-            None => {
-                let link = ShmLink::new(tcp.clone(), r.opts.shm_threads, r.opts.queue_depth);
+        match Self::prove_same_host(r, &tcp, timeout) {
+            Ok(proven) => {
+                let link = ShmLink::new(tcp.clone(), proven, r.opts.shm_threads, r.opts.queue_depth);
                 link.map(|l| l as Arc<dyn Link>).inspect_err(|e| tcp.close(e.clone()))
             }
-            Some(why) if r.opts.transport == Transport::Shm => {
+            Err(why) if r.opts.transport == Transport::Shm => {
                 let e = Error::new(
                     Status::Unsupported,
                     format!("hixl.transport=shm, but {key} cannot be reached directly: {why}"),
@@ -389,11 +381,33 @@ impl Engine {
                 tcp.close(e.clone());
                 Err(e)
             }
-            Some(why) => {
+            Err(why) => {
                 tracing::info!(peer = %key, "using tcp for data: {why}");
                 Ok(tcp)
             }
         }
+    }
+
+    /// The same-host proof (see `transport::local`): the peer's process must confirm, over its
+    /// Unix socket, that it accepted this very link; then we wait for a region table at least
+    /// as new as the one it will make us confirm. Err says why direct copies cannot be used.
+    fn prove_same_host(
+        r: &Running,
+        tcp: &TcpLink,
+        timeout: Duration,
+    ) -> std::result::Result<local::Proven, String> {
+        let info = tcp.peer_info();
+        if info.local_socket.is_empty() {
+            return Err("the peer offers no same-host proof".into());
+        }
+        if info.host != r.host {
+            return Err(format!("the peer says it runs on another host ({})", info.host));
+        }
+        let (ours, theirs) = tcp.stream0_ends().map_err(|e| e.message)?;
+        let proven = local::prove(&info.local_socket, &ours, &theirs)?;
+        tcp.wait_table_version(proven.table_version, timeout.max(Duration::from_secs(1)))
+            .map_err(|e| e.message)?;
+        Ok(proven)
     }
 
     fn finish_connect(r: &Running, key: &str, res: Result<Arc<dyn Link>>, keep_failure: bool) -> Result<()> {

@@ -1,4 +1,8 @@
-//! Received notifications, bounded per sending peer.
+//! Received notifications, bounded per connection and in total, by count and by bytes.
+//!
+//! Quotas are keyed by the stream a notification arrived on, never by the engine id a peer
+//! claims: a peer cannot escape its quota by rotating ids, and cannot spend another peer's by
+//! claiming that peer's id.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
@@ -6,41 +10,103 @@ use std::sync::Mutex;
 use crate::error::{Error, Result, Status};
 use crate::queue::NotifyDesc;
 
+/// The limits of a [`NotifyStore`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NotifyLimits {
+    /// Pending notifications per connection (`hixl.max_notifies`).
+    pub per_conn: usize,
+    /// Pending bytes (name + message) per connection (`hixl.max_notify_bytes`).
+    pub per_conn_bytes: usize,
+    /// Pending notifications in all (`hixl.max_notifies_total`).
+    pub total: usize,
+    /// Pending bytes in all (`hixl.max_notify_bytes_total`).
+    pub total_bytes: usize,
+}
+
+#[derive(Default)]
+struct Pending {
+    queue: VecDeque<NotifyDesc>,
+    /// (count, bytes) per connection.
+    by_conn: HashMap<u64, (usize, usize)>,
+    bytes: usize,
+}
+
 /// Notifications received and not yet collected by `get_notifies`.
 pub struct NotifyStore {
-    cap_per_peer: usize,
-    inner: Mutex<(VecDeque<NotifyDesc>, HashMap<String, usize>)>,
+    limits: NotifyLimits,
+    inner: Mutex<Pending>,
 }
 
 impl NotifyStore {
-    /// A store holding at most `cap_per_peer` pending notifications from each peer.
-    pub fn new(cap_per_peer: usize) -> Self {
-        NotifyStore { cap_per_peer, inner: Mutex::new((VecDeque::new(), HashMap::new())) }
+    /// An empty store with these limits.
+    pub fn new(limits: NotifyLimits) -> Self {
+        NotifyStore { limits, inner: Mutex::new(Pending::default()) }
     }
 
-    /// Adds one; `RESOURCE_EXHAUSTED` when that peer already has the maximum pending.
-    pub fn push(&self, peer: &str, name: String, msg: String) -> Result<()> {
+    /// Adds one that arrived on connection `conn`; `RESOURCE_EXHAUSTED` (naming the limit) when
+    /// it would exceed that connection's quota or the total.
+    pub fn push(&self, conn: u64, name: String, msg: String) -> Result<()> {
+        let size = name.len() + msg.len();
+        let l = self.limits;
         let mut g = self.inner.lock().unwrap();
-        let n = g.1.entry(peer.to_string()).or_insert(0);
-        if *n >= self.cap_per_peer {
+        let (n, bytes) = g.by_conn.get(&conn).copied().unwrap_or_default();
+        let full = if n >= l.per_conn {
+            Some(format!(
+                "{n} notifications from this connection are pending (hixl.max_notifies={})",
+                l.per_conn
+            ))
+        } else if bytes + size > l.per_conn_bytes {
+            Some(format!(
+                "{bytes} + {size} bytes of notifications from this connection would exceed \
+                 hixl.max_notify_bytes={}",
+                l.per_conn_bytes
+            ))
+        } else if g.queue.len() >= l.total {
+            Some(format!("{} notifications are pending (hixl.max_notifies_total={})", g.queue.len(), l.total))
+        } else if g.bytes + size > l.total_bytes {
+            Some(format!(
+                "{} + {size} bytes of notifications would exceed hixl.max_notify_bytes_total={}",
+                g.bytes, l.total_bytes
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = full {
             return Err(Error::new(
                 Status::ResourceExhausted,
-                format!(
-                    "{} notifications from {peer} are pending at the target (limit hixl.max_notifies={}); \
-                     the target must call get_notifies",
-                    n, self.cap_per_peer
-                ),
+                format!("{why} at the target; the target must call get_notifies"),
             ));
         }
-        *n += 1;
-        g.0.push_back(NotifyDesc { name, msg });
+        g.by_conn.insert(conn, (n + 1, bytes + size));
+        g.bytes += size;
+        g.queue.push_back(NotifyDesc { name, msg });
         Ok(())
     }
 
     /// Returns and clears everything pending, in arrival order.
     pub fn take(&self) -> Vec<NotifyDesc> {
         let mut g = self.inner.lock().unwrap();
-        g.1.clear();
-        g.0.drain(..).collect()
+        g.by_conn.clear();
+        g.bytes = 0;
+        g.queue.drain(..).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quotas_are_per_connection_and_total_by_count_and_bytes() {
+        let s =
+            NotifyStore::new(NotifyLimits { per_conn: 2, per_conn_bytes: 10, total: 3, total_bytes: 100 });
+        let push = |c, m: &str| s.push(c, "n".into(), m.into());
+        assert!(push(1, "a").is_ok() && push(1, "b").is_ok());
+        assert!(push(1, "c").unwrap_err().message.contains("hixl.max_notifies=2"));
+        assert!(push(2, "0123456789").unwrap_err().message.contains("hixl.max_notify_bytes=10"));
+        assert!(push(2, "x").is_ok(), "another connection keeps its own quota");
+        assert!(push(3, "y").unwrap_err().message.contains("hixl.max_notifies_total=3"));
+        assert_eq!(s.take().len(), 3);
+        assert!(push(1, "again").is_ok(), "collecting frees the quota");
     }
 }

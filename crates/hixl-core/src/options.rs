@@ -39,8 +39,9 @@ pub struct Options {
     /// `hixl.deregister_timeout_ms`: how long deregistration waits for in-flight transfers
     /// before aborting their links.
     pub deregister_timeout: Duration,
-    /// `hixl.max_notifies`: pending received notifications per peer.
-    pub max_notifies: usize,
+    /// `hixl.max_notifies` .. `hixl.max_notify_bytes_total`: pending received notifications
+    /// per connection and in total, by count and by bytes.
+    pub notify_limits: crate::notify::NotifyLimits,
     /// `hixl.transport`: auto | shm | tcp.
     pub transport: Transport,
     /// `hixl.shm_threads`: copy threads per same-host link.
@@ -56,6 +57,12 @@ pub struct Options {
     /// `hixl.heartbeat_ms`: idle links are probed this often; a peer silent for three
     /// intervals is declared dead (zero: off).
     pub heartbeat: Duration,
+    /// `hixl.data_mac`: on sealed streams, MAC every transfer's bytes too (needs a secret).
+    pub data_mac: bool,
+    /// `hixl.max_pending_handshakes`: most accepted streams whose handshake has not ended.
+    pub max_pending_handshakes: usize,
+    /// `hixl.max_pending_per_source`: most of those from one source address.
+    pub max_pending_per_source: usize,
 }
 
 impl Default for Options {
@@ -68,7 +75,12 @@ impl Default for Options {
             connect_timeout: Duration::from_secs(3),
             handshake_timeout: Duration::from_secs(5),
             deregister_timeout: Duration::from_secs(5),
-            max_notifies: 4096,
+            notify_limits: crate::notify::NotifyLimits {
+                per_conn: 4096,
+                per_conn_bytes: 16 << 20,
+                total: 65536,
+                total_bytes: 256 << 20,
+            },
             transport: Transport::Auto,
             shm_threads: 2,
             strict_alignment: true,
@@ -76,6 +88,9 @@ impl Default for Options {
             coalesce_max_ops: 64,
             secret: None,
             heartbeat: Duration::from_millis(1000),
+            data_mac: false,
+            max_pending_handshakes: 256,
+            max_pending_per_source: 32,
         }
     }
 }
@@ -89,7 +104,10 @@ pub const KEYS: &[(&str, &str, &str)] = &[
     ("hixl.connect_timeout_ms", "3000", "deadline of connect_async"),
     ("hixl.handshake_timeout_ms", "5000", "how long the listener waits for a new stream's Hello"),
     ("hixl.deregister_timeout_ms", "5000", "wait for in-flight transfers before aborting them"),
-    ("hixl.max_notifies", "4096", "pending received notifications per peer"),
+    ("hixl.max_notifies", "4096", "pending received notifications per connection"),
+    ("hixl.max_notify_bytes", "16777216", "pending received notification bytes per connection"),
+    ("hixl.max_notifies_total", "65536", "pending received notifications in all"),
+    ("hixl.max_notify_bytes_total", "268435456", "pending received notification bytes in all"),
     ("hixl.transport", "auto", "auto | shm | tcp: backend for data (control is always TCP)"),
     ("hixl.shm_threads", "2", "copy threads per same-host link (1..64)"),
     ("hixl.strict_alignment", "1", "1: strided bases and strides must be multiples of 64 bytes; 0: any"),
@@ -98,8 +116,20 @@ pub const KEYS: &[(&str, &str, &str)] = &[
     (
         "hixl.secret",
         "",
-        "cluster secret; peers must prove they know it (HMAC-SHA256 challenge-response); env HIXL_SECRET",
+        "cluster secret, at least 32 hex characters (`hixl secret` makes one); peers must prove they \
+         know it and every frame is MACed; env HIXL_SECRET",
     ),
+    (
+        "hixl.data_mac",
+        "0",
+        "1: with a secret, MAC every transfer's bytes too (detects tampering; costs a hash pass)",
+    ),
+    (
+        "hixl.max_pending_handshakes",
+        "256",
+        "most accepted streams still in their handshake (the oldest is closed)",
+    ),
+    ("hixl.max_pending_per_source", "32", "of those, most from one source address (its oldest is closed)"),
     (
         "hixl.heartbeat_ms",
         "1000",
@@ -133,7 +163,15 @@ impl Options {
                 "hixl.connect_timeout_ms" => o.connect_timeout = ms(1)?,
                 "hixl.handshake_timeout_ms" => o.handshake_timeout = ms(1)?,
                 "hixl.deregister_timeout_ms" => o.deregister_timeout = ms(0)?,
-                "hixl.max_notifies" => o.max_notifies = int(k, v, 1, 1 << 20)? as usize,
+                "hixl.max_notifies" => o.notify_limits.per_conn = int(k, v, 1, 1 << 20)? as usize,
+                "hixl.max_notify_bytes" => o.notify_limits.per_conn_bytes = int(k, v, 1, 1 << 40)? as usize,
+                "hixl.max_notifies_total" => o.notify_limits.total = int(k, v, 1, 1 << 24)? as usize,
+                "hixl.max_notify_bytes_total" => {
+                    o.notify_limits.total_bytes = int(k, v, 1, 1 << 40)? as usize
+                }
+                "hixl.data_mac" => o.data_mac = int(k, v, 0, 1)? == 1,
+                "hixl.max_pending_handshakes" => o.max_pending_handshakes = int(k, v, 1, 1 << 20)? as usize,
+                "hixl.max_pending_per_source" => o.max_pending_per_source = int(k, v, 1, 1 << 20)? as usize,
                 "hixl.shm_threads" => o.shm_threads = int(k, v, 1, 64)? as usize,
                 "hixl.strict_alignment" => o.strict_alignment = int(k, v, 0, 1)? == 1,
                 "hixl.coalesce_us" => o.coalesce = Duration::from_micros(int(k, v, 0, 1_000_000)?),
@@ -168,6 +206,12 @@ impl Options {
                     o.secret = Some(Secret::new(&v)?);
                 }
             }
+        }
+        if o.data_mac && o.secret.is_none() {
+            return Err(Error::param(
+                "option hixl.data_mac=1 needs a cluster secret (hixl.secret or HIXL_SECRET): data MACs \
+                 are keyed by the session keys an authenticated handshake derives",
+            ));
         }
         Ok(o)
     }

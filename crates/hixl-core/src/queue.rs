@@ -345,6 +345,26 @@ impl PartBody {
             PartBody::Notify(_) => 0,
         }
     }
+
+    /// Feeds the local bytes of the part, in wire order, to a data-MAC hasher.
+    ///
+    /// # Safety
+    /// The local segments must lie in memory that stays valid and unchanged during the call (the
+    /// request's pinned regions).
+    pub unsafe fn hash_local(&self, h: &mut blake3::Hasher) {
+        let mut feed = |segs: &[SegPair]| -> std::result::Result<(), ()> {
+            for s in segs {
+                // SAFETY: the caller guarantees the local range is valid memory.
+                h.update(unsafe { std::slice::from_raw_parts(s.local as *const u8, s.len as usize) });
+            }
+            Ok(())
+        };
+        let _ = match self {
+            PartBody::Data(segs) => feed(segs),
+            PartBody::Strided(st) => st.for_each_chunk(1024, feed),
+            PartBody::Notify(_) => Ok(()),
+        };
+    }
 }
 
 /// A unit of work for one stream: a share of a request.

@@ -16,7 +16,7 @@ use std::fmt;
 /// Frame magic.
 pub const MAGIC: [u8; 2] = *b"HX";
 /// Protocol version; a peer with another version is refused at the handshake.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 24;
 /// Most descriptors in one data frame.
@@ -30,7 +30,31 @@ pub const MAX_MSG: usize = 1 << 20;
 /// Bytes of one region-table entry on the wire.
 pub const REGION_ENTRY_LEN: usize = 32;
 /// Most regions in a region table.
-pub const MAX_REGIONS: usize = (MAX_PAYLOAD as usize - 64 - 2 * MAX_NAME) / REGION_ENTRY_LEN;
+pub const MAX_REGIONS: usize = (MAX_PAYLOAD as usize - 64 - 3 * MAX_NAME) / REGION_ENTRY_LEN;
+/// Hello flag: MAC every frame's bulk bytes too (sealed streams only).
+pub const FLAG_DATA_MAC: u32 = 1;
+/// Every Hello flag this version knows.
+pub const KNOWN_FLAGS: u32 = FLAG_DATA_MAC;
+/// Largest Hello payload: two names, the dialled address and the fixed fields.
+pub const MAX_HELLO: u32 = 4096;
+
+/// The largest payload a frame of `kind` may declare; checked on the header, before any payload
+/// byte is read or any memory is set aside for it.
+pub const fn max_payload(kind: Kind) -> u32 {
+    let msg = 8 + MAX_MSG as u32;
+    match kind {
+        Kind::Hello => MAX_HELLO,
+        Kind::Welcome | Kind::RegionsTable | Kind::RegionsUpdate => MAX_PAYLOAD,
+        Kind::Write | Kind::Read => 4 + 16 * MAX_DESCS as u32,
+        Kind::ReadResp | Kind::Ack | Kind::Error => msg,
+        Kind::Notify => msg + MAX_NAME as u32,
+        Kind::Heartbeat | Kind::HeartbeatAck | Kind::Bye | Kind::RegionsQuery => 0,
+        Kind::RegionsAck => 8,
+        Kind::WriteStrided | Kind::ReadStrided => 32,
+        Kind::AuthChallenge => 68 + MAX_NAME as u32,
+        Kind::AuthResponse => 32,
+    }
+}
 
 /// One registered region as peers see it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -220,16 +244,20 @@ pub enum Frame {
         stream_count: u16,
         /// Fresh random challenge for the target (used when it has a cluster secret).
         auth_nonce: [u8; 32],
+        /// `FLAG_*` bits.
+        flags: u32,
+        /// The address the initiator's socket is connected to (bound into the auth proofs).
+        dialled: String,
     },
-    /// See [`Kind::Welcome`]. `host` identifies the machine (boot id and host name); `pid`,
-    /// `probe_addr` and `probe_token` let a same-host initiator check that it may reach this
-    /// process's memory directly (it reads the 8-byte token at `probe_addr`).
+    /// See [`Kind::Welcome`]. `host` identifies the machine (boot id and host name), a hint
+    /// only; `local_socket` names the abstract Unix socket where a same-host initiator proves
+    /// that this very process accepted its stream (empty: none); `table_version` is the
+    /// version of `regions`.
     Welcome {
         engine_id: String,
         host: String,
-        pid: u32,
-        probe_addr: u64,
-        probe_token: u64,
+        local_socket: String,
+        table_version: u64,
         regions: Vec<RegionEntry>,
     },
     /// See [`Kind::Write`]; `bulk_len` equals the sum of the segment lengths.
@@ -253,7 +281,7 @@ pub enum Frame {
     /// See [`Kind::RegionsQuery`].
     RegionsQuery,
     /// See [`Kind::RegionsTable`].
-    RegionsTable { regions: Vec<RegionEntry> },
+    RegionsTable { version: u64, regions: Vec<RegionEntry> },
     /// See [`Kind::RegionsUpdate`].
     RegionsUpdate { version: u64, regions: Vec<RegionEntry> },
     /// See [`Kind::RegionsAck`].
@@ -262,8 +290,8 @@ pub enum Frame {
     WriteStrided { seg: StridedSeg },
     /// See [`Kind::ReadStrided`].
     ReadStrided { seg: StridedSeg },
-    /// See [`Kind::AuthChallenge`].
-    AuthChallenge { nonce: [u8; 32], proof: [u8; 32] },
+    /// See [`Kind::AuthChallenge`]; `engine_id` is the target's, bound into the proofs.
+    AuthChallenge { nonce: [u8; 32], proof: [u8; 32], engine_id: String },
     /// See [`Kind::AuthResponse`].
     AuthResponse { proof: [u8; 32] },
 }
@@ -318,25 +346,36 @@ pub fn encode(frame: &Frame, tag: u64, read_bulk: u64) -> Vec<u8> {
     p.extend_from_slice(&[0u8; HEADER_LEN]);
     let mut bulk = frame.bulk_len();
     match frame {
-        Frame::Hello { engine_id, host, link_nonce, stream_index, stream_count, auth_nonce } => {
+        Frame::Hello {
+            engine_id,
+            host,
+            link_nonce,
+            stream_index,
+            stream_count,
+            auth_nonce,
+            flags,
+            dialled,
+        } => {
             put_str(&mut p, engine_id);
             put_str(&mut p, host);
             p.extend_from_slice(&link_nonce.to_le_bytes());
             p.extend_from_slice(&stream_index.to_le_bytes());
             p.extend_from_slice(&stream_count.to_le_bytes());
             p.extend_from_slice(auth_nonce);
+            p.extend_from_slice(&flags.to_le_bytes());
+            put_str(&mut p, dialled);
         }
-        Frame::AuthChallenge { nonce, proof } => {
+        Frame::AuthChallenge { nonce, proof, engine_id } => {
             p.extend_from_slice(nonce);
             p.extend_from_slice(proof);
+            put_str(&mut p, engine_id);
         }
         Frame::AuthResponse { proof } => p.extend_from_slice(proof),
-        Frame::Welcome { engine_id, host, pid, probe_addr, probe_token, regions } => {
+        Frame::Welcome { engine_id, host, local_socket, table_version, regions } => {
             put_str(&mut p, engine_id);
             put_str(&mut p, host);
-            p.extend_from_slice(&pid.to_le_bytes());
-            p.extend_from_slice(&probe_addr.to_le_bytes());
-            p.extend_from_slice(&probe_token.to_le_bytes());
+            put_str(&mut p, local_socket);
+            p.extend_from_slice(&table_version.to_le_bytes());
             put_regions(&mut p, regions);
         }
         Frame::Write { segs } | Frame::Read { segs } => {
@@ -361,8 +400,7 @@ pub fn encode(frame: &Frame, tag: u64, read_bulk: u64) -> Vec<u8> {
             put_str(&mut p, name);
             put_str(&mut p, msg);
         }
-        Frame::RegionsTable { regions } => put_regions(&mut p, regions),
-        Frame::RegionsUpdate { version, regions } => {
+        Frame::RegionsTable { version, regions } | Frame::RegionsUpdate { version, regions } => {
             p.extend_from_slice(&version.to_le_bytes());
             put_regions(&mut p, regions);
         }
@@ -402,11 +440,11 @@ pub fn decode_header(b: &[u8; HEADER_LEN]) -> Result<Header, WireError> {
     }
     let kind = Kind::from_u8(b[3])?;
     let payload_len = u32::from_le_bytes(b[4..8].try_into().unwrap());
-    if payload_len > MAX_PAYLOAD {
+    if payload_len > max_payload(kind) {
         return Err(WireError::TooLarge {
             field: "payload_len",
             value: payload_len as u64,
-            limit: MAX_PAYLOAD as u64,
+            limit: max_payload(kind) as u64,
         });
     }
     let tag = u64::from_le_bytes(b[8..16].try_into().unwrap());
@@ -432,17 +470,23 @@ pub fn decode_payload(h: &Header, payload: &[u8]) -> Result<Frame, WireError> {
             stream_index: r.u16("stream_index")?,
             stream_count: r.u16("stream_count")?,
             auth_nonce: r.bytes32("auth_nonce")?,
+            flags: match r.u32("flags")? {
+                f if f & !KNOWN_FLAGS == 0 => f,
+                f => return Err(WireError::Invalid { field: "hello flags", value: f as u64 }),
+            },
+            dialled: r.str("dialled", MAX_NAME)?,
         },
-        Kind::AuthChallenge => {
-            Frame::AuthChallenge { nonce: r.bytes32("auth nonce")?, proof: r.bytes32("auth proof")? }
-        }
+        Kind::AuthChallenge => Frame::AuthChallenge {
+            nonce: r.bytes32("auth nonce")?,
+            proof: r.bytes32("auth proof")?,
+            engine_id: r.str("engine_id", MAX_NAME)?,
+        },
         Kind::AuthResponse => Frame::AuthResponse { proof: r.bytes32("auth proof")? },
         Kind::Welcome => Frame::Welcome {
             engine_id: r.str("engine_id", MAX_NAME)?,
             host: r.str("host", MAX_NAME)?,
-            pid: r.u32("pid")?,
-            probe_addr: r.u64("probe_addr")?,
-            probe_token: r.u64("probe_token")?,
+            local_socket: r.str("local_socket", MAX_NAME)?,
+            table_version: r.u64("table_version")?,
             regions: r.regions()?,
         },
         Kind::Write | Kind::Read => {
@@ -497,7 +541,7 @@ pub fn decode_payload(h: &Header, payload: &[u8]) -> Result<Frame, WireError> {
         Kind::HeartbeatAck => Frame::HeartbeatAck,
         Kind::Bye => Frame::Bye,
         Kind::RegionsQuery => Frame::RegionsQuery,
-        Kind::RegionsTable => Frame::RegionsTable { regions: r.regions()? },
+        Kind::RegionsTable => Frame::RegionsTable { version: r.u64("version")?, regions: r.regions()? },
         Kind::RegionsUpdate => Frame::RegionsUpdate { version: r.u64("version")?, regions: r.regions()? },
         Kind::RegionsAck => Frame::RegionsAck { version: r.u64("version")? },
         Kind::WriteStrided | Kind::ReadStrided => {
@@ -648,21 +692,23 @@ mod tests {
             0..20,
         );
         prop_oneof![
-            (s, any::<u64>(), any::<u16>(), any::<u16>(), any::<[u8; 32]>()).prop_map(|(e, n, i, c, a)| {
-                Frame::Hello {
+            (s, any::<u64>(), any::<u16>(), any::<u16>(), any::<[u8; 32]>(), 0..=KNOWN_FLAGS).prop_map(
+                |(e, n, i, c, a, flags)| Frame::Hello {
                     host: e.chars().rev().collect(),
+                    dialled: format!("{e}:1"),
                     engine_id: e,
                     link_nonce: n,
                     stream_index: i,
                     stream_count: c,
                     auth_nonce: a,
+                    flags,
                 }
-            }),
-            (any::<[u8; 32]>(), any::<[u8; 32]>())
-                .prop_map(|(nonce, proof)| Frame::AuthChallenge { nonce, proof }),
+            ),
+            (any::<[u8; 32]>(), any::<[u8; 32]>(), s)
+                .prop_map(|(nonce, proof, engine_id)| Frame::AuthChallenge { nonce, proof, engine_id }),
             any::<[u8; 32]>().prop_map(|proof| Frame::AuthResponse { proof }),
-            (s, s, any::<u32>(), any::<u64>(), regions.clone()).prop_map(|(e, host, pid, x, regions)| {
-                Frame::Welcome { engine_id: e, host, pid, probe_addr: x, probe_token: !x, regions }
+            (s, s, s, any::<u64>(), regions.clone()).prop_map(|(e, host, sock, v, regions)| {
+                Frame::Welcome { engine_id: e, host, local_socket: sock, table_version: v, regions }
             }),
             prop::collection::vec(seg(), 0..50).prop_map(|segs| Frame::Write { segs }),
             prop::collection::vec(seg(), 0..50).prop_map(|segs| Frame::Read { segs }),
@@ -674,7 +720,8 @@ mod tests {
             Just(Frame::HeartbeatAck),
             Just(Frame::Bye),
             Just(Frame::RegionsQuery),
-            regions.clone().prop_map(|regions| Frame::RegionsTable { regions }),
+            (any::<u64>(), regions.clone())
+                .prop_map(|(version, regions)| Frame::RegionsTable { version, regions }),
             (any::<u64>(), regions).prop_map(|(version, regions)| Frame::RegionsUpdate { version, regions }),
             any::<u64>().prop_map(|version| Frame::RegionsAck { version }),
             (1u64..1 << 40, 1u64..1 << 20, 1u64..1 << 12, 0u64..1 << 12).prop_map(
@@ -727,6 +774,14 @@ mod tests {
         let mut h = encode_header(&Header { kind: Kind::Write, payload_len: 0, tag: 0, bulk_len: 0 });
         h[4..8].copy_from_slice(&(MAX_PAYLOAD + 1).to_le_bytes());
         assert!(matches!(decode_header(&h), Err(WireError::TooLarge { field: "payload_len", .. })));
+        // Each kind has its own cap: a Hello may not declare more than MAX_HELLO.
+        let hello =
+            encode_header(&Header { kind: Kind::Hello, payload_len: MAX_HELLO + 1, tag: 0, bulk_len: 0 });
+        assert!(
+            matches!(decode_header(&hello), Err(WireError::TooLarge { limit, .. }) if limit == MAX_HELLO as u64)
+        );
+        let hb = encode_header(&Header { kind: Kind::Heartbeat, payload_len: 1, tag: 0, bulk_len: 0 });
+        assert!(decode_header(&hb).is_err(), "a heartbeat has no payload");
         let mut buf = encode(&Frame::Read { segs: vec![] }, 0, 0);
         buf[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&((MAX_DESCS + 1) as u32).to_le_bytes());
         assert!(matches!(decode(&buf), Err(WireError::TooLarge { field: "segment count", .. })));

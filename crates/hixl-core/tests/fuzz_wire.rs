@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use hixl_core::auth::{FrameMac, MAC_LEN};
 use hixl_core::wire::{self, Frame, RegionEntry, Seg, StridedSeg, HEADER_LEN};
 
 struct Rng(u64);
@@ -24,6 +25,9 @@ impl Rng {
     }
 }
 
+/// The session key of the sealed-stream check.
+const KEY: [u8; 32] = [0x5a; 32];
+
 fn seed_frames() -> Vec<Vec<u8>> {
     let regions = vec![RegionEntry { addr: 0x1000, len: 4096, id: 1, fd: -1, writable: true }];
     let frames = vec![
@@ -34,13 +38,14 @@ fn seed_frames() -> Vec<Vec<u8>> {
             stream_index: 0,
             stream_count: 2,
             auth_nonce: [7; 32],
+            flags: wire::FLAG_DATA_MAC,
+            dialled: "127.0.0.1:4000".into(),
         },
         Frame::Welcome {
             engine_id: "b".into(),
             host: "h".into(),
-            pid: 1,
-            probe_addr: 2,
-            probe_token: 3,
+            local_socket: "hixl-00".into(),
+            table_version: 3,
             regions: regions.clone(),
         },
         Frame::Write { segs: vec![Seg { addr: 0x1000, len: 16 }, Seg { addr: 0x2000, len: 8 }] },
@@ -48,21 +53,44 @@ fn seed_frames() -> Vec<Vec<u8>> {
         Frame::ReadResp { status: 0, message: String::new() },
         Frame::Ack { status: 103900, message: "no".into() },
         Frame::Notify { name: "n".into(), msg: "m".into() },
+        Frame::RegionsTable { version: 8, regions: regions.clone() },
         Frame::RegionsUpdate { version: 9, regions },
         Frame::WriteStrided { seg: StridedSeg { addr: 0x1000, count: 4, size: 64, stride: 128 } },
         Frame::ReadStrided { seg: StridedSeg { addr: 0x1000, count: 4, size: 64, stride: 128 } },
-        Frame::AuthChallenge { nonce: [1; 32], proof: [2; 32] },
+        Frame::AuthChallenge { nonce: [1; 32], proof: [2; 32], engine_id: "b".into() },
         Frame::AuthResponse { proof: [3; 32] },
         Frame::Heartbeat,
         Frame::Bye,
     ];
-    frames
+    let mut out: Vec<Vec<u8>> = frames
         .iter()
         .map(|f| wire::encode(f, 5, if matches!(f, Frame::ReadResp { .. }) { 16 } else { 0 }))
-        .collect()
+        .collect();
+    // Sealed copies, which mutations turn into forgeries.
+    let sealed: Vec<Vec<u8>> = out
+        .iter()
+        .map(|b| {
+            let mut b = b.clone();
+            FrameMac::new(Some(KEY), false).seal(&mut b);
+            b
+        })
+        .collect();
+    out.extend(sealed);
+    out
 }
 
 fn check(buf: &[u8]) {
+    // On a sealed stream, no mutated or random frame may pass the MAC check: the receiver's
+    // opener (sequence 0, the key below) must refuse everything but the sealed original.
+    if buf.len() > MAC_LEN {
+        let (frame, mac) = buf.split_at(buf.len() - MAC_LEN);
+        let mut opener = FrameMac::new(Some(KEY), false);
+        let mut sealer = FrameMac::new(Some(KEY), false);
+        let mut sealed = frame.to_vec();
+        sealer.seal(&mut sealed);
+        let genuine = sealed == buf;
+        assert_eq!(opener.open(&[frame], mac).is_ok(), genuine, "a frame with a forged MAC was accepted");
+    }
     if let Ok((h, f, used)) = wire::decode(buf) {
         assert!(used <= buf.len());
         let again = wire::encode(&f, h.tag, h.bulk_len);

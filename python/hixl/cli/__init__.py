@@ -1,4 +1,4 @@
-"""The ``hixl`` command: ``hixl bench``, ``hixl info`` and ``hixl demo``.
+"""The ``hixl`` command: ``hixl bench``, ``hixl info``, ``hixl demo`` and ``hixl secret``.
 
 Every subcommand has ``--help``. Bad arguments print one line naming the value and exit 2.
 """
@@ -23,16 +23,19 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> OneLineParser:
-    from . import bench, demo, info
+    from . import bench, demo, info, secret
 
     ap = OneLineParser(
         prog="hixl",
-        description="hixl: one-sided, batched, zero-copy transfers. Measure, inspect, demo.",
+        description=(
+            "hixl: one-sided, batched, zero-copy transfers. Measure, inspect, demo; "
+            "make a cluster secret."
+        ),
     )
     ap.add_argument("--version", action="version", version=f"hixl {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True
-    for mod in (bench, info, demo):
+    for mod in (bench, info, demo, secret):
         p = sub.add_parser(
             mod.NAME,
             help=mod.HELP,

@@ -4,6 +4,12 @@ Peers read it one-sidedly (a hixl READ; the owner runs no code for it) at link t
 again whenever they look for a cache they do not know yet. A sequence number makes the read
 consistent: the owner makes it odd while it rewrites the buffer and even again afterwards; a
 reader that sees an odd or changed number reads again.
+
+Peers may only READ a directory: it is registered with access="r", so a peer (even one with
+the cluster secret) cannot rewrite it to send other ranks to the wrong regions. The reader's
+scratch buffer is read-only for peers too (a READ into local memory needs only the local
+registration), and its length differs from a directory's, so that a peer looking for this
+rank's directory never mistakes a copy of another directory in the scratch for it.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ from .._errors import HixlError, ParamInvalid
 from .._hixl import Hixl
 from .._layout import aligned_empty
 from ._cache import CacheInfo
-from ._errors import LLM_CACHE_NOT_FOUND, LLMError
+from ._errors import LLM_CACHE_NOT_FOUND, LLM_NOT_LINKED, LLMError
 
 #: Registered length of a directory; peers find the directory among a rank's regions by this
 #: length and the magic number.
 DIR_BYTES = (1 << 20) + 4096
+#: Registered length of a reader's scratch buffer: anything but DIR_BYTES (see above).
+SCRATCH_BYTES = DIR_BYTES + 4096
 MAGIC = 0x5249444C5849480A  # "\nHXLDIR": a hixl directory
 HEADER = 64
 
@@ -43,7 +51,7 @@ class Directory:
         self.buf = aligned_empty(DIR_BYTES, np.uint8)
         self.buf[:] = 0
         self.words = self.buf[:HEADER].view(np.uint64)
-        self.handle = self.engine.register(self.buf)
+        self.handle = self.engine.register(self.buf, access="r")  # peers may only read it
         self.publish()
 
     def publish(self) -> None:
@@ -94,8 +102,9 @@ class DirectoryReader:
 
     def __init__(self, engine: Hixl) -> None:
         self.engine = engine
-        self.buf = aligned_empty(DIR_BYTES, np.uint8)
-        self.handle = engine.register(self.buf)
+        self.buf = aligned_empty(SCRATCH_BYTES, np.uint8)
+        # Only this engine's GETs land here; peers have no reason to write it.
+        self.handle = engine.register(self.buf, access="r")
         self.lock = threading.Lock()
 
     def locate(self, address: str) -> int:
@@ -110,7 +119,8 @@ class DirectoryReader:
             f"{address} publishes no hixl KV-cache directory (is it a hixl.init() process?)",
         )
 
-    def read(self, address: str, dir_addr: int, timeout_s: float = 5.0) -> dict[str, Any]:
+    def read(self, address: str, dir_addr: int, timeout_s: float = 5.0) -> bytes:
+        """The directory's JSON body, read consistently (see the sequence number above)."""
         base = self.buf.ctypes.data
         deadline = time.monotonic() + timeout_s
         with self.lock:
@@ -123,7 +133,7 @@ class DirectoryReader:
                     body = self.buf[HEADER : HEADER + n].tobytes()
                     self.engine.get(address, base, dir_addr, HEADER, 5000)
                     if int(self.buf[:HEADER].view(np.uint64)[1]) == seq:
-                        return dict(json.loads(body))
+                        return body
                 if time.monotonic() > deadline:
                     raise HixlError(f"the directory of {address} kept changing for {timeout_s} s")
                 time.sleep(0.001)
@@ -131,6 +141,28 @@ class DirectoryReader:
     def fetch(self, address: str, dir_addr: int | None = None) -> PeerDirectory:
         if dir_addr is None:
             dir_addr = self.locate(address)
-        doc = self.read(address, dir_addr)
-        caches = {c["name"]: CacheInfo.from_json(c) for c in doc["caches"]}
-        return PeerDirectory(address, int(doc["rank"]), str(doc["role"]), dir_addr, caches)
+        return parse(address, dir_addr, self.read(address, dir_addr))
+
+
+def parse(address: str, dir_addr: int, body: bytes) -> PeerDirectory:
+    """A peer's directory from its JSON body. The peer wrote it, so nothing in it is trusted:
+    anything malformed is an LLMError naming the peer, never a stray exception. (Addresses
+    in it need no check here: the engine checks every transfer against the peer's regions.)"""
+    try:
+        doc: dict[str, Any] = json.loads(body)
+        rank, role = int(doc["rank"]), str(doc["role"])
+        caches = {}
+        for c in doc["caches"]:
+            info = CacheInfo.from_json(c)
+            np.dtype(info.dtype)
+            axes = [info.layer_axis] + ([] if info.block_axis is None else [info.block_axis])
+            if not all(0 <= a < len(info.shape) for a in axes) or min(info.shape, default=0) < 0:
+                raise ValueError(f"cache {info.name!r} has axes or a shape out of range")
+            caches[info.name] = info
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+        raise LLMError(
+            LLM_NOT_LINKED,
+            f"{address} publishes a malformed KV-cache directory ({why[:200]})",
+        ) from None
+    return PeerDirectory(address, rank, role, dir_addr, caches)

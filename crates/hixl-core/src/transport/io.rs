@@ -3,8 +3,10 @@
 
 use std::io;
 use std::os::fd::RawFd;
+use std::time::Instant;
 
-use crate::wire::{self, Frame, Header, HEADER_LEN};
+use crate::auth::{FrameMac, MAC_LEN};
+use crate::wire::{self, Frame, Header, Kind, HEADER_LEN};
 
 /// Most iovecs the kernel accepts in one call.
 pub const IOV_MAX: usize = 1024;
@@ -99,6 +101,82 @@ pub fn recv_exact(fd: RawFd, buf: &mut [u8]) -> io::Result<()> {
     unsafe { recv_all(fd, &mut v) }
 }
 
+/// Waits until `fd` is readable (or writable, with `write`) or `deadline` passes (TimedOut).
+pub fn wait_ready(fd: RawFd, write: bool, deadline: Instant) -> io::Result<()> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
+        }
+        let events = if write { libc::POLLOUT } else { libc::POLLIN };
+        let mut p = libc::pollfd { fd, events, revents: 0 };
+        let ms = left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut p, 1, ms) };
+        if r > 0 {
+            return Ok(());
+        }
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// Receives exactly `buf.len()` bytes before `deadline`: one deadline for the whole read, so a
+/// peer that trickles bytes cannot stretch it (a per-read timeout would restart every byte).
+pub fn recv_exact_by(fd: RawFd, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        wait_ready(fd, false, deadline)?;
+        // SAFETY: the pointer and length describe the unfilled rest of `buf`.
+        let r =
+            unsafe { libc::recv(fd, buf[got..].as_mut_ptr().cast(), buf.len() - got, libc::MSG_DONTWAIT) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock) {
+                continue;
+            }
+            return Err(e);
+        }
+        if r == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the stream"));
+        }
+        got += r as usize;
+    }
+    Ok(())
+}
+
+/// Sends all of `buf` before `deadline`; a peer that does not drain its socket in time is an
+/// error (TimedOut), never a thread blocked for ever.
+pub fn send_bytes_by(fd: RawFd, buf: &[u8], deadline: Instant) -> io::Result<()> {
+    let mut sent = 0;
+    while sent < buf.len() {
+        // SAFETY: the pointer and length describe the unsent rest of `buf`.
+        let r = unsafe {
+            libc::send(
+                fd,
+                buf[sent..].as_ptr().cast(),
+                buf.len() - sent,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => wait_ready(fd, true, deadline)?,
+                _ => return Err(e),
+            }
+            continue;
+        }
+        sent += r as usize;
+    }
+    Ok(())
+}
+
 /// Sends a whole byte buffer.
 pub fn send_bytes(fd: RawFd, buf: &[u8]) -> io::Result<()> {
     let mut v = [iov_of(buf)];
@@ -117,16 +195,57 @@ pub fn discard(fd: RawFd, mut n: u64) -> io::Result<()> {
     Ok(())
 }
 
-/// Reads one frame's header and payload (not its bulk). `payload` is reused between calls.
-pub fn recv_frame(fd: RawFd, payload: &mut Vec<u8>) -> io::Result<(Header, Frame)> {
+/// One frame as received: its header, the decoded frame and its sequence number on the stream
+/// (for a data MAC).
+pub struct Received {
+    /// The header.
+    pub header: Header,
+    /// The decoded payload.
+    pub frame: Frame,
+    /// Sequence number of the frame in its direction.
+    pub seq: u64,
+}
+
+/// Reads one frame's header, payload and (on a sealed stream) MAC, and checks the MAC before
+/// decoding; the bulk is left on the socket. `payload` is reused between calls. With
+/// `handshake`, only the listed kinds are accepted (checked on the header, before the payload
+/// is read) and the whole frame must arrive before the deadline.
+pub fn recv_frame(
+    fd: RawFd,
+    payload: &mut Vec<u8>,
+    mac: &mut FrameMac,
+    handshake: Option<(Instant, &[Kind])>,
+) -> io::Result<Received> {
+    let read = |buf: &mut [u8]| match handshake {
+        Some((deadline, _)) => recv_exact_by(fd, buf, deadline),
+        None => recv_exact(fd, buf),
+    };
     let mut hb = [0u8; HEADER_LEN];
-    recv_exact(fd, &mut hb)?;
+    read(&mut hb)?;
     let h = wire::decode_header(&hb).map_err(proto)?;
+    if let Some((_, allowed)) = handshake {
+        if !allowed.contains(&h.kind) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("unexpected {:?} frame during the handshake (expected {allowed:?})", h.kind),
+            ));
+        }
+    }
     payload.clear();
     payload.resize(h.payload_len as usize, 0);
-    recv_exact(fd, payload)?;
-    let f = wire::decode_payload(&h, payload).map_err(proto)?;
-    Ok((h, f))
+    read(payload)?;
+    // A refusal during the handshake comes unsealed (the target has no keys it trusts yet).
+    if handshake.is_some() && h.kind == Kind::Error {
+        let frame = wire::decode_payload(&h, payload).map_err(proto)?;
+        return Ok(Received { header: h, frame, seq: 0 });
+    }
+    let mut tag = [0u8; MAC_LEN];
+    if mac.sealed() {
+        read(&mut tag)?;
+    }
+    let seq = mac.open(&[&hb, payload], &tag).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    let frame = wire::decode_payload(&h, payload).map_err(proto)?;
+    Ok(Received { header: h, frame, seq })
 }
 
 /// Wraps a wire error as an I/O error of kind InvalidData.
@@ -173,4 +292,24 @@ pub fn keepalive(fd: RawFd, idle_s: i32, interval_s: i32, count: i32) -> io::Res
 pub fn shutdown(fd: RawFd) {
     // SAFETY: shutdown on a possibly closed fd only returns an error.
     unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+}
+
+/// Free room in a socket's send buffer (its size less the bytes queued), or None.
+pub fn send_room(fd: RawFd) -> Option<usize> {
+    let mut size: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: SO_SNDBUF writes one c_int into the live `size`; `len` holds its size.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&mut size as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return None;
+    }
+    Some((size.max(0) as usize).saturating_sub(queued_bytes(fd)?))
 }

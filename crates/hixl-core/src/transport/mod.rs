@@ -1,8 +1,11 @@
 //! Backends: how bytes move to a peer. The control channel (handshake, notifications) is TCP
 //! in every case; `tcp` is also the data path between hosts.
 
+pub mod handshake;
 pub mod io;
 pub mod liveness;
+pub mod local;
+pub mod serve;
 pub mod server;
 pub mod shm;
 pub mod tcp;
@@ -21,14 +24,12 @@ use crate::stats::PeerStats;
 pub struct PeerInfo {
     /// The peer engine's id (its listen address).
     pub engine_id: String,
-    /// The peer's machine identity.
+    /// The peer's machine identity, as it claims it (a hint; never trusted).
     pub host: String,
-    /// The peer's process id.
-    pub pid: u32,
-    /// Address of the peer's probe token (for the same-host check).
-    pub probe_addr: u64,
-    /// The token stored there.
-    pub probe_token: u64,
+    /// The abstract Unix socket where the peer proves it is on this host (empty: none).
+    pub local_socket: String,
+    /// Version of the region table at the handshake.
+    pub table_version: u64,
     /// The peer's regions (at connect, then as updated by the peer).
     pub regions: RemoteTable,
 }

@@ -1,73 +1,83 @@
-//! The target side: a listener that accepts streams and serves data frames from its own
-//! threads. Every remote range is checked against this engine's registry before a byte is read
-//! into it or written from it; a refused frame is answered with PARAM_INVALID and its bulk is
-//! discarded, so the stream stays usable. No application code runs here.
+//! The target side: a listener that admits streams, and the publisher that sends region-table
+//! updates. Each admitted stream is served by its own thread (`serve`), which checks every
+//! remote range against this engine's registry. No application code runs here.
+//!
+//! Before a stream's handshake ends it costs at most its Hello buffer and one thread, under one
+//! deadline; such streams are capped in total and per source address (the oldest is closed to
+//! admit a new one), and a source address that fails authentication repeatedly is shut out for
+//! a while. API threads never send on a peer's socket: region updates are queued (as a version
+//! number: the newest table replaces every older one) and sent by the publisher thread, which
+//! disconnects a peer that has not taken an update within the deregistration timeout.
 
-use std::collections::HashMap;
-use std::net::{TcpListener, TcpStream};
+use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::auth::{self, Secret};
-use crate::error::{Error, Result, Status};
+use crate::auth::{FrameMac, Secret};
+use crate::error::{Error, Result};
 use crate::notify::NotifyStore;
-use crate::registry::{Abort, Pin, Registry};
-use crate::transport::io::{self, iov};
-use crate::wire::{self, Frame, Header, Seg, StridedSeg};
+use crate::registry::{Abort, Registry};
+use crate::transport::io;
+use crate::transport::local::LocalListener;
+use crate::transport::serve::serve;
+use crate::wire::{self, Frame};
+
+/// Failed authentications from one source address within `AUTH_WINDOW` after which its new
+/// connections are closed at once until the window ends.
+pub const AUTH_FAILURES_ALLOWED: u32 = 8;
+/// The window of `AUTH_FAILURES_ALLOWED`.
+pub const AUTH_WINDOW: Duration = Duration::from_secs(10);
 
 /// What served streams need from the engine.
 pub struct ServerCtx {
     /// This engine's id.
     pub engine_id: String,
-    /// This process's id.
-    pub pid: u32,
     /// The registry to check ranges against.
     pub registry: Arc<Registry>,
     /// Where incoming notifications go.
     pub notifies: Arc<NotifyStore>,
-    /// Deadline for a new stream's Hello.
+    /// One deadline for a new stream's whole handshake.
     pub handshake_timeout: Duration,
-    /// This machine's identity (see `shm::host_id`).
+    /// A peer that has not taken a region update this long is disconnected.
+    pub slow_peer_timeout: Duration,
+    /// This machine's identity (a hint for initiators; never trusted by them).
     pub host: String,
-    /// Address and token of the probe that same-host initiators read directly.
-    pub probe_addr: u64,
-    /// The token stored at `probe_addr`.
-    pub probe_token: u64,
     /// The cluster secret every stream must prove it knows before Welcome, if any.
     pub secret: Option<Secret>,
+    /// Most streams whose handshake has not ended.
+    pub max_pending: usize,
+    /// Most of those from one source address.
+    pub max_pending_per_source: usize,
 }
 
-struct Served {
-    sock: TcpStream,
-    /// Frames of the serve thread and region updates never interleave.
-    send_lock: Mutex<()>,
-    /// Set after Hello: the first stream of a link on this host (region updates need its ack).
-    acks_updates: AtomicBool,
+/// One accepted stream.
+pub(crate) struct Served {
+    pub(crate) sock: TcpStream,
+    /// The initiator's address and ours, as text (the four-tuple of the same-host proof).
+    pub(crate) peer_addr: String,
+    pub(crate) local_addr: String,
+    /// Held while a frame is written (frames never interleave); seals outgoing frames.
+    pub(crate) send: Mutex<FrameMac>,
+    /// Set once Welcome went out: region updates may follow it.
+    pub(crate) welcomed: AtomicBool,
+    /// Proven same-host (see `local`): region updates need its confirmation.
+    pub(crate) acks_updates: AtomicBool,
     /// First stream of its link (region updates go there).
-    link_head: AtomicBool,
+    pub(crate) link_head: AtomicBool,
     /// Highest region-table version the peer confirmed.
-    acked: AtomicU64,
-    /// Set when the serve thread is done with this stream (it confirms nothing any more).
-    ended: AtomicBool,
+    pub(crate) acked: AtomicU64,
+    /// Set when the serve thread is done with this stream.
+    pub(crate) ended: AtomicBool,
     /// Newest region-table version this stream's peer must be sent.
-    due: AtomicU64,
+    pub(crate) due: AtomicU64,
     /// Newest version sent to it.
-    sent: AtomicU64,
-}
-
-/// Sends the current region table if a newer version is due. The caller holds the send lock.
-fn send_update_if_due(ctx: &ServerCtx, s: &Served) -> std::io::Result<()> {
-    let due = s.due.load(Ordering::Acquire);
-    if due <= s.sent.load(Ordering::Acquire) {
-        return Ok(());
-    }
-    let frame = wire::encode(&Frame::RegionsUpdate { version: due, regions: ctx.registry.table() }, 0, 0);
-    io::send_bytes(s.sock.as_raw_fd(), &frame)?;
-    s.sent.fetch_max(due, Ordering::AcqRel);
-    Ok(())
+    pub(crate) sent: AtomicU64,
+    /// Since when an update has been due and not sent.
+    due_since: Mutex<Option<Instant>>,
 }
 
 impl Abort for Served {
@@ -76,102 +86,278 @@ impl Abort for Served {
     }
 }
 
+impl Served {
+    /// Sends the current region table if a newer version is due; the caller holds `send`.
+    pub(crate) fn send_update_if_due(&self, ctx: &ServerCtx, mac: &mut FrameMac) -> std::io::Result<()> {
+        let due = self.due.load(Ordering::Acquire);
+        if due <= self.sent.load(Ordering::Acquire) || !self.welcomed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut frame =
+            wire::encode(&Frame::RegionsUpdate { version: due, regions: ctx.registry.table() }, 0, 0);
+        mac.seal(&mut frame);
+        io::send_bytes_by(self.sock.as_raw_fd(), &frame, Instant::now() + ctx.slow_peer_timeout)?;
+        self.sent.fetch_max(due, Ordering::AcqRel);
+        *self.due_since.lock().unwrap() = None;
+        Ok(())
+    }
+}
+
 /// A running listener.
 pub struct Server {
     listener: TcpListener,
-    ctx: Arc<ServerCtx>,
+    pub(crate) ctx: Arc<ServerCtx>,
+    local: Mutex<Option<Arc<LocalListener>>>,
     stopping: AtomicBool,
-    served: Mutex<HashMap<u64, Arc<Served>>>,
+    pub(crate) served: Mutex<HashMap<u64, Arc<Served>>>,
+    /// Streams whose handshake has not ended, oldest first, with their source address.
+    pending: Mutex<VecDeque<(u64, IpAddr)>>,
+    auth_failures: Mutex<HashMap<IpAddr, (Instant, u32)>>,
     next: AtomicU64,
-    live: Mutex<usize>,
+    pub(crate) live: Mutex<usize>,
     gone: Condvar,
-    accept: Mutex<Option<JoinHandle<()>>>,
-    version: AtomicU64,
-    acks: Condvar,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    pub(crate) version: AtomicU64,
+    pub(crate) acks: Condvar,
+    /// Rung when an update becomes due (or on stop); the publisher sleeps on it.
+    publish: (Mutex<bool>, Condvar),
+}
+
+/// Canonical text of a socket address: IPv4-mapped IPv6 written as IPv4.
+pub fn addr_text(a: SocketAddr) -> String {
+    match a {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()).to_string(),
+            None => a.to_string(),
+        },
+        SocketAddr::V4(_) => a.to_string(),
+    }
 }
 
 impl Server {
-    /// Starts serving `listener` on a background thread.
+    /// Starts serving `listener` (and the same-host proof socket) on background threads.
     pub fn start(listener: TcpListener, ctx: Arc<ServerCtx>) -> Result<Arc<Server>> {
         let srv = Arc::new(Server {
             listener,
             ctx,
+            local: Mutex::new(None),
             stopping: AtomicBool::new(false),
             served: Mutex::new(HashMap::new()),
+            pending: Mutex::new(VecDeque::new()),
+            auth_failures: Mutex::new(HashMap::new()),
             next: AtomicU64::new(0),
             live: Mutex::new(0),
             gone: Condvar::new(),
-            accept: Mutex::new(None),
+            threads: Mutex::new(Vec::new()),
             version: AtomicU64::new(0),
             acks: Condvar::new(),
+            publish: (Mutex::new(false), Condvar::new()),
         });
-        let s = srv.clone();
-        let h = std::thread::Builder::new()
-            .name("hixl-accept".into())
-            .spawn(move || s.accept_loop())
-            .map_err(|e| Error::failed(format!("cannot start the accept thread: {e}")))?;
-        *srv.accept.lock().unwrap() = Some(h);
+        let weak = Arc::downgrade(&srv);
+        let local = LocalListener::start(Box::new(move |initiator: &str, target: &str| {
+            weak.upgrade()?.confirm_local(initiator, target)
+        }))?;
+        *srv.local.lock().unwrap() = Some(local);
+        for (name, role) in [("hixl-accept", 0), ("hixl-publish", 1)] {
+            let s = srv.clone();
+            let h = std::thread::Builder::new()
+                .name(name.into())
+                .spawn(move || if role == 0 { s.accept_loop() } else { s.publisher() })
+                .map_err(|e| Error::failed(format!("cannot start thread {name}: {e}")))?;
+            srv.threads.lock().unwrap().push(h);
+        }
         Ok(srv)
+    }
+
+    /// The same-host proof socket's name (sent in Welcome).
+    pub(crate) fn local_socket(&self) -> String {
+        self.local.lock().unwrap().as_ref().map(|l| l.name().to_string()).unwrap_or_default()
+    }
+
+    /// The same-host proof: marks the link head with exactly these ends as proven (it must
+    /// confirm region updates from now on) and returns the table version of that moment.
+    fn confirm_local(&self, initiator: &str, target: &str) -> Option<u64> {
+        let served = self.served.lock().unwrap();
+        let s = served.values().find(|s| {
+            s.peer_addr == initiator
+                && s.local_addr == target
+                && s.link_head.load(Ordering::Acquire)
+                && !s.ended.load(Ordering::Acquire)
+        })?;
+        s.acks_updates.store(true, Ordering::SeqCst);
+        // Read after the flag: any publish from here on waits for this stream.
+        Some(self.version.load(Ordering::SeqCst))
+    }
+
+    fn throttled(&self, ip: IpAddr) -> bool {
+        let mut f = self.auth_failures.lock().unwrap();
+        match f.get(&ip) {
+            Some((since, _)) if since.elapsed() > AUTH_WINDOW => {
+                f.remove(&ip);
+                false
+            }
+            Some((_, n)) => *n >= AUTH_FAILURES_ALLOWED,
+            None => false,
+        }
+    }
+
+    /// Counts a failed authentication from `from` and logs it.
+    pub(crate) fn auth_failed(&self, from: SocketAddr) {
+        let mut f = self.auth_failures.lock().unwrap();
+        if f.len() > 4096 {
+            f.retain(|_, (since, _)| since.elapsed() <= AUTH_WINDOW);
+        }
+        let e = f.entry(from.ip()).or_insert((Instant::now(), 0));
+        if e.0.elapsed() > AUTH_WINDOW {
+            *e = (Instant::now(), 0);
+        }
+        e.1 += 1;
+        if e.1 <= AUTH_FAILURES_ALLOWED {
+            tracing::warn!(from = %from, failures = e.1, "a peer failed authentication");
+        }
+        if e.1 == AUTH_FAILURES_ALLOWED {
+            tracing::warn!(
+                from = %from.ip(),
+                "{AUTH_FAILURES_ALLOWED} failed authentications: new connections from this address are \
+                 closed for {} s",
+                AUTH_WINDOW.as_secs()
+            );
+        }
+    }
+
+    /// Makes room for one more pending handshake from `ip`, closing the oldest over a cap.
+    fn admit(&self, id: u64, ip: IpAddr) {
+        let mut p = self.pending.lock().unwrap();
+        let from_ip = p.iter().filter(|(_, a)| *a == ip).count();
+        let victim = if from_ip >= self.ctx.max_pending_per_source {
+            p.iter().position(|(_, a)| *a == ip)
+        } else if p.len() >= self.ctx.max_pending {
+            Some(0)
+        } else {
+            None
+        };
+        if let Some(i) = victim {
+            let (old, _) = p.remove(i).unwrap();
+            if let Some(s) = self.served.lock().unwrap().get(&old) {
+                s.abort("too many pending handshakes");
+            }
+        }
+        p.push_back((id, ip));
+    }
+
+    /// The stream's handshake ended (well or not): it no longer counts as pending.
+    pub(crate) fn handshake_over(&self, id: u64) {
+        self.pending.lock().unwrap().retain(|(i, _)| *i != id);
     }
 
     fn accept_loop(self: Arc<Self>) {
         loop {
-            match self.listener.accept() {
-                Ok((sock, from)) => {
-                    if self.stopping.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let id = self.next.fetch_add(1, Ordering::Relaxed);
-                    let served = match sock.try_clone() {
-                        Ok(c) => Arc::new(Served {
-                            sock: c,
-                            send_lock: Mutex::new(()),
-                            acks_updates: AtomicBool::new(false),
-                            link_head: AtomicBool::new(false),
-                            acked: AtomicU64::new(0),
-                            ended: AtomicBool::new(false),
-                            due: AtomicU64::new(0),
-                            sent: AtomicU64::new(0),
-                        }),
-                        Err(_) => continue,
-                    };
-                    self.served.lock().unwrap().insert(id, served.clone());
-                    *self.live.lock().unwrap() += 1;
-                    let srv = self.clone();
-                    let spawned = std::thread::Builder::new().name("hixl-serve".into()).spawn(move || {
-                        if let Err(e) = serve(&srv, &sock, &served) {
-                            tracing::info!(from = %from, error = %e, "served stream ended");
-                        }
-                        srv.served.lock().unwrap().remove(&id);
-                        // Flag first, then the lock: a publisher that saw the stream running
-                        // is already waiting and gets this wake-up.
-                        served.ended.store(true, Ordering::Release);
-                        *srv.live.lock().unwrap() -= 1;
-                        srv.gone.notify_all();
-                        srv.acks.notify_all();
-                    });
-                    if spawned.is_err() {
-                        self.served.lock().unwrap().remove(&id);
-                        *self.live.lock().unwrap() -= 1;
-                    }
-                }
+            let (sock, from) = match self.listener.accept() {
+                Ok(x) => x,
                 Err(e) => {
                     if self.stopping.load(Ordering::Acquire) {
                         break;
                     }
                     tracing::warn!(error = %e, "accept failed");
                     std::thread::sleep(Duration::from_millis(10));
+                    continue;
                 }
+            };
+            if self.stopping.load(Ordering::Acquire) {
+                break;
+            }
+            if self.throttled(from.ip()) {
+                continue; // dropped: closed without a word
+            }
+            let (Ok(clone), Ok(local)) = (sock.try_clone(), sock.local_addr()) else { continue };
+            let id = self.next.fetch_add(1, Ordering::Relaxed);
+            let served = Arc::new(Served {
+                sock: clone,
+                peer_addr: addr_text(from),
+                local_addr: addr_text(local),
+                send: Mutex::new(FrameMac::default()),
+                welcomed: AtomicBool::new(false),
+                acks_updates: AtomicBool::new(false),
+                link_head: AtomicBool::new(false),
+                acked: AtomicU64::new(0),
+                ended: AtomicBool::new(false),
+                due: AtomicU64::new(0),
+                sent: AtomicU64::new(0),
+                due_since: Mutex::new(None),
+            });
+            self.served.lock().unwrap().insert(id, served.clone());
+            self.admit(id, from.ip());
+            *self.live.lock().unwrap() += 1;
+            let srv = self.clone();
+            let spawned = std::thread::Builder::new().name("hixl-serve".into()).spawn(move || {
+                if let Err(e) = serve(&srv, id, from, &sock, &served) {
+                    tracing::info!(from = %from, error = %e, "served stream ended");
+                }
+                srv.handshake_over(id);
+                srv.served.lock().unwrap().remove(&id);
+                // Flag first, then the lock: a publisher that saw the stream running is already
+                // waiting and gets this wake-up.
+                served.ended.store(true, Ordering::Release);
+                *srv.live.lock().unwrap() -= 1;
+                srv.gone.notify_all();
+                srv.acks.notify_all();
+            });
+            if spawned.is_err() {
+                self.handshake_over(id);
+                self.served.lock().unwrap().remove(&id);
+                *self.live.lock().unwrap() -= 1;
             }
         }
     }
 
-    /// Sends the current region table to every connected initiator. With `wait`, also waits
-    /// until every initiator on this host (which may access memory directly, without the
-    /// target-side check) confirmed it; one that does not within `wait` is disconnected and
-    /// the call fails, so the caller must not free the memory.
+    /// Sends due region updates; never blocks on one peer for long (a peer whose socket has no
+    /// room is retried, and disconnected once it has owed an update for `slow_peer_timeout`).
+    fn publisher(self: Arc<Self>) {
+        loop {
+            {
+                let mut rung = self.publish.0.lock().unwrap();
+                if !*rung && !self.stopping.load(Ordering::Acquire) {
+                    let backlog = self.served.lock().unwrap().values().any(|s| owes_update(s));
+                    let wait = if backlog { Duration::from_millis(10) } else { Duration::from_secs(3600) };
+                    rung = self.publish.1.wait_timeout(rung, wait).unwrap().0;
+                }
+                *rung = false;
+            }
+            if self.stopping.load(Ordering::Acquire) {
+                return;
+            }
+            let owing: Vec<Arc<Served>> =
+                self.served.lock().unwrap().values().filter(|s| owes_update(s)).cloned().collect();
+            for s in owing {
+                self.push_update(&s);
+            }
+        }
+    }
+
+    fn push_update(&self, s: &Served) {
+        let since = *s.due_since.lock().unwrap().get_or_insert_with(Instant::now);
+        if since.elapsed() > self.ctx.slow_peer_timeout {
+            tracing::warn!(peer = %s.peer_addr, "peer did not take a region update in time: disconnecting it");
+            s.abort("peer fell behind on region updates");
+            return;
+        }
+        let Ok(mut mac) = s.send.try_lock() else { return }; // its serve thread sends it next
+        let table_bytes = 64 + self.ctx.registry.len() * wire::REGION_ENTRY_LEN;
+        if io::send_room(s.sock.as_raw_fd()).is_some_and(|room| room < table_bytes) {
+            return; // retried shortly; never block here
+        }
+        if s.send_update_if_due(&self.ctx, &mut mac).is_err() {
+            s.abort("cannot send a region update");
+        }
+    }
+
+    /// Queues the current region table for every connected initiator (the publisher thread
+    /// sends it). With `wait`, also waits until every initiator proven to be on this host
+    /// (which accesses memory directly, without the target-side check) confirmed it; one that
+    /// does not within `wait` is disconnected and the call fails, so the caller must not free
+    /// the memory. Never sends on a socket itself.
     pub fn publish_regions(&self, wait: Option<Duration>) -> Result<()> {
-        let version = self.version.fetch_add(1, Ordering::AcqRel) + 1;
+        let version = self.version.fetch_add(1, Ordering::SeqCst) + 1;
         let heads: Vec<Arc<Served>> = self
             .served
             .lock()
@@ -181,14 +367,11 @@ impl Server {
             .cloned()
             .collect();
         for s in &heads {
-            // Due first, then try to send: a serve thread busy with a frame sends it when that
-            // frame is done (it checks after releasing the lock), so nobody blocks here.
             s.due.fetch_max(version, Ordering::SeqCst);
-            if let Ok(_g) = s.send_lock.try_lock() {
-                if send_update_if_due(&self.ctx, s).is_err() {
-                    s.abort("cannot send a region update");
-                }
-            }
+        }
+        {
+            *self.publish.0.lock().unwrap() = true;
+            self.publish.1.notify_all();
         }
         let Some(wait) = wait else { return Ok(()) };
         let deadline = Instant::now() + wait;
@@ -197,7 +380,7 @@ impl Server {
             let pending: Vec<_> = heads
                 .iter()
                 .filter(|s| {
-                    s.acks_updates.load(Ordering::Acquire)
+                    s.acks_updates.load(Ordering::SeqCst)
                         && s.acked.load(Ordering::Acquire) < version
                         && !s.ended.load(Ordering::Acquire)
                 })
@@ -216,7 +399,7 @@ impl Server {
                     pending.len()
                 )));
             }
-            g = self.acks.wait_timeout(g, deadline - now).unwrap().0;
+            g = self.acks.wait_timeout(g, (deadline - now).min(Duration::from_millis(50))).unwrap().0;
         }
     }
 
@@ -224,8 +407,15 @@ impl Server {
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::Release);
         io::shutdown(self.listener.as_raw_fd());
-        if let Some(h) = self.accept.lock().unwrap().take() {
+        {
+            *self.publish.0.lock().unwrap() = true;
+            self.publish.1.notify_all();
+        }
+        for h in std::mem::take(&mut *self.threads.lock().unwrap()) {
             let _ = h.join();
+        }
+        if let Some(l) = self.local.lock().unwrap().take() {
+            l.stop();
         }
         for s in self.served.lock().unwrap().values() {
             s.abort("engine finalized");
@@ -239,238 +429,8 @@ impl Server {
     }
 }
 
-fn send(served: &Served, f: &Frame, tag: u64) -> std::io::Result<()> {
-    let _g = served.send_lock.lock().unwrap();
-    io::send_bytes(served.sock.as_raw_fd(), &wire::encode(f, tag, 0))
-}
-
-/// Checks every segment against the registry and pins the regions they fall in.
-fn check_and_pin(reg: &Registry, segs: &[Seg], holder: &Arc<Served>, write: bool) -> Result<Vec<Pin>> {
-    let mut pins: Vec<Pin> = Vec::new();
-    for s in segs {
-        if let Some(p) = pins.last() {
-            if p.region().contains(s.addr, s.len) {
-                continue;
-            }
-        }
-        let region = reg.lookup_for(s.addr, s.len, "remote", write)?;
-        if !pins.iter().any(|p| p.region().id == region.id) {
-            pins.push(region.pin(holder.clone())?);
-        }
-    }
-    Ok(pins)
-}
-
-fn serve(srv: &Server, sock: &TcpStream, served: &Arc<Served>) -> std::io::Result<()> {
-    let ctx = &*srv.ctx;
-    let fd = sock.as_raw_fd();
-    sock.set_nodelay(true)?;
-    // The target sends no heartbeats of its own; keepalive ends a serve thread whose
-    // initiator vanished without closing (a cut link) in about 25 s instead of never.
-    io::keepalive(fd, 10, 5, 3)?;
-    sock.set_read_timeout(Some(ctx.handshake_timeout))?;
-    let mut payload = Vec::new();
-    let (_, hello) = io::recv_frame(fd, &mut payload)?;
-    let Frame::Hello { engine_id: peer, host, stream_index, auth_nonce, .. } = hello else {
-        let err = Frame::Error { status: Status::ParamInvalid.code(), message: "expected Hello".into() };
-        send(served, &err, 0)?;
-        return Err(std::io::Error::other(format!("first frame was {:?}, not Hello", hello.kind())));
-    };
-    if let Some(secret) = &ctx.secret {
-        authenticate(secret, served, &auth_nonce, &mut payload)?;
-    }
-    served.link_head.store(stream_index == 0, Ordering::Release);
-    served.acks_updates.store(stream_index == 0 && host == ctx.host, Ordering::Release);
-    {
-        // The table is read and sent under the send lock, after this stream became visible to
-        // `publish_regions`: any later update is sent after the Welcome, never before it.
-        let _g = served.send_lock.lock().unwrap();
-        let welcome = Frame::Welcome {
-            engine_id: ctx.engine_id.clone(),
-            host: ctx.host.clone(),
-            pid: ctx.pid,
-            probe_addr: ctx.probe_addr,
-            probe_token: ctx.probe_token,
-            regions: ctx.registry.table(),
-        };
-        io::send_bytes(fd, &wire::encode(&welcome, 0, 0))?;
-    }
-    sock.set_read_timeout(None)?;
-    loop {
-        if served.due.load(Ordering::SeqCst) > served.sent.load(Ordering::Acquire) {
-            let _g = served.send_lock.lock().unwrap();
-            send_update_if_due(ctx, served)?;
-        }
-        let (h, f) = match io::recv_frame(fd, &mut payload) {
-            Ok(x) => x,
-            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
-                let err = Frame::Error { status: Status::ParamInvalid.code(), message: e.to_string() };
-                let _ = send(served, &err, 0);
-                return Err(e);
-            }
-            Err(e) => return Err(e),
-        };
-        match f {
-            Frame::Write { segs } => serve_write(ctx, sock, served, &h, Ranges::List(&segs))?,
-            Frame::Read { segs } => serve_read(ctx, sock, served, &h, Ranges::List(&segs))?,
-            Frame::WriteStrided { seg } => serve_write(ctx, sock, served, &h, Ranges::Strided(seg))?,
-            Frame::ReadStrided { seg } => serve_read(ctx, sock, served, &h, Ranges::Strided(seg))?,
-            Frame::Notify { name, msg } => {
-                let ack = match ctx.notifies.push(&peer, name, msg) {
-                    Ok(()) => Frame::Ack { status: 0, message: String::new() },
-                    Err(e) => Frame::Ack { status: e.code(), message: e.message },
-                };
-                send(served, &ack, h.tag)?;
-            }
-            Frame::Heartbeat => send(served, &Frame::HeartbeatAck, h.tag)?,
-            Frame::RegionsAck { version } => {
-                served.acked.fetch_max(version, Ordering::AcqRel);
-                let _g = srv.live.lock().unwrap();
-                srv.acks.notify_all();
-            }
-            Frame::RegionsQuery => {
-                send(served, &Frame::RegionsTable { regions: ctx.registry.table() }, h.tag)?
-            }
-            Frame::Bye => {
-                send(served, &Frame::Ack { status: 0, message: String::new() }, h.tag)?;
-                return Ok(());
-            }
-            other => {
-                let message = format!("unexpected {:?} frame from an initiator", other.kind());
-                send(
-                    served,
-                    &Frame::Error { status: Status::ParamInvalid.code(), message: message.clone() },
-                    h.tag,
-                )?;
-                return Err(std::io::Error::other(message));
-            }
-        }
-    }
-}
-
-/// Proves this target knows the secret and checks that the initiator does too; nothing about
-/// this engine is sent before that succeeds.
-fn authenticate(
-    secret: &Secret,
-    served: &Served,
-    ni: &auth::Nonce,
-    payload: &mut Vec<u8>,
-) -> std::io::Result<()> {
-    let nt = auth::nonce().map_err(|e| std::io::Error::other(e.message))?;
-    send(served, &Frame::AuthChallenge { nonce: nt, proof: secret.target_proof(ni, &nt) }, 0)?;
-    let fd = served.sock.as_raw_fd();
-    let ok = match io::recv_frame(fd, payload)? {
-        (_, Frame::AuthResponse { proof }) => secret.check_initiator(ni, &nt, &proof),
-        _ => false,
-    };
-    if !ok {
-        let message = "authentication failed: the initiator does not know this cluster's secret \
-                       (hixl.secret / HIXL_SECRET)";
-        let _ =
-            send(served, &Frame::Error { status: Status::NotConnected.code(), message: message.into() }, 0);
-        return Err(std::io::Error::other("an initiator failed authentication"));
-    }
-    Ok(())
-}
-
-/// The target ranges of one data frame: a list of segments or one strided descriptor.
-enum Ranges<'a> {
-    List(&'a [Seg]),
-    Strided(StridedSeg),
-}
-
-impl Ranges<'_> {
-    /// Checks the ranges against the registry and pins their regions.
-    fn pin(&self, reg: &Registry, holder: &Arc<Served>, write: bool) -> Result<Vec<Pin>> {
-        match self {
-            Ranges::List(segs) => check_and_pin(reg, segs, holder, write),
-            Ranges::Strided(st) => {
-                let span = st.span().ok_or_else(|| Error::param("strided range overflows"))?;
-                let region = reg.lookup_for(st.addr, span, "remote strided", write)?;
-                Ok(vec![region.pin(holder.clone())?])
-            }
-        }
-    }
-
-    /// Calls `f` with iovecs over the ranges, at most IOV_MAX at a time.
-    fn for_each_chunk(
-        &self,
-        mut f: impl FnMut(&mut [libc::iovec]) -> std::io::Result<()>,
-    ) -> std::io::Result<()> {
-        let mut buf: Vec<libc::iovec> = Vec::new();
-        match self {
-            Ranges::List(segs) => {
-                for c in segs.chunks(io::IOV_MAX) {
-                    buf.clear();
-                    buf.extend(c.iter().map(|s| iov(s.addr, s.len)));
-                    f(&mut buf)?;
-                }
-            }
-            Ranges::Strided(st) => {
-                let mut i = 0;
-                while i < st.count {
-                    let n = (st.count - i).min(io::IOV_MAX as u64);
-                    buf.clear();
-                    buf.extend((i..i + n).map(|k| iov(st.addr + k * st.stride, st.size)));
-                    f(&mut buf)?;
-                    i += n;
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-fn serve_write(
-    ctx: &ServerCtx,
-    sock: &TcpStream,
-    served: &Arc<Served>,
-    h: &Header,
-    ranges: Ranges<'_>,
-) -> std::io::Result<()> {
-    let fd = sock.as_raw_fd();
-    let ack = match ranges.pin(&ctx.registry, served, true) {
-        Ok(pins) => {
-            // SAFETY: every range was checked to lie inside a registered region, and those
-            // regions are pinned (cannot be deregistered and freed) until `pins` drops.
-            ranges.for_each_chunk(|v| unsafe { io::recv_all(fd, v) })?;
-            drop(pins);
-            Frame::Ack { status: 0, message: String::new() }
-        }
-        Err(e) => {
-            io::discard(fd, h.bulk_len)?;
-            Frame::Ack { status: e.code(), message: e.message }
-        }
-    };
-    send(served, &ack, h.tag)
-}
-
-fn serve_read(
-    ctx: &ServerCtx,
-    sock: &TcpStream,
-    served: &Arc<Served>,
-    h: &Header,
-    ranges: Ranges<'_>,
-) -> std::io::Result<()> {
-    let total = match &ranges {
-        Ranges::List(segs) => wire::total_len(segs).ok(),
-        Ranges::Strided(st) => st.bytes(),
-    };
-    let Some(total) = total else {
-        let resp = Frame::ReadResp { status: Status::ParamInvalid.code(), message: "ranges overflow".into() };
-        return send(served, &resp, h.tag);
-    };
-    match ranges.pin(&ctx.registry, served, false) {
-        Ok(pins) => {
-            let head = wire::encode(&Frame::ReadResp { status: 0, message: String::new() }, h.tag, total);
-            let fd = sock.as_raw_fd();
-            let _g = served.send_lock.lock().unwrap();
-            io::send_bytes(fd, &head)?;
-            // SAFETY: the ranges lie in registered regions pinned until `pins` drops.
-            ranges.for_each_chunk(|v| unsafe { io::send_all(fd, v) })?;
-            drop(pins);
-            Ok(())
-        }
-        Err(e) => send(served, &Frame::ReadResp { status: e.code(), message: e.message }, h.tag),
-    }
+fn owes_update(s: &Served) -> bool {
+    s.welcomed.load(Ordering::Acquire)
+        && !s.ended.load(Ordering::Acquire)
+        && s.due.load(Ordering::Acquire) > s.sent.load(Ordering::Acquire)
 }

@@ -3,10 +3,12 @@
 //! segments, with the peer doing nothing: one-sided, no intermediate copy.
 //!
 //! Trust model: CMA needs ptrace permission over the peer (same user, or CAP_SYS_PTRACE), which
-//! already allows reading and writing all of its memory. There is no target-side check on this
-//! path, so the initiator checks every remote range against the peer's region table while it
-//! holds that table's read guard; the target publishes changes and waits for the
-//! acknowledgement before memory is freed (see `Server::publish_regions`).
+//! already allows reading and writing all of its memory. The peer is the process that proved it
+//! accepted this link's stream (`local::prove`), never one named by a claim. There is no
+//! target-side check on this path, so the initiator checks every remote range against the
+//! table that process sent, while it holds that table's read guard; the target publishes
+//! changes and waits for the acknowledgement before memory is freed (see
+//! `Server::publish_regions`).
 
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -18,6 +20,7 @@ use crate::queue::{Part, PartBody, SegPair, TransferOp, TransferStatus, WorkQueu
 use crate::registry::{Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::io::{iov, IOV_MAX};
+use crate::transport::local::{exited, Proven};
 use crate::transport::tcp::TcpLink;
 use crate::transport::{settle_request, Link, PeerInfo, Workers};
 use crate::wire::RegionEntry;
@@ -43,59 +46,6 @@ pub fn host_id() -> String {
         String::new()
     };
     format!("{}/{}", boot.trim(), node)
-}
-
-/// An 8-byte token at a stable address that same-host peers read to prove direct access.
-pub struct Probe {
-    cell: Box<u64>,
-}
-
-impl Default for Probe {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Probe {
-    /// A probe holding a fresh random token.
-    pub fn new() -> Self {
-        let mut token = 0u64;
-        // SAFETY: getrandom writes at most 8 bytes into `token`.
-        let n = unsafe { libc::getrandom(&mut token as *mut u64 as *mut libc::c_void, 8, 0) };
-        if n != 8 {
-            token = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_nanos() as u64
-                ^ ((std::process::id() as u64) << 40);
-        }
-        Probe { cell: Box::new(token | 1) }
-    }
-    /// Where the token lives.
-    pub fn addr(&self) -> u64 {
-        &*self.cell as *const u64 as u64
-    }
-    /// The token.
-    pub fn token(&self) -> u64 {
-        *self.cell
-    }
-}
-
-/// Reads the peer's probe token directly; Ok when CMA to that process works.
-pub fn probe_peer(pid: u32, addr: u64, token: u64) -> std::result::Result<(), String> {
-    let mut got = 0u64;
-    let local = iov(&mut got as *mut u64 as u64, 8);
-    let remote = iov(addr, 8);
-    // SAFETY: `local` covers the 8 bytes of `got`; the remote side is checked by the kernel.
-    let r = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
-    if r < 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(format!("cross-memory attach to pid {pid} failed: {e}"));
-    }
-    if r != 8 || got != token {
-        return Err(format!("pid {pid} is not the peer (another pid namespace?)"));
-    }
-    Ok(())
 }
 
 fn cma_error(pid: i32, e: std::io::Error) -> Error {
@@ -161,7 +111,7 @@ pub unsafe fn cma(pid: i32, op: TransferOp, segs: &[SegPair]) -> Result<()> {
     Ok(())
 }
 
-/// A peer's engine-allocated region mapped into this process (through /proc/PID/fd/N).
+/// A peer's engine-allocated region mapped into this process.
 struct PeerMapping {
     base: u64,
     len: u64,
@@ -174,18 +124,36 @@ impl Drop for PeerMapping {
     }
 }
 
-/// Maps a same-host peer's memfd region; checks that the descriptor is a hixl memfd of the
-/// expected size first.
-fn map_peer_region(pid: i32, e: &RegionEntry) -> std::io::Result<PeerMapping> {
+/// Seals an engine-allocated memfd must carry before a peer maps it: it can then never shrink
+/// under the mapping (SIGBUS) or change size at all.
+const REQUIRED_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+
+/// Maps a same-host peer's memfd region. The descriptor is taken from the proven process itself
+/// (`pidfd_getfd`: the very object it holds, never a path reopened), and mapped only when it is
+/// a memfd sealed against shrinking and growing, at least as long as the region.
+fn map_peer_region(pidfd: &OwnedFd, e: &RegionEntry) -> std::io::Result<PeerMapping> {
     use std::os::fd::AsRawFd;
-    let path = format!("/proc/{pid}/fd/{}", e.fd);
-    let target = std::fs::read_link(&path)?;
-    if !target.to_string_lossy().starts_with("/memfd:hixl") {
-        return Err(std::io::Error::other(format!("{path} is {target:?}, not a hixl memfd")));
+    // SAFETY: pidfd_getfd takes a pidfd, a descriptor number in that process and flags, and
+    // returns a new descriptor or -1.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), e.fd, 0) } as RawFd;
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
     }
-    let f = std::fs::OpenOptions::new().read(true).write(true).open(&path)?;
+    // SAFETY: a non-negative return is a fresh descriptor that we now own.
+    let f = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(raw) });
+    // SAFETY: F_GET_SEALS takes no argument; it fails (EINVAL) on anything but a memfd/shmem file.
+    let seals = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 {
+        return Err(std::io::Error::other(format!("descriptor {} of the peer is not a memfd", e.fd)));
+    }
+    if seals & REQUIRED_SEALS != REQUIRED_SEALS {
+        return Err(std::io::Error::other(format!(
+            "the peer's memfd {} is not sealed against shrinking and growing",
+            e.fd
+        )));
+    }
     if f.metadata()?.len() < e.len {
-        return Err(std::io::Error::other(format!("{path} is smaller than the region")));
+        return Err(std::io::Error::other(format!("the peer's memfd {} is smaller than the region", e.fd)));
     }
     // SAFETY: a new shared mapping of a file we opened; no existing memory is affected.
     let p = unsafe {
@@ -214,7 +182,8 @@ pub struct ShmLink {
     maps: Mutex<std::collections::HashMap<u64, Arc<PeerMapping>>>,
     /// Cleared after a mapping failed: CMA only from then on.
     direct_ok: AtomicBool,
-    pidfd: Option<OwnedFd>,
+    /// The proven peer process.
+    pidfd: OwnedFd,
     workers: usize,
     queue: WorkQueue<Part>,
     next_lane: AtomicUsize,
@@ -223,13 +192,15 @@ pub struct ShmLink {
 }
 
 impl ShmLink {
-    /// Wraps a connected TCP link whose peer passed the probe; starts `workers` copy threads.
-    pub fn new(tcp: Arc<TcpLink>, workers: usize, queue_depth: usize) -> Result<Arc<ShmLink>> {
-        let pid = tcp.peer_info().pid as i32;
-        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as RawFd;
-        // SAFETY: a non-negative return is a fresh descriptor that we now own.
-        let pidfd = (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) });
+    /// Wraps a connected TCP link whose peer proved it is the process `proven`; starts
+    /// `workers` copy threads.
+    pub fn new(
+        tcp: Arc<TcpLink>,
+        proven: Proven,
+        workers: usize,
+        queue_depth: usize,
+    ) -> Result<Arc<ShmLink>> {
+        let Proven { pid, pidfd, .. } = proven;
         tcp.set_label("shm");
         let workers = workers.max(1);
         let link = Arc::new(ShmLink {
@@ -255,11 +226,7 @@ impl ShmLink {
     }
 
     fn peer_exited(&self) -> bool {
-        let Some(fd) = &self.pidfd else { return false };
-        let mut p =
-            libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(fd), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd and a zero timeout.
-        unsafe { libc::poll(&mut p, 1, 0) > 0 }
+        exited(&self.pidfd)
     }
 
     fn worker(self: &Arc<Self>, lane: usize) {
@@ -352,7 +319,7 @@ impl ShmLink {
             }
             let m = match maps.get(&e.id) {
                 Some(m) => m.clone(),
-                None => match map_peer_region(self.pid, e) {
+                None => match map_peer_region(&self.pidfd, e) {
                     Ok(m) => {
                         let m = Arc::new(m);
                         maps.insert(e.id, m.clone());
@@ -529,7 +496,7 @@ impl SharedMem {
             Error::failed(format!("{what} of {size} bytes failed: {}", std::io::Error::last_os_error()))
         };
         // SAFETY: the name is a NUL-terminated literal; flags are valid.
-        let fd = unsafe { libc::memfd_create(c"hixl".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe { libc::memfd_create(c"hixl".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if fd < 0 {
             return Err(sys("memfd_create"));
         }
@@ -539,6 +506,12 @@ impl SharedMem {
         // SAFETY: ftruncate on our own memfd.
         if unsafe { libc::ftruncate(raw, size as libc::off_t) } != 0 {
             return Err(sys("ftruncate"));
+        }
+        // Sealed before anyone can map it: its size never changes again, so no mapping of it
+        // (ours or a peer's) can fault past its end.
+        // SAFETY: F_ADD_SEALS on our own memfd, created with MFD_ALLOW_SEALING.
+        if unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, REQUIRED_SEALS | libc::F_SEAL_SEAL) } != 0 {
+            return Err(sys("sealing the memfd"));
         }
         // Reserve size + 2 MiB of address space, then map the memfd at the aligned start.
         let span = (size + SHARED_ALIGN) as usize;

@@ -10,15 +10,17 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
-use crate::auth::{self, Secret};
+use crate::auth::{self, FrameMac, Secret, MAC_LEN};
 use crate::error::{Error, Result, Status};
 use crate::queue::{Part, PartBody, Request, Strided, TransferOp, TransferStatus, WorkQueue};
 use crate::registry::{Abort, RemoteTable};
 use crate::stats::PeerStats;
+use crate::transport::handshake::{self, connect_one};
 use crate::transport::io::{self, iov};
 use crate::transport::liveness::{self, Liveness};
+use crate::transport::server::addr_text;
 use crate::transport::{Link, PeerInfo, Workers};
-use crate::wire::{self, Frame, Seg, StridedSeg};
+use crate::wire::{self, Frame, Kind, Seg, StridedSeg};
 
 /// Most parts a writer takes from the queue per wake-up.
 const BATCH_PARTS: usize = 64;
@@ -52,6 +54,8 @@ pub struct ConnectParams {
     pub secret: Option<Secret>,
     /// Heartbeat interval on idle links (zero: off).
     pub heartbeat: Duration,
+    /// MAC every transfer's bytes too (sealed streams only).
+    pub data_mac: bool,
 }
 
 struct Pending {
@@ -63,8 +67,11 @@ struct Stream {
     /// Index of this stream, and of its lane in the link's queue.
     lane: usize,
     sock: TcpStream,
-    /// Held while frames are written, so that frames of two senders never interleave.
-    send_lock: Mutex<()>,
+    /// Held while frames are written, so that frames of two senders never interleave; seals
+    /// each frame (on an authenticated stream).
+    send_lock: Mutex<FrameMac>,
+    /// Opens incoming frames; taken by the stream's reader thread.
+    rx: Mutex<Option<FrameMac>>,
     pending: Mutex<VecDeque<Pending>>,
     next_tag: AtomicU64,
 }
@@ -75,6 +82,8 @@ pub struct TcpLink {
     info: PeerInfo,
     /// The peer's region table; direct-access backends hold a read guard while they copy.
     table: RwLock<RemoteTable>,
+    /// Version of `table` (tables older than it are ignored).
+    table_version: AtomicU64,
     queue: WorkQueue<Part>,
     /// Where the next split request's first share goes (rotates, to spread the load).
     next_lane: AtomicUsize,
@@ -86,113 +95,13 @@ pub struct TcpLink {
     label: std::sync::OnceLock<&'static str>,
     coalesce: Duration,
     coalesce_max_ops: usize,
-    /// Counts installed region tables (updates and query answers); `refresh_table` waits
+    /// The highest tag of a RegionsQuery answered so far (`refresh_table` waits for its own),
+    /// rung whenever a table is installed; and the tag of the next query.
     /// for it to move.
     tables: (Mutex<u64>, std::sync::Condvar),
+    next_query: AtomicU64,
     /// Wakes the heartbeat thread when the link closes (it sleeps a whole interval otherwise).
     closing: (Mutex<()>, std::sync::Condvar),
-}
-
-fn connect_one(addr: SocketAddr, deadline: Instant, peer: &str) -> Result<TcpStream> {
-    let mut last: Option<std::io::Error> = None;
-    let mut backoff = Duration::from_millis(2);
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(Error::timeout(format!(
-                "connect to {peer}: no answer within the timeout (last error: {})",
-                last.map_or("none".into(), |e| e.to_string())
-            )));
-        }
-        match TcpStream::connect_timeout(&addr, left) {
-            Ok(s) => return Ok(s),
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
-                // Nobody listens yet (peers start in any order): retry until the deadline.
-                last = Some(e);
-                std::thread::sleep(backoff.min(left));
-                backoff = (backoff * 2).min(Duration::from_millis(50));
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => last = Some(e),
-            Err(e) => return Err(Error::not_connected(format!("connect to {peer}: {e}"))),
-        }
-    }
-}
-
-fn handshake_io_error(peer: &str) -> impl Fn(std::io::Error) -> Error + '_ {
-    move |e: std::io::Error| {
-        if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
-            Error::timeout(format!("handshake with {peer}: no answer within the timeout"))
-        } else {
-            Error::not_connected(format!("handshake with {peer}: {e}"))
-        }
-    }
-}
-
-/// Sends Hello on a fresh stream (with the connect deadline as socket timeouts).
-fn send_hello(
-    s: &TcpStream,
-    p: &ConnectParams,
-    nonce: u64,
-    i: usize,
-    deadline: Instant,
-    peer: &str,
-) -> Result<auth::Nonce> {
-    let auth_nonce = auth::nonce()?;
-    let map_io = handshake_io_error(peer);
-    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    s.set_read_timeout(Some(left)).map_err(&map_io)?;
-    s.set_write_timeout(Some(left)).map_err(&map_io)?;
-    s.set_nodelay(true).map_err(&map_io)?;
-    let hello = Frame::Hello {
-        engine_id: p.local_id.clone(),
-        host: p.host.clone(),
-        link_nonce: nonce,
-        stream_index: i as u16,
-        stream_count: p.streams as u16,
-        auth_nonce,
-    };
-    io::send_bytes(s.as_raw_fd(), &wire::encode(&hello, 0, 0)).map_err(&map_io)?;
-    Ok(auth_nonce)
-}
-
-/// Reads the Welcome that answers Hello (authenticating first when the target challenges, or
-/// when this engine has a secret), then clears the socket timeouts.
-fn recv_welcome(s: &TcpStream, peer: &str, p: &ConnectParams, ni: &auth::Nonce) -> Result<PeerInfo> {
-    let map_io = handshake_io_error(peer);
-    let mut buf = Vec::new();
-    let (_, mut f) = io::recv_frame(s.as_raw_fd(), &mut buf).map_err(&map_io)?;
-    if let Frame::AuthChallenge { nonce: nt, proof } = f {
-        let Some(secret) = &p.secret else {
-            return Err(Error::not_connected(format!(
-                "{peer} requires a cluster secret: set hixl.secret (or HIXL_SECRET) to the cluster's secret"
-            )));
-        };
-        if !secret.check_target(ni, &nt, &proof) {
-            return Err(Error::not_connected(format!(
-                "{peer} failed authentication: it does not know this cluster's secret"
-            )));
-        }
-        let answer = Frame::AuthResponse { proof: secret.initiator_proof(ni, &nt) };
-        io::send_bytes(s.as_raw_fd(), &wire::encode(&answer, 0, 0)).map_err(&map_io)?;
-        f = io::recv_frame(s.as_raw_fd(), &mut buf).map_err(&map_io)?.1;
-    } else if p.secret.is_some() && matches!(f, Frame::Welcome { .. }) {
-        return Err(Error::not_connected(format!(
-            "{peer} did not authenticate, but this engine has a cluster secret (hixl.secret): refusing it"
-        )));
-    }
-    s.set_read_timeout(None).map_err(&map_io)?;
-    s.set_write_timeout(None).map_err(&map_io)?;
-    match f {
-        Frame::Welcome { engine_id, host, pid, probe_addr, probe_token, regions } => {
-            Ok(PeerInfo { engine_id, host, pid, probe_addr, probe_token, regions: RemoteTable::new(regions) })
-        }
-        Frame::Error { status, message } => {
-            Err(Error::new(Status::from_code(status), format!("{peer} refused the handshake: {message}")))
-        }
-        other => {
-            Err(Error::not_connected(format!("handshake with {peer}: unexpected {:?} frame", other.kind())))
-        }
-    }
 }
 
 impl TcpLink {
@@ -204,15 +113,17 @@ impl TcpLink {
         // Connect every stream and send every Hello first, then read the Welcomes: the
         // target answers the streams in parallel, so connecting costs about one round trip.
         let mut socks = Vec::with_capacity(p.streams);
-        let mut nonces = Vec::with_capacity(p.streams);
+        let mut hellos = Vec::with_capacity(p.streams);
         for i in 0..p.streams {
             let s = connect_one(addr, deadline, peer)?;
-            nonces.push(send_hello(&s, p, nonce, i, deadline, peer)?);
+            hellos.push(handshake::send_hello(&s, p, nonce, i, deadline, peer)?);
             socks.push(s);
         }
         let mut info: Option<PeerInfo> = None;
-        for (s, ni) in socks.iter().zip(&nonces) {
-            let pi = recv_welcome(s, peer, p, ni)?;
+        let mut macs = Vec::with_capacity(p.streams);
+        for (s, hello) in socks.iter().zip(&hellos) {
+            let (pi, tx, rx) = handshake::recv_welcome(s, peer, p, hello, deadline)?;
+            macs.push((tx, rx));
             if let Some(first) = &info {
                 if first.engine_id != pi.engine_id {
                     return Err(Error::not_connected(format!(
@@ -228,17 +139,20 @@ impl TcpLink {
         let link = Arc::new(TcpLink {
             peer: peer.to_string(),
             table: RwLock::new(info.regions.clone()),
+            table_version: AtomicU64::new(info.table_version),
             info,
             queue: WorkQueue::with_lanes(p.queue_depth, socks.len()).with_spin(WRITER_SPIN),
             next_lane: AtomicUsize::new(0),
             streams: socks
                 .into_iter()
+                .zip(macs)
                 .enumerate()
-                .map(|(lane, sock)| {
+                .map(|(lane, (sock, (tx, rx)))| {
                     Arc::new(Stream {
                         lane,
                         sock,
-                        send_lock: Mutex::new(()),
+                        send_lock: Mutex::new(tx),
+                        rx: Mutex::new(Some(rx)),
                         pending: Mutex::new(VecDeque::new()),
                         next_tag: AtomicU64::new(1),
                     })
@@ -253,6 +167,7 @@ impl TcpLink {
             coalesce_max_ops: p.coalesce_max_ops,
             closing: (Mutex::new(()), std::sync::Condvar::new()),
             tables: (Mutex::new(0), std::sync::Condvar::new()),
+            next_query: AtomicU64::new(1),
         });
         if !p.heartbeat.is_zero() {
             let (l, every) = (link.clone(), p.heartbeat);
@@ -331,8 +246,8 @@ impl TcpLink {
     }
 
     fn send_batch(&self, s: &Stream, batch: &mut Vec<Part>) -> std::io::Result<()> {
-        let _g = s.send_lock.lock().unwrap();
-        self.send_locked(s, batch)
+        let mut mac = s.send_lock.lock().unwrap();
+        self.send_locked(s, &mut mac, batch)
     }
 
     /// Small requests skip the queue when a stream is idle: the caller writes the frame itself,
@@ -343,10 +258,10 @@ impl TcpLink {
             return Some(part);
         }
         for s in &self.streams {
-            if let Ok(_g) = s.send_lock.try_lock() {
+            if let Ok(mut mac) = s.send_lock.try_lock() {
                 let mut batch = vec![part];
-                if let Err(e) = self.send_locked(s, &mut batch) {
-                    drop(_g);
+                if let Err(e) = self.send_locked(s, &mut mac, &mut batch) {
+                    drop(mac);
                     self.close(Error::not_connected(format!(
                         "stream to {} failed while sending: {e}",
                         self.peer
@@ -358,8 +273,12 @@ impl TcpLink {
         Some(part)
     }
 
-    fn send_locked(&self, s: &Stream, batch: &mut Vec<Part>) -> std::io::Result<()> {
+    /// Sends a batch of parts on a stream whose send lock (`mac`) the caller holds: each part's
+    /// frame, sealed, then its bytes (for writes), then their data MAC (with `hixl.data_mac`).
+    fn send_locked(&self, s: &Stream, mac: &mut FrameMac, batch: &mut Vec<Part>) -> std::io::Result<()> {
         let mut heads = Vec::with_capacity(batch.len());
+        // One slot per part, allocated up front so that iovecs may point into it.
+        let mut data_macs: Vec<[u8; MAC_LEN]> = vec![[0u8; MAC_LEN]; batch.len()];
         for part in batch.iter() {
             let tag = s.next_tag.fetch_add(1, Ordering::Relaxed);
             let frame = match (&part.body, part.req.op) {
@@ -380,25 +299,32 @@ impl TcpLink {
                 }
                 (PartBody::Notify(n), _) => Frame::Notify { name: n.name.clone(), msg: n.msg.clone() },
             };
-            heads.push((tag, wire::encode(&frame, tag, 0)));
+            let mut head = wire::encode(&frame, tag, 0);
+            let seq = mac.seal(&mut head);
+            heads.push((tag, head, mac.data_hasher(seq)));
         }
         // Headers and plain segments go as one vectored send; a strided write's elements are
         // expanded IOV_MAX at a time where its header ends (never all at once).
         let mut iovs = Vec::with_capacity(batch.len() * 2);
         let mut strided_after: Vec<(usize, Strided)> = Vec::new();
-        for (part, (_, head)) in batch.iter().zip(&heads) {
+        for (i, (part, (_, head, hasher))) in batch.iter().zip(&mut heads).enumerate() {
             iovs.push(io::iov_of(head));
-            match (&part.body, part.req.op) {
-                (PartBody::Data(segs), TransferOp::Write) => {
-                    iovs.extend(segs.iter().map(|p| iov(p.local, p.len)))
-                }
-                (PartBody::Strided(st), TransferOp::Write) => strided_after.push((iovs.len(), *st)),
+            let write = part.req.op == TransferOp::Write;
+            match &part.body {
+                PartBody::Data(segs) if write => iovs.extend(segs.iter().map(|p| iov(p.local, p.len))),
+                PartBody::Strided(st) if write => strided_after.push((iovs.len(), *st)),
                 _ => {}
+            }
+            if let Some(h) = hasher.as_mut().filter(|_| write && !matches!(part.body, PartBody::Notify(_))) {
+                // SAFETY: local segments lie in regions pinned by their requests.
+                unsafe { part.body.hash_local(h) };
+                data_macs[i] = auth::data_mac(h);
+                iovs.push(io::iov_of(&data_macs[i]));
             }
         }
         {
             let mut pend = s.pending.lock().unwrap();
-            for (part, (tag, _)) in batch.drain(..).zip(&heads) {
+            for (part, (tag, _, _)) in batch.drain(..).zip(&heads) {
                 pend.push_back(Pending { tag: *tag, part });
             }
         }
@@ -422,7 +348,6 @@ impl TcpLink {
     /// Probes the peer every `every` (a Heartbeat on each stream that is idle) and
     /// closes the link once the peer has made no progress for `liveness::MISSED` intervals.
     fn heartbeat(self: &Arc<Self>, every: Duration) {
-        let probe = wire::encode(&Frame::Heartbeat, 0, 0);
         let mut live = Liveness::new(every, Instant::now());
         let mut probes_sent: u64 = 0;
         loop {
@@ -442,10 +367,14 @@ impl TcpLink {
                 // Only on a stream nobody is writing to and whose send queue is empty, so the
                 // probe can never block this thread (a cut link leaves data queued; then the
                 // missing progress speaks for itself).
-                if let Ok(_g) = s.send_lock.try_lock() {
+                if let Ok(mut mac) = s.send_lock.try_lock() {
                     let fd = s.sock.as_raw_fd();
-                    if io::queued_bytes(fd) == Some(0) && io::send_bytes(fd, &probe).is_ok() {
-                        probes_sent += probe.len() as u64;
+                    if io::queued_bytes(fd) == Some(0) {
+                        let mut probe = wire::encode(&Frame::Heartbeat, 0, 0);
+                        mac.seal(&mut probe);
+                        if io::send_bytes(fd, &probe).is_ok() {
+                            probes_sent += probe.len() as u64;
+                        }
                     }
                 }
             }
@@ -467,20 +396,55 @@ impl TcpLink {
         }
     }
 
-    /// Replaces the peer's region table (waiting for direct copies that hold the old one) and
-    /// wakes `refresh_table` callers.
-    fn install_table(&self, regions: Vec<crate::wire::RegionEntry>) {
-        *self.table.write().unwrap() = RemoteTable::new(regions);
-        *self.tables.0.lock().unwrap() += 1;
+    /// Replaces the peer's region table unless ours is newer (waiting for direct copies that
+    /// hold the old one) and wakes `refresh_table` / `wait_table_version` callers.
+    fn install_table(&self, version: u64, regions: Vec<crate::wire::RegionEntry>, answers: Option<u64>) {
+        {
+            let mut t = self.table.write().unwrap();
+            if version >= self.table_version.load(Ordering::Acquire) {
+                *t = RemoteTable::new(regions);
+                self.table_version.store(version, Ordering::Release);
+            }
+        }
+        let mut answered = self.tables.0.lock().unwrap();
+        if let Some(tag) = answers {
+            *answered = (*answered).max(tag);
+        }
         self.tables.1.notify_all();
+    }
+
+    /// Waits (up to `timeout`) until the installed region table has at least `version`.
+    pub fn wait_table_version(&self, version: u64, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut n = self.tables.0.lock().unwrap();
+        while self.table_version.load(Ordering::Acquire) < version {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if !self.is_alive() || left.is_zero() {
+                return Err(Error::timeout(format!(
+                    "{} did not send region table version {version} in time",
+                    self.peer
+                )));
+            }
+            n = self.tables.1.wait_timeout(n, left.min(Duration::from_millis(50))).unwrap().0;
+        }
+        Ok(())
+    }
+
+    /// The two ends of stream 0 (ours, the peer's), as the same-host proof names them.
+    pub fn stream0_ends(&self) -> Result<(String, String)> {
+        let s = &self.streams[0].sock;
+        let ends = s.local_addr().and_then(|l| Ok((l, s.peer_addr()?)));
+        let (l, p) = ends.map_err(|e| Error::not_connected(format!("stream to {}: {e}", self.peer)))?;
+        Ok((addr_text(l), addr_text(p)))
     }
 
     fn reader(self: &Arc<Self>, s: &Stream) {
         let fd = s.sock.as_raw_fd();
         let mut payload = Vec::new();
+        let mut rx = s.rx.lock().unwrap().take().unwrap_or_default();
         loop {
-            let (h, f) = match io::recv_frame(fd, &mut payload) {
-                Ok(x) => x,
+            let (h, f, seq) = match io::recv_frame(fd, &mut payload, &mut rx, None) {
+                Ok(r) => (r.header, r.frame, r.seq),
                 Err(e) => {
                     self.close(Error::not_connected(format!("stream to {} failed: {e}", self.peer)));
                     break;
@@ -494,15 +458,15 @@ impl TcpLink {
                 }
             };
             match f {
-                Frame::Ack { status, message } => match self.pop_pending(s, h.tag) {
+                Frame::Ack { status, message } => match self.pop_pending(s, h.tag, Kind::Ack) {
                     Some(p) => self.finish_part(p.part, status_of(status, message)),
                     None => break,
                 },
                 Frame::ReadResp { status, message } => {
-                    let Some(p) = self.pop_pending(s, h.tag) else { break };
+                    let Some(p) = self.pop_pending(s, h.tag, Kind::ReadResp) else { break };
                     let res = status_of(status, message);
                     if res.is_ok() {
-                        if let Err(e) = self.recv_read_bulk(fd, &p.part, h.bulk_len) {
+                        if let Err(e) = self.recv_read_bulk(fd, &p.part, h.bulk_len, rx.data_hasher(seq)) {
                             let err = Error::not_connected(format!(
                                 "stream to {} failed in a read: {e}",
                                 self.peer
@@ -515,13 +479,14 @@ impl TcpLink {
                     self.finish_part(p.part, res);
                 }
                 Frame::HeartbeatAck => {}
-                Frame::RegionsTable { regions } => self.install_table(regions),
+                Frame::RegionsTable { version, regions } => self.install_table(version, regions, Some(h.tag)),
                 Frame::RegionsUpdate { version, regions } => {
                     // Waits for direct copies that use the old table, then confirms.
-                    self.install_table(regions);
-                    let ack = wire::encode(&Frame::RegionsAck { version }, 0, 0);
+                    self.install_table(version, regions, None);
+                    let mut ack = wire::encode(&Frame::RegionsAck { version }, 0, 0);
                     let sent = {
-                        let _g = s.send_lock.lock().unwrap();
+                        let mut mac = s.send_lock.lock().unwrap();
+                        mac.seal(&mut ack);
                         io::send_bytes(fd, &ack)
                     };
                     if let Err(e) = sent {
@@ -549,7 +514,15 @@ impl TcpLink {
         self.fail_pending(s);
     }
 
-    fn recv_read_bulk(&self, fd: i32, part: &Part, bulk: u64) -> std::io::Result<()> {
+    /// Receives a read response's bytes into the part's local segments, then checks their data
+    /// MAC when the stream has them.
+    fn recv_read_bulk(
+        &self,
+        fd: i32,
+        part: &Part,
+        bulk: u64,
+        hasher: Option<blake3::Hasher>,
+    ) -> std::io::Result<()> {
         let want = part.body.bytes();
         if want != bulk || matches!(part.body, PartBody::Notify(_)) {
             return Err(std::io::Error::other(format!(
@@ -562,15 +535,44 @@ impl TcpLink {
             unsafe { io::recv_all(fd, &mut iovs) }
         };
         match &part.body {
-            PartBody::Data(segs) => recv(segs),
-            PartBody::Strided(st) => st.for_each_chunk(io::IOV_MAX, recv),
-            PartBody::Notify(_) => Ok(()),
+            PartBody::Data(segs) => recv(segs)?,
+            PartBody::Strided(st) => st.for_each_chunk(io::IOV_MAX, recv)?,
+            PartBody::Notify(_) => {}
         }
+        if let Some(mut h) = hasher {
+            let mut tag = [0u8; MAC_LEN];
+            io::recv_exact(fd, &mut tag)?;
+            // SAFETY: as above: pinned local memory.
+            unsafe { part.body.hash_local(&mut h) };
+            if !auth::constant_eq(&auth::data_mac(&h), &tag) {
+                return Err(std::io::Error::other(
+                    "the bytes read do not match their data MAC (altered on the way)",
+                ));
+            }
+        }
+        Ok(())
     }
 
-    fn pop_pending(&self, s: &Stream, tag: u64) -> Option<Pending> {
+    /// The request that an answer of kind `kind` with `tag` belongs to. Answers come in order
+    /// and must match their request's kind (an Ack for a write or notify, a ReadResp for a
+    /// read); anything else closes the link without moving a byte.
+    fn pop_pending(&self, s: &Stream, tag: u64, kind: Kind) -> Option<Pending> {
         let p = s.pending.lock().unwrap().pop_front();
+        let expects = |p: &Pending| match (&p.part.body, p.part.req.op) {
+            (PartBody::Notify(_), _) | (_, TransferOp::Write) => Kind::Ack,
+            (_, TransferOp::Read) => Kind::ReadResp,
+        };
         match p {
+            Some(p) if p.tag == tag && expects(&p) != kind => {
+                let err = Error::not_connected(format!(
+                    "{} answered request {tag} with a {kind:?}, expected a {:?}; closing the link",
+                    self.peer,
+                    expects(&p)
+                ));
+                self.finish_part(p.part, Err(err.clone()));
+                self.close(err);
+                None
+            }
             Some(p) if p.tag == tag => Some(p),
             Some(p) => {
                 let err =
@@ -665,19 +667,20 @@ impl Link for TcpLink {
     }
 
     fn refresh_table(&self, timeout: Duration) -> Result<()> {
-        let seen = *self.tables.0.lock().unwrap();
+        let tag = self.next_query.fetch_add(1, Ordering::Relaxed);
         // On the first stream: the one the peer sends its table updates on, so the answer
         // comes after every update sent before it.
         let s = &self.streams[0];
-        let query = wire::encode(&Frame::RegionsQuery, 0, 0);
+        let mut query = wire::encode(&Frame::RegionsQuery, tag, 0);
         {
-            let _g = s.send_lock.lock().unwrap();
+            let mut mac = s.send_lock.lock().unwrap();
+            mac.seal(&mut query);
             io::send_bytes(s.sock.as_raw_fd(), &query)
                 .map_err(|e| Error::not_connected(format!("stream to {} failed: {e}", self.peer)))?;
         }
         let deadline = Instant::now() + timeout;
         let mut n = self.tables.0.lock().unwrap();
-        while *n == seen {
+        while *n < tag {
             let left = deadline.saturating_duration_since(Instant::now());
             if !self.is_alive() || left.is_zero() {
                 return Err(Error::timeout(format!("{} did not send its region table in time", self.peer)));
