@@ -34,7 +34,7 @@ pub struct Options {
     pub transfer_timeout: Duration,
     /// `hixl.connect_timeout_ms`: deadline of `connect_async`.
     pub connect_timeout: Duration,
-    /// `hixl.handshake_timeout_ms`: how long the listener waits for a new stream's Hello.
+    /// `hixl.handshake_timeout_ms`: one deadline for a new stream's whole handshake.
     pub handshake_timeout: Duration,
     /// `hixl.deregister_timeout_ms`: how long deregistration waits for in-flight transfers
     /// before aborting their links.
@@ -102,8 +102,8 @@ pub const KEYS: &[(&str, &str, &str)] = &[
     ("hixl.split_bytes", "1048576", "requests of at least this many bytes are split across streams"),
     ("hixl.transfer_timeout_ms", "10000", "deadline of an async transfer that gives none"),
     ("hixl.connect_timeout_ms", "3000", "deadline of connect_async"),
-    ("hixl.handshake_timeout_ms", "5000", "how long the listener waits for a new stream's Hello"),
-    ("hixl.deregister_timeout_ms", "5000", "wait for in-flight transfers before aborting them"),
+    ("hixl.handshake_timeout_ms", "5000", "one deadline for a new stream's whole handshake (both sides)"),
+    ("hixl.deregister_timeout_ms", "5000", "wait for in-flight transfers before aborting them; also drops a peer that owes a table update this long"),
     ("hixl.max_notifies", "4096", "pending received notifications per connection"),
     ("hixl.max_notify_bytes", "16777216", "pending received notification bytes per connection"),
     ("hixl.max_notifies_total", "65536", "pending received notifications in all"),

@@ -1,0 +1,262 @@
+"""Hostile targets for tests/test_security.py: Python processes that speak the wire protocol
+(tests/_wire.py) from the target's side, without a hixl engine, and lie where an attacker would.
+
+Start: python _sec_hostile.py MODE [ARGS...]. Prints "READY <host:port> <pid> <buf_addr>
+<buf_len>" once it listens. Commands on stdin, one line each, answered by one line:
+  dump PATH   the private buffer's bytes to PATH                           -> OK
+  shrink      ftruncate(0) of the offered memfd                            -> OK | ERR <why>
+  served      how many streams finished a handshake                        -> <n>
+  exit                                                                     -> OK
+
+Modes:
+  imposter VICTIM_HOST:PORT LO HI
+      Learns the victim engine's Welcome as a raw client, then answers every Hello with a
+      Welcome that carries the victim's host and same-host identity (v3: its local socket; v2:
+      its pid and probe) and a region table of one writable region [LO, HI) of the victim's
+      memory. Data frames are refused (Ack/ReadResp FAILED), so nothing arrives by TCP.
+  memfd KIND [PATH]
+      A real same-host endpoint: it answers the same-host proof truthfully (v3: abstract Unix
+      socket; v2: pid and probe in Welcome) and serves data frames into a private buffer, but
+      offers, as the region's memfd, KIND = unsealed (a memfd named "hixl" without seals),
+      sealed (sealed against shrink and grow), regular (the regular file PATH), or swap (fd
+      number N alternates, in a tight loop, between a sealed memfd and an O_PATH descriptor of
+      the root-only file PATH; the process drops to uid 65534 after opening both).
+  readresp
+      Another host's engine: every Write is answered by a ReadResp with status 0 carrying as
+      many bytes (0xEE) as the write had.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import socket
+import struct
+import sys
+import threading
+
+import _wire as w
+
+FAILED = 503900
+LEN = 64 * 1024
+SWAP_FD = 200
+
+
+class Hostile:
+    def __init__(self, argv: list[str]) -> None:
+        self.mode = argv[0]
+        self.args = argv[1:]
+        self.lock = threading.Lock()
+        self.served: list[socket.socket] = []
+        self.buf = ctypes.create_string_buffer(LEN)
+        self.buf_addr = ctypes.addressof(self.buf)
+        self.probe = ctypes.c_uint64(int.from_bytes(os.urandom(8), "little") | 1)
+        self.memfd = -1
+        self.local_name = ""
+        self.regions: list[w.Region] = []
+        self.host = "elsewhere"
+        self.v2_identity = (0, 0, 0)  # pid, probe_addr, probe_token (v2 Welcome)
+        self.table_version = 1
+        self.lsock = socket.socket()
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(64)
+        getattr(self, "setup_" + self.mode)()
+
+    # --- modes -------------------------------------------------------------------------------
+
+    def setup_imposter(self) -> None:
+        host, port = self.args[0].rsplit(":", 1)
+        lo, hi = int(self.args[1]), int(self.args[2])
+        st, welcome = w.connect((host, int(port)), engine="curious", host="elsewhere")
+        st.close()
+        self.host = welcome["host"]
+        if w.VERSION >= 3:
+            self.local_name = welcome["local_socket"]
+            self.table_version = welcome["table_version"]
+        else:
+            self.v2_identity = (welcome["pid"], welcome["probe_addr"], welcome["probe_token"])
+        self.regions = [(lo, hi - lo, 1, -1, True)]
+
+    def setup_memfd(self) -> None:
+        kind = self.args[0]
+        self.host = w.host_id()
+        self.v2_identity = (os.getpid(), ctypes.addressof(self.probe), self.probe.value)
+        if w.VERSION >= 3:
+            self.local_name = f"hixl-hostile-{os.urandom(8).hex()}"
+            self.usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.usock.bind("\0" + self.local_name)
+            self.usock.listen(16)
+            threading.Thread(target=self.local_loop, daemon=True).start()
+        if kind == "unsealed":
+            fd = os.memfd_create("hixl", os.MFD_CLOEXEC)
+            os.ftruncate(fd, LEN)
+        elif kind in ("sealed", "swap"):
+            fd = os.memfd_create("hixl", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            os.ftruncate(fd, LEN)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        elif kind == "regular":
+            fd = os.open(self.args[1], os.O_RDWR)
+        else:
+            raise SystemExit(f"unknown memfd kind {kind}")
+        self.memfd = fd
+        if kind == "swap":
+            opath = os.open(self.args[1], os.O_PATH)  # a leaked descriptor of a root-only file
+            os.dup2(fd, SWAP_FD)
+            fd = SWAP_FD
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            threading.Thread(target=self.swap_loop, args=(self.memfd, opath), daemon=True).start()
+        self.regions = [(self.buf_addr, LEN, 1, fd, True)]
+
+    def setup_readresp(self) -> None:
+        self.regions = [(self.buf_addr, LEN, 1, -1, True)]
+
+    @staticmethod
+    def swap_loop(memfd: int, opath: int) -> None:
+        while True:
+            for _ in range(1000):
+                os.dup2(opath, SWAP_FD)
+                os.dup2(memfd, SWAP_FD)
+
+    # --- the same-host proof (v3) ------------------------------------------------------------
+
+    def local_loop(self) -> None:
+        while True:
+            c, _ = self.usock.accept()
+            threading.Thread(target=self.local_answer, args=(c,), daemon=True).start()
+
+    def local_answer(self, c: socket.socket) -> None:
+        """Answers "HIXL-LOCAL 3 <initiator> <target>" truthfully: OK only when one of the
+        streams this process accepted has exactly those two ends."""
+        with c, c.makefile("rwb") as f:
+            for line in f:
+                words = line.decode().split()
+                ok = False
+                if len(words) == 4 and words[0] == "HIXL-LOCAL":
+                    with self.lock:
+                        for s in self.served:
+                            try:
+                                ends = (w.addr_text(s.getpeername()), w.addr_text(s.getsockname()))
+                            except OSError:
+                                continue
+                            ok = ok or ends == (words[2], words[3])
+                if ok:
+                    v, a, t = self.table_version, ctypes.addressof(self.probe), self.probe.value
+                    f.write(f"OK {v} {a} {t}\n".encode())
+                else:
+                    f.write(b"NO no stream of mine has those ends\n")
+                f.flush()
+
+    # --- TCP ---------------------------------------------------------------------------------
+
+    def welcome(self) -> bytes:
+        pid, probe_addr, probe_token = self.v2_identity
+        return w.welcome_payload(
+            "hostile",
+            self.host,
+            self.regions,
+            local_socket=self.local_name,
+            table_version=self.table_version,
+            pid=pid,
+            probe_addr=probe_addr,
+            probe_token=probe_token,
+        )
+
+    def accept_loop(self) -> None:
+        while True:
+            c, _ = self.lsock.accept()
+            threading.Thread(target=self.serve, args=(c,), daemon=True).start()
+
+    def serve(self, c: socket.socket) -> None:
+        try:
+            kind, _, _, _ = w.read_frame(c)
+            if kind != w.HELLO:
+                return
+            with self.lock:
+                self.served.append(c)  # before Welcome: the proof may come right after it
+            c.sendall(w.frame(w.WELCOME, self.welcome()))
+            while True:
+                kind, tag, bulk, payload = w.read_frame(c)
+                if kind == w.HEARTBEAT:
+                    c.sendall(w.frame(w.HEARTBEAT_ACK, tag=tag))
+                elif kind == w.REGIONS_QUERY:
+                    table = w.regions_table_payload(self.table_version, self.regions)
+                    c.sendall(w.frame(w.REGIONS_TABLE, table, tag=tag))
+                elif kind == w.NOTIFY:
+                    c.sendall(w.frame(w.ACK, w.status_payload(0), tag=tag))
+                elif kind == w.BYE:
+                    c.sendall(w.frame(w.ACK, w.status_payload(0), tag=tag))
+                    return
+                elif kind in (w.WRITE, w.WRITE_STRIDED, w.READ, w.READ_STRIDED):
+                    self.data(c, kind, tag, bulk, payload)
+                elif kind != w.REGIONS_ACK:
+                    return
+        except (OSError, ConnectionError, AssertionError, ValueError):
+            return
+        finally:
+            with self.lock:
+                if c in self.served:
+                    self.served.remove(c)
+            c.close()
+
+    def ranges(self, kind: int, payload: bytes) -> list[tuple[int, int]]:
+        if kind in (w.WRITE, w.READ):
+            (n,) = struct.unpack_from("<I", payload)
+            return [struct.unpack_from("<QQ", payload, 4 + 16 * i) for i in range(n)]
+        addr, count, size, stride = struct.unpack("<QQQQ", payload)
+        return [(addr + i * stride, size) for i in range(count)]
+
+    def data(self, c: socket.socket, kind: int, tag: int, bulk: int, payload: bytes) -> None:
+        write = kind in (w.WRITE, w.WRITE_STRIDED)
+        body = w.recv_exact(c, bulk) if write else b""
+        if self.mode == "readresp" and write:
+            c.sendall(
+                w.frame(w.READ_RESP, w.status_payload(0), tag=tag, bulk=bulk) + b"\xee" * bulk
+            )
+            return
+        ranges = self.ranges(kind, payload)
+        lo, hi = self.buf_addr, self.buf_addr + LEN
+        if self.mode == "imposter" or any(a < lo or a + n > hi for a, n in ranges):
+            st = w.status_payload(FAILED, "refused by the hostile target")
+            c.sendall(w.frame(w.ACK if write else w.READ_RESP, st, tag=tag))
+            return
+        if write:
+            off = 0
+            for a, n in ranges:
+                ctypes.memmove(a, body[off : off + n], n)
+                off += n
+            c.sendall(w.frame(w.ACK, w.status_payload(0), tag=tag))
+        else:
+            out = b"".join(ctypes.string_at(a, n) for a, n in ranges)
+            c.sendall(w.frame(w.READ_RESP, w.status_payload(0), tag=tag, bulk=len(out)) + out)
+
+
+def main() -> None:
+    h = Hostile(sys.argv[1:])
+    threading.Thread(target=h.accept_loop, daemon=True).start()
+    host, port = h.lsock.getsockname()
+    print(f"READY {host}:{port} {os.getpid()} {h.buf_addr} {LEN}", flush=True)
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "dump":
+            with open(args[0], "wb") as f:
+                f.write(ctypes.string_at(h.buf_addr, LEN))
+            print("OK", flush=True)
+        elif cmd == "shrink":
+            try:
+                os.ftruncate(h.memfd, 0)
+                print("OK", flush=True)
+            except OSError as e:
+                print(f"ERR {e}", flush=True)
+        elif cmd == "served":
+            with h.lock:
+                print(len(h.served), flush=True)
+        elif cmd == "exit":
+            print("OK", flush=True)
+            os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
