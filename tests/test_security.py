@@ -419,7 +419,8 @@ def test_shrink_cannot_sigbus(procs: Callable[..., Proc]) -> None:
 
 def test_slow_connections_capped(procs: Callable[..., Proc]) -> None:
     """1,000 connections from 1,000 source addresses that send a partial Hello slowly, or
-    nothing: the target's RSS grows by under 50 MiB, its thread count stays bounded (under 400), and a
+    nothing: the target's RSS grows by under 50 MiB, its thread count stays bounded (under 400),
+    and a
     good peer still connects and moves 4 KiB each way within 1 s. A Hello header declaring a
     4 MiB payload is refused at once, without memory set aside for it; a client that drips a
     Hello one byte per 100 ms is closed by the whole-handshake deadline."""
