@@ -196,6 +196,13 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_sweep_of_one_4k_block_finds_its_target() -> None:
+    # The target's data buffer once had the stats cell's length (4 KiB) here, and the
+    # initiator could not tell them apart ("not a hixl bench target").
+    r = hixl("bench", "--transport", "tcp", "--block-sizes", "4K", "--iterations", "4", "--check")
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "names"),
     [

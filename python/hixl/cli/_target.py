@@ -46,6 +46,8 @@ class Cell:
 
 def serve(listen: str, mem_bytes: int, options: dict[str, str], until_stdin_closes: bool) -> int:
     """Serves until stdin closes (when started by a local bench) or SIGINT/SIGTERM."""
+    # Never the cell's length: initiators tell the two regions apart by it.
+    mem_bytes = max(mem_bytes, 2 * CELL_BYTES)
     e = Hixl()
     e.initialize(listen, options)
     cell = aligned_empty(CELL_BYTES // 8, np.uint64)
