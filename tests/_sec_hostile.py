@@ -128,26 +128,28 @@ class Hostile:
             threading.Thread(target=self.local_answer, args=(c,), daemon=True).start()
 
     def local_answer(self, c: socket.socket) -> None:
-        """Answers "HIXL-LOCAL 3 <initiator> <target>" truthfully: OK only when one of the
-        streams this process accepted has exactly those two ends."""
-        with c, c.makefile("rwb") as f:
-            for line in f:
-                words = line.decode().split()
-                ok = False
-                if len(words) == 4 and words[0] == "HIXL-LOCAL":
-                    with self.lock:
-                        for s in self.served:
-                            try:
-                                ends = (w.addr_text(s.getpeername()), w.addr_text(s.getsockname()))
-                            except OSError:
-                                continue
-                            ok = ok or ends == (words[2], words[3])
-                if ok:
-                    v, a, t = self.table_version, ctypes.addressof(self.probe), self.probe.value
-                    f.write(f"OK {v} {a} {t}\n".encode())
-                else:
-                    f.write(b"NO no stream of mine has those ends\n")
-                f.flush()
+        """Answers "HIXL-LOCAL 3 <initiator> <target>" (with the initiator's socket attached)
+        truthfully: OK and the number of this process's own descriptor of that stream, only
+        when one of the streams this process accepted has exactly those two ends."""
+        with c:
+            msg, fds, _, _ = socket.recv_fds(c, 512, 4)
+            for fd in fds:
+                os.close(fd)
+            words = msg.decode().split()
+            found = None
+            if len(words) == 4 and words[0] == "HIXL-LOCAL":
+                with self.lock:
+                    for s in self.served:
+                        try:
+                            ends = (w.addr_text(s.getpeername()), w.addr_text(s.getsockname()))
+                        except OSError:
+                            continue
+                        if ends == (words[2], words[3]):
+                            found = s.fileno()
+            if found is not None:
+                c.sendall(f"OK {self.table_version} {found}\n".encode())
+            else:
+                c.sendall(b"NO no stream of mine has those ends\n")
 
     # --- TCP ---------------------------------------------------------------------------------
 

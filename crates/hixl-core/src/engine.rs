@@ -388,9 +388,10 @@ impl Engine {
         }
     }
 
-    /// The same-host proof (see `transport::local`): the peer's process must confirm, over its
-    /// Unix socket, that it accepted this very link; then we wait for a region table at least
-    /// as new as the one it will make us confirm. Err says why direct copies cannot be used.
+    /// The same-host proof (see `transport::local`): both processes show, over the peer's Unix
+    /// socket, that they hold the two ends of this very link; then we wait for a region table at
+    /// least as new as the one the peer will make us confirm. Err says why direct copies cannot
+    /// be used.
     fn prove_same_host(
         r: &Running,
         tcp: &TcpLink,
@@ -404,9 +405,10 @@ impl Engine {
             return Err(format!("the peer says it runs on another host ({})", info.host));
         }
         let (ours, theirs) = tcp.stream0_ends().map_err(|e| e.message)?;
-        let proven = local::prove(&info.local_socket, &ours, &theirs)?;
-        tcp.wait_table_version(proven.table_version, timeout.max(Duration::from_secs(1)))
-            .map_err(|e| e.message)?;
+        let deadline = Instant::now() + timeout.max(Duration::from_secs(1));
+        let proven = local::prove(&info.local_socket, tcp.stream0_fd(), &ours, &theirs, deadline)?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        tcp.wait_table_version(proven.table_version, left).map_err(|e| e.message)?;
         Ok(proven)
     }
 

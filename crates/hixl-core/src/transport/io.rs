@@ -294,22 +294,28 @@ pub fn shutdown(fd: RawFd) {
     unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
 }
 
-/// Free room in a socket's send buffer (its size less the bytes queued), or None.
-pub fn send_room(fd: RawFd) -> Option<usize> {
-    let mut size: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: SO_SNDBUF writes one c_int into the live `size`; `len` holds its size.
-    let r = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_SNDBUF,
-            (&mut size as *mut libc::c_int).cast(),
-            &mut len,
-        )
-    };
-    if r != 0 {
-        return None;
+/// Sends what the socket takes now of `buf` without blocking; returns how many bytes went.
+pub fn send_some(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
+    let mut sent = 0;
+    while sent < buf.len() {
+        // SAFETY: the pointer and length describe the unsent rest of `buf`.
+        let r = unsafe {
+            libc::send(
+                fd,
+                buf[sent..].as_ptr().cast(),
+                buf.len() - sent,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => break,
+                _ => return Err(e),
+            }
+        }
+        sent += r as usize;
     }
-    Some((size.max(0) as usize).saturating_sub(queued_bytes(fd)?))
+    Ok(sent)
 }

@@ -1,56 +1,42 @@
-//! The same-host proof: before an initiator copies into a peer's memory directly, the peer
-//! proves over an abstract Unix socket that it is the very process that accepted the
-//! initiator's TCP stream (docs/PROTOCOL.md, "Same-host proof").
+//! The same-host proof: before either side treats a peer as a process of this host, each proves
+//! to the other, over an abstract Unix socket, that it holds its end of this very TCP stream
+//! (docs/PROTOCOL.md, "Same-host proof").
 //!
-//! The kernel names the process behind the Unix socket (SO_PEERCRED), and only that process
-//! can confirm the stream's four-tuple, which is unique on one kernel. Nothing a peer claims
-//! (host name, pid, addresses in Welcome) is trusted on its own.
+//! - The initiator sends the request with its stream-0 socket attached (SCM_RIGHTS); the target
+//!   checks that this descriptor's two ends are its served stream's, reversed. Only then does it
+//!   wait for that stream's region-table confirmations.
+//! - The target answers with the number of its accepted socket; the initiator takes that
+//!   descriptor from the process the kernel names behind the Unix socket (`pidfd_getfd`, which
+//!   needs the same permission as cross-memory attach) and checks its ends against its own.
+//!   The process is named by a pidfd from the kernel (SO_PEERPIDFD, or SO_PEERCRED's pid),
+//!   checked to be alive, to run as the user that created the socket, and to hold the stream.
+//!
+//! Nothing a peer claims (host name, addresses, pids) is trusted on its own.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::transport::io::iov;
 
-/// The first word of a request line (with the protocol version).
+/// The first words of a request line (with the protocol version).
 const REQUEST: &str = "HIXL-LOCAL 3";
 /// Longest request or answer line.
-const MAX_LINE: u64 = 512;
-/// How long the listener waits for one client's request (clients are served one at a time).
-const CLIENT_TIMEOUT: Duration = Duration::from_secs(1);
+const MAX_LINE: usize = 512;
+/// How long the listener gives one client (clients are served one at a time).
+const CLIENT_BUDGET: Duration = Duration::from_millis(200);
+/// `SO_PEERPIDFD` (Linux 6.5): a pidfd of the peer socket's creator.
+const SO_PEERPIDFD: libc::c_int = 77;
 
-/// An 8-byte token at a stable address: a proven peer reads it by cross-memory attach, which
-/// checks that this process may access the peer's memory at all.
-pub struct Probe {
-    cell: Box<u64>,
-}
-
-impl Probe {
-    /// A probe holding a fresh random token.
-    pub fn new() -> Result<Probe> {
-        let mut token = [0u8; 8];
-        crate::auth::random_bytes(&mut token)?;
-        Ok(Probe { cell: Box::new(u64::from_le_bytes(token) | 1) })
-    }
-    /// Where the token lives.
-    pub fn addr(&self) -> u64 {
-        &*self.cell as *const u64 as u64
-    }
-    /// The token.
-    pub fn token(&self) -> u64 {
-        *self.cell
-    }
-}
-
-/// Answers one proof request: `Some(table_version)` when a served stream has exactly these two
-/// ends (and it now waits for that stream's region-table confirmations), else None.
-pub type Confirm = dyn Fn(&str, &str) -> Option<u64> + Send + Sync;
+/// Answers one proof request whose descriptor checked out: `Some((table_version, fd))` when a
+/// served link head has exactly these ends (the target then waits for its region-table
+/// confirmations), with the number of this process's descriptor of that stream; else None.
+pub type Confirm = dyn Fn(&str, &str) -> Option<(u64, RawFd)> + Send + Sync;
 
 /// The target's side: an abstract Unix socket with a random name, served by one thread.
 pub struct LocalListener {
@@ -63,14 +49,13 @@ pub struct LocalListener {
 impl LocalListener {
     /// Binds a fresh abstract socket and starts answering with `confirm`.
     pub fn start(confirm: Box<Confirm>) -> Result<Arc<LocalListener>> {
-        let mut rnd = [0u8; 12];
+        let mut rnd = [0u8; 16];
         crate::auth::random_bytes(&mut rnd)?;
         let name = format!("hixl-{}", rnd.iter().map(|b| format!("{b:02x}")).collect::<String>());
         let addr = UnixAddr::from_abstract_name(name.as_bytes())
             .map_err(|e| Error::failed(format!("abstract socket name {name}: {e}")))?;
         let listener = UnixListener::bind_addr(&addr)
             .map_err(|e| Error::failed(format!("cannot listen on the same-host socket {name}: {e}")))?;
-        let probe = Probe::new()?;
         let me = Arc::new(LocalListener {
             name,
             listener,
@@ -80,7 +65,7 @@ impl LocalListener {
         let l = me.clone();
         let h = std::thread::Builder::new()
             .name("hixl-local".into())
-            .spawn(move || l.serve(&*confirm, &probe))
+            .spawn(move || l.serve(&*confirm))
             .map_err(|e| Error::failed(format!("cannot start the same-host proof thread: {e}")))?;
         *me.thread.lock().unwrap() = Some(h);
         Ok(me)
@@ -91,7 +76,7 @@ impl LocalListener {
         &self.name
     }
 
-    fn serve(&self, confirm: &Confirm, probe: &Probe) {
+    fn serve(&self, confirm: &Confirm) {
         loop {
             let conn = self.listener.accept();
             if self.stopping.load(Ordering::Acquire) {
@@ -101,7 +86,7 @@ impl LocalListener {
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             };
-            if let Err(e) = answer(conn, confirm, probe) {
+            if let Err(e) = answer(conn, confirm) {
                 tracing::debug!(error = %e, "same-host proof request failed");
             }
         }
@@ -117,33 +102,118 @@ impl LocalListener {
     }
 }
 
-fn answer(conn: UnixStream, confirm: &Confirm, probe: &Probe) -> std::io::Result<()> {
-    conn.set_read_timeout(Some(CLIENT_TIMEOUT))?;
-    conn.set_write_timeout(Some(CLIENT_TIMEOUT))?;
-    let mut line = String::new();
-    BufReader::new((&conn).take_max(MAX_LINE)).read_line(&mut line)?;
+fn answer(conn: UnixStream, confirm: &Confirm) -> std::io::Result<()> {
+    conn.set_read_timeout(Some(CLIENT_BUDGET))?;
+    conn.set_write_timeout(Some(CLIENT_BUDGET))?;
+    let (line, fd) = recv_with_fd(&conn)?;
     let words: Vec<&str> = line.split_whitespace().collect();
-    let reply = match words.as_slice() {
-        ["HIXL-LOCAL", "3", initiator, target] => match confirm(initiator, target) {
-            Some(v) => format!("OK {v} {} {}\n", probe.addr(), probe.token()),
-            None => "NO no stream of this process has those ends\n".to_string(),
-        },
+    // Only a process that may access our memory directly needs (or gets) the same-host path:
+    // one of our user, or root. Any other local user stays a TCP peer and cannot make us wait
+    // for its confirmations.
+    let uid = peer_cred(conn.as_raw_fd()).map(|c| c.uid).unwrap_or(u32::MAX);
+    // SAFETY: geteuid has no preconditions.
+    let may_access = uid == 0 || uid == unsafe { libc::geteuid() };
+    let reply = match (words.as_slice(), fd) {
+        _ if !may_access => format!("NO uid {uid} may not access this process's memory\n"),
+        (["HIXL-LOCAL", "3", initiator, target], Some(fd)) => {
+            // The requester must hold the initiator's end of the stream it names.
+            if socket_ends(fd.as_raw_fd()).is_some_and(|(l, p)| l == *initiator && p == *target) {
+                drop(fd);
+                match confirm(initiator, target) {
+                    Some((v, fd)) => format!("OK {v} {fd}\n"),
+                    None => "NO no stream of this process has those ends\n".to_string(),
+                }
+            } else {
+                "NO the attached descriptor is not that stream\n".to_string()
+            }
+        }
+        (["HIXL-LOCAL", "3", ..], None) => "NO the request carries no descriptor\n".to_string(),
         _ => "NO malformed request\n".to_string(),
     };
     (&conn).write_all(reply.as_bytes())
 }
 
-/// `Read::take` on a reference, named so that the call site reads clearly.
-trait TakeMax: std::io::Read + Sized {
-    fn take_max(self, n: u64) -> std::io::Take<Self> {
-        self.take(n)
-    }
+/// The two ends (local, peer) of a TCP socket, as `addr_text`, or None.
+fn socket_ends(fd: RawFd) -> Option<(String, String)> {
+    // SAFETY: the descriptor is borrowed for these calls only; ManuallyDrop keeps it open.
+    let s = std::mem::ManuallyDrop::new(unsafe { std::net::TcpStream::from_raw_fd(fd) });
+    let (l, p) = (s.local_addr().ok()?, s.peer_addr().ok()?);
+    Some((crate::transport::server::addr_text(l), crate::transport::server::addr_text(p)))
 }
-impl<R: std::io::Read> TakeMax for R {}
 
-/// A peer proven to be the process behind a stream.
+/// Receives one request line (up to MAX_LINE bytes) and at most one attached descriptor.
+fn recv_with_fd(conn: &UnixStream) -> std::io::Result<(String, Option<OwnedFd>)> {
+    let mut buf = [0u8; MAX_LINE];
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // u64 storage keeps the control buffer aligned for cmsghdr.
+    let mut cbuf = [0u64; 8];
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&cbuf);
+    // SAFETY: the msghdr points at live buffers of the stated sizes.
+    let n = unsafe { libc::recvmsg(conn.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut fd = None;
+    // SAFETY: CMSG_FIRSTHDR/NXTHDR walk the control buffer the kernel filled, within
+    // msg_controllen; an SCM_RIGHTS payload is an array of c_int descriptors now ours.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c) as *const libc::c_int;
+                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / 4;
+                for i in 0..count {
+                    let owned = OwnedFd::from_raw_fd(data.add(i).read_unaligned());
+                    if fd.is_none() {
+                        fd = Some(owned); // extra descriptors are closed as they drop
+                    }
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    let line = String::from_utf8_lossy(&buf[..n as usize]).into_owned();
+    Ok((line, fd))
+}
+
+/// Sends `line` with `fd` attached.
+fn send_with_fd(conn: &UnixStream, line: &str, fd: RawFd) -> std::io::Result<()> {
+    let mut iov = libc::iovec { iov_base: line.as_ptr() as *mut libc::c_void, iov_len: line.len() };
+    let mut cbuf = [0u64; 4];
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE(4) } as usize;
+    // SAFETY: the control buffer holds CMSG_SPACE(4) bytes (32 >= 24); we fill one cmsghdr with
+    // one descriptor, then send the iovec, which points at `line`.
+    let n = unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(4) as usize;
+        (libc::CMSG_DATA(c) as *mut libc::c_int).write_unaligned(fd);
+        libc::sendmsg(conn.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
+    };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if n as usize != line.len() {
+        return Err(std::io::Error::other("short send of the proof request"));
+    }
+    Ok(())
+}
+
+/// A peer proven to be the process that holds the other end of a stream.
 pub struct Proven {
-    /// Its pid, as the kernel gave it (in this process's pid namespace).
+    /// Its pid (in this process's pid namespace).
     pub pid: i32,
     /// A descriptor of that very process: tells when it exits, and takes its memfds.
     pub pidfd: OwnedFd,
@@ -152,59 +222,105 @@ pub struct Proven {
     pub table_version: u64,
 }
 
-/// Asks the process behind the abstract socket `name` to confirm that it accepted the stream
-/// whose ends are `initiator` (ours) and `target`, then checks cross-memory-attach permission.
+/// Proves the process behind the abstract socket `name` holds the other end of `stream` (our
+/// stream 0, whose ends are `initiator` and `target`), and makes it wait for our confirmations.
 /// Err says why the same-host path cannot be used.
-pub fn prove(name: &str, initiator: &str, target: &str) -> std::result::Result<Proven, String> {
-    let addr = UnixAddr::from_abstract_name(name.as_bytes()).map_err(|e| format!("bad socket name: {e}"))?;
-    let conn = UnixStream::connect_addr(&addr)
-        .map_err(|e| format!("no same-host proof socket {name:?} here ({e}): another host or namespace"))?;
-    conn.set_read_timeout(Some(CLIENT_TIMEOUT * 2)).map_err(|e| e.to_string())?;
-    conn.set_write_timeout(Some(CLIENT_TIMEOUT * 2)).map_err(|e| e.to_string())?;
-    let pid = peer_pid(conn.as_raw_fd()).map_err(|e| format!("SO_PEERCRED: {e}"))?;
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as RawFd;
-    if fd < 0 {
-        return Err(format!("pidfd_open({pid}): {}", std::io::Error::last_os_error()));
-    }
-    // SAFETY: a non-negative return is a fresh descriptor that we now own.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(fd) };
-    (&conn)
-        .write_all(format!("{REQUEST} {initiator} {target}\n").as_bytes())
+pub fn prove(
+    name: &str,
+    stream: RawFd,
+    initiator: &str,
+    target: &str,
+    deadline: Instant,
+) -> std::result::Result<Proven, String> {
+    let conn = connect_by(name, deadline)?;
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(50));
+    conn.set_read_timeout(Some(left)).map_err(|e| e.to_string())?;
+    conn.set_write_timeout(Some(left)).map_err(|e| e.to_string())?;
+    let (pidfd, uid) = peer_process(conn.as_raw_fd())?;
+    send_with_fd(&conn, &format!("{REQUEST} {initiator} {target}\n"), stream)
         .map_err(|e| format!("same-host proof request: {e}"))?;
-    let mut line = String::new();
-    BufReader::new((&conn).take_max(MAX_LINE))
-        .read_line(&mut line)
+    let mut buf = Vec::new();
+    (&conn)
+        .take(MAX_LINE as u64)
+        .read_to_end(&mut buf)
         .map_err(|e| format!("same-host proof answer: {e}"))?;
+    let line = String::from_utf8_lossy(&buf);
     let words: Vec<&str> = line.split_whitespace().collect();
-    let (version, probe_addr, token) = match words.as_slice() {
-        ["OK", v, a, t] => match (v.parse::<u64>(), a.parse::<u64>(), t.parse::<u64>()) {
-            (Ok(v), Ok(a), Ok(t)) => (v, a, t),
+    let (version, fd) = match words.as_slice() {
+        ["OK", v, fd] => match (v.parse::<u64>(), fd.parse::<RawFd>()) {
+            (Ok(v), Ok(fd)) => (v, fd),
             _ => return Err(format!("malformed same-host proof answer {line:?}")),
         },
-        ["NO", ..] => return Err(format!("pid {pid} did not accept this stream: {}", line.trim())),
+        ["NO", ..] => return Err(format!("the same-host proof was refused: {}", line.trim())),
         _ => return Err(format!("malformed same-host proof answer {line:?}")),
     };
-    // The process answered while we held its pidfd: if it is still alive, `pid` is still it.
+    let pid = pid_of(&pidfd)?;
+    if euid_of(pid)? != uid {
+        return Err(format!("pid {pid} no longer runs as the user who created its socket"));
+    }
+    // Take the process's own descriptor of the stream: this needs ptrace permission over it
+    // (the same as cross-memory attach), and shows that it, not a bystander, holds the stream.
+    let held = get_fd(&pidfd, fd).map_err(|e| format!("pidfd_getfd({pid}, {fd}): {e}"))?;
+    let ends = socket_ends(held.as_raw_fd());
+    drop(held);
+    if ends.as_ref().is_none_or(|(l, p)| l != target || p != initiator) {
+        return Err(format!("pid {pid} does not hold this stream (its descriptor {fd} has ends {ends:?})"));
+    }
+    // Checked last: if it is still alive, `pid` still names the process we checked.
     if exited(&pidfd) {
         return Err(format!("pid {pid} exited during the same-host proof"));
     }
-    read_probe(pid, probe_addr, token)?;
     Ok(Proven { pid, pidfd, table_version: version })
 }
 
-/// Whether the process behind `pidfd` has exited.
-pub fn exited(pidfd: &OwnedFd) -> bool {
-    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-    // SAFETY: one valid pollfd and a zero timeout.
-    unsafe { libc::poll(&mut p, 1, 0) > 0 }
+/// Connects to an abstract socket without blocking past `deadline` (a full backlog is retried).
+fn connect_by(name: &str, deadline: Instant) -> std::result::Result<UnixStream, String> {
+    let addr = UnixAddr::from_abstract_name(name.as_bytes()).map_err(|e| format!("bad socket name: {e}"))?;
+    loop {
+        // SAFETY: socket() with constant arguments returns a new descriptor or -1.
+        let fd = unsafe {
+            libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0)
+        };
+        if fd < 0 {
+            return Err(format!("socket: {}", std::io::Error::last_os_error()));
+        }
+        // SAFETY: a fresh descriptor that we now own.
+        let s = unsafe { UnixStream::from_raw_fd(fd) };
+        let mut sa: libc::sockaddr_un = unsafe_zeroed_sockaddr();
+        sa.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        let bytes = addr.as_abstract_name().unwrap_or_default();
+        for (i, b) in bytes.iter().enumerate().take(sa.sun_path.len() - 1) {
+            sa.sun_path[i + 1] = *b as libc::c_char;
+        }
+        let len = (std::mem::size_of::<libc::sa_family_t>() + 1 + bytes.len()) as libc::socklen_t;
+        // SAFETY: `sa` is a valid sockaddr_un and `len` covers the family and the name.
+        let r = unsafe { libc::connect(fd, (&sa as *const libc::sockaddr_un).cast(), len) };
+        if r == 0 {
+            s.set_nonblocking(false).map_err(|e| e.to_string())?;
+            return Ok(s);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EAGAIN) || Instant::now() >= deadline {
+            return Err(format!("no same-host proof socket {name:?} here ({e}): another host or namespace"));
+        }
+        std::thread::sleep(Duration::from_millis(5)); // backlog full: try again
+    }
 }
 
-fn peer_pid(fd: RawFd) -> std::io::Result<i32> {
+fn unsafe_zeroed_sockaddr() -> libc::sockaddr_un {
+    // SAFETY: sockaddr_un is plain data; all-zero is valid.
+    unsafe { std::mem::zeroed() }
+}
+
+/// A pidfd for the process behind a connected Unix socket, and the uid it had when it created
+/// the socket. SO_PEERPIDFD names that very process (never a reused pid); older kernels fall
+/// back to SO_PEERCRED's pid.
+/// The credentials the kernel recorded for the other end of a Unix socket.
+fn peer_cred(fd: RawFd) -> std::io::Result<libc::ucred> {
     // SAFETY: ucred is plain data; all-zero is valid.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: SO_PEERCRED writes one ucred into the live `cred`, `len` holds its size.
+    // SAFETY: SO_PEERCRED writes one ucred into the live `cred`; `len` holds its size.
     let r = unsafe {
         libc::getsockopt(
             fd,
@@ -217,24 +333,80 @@ fn peer_pid(fd: RawFd) -> std::io::Result<i32> {
     if r != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    if cred.pid <= 0 {
-        return Err(std::io::Error::other("the peer's pid is not visible from this pid namespace"));
-    }
-    Ok(cred.pid)
+    Ok(cred)
 }
 
-/// Reads the proven peer's probe token directly: Ok when cross-memory attach to it works.
-fn read_probe(pid: i32, addr: u64, token: u64) -> std::result::Result<(), String> {
-    let mut got = 0u64;
-    let local = iov(&mut got as *mut u64 as u64, 8);
-    let remote = iov(addr, 8);
-    // SAFETY: `local` covers the 8 bytes of `got`; the remote side is checked by the kernel.
-    let r = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
-    if r < 0 {
-        return Err(format!("cross-memory attach to pid {pid} failed: {}", std::io::Error::last_os_error()));
+fn peer_process(fd: RawFd) -> std::result::Result<(OwnedFd, u32), String> {
+    let cred = peer_cred(fd).map_err(|e| format!("SO_PEERCRED: {e}"))?;
+    let mut pidfd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: SO_PEERPIDFD writes one descriptor number into the live `pidfd`.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut pidfd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if r == 0 && pidfd >= 0 {
+        // SAFETY: the kernel gave us a new descriptor.
+        return Ok((unsafe { OwnedFd::from_raw_fd(pidfd) }, cred.uid));
     }
-    if r != 8 || got != token {
-        return Err(format!("pid {pid} does not hold the token it announced"));
+    if cred.pid <= 0 {
+        return Err("the peer's pid is not visible from this pid namespace".into());
     }
-    Ok(())
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, cred.pid, 0) } as RawFd;
+    if fd < 0 {
+        return Err(format!("pidfd_open({}): {}", cred.pid, std::io::Error::last_os_error()));
+    }
+    // SAFETY: a non-negative return is a fresh descriptor that we now own.
+    Ok((unsafe { OwnedFd::from_raw_fd(fd) }, cred.uid))
+}
+
+/// The pid a pidfd names (from /proc/self/fdinfo), or why not (it exited).
+fn pid_of(pidfd: &OwnedFd) -> std::result::Result<i32, String> {
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd()))
+        .map_err(|e| format!("reading the pidfd's fdinfo: {e}"))?;
+    let pid = info
+        .lines()
+        .find_map(|l| l.strip_prefix("Pid:"))
+        .and_then(|v| v.trim().parse::<i32>().ok())
+        .ok_or("the pidfd names no pid")?;
+    if pid <= 0 {
+        return Err("the peer process exited or lives in another pid namespace".into());
+    }
+    Ok(pid)
+}
+
+/// The effective uid of process `pid`.
+fn euid_of(pid: i32) -> std::result::Result<u32, String> {
+    let status =
+        std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| format!("pid {pid}: {e}"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|v| v.split_whitespace().nth(1)?.parse().ok())
+        .ok_or_else(|| format!("pid {pid}: no Uid line"))
+}
+
+/// Takes descriptor `fd` of the process behind `pidfd`.
+pub fn get_fd(pidfd: &OwnedFd, fd: RawFd) -> std::io::Result<OwnedFd> {
+    // SAFETY: pidfd_getfd takes a pidfd, a descriptor number in that process and flags, and
+    // returns a new descriptor or -1.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) } as RawFd;
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a non-negative return is a fresh descriptor that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// Whether the process behind `pidfd` has exited.
+pub fn exited(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd and a zero timeout.
+    unsafe { libc::poll(&mut p, 1, 0) > 0 }
 }

@@ -14,7 +14,7 @@ use crate::auth::{self, FrameMac, Secret, SessionKeys, Transcript, MAC_LEN};
 use crate::error::{Error, Result, Status};
 use crate::registry::{Pin, Registry};
 use crate::transport::io::{self, iov};
-use crate::transport::server::{Served, Server, ServerCtx};
+use crate::transport::server::{Served, Server, ServerCtx, AUTH_TARPIT};
 use crate::wire::{self, Frame, Header, Kind, Seg, StridedSeg, FLAG_DATA_MAC};
 
 type IoResult<T> = std::io::Result<T>;
@@ -23,11 +23,13 @@ fn protocol_error(message: String) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, message)
 }
 
-/// Sends a frame (sealed when the stream is), holding the send lock.
+/// Sends a frame (sealed when the stream is), holding the send lock, after any region update
+/// the publisher left half sent.
 fn send(served: &Served, f: &Frame, tag: u64) -> IoResult<()> {
-    let mut mac = served.send.lock().unwrap();
+    let mut tx = served.send.lock().unwrap();
+    tx.finish_outbox(served)?;
     let mut b = wire::encode(f, tag, 0);
-    mac.seal(&mut b);
+    tx.mac.seal(&mut b);
     io::send_bytes(served.sock.as_raw_fd(), &b)
 }
 
@@ -109,7 +111,7 @@ pub(crate) fn serve(
         // Welcome goes out under the send lock, after this stream became visible to
         // `publish_regions`: any later update is sent after the Welcome, never before it.
         let mut tx = served.send.lock().unwrap();
-        *tx = FrameMac::new(keys.as_ref().map(|k| k.target_to_initiator), data);
+        tx.mac = FrameMac::new(keys.as_ref().map(|k| k.target_to_initiator), data);
         let table_version = srv.version.load(Ordering::SeqCst);
         let welcome = Frame::Welcome {
             engine_id: ctx.engine_id.clone(),
@@ -119,7 +121,7 @@ pub(crate) fn serve(
             regions: ctx.registry.table(),
         };
         let mut b = wire::encode(&welcome, 0, 0);
-        tx.seal(&mut b);
+        tx.mac.seal(&mut b);
         io::send_bytes_by(fd, &b, deadline.max(Instant::now() + ctx.slow_peer_timeout))?;
         served.sent.store(table_version, Ordering::SeqCst);
         served.welcomed.store(true, Ordering::SeqCst);
@@ -139,6 +141,11 @@ fn authenticate(
     deadline: Instant,
 ) -> IoResult<SessionKeys> {
     let fd = served.sock.as_raw_fd();
+    if srv.throttled(from.ip()) {
+        // This source failed too often: its proofs come slowly (each handshake still within its
+        // own deadline, and the pending-handshake caps bound how many wait at once).
+        std::thread::sleep(AUTH_TARPIT.min(deadline.saturating_duration_since(Instant::now())));
+    }
     let challenge =
         Frame::AuthChallenge { nonce: *t.nt, proof: secret.target_proof(t), engine_id: t.target.to_string() };
     io::send_bytes_by(fd, &wire::encode(&challenge, 0, 0), deadline)?;
@@ -170,8 +177,7 @@ fn serve_frames(
     let fd = served.sock.as_raw_fd();
     loop {
         if served.due.load(Ordering::SeqCst) > served.sent.load(Ordering::Acquire) {
-            let mut mac = served.send.lock().unwrap();
-            served.send_update_if_due(ctx, &mut mac)?;
+            served.send.lock().unwrap().send_update_if_due(served, ctx)?;
         }
         let got = match io::recv_frame(fd, payload, rx, None) {
             Ok(x) => x,
@@ -349,7 +355,9 @@ fn serve_read(ctx: &ServerCtx, served: &Arc<Served>, h: &Header, ranges: Ranges<
     match ranges.pin(&ctx.registry, served, false) {
         Ok(pins) => {
             let fd = served.sock.as_raw_fd();
-            let mut mac = served.send.lock().unwrap();
+            let mut tx = served.send.lock().unwrap();
+            tx.finish_outbox(served)?;
+            let mac = &mut tx.mac;
             let mut head = wire::encode(&Frame::ReadResp { status: 0, message: String::new() }, h.tag, total);
             let seq = mac.seal(&mut head);
             io::send_bytes(fd, &head)?;

@@ -26,11 +26,30 @@ use crate::transport::local::LocalListener;
 use crate::transport::serve::serve;
 use crate::wire::{self, Frame};
 
-/// Failed authentications from one source address within `AUTH_WINDOW` after which its new
-/// connections are closed at once until the window ends.
+/// A source of connections for the pending-handshake caps: an IPv4 address, or an IPv6 /64
+/// (one host usually holds a whole /64).
+fn source_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let mut o = v6.octets();
+                o[8..].fill(0);
+                IpAddr::V6(o.into())
+            }
+        },
+        v4 => v4,
+    }
+}
+
+/// Failed authentications from one source address within `AUTH_WINDOW` after which every new
+/// handshake from it waits `AUTH_TARPIT` before it gets a challenge (and failures are no longer
+/// logged one by one). Honest peers behind the same address are slowed, never refused.
 pub const AUTH_FAILURES_ALLOWED: u32 = 8;
 /// The window of `AUTH_FAILURES_ALLOWED`.
 pub const AUTH_WINDOW: Duration = Duration::from_secs(10);
+/// The wait of a throttled source's handshakes.
+pub const AUTH_TARPIT: Duration = Duration::from_secs(1);
 
 /// What served streams need from the engine.
 pub struct ServerCtx {
@@ -54,14 +73,85 @@ pub struct ServerCtx {
     pub max_pending_per_source: usize,
 }
 
+/// The sending half of a served stream, behind one lock: frames never interleave.
+pub(crate) struct SendState {
+    /// Seals outgoing frames (on an authenticated stream).
+    pub(crate) mac: FrameMac,
+    /// A region update the publisher started to send without blocking, and how much of it went.
+    outbox: Vec<u8>,
+    outbox_sent: usize,
+    outbox_version: u64,
+}
+
+impl SendState {
+    fn new() -> SendState {
+        SendState { mac: FrameMac::default(), outbox: Vec::new(), outbox_sent: 0, outbox_version: 0 }
+    }
+
+    /// Finishes a partly sent region update (blocking): only the stream's own thread does this,
+    /// before it sends a frame of its own.
+    pub(crate) fn finish_outbox(&mut self, s: &Served) -> std::io::Result<()> {
+        if self.outbox_sent < self.outbox.len() {
+            io::send_bytes(s.sock.as_raw_fd(), &self.outbox[self.outbox_sent..])?;
+            self.outbox_sent = self.outbox.len();
+        }
+        self.outbox_done(s);
+        Ok(())
+    }
+
+    fn outbox_done(&mut self, s: &Served) {
+        if !self.outbox.is_empty() && self.outbox_sent == self.outbox.len() {
+            s.sent.fetch_max(self.outbox_version, Ordering::AcqRel);
+            if s.sent.load(Ordering::Acquire) >= s.due.load(Ordering::Acquire) {
+                *s.due_since.lock().unwrap() = None;
+            }
+            self.outbox.clear();
+            self.outbox_sent = 0;
+        }
+    }
+
+    /// Puts the current table in the outbox when an update is due and none is under way.
+    fn queue_update(&mut self, s: &Served, ctx: &ServerCtx) {
+        let due = s.due.load(Ordering::Acquire);
+        if !self.outbox.is_empty()
+            || due <= s.sent.load(Ordering::Acquire)
+            || !s.welcomed.load(Ordering::Acquire)
+        {
+            return;
+        }
+        let mut frame =
+            wire::encode(&Frame::RegionsUpdate { version: due, regions: ctx.registry.table() }, 0, 0);
+        self.mac.seal(&mut frame);
+        self.outbox = frame;
+        self.outbox_sent = 0;
+        self.outbox_version = due;
+    }
+
+    /// Sends a due region update from the stream's own thread (blocking, like its other frames).
+    pub(crate) fn send_update_if_due(&mut self, s: &Served, ctx: &ServerCtx) -> std::io::Result<()> {
+        self.queue_update(s, ctx);
+        self.finish_outbox(s)
+    }
+
+    /// Sends as much of a due region update as the socket takes now, never blocking.
+    fn push_update(&mut self, s: &Served, ctx: &ServerCtx) -> std::io::Result<()> {
+        self.queue_update(s, ctx);
+        if self.outbox_sent < self.outbox.len() {
+            self.outbox_sent += io::send_some(s.sock.as_raw_fd(), &self.outbox[self.outbox_sent..])?;
+        }
+        self.outbox_done(s);
+        Ok(())
+    }
+}
+
 /// One accepted stream.
 pub(crate) struct Served {
     pub(crate) sock: TcpStream,
     /// The initiator's address and ours, as text (the four-tuple of the same-host proof).
     pub(crate) peer_addr: String,
     pub(crate) local_addr: String,
-    /// Held while a frame is written (frames never interleave); seals outgoing frames.
-    pub(crate) send: Mutex<FrameMac>,
+    /// Held while a frame is written; see [`SendState`].
+    pub(crate) send: Mutex<SendState>,
     /// Set once Welcome went out: region updates may follow it.
     pub(crate) welcomed: AtomicBool,
     /// Proven same-host (see `local`): region updates need its confirmation.
@@ -83,23 +173,6 @@ pub(crate) struct Served {
 impl Abort for Served {
     fn abort(&self, _why: &str) {
         io::shutdown(self.sock.as_raw_fd());
-    }
-}
-
-impl Served {
-    /// Sends the current region table if a newer version is due; the caller holds `send`.
-    pub(crate) fn send_update_if_due(&self, ctx: &ServerCtx, mac: &mut FrameMac) -> std::io::Result<()> {
-        let due = self.due.load(Ordering::Acquire);
-        if due <= self.sent.load(Ordering::Acquire) || !self.welcomed.load(Ordering::Acquire) {
-            return Ok(());
-        }
-        let mut frame =
-            wire::encode(&Frame::RegionsUpdate { version: due, regions: ctx.registry.table() }, 0, 0);
-        mac.seal(&mut frame);
-        io::send_bytes_by(self.sock.as_raw_fd(), &frame, Instant::now() + ctx.slow_peer_timeout)?;
-        self.sent.fetch_max(due, Ordering::AcqRel);
-        *self.due_since.lock().unwrap() = None;
-        Ok(())
     }
 }
 
@@ -174,9 +247,10 @@ impl Server {
         self.local.lock().unwrap().as_ref().map(|l| l.name().to_string()).unwrap_or_default()
     }
 
-    /// The same-host proof: marks the link head with exactly these ends as proven (it must
-    /// confirm region updates from now on) and returns the table version of that moment.
-    fn confirm_local(&self, initiator: &str, target: &str) -> Option<u64> {
+    /// The same-host proof (the requester's descriptor was checked already): marks the link
+    /// head with exactly these ends as proven (it must confirm region updates from now on) and
+    /// returns the table version of that moment and this process's descriptor of the stream.
+    fn confirm_local(&self, initiator: &str, target: &str) -> Option<(u64, std::os::fd::RawFd)> {
         let served = self.served.lock().unwrap();
         let s = served.values().find(|s| {
             s.peer_addr == initiator
@@ -186,10 +260,11 @@ impl Server {
         })?;
         s.acks_updates.store(true, Ordering::SeqCst);
         // Read after the flag: any publish from here on waits for this stream.
-        Some(self.version.load(Ordering::SeqCst))
+        Some((self.version.load(Ordering::SeqCst), s.sock.as_raw_fd()))
     }
 
-    fn throttled(&self, ip: IpAddr) -> bool {
+    /// Whether handshakes from `ip` are slowed down for failing authentication.
+    pub(crate) fn throttled(&self, ip: IpAddr) -> bool {
         let mut f = self.auth_failures.lock().unwrap();
         match f.get(&ip) {
             Some((since, _)) if since.elapsed() > AUTH_WINDOW => {
@@ -218,21 +293,30 @@ impl Server {
         if e.1 == AUTH_FAILURES_ALLOWED {
             tracing::warn!(
                 from = %from.ip(),
-                "{AUTH_FAILURES_ALLOWED} failed authentications: new connections from this address are \
-                 closed for {} s",
+                "{AUTH_FAILURES_ALLOWED} failed authentications: handshakes from this address now wait \
+                 {} s for their challenge, for {} s after the last failure",
+                AUTH_TARPIT.as_secs(),
                 AUTH_WINDOW.as_secs()
             );
         }
     }
 
-    /// Makes room for one more pending handshake from `ip`, closing the oldest over a cap.
+    /// Makes room for one more pending handshake from `ip`: over the per-source cap, that
+    /// source's oldest is closed; over the total cap, the oldest of the source with the most
+    /// pending (so that a flood from many addresses evicts its own, not a lone honest peer's).
     fn admit(&self, id: u64, ip: IpAddr) {
+        let ip = source_key(ip);
         let mut p = self.pending.lock().unwrap();
         let from_ip = p.iter().filter(|(_, a)| *a == ip).count();
         let victim = if from_ip >= self.ctx.max_pending_per_source {
             p.iter().position(|(_, a)| *a == ip)
         } else if p.len() >= self.ctx.max_pending {
-            Some(0)
+            let mut counts: HashMap<IpAddr, usize> = HashMap::new();
+            for (_, a) in p.iter() {
+                *counts.entry(*a).or_default() += 1;
+            }
+            let most = counts.values().copied().max().unwrap_or(0);
+            p.iter().position(|(_, a)| counts[a] == most)
         } else {
             None
         };
@@ -266,16 +350,13 @@ impl Server {
             if self.stopping.load(Ordering::Acquire) {
                 break;
             }
-            if self.throttled(from.ip()) {
-                continue; // dropped: closed without a word
-            }
             let (Ok(clone), Ok(local)) = (sock.try_clone(), sock.local_addr()) else { continue };
             let id = self.next.fetch_add(1, Ordering::Relaxed);
             let served = Arc::new(Served {
                 sock: clone,
                 peer_addr: addr_text(from),
                 local_addr: addr_text(local),
-                send: Mutex::new(FrameMac::default()),
+                send: Mutex::new(SendState::new()),
                 welcomed: AtomicBool::new(false),
                 acks_updates: AtomicBool::new(false),
                 link_head: AtomicBool::new(false),
@@ -341,12 +422,9 @@ impl Server {
             s.abort("peer fell behind on region updates");
             return;
         }
-        let Ok(mut mac) = s.send.try_lock() else { return }; // its serve thread sends it next
-        let table_bytes = 64 + self.ctx.registry.len() * wire::REGION_ENTRY_LEN;
-        if io::send_room(s.sock.as_raw_fd()).is_some_and(|room| room < table_bytes) {
-            return; // retried shortly; never block here
-        }
-        if s.send_update_if_due(&self.ctx, &mut mac).is_err() {
+        // Busy: its serve thread sends the update after its current frame.
+        let Ok(mut tx) = s.send.try_lock() else { return };
+        if tx.push_update(s, &self.ctx).is_err() {
             s.abort("cannot send a region update");
         }
     }

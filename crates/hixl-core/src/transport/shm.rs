@@ -10,7 +10,7 @@
 //! changes and waits for the acknowledgement before memory is freed (see
 //! `Server::publish_regions`).
 
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLockReadGuard};
 use std::time::Duration;
@@ -20,7 +20,7 @@ use crate::queue::{Part, PartBody, SegPair, TransferOp, TransferStatus, WorkQueu
 use crate::registry::{Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::io::{iov, IOV_MAX};
-use crate::transport::local::{exited, Proven};
+use crate::transport::local::{exited, get_fd, Proven};
 use crate::transport::tcp::TcpLink;
 use crate::transport::{settle_request, Link, PeerInfo, Workers};
 use crate::wire::RegionEntry;
@@ -133,14 +133,7 @@ const REQUIRED_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
 /// a memfd sealed against shrinking and growing, at least as long as the region.
 fn map_peer_region(pidfd: &OwnedFd, e: &RegionEntry) -> std::io::Result<PeerMapping> {
     use std::os::fd::AsRawFd;
-    // SAFETY: pidfd_getfd takes a pidfd, a descriptor number in that process and flags, and
-    // returns a new descriptor or -1.
-    let raw = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), e.fd, 0) } as RawFd;
-    if raw < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a non-negative return is a fresh descriptor that we now own.
-    let f = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(raw) });
+    let f = std::fs::File::from(get_fd(pidfd, e.fd)?);
     // SAFETY: F_GET_SEALS takes no argument; it fails (EINVAL) on anything but a memfd/shmem file.
     let seals = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GET_SEALS) };
     if seals < 0 {
@@ -266,6 +259,12 @@ impl ShmLink {
             PartBody::Notify(_) => Ok(()),
         };
         drop(table);
+        if self.peer_exited() {
+            // Checked after the copy too: while the process lives its pid cannot name another.
+            let err = Error::not_connected(format!("peer process {} exited during a copy", self.pid));
+            self.close(err.clone());
+            return Err(err);
+        }
         if let Err(e) = &res {
             if e.status == Status::NotConnected {
                 self.close(e.clone());
@@ -277,11 +276,21 @@ impl ShmLink {
     /// Checks the segments against the peer's table (whose guard the caller holds), then
     /// copies them through mappings of the peer's memory where possible, else by CMA.
     fn copy_segs(&self, table: &RemoteTable, op: TransferOp, segs: &[SegPair]) -> Result<()> {
-        if let Some(s) = segs.iter().find(|s| !table.contains(s.remote, s.len)) {
-            return Err(Error::param(format!(
-                "remote range 0x{:x}+{} is no longer registered at the peer",
-                s.remote, s.len
-            )));
+        for s in segs {
+            match table.find(s.remote, s.len) {
+                None => {
+                    return Err(Error::param(format!(
+                        "remote range 0x{:x}+{} is no longer registered at the peer",
+                        s.remote, s.len
+                    )))
+                }
+                // Checked here as well as at submit: the region may have been registered again,
+                // read-only, since.
+                Some(e) if op == TransferOp::Write && !e.writable => {
+                    return Err(crate::registry::read_only(s.remote, s.len))
+                }
+                Some(_) => {}
+            }
         }
         match self.direct_mappings(table, segs) {
             Some(maps) => {

@@ -74,6 +74,8 @@ struct Stream {
     rx: Mutex<Option<FrameMac>>,
     pending: Mutex<VecDeque<Pending>>,
     next_tag: AtomicU64,
+    /// A region-table version the reader still has to confirm (0: none).
+    ack_due: AtomicU64,
 }
 
 /// A TCP link to one peer.
@@ -100,8 +102,9 @@ pub struct TcpLink {
     /// for it to move.
     tables: (Mutex<u64>, std::sync::Condvar),
     next_query: AtomicU64,
-    /// Wakes the heartbeat thread when the link closes (it sleeps a whole interval otherwise).
-    closing: (Mutex<()>, std::sync::Condvar),
+    /// Wakes the control thread early: when the link closes, or a confirmation waits (it
+    /// sleeps a whole heartbeat interval otherwise).
+    closing: (Mutex<bool>, std::sync::Condvar),
 }
 
 impl TcpLink {
@@ -109,7 +112,9 @@ impl TcpLink {
     /// stream threads.
     pub fn connect(peer: &str, addr: SocketAddr, p: &ConnectParams) -> Result<Arc<TcpLink>> {
         let deadline = Instant::now() + p.timeout;
-        let nonce = Instant::now().elapsed().as_nanos() as u64 ^ ((std::process::id() as u64) << 32);
+        let mut nonce = [0u8; 8];
+        auth::random_bytes(&mut nonce)?;
+        let nonce = u64::from_le_bytes(nonce);
         // Connect every stream and send every Hello first, then read the Welcomes: the
         // target answers the streams in parallel, so connecting costs about one round trip.
         let mut socks = Vec::with_capacity(p.streams);
@@ -154,6 +159,7 @@ impl TcpLink {
                         send_lock: Mutex::new(tx),
                         rx: Mutex::new(Some(rx)),
                         pending: Mutex::new(VecDeque::new()),
+                        ack_due: AtomicU64::new(0),
                         next_tag: AtomicU64::new(1),
                     })
                 })
@@ -165,13 +171,13 @@ impl TcpLink {
             label: std::sync::OnceLock::new(),
             coalesce: p.coalesce,
             coalesce_max_ops: p.coalesce_max_ops,
-            closing: (Mutex::new(()), std::sync::Condvar::new()),
+            closing: (Mutex::new(false), std::sync::Condvar::new()),
             tables: (Mutex::new(0), std::sync::Condvar::new()),
             next_query: AtomicU64::new(1),
         });
-        if !p.heartbeat.is_zero() {
+        {
             let (l, every) = (link.clone(), p.heartbeat);
-            if let Err(e) = link.threads.spawn("hixl-heartbeat".into(), move || l.heartbeat(every)) {
+            if let Err(e) = link.threads.spawn("hixl-control".into(), move || l.control(every)) {
                 link.close(e.clone());
                 return Err(e);
             }
@@ -345,24 +351,45 @@ impl TcpLink {
         unsafe { io::send_all(fd, &mut iovs[sent..]) }
     }
 
-    /// Probes the peer every `every` (a Heartbeat on each stream that is idle) and
+    /// Probes the peer every `every` (a Heartbeat on each stream that is idle; zero: never) and
     /// closes the link once the peer has made no progress for `liveness::MISSED` intervals.
-    fn heartbeat(self: &Arc<Self>, every: Duration) {
-        let mut live = Liveness::new(every, Instant::now());
+    ///
+    /// The same thread sends the region-table confirmations that a reader could not send at
+    /// once (a reader never waits for the send lock: see `confirm_table`).
+    fn control(self: &Arc<Self>, every: Duration) {
+        let period = if every.is_zero() { Duration::from_secs(3600) } else { every };
+        let mut live = Liveness::new(period, Instant::now());
         let mut probes_sent: u64 = 0;
+        let mut next_probe = Instant::now() + period;
         loop {
             {
-                // One wake-up per interval (an idle engine stays idle); close() rings earlier.
-                let g = self.closing.0.lock().unwrap();
-                if !self.is_alive() {
-                    return;
+                // One wake-up per interval (an idle engine stays idle); close() and readers with
+                // a confirmation to send ring earlier.
+                let mut g = self.closing.0.lock().unwrap();
+                let left = next_probe.saturating_duration_since(Instant::now());
+                if !*g && !left.is_zero() && self.is_alive() {
+                    g = self.closing.1.wait_timeout(g, left).unwrap().0;
                 }
-                let _ = self.closing.1.wait_timeout(g, every).unwrap();
+                *g = false;
             }
             if !self.is_alive() {
                 return;
             }
+            for s in &self.streams {
+                if s.ack_due.load(Ordering::Acquire) != 0 {
+                    let mut mac = s.send_lock.lock().unwrap();
+                    if self.send_ack_locked(s, &mut mac).is_err() {
+                        drop(mac);
+                        self.close(Error::not_connected(format!("stream to {} failed", self.peer)));
+                        return;
+                    }
+                }
+            }
             let now = Instant::now();
+            if every.is_zero() || now < next_probe {
+                continue;
+            }
+            next_probe = now + period;
             for s in &self.streams {
                 // Only on a stream nobody is writing to and whose send queue is empty, so the
                 // probe can never block this thread (a cut link leaves data queued; then the
@@ -430,6 +457,45 @@ impl TcpLink {
         Ok(())
     }
 
+    /// Confirms region-table `version` to the peer. A reader never waits for the send lock nor
+    /// on a full socket (the peer may be blocked sending to us, waiting for us to read): it
+    /// sends at once only when the lock is free and the socket's send queue is empty, and
+    /// otherwise leaves the confirmation to the control thread.
+    fn confirm_table(&self, s: &Stream, version: u64) {
+        s.ack_due.fetch_max(version, Ordering::AcqRel);
+        if let Ok(mut mac) = s.send_lock.try_lock() {
+            if io::queued_bytes(s.sock.as_raw_fd()) == Some(0) {
+                if self.send_ack_locked(s, &mut mac).is_err() {
+                    drop(mac);
+                    self.close(Error::not_connected(format!("stream to {} failed", self.peer)));
+                }
+                return;
+            }
+        }
+        self.ring_control();
+    }
+
+    /// Sends the pending confirmation of stream `s`, if any; the caller holds its send lock.
+    fn send_ack_locked(&self, s: &Stream, mac: &mut FrameMac) -> std::io::Result<()> {
+        let version = s.ack_due.swap(0, Ordering::AcqRel);
+        if version == 0 {
+            return Ok(());
+        }
+        let mut ack = wire::encode(&Frame::RegionsAck { version }, 0, 0);
+        mac.seal(&mut ack);
+        io::send_bytes(s.sock.as_raw_fd(), &ack)
+    }
+
+    fn ring_control(&self) {
+        *self.closing.0.lock().unwrap() = true;
+        self.closing.1.notify_all();
+    }
+
+    /// Our descriptor of stream 0 (the same-host proof shows it to the peer).
+    pub fn stream0_fd(&self) -> std::os::fd::RawFd {
+        self.streams[0].sock.as_raw_fd()
+    }
+
     /// The two ends of stream 0 (ours, the peer's), as the same-host proof names them.
     pub fn stream0_ends(&self) -> Result<(String, String)> {
         let s = &self.streams[0].sock;
@@ -483,16 +549,7 @@ impl TcpLink {
                 Frame::RegionsUpdate { version, regions } => {
                     // Waits for direct copies that use the old table, then confirms.
                     self.install_table(version, regions, None);
-                    let mut ack = wire::encode(&Frame::RegionsAck { version }, 0, 0);
-                    let sent = {
-                        let mut mac = s.send_lock.lock().unwrap();
-                        mac.seal(&mut ack);
-                        io::send_bytes(fd, &ack)
-                    };
-                    if let Err(e) = sent {
-                        self.close(Error::not_connected(format!("stream to {} failed: {e}", self.peer)));
-                        break;
-                    }
+                    self.confirm_table(s, version);
                 }
                 Frame::Error { status, message } => {
                     self.close(Error::new(
@@ -738,10 +795,7 @@ impl Link for TcpLink {
             tracing::info!(peer = %self.peer, reason = %why.message, "closing link");
             *self.reason.lock().unwrap() = Some(why);
             self.queue.close();
-            {
-                let _g = self.closing.0.lock().unwrap();
-                self.closing.1.notify_all();
-            }
+            self.ring_control();
             for s in &self.streams {
                 io::shutdown(s.sock.as_raw_fd());
             }
