@@ -6,6 +6,8 @@ Start: python _sec_hostile.py MODE [ARGS...]. Prints "READY <host:port> <pid> <b
   dump PATH   the private buffer's bytes to PATH                           -> OK
   shrink      ftruncate(0) of the offered memfd                            -> OK | ERR <why>
   served      how many streams finished a handshake                        -> <n>
+  answers     the same-host proof answers sent so far, as JSON              -> [...]
+  bystander   the forked bystander's pid (mode bystander)                   -> <pid>
   exit                                                                     -> OK
 
 Modes:
@@ -21,6 +23,13 @@ Modes:
       sealed (sealed against shrink and grow), regular (the regular file PATH), or swap (fd
       number N alternates, in a tight loop, between a sealed memfd and an O_PATH descriptor of
       the root-only file PATH; the process drops to uid 65534 after opening both).
+  bystander
+      A real same-host endpoint whose abstract Unix listener was created by a forked child (the
+      bystander) before any TCP connection: the child binds and listens, hands the listener to
+      this process over a socketpair and sleeps, keeping its copy of this process's memory (the
+      private buffer at the same address). This process answers the proof on that listener
+      truthfully (its own accepted stream, its own descriptor number), offers a table of one
+      writable region over its private buffer (no memfd) and serves data frames into it.
   readresp
       Another host's engine: every Write is answered by a ReadResp with status 0 carrying as
       many bytes (0xEE) as the write had.
@@ -30,7 +39,9 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import json
 import os
+import signal
 import socket
 import struct
 import sys
@@ -53,6 +64,8 @@ class Hostile:
         self.buf_addr = ctypes.addressof(self.buf)
         self.probe = ctypes.c_uint64(int.from_bytes(os.urandom(8), "little") | 1)
         self.memfd = -1
+        self.child = 0
+        self.answers: list[str] = []
         self.local_name = ""
         self.regions: list[w.Region] = []
         self.host = "elsewhere"
@@ -110,6 +123,36 @@ class Hostile:
             threading.Thread(target=self.swap_loop, args=(self.memfd, opath), daemon=True).start()
         self.regions = [(self.buf_addr, LEN, 1, fd, True)]
 
+    def setup_bystander(self) -> None:
+        self.host = w.host_id()
+        self.local_name = f"hixl-hostile-{os.urandom(8).hex()}"
+        mine, theirs = socket.socketpair()
+        parent = os.getpid()
+        self.child = os.fork()
+        if self.child == 0:  # the bystander: creates the listener, then only sleeps
+            try:
+                ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+                if os.getppid() != parent:
+                    os._exit(0)
+                mine.close()
+                self.lsock.close()  # it holds no TCP socket of H
+                u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                u.bind("\0" + self.local_name)
+                u.listen(16)
+                socket.send_fds(theirs, [b"L"], [u.fileno()])
+                u.close()
+                theirs.close()
+                while True:
+                    signal.pause()
+            finally:
+                os._exit(0)
+        theirs.close()
+        _, fds, _, _ = socket.recv_fds(mine, 1, 1)
+        mine.close()
+        self.usock = socket.socket(fileno=fds[0])
+        threading.Thread(target=self.local_loop, daemon=True).start()
+        self.regions = [(self.buf_addr, LEN, 1, -1, True)]
+
     def setup_readresp(self) -> None:
         self.regions = [(self.buf_addr, LEN, 1, -1, True)]
 
@@ -130,7 +173,9 @@ class Hostile:
     def local_answer(self, c: socket.socket) -> None:
         """Answers "HIXL-LOCAL 3 <initiator> <target>" (with the initiator's socket attached)
         truthfully: OK and the number of this process's own descriptor of that stream, only
-        when one of the streams this process accepted has exactly those two ends."""
+        when one of the streams this process accepted has exactly those two ends. A request
+        without a descriptor (the engine before ad2bfd7) gets that engine's answer instead:
+        OK, the table version and this process's probe (address and token)."""
         with c:
             msg, fds, _, _ = socket.recv_fds(c, 512, 4)
             for fd in fds:
@@ -146,10 +191,15 @@ class Hostile:
                             continue
                         if ends == (words[2], words[3]):
                             found = s.fileno()
-            if found is not None:
-                c.sendall(f"OK {self.table_version} {found}\n".encode())
+            if found is not None and fds:
+                answer = f"OK {self.table_version} {found}"
+            elif found is not None:
+                answer = f"OK {self.table_version} {ctypes.addressof(self.probe)} {self.probe.value}"
             else:
-                c.sendall(b"NO no stream of mine has those ends\n")
+                answer = "NO no stream of mine has those ends"
+            with self.lock:
+                self.answers.append(answer)
+            c.sendall(f"{answer}\n".encode())
 
     # --- TCP ---------------------------------------------------------------------------------
 
@@ -255,6 +305,11 @@ def main() -> None:
         elif cmd == "served":
             with h.lock:
                 print(len(h.served), flush=True)
+        elif cmd == "answers":
+            with h.lock:
+                print(json.dumps(h.answers), flush=True)
+        elif cmd == "bystander":
+            print(h.child, flush=True)
         elif cmd == "exit":
             print("OK", flush=True)
             os._exit(0)

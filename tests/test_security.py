@@ -724,3 +724,85 @@ def test_failed_auth_rate_limited(procs: Callable[..., Proc]) -> None:
     print(f"challenge delays: first 8 {max(first):.3f} s at most, then {later}")
     assert min(later) >= 0.9, f"a throttled address got its challenge after {min(later):.3f} s"
     assert attempt("127.0.0.2") < 0.5, "another source address is challenged at once"
+
+
+# --- same-host proof: who may ask -------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user")
+def test_unprivileged_local_cannot_fail_deregister(procs: Callable[..., Proc]) -> None:
+    """A process of another user on the same host (uid 65534; the target runs as root) does
+    the handshake and asks for the same-host proof about its own stream, truthfully, with its
+    socket attached, then never confirms a region update. It may not access the target's
+    memory, so it gets NO and stays a TCP peer: the target registers a region and deregisters
+    one at once. Control: a root client doing the same gets OK and then holds deregister for
+    the whole hixl.deregister_timeout_ms, which fails (what the other user could do before the
+    uid check)."""
+    options = {"hixl.deregister_timeout_ms": "3000"}
+    t = Engine(procs, options)
+    u = procs(HERE / "_sec_unpriv.py", t.engine, 65534, ready="ANSWER")
+    answer = " ".join(u.words[2:])
+    print(f"uid {u.words[1]}: {answer!r}")
+    assert u.words[1] == "65534", u.words
+    registered = t.proc.cmd("register_many", 1, timeout=30)
+    out = t.proc.cmd("deregister", timeout=30)
+    print(f"{registered}; deregister: {out}")
+    assert answer.startswith("NO"), f"the other user passed the same-host proof: {answer!r}"
+    assert registered.startswith("DONE"), registered
+    assert out.startswith("OK"), f"deregister failed: {out}"
+    assert float(out.split()[1]) < 1.0, f"deregister waited for the other user: {out}"
+
+    t2 = Engine(procs, options)
+    root = procs(HERE / "_sec_unpriv.py", t2.engine, "keep", ready="ANSWER")
+    out = t2.proc.cmd("deregister", timeout=30)
+    print(f"control, uid {root.words[1]}: {' '.join(root.words[2:])!r}; deregister: {out}")
+    assert root.words[2] == "OK", f"the control (root) should pass the proof: {root.words}"
+    assert out.startswith("ERR") and float(out.split()[1]) >= 2.5, out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads another process's memory via /proc/PID/mem")
+def test_forked_listener_bystander_untouched(procs: Callable[..., Proc], tmp_path: Path) -> None:
+    """A same-host target H whose abstract Unix listener was created by a forked child B (the
+    bystander) before H accepted any connection: B bound and listened, handed the listener to
+    H and sleeps, holding a copy of H's memory (H's private buffer at the same address). H
+    answers the proof truthfully: OK, with the number of its own descriptor of the stream.
+
+    The kernel names B as the socket's creator (SO_PEERCRED / SO_PEERPIDFD record the process
+    that called listen()), and B runs as the same user, but B does not hold the TCP stream:
+    pidfd_getfd(B, fd) gives no descriptor, or one whose ends are not the stream reversed, so
+    the initiator refuses the same-host path. A real initiator (auto) then puts 4 KiB by TCP
+    into H's buffer, and B's copy stays byte-for-byte as it was; under shm the connect fails
+    UNSUPPORTED. Before the initiator took the stream's descriptor from the named process, the
+    proof passed and the initiator copied by cross-memory attach into the pid the kernel named,
+    the bystander, while H's buffer never got the bytes."""
+    h = Hostile(procs, "bystander")
+    child = int(h.proc.cmd("bystander"))
+    assert child > 0 and child != h.pid, child
+
+    def bystander_buf() -> bytes:
+        with open(f"/proc/{child}/mem", "rb") as f:
+            f.seek(h.buf)
+            return f.read(h.len)
+
+    before = bystander_buf()
+    data = np.random.default_rng(11).integers(0, 256, 4096, dtype=np.uint8)
+    outcome: dict[str, Any] = {}
+    for transport in ("auto", "shm"):
+        with hixl.Hixl() as a:
+            a.initialize("127.0.0.1", {"hixl.transport": transport, "hixl.heartbeat_ms": "0"})
+            a.register(data)
+            try:
+                a.connect(h.engine, timeout_ms=5000)
+            except hixl.HixlError as e:
+                outcome[transport] = e
+                continue
+            outcome[transport] = a.stats()[h.engine]["backend"]
+            a.put(h.engine, data.ctypes.data, h.buf, 4096, timeout_ms=5000)
+    answers = json.loads(h.proc.cmd("answers"))
+    print(f"bystander pid {child}, H pid {h.pid}; H answered {answers}; {outcome}")
+    assert bystander_buf() == before, "the initiator wrote into the bystander's memory"
+    assert answers and all(x.startswith("OK") for x in answers), f"H must pass the proof: {answers}"
+    assert outcome["auto"] == "tcp", outcome
+    assert isinstance(outcome["shm"], hixl.Unsupported), outcome
+    assert str(child) in str(outcome["shm"]), f"the refusal names the bystander: {outcome['shm']}"
+    assert h.dump(tmp_path)[:4096] == data.tobytes(), "H's buffer got the bytes"

@@ -152,27 +152,10 @@ pub fn recv_exact_by(fd: RawFd, buf: &mut [u8], deadline: Instant) -> io::Result
 /// Sends all of `buf` before `deadline`; a peer that does not drain its socket in time is an
 /// error (TimedOut), never a thread blocked for ever.
 pub fn send_bytes_by(fd: RawFd, buf: &[u8], deadline: Instant) -> io::Result<()> {
-    let mut sent = 0;
+    let mut sent = send_some(fd, buf)?;
     while sent < buf.len() {
-        // SAFETY: the pointer and length describe the unsent rest of `buf`.
-        let r = unsafe {
-            libc::send(
-                fd,
-                buf[sent..].as_ptr().cast(),
-                buf.len() - sent,
-                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-            )
-        };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            match e.kind() {
-                io::ErrorKind::Interrupted => continue,
-                io::ErrorKind::WouldBlock => wait_ready(fd, true, deadline)?,
-                _ => return Err(e),
-            }
-            continue;
-        }
-        sent += r as usize;
+        wait_ready(fd, true, deadline)?;
+        sent += send_some(fd, &buf[sent..])?;
     }
     Ok(())
 }
