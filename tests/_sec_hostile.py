@@ -194,7 +194,9 @@ class Hostile:
             if found is not None and fds:
                 answer = f"OK {self.table_version} {found}"
             elif found is not None:
-                answer = f"OK {self.table_version} {ctypes.addressof(self.probe)} {self.probe.value}"
+                answer = (
+                    f"OK {self.table_version} {ctypes.addressof(self.probe)} {self.probe.value}"
+                )
             else:
                 answer = "NO no stream of mine has those ends"
             with self.lock:

@@ -744,8 +744,8 @@ def test_unprivileged_local_cannot_fail_deregister(procs: Callable[..., Proc]) -
     answer = " ".join(u.words[2:])
     print(f"uid {u.words[1]}: {answer!r}")
     assert u.words[1] == "65534", u.words
-    registered = t.proc.cmd("register_many", 1, timeout=30)
-    out = t.proc.cmd("deregister", timeout=30)
+    registered = t.proc.cmd("register_many", 1, timeout=10)
+    out = t.proc.cmd("deregister", timeout=10)
     print(f"{registered}; deregister: {out}")
     assert answer.startswith("NO"), f"the other user passed the same-host proof: {answer!r}"
     assert registered.startswith("DONE"), registered
@@ -754,7 +754,7 @@ def test_unprivileged_local_cannot_fail_deregister(procs: Callable[..., Proc]) -
 
     t2 = Engine(procs, options)
     root = procs(HERE / "_sec_unpriv.py", t2.engine, "keep", ready="ANSWER")
-    out = t2.proc.cmd("deregister", timeout=30)
+    out = t2.proc.cmd("deregister", timeout=10)
     print(f"control, uid {root.words[1]}: {' '.join(root.words[2:])!r}; deregister: {out}")
     assert root.words[2] == "OK", f"the control (root) should pass the proof: {root.words}"
     assert out.startswith("ERR") and float(out.split()[1]) >= 2.5, out
@@ -772,9 +772,10 @@ def test_forked_listener_bystander_untouched(procs: Callable[..., Proc], tmp_pat
     pidfd_getfd(B, fd) gives no descriptor, or one whose ends are not the stream reversed, so
     the initiator refuses the same-host path. A real initiator (auto) then puts 4 KiB by TCP
     into H's buffer, and B's copy stays byte-for-byte as it was; under shm the connect fails
-    UNSUPPORTED. Before the initiator took the stream's descriptor from the named process, the
-    proof passed and the initiator copied by cross-memory attach into the pid the kernel named,
-    the bystander, while H's buffer never got the bytes."""
+    UNSUPPORTED. Before ad2bfd7 the initiator only read a probe token at the address H named
+    (H answers a request without a descriptor that way), in the process the kernel named: B
+    holds the same token at the same address, so the proof passed and the initiator copied by
+    cross-memory attach into the bystander, while H's buffer never got the bytes."""
     h = Hostile(procs, "bystander")
     child = int(h.proc.cmd("bystander"))
     assert child > 0 and child != h.pid, child
