@@ -30,6 +30,8 @@ const INLINE_BYTES: u64 = 256 * 1024;
 /// How long a copy thread polls for the next request before it sleeps (see
 /// `WorkQueue::with_spin`): back-to-back requests then need no wake-up.
 const WORKER_SPIN: Duration = Duration::from_micros(100);
+/// How often a copy asks the peer's pidfd whether the process still lives (see `peer_exited`).
+const EXIT_CHECK_EVERY: Duration = Duration::from_millis(10);
 /// A worker stops taking parts once it holds this many bytes.
 const BATCH_BYTES: u64 = 4 << 20;
 
@@ -181,6 +183,9 @@ pub struct ShmLink {
     queue: WorkQueue<Part>,
     next_lane: AtomicUsize,
     closed: AtomicBool,
+    /// When the link was made, and (nanoseconds after that) when the peer was last seen alive.
+    born: std::time::Instant,
+    alive_at: std::sync::atomic::AtomicU64,
     threads: Workers,
 }
 
@@ -206,6 +211,8 @@ impl ShmLink {
             queue: WorkQueue::with_lanes(queue_depth, workers).with_spin(WORKER_SPIN),
             next_lane: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
+            born: std::time::Instant::now(),
+            alive_at: std::sync::atomic::AtomicU64::new(0),
             threads: Workers::default(),
         });
         for lane in 0..workers {
@@ -218,8 +225,22 @@ impl ShmLink {
         Ok(link)
     }
 
+    /// Whether the peer process has exited, asked of its pidfd at most every
+    /// `EXIT_CHECK_EVERY`. A copy to a process that is gone fails with ESRCH by itself; the
+    /// check is there so that its pid cannot meanwhile name another process, and a pid is
+    /// reused only after the kernel has handed out every other free one (at least thousands of
+    /// forks), which takes far longer than the interval.
     fn peer_exited(&self) -> bool {
-        exited(&self.pidfd)
+        let now = self.born.elapsed().as_nanos() as u64;
+        let last = self.alive_at.load(Ordering::Relaxed);
+        if now.saturating_sub(last) < EXIT_CHECK_EVERY.as_nanos() as u64 {
+            return false;
+        }
+        if exited(&self.pidfd) {
+            return true;
+        }
+        self.alive_at.store(now, Ordering::Relaxed);
+        false
     }
 
     fn worker(self: &Arc<Self>, lane: usize) {
@@ -259,12 +280,6 @@ impl ShmLink {
             PartBody::Notify(_) => Ok(()),
         };
         drop(table);
-        if self.peer_exited() {
-            // Checked after the copy too: while the process lives its pid cannot name another.
-            let err = Error::not_connected(format!("peer process {} exited during a copy", self.pid));
-            self.close(err.clone());
-            return Err(err);
-        }
         if let Err(e) = &res {
             if e.status == Status::NotConnected {
                 self.close(e.clone());
