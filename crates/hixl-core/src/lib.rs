@@ -21,6 +21,7 @@
 
 pub mod auth;
 pub mod bench;
+mod complete;
 pub mod engine;
 pub mod error;
 pub mod log;

@@ -10,12 +10,11 @@ pub mod server;
 pub mod shm;
 pub mod tcp;
 
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread::{JoinHandle, ThreadId};
 
 use crate::error::{Error, Result};
-use crate::queue::{Part, Request, TransferStatus};
+use crate::queue::Part;
 use crate::registry::RemoteTable;
 use crate::stats::PeerStats;
 
@@ -59,33 +58,6 @@ pub trait Link: crate::registry::Abort + Send + Sync {
     fn close(&self, why: crate::error::Error);
     /// Per-peer counters.
     fn stats(&self) -> Arc<PeerStats>;
-}
-
-/// Settles a request once all its I/O has stopped: counts it, logs it (DEBUG), wakes waiters
-/// and releases its pinned regions.
-pub(crate) fn settle_request(
-    backend: &str,
-    stats: &PeerStats,
-    peer: &str,
-    req: &Arc<Request>,
-    to: TransferStatus,
-    err: Option<Error>,
-) {
-    let ok = to == TransferStatus::Completed;
-    let latency = req.started.elapsed();
-    if req.descs == 0 {
-        if ok {
-            stats.notifies.fetch_add(1, Ordering::Relaxed);
-        }
-    } else {
-        stats.record(req.op, req.bytes, ok, latency);
-    }
-    tracing::debug!(
-        peer = %peer, backend = backend, op = ?req.op, descs = req.descs, bytes = req.bytes,
-        latency_us = latency.as_micros() as u64, status = ?to, "transfer done"
-    );
-    req.settle(to, err);
-    req.release_pins();
 }
 
 /// The threads of a link: started by name, joined when the link closes, unless the closing

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLockReadGuard};
 use std::time::Duration;
 
+use crate::complete::{Completer, Next};
 use crate::error::{Error, Result, Status};
 use crate::queue::{Part, PartBody, SegPair, TransferOp, TransferStatus, WorkQueue};
 use crate::registry::{Abort, RemoteTable};
@@ -22,7 +23,7 @@ use crate::stats::PeerStats;
 use crate::transport::io::{iov, IOV_MAX};
 use crate::transport::local::{exited, get_fd, Proven};
 use crate::transport::tcp::TcpLink;
-use crate::transport::{settle_request, Link, PeerInfo, Workers};
+use crate::transport::{Link, PeerInfo, Workers};
 use crate::wire::RegionEntry;
 
 /// Requests up to this size are copied by the calling thread (no hand-off, no wake-up).
@@ -183,6 +184,8 @@ pub struct ShmLink {
     queue: WorkQueue<Part>,
     next_lane: AtomicUsize,
     closed: AtomicBool,
+    /// Settles the requests whose data this link copied.
+    done: Completer,
     /// When the link was made, and (nanoseconds after that) when the peer was last seen alive.
     born: std::time::Instant,
     alive_at: std::sync::atomic::AtomicU64,
@@ -200,6 +203,7 @@ impl ShmLink {
     ) -> Result<Arc<ShmLink>> {
         let Proven { pid, pidfd, .. } = proven;
         tcp.set_label("shm");
+        let done = Completer::new("shm", &tcp.peer_info().engine_id, tcp.stats());
         let workers = workers.max(1);
         let link = Arc::new(ShmLink {
             tcp,
@@ -211,6 +215,7 @@ impl ShmLink {
             queue: WorkQueue::with_lanes(queue_depth, workers).with_spin(WORKER_SPIN),
             next_lane: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
+            done,
             born: std::time::Instant::now(),
             alive_at: std::sync::atomic::AtomicU64::new(0),
             threads: Workers::default(),
@@ -387,24 +392,13 @@ impl ShmLink {
     }
 
     fn finish_part(&self, part: Part, res: Result<()>) {
-        let req = part.req;
-        if !req.part_done(&res) {
-            return;
-        }
-        let notify = req.take_notify_after();
-        let stats = self.tcp.stats();
-        let peer = self.tcp.peer_info().engine_id;
-        if let Some(err) = req.part_error() {
-            settle_request("shm", &stats, &peer, &req, TransferStatus::Failed, Some(err));
-        } else if let Some(n) = notify {
-            // The bytes are in the peer's memory (the copy returned): the notify may go.
-            req.add_parts(1);
-            if let Err(e) = self.tcp.submit(vec![Part { req: req.clone(), body: PartBody::Notify(n) }], 0) {
-                req.part_done(&Err(e.clone()));
-                settle_request("shm", &stats, &peer, &req, TransferStatus::Failed, Some(e));
+        if let Next::Notify(n) = self.done.finish(part, res) {
+            // The bytes are in the peer's memory (the copy returned): the notify may go, over
+            // the control channel.
+            let req = n.req.clone();
+            if let Err(e) = self.tcp.submit(vec![n], 0) {
+                self.done.abandon(&req, e);
             }
-        } else {
-            settle_request("shm", &stats, &peer, &req, TransferStatus::Completed, None);
         }
     }
 

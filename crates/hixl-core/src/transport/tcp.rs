@@ -11,8 +11,9 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
 use crate::auth::{self, FrameMac, Secret, MAC_LEN};
+use crate::complete::{Completer, Next};
 use crate::error::{Error, Result, Status};
-use crate::queue::{Part, PartBody, Request, Strided, TransferOp, TransferStatus, WorkQueue};
+use crate::queue::{Part, PartBody, Strided, TransferOp, TransferStatus, WorkQueue};
 use crate::registry::{Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::handshake::{self, connect_one};
@@ -92,9 +93,9 @@ pub struct TcpLink {
     streams: Vec<Arc<Stream>>,
     alive: AtomicBool,
     reason: Mutex<Option<Error>>,
-    stats: Arc<PeerStats>,
+    /// Settles this link's requests (and counts them).
+    done: Completer,
     threads: Workers,
-    label: std::sync::OnceLock<&'static str>,
     coalesce: Duration,
     coalesce_max_ops: usize,
     /// The highest tag of a RegionsQuery answered so far (`refresh_table` waits for its own),
@@ -166,9 +167,8 @@ impl TcpLink {
                 .collect(),
             alive: AtomicBool::new(true),
             reason: Mutex::new(None),
-            stats: Arc::new(PeerStats::default()),
+            done: Completer::new("tcp", peer, Arc::new(PeerStats::default())),
             threads: Workers::default(),
-            label: std::sync::OnceLock::new(),
             coalesce: p.coalesce,
             coalesce_max_ops: p.coalesce_max_ops,
             closing: (Mutex::new(false), std::sync::Condvar::new()),
@@ -669,35 +669,23 @@ impl TcpLink {
 
     /// Records the end of one part; the last part settles the request or queues its notify.
     fn finish_part(&self, part: Part, res: Result<()>) {
-        let req = part.req;
-        if !req.part_done(&res) {
-            return;
-        }
-        let notify = req.take_notify_after();
-        if let Some(err) = req.part_error() {
-            if notify.is_some() {
-                self.queue.unreserve(1);
+        match self.done.finish(part, res) {
+            Next::Pending => {}
+            // Its slot was reserved at submit; the notification will not use it.
+            Next::Settled { notify_dropped: true } => self.queue.unreserve(1),
+            Next::Settled { notify_dropped: false } => {}
+            Next::Notify(n) => {
+                // Into the slot reserved for it at submit, on any stream.
+                self.queue.push_reserved(n);
+                self.fail_queued_if_closed();
             }
-            self.settle(&req, TransferStatus::Failed, Some(err));
-        } else if let Some(n) = notify {
-            // The data is at the target: now the notification may go (on any stream).
-            req.add_parts(1);
-            self.queue.push_reserved(Part { req, body: PartBody::Notify(n) });
-            self.fail_queued_if_closed();
-        } else {
-            self.settle(&req, TransferStatus::Completed, None);
         }
-    }
-
-    fn settle(&self, req: &Arc<Request>, to: TransferStatus, err: Option<Error>) {
-        let backend = self.label.get().copied().unwrap_or("tcp");
-        super::settle_request(backend, &self.stats, &self.peer, req, to, err);
     }
 
     /// Names the backend in logs when another backend carries the data over this link's
     /// control channel.
     pub fn set_label(&self, backend: &'static str) {
-        let _ = self.label.set(backend);
+        self.done.set_backend(backend);
     }
 
     fn fail_queued_if_closed(&self) {
@@ -808,7 +796,7 @@ impl Link for TcpLink {
     }
 
     fn stats(&self) -> Arc<PeerStats> {
-        self.stats.clone()
+        self.done.stats().clone()
     }
 }
 

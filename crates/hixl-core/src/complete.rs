@@ -1,0 +1,184 @@
+//! The one completer: what happens when a part of a request ends, for every backend.
+//!
+//! A request is cut into parts that backends carry in any order, on any worker. When the last
+//! part ends, the request either settles (the first error wins; otherwise COMPLETED) or, when
+//! the caller asked for a notification after the data and every part succeeded, the completer
+//! hands back that notification as one more part of the same request: the request settles when
+//! the notification has been delivered too. Settling counts the request in the peer's stats,
+//! logs it (DEBUG), wakes waiters and releases its pinned regions. Backends only report
+//! `finish(part, result)` and act on the answer; they decide nothing here. No I/O happens here,
+//! so the logic is tested without sockets.
+
+use std::sync::{Arc, OnceLock};
+
+use crate::error::Error;
+use crate::queue::{Part, PartBody, Request, TransferStatus};
+use crate::stats::PeerStats;
+
+/// What the backend must do after reporting a part.
+pub(crate) enum Next {
+    /// Other parts of the request are still in flight.
+    Pending,
+    /// The request is settled. `notify_dropped`: it had a notification to send after the data,
+    /// which will not be sent (a queue slot reserved for it may be released).
+    Settled { notify_dropped: bool },
+    /// Every data part succeeded: send this notification part (already counted in the
+    /// request) to the peer, and report it with `finish` like any other part.
+    Notify(Part),
+}
+
+/// Settles requests for one peer link.
+pub(crate) struct Completer {
+    backend: OnceLock<&'static str>,
+    default_backend: &'static str,
+    peer: String,
+    stats: Arc<PeerStats>,
+}
+
+impl Completer {
+    /// A completer that counts into `stats` and names `backend` and `peer` in its logs.
+    pub(crate) fn new(backend: &'static str, peer: &str, stats: Arc<PeerStats>) -> Completer {
+        Completer { backend: OnceLock::new(), default_backend: backend, peer: peer.to_string(), stats }
+    }
+
+    /// Names another backend in logs (one that carries data over this link's control channel).
+    pub(crate) fn set_backend(&self, backend: &'static str) {
+        let _ = self.backend.set(backend);
+    }
+
+    /// The peer's counters.
+    pub(crate) fn stats(&self) -> &Arc<PeerStats> {
+        &self.stats
+    }
+
+    /// Records the end of one part with its result; says what the backend must do next.
+    pub(crate) fn finish(&self, part: Part, res: Result<(), Error>) -> Next {
+        let req = part.req;
+        if !req.part_done(&res) {
+            return Next::Pending;
+        }
+        let notify = req.take_notify_after();
+        if let Some(err) = req.part_error() {
+            self.settle(&req, TransferStatus::Failed, Some(err));
+            return Next::Settled { notify_dropped: notify.is_some() };
+        }
+        match notify {
+            Some(n) => {
+                // The data is at the target: now the notification may go.
+                req.add_parts(1);
+                Next::Notify(Part { req, body: PartBody::Notify(n) })
+            }
+            None => {
+                self.settle(&req, TransferStatus::Completed, None);
+                Next::Settled { notify_dropped: false }
+            }
+        }
+    }
+
+    /// Fails a request whose notification part could not even be handed to a backend.
+    pub(crate) fn abandon(&self, req: &Arc<Request>, err: Error) {
+        req.part_done(&Err(err.clone()));
+        self.settle(req, TransferStatus::Failed, Some(err));
+    }
+
+    /// Settles a request once all its I/O has stopped: counts it, logs it (DEBUG), wakes waiters
+    /// and releases its pinned regions.
+    pub(crate) fn settle(&self, req: &Arc<Request>, to: TransferStatus, err: Option<Error>) {
+        let ok = to == TransferStatus::Completed;
+        let latency = req.started.elapsed();
+        if req.descs == 0 {
+            if ok {
+                self.stats.notifies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        } else {
+            self.stats.record(req.op, req.bytes, ok, latency);
+        }
+        let backend = self.backend.get().copied().unwrap_or(self.default_backend);
+        tracing::debug!(
+            peer = %self.peer, backend = backend, op = ?req.op, descs = req.descs, bytes = req.bytes,
+            latency_us = latency.as_micros() as u64, status = ?to, "transfer done"
+        );
+        req.settle(to, err);
+        req.release_pins();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::queue::{NotifyDesc, SegPair, TransferOp};
+
+    fn request(parts: usize, notify: bool) -> Arc<Request> {
+        let n = notify.then(|| NotifyDesc { name: "n".into(), msg: "m".into() });
+        Arc::new(Request::new(
+            1,
+            TransferOp::Write,
+            "p".into(),
+            8,
+            2,
+            parts,
+            Duration::from_secs(5),
+            vec![],
+            n,
+        ))
+    }
+
+    fn part(req: &Arc<Request>) -> Part {
+        Part { req: req.clone(), body: PartBody::Data(vec![SegPair { local: 1, remote: 2, len: 4 }]) }
+    }
+
+    fn completer() -> Completer {
+        Completer::new("test", "peer", Arc::new(PeerStats::default()))
+    }
+
+    #[test]
+    fn the_last_part_settles_and_counts_once() {
+        let c = completer();
+        let req = request(2, false);
+        assert!(matches!(c.finish(part(&req), Ok(())), Next::Pending));
+        assert_eq!(req.status(), TransferStatus::Waiting);
+        assert!(matches!(c.finish(part(&req), Ok(())), Next::Settled { notify_dropped: false }));
+        assert_eq!(req.status(), TransferStatus::Completed);
+        assert_eq!(c.stats().ops_write.load(Ordering::Relaxed), 1);
+        assert_eq!(c.stats().bytes_write.load(Ordering::Relaxed), 8);
+    }
+
+    #[test]
+    fn a_notification_follows_the_data_and_the_request_waits_for_it() {
+        let c = completer();
+        let req = request(2, true);
+        assert!(matches!(c.finish(part(&req), Ok(())), Next::Pending));
+        let Next::Notify(n) = c.finish(part(&req), Ok(())) else { panic!("expected the notify") };
+        assert!(matches!(n.body, PartBody::Notify(_)));
+        assert_eq!(req.status(), TransferStatus::Waiting, "settles only once the notify is delivered");
+        assert!(matches!(c.finish(n, Ok(())), Next::Settled { notify_dropped: false }));
+        assert_eq!(req.status(), TransferStatus::Completed);
+    }
+
+    #[test]
+    fn the_first_error_wins_and_the_notification_is_dropped() {
+        let c = completer();
+        let req = request(2, true);
+        assert!(matches!(c.finish(part(&req), Err(Error::param("first"))), Next::Pending));
+        assert!(matches!(
+            c.finish(part(&req), Err(Error::failed("second"))),
+            Next::Settled { notify_dropped: true }
+        ));
+        assert_eq!(req.status(), TransferStatus::Failed);
+        assert_eq!(req.error().unwrap().message, "first");
+        assert_eq!(c.stats().errors.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_notification_that_cannot_be_sent_fails_the_request() {
+        let c = completer();
+        let req = request(1, true);
+        let Next::Notify(n) = c.finish(part(&req), Ok(())) else { panic!("expected the notify") };
+        c.abandon(&n.req, Error::not_connected("gone"));
+        assert_eq!(req.status(), TransferStatus::Failed);
+        assert_eq!(req.error().unwrap().message, "gone");
+    }
+}
