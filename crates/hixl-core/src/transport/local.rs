@@ -260,11 +260,21 @@ pub fn prove(
     }
     // Take the process's own descriptor of the stream: this needs ptrace permission over it
     // (the same as cross-memory attach), and shows that it, not a bystander, holds the stream.
-    let held = get_fd(&pidfd, fd).map_err(|e| format!("pidfd_getfd({pid}, {fd}): {e}"))?;
-    let ends = socket_ends(held.as_raw_fd());
-    drop(held);
-    if ends.as_ref().is_none_or(|(l, p)| l != target || p != initiator) {
-        return Err(format!("pid {pid} does not hold this stream (its descriptor {fd} has ends {ends:?})"));
+    match get_fd(&pidfd, fd) {
+        Ok(held) => {
+            let ends = socket_ends(held.as_raw_fd());
+            drop(held);
+            if ends.as_ref().is_none_or(|(l, p)| l != target || p != initiator) {
+                return Err(format!(
+                    "pid {pid} does not hold this stream (its descriptor {fd} has ends {ends:?})"
+                ));
+            }
+        }
+        // Kernels before 5.6 (and valgrind) lack pidfd_getfd: compare socket inodes instead.
+        Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+            holds_stream_by_inode(pid, fd, target, initiator)?
+        }
+        Err(e) => return Err(format!("pidfd_getfd({pid}, {fd}): {e}")),
     }
     // Checked last: if it is still alive, `pid` still names the process we checked.
     if exited(&pidfd) {
@@ -392,6 +402,61 @@ fn euid_of(pid: i32) -> std::result::Result<u32, String> {
         .ok_or_else(|| format!("pid {pid}: no Uid line"))
 }
 
+/// Without pidfd_getfd: whether descriptor `fd` of process `pid` is the TCP socket whose local
+/// end is `local` and remote end `remote`, by its inode (`/proc/PID/fd/N` names it, and the
+/// kernel's socket table `/proc/net/tcp{,6}` gives the inode of that four-tuple). Reading the
+/// link needs ptrace permission over the process, like cross-memory attach.
+fn holds_stream_by_inode(pid: i32, fd: RawFd, local: &str, remote: &str) -> std::result::Result<(), String> {
+    let link =
+        std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).map_err(|e| format!("pid {pid} fd {fd}: {e}"))?;
+    let held: u64 = link
+        .to_string_lossy()
+        .strip_prefix("socket:[")
+        .and_then(|r| r.strip_suffix(']'))
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| format!("pid {pid} fd {fd} is {link:?}, not a socket"))?;
+    let (local, remote): (std::net::SocketAddr, std::net::SocketAddr) = match (local.parse(), remote.parse())
+    {
+        (Ok(l), Ok(r)) => (l, r),
+        _ => return Err(format!("cannot parse the stream's ends {local} / {remote}")),
+    };
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else { continue };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() > 9 && proc_addr(f[1]) == Some(local) && proc_addr(f[2]) == Some(remote) {
+                return if f[9].parse::<u64>().ok() == Some(held) {
+                    Ok(())
+                } else {
+                    Err(format!("pid {pid} does not hold this stream (its fd {fd} is another socket)"))
+                };
+            }
+        }
+    }
+    Err(format!("the stream {local} <- {remote} is not in this namespace's socket table"))
+}
+
+/// An address of `/proc/net/tcp{,6}`: hex IP (in 32-bit host-order words) and hex port;
+/// an IPv4-mapped IPv6 address comes back as IPv4, as `addr_text` writes it.
+fn proc_addr(field: &str) -> Option<std::net::SocketAddr> {
+    let (ip, port) = field.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let words: Vec<u32> = (0..ip.len() / 8)
+        .map(|i| u32::from_str_radix(&ip[i * 8..i * 8 + 8], 16))
+        .collect::<std::result::Result<_, _>>()
+        .ok()?;
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    let ip = match bytes.len() {
+        4 => std::net::IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
+        16 => {
+            let v6 = std::net::Ipv6Addr::from(<[u8; 16]>::try_from(bytes).ok()?);
+            v6.to_ipv4_mapped().map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4)
+        }
+        _ => return None,
+    };
+    Some(std::net::SocketAddr::new(ip, port))
+}
+
 /// Takes descriptor `fd` of the process behind `pidfd`.
 pub fn get_fd(pidfd: &OwnedFd, fd: RawFd) -> std::io::Result<OwnedFd> {
     // SAFETY: pidfd_getfd takes a pidfd, a descriptor number in that process and flags, and
@@ -409,4 +474,22 @@ pub fn exited(pidfd: &OwnedFd) -> bool {
     let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
     // SAFETY: one valid pollfd and a zero timeout.
     unsafe { libc::poll(&mut p, 1, 0) > 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernel_socket_table_names_a_connected_stream_by_inode() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (a, _) = l.accept().unwrap();
+        let (local, remote) = socket_ends(a.as_raw_fd()).unwrap();
+        let me = std::process::id() as i32;
+        assert_eq!(holds_stream_by_inode(me, a.as_raw_fd(), &local, &remote), Ok(()));
+        let e = holds_stream_by_inode(me, c.as_raw_fd(), &local, &remote).unwrap_err();
+        assert!(e.contains("another socket"), "{e}");
+        assert_eq!(proc_addr("0100007F:1F90"), Some("127.0.0.1:8080".parse().unwrap()));
+    }
 }
