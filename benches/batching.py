@@ -38,7 +38,7 @@ def serve(size: int) -> None:
 
 
 def run(transport: str, peer: str, raddr: int, iters: int, n_async: int, rows: dict) -> None:
-    opts = {"hixl.transport": transport}
+    opts = {"hixl.backends": transport}
     e = hixl.Hixl()
     e.initialize("127.0.0.1", opts)
     src = hixl.aligned_empty(32 << 20)
@@ -90,7 +90,7 @@ def run(transport: str, peer: str, raddr: int, iters: int, n_async: int, rows: d
     if transport != "tcp":
         return
     # Coalescing on vs off: two Python threads each submit n_async/2 async 4 KiB requests.
-    for label, extra in [("off", {}), ("on", {"hixl.coalesce_us": "50"})]:
+    for label, extra in [("off", {}), ("on", {"hixl.tcp.coalesce_us": "50"})]:
         e = hixl.Hixl()
         e.initialize("127.0.0.1", {**opts, **extra})
         e.register(src)

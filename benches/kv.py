@@ -42,7 +42,7 @@ def shape(layers: int, tokens: int) -> tuple[int, ...]:
 
 
 def serve(layers: int, tokens: int, transport: str) -> None:
-    hixl.init(cluster_id=0, role="mix", listen="127.0.0.1:0", options={"hixl.transport": transport})
+    hixl.init(cluster_id=0, role="mix", listen="127.0.0.1:0", options={"hixl.backends": transport})
     shp = shape(layers, tokens)
     src = np.random.default_rng(1).integers(0, 1 << 16, shp, dtype=np.uint16).view(np.float16)
     hixl.allocate_cache(src, name="src")
@@ -127,7 +127,7 @@ def measure(transport: str, layers: int, tokens: int, iters: int, compute_ms: fl
         role="decoder",
         listen="127.0.0.1:0",
         peers={0: w.address},
-        options={"hixl.transport": transport},
+        options={"hixl.backends": transport},
     )
     try:
         ctx = context()

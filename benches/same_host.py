@@ -50,7 +50,7 @@ def serve(size: int) -> None:
 
 def main() -> None:
     ap = parser(__doc__, "32 MiB, 2048 blocks, 3 runs")
-    ap.add_argument("--threads", type=int, default=2, help="hixl.shm_threads (default 2)")
+    ap.add_argument("--threads", type=int, default=2, help="hixl.shm.threads (default 2)")
     a = ap.parse_args()
     if a.serve:
         return serve(a.serve)
@@ -60,7 +60,7 @@ def main() -> None:
     pid, raddr, saddr = int(pid), int(raddr), int(saddr)
 
     e = hixl.Hixl()
-    e.initialize("127.0.0.1", {"hixl.transport": "shm", "hixl.shm_threads": str(a.threads)})
+    e.initialize("127.0.0.1", {"hixl.backends": "shm", "hixl.shm.threads": str(a.threads)})
     src = np.random.default_rng(1).integers(0, 256, plan.span, dtype=np.uint8)
     dst = np.ones_like(src)
     e.register(src)
@@ -125,7 +125,7 @@ def main() -> None:
 
     print(
         f"hixl {hixl.__version__} same host (CMA), {size // MIB} MiB and {nblk} x 16 KiB, "
-        f"{iters} runs, hixl.shm_threads={a.threads}"
+        f"{iters} runs, hixl.shm.threads={a.threads}"
     )
     print_ratios(
         rows,

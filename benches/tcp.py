@@ -53,7 +53,7 @@ def cpu_seconds(pid: int) -> float:
 
 def main() -> None:
     ap = parser(__doc__, "32 MiB messages, fewer iterations")
-    ap.add_argument("--streams", type=int, default=2, help="hixl.streams and raw connections")
+    ap.add_argument("--streams", type=int, default=2, help="hixl.tcp.streams and raw connections")
     a = ap.parse_args()
     if a.serve:
         return serve(a.serve)
@@ -64,7 +64,7 @@ def main() -> None:
     rows: dict[str, dict] = {}
 
     e = hixl.Hixl()
-    e.initialize("127.0.0.1", {"hixl.streams": str(streams), "hixl.transport": "tcp"})
+    e.initialize("127.0.0.1", {"hixl.tcp.streams": str(streams), "hixl.backends": "tcp"})
 
     # Registration cost of a fresh, touched 128 MiB buffer.
     reg = np.ones(128 * MIB, np.uint8)

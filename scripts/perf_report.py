@@ -85,7 +85,7 @@ def page(doc: dict, png_name: str) -> str:
         "## Notes",
         "",
         "- Same host, 1 to 2 MiB: requests up to 256 KiB are copied by the calling thread;",
-        "  larger ones go to the copy threads (`hixl.shm_threads`), which poll for 100 µs",
+        "  larger ones go to the copy threads (`hixl.shm.threads`), which poll for 100 µs",
         "  after their last request before they sleep, so back-to-back requests need no",
         "  wake-up. From 1 MiB a request is also split across the threads, and both must be",
         "  awake: that is the remaining dip.",

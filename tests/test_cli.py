@@ -236,7 +236,7 @@ def test_info_reports_transports_and_options() -> None:
     assert info["transports"]["rdma"]["available"] is False
     assert "not built" in info["transports"]["rdma"]["detail"]
     keys = {o["key"] for o in info["options"]}
-    assert {"hixl.streams", "hixl.transport", "hixl.shm_threads"} <= keys
+    assert {"hixl.tcp.streams", "hixl.backends", "hixl.shm.threads"} <= keys
     assert "/" in info["host_identity"]
     text = hixl("info")
     assert text.returncode == 0 and "transports:" in text.stdout

@@ -109,7 +109,7 @@ def test_options_are_checked():
     with pytest.raises(hixl.ParamInvalid, match="cannot listen"):
         e.initialize("8.8.8.8:1")
     keys = {k for k, _, _ in hixl.option_keys()}
-    assert "hixl.streams" in keys and "hixl.transfer_timeout_ms" in keys
+    assert "hixl.tcp.streams" in keys and "hixl.transfer_timeout_ms" in keys
 
 
 @pytest.mark.parametrize(

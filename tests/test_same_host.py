@@ -35,6 +35,19 @@ def test_auto_picks_shm_on_this_host(make_peer):
         hixl.Hixl().initialize("127.0.0.1", {"hixl.transport": "rdma-please"})
 
 
+def test_backends_are_tried_in_the_order_given(make_peer):
+    peer = make_peer(4096)
+    for backends, want in [("auto", "shm"), ("shm,tcp", "shm"), ("tcp,shm", "tcp"), ("tcp", "tcp")]:
+        with hixl.Hixl() as e:
+            e.initialize("127.0.0.1", {"hixl.backends": backends})
+            e.connect(peer.engine, timeout_ms=5000)
+            assert e.stats()[peer.engine]["backend"] == want, backends
+    with pytest.raises(hixl.ParamInvalid, match=r"hixl.backends=.*shm, tcp"):
+        hixl.Hixl().initialize("127.0.0.1", {"hixl.backends": "rdma"})
+    with pytest.raises(hixl.ParamInvalid, match="give one of them"):
+        hixl.Hixl().initialize("127.0.0.1", {"hixl.backends": "tcp", "hixl.transport": "shm"})
+
+
 def _can_drop_ptrace() -> str | None:
     if os.geteuid() != 0:
         return "needs root to drop CAP_SYS_PTRACE for the initiator"

@@ -13,13 +13,13 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result, Status};
 use crate::notify::NotifyStore;
-use crate::options::{Options, Transport};
+use crate::options::Options;
 use crate::queue::{NotifyDesc, Part, PartBody, Request, SegPair, Strided, TransferOp, TransferStatus};
 use crate::registry::{read_only, Abort, Access, MemType, Pin, Registry};
 use crate::stats::LatencySummary;
-use crate::transport::local;
+use crate::transport::backend::{self, Backend};
 use crate::transport::server::{Server, ServerCtx};
-use crate::transport::shm::{self, SharedMem, ShmLink};
+use crate::transport::shm::{self, SharedMem};
 use crate::transport::tcp::{ConnectParams, TcpLink};
 use crate::transport::Link;
 use crate::wire::MAX_DESCS;
@@ -131,6 +131,8 @@ struct Running {
     local_engine: String,
     host: String,
     opts: Options,
+    /// The backends of `hixl.backends`, in the order they are tried.
+    backends: Vec<Arc<dyn Backend>>,
     pid: u32,
     registry: Arc<Registry>,
     notifies: Arc<NotifyStore>,
@@ -232,6 +234,7 @@ impl Engine {
         *st = Some(Arc::new(Running {
             local_engine: local,
             host,
+            backends: opts.backends.iter().filter_map(|n| backend::by_name(n)).collect(),
             opts,
             pid,
             registry,
@@ -362,54 +365,35 @@ impl Engine {
         }
     }
 
-    /// Connects the TCP link, then picks the data backend (see `hixl.transport`).
+    /// Connects the control channel, then asks each backend of `hixl.backends`, in order, for
+    /// a data path to the peer; the first that can serve it wins.
     fn open_link(r: &Running, key: &str, addr: SocketAddr, timeout: Duration) -> Result<Arc<dyn Link>> {
-        let tcp = TcpLink::connect(key, addr, &Self::link_params(r, timeout))?;
-        if r.opts.transport == Transport::Tcp {
-            return Ok(tcp);
-        }
-        match Self::prove_same_host(r, &tcp, timeout) {
-            Ok(proven) => {
-                let link = ShmLink::new(tcp.clone(), proven, r.opts.shm_threads, r.opts.queue_depth);
-                link.map(|l| l as Arc<dyn Link>).inspect_err(|e| tcp.close(e.clone()))
-            }
-            Err(why) if r.opts.transport == Transport::Shm => {
-                let e = Error::new(
-                    Status::Unsupported,
-                    format!("hixl.transport=shm, but {key} cannot be reached directly: {why}"),
-                );
-                tcp.close(e.clone());
-                Err(e)
-            }
-            Err(why) => {
-                tracing::info!(peer = %key, "using tcp for data: {why}");
-                Ok(tcp)
+        let control = TcpLink::connect(key, addr, &Self::link_params(r, timeout))?;
+        let ctx = backend::OpenCtx { opts: &r.opts, host: &r.host, timeout };
+        let mut not_chosen: Vec<String> = Vec::new();
+        for b in &r.backends {
+            match b.open(&ctx, &control) {
+                Ok(link) => {
+                    if not_chosen.is_empty() {
+                        tracing::info!(peer = %key, backend = b.name(), "data path chosen");
+                    } else {
+                        tracing::info!(peer = %key, backend = b.name(), not_chosen = %not_chosen.join("; "), "data path chosen");
+                    }
+                    return Ok(link);
+                }
+                Err(why) => not_chosen.push(format!("{}: {why}", b.name())),
             }
         }
-    }
-
-    /// The same-host proof (see `transport::local`): both processes show, over the peer's Unix
-    /// socket, that they hold the two ends of this very link; then we wait for a region table at
-    /// least as new as the one the peer will make us confirm. Err says why direct copies cannot
-    /// be used.
-    fn prove_same_host(
-        r: &Running,
-        tcp: &TcpLink,
-        timeout: Duration,
-    ) -> std::result::Result<local::Proven, String> {
-        let info = tcp.peer_info();
-        if info.local_socket.is_empty() {
-            return Err("the peer offers no same-host proof".into());
-        }
-        if info.host != r.host {
-            return Err(format!("the peer says it runs on another host ({})", info.host));
-        }
-        let (ours, theirs) = tcp.stream0_ends().map_err(|e| e.message)?;
-        let deadline = Instant::now() + timeout.max(Duration::from_secs(1));
-        let proven = local::prove(&info.local_socket, tcp.stream0_fd(), &ours, &theirs, deadline)?;
-        let left = deadline.saturating_duration_since(Instant::now());
-        tcp.wait_table_version(proven.table_version, left).map_err(|e| e.message)?;
-        Ok(proven)
+        let e = Error::new(
+            Status::Unsupported,
+            format!(
+                "{key} cannot be reached directly or otherwise by hixl.backends={}: {}",
+                r.opts.backends.join(","),
+                not_chosen.join("; ")
+            ),
+        );
+        control.close(e.clone());
+        Err(e)
     }
 
     fn finish_connect(r: &Running, key: &str, res: Result<Arc<dyn Link>>, keep_failure: bool) -> Result<()> {

@@ -10,21 +10,73 @@ use crate::error::{Error, Result};
 /// Environment variable that supplies the cluster secret when `hixl.secret` is not given.
 pub const SECRET_ENV: &str = "HIXL_SECRET";
 
-/// Which backend carries a link's data.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Transport {
-    /// Same host and cross-memory attach permitted: shm; otherwise tcp.
-    Auto,
-    /// Cross-memory attach only; connecting fails with UNSUPPORTED where it cannot work.
-    Shm,
-    /// TCP only.
-    Tcp,
+/// Old option keys that still work, with the key that replaced each: the first use of one
+/// in a process logs a deprecation warning. `hixl.transport`'s values map onto backend lists
+/// (auto: every built backend; shm; tcp).
+pub const ALIASES: &[(&str, &str)] = &[
+    ("hixl.transport", "hixl.backends"),
+    ("hixl.streams", "hixl.tcp.streams"),
+    ("hixl.coalesce_us", "hixl.tcp.coalesce_us"),
+    ("hixl.coalesce_max_ops", "hixl.tcp.coalesce_max_ops"),
+    ("hixl.shm_threads", "hixl.shm.threads"),
+];
+
+/// `hixl.backends` as a list of known backend names, fastest first; `auto` is every backend of
+/// this build in its default order.
+fn backends(key: &str, v: &str) -> Result<Vec<String>> {
+    let built = crate::transport::backend::BUILT;
+    if v.trim().eq_ignore_ascii_case("auto") {
+        return Ok(built.iter().map(|b| b.to_string()).collect());
+    }
+    let names: Vec<String> = v.split(',').map(|s| s.trim().to_ascii_lowercase()).collect();
+    let bad = names.iter().find(|n| !built.contains(&n.as_str()));
+    if names.iter().all(|n| n.is_empty()) || bad.is_some() {
+        return Err(Error::param(format!(
+            "option {key}={v:?} is invalid: expected auto or a comma-separated list of {} (this build's backends)",
+            built.join(", ")
+        )));
+    }
+    let mut out: Vec<String> = Vec::new();
+    for n in names {
+        if !out.contains(&n) {
+            out.push(n);
+        }
+    }
+    Ok(out)
+}
+
+/// Translates a deprecated key (and `hixl.transport`'s value) to its replacement, logging once.
+fn canonical(key: &str, value: &str) -> Result<(String, String)> {
+    let Some((_, new)) = ALIASES.iter().find(|(old, _)| *old == key) else {
+        return Ok((key.to_string(), value.to_string()));
+    };
+    static WARNED: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+    {
+        let mut w = WARNED.lock().unwrap();
+        if !w.contains(new) {
+            w.push(new);
+            tracing::warn!("option {key} is deprecated: use {new} (it keeps working)");
+        }
+    }
+    let value = if key == "hixl.transport" {
+        match value.trim().to_ascii_lowercase().as_str() {
+            v @ ("auto" | "shm" | "tcp") => v.to_string(),
+            _ => {
+                return Err(Error::param(format!(
+                    "option hixl.transport={value:?} is invalid: expected auto, shm or tcp (or use hixl.backends)"
+                )))
+            }
+        }
+    } else {
+        value.to_string()
+    };
+    Ok((new.to_string(), value))
 }
 
 /// Parsed options with their defaults.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Options {
-    /// `hixl.streams`: TCP streams per peer link.
+    /// `hixl.tcp.streams`: TCP streams per peer link.
     pub streams: usize,
     /// `hixl.queue_depth`: request-queue slots per link (a request takes one per stream share).
     pub queue_depth: usize,
@@ -42,15 +94,15 @@ pub struct Options {
     /// `hixl.max_notifies` .. `hixl.max_notify_bytes_total`: pending received notifications
     /// per connection and in total, by count and by bytes.
     pub notify_limits: crate::notify::NotifyLimits,
-    /// `hixl.transport`: auto | shm | tcp.
-    pub transport: Transport,
-    /// `hixl.shm_threads`: copy threads per same-host link.
+    /// `hixl.backends`: the backends that may carry a link's data, in the order they are tried.
+    pub backends: Vec<String>,
+    /// `hixl.shm.threads`: copy threads per same-host link.
     pub shm_threads: usize,
     /// `hixl.strict_alignment`: strided bases and strides must be multiples of 64 bytes.
     pub strict_alignment: bool,
-    /// `hixl.coalesce_us`: a TCP writer waits this long for more small requests (0 = off).
+    /// `hixl.tcp.coalesce_us`: a TCP writer waits this long for more small requests (0 = off).
     pub coalesce: Duration,
-    /// `hixl.coalesce_max_ops`: most requests one coalesced batch takes.
+    /// `hixl.tcp.coalesce_max_ops`: most requests one coalesced batch takes.
     pub coalesce_max_ops: usize,
     /// `hixl.secret` (or `HIXL_SECRET`): peers must prove they know it before anything else.
     pub secret: Option<Secret>,
@@ -81,7 +133,7 @@ impl Default for Options {
                 total: 65536,
                 total_bytes: 256 << 20,
             },
-            transport: Transport::Auto,
+            backends: crate::transport::backend::BUILT.iter().map(|b| b.to_string()).collect(),
             shm_threads: 2,
             strict_alignment: true,
             coalesce: Duration::ZERO,
@@ -97,7 +149,12 @@ impl Default for Options {
 
 /// Every accepted key with its default, for docs and `hixl info`.
 pub const KEYS: &[(&str, &str, &str)] = &[
-    ("hixl.streams", "2", "TCP streams per peer link (1..64)"),
+    (
+        "hixl.backends",
+        "auto",
+        "backends that may carry data, tried in this order: auto (= shm,tcp) or a list of shm (same host), tcp",
+    ),
+    ("hixl.tcp.streams", "2", "TCP streams per peer link (1..64)"),
     ("hixl.queue_depth", "4096", "request-queue slots per link (1..1048576)"),
     ("hixl.split_bytes", "1048576", "requests of at least this many bytes are split across streams"),
     ("hixl.transfer_timeout_ms", "10000", "deadline of an async transfer that gives none"),
@@ -108,11 +165,10 @@ pub const KEYS: &[(&str, &str, &str)] = &[
     ("hixl.max_notify_bytes", "16777216", "pending received notification bytes per connection"),
     ("hixl.max_notifies_total", "65536", "pending received notifications in all"),
     ("hixl.max_notify_bytes_total", "268435456", "pending received notification bytes in all"),
-    ("hixl.transport", "auto", "auto | shm | tcp: backend for data (control is always TCP)"),
-    ("hixl.shm_threads", "2", "copy threads per same-host link (1..64)"),
+    ("hixl.shm.threads", "2", "copy threads per same-host link (1..64)"),
     ("hixl.strict_alignment", "1", "1: strided bases and strides must be multiples of 64 bytes; 0: any"),
-    ("hixl.coalesce_us", "0", "TCP: wait this long for more small requests to send together (0 = off)"),
-    ("hixl.coalesce_max_ops", "64", "TCP: most requests in one coalesced batch (1..4096)"),
+    ("hixl.tcp.coalesce_us", "0", "wait this long for more small requests to send together (0 = off)"),
+    ("hixl.tcp.coalesce_max_ops", "64", "most requests in one coalesced batch (1..4096)"),
     (
         "hixl.secret",
         "",
@@ -150,13 +206,24 @@ impl Options {
     /// Parses a string map on top of the defaults.
     pub fn parse(map: &HashMap<String, String>) -> Result<Options> {
         let mut o = Options::default();
-        let mut keys: Vec<_> = map.keys().collect();
-        keys.sort();
-        for k in keys {
-            let v = map[k].as_str();
+        let mut given: Vec<(String, String, &str)> = Vec::new();
+        for (k, v) in map {
+            let (key, value) = canonical(k, v)?;
+            if let Some((_, _, first)) = given.iter().find(|(g, _, _)| *g == key) {
+                return Err(Error::param(format!(
+                    "options {first:?} and {k:?} set the same thing ({key}): give one of them"
+                )));
+            }
+            given.push((key, value, k.as_str()));
+        }
+        given.sort();
+        for (key, v, k) in &given {
+            // Errors name the key as the caller spelt it (an old alias included).
+            let (key, v, k) = (key.as_str(), v.as_str(), *k);
             let ms = |min| int(k, v, min, 86_400_000).map(Duration::from_millis);
-            match k.as_str() {
-                "hixl.streams" => o.streams = int(k, v, 1, 64)? as usize,
+            match key {
+                "hixl.backends" => o.backends = backends(k, v)?,
+                "hixl.tcp.streams" => o.streams = int(k, v, 1, 64)? as usize,
                 "hixl.queue_depth" => o.queue_depth = int(k, v, 1, 1 << 20)? as usize,
                 "hixl.split_bytes" => o.split_bytes = int(k, v, 1, u64::MAX)?,
                 "hixl.transfer_timeout_ms" => o.transfer_timeout = ms(1)?,
@@ -172,26 +239,15 @@ impl Options {
                 "hixl.data_mac" => o.data_mac = int(k, v, 0, 1)? == 1,
                 "hixl.max_pending_handshakes" => o.max_pending_handshakes = int(k, v, 1, 1 << 20)? as usize,
                 "hixl.max_pending_per_source" => o.max_pending_per_source = int(k, v, 1, 1 << 20)? as usize,
-                "hixl.shm_threads" => o.shm_threads = int(k, v, 1, 64)? as usize,
+                "hixl.shm.threads" => o.shm_threads = int(k, v, 1, 64)? as usize,
                 "hixl.strict_alignment" => o.strict_alignment = int(k, v, 0, 1)? == 1,
-                "hixl.coalesce_us" => o.coalesce = Duration::from_micros(int(k, v, 0, 1_000_000)?),
-                "hixl.coalesce_max_ops" => o.coalesce_max_ops = int(k, v, 1, 4096)? as usize,
+                "hixl.tcp.coalesce_us" => o.coalesce = Duration::from_micros(int(k, v, 0, 1_000_000)?),
+                "hixl.tcp.coalesce_max_ops" => o.coalesce_max_ops = int(k, v, 1, 4096)? as usize,
                 "hixl.secret" => o.secret = Some(Secret::new(v)?),
                 "hixl.heartbeat_ms" => o.heartbeat = Duration::from_millis(int(k, v, 0, 600_000)?),
-                "hixl.transport" => {
-                    o.transport = match v.trim().to_ascii_lowercase().as_str() {
-                        "auto" => Transport::Auto,
-                        "shm" => Transport::Shm,
-                        "tcp" => Transport::Tcp,
-                        _ => {
-                            return Err(Error::param(format!(
-                                "option hixl.transport={v:?} is invalid: expected auto, shm or tcp"
-                            )))
-                        }
-                    }
-                }
                 _ => {
-                    let known: Vec<_> = KEYS.iter().map(|k| k.0).collect();
+                    let mut known: Vec<_> = KEYS.iter().map(|k| k.0).collect();
+                    known.extend(ALIASES.iter().map(|a| a.0));
                     // The value is not echoed: a misspelt secret key must not leak the secret.
                     return Err(Error::param(format!(
                         "unknown option key {k:?}; known keys: {}",
@@ -221,6 +277,19 @@ impl Options {
 mod tests {
     use super::*;
 
+    #[test]
+    fn old_keys_keep_working_as_aliases() {
+        let o = Options::parse(&map(&[("hixl.streams", "3"), ("hixl.shm_threads", "5")])).unwrap();
+        assert_eq!((o.streams, o.shm_threads), (3, 5));
+        for (v, want) in [("auto", vec!["shm", "tcp"]), ("shm", vec!["shm"]), ("TCP", vec!["tcp"])] {
+            assert_eq!(Options::parse(&map(&[("hixl.transport", v)])).unwrap().backends, want);
+        }
+        let e = Options::parse(&map(&[("hixl.transport", "fast")])).unwrap_err();
+        assert!(e.message.contains("\"fast\""), "{e}");
+        let e = Options::parse(&map(&[("hixl.streams", "3"), ("hixl.tcp.streams", "4")])).unwrap_err();
+        assert!(e.message.contains("give one of them"), "{e}");
+    }
+
     fn map(kv: &[(&str, &str)]) -> HashMap<String, String> {
         kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
     }
@@ -228,8 +297,10 @@ mod tests {
     #[test]
     fn defaults_and_overrides() {
         assert_eq!(Options::parse(&map(&[])).unwrap(), Options::default());
-        let o = Options::parse(&map(&[("hixl.streams", "4"), ("hixl.transfer_timeout_ms", "250")])).unwrap();
+        let o =
+            Options::parse(&map(&[("hixl.tcp.streams", "4"), ("hixl.transfer_timeout_ms", "250")])).unwrap();
         assert_eq!(o.streams, 4);
+        assert_eq!(o.backends, ["shm", "tcp"], "fastest first by default");
         assert_eq!(o.transfer_timeout, Duration::from_millis(250));
     }
 
@@ -237,8 +308,10 @@ mod tests {
     fn bad_keys_and_values_name_themselves() {
         let e = Options::parse(&map(&[("hixl.stream", "4")])).unwrap_err();
         assert!(e.message.contains("\"hixl.stream\"") && !e.message.contains("\"4\""), "{e}");
-        let e = Options::parse(&map(&[("hixl.streams", "0")])).unwrap_err();
-        assert!(e.message.contains("hixl.streams=\"0\""), "{e}");
+        let e = Options::parse(&map(&[("hixl.tcp.streams", "0")])).unwrap_err();
+        assert!(e.message.contains("hixl.tcp.streams=\"0\""), "{e}");
+        let e = Options::parse(&map(&[("hixl.backends", "tcp,rdma")])).unwrap_err();
+        assert!(e.message.contains("\"tcp,rdma\"") && e.message.contains("shm, tcp"), "{e}");
         let e = Options::parse(&map(&[("hixl.queue_depth", "lots")])).unwrap_err();
         assert!(e.message.contains("lots"), "{e}");
     }

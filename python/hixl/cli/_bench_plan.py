@@ -86,7 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "remote stride 2 x block)",
     )
     g = p.add_argument_group("how")
-    g.add_argument("--streams", type=_positive, default=None, help="hixl.streams (TCP connections)")
+    g.add_argument(
+        "--streams", type=_positive, default=None, help="hixl.tcp.streams (TCP connections)"
+    )
     g.add_argument(
         "--threads",
         type=_positive,
@@ -122,7 +124,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="any engine option for both sides, e.g. hixl.shm_threads=4 (repeatable)",
+        help="any engine option for both sides, e.g. hixl.shm.threads=4 (repeatable)",
     )
     g.add_argument(
         "--check",
@@ -209,7 +211,7 @@ def options_of(args: argparse.Namespace, p: argparse.ArgumentParser) -> dict[str
             p.error(f"argument --option: {kv!r} is not KEY=VALUE")
         out[key.strip()] = value.strip()
     if args.streams:
-        out["hixl.streams"] = str(args.streams)
+        out["hixl.tcp.streams"] = str(args.streams)
     return out
 
 

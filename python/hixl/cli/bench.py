@@ -182,7 +182,7 @@ class Sweep:
     def connect(self, transport: str) -> tuple[Hixl, str]:
         e = Hixl()
         local_ip = _local_ip_towards(self.remote)
-        e.initialize(local_ip, {**self.plan.options, "hixl.transport": transport})
+        e.initialize(local_ip, {**self.plan.options, "hixl.backends": transport})
         e.register(self.local)
         e.connect(self.remote, timeout_ms=self.plan.timeout_ms)
         mems = e.remote_mems(self.remote)
@@ -407,7 +407,7 @@ class Sweep:
                 out["cma_note"] = str(exc)
         host = self.remote.rpartition(":")[0]
         # Like hixl, use every stream only for requests it splits (hixl.split_bytes).
-        streams = int(self.plan.options.get("hixl.streams", "2"))
+        streams = int(self.plan.options.get("hixl.tcp.streams", "2"))
         if req < int(self.plan.options.get("hixl.split_bytes", str(1 << 20))):
             streams = 1
         out["socket_gbps"] = rate(_raw_tcp_send(f"{host}:{target.sink_port}", req, iters, streams))

@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--transport",
         choices=["auto", "shm", "tcp"],
         default="auto",
-        help="hixl.transport of the push (default auto)",
+        help="hixl.backends of the push (default auto)",
     )
     p.add_argument("--layers", type=_int_in(1, 64), default=6, help="model layers (default 6)")
     p.add_argument("--heads", type=_int_in(1, 64), default=8, help="attention heads (default 8)")
@@ -85,7 +85,7 @@ def _worker(a: argparse.Namespace) -> int:
 
     model = _model(a)
     prompt = model.prompt(a.prompt_len, a.seed)
-    opts = {"hixl.transport": a.transport}
+    opts = {"hixl.backends": a.transport}
     cfg = hixl.TransferConfig(max_concurrent=4, timeout_ms=a.timeout_ms)
     cache_arr = model.layout(a.prompt_len - 1).array()
     out: dict[str, Any] = {}

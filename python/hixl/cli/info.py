@@ -2,7 +2,7 @@
 not), the host identity same-host peers compare, and every engine option with its default.
 
 The same-host check is real: it starts a second process with an engine and connects to it
-with hixl.transport=shm, so the answer holds for peers started the same way.
+with hixl.backends=shm, so the answer holds for peers started the same way.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _probe(transport: str) -> tuple[bool, str]:
         if not addr:
             return False, "the probe peer process did not start"
         with Hixl() as e:
-            e.initialize("127.0.0.1", {"hixl.transport": transport})
+            e.initialize("127.0.0.1", {"hixl.backends": transport})
             try:
                 e.connect(addr, timeout_ms=5000)
             except HixlError as exc:

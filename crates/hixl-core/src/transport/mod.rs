@@ -1,6 +1,8 @@
 //! Backends: how bytes move to a peer. The control channel (handshake, notifications) is TCP
-//! in every case; `tcp` is also the data path between hosts.
+//! in every case; `backend` chooses the data path over it (`tcp` itself between hosts, `shm`
+//! on one host).
 
+pub mod backend;
 pub mod handshake;
 pub mod io;
 pub mod liveness;
