@@ -229,6 +229,29 @@ def test_same_host_imposter(procs: Callable[..., Proc], tmp_path: Path) -> None:
     assert isinstance(outcome["shm"], hixl.Unsupported), outcome
 
 
+def test_claimed_same_process_is_refused(procs: Callable[..., Proc]) -> None:
+    """The `self` backend (two engines of one process, memcpy) must be proven, not claimed: an
+    imposter in another process whose Welcome names the same-host socket of an engine V of
+    the initiator's own process, with a table over V's memory, gets TCP; V is untouched."""
+    with hixl.Hixl() as v:
+        v.initialize("127.0.0.1:0")
+        victim = np.full(3 * 4096, 0x5A, np.uint8)
+        v.register(victim[4096 : 2 * 4096], access="r")
+        lo, hi = victim.ctypes.data, victim.ctypes.data + victim.size
+        m = Hostile(procs, "imposter", v.local_engine, lo, hi)
+        junk = np.full(4096, 0xEE, np.uint8)
+        with hixl.Hixl() as a:
+            a.initialize("127.0.0.1", opts({"hixl.backends": "auto", "hixl.heartbeat_ms": "0"}))
+            a.register(junk)
+            a.connect(m.engine, timeout_ms=5000)
+            backend = a.stats()[m.engine]["backend"]
+            for addr in (lo, lo + 4096, lo + 2 * 4096):
+                with contextlib.suppress(hixl.HixlError):
+                    a.put(m.engine, junk.ctypes.data, addr, 4096, timeout_ms=3000)
+        assert backend == "tcp", backend
+        assert (victim == 0x5A).all(), "the imposter made the initiator write into its own process"
+
+
 # --- finding 2 -----------------------------------------------------------------------------
 
 

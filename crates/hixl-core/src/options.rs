@@ -152,7 +152,7 @@ pub const KEYS: &[(&str, &str, &str)] = &[
     (
         "hixl.backends",
         "auto",
-        "backends that may carry data, tried in this order: auto (= shm,tcp) or a list of shm (same host), tcp",
+        "backends that may carry data, tried in this order: auto (= self,shm,tcp) or a list of self (same process), shm (same host), tcp",
     ),
     ("hixl.tcp.streams", "2", "TCP streams per peer link (1..64)"),
     ("hixl.queue_depth", "4096", "request-queue slots per link (1..1048576)"),
@@ -281,7 +281,7 @@ mod tests {
     fn old_keys_keep_working_as_aliases() {
         let o = Options::parse(&map(&[("hixl.streams", "3"), ("hixl.shm_threads", "5")])).unwrap();
         assert_eq!((o.streams, o.shm_threads), (3, 5));
-        for (v, want) in [("auto", vec!["shm", "tcp"]), ("shm", vec!["shm"]), ("TCP", vec!["tcp"])] {
+        for (v, want) in [("auto", vec!["self", "shm", "tcp"]), ("shm", vec!["shm"]), ("TCP", vec!["tcp"])] {
             assert_eq!(Options::parse(&map(&[("hixl.transport", v)])).unwrap().backends, want);
         }
         let e = Options::parse(&map(&[("hixl.transport", "fast")])).unwrap_err();
@@ -300,7 +300,7 @@ mod tests {
         let o =
             Options::parse(&map(&[("hixl.tcp.streams", "4"), ("hixl.transfer_timeout_ms", "250")])).unwrap();
         assert_eq!(o.streams, 4);
-        assert_eq!(o.backends, ["shm", "tcp"], "fastest first by default");
+        assert_eq!(o.backends, ["self", "shm", "tcp"], "fastest first by default");
         assert_eq!(o.transfer_timeout, Duration::from_millis(250));
     }
 

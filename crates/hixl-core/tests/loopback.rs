@@ -282,7 +282,8 @@ fn peer_finalize_fails_pending_requests() {
 
 #[test]
 fn forced_shm_moves_bytes_and_names_the_backend() {
-    for transport in ["shm", "auto"] {
+    // Two engines of one process: auto picks the `self` backend (memcpy) over shm.
+    for (transport, backend) in [("shm", "shm"), ("auto", "self")] {
         let size = 8 << 20;
         let mut p = pair(size, &[("hixl.transport", transport)]);
         fill(&mut p.abuf, 77);
@@ -311,7 +312,7 @@ fn forced_shm_moves_bytes_and_names_the_backend() {
         p.a.get(&p.peer, la, rb, size as u64, T).unwrap();
         assert!(p.abuf == want);
         let st = p.a.stats().unwrap();
-        assert_eq!(st[0].backend, "shm", "{transport}");
+        assert_eq!(st[0].backend, backend, "{transport}");
         assert_eq!(st[0].bytes_read, size as u64);
         // Notify after data over the control link.
         let req =
@@ -326,6 +327,29 @@ fn forced_shm_moves_bytes_and_names_the_backend() {
         assert_eq!(req.wait(Some(T)), TransferStatus::Completed);
         assert_eq!(p.b.get_notifies().unwrap().len(), 1);
     }
+}
+
+#[test]
+fn self_backend_checks_the_target_registry_itself() {
+    // The `self` path copies without a frame, so the target's own registry must refuse what its
+    // server would: ranges outside regions, writes into read-only regions, removed regions.
+    let mut p = pair(1 << 16, &[("hixl.transport", "auto")]);
+    assert_eq!(p.a.stats().unwrap()[0].backend, "self");
+    let la = p.abuf.as_ptr() as u64;
+    let mut ro = vec![7u8; 4096];
+    let h = p.b.register_mem_access(
+        MemDesc { addr: ro.as_mut_ptr() as u64, len: 4096 },
+        MemType::Host,
+        hixl_core::Access::ReadOnly,
+    );
+    let h = h.unwrap();
+    let e = p.a.put(&p.peer, la, h.addr, 64, T).unwrap_err();
+    assert_eq!(e.status, Status::ParamInvalid, "{e}");
+    assert!(ro.iter().all(|&b| b == 7), "a read-only region was written");
+    p.b.deregister_mem(&h).unwrap();
+    let e = p.a.get(&p.peer, la, h.addr, 64, T).unwrap_err();
+    assert_eq!(e.status, Status::ParamInvalid, "{e}");
+    let _ = &mut p.bbuf;
 }
 
 #[test]

@@ -7,6 +7,7 @@ pub mod handshake;
 pub mod io;
 pub mod liveness;
 pub mod local;
+pub mod selfcopy;
 pub mod serve;
 pub mod server;
 pub mod shm;

@@ -230,6 +230,7 @@ impl Server {
         let local = LocalListener::start(Box::new(move |initiator: &str, target: &str| {
             weak.upgrade()?.confirm_local(initiator, target)
         }))?;
+        crate::transport::selfcopy::announce(local.name(), &srv);
         *srv.local.lock().unwrap() = Some(local);
         for (name, role) in [("hixl-accept", 0), ("hixl-publish", 1)] {
             let s = srv.clone();
@@ -261,6 +262,17 @@ impl Server {
         s.acks_updates.store(true, Ordering::SeqCst);
         // Read after the flag: any publish from here on waits for this stream.
         Some((self.version.load(Ordering::SeqCst), s.sock.as_raw_fd()))
+    }
+
+    /// Whether one of this engine's served link heads has exactly these ends (seen from the
+    /// initiator: `initiator` its end, `target` ours). Used in-process by the `self` backend.
+    pub(crate) fn holds_stream(&self, initiator: &str, target: &str) -> bool {
+        self.served.lock().unwrap().values().any(|s| {
+            s.peer_addr == initiator
+                && s.local_addr == target
+                && s.link_head.load(Ordering::Acquire)
+                && !s.ended.load(Ordering::Acquire)
+        })
     }
 
     /// Whether handshakes from `ip` are slowed down for failing authentication.
@@ -493,6 +505,7 @@ impl Server {
             let _ = h.join();
         }
         if let Some(l) = self.local.lock().unwrap().take() {
+            crate::transport::selfcopy::withdraw(l.name());
             l.stop();
         }
         for s in self.served.lock().unwrap().values() {

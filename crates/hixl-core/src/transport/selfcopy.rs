@@ -1,0 +1,185 @@
+//! The `self` backend: two engines in one process. Data moves by plain memcpy on the calling
+//! thread (no system call, no socket on the data path); control stays on the link's TCP
+//! channel like every backend's.
+//!
+//! Being in the same process is proven, never claimed: the peer's Welcome names its same-host
+//! socket, and only an engine of this very process is found under that name in the
+//! process-local table of listening engines; that engine must hold the other end of this
+//! link's stream 0 (an in-process look at its served streams). Every remote range is checked
+//! against the target engine's own registry, and its region pinned, exactly as its server
+//! would for a TCP frame: the copy can never touch memory the target did not register, nor a
+//! region being deregistered.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLockReadGuard, Weak};
+use std::time::Duration;
+
+use crate::complete::{Completer, Next};
+use crate::error::{Error, Result};
+use crate::queue::{Part, PartBody, SegPair, TransferOp};
+use crate::registry::{Abort, Pin, RemoteTable};
+use crate::stats::PeerStats;
+use crate::transport::server::Server;
+use crate::transport::tcp::TcpLink;
+use crate::transport::{Link, PeerInfo};
+
+/// Listening engines of this process, by the name of their same-host socket.
+static LISTENING: Mutex<Option<HashMap<String, Weak<Server>>>> = Mutex::new(None);
+
+/// Makes a listening engine findable by engines of this process (see [`find`]).
+pub(crate) fn announce(name: &str, server: &Arc<Server>) {
+    LISTENING
+        .lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .insert(name.to_string(), Arc::downgrade(server));
+}
+
+/// Forgets a listening engine (it stops).
+pub(crate) fn withdraw(name: &str) {
+    if let Some(m) = LISTENING.lock().unwrap().as_mut() {
+        m.remove(name);
+    }
+}
+
+/// The engine of this process listening under `name` that holds the other end of a stream
+/// whose ends are `ours` and `theirs`; Err says why not.
+pub(crate) fn find(name: &str, ours: &str, theirs: &str) -> std::result::Result<Arc<Server>, String> {
+    let server = LISTENING
+        .lock()
+        .unwrap()
+        .as_ref()
+        .and_then(|m| m.get(name))
+        .and_then(Weak::upgrade)
+        .ok_or("the peer is not an engine of this process")?;
+    if !server.holds_stream(ours, theirs) {
+        return Err("an engine of this process has that name but not this stream".into());
+    }
+    Ok(server)
+}
+
+/// A link to an engine of this same process.
+pub struct SelfLink {
+    tcp: Arc<TcpLink>,
+    target: Arc<Server>,
+    done: Completer,
+    closed: AtomicBool,
+    /// Stand-in holder for pins (the copy runs on the caller's thread, so nothing to abort).
+    holder: Arc<dyn Abort>,
+}
+
+struct NoAbort;
+impl Abort for NoAbort {
+    fn abort(&self, _why: &str) {}
+}
+
+impl SelfLink {
+    /// Wraps a connected TCP link whose peer is `target`, an engine of this process.
+    pub(crate) fn new(tcp: Arc<TcpLink>, target: Arc<Server>) -> Arc<SelfLink> {
+        tcp.set_label("self");
+        let done = Completer::new("self", &tcp.peer_info().engine_id, tcp.stats());
+        Arc::new(SelfLink { tcp, target, done, closed: AtomicBool::new(false), holder: Arc::new(NoAbort) })
+    }
+
+    /// Checks and pins the remote range in the target's own registry.
+    fn pin_remote(&self, addr: u64, len: u64, write: bool) -> Result<Pin> {
+        let region = self.target.ctx.registry.lookup_for(addr, len, "remote", write)?;
+        region.pin(self.holder.clone())
+    }
+
+    fn copy(&self, op: TransferOp, segs: &[SegPair]) -> Result<()> {
+        let write = op == TransferOp::Write;
+        let mut pins: Vec<Pin> = Vec::new();
+        for s in segs {
+            if !pins.iter().any(|p| p.region().contains(s.remote, s.len)) {
+                pins.push(self.pin_remote(s.remote, s.len, write)?);
+            }
+        }
+        for s in segs {
+            let (from, to) = if write { (s.local, s.remote) } else { (s.remote, s.local) };
+            // SAFETY: the local range lies in a region pinned by the request; the remote range
+            // was checked against the target engine's registry and its region is pinned in
+            // `pins` until the copy ends. `copy` (memmove) tolerates overlap.
+            unsafe { std::ptr::copy(from as *const u8, to as *mut u8, s.len as usize) };
+        }
+        Ok(())
+    }
+
+    fn execute(&self, part: &Part) -> Result<()> {
+        if !self.is_alive() {
+            return Err(Error::not_connected("the link is closed"));
+        }
+        match &part.body {
+            PartBody::Data(segs) => self.copy(part.req.op, segs),
+            PartBody::Strided(st) => st.for_each_chunk(1024, |c| self.copy(part.req.op, c)),
+            PartBody::Notify(_) => Err(Error::failed("a notification reached the copy path")),
+        }
+    }
+
+    fn finish_part(&self, part: Part, res: Result<()>) {
+        if let Next::Notify(n) = self.done.finish(part, res) {
+            let req = n.req.clone();
+            if let Err(e) = self.tcp.submit(vec![n], 0) {
+                self.done.abandon(&req, e);
+            }
+        }
+    }
+}
+
+impl Link for SelfLink {
+    fn backend(&self) -> &'static str {
+        "self"
+    }
+
+    fn peer_info(&self) -> PeerInfo {
+        self.tcp.peer_info()
+    }
+
+    fn table(&self) -> RwLockReadGuard<'_, RemoteTable> {
+        self.tcp.table()
+    }
+
+    fn refresh_table(&self, timeout: Duration) -> Result<()> {
+        self.tcp.refresh_table(timeout)
+    }
+
+    fn parallelism(&self) -> usize {
+        1
+    }
+
+    /// Copies at once, on the calling thread: the request is settled when this returns.
+    fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()> {
+        if parts.iter().all(|p| matches!(p.body, PartBody::Notify(_))) {
+            return self.tcp.submit(parts, extra_slots);
+        }
+        for part in parts {
+            let res = self.execute(&part);
+            self.finish_part(part, res);
+        }
+        Ok(())
+    }
+
+    fn is_alive(&self) -> bool {
+        !self.closed.load(Ordering::Acquire) && self.tcp.is_alive()
+    }
+
+    fn dead_reason(&self) -> Option<String> {
+        self.tcp.dead_reason()
+    }
+
+    fn close(&self, why: Error) {
+        self.closed.store(true, Ordering::Release);
+        self.tcp.close(why);
+    }
+
+    fn stats(&self) -> Arc<PeerStats> {
+        self.tcp.stats()
+    }
+}
+
+impl Abort for SelfLink {
+    fn abort(&self, why: &str) {
+        self.close(Error::failed(why.to_string()));
+    }
+}
