@@ -1,13 +1,21 @@
 """A KV-cache rank in its own process, configured only by the environment (HIXL_CLUSTER_ID,
 HIXL_ROLE, HIXL_LISTEN, HIXL_PEERS) and driven by JSON lines on stdin.
 
-It calls a bare ``hixl.init()`` and prints "READY <address>". Each command line is a JSON
+It calls a bare ``hixl.init()`` and prints "READY <address>" (with HIXL_KV_DEFER_INIT=1 it
+prints "READY -" and waits for an "init" command instead). Each command line is a JSON
 object with "cmd"; each answer is one JSON line ({"ok": true, ...} or {"ok": false,
 "error": ..., "status_code": ...}):
+  init    at, cluster_id, role, listen, peers: waits until time.monotonic() >= at (so that
+          several workers call it at the same instant), then hixl.init(...); answers the
+          ranks linked and link_ms, the time init took
+  finalize: hixl.finalize() (and forgets the caches); init may follow
+  linked: the ranks this rank is linked to
   alloc   name, shape, dtype, seed|null, layer_axis, block_axis: allocate (random or zeros)
   bytes   name: the cache's bytes as hex
+  digest  name: the sha256 of the cache's bytes
   link    ranks: hixl.link(ranks)
-  pull    rank, name: pull_cache into the local cache of that name
+  pull    rank, name, remote_name|null: pull_cache into the local cache of that name
+  push    ranks, name, remote_name|null: push_cache of the local cache to every rank
   receive rank, name: start receive_cache_async; answers at once
   received: wait for the receive task; answers the monotonic arrival time of every layer
   exit
@@ -15,25 +23,47 @@ object with "cmd"; each answer is one JSON line ({"ok": true, ...} or {"ok": fal
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import sys
 import time
 
 import numpy as np
 
 import hixl
+from hixl.datadist._context import context
 
 
 def main() -> None:
-    me = hixl.init()
-    print(f"READY {me.address}", flush=True)
+    if os.environ.get("HIXL_KV_DEFER_INIT") == "1":
+        print("READY -", flush=True)
+    else:
+        print(f"READY {hixl.init().address}", flush=True)
     caches: dict[str, hixl.Cache] = {}
     receiving: tuple[hixl.TransferTask, hixl.LayerSynchronizer] | None = None
     for line in sys.stdin:
         c = json.loads(line)
         out: dict = {"ok": True}
         try:
-            if c["cmd"] == "alloc":
+            if c["cmd"] == "init":
+                while time.monotonic() < c["at"]:
+                    time.sleep(0.0002)
+                t0 = time.monotonic()
+                hixl.init(
+                    cluster_id=c["cluster_id"],
+                    role=c["role"],
+                    listen=c["listen"],
+                    peers={int(r): a for r, a in c["peers"].items()},
+                )
+                out["link_ms"] = (time.monotonic() - t0) * 1000
+                out["linked"] = sorted(context().peers)
+            elif c["cmd"] == "finalize":
+                hixl.finalize()
+                caches.clear()
+            elif c["cmd"] == "linked":
+                out["linked"] = sorted(context().peers)
+            elif c["cmd"] == "alloc":
                 shape, dt = tuple(c["shape"]), np.dtype(c["dtype"])
                 if c.get("seed") is None:
                     arr = np.zeros(shape, dt)
@@ -49,10 +79,15 @@ def main() -> None:
                 )
             elif c["cmd"] == "bytes":
                 out["hex"] = caches[c["name"]].array.tobytes().hex()
+            elif c["cmd"] == "digest":
+                out["sha256"] = hashlib.sha256(caches[c["name"]].array.tobytes()).hexdigest()
             elif c["cmd"] == "link":
                 hixl.link(c["ranks"])
             elif c["cmd"] == "pull":
-                hixl.pull_cache(c["rank"], caches[c["name"]])
+                hixl.pull_cache(c["rank"], caches[c["name"]], remote_name=c.get("remote_name"))
+            elif c["cmd"] == "push":
+                cfg = hixl.TransferConfig(max_concurrent=8)
+                hixl.push_cache(c["ranks"], caches[c["name"]], cfg, c.get("remote_name"))
             elif c["cmd"] == "receive":
                 cache = caches[c["name"]]
                 syncer = hixl.LayerSynchronizer(cache.num_layers)

@@ -3,10 +3,13 @@ byte for byte against what the source rank was filled with."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +20,17 @@ import numpy as np
 import pytest
 
 import hixl
-from hixl.datadist._directory import DIR_BYTES, HEADER, MAGIC
+from hixl.datadist._context import context
+from hixl.datadist._directory import (
+    DIR_BYTES,
+    HEADER,
+    MAGIC,
+    W_LEN,
+    W_RANK,
+    W_SELF,
+    W_SEQ,
+    Directory,
+)
 
 WORKER = str(Path(__file__).with_name("_kv_worker.py"))
 SHAPE = (8, 2, 16, 4, 2, 64)  # layers, K/V, blocks, block_tokens, kv_heads, head_dim
@@ -42,6 +55,7 @@ class Rank:
         role: str,
         peers: dict[int, str] | None = None,
         options: dict[str, str] | None = None,
+        defer: bool = False,
     ) -> None:
         env = {
             **os.environ,
@@ -49,6 +63,7 @@ class Rank:
             "HIXL_ROLE": role,
             "HIXL_LISTEN": "127.0.0.1:0",
             "HIXL_PEERS": ",".join(f"{r}={a}" for r, a in (peers or {}).items()),
+            "HIXL_KV_DEFER_INIT": "1" if defer else "0",
         }
         self.proc = subprocess.Popen(
             [sys.executable, WORKER],
@@ -60,13 +75,20 @@ class Rank:
         assert self.proc.stdout is not None
         tag, self.address = self.proc.stdout.readline().split()
         assert tag == "READY"
-        self.rank = cluster_id
+        self.rank, self.role = cluster_id, role
 
-    def call(self, cmd: str, **kw: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+    def send(self, cmd: str, **kw: Any) -> None:
+        assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
         self.proc.stdin.flush()
+
+    def answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
         return dict(json.loads(self.proc.stdout.readline()))
+
+    def call(self, cmd: str, **kw: Any) -> dict[str, Any]:
+        self.send(cmd, **kw)
+        return self.answer()
 
     def ok(self, cmd: str, **kw: Any) -> dict[str, Any]:
         out = self.call(cmd, **kw)
@@ -90,8 +112,10 @@ class Rank:
 def ranks() -> Iterator:
     made: list[Rank] = []
 
-    def make(cluster_id: int, role: str, peers: dict[int, str] | None = None) -> Rank:
-        r = Rank(cluster_id, role, peers)
+    def make(
+        cluster_id: int, role: str, peers: dict[int, str] | None = None, defer: bool = False
+    ) -> Rank:
+        r = Rank(cluster_id, role, peers, defer=defer)
         made.append(r)
         return r
 
@@ -313,16 +337,117 @@ def test_bad_arguments(kv) -> None:
         hixl.allocate_cache(np.zeros((8, 8), np.uint8)[:, ::2])
 
 
-def test_ranks_link_both_ways(ranks) -> None:
+def test_ranks_link_both_ways_push_then_pull(ranks) -> None:
     # Each rank reads the other's directory into its scratch buffer; neither may then take
     # the other's scratch (holding a copy of its own directory) for the other's directory.
     a, b = ranks(0, "prompt"), ranks(1, "decoder")
     a.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=3)
+    b.ok("alloc", name="in", shape=[4, 512], dtype="uint8", seed=None)
     b.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=None)
     a.ok("link", ranks=[{"cluster_id": 1, "address": b.address}])
     b.ok("link", ranks=[{"cluster_id": 0, "address": a.address}])
-    b.ok("pull", rank=0, name="kv")
-    assert b.array("kv", (4, 512), np.uint8).tobytes() == filled((4, 512), 3, np.uint8).tobytes()
+    assert a.ok("linked")["linked"] == [1] and b.ok("linked")["linked"] == [0]
+    want = filled((4, 512), 3, np.uint8).tobytes()
+    a.ok("push", ranks=[1], name="kv", remote_name="in")  # prefill pushes to decode ...
+    b.ok("pull", rank=0, name="kv")  # ... then decode pulls from prefill
+    assert b.array("in", (4, 512), np.uint8).tobytes() == want
+    assert b.array("kv", (4, 512), np.uint8).tobytes() == want
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct TCP ports on 127.0.0.1 that nothing listened on a moment ago."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sk in socks:
+            sk.bind(("127.0.0.1", 0))
+        return [int(sk.getsockname()[1]) for sk in socks]
+    finally:
+        for sk in socks:
+            sk.close()
+
+
+DEPLOY_SHAPE = (4, 2, 4, 4, 2, 64)  # 32 KiB of float16: rounds stay cheap
+
+
+def deploy_round(workers: list[Rank], rnd: int) -> None:
+    """One deployment-style start: every worker calls hixl.init(cluster_id, role, listen,
+    peers={every rank of the other role}) at the same instant; then each prompt rank pushes
+    its cache to every decoder, each decoder pulls every prompt's cache, and every byte is
+    checked; then all finalize."""
+    prompts = [wk for wk in workers if wk.role == "prompt"]
+    decoders = [wk for wk in workers if wk.role == "decoder"]
+    addr = {
+        wk.rank: f"127.0.0.1:{p}" for wk, p in zip(workers, free_ports(len(workers)), strict=True)
+    }
+    at = time.monotonic() + 0.15
+    for wk in workers:
+        others = decoders if wk.role == "prompt" else prompts
+        peers = {o.rank: addr[o.rank] for o in others}
+        wk.send("init", at=at, cluster_id=wk.rank, role=wk.role, listen=addr[wk.rank], peers=peers)
+    got = {wk.rank: wk.answer() for wk in workers}
+    assert all(g["ok"] for g in got.values()), f"round {rnd}: {got}"
+    for wk in workers:
+        others = decoders if wk.role == "prompt" else prompts
+        assert got[wk.rank]["linked"] == sorted(o.rank for o in others), (rnd, got)
+    want = {}
+    for p in prompts:
+        seed = 1000 * rnd + p.rank
+        p.ok("alloc", name="kv", shape=DEPLOY_SHAPE, dtype="float16", seed=seed)
+        want[p.rank] = hashlib.sha256(filled(DEPLOY_SHAPE, seed).tobytes()).hexdigest()
+    for d in decoders:
+        for p in prompts:
+            for kind in ("push", "pull"):
+                d.ok("alloc", name=f"{kind}{p.rank}", shape=DEPLOY_SHAPE, dtype="float16")
+    for p in prompts:  # every prompt pushes to every decoder, all at once
+        p.send("push", ranks=[d.rank for d in decoders], name="kv", remote_name=f"push{p.rank}")
+    assert all(a["ok"] for a in [p.answer() for p in prompts]), rnd
+    for d in decoders:  # then every decoder pulls from every prompt, all at once
+        for p in prompts:
+            d.send("pull", rank=p.rank, name=f"pull{p.rank}", remote_name="kv")
+    for d in decoders:
+        for _ in prompts:
+            assert (a := d.answer())["ok"], (rnd, d.rank, a)
+    for d in decoders:
+        for p in prompts:
+            for kind in ("push", "pull"):
+                digest = d.ok("digest", name=f"{kind}{p.rank}")["sha256"]
+                assert digest == want[p.rank], f"round {rnd}: {kind} {p.rank} -> {d.rank}"
+    for wk in workers:
+        wk.send("finalize")
+    assert all(wk.answer()["ok"] for wk in workers)
+
+
+@pytest.mark.parametrize("n_prompt,n_decoder", [(1, 4), (2, 3)])
+def test_ranks_started_together_link_and_move_bytes(ranks, n_prompt, n_decoder) -> None:
+    """Deployment style: all ranks start at the same instant, each listing every rank of the
+    other role in peers=, so every pair links both ways at once; 20 rounds, each a fresh
+    start on fresh ports, every link up and every pushed and pulled byte right."""
+    roles = ["prompt"] * n_prompt + ["decoder"] * n_decoder
+    workers = [ranks(r, role, defer=True) for r, role in enumerate(roles)]
+    for rnd in range(20):
+        deploy_round(workers, rnd)
+
+
+def test_one_prompt_links_eight_decoders_at_once(ranks, kv, free_port) -> None:
+    """hixl.init(peers=8 decoders) links all 8 (in parallel: benches/kv_link.py measures how
+    long it takes); a push then reaches every one of them."""
+    decoders = [ranks(r, "decoder") for r in range(1, 9)]
+    for d in decoders:
+        d.ok("alloc", name="kv", shape=[2, 1024], dtype="uint8", seed=None)
+    kv(cluster_id=0, role="prompt", peers={d.rank: d.address for d in decoders})
+    assert sorted(context().peers) == list(range(1, 9))
+    src = hixl.allocate_cache(filled((2, 1024), 8, np.uint8).copy(), name="kv")
+    hixl.push_cache(list(range(1, 9)), src, hixl.TransferConfig(max_concurrent=8))
+    for d in decoders:
+        assert d.array("kv", (2, 1024), np.uint8).tobytes() == src.array.tobytes()
+    # Links that fail are reported (the first in the order given) once every link was tried;
+    # the others are up.
+    hixl.unlink([1, 2])
+    dead = f"127.0.0.1:{free_port}"
+    with pytest.raises(hixl.LLMError, match=dead) as e:
+        hixl.link([1, {"cluster_id": 9, "address": dead}, 2], timeout_ms=300)
+    assert e.value.status_code in {"103901", "103902"}
+    assert sorted(context().peers) == list(range(1, 9))
 
 
 def directories(e: hixl.Hixl, address: str, scratch: np.ndarray) -> list[hixl.MemDesc]:
@@ -401,15 +526,97 @@ def test_malformed_directory_is_an_llm_error(kv) -> None:
             }
         ).encode(),
     ]
+    bodies.append(json.dumps({"rank": 3, "role": "prompt", "caches": []}).encode())  # header: 0
     with hixl.Hixl() as fake:
         fake.initialize("127.0.0.1:0")
-        buf = hixl.aligned_empty(DIR_BYTES)
-        buf[:] = 0
-        fake.register(buf, access="r")
+        buf = fake_directory(fake, 0)
         words = buf[:HEADER].view(np.uint64)
         for body in bodies:
             buf[HEADER : HEADER + len(body)] = np.frombuffer(body, np.uint8)
-            words[0], words[1], words[2] = MAGIC, 2, len(body)
+            words[W_SEQ], words[W_LEN] = 2, len(body)
             with pytest.raises(hixl.LLMError, match="malformed KV-cache directory") as e:
                 hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
             assert e.value.status_code == "LLM_002004", body[:40]
+        for n in (0, DIR_BYTES - HEADER + 1, 1 << 63):  # body lengths out of range
+            words[W_SEQ], words[W_LEN] = 4, n
+            with pytest.raises(hixl.LLMError, match="malformed KV-cache directory"):
+                hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
+
+
+def fake_directory(e: hixl.Hixl, rank: int, access: str = "r") -> np.ndarray:
+    """A directory header for `rank` in a new region of `e`, naming that region (empty body)."""
+    buf = hixl.aligned_empty(DIR_BYTES)
+    buf[:] = 0
+    words = buf[:HEADER].view(np.uint64)
+    words[0], words[W_SEQ], words[W_SELF], words[W_RANK] = MAGIC, 1, buf.ctypes.data, rank
+    e.register(buf, access=access)
+    return buf
+
+
+def test_link_waits_for_a_directory_published_after_listening(kv) -> None:
+    """A rank started at the same moment listens a little before it registers its directory:
+    a link that connects in between waits for the directory instead of failing."""
+    kv(cluster_id=1, role="decoder")
+    with hixl.Hixl() as late:
+        late.initialize("127.0.0.1:0")
+        timer = threading.Timer(0.2, lambda: Directory(late, 0, "prompt"))
+        timer.start()
+        try:
+            hixl.link([{"cluster_id": 0, "address": late.local_engine}], timeout_ms=5000)
+        finally:
+            timer.join()
+        assert sorted(context().peers) == [0]
+        hixl.unlink([0])
+
+
+def test_directory_is_the_region_that_names_itself_and_the_rank(ranks, kv) -> None:
+    """Peers find a rank's directory by its header: the magic number, its own address and the
+    rank. Copies of directories (a scratch, a cache) are skipped; another rank, and two
+    regions claiming to be the directory, are LLMErrors, never a guess."""
+    real = ranks(0, "prompt")
+    real.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=9)
+    kv(cluster_id=1, role="decoder")
+    body = json.dumps({"rank": 0, "role": "prompt", "caches": []}).encode()
+    with hixl.Hixl() as fake:
+        fake.initialize("127.0.0.1:0")
+        # A byte-exact copy of rank 0's directory, in a region of the directory's length: it
+        # names the address it was copied from, so it is not taken for a directory.
+        copy = hixl.aligned_empty(DIR_BYTES)
+        copy[:] = 0
+        h = fake.register(copy)
+        fake.connect(real.address, timeout_ms=5000)
+        found = directories(fake, real.address, copy)
+        assert len(found) == 1
+        fake.get(real.address, copy.ctypes.data, found[0].addr, DIR_BYTES, 5000)
+        assert int(copy[:HEADER].view(np.uint64)[W_SELF]) == found[0].addr != h.addr
+        t0 = time.monotonic()
+        with pytest.raises(hixl.LLMError, match="publishes no hixl KV-cache directory") as e:
+            hixl.link([{"cluster_id": 0, "address": fake.local_engine}], timeout_ms=300)
+        assert e.value.status_code == "LLM_002004" and time.monotonic() - t0 < 5
+        # Another rank's directory: refused as that rank, without waiting.
+        other = fake_directory(fake, 7)
+        other[HEADER : HEADER + len(body)] = np.frombuffer(body.replace(b":0", b":7"), np.uint8)
+        with pytest.raises(hixl.LLMError, match="is rank 7, not cluster_id=0"):
+            hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
+        # Two regions that both name themselves rank 0's directory: no guess.
+        for _ in range(2):
+            d = fake_directory(fake, 0, access="rw")
+            d[HEADER : HEADER + len(body)] = np.frombuffer(body, np.uint8)
+            w = d[:HEADER].view(np.uint64)
+            w[W_LEN], w[W_SEQ] = len(body), 2
+        with pytest.raises(hixl.LLMError, match="2 KV-cache directories for rank 0"):
+            hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
+    # A forged directory written into a writable cache of the real rank 0 (by a peer with
+    # the cluster secret) makes rank 0 ambiguous: linking refuses rather than trust it.
+    real.ok("alloc", name="big", shape=[DIR_BYTES], dtype="uint8", seed=None)
+    hixl.link([{"cluster_id": 0, "address": real.address}])
+    _, big = context().remote_cache(0, "big")
+    hixl.unlink([0])
+    with hixl.Hixl() as attacker:
+        attacker.initialize("127.0.0.1")
+        forged = fake_directory(attacker, 0, access="rw")
+        forged[:HEADER].view(np.uint64)[W_SELF] = big.addr
+        attacker.connect(real.address, timeout_ms=5000)
+        attacker.put(real.address, forged.ctypes.data, big.addr, HEADER, 5000)
+    with pytest.raises(hixl.LLMError, match="refusing to guess"):
+        hixl.link([{"cluster_id": 0, "address": real.address}])

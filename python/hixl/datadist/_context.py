@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import Failed, NotConnected, ParamInvalid, Timeout, Unsupported
+from .._errors import Failed, HixlError, NotConnected, ParamInvalid, Timeout, Unsupported
 from .._hixl import Hixl, MemType, NotifyDesc
 from ._cache import Cache, CacheInfo, as_array, describe
 from ._directory import Directory, DirectoryReader, PeerDirectory
@@ -112,26 +112,62 @@ class Context:
 
     # -- links ---------------------------------------------------------------------------
 
-    def link(self, info: LLMClusterInfo, timeout_ms: int) -> None:
-        address = info.address or self.known.get(info.cluster_id)
-        if address is None:
-            raise ParamInvalid(
-                f"no address for cluster_id={info.cluster_id}: give one in "
-                "LLMClusterInfo or in init(peers=...) / HIXL_PEERS"
-            )
-        if info.cluster_id == self.rank:
-            raise ParamInvalid(f"cluster_id={info.cluster_id} is this process's own rank")
-        with self.lock:
-            if info.cluster_id in self.peers:
-                return
-        _connect_retrying(self.engine, address, timeout_ms)
-        try:
-            peer = self.reader.fetch(address)
-            if peer.rank != info.cluster_id:
-                raise LLMError(
-                    LLM_NOT_LINKED,
-                    f"{address} is rank {peer.rank}, not cluster_id={info.cluster_id}",
+    def link_all(self, infos: Iterable[LLMClusterInfo], timeout_ms: int) -> None:
+        """Links to every rank in `infos` at once: one thread per rank connects (retrying
+        while the rank is not up yet), reads its directory and checks its role, so linking
+        to N ranks takes about as long as linking to one. Ranks already linked are skipped.
+        Every link is tried; the first failure (in the order given) is raised afterwards."""
+        todo: dict[int, tuple[LLMClusterInfo, str]] = {}
+        for info in infos:
+            address = info.address or self.known.get(info.cluster_id)
+            if address is None:
+                raise ParamInvalid(
+                    f"no address for cluster_id={info.cluster_id}: give one in "
+                    "LLMClusterInfo or in init(peers=...) / HIXL_PEERS"
                 )
+            if info.cluster_id == self.rank:
+                raise ParamInvalid(f"cluster_id={info.cluster_id} is this process's own rank")
+            with self.lock:
+                if info.cluster_id in self.peers:
+                    continue
+            if info.cluster_id in todo and todo[info.cluster_id][1] != address:
+                raise ParamInvalid(
+                    f"cluster_id={info.cluster_id} is given twice, at {todo[info.cluster_id][1]} "
+                    f"and at {address}"
+                )
+            todo[info.cluster_id] = (info, address)
+        addresses = [a for _, a in todo.values()]
+        if len(set(addresses)) < len(addresses):
+            raise ParamInvalid(f"two ranks are given the same address: {sorted(addresses)}")
+        deadline = time.monotonic() + timeout_ms / 1000
+        jobs = list(todo.values())
+        if len(jobs) == 1:
+            self._link_one(*jobs[0], deadline)
+            return
+        errors: list[BaseException | None] = [None] * len(jobs)
+
+        def run(i: int) -> None:
+            try:
+                self._link_one(*jobs[i], deadline)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors[i] = exc
+
+        threads = [
+            threading.Thread(target=run, args=(i,), name="hixl-kv-link", daemon=True)
+            for i in range(len(jobs))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for err in errors:
+            if err is not None:
+                raise err
+
+    def _link_one(self, info: LLMClusterInfo, address: str, deadline: float) -> None:
+        _connect_retrying(self.engine, address, deadline)
+        try:
+            peer = self.reader.fetch(address, info.cluster_id, deadline=deadline)
             if info.role is not None and peer.role != info.role:
                 raise LLMError(
                     LLM_ROLE_MISMATCH,
@@ -145,7 +181,10 @@ class Context:
                     'decoder ranks are not interchangeable ("mix" links with both)',
                 )
         except BaseException:
-            self.engine.disconnect(address)
+            try:
+                self.engine.disconnect(address)
+            except HixlError:
+                pass  # the link is gone already
             raise
         with self.lock:
             self.known[peer.rank] = address
@@ -173,7 +212,7 @@ class Context:
         p = self.peer(rank)
         info = p.caches.get(name)
         if info is None:
-            fresh = self.reader.fetch(p.address, p.dir_addr)
+            fresh = self.reader.fetch(p.address, rank, p.dir_addr)
             with self.lock:
                 p.caches = fresh.caches
             info = p.caches.get(name)
@@ -232,10 +271,9 @@ class Context:
         self.engine.finalize()
 
 
-def _connect_retrying(engine: Hixl, address: str, timeout_ms: int) -> None:
+def _connect_retrying(engine: Hixl, address: str, deadline: float) -> None:
     """Connects, retrying while the peer is not up yet (launched workers start in any
-    order), until `timeout_ms` has passed."""
-    deadline = time.monotonic() + timeout_ms / 1000
+    order), until `deadline` (time.monotonic())."""
     while True:
         left_ms = (deadline - time.monotonic()) * 1000
         try:
@@ -245,6 +283,8 @@ def _connect_retrying(engine: Hixl, address: str, timeout_ms: int) -> None:
             if time.monotonic() + 0.05 >= deadline:
                 raise LLMError.from_engine(exc, f"link to {address}") from exc
             time.sleep(0.05)
+        except HixlError as exc:
+            raise LLMError.from_engine(exc, f"link to {address}") from exc
 
 
 _ctx: Context | None = None
@@ -291,8 +331,7 @@ def init(
         ctx = Context(rank, role, listen, dev, options)
         ctx.known.update({_rank(r): a for r, a in peer_map.items()})
         try:
-            for r in peer_map:
-                ctx.link(LLMClusterInfo(_rank(r)), link_timeout_ms)
+            ctx.link_all([LLMClusterInfo(_rank(r)) for r in peer_map], link_timeout_ms)
         except BaseException:
             ctx.finalize()
             raise
@@ -325,10 +364,8 @@ def _infos(items: Iterable[Any] | Any) -> list[LLMClusterInfo]:
 
 def link(clusters: Iterable[Any] | Any, timeout_ms: int = 10_000) -> None:
     """Links this rank to each cluster (LLMClusterInfo, dict or rank): connects, reads its
-    directory and checks the roles. Already linked ranks are skipped."""
-    ctx = context()
-    for info in _infos(clusters):
-        ctx.link(info, timeout_ms)
+    directory and checks the roles, all ranks at once. Already linked ranks are skipped."""
+    context().link_all(_infos(clusters), timeout_ms)
 
 
 def unlink(clusters: Iterable[Any] | Any) -> None:

@@ -5,11 +5,20 @@ again whenever they look for a cache they do not know yet. A sequence number mak
 consistent: the owner makes it odd while it rewrites the buffer and even again afterwards; a
 reader that sees an odd or changed number reads again.
 
+How a peer tells the directory from every other region (until the engine names regions):
+the directory is a region of exactly DIR_BYTES whose fixed header holds the magic number,
+the directory's own address in its owner's memory and the owner's rank. A reader takes the
+one region whose header names that very region and the rank it expects. A copy of a
+directory anywhere else (another rank's scratch, a cache that happens to hold one) names
+the address it was copied from, not its own, and is skipped; a rank that is not the one
+expected is an error, never a fallback; two regions that both claim to be the expected
+rank's directory (a peer wrote a fake header into a writable cache) are an error, never a
+guess. Everything read is untrusted: anything malformed is an LLMError naming the peer.
+
 Peers may only READ a directory: it is registered with access="r", so a peer (even one with
 the cluster secret) cannot rewrite it to send other ranks to the wrong regions. The reader's
 scratch buffer is read-only for peers too (a READ into local memory needs only the local
-registration), and its length differs from a directory's, so that a peer looking for this
-rank's directory never mistakes a copy of another directory in the scratch for it.
+registration).
 """
 
 from __future__ import annotations
@@ -26,15 +35,19 @@ from .._errors import HixlError, ParamInvalid
 from .._hixl import Hixl
 from .._layout import aligned_empty
 from ._cache import CacheInfo
-from ._errors import LLM_CACHE_NOT_FOUND, LLM_NOT_LINKED, LLMError
+from ._errors import LLM_NOT_LINKED, LLMError
 
-#: Registered length of a directory; peers find the directory among a rank's regions by this
-#: length and the magic number.
+#: Registered length of a directory: only regions of this length are looked at.
 DIR_BYTES = (1 << 20) + 4096
-#: Registered length of a reader's scratch buffer: anything but DIR_BYTES (see above).
+#: Registered length of a reader's scratch buffer (anything else would do: the header's own
+#: address already tells a copy from the directory).
 SCRATCH_BYTES = DIR_BYTES + 4096
 MAGIC = 0x5249444C5849480A  # "\nHXLDIR": a hixl directory
+VERSION = 1
 HEADER = 64
+# Header words (uint64, little endian): the magic number, the sequence number, the body's
+# length, the directory's own address, the owner's rank, the layout version.
+W_MAGIC, W_SEQ, W_LEN, W_SELF, W_RANK, W_VERSION = range(6)
 
 
 @dataclass
@@ -51,6 +64,11 @@ class Directory:
         self.buf = aligned_empty(DIR_BYTES, np.uint8)
         self.buf[:] = 0
         self.words = self.buf[:HEADER].view(np.uint64)
+        self.words[W_SEQ] = 1  # odd until the first publish
+        self.words[W_SELF] = self.buf.ctypes.data
+        self.words[W_RANK] = self.rank
+        self.words[W_VERSION] = VERSION
+        self.words[W_MAGIC] = MAGIC
         self.handle = self.engine.register(self.buf, access="r")  # peers may only read it
         self.publish()
 
@@ -67,11 +85,10 @@ class Directory:
                 f"holds {DIR_BYTES - HEADER}"
             )
         with self.lock:
-            self.words[1] += 1  # odd: being rewritten
+            self.words[W_SEQ] |= 1  # odd: being rewritten
             self.buf[HEADER : HEADER + len(body)] = np.frombuffer(body, np.uint8)
-            self.words[2] = len(body)
-            self.words[0] = MAGIC
-            self.words[1] += 1  # even: stable
+            self.words[W_LEN] = len(body)
+            self.words[W_SEQ] += 1  # even: stable
 
     def add(self, info: CacheInfo) -> None:
         if info.name in self.caches:
@@ -107,41 +124,109 @@ class DirectoryReader:
         self.handle = engine.register(self.buf, access="r")
         self.lock = threading.Lock()
 
-    def locate(self, address: str) -> int:
-        candidates = [m.addr for m in self.engine.remote_mems(address) if m.len == DIR_BYTES]
-        for addr in candidates:
-            with self.lock:
-                self.engine.get(address, self.buf.ctypes.data, addr, HEADER, 5000)
-                if int(self.buf[:HEADER].view(np.uint64)[0]) == MAGIC:
-                    return addr
-        raise LLMError(
-            LLM_CACHE_NOT_FOUND,
-            f"{address} publishes no hixl KV-cache directory (is it a hixl.init() process?)",
-        )
+    def _get(self, address: str, offset: int, remote: int, n: int) -> None:
+        """One READ into the scratch (the caller holds the lock); engine errors become
+        LLMErrors naming the peer."""
+        try:
+            self.engine.get(address, self.buf.ctypes.data + offset, remote, n, 5000)
+        except HixlError as exc:
+            raise LLMError.from_engine(exc, f"reading the directory of {address}") from exc
 
-    def read(self, address: str, dir_addr: int, timeout_s: float = 5.0) -> bytes:
+    def _header(self, address: str, addr: int) -> list[int]:
+        with self.lock:
+            self._get(address, 0, addr, HEADER)
+            return [int(x) for x in self.buf[:HEADER].view(np.uint64)]
+
+    def locate(self, address: str, rank: int, deadline: float) -> int:
+        """The address of `rank`'s directory among the regions of `address`. Waits until
+        `deadline` (time.monotonic()) while it is not there: a rank starting at this moment
+        listens a little before it registers its directory."""
+        while True:
+            mine, others = [], set()
+            try:
+                regions = self.engine.remote_mems(address)
+            except HixlError as exc:
+                raise LLMError.from_engine(exc, f"link to {address}") from exc
+            for m in regions:
+                if m.len != DIR_BYTES:
+                    continue
+                w = self._header(address, m.addr)
+                if w[W_MAGIC] != MAGIC or w[W_SELF] != m.addr:
+                    continue  # not a directory, or a copy of one
+                if w[W_RANK] == rank:
+                    mine.append(m.addr)
+                else:
+                    others.add(w[W_RANK])
+            if len(mine) == 1:
+                return mine[0]
+            if mine:
+                raise LLMError(
+                    LLM_NOT_LINKED,
+                    f"{address} publishes {len(mine)} KV-cache directories for rank {rank} "
+                    "(a forged one in a writable region?): refusing to guess",
+                )
+            if others:
+                raise LLMError(
+                    LLM_NOT_LINKED,
+                    f"{address} is rank {min(others)}, not cluster_id={rank}",
+                )
+            if time.monotonic() >= deadline:
+                raise LLMError(
+                    LLM_NOT_LINKED,
+                    f"{address} publishes no hixl KV-cache directory "
+                    "(is it a hixl.init() process?)",
+                )
+            time.sleep(0.002)
+
+    def read(self, address: str, dir_addr: int, rank: int, timeout_s: float = 5.0) -> bytes:
         """The directory's JSON body, read consistently (see the sequence number above)."""
-        base = self.buf.ctypes.data
         deadline = time.monotonic() + timeout_s
         with self.lock:
             while True:
-                self.engine.get(address, base, dir_addr, HEADER, 5000)
-                w = self.buf[:HEADER].view(np.uint64)
-                seq, n = int(w[1]), int(w[2])
-                if seq % 2 == 0 and 0 < n <= DIR_BYTES - HEADER:
-                    self.engine.get(address, base + HEADER, dir_addr + HEADER, n, 5000)
+                self._get(address, 0, dir_addr, HEADER)
+                w = [int(x) for x in self.buf[:HEADER].view(np.uint64)]
+                if (w[W_MAGIC], w[W_SELF], w[W_RANK]) != (MAGIC, dir_addr, rank):
+                    raise LLMError(
+                        LLM_NOT_LINKED,
+                        f"{address} no longer publishes the KV-cache directory of rank {rank} "
+                        f"at {dir_addr:#x}",
+                    )
+                seq, n = w[W_SEQ], w[W_LEN]
+                if seq % 2 == 0:
+                    if not 0 < n <= DIR_BYTES - HEADER:
+                        raise LLMError(
+                            LLM_NOT_LINKED,
+                            f"{address} publishes a malformed KV-cache directory "
+                            f"(body length {n}, at most {DIR_BYTES - HEADER})",
+                        )
+                    self._get(address, HEADER, dir_addr + HEADER, n)
                     body = self.buf[HEADER : HEADER + n].tobytes()
-                    self.engine.get(address, base, dir_addr, HEADER, 5000)
-                    if int(self.buf[:HEADER].view(np.uint64)[1]) == seq:
+                    self._get(address, 0, dir_addr, HEADER)
+                    if int(self.buf[:HEADER].view(np.uint64)[W_SEQ]) == seq:
                         return body
                 if time.monotonic() > deadline:
-                    raise HixlError(f"the directory of {address} kept changing for {timeout_s} s")
+                    raise LLMError(
+                        LLM_NOT_LINKED,
+                        f"the KV-cache directory of {address} kept changing for {timeout_s} s",
+                    )
                 time.sleep(0.001)
 
-    def fetch(self, address: str, dir_addr: int | None = None) -> PeerDirectory:
+    def fetch(
+        self, address: str, rank: int, dir_addr: int | None = None, deadline: float | None = None
+    ) -> PeerDirectory:
+        """`rank`'s directory at `address` (found first when `dir_addr` is None)."""
         if dir_addr is None:
-            dir_addr = self.locate(address)
-        return parse(address, dir_addr, self.read(address, dir_addr))
+            dir_addr = self.locate(
+                address, rank, time.monotonic() if deadline is None else deadline
+            )
+        peer = parse(address, dir_addr, self.read(address, dir_addr, rank))
+        if peer.rank != rank:
+            raise LLMError(
+                LLM_NOT_LINKED,
+                f"{address} publishes a malformed KV-cache directory (its header says rank "
+                f"{rank}, its body rank {peer.rank})",
+            )
+        return peer
 
 
 def parse(address: str, dir_addr: int, body: bytes) -> PeerDirectory:
