@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLockReadGuard, Weak};
 use std::time::Duration;
 
-use crate::complete::{Completer, Next};
+use crate::complete::Completer;
 use crate::error::{Error, Result};
 use crate::queue::{Part, PartBody, SegPair, TransferOp};
 use crate::registry::{Abort, Pin, RemoteTable};
@@ -118,12 +118,7 @@ impl SelfLink {
     }
 
     fn finish_part(&self, part: Part, res: Result<()>) {
-        if let Next::Notify(n) = self.done.finish(part, res) {
-            let req = n.req.clone();
-            if let Err(e) = self.tcp.submit(vec![n], 0) {
-                self.done.abandon(&req, e);
-            }
-        }
+        self.tcp.finish_elsewhere(&self.done, part, res);
     }
 }
 

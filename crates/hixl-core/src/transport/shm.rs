@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLockReadGuard};
 use std::time::Duration;
 
-use crate::complete::{Completer, Next};
+use crate::complete::Completer;
 use crate::error::{Error, Result, Status};
 use crate::queue::{Part, PartBody, SegPair, TransferOp, TransferStatus, WorkQueue};
 use crate::registry::{Abort, RemoteTable};
@@ -392,14 +392,7 @@ impl ShmLink {
     }
 
     fn finish_part(&self, part: Part, res: Result<()>) {
-        if let Next::Notify(n) = self.done.finish(part, res) {
-            // The bytes are in the peer's memory (the copy returned): the notify may go, over
-            // the control channel.
-            let req = n.req.clone();
-            if let Err(e) = self.tcp.submit(vec![n], 0) {
-                self.done.abandon(&req, e);
-            }
-        }
+        self.tcp.finish_elsewhere(&self.done, part, res);
     }
 
     fn fail_queued(&self) {

@@ -682,6 +682,17 @@ impl TcpLink {
         }
     }
 
+    /// Reports a part that another backend carried over this link's control channel: when the
+    /// completer says the notification after the data is due, it goes out here.
+    pub(crate) fn finish_elsewhere(&self, done: &Completer, part: Part, res: Result<()>) {
+        if let Next::Notify(n) = done.finish(part, res) {
+            let req = n.req.clone();
+            if let Err(e) = self.submit(vec![n], 0) {
+                done.abandon(&req, e);
+            }
+        }
+    }
+
     /// Names the backend in logs when another backend carries the data over this link's
     /// control channel.
     pub fn set_label(&self, backend: &'static str) {
