@@ -3,8 +3,10 @@
 Start: python _sec_engine.py OPTIONS_JSON. Listens on 127.0.0.1:0, registers a 64 KiB
 read-write buffer and prints "READY <engine> <buf_addr>". Commands, one line each, answered
 by one line:
-  register_many N [PAUSE_MS]
-                    registers N more 4 KiB regions one by one (PAUSE_MS apart) and prints
+  register_many N [PAUSE_MS [NAME_BYTES]]
+                    registers N more 4 KiB regions one by one (PAUSE_MS apart; each named
+                    with a unique name NAME_BYTES long when given, so that each region-table
+                    delta carries that many bytes more) and prints
                     "DONE N MAX_S" (the slowest call, in seconds); a call that takes over 5 s
                     prints "STUCK I SECONDS" and the process exits
   deregister        deregisters the first buffer: "OK SECONDS" or "ERR SECONDS MESSAGE"
@@ -25,7 +27,7 @@ import numpy as np
 import hixl
 
 
-def register_many(e: hixl.Hixl, n: int, pause_s: float, keep: list[object]) -> str:
+def register_many(e: hixl.Hixl, n: int, pause_s: float, name_bytes: int, keep: list[object]) -> str:
     block = hixl.aligned_empty(n * 4096)
     keep.append(block)
     state = {"i": 0, "t0": time.monotonic(), "done": False}
@@ -42,7 +44,8 @@ def register_many(e: hixl.Hixl, n: int, pause_s: float, keep: list[object]) -> s
     worst = 0.0
     for i in range(n):
         state["i"], state["t0"] = i, time.monotonic()
-        keep.append(e.register(block[i * 4096 : (i + 1) * 4096]))
+        name = f"{len(keep)}-{i}".ljust(name_bytes, "x") if name_bytes else None
+        keep.append(e.register(block[i * 4096 : (i + 1) * 4096], name=name))
         worst = max(worst, time.monotonic() - float(state["t0"]))
         if pause_s:
             time.sleep(pause_s)
@@ -61,7 +64,8 @@ def main() -> None:
         cmd, *args = line.split()
         if cmd == "register_many":
             pause_s = float(args[1]) / 1000 if len(args) > 1 else 0.0
-            print(register_many(e, int(args[0]), pause_s, keep), flush=True)
+            name_bytes = int(args[2]) if len(args) > 2 else 0
+            print(register_many(e, int(args[0]), pause_s, name_bytes, keep), flush=True)
         elif cmd == "deregister":
             t0 = time.monotonic()
             try:

@@ -13,16 +13,19 @@ Start: python _sec_hostile.py MODE [ARGS...]. Prints "READY <host:port> <pid> <b
 Modes:
   imposter VICTIM_HOST:PORT LO HI
       Learns the victim engine's Welcome as a raw client, then answers every Hello with a
-      Welcome that carries the victim's host and same-host identity (v3: its local socket; v2:
-      its pid and probe) and a region table of one writable region [LO, HI) of the victim's
-      memory. Data frames are refused (Ack/ReadResp FAILED), so nothing arrives by TCP.
+      Welcome that carries the victim's host and same-host identity (v4: its capabilities,
+      whose shm/self param names its local socket; v3: its local socket; v2: its pid and
+      probe) and a region table of one writable region [LO, HI) of the victim's memory. Data
+      frames are refused (Ack/ReadResp FAILED), so nothing arrives by TCP.
   memfd KIND [PATH]
-      A real same-host endpoint: it answers the same-host proof truthfully (v3: abstract Unix
-      socket; v2: pid and probe in Welcome) and serves data frames into a private buffer, but
-      offers, as the region's memfd, KIND = unsealed (a memfd named "hixl" without seals),
-      sealed (sealed against shrink and grow), regular (the regular file PATH), or swap (fd
-      number N alternates, in a tight loop, between a sealed memfd and an O_PATH descriptor of
-      the root-only file PATH; the process drops to uid 65534 after opening both).
+      A real same-host endpoint: it answers the same-host proof truthfully (v3 and later: on
+      an abstract Unix socket, named in Welcome by the param of the shm and self capabilities
+      in v4, by local_socket in v3; v2: pid and probe in Welcome) and serves data frames into
+      a private buffer, but offers, as the region's memfd (v4: its shm key), KIND = unsealed
+      (a memfd named "hixl" without seals), sealed (sealed against shrink and grow), regular
+      (the regular file PATH), or swap (fd number N alternates, in a tight loop, between a
+      sealed memfd and an O_PATH descriptor of the root-only file PATH; the process drops to
+      uid 65534 after opening both).
   bystander
       A real same-host endpoint whose abstract Unix listener was created by a forked child (the
       bystander) before any TCP connection: the child binds and listens, hands the listener to
@@ -67,6 +70,7 @@ class Hostile:
         self.child = 0
         self.answers: list[str] = []
         self.local_name = ""
+        self.capabilities: list[w.Capability] | None = None  # None: from local_name
         self.regions: list[w.Region] = []
         self.host = "elsewhere"
         self.v2_identity = (0, 0, 0)  # pid, probe_addr, probe_token (v2 Welcome)
@@ -87,9 +91,10 @@ class Hostile:
         if w.VERSION >= 3:
             self.local_name = welcome["local_socket"]
             self.table_version = welcome["table_version"]
+            self.capabilities = welcome.get("capabilities")  # v4: replayed as they are
         else:
             self.v2_identity = (welcome["pid"], welcome["probe_addr"], welcome["probe_token"])
-        self.regions = [(lo, hi - lo, 1, -1, True)]
+        self.regions = [w.Region(lo, hi - lo, 1)]
 
     def setup_memfd(self) -> None:
         kind = self.args[0]
@@ -121,7 +126,7 @@ class Hostile:
             os.setgid(65534)
             os.setuid(65534)
             threading.Thread(target=self.swap_loop, args=(self.memfd, opath), daemon=True).start()
-        self.regions = [(self.buf_addr, LEN, 1, fd, True)]
+        self.regions = [w.Region(self.buf_addr, LEN, 1, keys=(w.shm_key(fd),))]
 
     def setup_bystander(self) -> None:
         self.host = w.host_id()
@@ -151,10 +156,10 @@ class Hostile:
         mine.close()
         self.usock = socket.socket(fileno=fds[0])
         threading.Thread(target=self.local_loop, daemon=True).start()
-        self.regions = [(self.buf_addr, LEN, 1, -1, True)]
+        self.regions = [w.Region(self.buf_addr, LEN, 1)]
 
     def setup_readresp(self) -> None:
-        self.regions = [(self.buf_addr, LEN, 1, -1, True)]
+        self.regions = [w.Region(self.buf_addr, LEN, 1)]
 
     @staticmethod
     def swap_loop(memfd: int, opath: int) -> None:
@@ -163,7 +168,7 @@ class Hostile:
                 os.dup2(opath, SWAP_FD)
                 os.dup2(memfd, SWAP_FD)
 
-    # --- the same-host proof (v3) ------------------------------------------------------------
+    # --- the same-host proof (v3 and later) -------------------------------------------------
 
     def local_loop(self) -> None:
         while True:
@@ -211,6 +216,7 @@ class Hostile:
             "hostile",
             self.host,
             self.regions,
+            capabilities=self.capabilities,
             local_socket=self.local_name,
             table_version=self.table_version,
             pid=pid,

@@ -4,11 +4,11 @@ the same-host proof about its own stream, truthfully, then never confirms a regi
 Start (as root): python _sec_unpriv.py TARGET_HOST:PORT UID. Imports everything first (the
 interpreter may live where UID cannot read), then drops to UID (gid UID, no supplementary
 groups; UID "keep" stays root, as a control), and only then opens its sockets, so the kernel
-records UID for both of them. It connects to the target by TCP, sends a v3 Hello (no secret),
-reads the Welcome, connects to the abstract Unix socket the Welcome names and sends
-"HIXL-LOCAL 3 <its end> <target's end>" with its own TCP socket attached. Prints
-"ANSWER <euid> <the answer line>", then keeps the TCP stream open without reading it or
-sending anything (no RegionsAck) until "exit" on stdin.
+records UID for both of them. It connects to the target by TCP, sends a Hello (no secret),
+reads the Welcome, connects to the abstract Unix socket the Welcome names (v4: the param of
+its shm capability) and sends "HIXL-LOCAL 3 <its end> <target's end>" with its own TCP
+socket attached. Prints "ANSWER <euid> <the answer line>", then keeps the TCP stream open
+without reading it or sending anything (no RegionsAck) until "exit" on stdin.
 
 Only the standard library and tests/_wire.py.
 """

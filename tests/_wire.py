@@ -2,11 +2,16 @@
 bytes to a listener or play a hostile target. Little-endian; header: magic "HX", version,
 kind, payload length (u32), tag (u64), bulk length (u64).
 
-Protocol version 3 by default; HIXL_WIRE_VERSION=2 switches every layout (and the handshake
-math) to version 2, so that the attack tests can be run against an engine built before v3 and
-show that the attacks succeed there.
+Protocol version 4 by default. HIXL_WIRE_VERSION=3 or =2 switches every layout (and, for 2,
+the handshake math) to that version, so that the attack tests can be run against an engine
+built before v4 (or before v3) and show what differs there.
 
-Besides frames this module does the v3 handshake math (transcript hash, proofs, session keys)
+Region entries are `Region` values, whatever the version: v4 writes them whole (flags,
+domain, name, backend keys); v3 and v2 write the `shm` key as their `fd` field (-1 without
+one), and their decoders turn a descriptor >= 0 back into an `shm` key. A Welcome carries
+capabilities (v4) or a local socket (v3); `welcome_payload` derives either from the other.
+
+Besides frames this module does the handshake math (transcript hash, proofs, session keys)
 and seals/opens frames on an authenticated stream (`Stream`), so that a test can be an
 initiator that knows the secret, or an attacker on the path that does not.
 """
@@ -19,21 +24,43 @@ import ipaddress
 import os
 import socket
 import struct
-from typing import Any, Self
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Self
 
 import blake3
 
-VERSION = int(os.environ.get("HIXL_WIRE_VERSION", "3"))
+VERSION = int(os.environ.get("HIXL_WIRE_VERSION", "4"))
 HELLO, WELCOME, WRITE, READ, READ_RESP, ACK, NOTIFY = 1, 2, 3, 4, 5, 6, 7
 HEARTBEAT, HEARTBEAT_ACK, ERROR, BYE, REGIONS_QUERY = 8, 9, 10, 11, 12
 REGIONS_TABLE, REGIONS_UPDATE, REGIONS_ACK = 13, 14, 15
 WRITE_STRIDED, READ_STRIDED, AUTH_CHALLENGE, AUTH_RESPONSE = 16, 17, 18, 19
+REGIONS_DELTA = 20  # v4
+# What a target sends unprompted on a link's stream 0 when its registry changes.
+TABLE_CHANGES = (REGIONS_UPDATE, REGIONS_DELTA) if VERSION >= 4 else (REGIONS_UPDATE,)
 MAX_PAYLOAD = 4 << 20
+# Welcome, RegionsTable, RegionsUpdate, RegionsDelta (v4: 16 MiB; before: MAX_PAYLOAD).
+MAX_TABLE_PAYLOAD = 16 << 20 if VERSION >= 4 else MAX_PAYLOAD
+# Most bytes a registry's encoded entries may take (v4; a bigger registration is refused).
+MAX_TABLE_BYTES = MAX_TABLE_PAYLOAD - (64 << 10)
 MAX_HELLO = 4096
 MAX_DESCS = 1 << 16
+MAX_NAME = 1024  # engine ids, host, capability param
 MAC_LEN = 16
 FLAG_DATA_MAC = 1
 HEADER = struct.Struct("<2sBBIQQ")
+
+# v4 region tables and capabilities.
+HOST, DEVICE = 0, 1  # memory domains
+DOMAINS = (HOST, DEVICE)
+REGION_WRITABLE = 1  # region-entry flag bit 0; the other bits must be 0
+MAX_REGIONS = 1 << 16  # entries in one list, ids in one delta's removed list
+MAX_REGION_NAME = 255
+MAX_KEYS = 8
+MAX_BACKEND_NAME = 32
+MAX_KEY_LEN = 256
+MAX_CAPABILITIES = 16
+MAX_DOMAIN_PAIRS = 16
 
 
 def header(
@@ -116,43 +143,159 @@ def status_payload(status: int, message: str = "") -> bytes:
     return struct.pack("<I", status) + text(message)
 
 
-# A region-table entry: (addr, len, id, fd, writable).
-Region = tuple[int, int, int, int, bool]
+# --- Region tables and capabilities ----------------------------------------------------------
+
+# One backend's registration key of a region: (backend name, key bytes).
+Key = tuple[str, bytes]
 
 
-def regions_payload(regions: list[Region]) -> bytes:
-    out = struct.pack("<I", len(regions))
-    for addr, n, rid, fd, writable in regions:
-        out += struct.pack("<QQQiI", addr, n, rid, fd, 1 if writable else 0)
+def shm_key(fd: int) -> Key:
+    """The `shm` key of engine-allocated memory: the owner's memfd number, i32 LE."""
+    return ("shm", struct.pack("<i", fd))
+
+
+@dataclass(frozen=True)
+class Region:
+    """A region-table entry. The encoder writes the fields as given (a hostile target may
+    offer any domain byte or backend name); the decoder checks them as the spec says."""
+
+    addr: int
+    len: int
+    id: int
+    writable: bool = True
+    domain: int = HOST
+    name: str = ""
+    keys: tuple[Key, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Catches a caller still building the 5-tuple of v3, (addr, len, id, fd, writable).
+        if not isinstance(self.writable, bool):
+            raise TypeError(f"Region.writable must be a bool, not {self.writable!r}")
+        if isinstance(self.domain, bool) or not isinstance(self.domain, int):
+            raise TypeError(f"Region.domain must be an int, not {self.domain!r}")
+        object.__setattr__(self, "keys", tuple((b, bytes(k)) for b, k in self.keys))
+
+    def key(self, backend: str) -> bytes | None:
+        """The key `backend` registered for this region, if any."""
+        return next((k for b, k in self.keys if b == backend), None)
+
+    @property
+    def fd(self) -> int:
+        """The owner's memfd number from the `shm` key (what v2/v3 carried), else -1."""
+        k = self.key("shm")
+        return int(struct.unpack("<i", k)[0]) if k is not None and len(k) == 4 else -1
+
+
+class Capability(NamedTuple):
+    """A data path a target offers in a v4 Welcome: the backend's name, the (initiator's
+    domain, target's domain) pairs it serves, and what an initiator needs to open it (the
+    same-host socket's name for `shm` and `self`). A plain 3-tuple works wherever one goes."""
+
+    backend: str
+    pairs: tuple[tuple[int, int], ...] = ((HOST, HOST),)
+    param: str = ""
+
+
+def default_capabilities(local_socket: str = "") -> list[Capability]:
+    """What an engine with `hixl.backends=auto` offers: `self` and `shm` (param: the same-host
+    socket's name) when it has a same-host socket, then `tcp`; each for (host, host)."""
+    same_host = [Capability("self", param=local_socket), Capability("shm", param=local_socket)]
+    return (same_host if local_socket else []) + [Capability("tcp")]
+
+
+def local_socket_of(capabilities: Iterable[tuple[str, Any, str]]) -> str:
+    """The same-host socket's name: the param of the `shm` capability, else of `self`."""
+    params = {backend: param for backend, _, param in capabilities}
+    return params.get("shm") or params.get("self") or ""
+
+
+def _short(s: str | bytes, what: str) -> bytes:
+    b = s.encode() if isinstance(s, str) else s
+    if len(b) > 255:
+        raise ValueError(f"{what} of {len(b)} bytes does not fit its u8 length")
+    return bytes([len(b)]) + b
+
+
+def region_entry(r: Region) -> bytes:
+    """One entry as this VERSION writes it."""
+    if VERSION < 4:
+        return struct.pack("<QQQiI", r.addr, r.len, r.id, r.fd, 1 if r.writable else 0)
+    name, flags = r.name.encode(), REGION_WRITABLE if r.writable else 0
+    out = struct.pack("<QQQBBH", r.addr, r.len, r.id, flags, r.domain, len(name)) + name
+    out += bytes([len(r.keys)])
+    for backend, key in r.keys:
+        out += _short(backend, "backend name") + struct.pack("<H", len(key)) + key
+    return out
+
+
+def regions_payload(regions: Sequence[Region]) -> bytes:
+    """A region list: u32 n, then n entries."""
+    return struct.pack("<I", len(regions)) + b"".join(region_entry(r) for r in regions)
+
+
+def capabilities_payload(
+    capabilities: Sequence[tuple[str, Iterable[tuple[int, int]], str]],
+) -> bytes:
+    """u8 count, then per capability: backend name, domain pairs, param (v4)."""
+    out = bytes([len(capabilities)])
+    for backend, pairs, param in capabilities:
+        ps = list(pairs)
+        out += _short(backend, "backend name") + bytes([len(ps)])
+        out += b"".join(bytes([local, remote]) for local, remote in ps) + text(param)
     return out
 
 
 def welcome_payload(
     engine_id: str,
     host: str,
-    regions: list[Region],
-    local_socket: str = "",
+    regions: Sequence[Region],
+    *,
+    capabilities: Sequence[tuple[str, Iterable[tuple[int, int]], str]] | None = None,
+    local_socket: str | None = None,
     table_version: int = 1,
     pid: int = 0,
     probe_addr: int = 0,
     probe_token: int = 0,
 ) -> bytes:
-    """A Welcome: v3 names the local socket and the table version; v2 carried the pid and the
-    probe (what an imposter replays)."""
-    if VERSION >= 3:
+    """A Welcome. v4 carries the capabilities (default: `default_capabilities(local_socket)`,
+    i.e. only `tcp` without a local socket) and the table version; v3 the local socket
+    (default: the one `capabilities` name) and the table version; v2 the pid and the probe
+    (what an imposter replays)."""
+    if VERSION >= 4:
+        caps = default_capabilities(local_socket or "") if capabilities is None else capabilities
+        head = text(engine_id) + text(host) + struct.pack("<Q", table_version)
+        return head + capabilities_payload(caps) + regions_payload(regions)
+    if VERSION == 3:
+        if local_socket is None:
+            local_socket = local_socket_of(capabilities or [])
         head = text(engine_id) + text(host) + text(local_socket)
         return head + struct.pack("<Q", table_version) + regions_payload(regions)
     head = text(engine_id) + text(host)
     return head + struct.pack("<IQQ", pid, probe_addr, probe_token) + regions_payload(regions)
 
 
-def regions_table_payload(version: int, regions: list[Region]) -> bytes:
+def regions_table_payload(version: int, regions: Sequence[Region]) -> bytes:
+    """Payload of a RegionsTable or a RegionsUpdate."""
     if VERSION >= 3:
         return struct.pack("<Q", version) + regions_payload(regions)
     return regions_payload(regions)
 
 
+regions_update_payload = regions_table_payload
+
+
+def regions_delta_payload(
+    from_version: int, version: int, added: Sequence[Region] = (), removed: Sequence[int] = ()
+) -> bytes:
+    """Payload of a RegionsDelta (v4, kind 20). Not checked: a hostile target may send
+    from_version >= version."""
+    out = struct.pack("<QQ", from_version, version) + regions_payload(added)
+    return out + struct.pack("<I", len(removed)) + b"".join(struct.pack("<Q", i) for i in removed)
+
+
 class Reader:
+    """Reads a payload, checking every field as the spec says (ValueError when one is wrong)."""
+
     def __init__(self, b: bytes) -> None:
         self.b = b
 
@@ -161,6 +304,9 @@ class Reader:
             raise ValueError(f"truncated: need {n} bytes, have {len(self.b)}")
         out, self.b = self.b[:n], self.b[n:]
         return out
+
+    def u8(self) -> int:
+        return self.take(1)[0]
 
     def u16(self) -> int:
         return int(struct.unpack("<H", self.take(2))[0])
@@ -171,15 +317,85 @@ class Reader:
     def u64(self) -> int:
         return int(struct.unpack("<Q", self.take(8))[0])
 
-    def str(self) -> str:
-        return self.take(self.u32()).decode()
+    def end(self) -> None:
+        if self.b:
+            raise ValueError(f"{len(self.b)} bytes after the payload's last field")
+
+    def count(self, what: str, limit: int) -> int:
+        n = self.u32()
+        if n > limit:
+            raise ValueError(f"{what} {n}, over {limit}")
+        return n
+
+    def backend(self) -> str:
+        n = self.u8()
+        if not 1 <= n <= MAX_BACKEND_NAME:
+            raise ValueError(f"a backend name of {n} bytes")
+        b = self.take(n)
+        if not b.isascii():
+            raise ValueError(f"backend name {b!r} is not ASCII")
+        return b.decode()
+
+    def domain(self) -> int:
+        d = self.u8()
+        if d not in DOMAINS:
+            raise ValueError(f"memory domain {d}")
+        return d
+
+    def region(self) -> Region:
+        if VERSION < 4:
+            addr, n, rid, fd, flags = struct.unpack("<QQQiI", self.take(32))
+            keys = (shm_key(fd),) if fd >= 0 else ()
+            return Region(addr, n, rid, flags == 1, keys=keys)
+        addr, n, rid = self.u64(), self.u64(), self.u64()
+        flags = self.u8()
+        if flags & ~REGION_WRITABLE:
+            raise ValueError(f"region flags {flags:#x}")
+        domain = self.domain()
+        if n == 0 or addr + n >= 1 << 64:
+            raise ValueError(f"region [{addr:#x}, +{n:#x})")
+        name_len = self.u16()
+        if name_len > MAX_REGION_NAME:
+            raise ValueError(f"a region name of {name_len} bytes")
+        name = self.take(name_len).decode()
+        nkeys = self.u8()
+        if nkeys > MAX_KEYS:
+            raise ValueError(f"{nkeys} region keys")
+        found: list[Key] = []
+        for _ in range(nkeys):
+            backend = self.backend()
+            klen = self.u16()
+            if klen > MAX_KEY_LEN:
+                raise ValueError(f"a region key of {klen} bytes")
+            found.append((backend, self.take(klen)))
+        return Region(addr, n, rid, flags == REGION_WRITABLE, domain, name, tuple(found))
 
     def regions(self) -> list[Region]:
+        return [self.region() for _ in range(self.count("region count", MAX_REGIONS))]
+
+    def ids(self) -> list[int]:
+        return [self.u64() for _ in range(self.count("removed count", MAX_REGIONS))]
+
+    def capabilities(self) -> list[Capability]:
+        n = self.u8()
+        if n > MAX_CAPABILITIES:
+            raise ValueError(f"{n} capabilities")
         out = []
-        for _ in range(self.u32()):
-            addr, n, rid, fd, flags = struct.unpack("<QQQiI", self.take(32))
-            out.append((addr, n, rid, fd, flags == 1))
+        for _ in range(n):
+            backend = self.backend()
+            npairs = self.u8()
+            if npairs > MAX_DOMAIN_PAIRS:
+                raise ValueError(f"{npairs} domain pairs")
+            pairs = tuple((self.domain(), self.domain()) for _ in range(npairs))
+            out.append(Capability(backend, pairs, self.str(MAX_NAME)))
         return out
+
+    # Defined last: in the methods after it, `str` in an annotation would name this method.
+    def str(self, limit: int | None = None) -> str:
+        n = self.u32()
+        if limit is not None and n > limit:
+            raise ValueError(f"a string of {n} bytes, over {limit}")
+        return self.take(n).decode()
 
 
 def decode_hello(payload: bytes) -> dict[str, Any]:
@@ -192,14 +408,59 @@ def decode_hello(payload: bytes) -> dict[str, Any]:
 
 
 def decode_welcome(payload: bytes) -> dict[str, Any]:
+    """engine_id, host, regions; v4: table_version, capabilities, and local_socket (derived:
+    the shm/self capability's param, "" without one); v3: local_socket, table_version; v2:
+    pid, probe_addr, probe_token."""
     r = Reader(payload)
-    d: dict[str, Any] = {"engine_id": r.str(), "host": r.str()}
-    if VERSION >= 3:
+    d: dict[str, Any] = {"engine_id": r.str(MAX_NAME), "host": r.str(MAX_NAME)}
+    if VERSION >= 4:
+        d["table_version"], d["capabilities"] = r.u64(), r.capabilities()
+        d["local_socket"] = local_socket_of(d["capabilities"])
+    elif VERSION == 3:
         d["local_socket"], d["table_version"] = r.str(), r.u64()
     else:
         d["pid"], d["probe_addr"], d["probe_token"] = r.u32(), r.u64(), r.u64()
     d["regions"] = r.regions()
+    r.end()
     return d
+
+
+def decode_regions_table(payload: bytes) -> tuple[int, list[Region]]:
+    """(version, regions) of a RegionsTable or RegionsUpdate (v2: version 0)."""
+    r = Reader(payload)
+    version = r.u64() if VERSION >= 3 else 0
+    regions = r.regions()
+    r.end()
+    return version, regions
+
+
+def decode_regions_delta(payload: bytes) -> dict[str, Any]:
+    """from_version, version, added (regions), removed (ids) of a RegionsDelta (v4)."""
+    r = Reader(payload)
+    d: dict[str, Any] = {"from_version": r.u64(), "version": r.u64()}
+    if d["from_version"] >= d["version"]:
+        raise ValueError(f"delta from version {d['from_version']} to {d['version']}")
+    d["added"], d["removed"] = r.regions(), r.ids()
+    r.end()
+    return d
+
+
+def apply_regions_delta(
+    version: int, regions: Sequence[Region], delta: dict[str, Any]
+) -> tuple[int, list[Region]]:
+    """Table `version` after a decoded delta, as an initiator applies it: a delta not newer
+    than the table is ignored; one that starts after the table is a protocol error
+    (ValueError); else the removed ids go, then the added entries are inserted or replaced by
+    id, and the table takes the delta's version."""
+    if delta["version"] <= version:
+        return version, list(regions)
+    if delta["from_version"] > version:
+        raise ValueError(f"a delta from version {delta['from_version']} to a table of {version}")
+    removed = set(delta["removed"])
+    table = {r.id: r for r in regions if r.id not in removed}
+    for r in delta["added"]:
+        table[r.id] = r
+    return delta["version"], list(table.values())
 
 
 def decode_challenge(payload: bytes) -> tuple[bytes, bytes, str]:
@@ -215,7 +476,7 @@ def status_of(payload: bytes) -> tuple[int, str]:
     return status, payload[8 : 8 + n].decode()
 
 
-# --- The v3 handshake (docs/PROTOCOL.md "Handshake") -----------------------------------------
+# --- The handshake of v3 and v4 (docs/PROTOCOL.md "Handshake"); v2's proofs --------------
 
 
 def lp(b: bytes | str) -> bytes:
@@ -320,7 +581,7 @@ class Refused(Exception):
 
 class Stream:
     """One end of a stream: seals what it sends and checks what it reads when it has keys
-    (after an authenticated v3 handshake), passes frames through unsealed otherwise."""
+    (after an authenticated v3/v4 handshake), passes frames through unsealed otherwise."""
 
     def __init__(
         self,
@@ -384,10 +645,10 @@ class Stream:
         return data
 
     def answer(self, want: int) -> tuple[int, str, bytes]:
-        """Status, message and bulk of the next Ack/ReadResp, skipping region updates."""
+        """Status, message and bulk of the next Ack/ReadResp, skipping region-table changes."""
         while True:
             kind, _, bulk, payload = self.recv()
-            if kind == REGIONS_UPDATE:
+            if kind in TABLE_CHANGES:
                 continue
             if kind == ERROR:
                 raise Refused(*status_of(payload))

@@ -114,10 +114,11 @@ def handshake(t: Target) -> socket.socket:
 
 
 def answer(s: socket.socket, want: int) -> tuple[int, str]:
-    """Status and message of the next Ack/ReadResp, skipping unsolicited region updates."""
+    """Status and message of the next Ack/ReadResp, skipping unsolicited region-table changes
+    (RegionsUpdate, RegionsDelta)."""
     while True:
         kind, _, bulk, payload = w.read_frame(s)
-        if kind == w.REGIONS_UPDATE:
+        if kind in w.TABLE_CHANGES:
             continue
         assert kind == want, kind
         status, message = w.status_of(payload)

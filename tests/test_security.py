@@ -620,11 +620,12 @@ def test_notify_quota_per_connection(procs: Callable[..., Proc]) -> None:
 
 
 def test_register_never_blocks_on_stalled_peer(procs: Callable[..., Proc]) -> None:
-    """A peer completes the handshake and never reads again; the target registers 3,000
-    regions one by one over about 2 s (each publishing a region update; soon the stalled
-    socket and the kernel's buffers take no more). Every register call returns within 1 s,
-    and the target drops the stalled stream once it has owed an update for the bound
-    (hixl.deregister_timeout_ms, here 1 s)."""
+    """A peer completes the handshake and never reads again; the target registers 20,000
+    regions one by one, each under a 250-byte name (each publishing a region-table delta of
+    about 300 bytes, 6 MB in all: soon the stalled socket and the kernel's buffers, 4 MiB at
+    most, take no more). Every register call returns within 1 s, and the target drops the
+    stalled stream once it has owed an update for the bound (hixl.deregister_timeout_ms,
+    here 1 s)."""
     t = Engine(procs, {"hixl.deregister_timeout_ms": "1000"})
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -632,7 +633,7 @@ def test_register_never_blocks_on_stalled_peer(procs: Callable[..., Proc]) -> No
     sock.connect(t.addr)
     st, _ = w.handshake(sock, engine="stalled", index=0)
     with st:
-        out = t.proc.cmd("register_many", 3000, 0.5, timeout=90)  # over about 2 s
+        out = t.proc.cmd("register_many", 20000, 0, 250, timeout=90)
         print(out)
         assert out.startswith("DONE"), f"register blocked on the stalled peer: {out!r}"
         worst = float(out.split()[2])

@@ -22,7 +22,7 @@ fn regions() -> (Registry, RemoteTable) {
     for i in 0..REGIONS {
         let addr = BASE + i * (REGION_LEN + 4096);
         reg.register(addr, REGION_LEN, MemType::Host).expect("register");
-        table.push(RegionEntry { addr, len: REGION_LEN, id: i, fd: -1, writable: true });
+        table.push(RegionEntry::host(addr, REGION_LEN, i));
     }
     (reg, RemoteTable::new(table))
 }

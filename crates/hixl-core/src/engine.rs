@@ -15,14 +15,14 @@ use crate::error::{Error, Result, Status};
 use crate::notify::NotifyStore;
 use crate::options::Options;
 use crate::queue::{NotifyDesc, Part, PartBody, Request, SegPair, Strided, TransferOp, TransferStatus};
-use crate::registry::{read_only, Abort, Access, MemType, Pin, Registry};
+use crate::registry::{read_only, Abort, Access, MemType, Pin, Region, RegionSpec, Registry};
 use crate::stats::LatencySummary;
-use crate::transport::backend::{self, Backend};
+use crate::transport::backend::{self, Backend, MemorySpan};
 use crate::transport::server::{Server, ServerCtx};
 use crate::transport::shm::{self, SharedMem};
 use crate::transport::tcp::{ConnectParams, TcpLink};
-use crate::transport::Link;
-use crate::wire::MAX_DESCS;
+use crate::transport::DataPath;
+use crate::wire::{BackendKey, Domain, RegionEntry, MAX_DESCS};
 
 /// A memory range: start address and length.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -112,11 +112,43 @@ pub struct PeerSnapshot {
     pub latency: LatencySummary,
 }
 
+/// A region a peer registered, as [`Engine::remote_regions`] shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RemoteRegion {
+    /// Start address in the peer's address space.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The name the peer registered it under (empty: none).
+    pub name: String,
+    /// Its memory domain.
+    pub mem_type: MemType,
+    /// Whether this engine may WRITE it (false: registered read-only).
+    pub writable: bool,
+}
+
+impl From<&RegionEntry> for RemoteRegion {
+    fn from(e: &RegionEntry) -> Self {
+        RemoteRegion {
+            addr: e.addr,
+            len: e.len,
+            name: e.name.clone(),
+            mem_type: e.domain,
+            writable: e.writable,
+        }
+    }
+}
+
 /// A transfer request handle.
 pub type TransferReq = Arc<Request>;
 
 struct PeerConn {
-    link: Arc<dyn Link>,
+    /// The control channel: the peer's region table, notifications, liveness.
+    control: Arc<TcpLink>,
+    /// The chosen backend's data path.
+    link: Arc<dyn DataPath>,
+    /// The (local, remote) domain pairs that data path serves.
+    domains: &'static [(Domain, Domain)],
     /// Recent requests, so that a later notify can wait for their data.
     recent: Mutex<Vec<Weak<Request>>>,
 }
@@ -205,6 +237,8 @@ impl Engine {
         let notifies = Arc::new(NotifyStore::new(opts.notify_limits));
         let pid = std::process::id();
         let host = shm::host_id();
+        let backends: Vec<Arc<dyn Backend>> =
+            opts.backends.iter().filter_map(|n| backend::by_name(n)).collect();
         let bare = local_engine.trim_start_matches('[').trim_end_matches(']');
         let (local, server) = if let Ok(ip) = bare.parse::<IpAddr>() {
             // Client only: an id that is unique per process.
@@ -224,6 +258,7 @@ impl Engine {
                 secret: opts.secret.clone(),
                 max_pending: opts.max_pending_handshakes,
                 max_pending_per_source: opts.max_pending_per_source,
+                backends: backends.clone(),
             });
             if opts.secret.is_none() && !addr.ip().is_loopback() {
                 warn_open_listener(&bound);
@@ -234,7 +269,7 @@ impl Engine {
         *st = Some(Arc::new(Running {
             local_engine: local,
             host,
-            backends: opts.backends.iter().filter_map(|n| backend::by_name(n)).collect(),
+            backends,
             opts,
             pid,
             registry,
@@ -265,7 +300,7 @@ impl Engine {
         }
         // Empty the registry, then make same-host peers (direct copies) confirm the empty
         // table before the listener stops and memory may be freed.
-        let cleared = r.registry.clear(r.opts.deregister_timeout);
+        let (regions, cleared) = r.registry.clear(r.opts.deregister_timeout);
         let published = match &r.server {
             Some(s) => {
                 let p = s.publish_regions(Some(r.opts.deregister_timeout));
@@ -274,6 +309,9 @@ impl Engine {
             }
             None => Ok(()),
         };
+        for region in &regions {
+            run_deregister_hooks(&r, region);
+        }
         let allocated = std::mem::take(&mut *r.allocated.lock().unwrap());
         if published.is_err() {
             // A peer may still copy into it: leak rather than free memory under it.
@@ -291,11 +329,22 @@ impl Engine {
     /// Registers with an access mode: `Access::ReadOnly` regions may be READ by peers, and a
     /// peer's WRITE into them is refused by this engine (PARAM_INVALID, nothing written).
     pub fn register_mem_access(&self, desc: MemDesc, mem_type: MemType, access: Access) -> Result<MemHandle> {
+        self.register_named(desc, mem_type, access, "")
+    }
+
+    /// Registers under a name (empty: none) that peers see in their region table and can look
+    /// the region up by ([`Engine::remote_region`]); names are unique within an engine. A
+    /// memory domain that no backend of `hixl.backends` serves is UNSUPPORTED.
+    pub fn register_named(
+        &self,
+        desc: MemDesc,
+        mem_type: MemType,
+        access: Access,
+        name: &str,
+    ) -> Result<MemHandle> {
         let r = self.running()?;
-        let region = r.registry.register_with(desc.addr, desc.len, mem_type, -1, access)?;
-        if let Some(s) = &r.server {
-            s.publish_regions(None)?;
-        }
+        let span = MemorySpan { addr: desc.addr, len: desc.len, domain: mem_type, memfd: None };
+        let region = register_region(&r, span, access, name)?;
         Ok(MemHandle { id: region.id, addr: region.addr, len: region.len, mem_type })
     }
 
@@ -303,26 +352,32 @@ impl Engine {
     /// and registers it. The engine frees it on deregistration or finalize, unless the caller
     /// still holds the returned `Arc` (then it is freed when that goes).
     pub fn alloc(&self, size: u64) -> Result<(MemHandle, Arc<SharedMem>)> {
+        self.alloc_named(size, "")
+    }
+
+    /// [`Engine::alloc`] under a name (see [`Engine::register_named`]).
+    pub fn alloc_named(&self, size: u64, name: &str) -> Result<(MemHandle, Arc<SharedMem>)> {
         let r = self.running()?;
         let mem = Arc::new(SharedMem::new(size)?);
-        let region = r.registry.register_fd(mem.addr(), mem.len(), MemType::Host, mem.fd())?;
+        let span =
+            MemorySpan { addr: mem.addr(), len: mem.len(), domain: MemType::Host, memfd: Some(mem.fd()) };
+        let region = register_region(&r, span, Access::ReadWrite, name)?;
         r.allocated.lock().unwrap().insert(mem.addr(), mem.clone());
-        if let Some(s) = &r.server {
-            s.publish_regions(None)?;
-        }
         Ok((MemHandle { id: region.id, addr: region.addr, len: region.len, mem_type: MemType::Host }, mem))
     }
 
     /// Deregisters a region, waiting for (then aborting) transfers that use it. Idempotent.
     pub fn deregister_mem(&self, h: &MemHandle) -> Result<()> {
         let r = self.running()?;
-        let removed = r.registry.deregister(h.addr, h.len, r.opts.deregister_timeout)?;
-        match &r.server {
+        let Some(region) = r.registry.deregister(h.addr, h.len, r.opts.deregister_timeout)? else {
+            return Ok(());
+        };
+        if let Some(s) = &r.server {
             // Same-host peers copy without a target-side check: they must drop the region
             // from their tables before its memory may be freed.
-            Some(s) if removed => s.publish_regions(Some(r.opts.deregister_timeout))?,
-            _ => {}
+            s.publish_regions(Some(r.opts.deregister_timeout))?;
         }
+        run_deregister_hooks(&r, &region);
         r.allocated.lock().unwrap().remove(&h.addr);
         Ok(())
     }
@@ -365,21 +420,29 @@ impl Engine {
         }
     }
 
-    /// Connects the control channel, then asks each backend of `hixl.backends`, in order, for
-    /// a data path to the peer; the first that can serve it wins.
-    fn open_link(r: &Running, key: &str, addr: SocketAddr, timeout: Duration) -> Result<Arc<dyn Link>> {
+    /// Connects the control channel, then asks each backend of `hixl.backends` that the peer
+    /// offers, in order, for a data path to it; the first that can serve it wins.
+    fn open_link(r: &Running, key: &str, addr: SocketAddr, timeout: Duration) -> Result<PeerConn> {
         let control = TcpLink::connect(key, addr, &Self::link_params(r, timeout))?;
         let ctx = backend::OpenCtx { opts: &r.opts, host: &r.host, timeout };
         let mut not_chosen: Vec<String> = Vec::new();
         for b in &r.backends {
-            match b.open(&ctx, &control) {
+            let offer = match control.handshake().offer(b.name()) {
+                None => Err("the peer does not offer it".to_string()),
+                Some(o) if !o.domains.contains(&(Domain::Host, Domain::Host)) => {
+                    Err("the peer offers it for other memory domains only".to_string())
+                }
+                Some(o) => b.connect(&ctx, &control, o),
+            };
+            match offer {
                 Ok(link) => {
                     if not_chosen.is_empty() {
                         tracing::info!(peer = %key, backend = b.name(), "data path chosen");
                     } else {
                         tracing::info!(peer = %key, backend = b.name(), not_chosen = %not_chosen.join("; "), "data path chosen");
                     }
-                    return Ok(link);
+                    let domains = b.domains();
+                    return Ok(PeerConn { control, link, domains, recent: Mutex::new(Vec::new()) });
                 }
                 Err(why) => not_chosen.push(format!("{}: {why}", b.name())),
             }
@@ -396,12 +459,11 @@ impl Engine {
         Err(e)
     }
 
-    fn finish_connect(r: &Running, key: &str, res: Result<Arc<dyn Link>>, keep_failure: bool) -> Result<()> {
+    fn finish_connect(r: &Running, key: &str, res: Result<PeerConn>, keep_failure: bool) -> Result<()> {
         let mut peers = r.peers.lock().unwrap();
         match res {
-            Ok(link) => {
-                tracing::info!(peer = %key, backend = link.backend(), "connected");
-                let conn = PeerConn { link, recent: Mutex::new(Vec::new()) };
+            Ok(conn) => {
+                tracing::info!(peer = %key, backend = conn.link.backend(), "connected");
                 peers.insert(key.to_string(), PeerSlot::Connected(Arc::new(conn)));
                 Ok(())
             }
@@ -491,8 +553,33 @@ impl Engine {
     pub fn remote_mems(&self, remote: &str) -> Result<Vec<MemDesc>> {
         let r = self.running()?;
         let c = Self::conn(&r, remote)?;
-        let table = c.link.table();
-        Ok(table.regions().iter().map(|r| MemDesc { addr: r.addr, len: r.len }).collect())
+        let table = c.control.table();
+        Ok(table.regions().map(|r| MemDesc { addr: r.addr, len: r.len }).collect())
+    }
+
+    /// The peer's regions with their names, domains and access, as of its last region-table
+    /// update.
+    pub fn remote_regions(&self, remote: &str) -> Result<Vec<RemoteRegion>> {
+        let r = self.running()?;
+        let c = Self::conn(&r, remote)?;
+        let table = c.control.table();
+        Ok(table.regions().map(RemoteRegion::from).collect())
+    }
+
+    /// The peer's region registered under `name`. A name not in this engine's copy of the
+    /// peer's table is asked for once (the peer may have registered it a moment ago);
+    /// PARAM_INVALID naming it when the peer has no such region.
+    pub fn remote_region(&self, remote: &str, name: &str) -> Result<RemoteRegion> {
+        let r = self.running()?;
+        let c = Self::conn(&r, remote)?;
+        let find = |miss: &mut bool| match c.control.table().by_name(name) {
+            Some(e) => Ok(RemoteRegion::from(e)),
+            None => {
+                *miss = true;
+                Err(Error::param(format!("{remote} has no region registered as name={name:?}")))
+            }
+        };
+        with_fresh_table(&r, &c, find)
     }
 
     /// Runs a batch and waits for it (up to `timeout`).
@@ -763,6 +850,93 @@ fn warn_open_listener(bound: &str) {
     });
 }
 
+/// Registers a region: every backend's registration hook first (its key travels in the region
+/// table), then the registry, then the peers are told. A domain no backend serves is
+/// UNSUPPORTED; a failed registration releases the keys already made.
+fn register_region(r: &Running, span: MemorySpan, access: Access, name: &str) -> Result<Arc<Region>> {
+    if !r.backends.iter().any(|b| b.domains().iter().any(|(local, _)| *local == span.domain)) {
+        return Err(Error::new(
+            Status::Unsupported,
+            format!(
+                "memory domain {} (MemType.{}) is served by no backend of hixl.backends={} (this build has: {})",
+                span.domain.as_str(),
+                span.domain.as_str().to_uppercase(),
+                r.opts.backends.join(","),
+                backend::BUILT.join(", ")
+            ),
+        ));
+    }
+    let mut keys: Vec<BackendKey> = Vec::new();
+    let release = |keys: &[BackendKey]| {
+        for k in keys {
+            if let Some(b) = r.backends.iter().find(|b| b.name() == k.backend) {
+                b.deregister(&span, &k.key);
+            }
+        }
+    };
+    for b in &r.backends {
+        match b.register(&span) {
+            Ok(Some(key)) => keys.push(BackendKey { backend: b.name().into(), key }),
+            Ok(None) => {}
+            Err(e) => {
+                release(&keys);
+                return Err(e);
+            }
+        }
+    }
+    let spec = RegionSpec {
+        addr: span.addr,
+        len: span.len,
+        mem_type: span.domain,
+        access,
+        name: name.to_string(),
+        keys: keys.clone(),
+    };
+    let (region, created) = match r.registry.register_spec(spec) {
+        Ok(x) => x,
+        Err(e) => {
+            release(&keys);
+            return Err(e);
+        }
+    };
+    if !created {
+        // The same range again: the existing region keeps its own keys.
+        release(&keys);
+        return Ok(region);
+    }
+    if let Some(s) = &r.server {
+        s.publish_regions(None)?;
+    }
+    Ok(region)
+}
+
+/// Runs the backends' deregistration hooks for a region that left the registry.
+fn run_deregister_hooks(r: &Running, region: &Region) {
+    let span = MemorySpan { addr: region.addr, len: region.len, domain: region.mem_type, memfd: None };
+    for k in &region.keys {
+        if let Some(b) = r.backends.iter().find(|b| b.name() == k.backend) {
+            b.deregister(&span, &k.key);
+        }
+    }
+}
+
+/// Whether the peer's data path moves data between these two memory domains.
+fn check_domains(conn: &PeerConn, remote: &str, local: Domain, theirs: Domain) -> Result<()> {
+    if conn.domains.contains(&(local, theirs)) {
+        return Ok(());
+    }
+    Err(Error::new(
+        Status::Unsupported,
+        format!(
+            "the {} backend chosen for {remote} does not move data between {} memory here and {} \
+             memory there",
+            conn.link.backend(),
+            local.as_str(),
+            theirs.as_str()
+        ),
+    ))
+}
+
 fn check_notify(n: &NotifyDesc) -> Result<()> {
     if n.name.len() > crate::wire::MAX_NAME || n.msg.len() > crate::wire::MAX_MSG {
         return Err(Error::param(format!(
@@ -796,7 +970,7 @@ fn with_fresh_table<T>(
     let mut miss = false;
     match check(&mut miss) {
         Err(e) if miss => {
-            if conn.link.refresh_table(r.opts.handshake_timeout).is_err() {
+            if conn.control.refresh_table(r.opts.handshake_timeout).is_err() {
                 return Err(e);
             }
             check(&mut false)
@@ -814,7 +988,7 @@ fn validate(
     write: bool,
     remote_miss: &mut bool,
 ) -> Result<(Vec<SegPair>, Vec<Pin>, u64)> {
-    let table = conn.link.table();
+    let table = conn.control.table();
     let holder: Arc<dyn Abort> = conn.link.clone();
     let mut pins: Vec<Pin> = Vec::new();
     let mut segs: Vec<SegPair> = Vec::with_capacity(descs.len());
@@ -823,14 +997,18 @@ fn validate(
         if d.len == 0 {
             return Err(Error::param(format!("descriptor {i}: length is 0")));
         }
-        let in_pinned = pins.iter().any(|p| p.region().contains(d.local_addr, d.len));
-        if !in_pinned {
-            let region = r
-                .registry
-                .lookup(d.local_addr, d.len, "local")
-                .map_err(|e| Error::param(format!("descriptor {i}: {}", e.message)))?;
-            pins.push(region.pin(holder.clone())?);
-        }
+        let pinned = pins.iter().position(|p| p.region().contains(d.local_addr, d.len));
+        let local = match pinned {
+            Some(k) => pins[k].region().mem_type,
+            None => {
+                let region = r
+                    .registry
+                    .lookup(d.local_addr, d.len, "local")
+                    .map_err(|e| Error::param(format!("descriptor {i}: {}", e.message)))?;
+                pins.push(region.pin(holder.clone())?);
+                region.mem_type
+            }
+        };
         match table.find(d.remote_addr, d.len) {
             None => {
                 *remote_miss = true;
@@ -846,7 +1024,8 @@ fn validate(
                     read_only(d.remote_addr, d.len).message
                 )))
             }
-            Some(_) => {}
+            Some(e) => check_domains(conn, remote, local, e.domain)
+                .map_err(|e| e.context(&format!("descriptor {i}")))?,
         }
         bytes += d.len;
         push_merged(&mut segs, d);
@@ -908,7 +1087,7 @@ fn validate_strided(
         Error::param(format!("{} (the whole strided range must lie in one region)", e.message))
     })?;
     let pin = region.pin(conn.link.clone())?;
-    match conn.link.table().find(remote_base, rspan) {
+    match conn.control.table().find(remote_base, rspan) {
         None => {
             *remote_miss = true;
             return Err(Error::param(format!(
@@ -916,7 +1095,7 @@ fn validate_strided(
         )));
         }
         Some(e) if write && !e.writable => return Err(read_only(remote_base, rspan)),
-        Some(_) => {}
+        Some(e) => check_domains(conn, remote, region.mem_type, e.domain)?,
     }
     let st = Strided {
         local: local_base,

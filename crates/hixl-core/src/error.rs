@@ -94,7 +94,13 @@ impl Error {
     pub fn timeout(message: impl Into<String>) -> Self {
         Self::new(Status::Timeout, message)
     }
-    /// The numeric code of the status.
+    /// The same error, its message prefixed with `what: ` (which descriptor, which peer).
+    pub fn context(mut self, what: &str) -> Self {
+        self.message = format!("{what}: {}", self.message);
+        self
+    }
+
+    /// The numeric status code.
     pub fn code(&self) -> u32 {
         self.status.code()
     }

@@ -34,7 +34,8 @@ pub mod transport;
 pub mod wire;
 
 pub use engine::{
-    ConnectStatus, Engine, MemDesc, MemHandle, PeerSnapshot, StridedDesc, TransferOpDesc, TransferReq,
+    ConnectStatus, Engine, MemDesc, MemHandle, PeerSnapshot, RemoteRegion, StridedDesc, TransferOpDesc,
+    TransferReq,
 };
 pub use error::{Error, Result, Status};
 pub use queue::{NotifyDesc, TransferOp, TransferStatus};

@@ -6,22 +6,21 @@
 //! happen within the deadline, the holders are aborted (their links are closed, which makes the
 //! I/O threads stop touching the memory and release the pins) and deregistration waits again.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result, Status};
-use crate::wire::RegionEntry;
+use crate::wire::{BackendKey, RegionEntry, MAX_REGIONS, MAX_REGION_NAME, MAX_TABLE_BYTES};
 
-/// Where a region's memory lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum MemType {
-    /// Ordinary host (CPU) memory.
-    Host,
-    /// Accelerator memory; needs a device backend.
-    Device,
-}
+/// Where a region's memory lives: its memory domain (host now; device kinds next). The same
+/// type the wire carries, so that there is one definition.
+pub type MemType = crate::wire::Domain;
+
+/// Changes of the region table a registry remembers, so that peers can be sent deltas; a
+/// peer further behind gets the whole table.
+pub const JOURNAL_LEN: usize = 4096;
 
 /// Something that holds pins and can be told to stop using memory (a link or a served stream).
 pub trait Abort: Send + Sync {
@@ -44,10 +43,12 @@ pub struct Region {
     pub addr: u64,
     /// Length in bytes.
     pub len: u64,
-    /// Memory type.
+    /// Memory type (its domain).
     pub mem_type: MemType,
-    /// memfd of engine-allocated shared memory (peers on this host may map it), or -1.
-    pub fd: i32,
+    /// The name it was registered under (empty: none); unique within the registry.
+    pub name: String,
+    /// The keys the backends' registration hooks returned for it.
+    pub keys: Vec<BackendKey>,
     /// False for read-only regions: peers may READ them but never WRITE them.
     pub writable: bool,
     pins: Mutex<PinSet>,
@@ -55,6 +56,19 @@ pub struct Region {
 }
 
 impl Region {
+    /// The region as peers see it in the region table.
+    pub fn entry(&self) -> RegionEntry {
+        RegionEntry {
+            addr: self.addr,
+            len: self.len,
+            id: self.id,
+            writable: self.writable,
+            domain: self.mem_type,
+            name: self.name.clone(),
+            keys: self.keys.clone(),
+        }
+    }
+
     /// One past the last byte.
     pub fn end(&self) -> u64 {
         self.addr + self.len
@@ -148,10 +162,92 @@ impl Drop for Pin {
     }
 }
 
+/// What to register: a range, its domain and access, an optional name and the backends' keys.
+#[derive(Clone, Debug)]
+pub struct RegionSpec {
+    /// Start address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Its memory domain.
+    pub mem_type: MemType,
+    /// Who may do what with it.
+    pub access: Access,
+    /// A name peers can look it up by (empty: none).
+    pub name: String,
+    /// Keys from the backends' registration hooks.
+    pub keys: Vec<BackendKey>,
+}
+
+impl RegionSpec {
+    /// A writable, unnamed host range without keys.
+    pub fn host(addr: u64, len: u64) -> RegionSpec {
+        RegionSpec {
+            addr,
+            len,
+            mem_type: MemType::Host,
+            access: Access::ReadWrite,
+            name: String::new(),
+            keys: vec![],
+        }
+    }
+}
+
+/// One change of the region table.
+#[derive(Clone, Debug)]
+enum Change {
+    Added(RegionEntry),
+    Removed(u64),
+}
+
+/// The changes since a version, as a peer needs them (see [`Registry::changes_since`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Delta {
+    /// The version the changes lead to.
+    pub version: u64,
+    /// Regions added (and still there).
+    pub added: Vec<RegionEntry>,
+    /// Ids of regions removed.
+    pub removed: Vec<u64>,
+}
+
+#[derive(Default)]
+struct Map {
+    by_addr: BTreeMap<u64, Arc<Region>>,
+    /// Named regions' addresses, by name.
+    names: HashMap<String, u64>,
+    /// The table's version: +1 per registration and per deregistration.
+    version: u64,
+    /// The last `JOURNAL_LEN` changes, with the version each made.
+    journal: VecDeque<(u64, Change)>,
+    /// Bytes of the encoded table (kept under `MAX_TABLE_BYTES`).
+    table_bytes: usize,
+}
+
+impl Map {
+    fn record(&mut self, change: Change) {
+        self.version += 1;
+        if self.journal.len() == JOURNAL_LEN {
+            self.journal.pop_front();
+        }
+        self.journal.push_back((self.version, change));
+    }
+
+    fn remove(&mut self, addr: u64) -> Option<Arc<Region>> {
+        let r = self.by_addr.remove(&addr)?;
+        if !r.name.is_empty() {
+            self.names.remove(&r.name);
+        }
+        self.table_bytes -= r.entry().encoded_len();
+        self.record(Change::Removed(r.id));
+        Some(r)
+    }
+}
+
 /// The registry of one engine.
 #[derive(Default)]
 pub struct Registry {
-    regions: RwLock<BTreeMap<u64, Arc<Region>>>,
+    map: RwLock<Map>,
     next_id: AtomicU64,
 }
 
@@ -161,26 +257,17 @@ impl Registry {
         Self::default()
     }
 
-    /// Registers `[addr, addr+len)`. The identical range again returns the existing region; any
-    /// other overlap, a null address or a zero length is `PARAM_INVALID`.
+    /// Registers a writable, unnamed host range `[addr, addr+len)` (see [`Registry::register_spec`]).
     pub fn register(&self, addr: u64, len: u64, mem_type: MemType) -> Result<Arc<Region>> {
-        self.register_fd(addr, len, mem_type, -1)
+        Ok(self.register_spec(RegionSpec { mem_type, ..RegionSpec::host(addr, len) })?.0)
     }
 
-    /// Like `register`, for memory backed by the memfd `fd` (shared with same-host peers).
-    pub fn register_fd(&self, addr: u64, len: u64, mem_type: MemType, fd: i32) -> Result<Arc<Region>> {
-        self.register_with(addr, len, mem_type, fd, Access::ReadWrite)
-    }
-
-    /// Registers with an explicit access mode (`fd` is -1 for ordinary memory).
-    pub fn register_with(
-        &self,
-        addr: u64,
-        len: u64,
-        mem_type: MemType,
-        fd: i32,
-        access: Access,
-    ) -> Result<Arc<Region>> {
+    /// Registers a range. The identical range again (same domain, access and name) returns the
+    /// existing region and `false`; any other overlap, a null address, a zero length, a name
+    /// already taken or too long is `PARAM_INVALID`; a table that would outgrow what one frame
+    /// carries is `RESOURCE_EXHAUSTED`.
+    pub fn register_spec(&self, spec: RegionSpec) -> Result<(Arc<Region>, bool)> {
+        let RegionSpec { addr, len, mem_type, access, name, keys } = spec;
         let writable = access == Access::ReadWrite;
         if addr == 0 {
             return Err(Error::param("cannot register a null address (addr=0x0)"));
@@ -191,14 +278,14 @@ impl Registry {
         let Some(end) = addr.checked_add(len) else {
             return Err(Error::param(format!("region 0x{addr:x}+{len} overflows the address space")));
         };
-        if mem_type == MemType::Device {
-            return Err(Error::new(
-                Status::Unsupported,
-                "MemType.DEVICE needs a device backend, none is available on this machine",
-            ));
+        if name.len() > MAX_REGION_NAME {
+            return Err(Error::param(format!(
+                "region name of {} bytes is too long: the limit is {MAX_REGION_NAME} bytes",
+                name.len()
+            )));
         }
-        let mut map = self.regions.write().unwrap();
-        if let Some((_, r)) = map.range(..=addr).next_back() {
+        let mut map = self.map.write().unwrap();
+        if let Some((_, r)) = map.by_addr.range(..=addr).next_back() {
             if r.addr == addr && r.len == len && r.mem_type == mem_type {
                 if r.writable != writable {
                     return Err(Error::param(format!(
@@ -208,35 +295,80 @@ impl Registry {
                         access.as_str()
                     )));
                 }
-                return Ok(r.clone());
+                if r.name != name {
+                    return Err(Error::param(format!(
+                        "region 0x{addr:x}+{len} is already registered as name={:?}; deregister it \
+                         before registering it as name={name:?}",
+                        r.name
+                    )));
+                }
+                return Ok((r.clone(), false));
             }
             if r.end() > addr {
                 return Err(overlap(addr, len, r));
             }
         }
-        if let Some((_, r)) = map.range(addr..).next() {
+        if let Some((_, r)) = map.by_addr.range(addr..).next() {
             if r.addr < end {
                 return Err(overlap(addr, len, r));
             }
+        }
+        if let Some(other) = map.names.get(&name) {
+            return Err(Error::param(format!(
+                "name={name:?} is already registered for region 0x{other:x}+{}: region names are \
+                 unique within an engine",
+                map.by_addr[other].len
+            )));
+        }
+        if map.by_addr.len() >= MAX_REGIONS {
+            return Err(Error::new(
+                Status::ResourceExhausted,
+                format!(
+                    "this engine already has {MAX_REGIONS} regions registered, the most one table carries"
+                ),
+            ));
         }
         let region = Arc::new(Region {
             id: self.next_id.fetch_add(1, Ordering::Relaxed) + 1,
             addr,
             len,
             mem_type,
-            fd,
+            name,
+            keys,
             writable,
             pins: Mutex::new(PinSet::default()),
             released: Condvar::new(),
         });
-        map.insert(addr, region.clone());
-        Ok(region)
+        let entry = region.entry();
+        if map.table_bytes + entry.encoded_len() > MAX_TABLE_BYTES {
+            return Err(Error::new(
+                Status::ResourceExhausted,
+                format!(
+                    "the region table would outgrow {MAX_TABLE_BYTES} bytes, the most one frame \
+                     carries ({} regions registered)",
+                    map.by_addr.len()
+                ),
+            ));
+        }
+        map.table_bytes += entry.encoded_len();
+        if !region.name.is_empty() {
+            map.names.insert(region.name.clone(), addr);
+        }
+        map.by_addr.insert(addr, region.clone());
+        map.record(Change::Added(entry));
+        Ok((region, true))
+    }
+
+    /// The region registered under `name`.
+    pub fn by_name(&self, name: &str) -> Option<Arc<Region>> {
+        let map = self.map.read().unwrap();
+        map.names.get(name).map(|a| map.by_addr[a].clone())
     }
 
     /// The region that contains all of `[addr, addr+len)`, or `PARAM_INVALID` naming the range.
     pub fn lookup(&self, addr: u64, len: u64, side: &str) -> Result<Arc<Region>> {
-        let map = self.regions.read().unwrap();
-        match map.range(..=addr).next_back() {
+        let map = self.map.read().unwrap();
+        match map.by_addr.range(..=addr).next_back() {
             Some((_, r)) if r.contains(addr, len) => Ok(r.clone()),
             _ => Err(Error::param(format!(
                 "{side} range 0x{addr:x}+{len} is not inside a region registered on this engine"
@@ -254,44 +386,79 @@ impl Registry {
     }
 
     /// Removes the region registered exactly at `[addr, addr+len)`, waiting up to `wait` for
-    /// in-flight transfers (then aborting them). Unknown ranges are a no-op (idempotent).
-    pub fn deregister(&self, addr: u64, len: u64, wait: Duration) -> Result<bool> {
+    /// in-flight transfers (then aborting them), and returns it. Unknown ranges are a no-op
+    /// (idempotent): `None`.
+    pub fn deregister(&self, addr: u64, len: u64, wait: Duration) -> Result<Option<Arc<Region>>> {
         let region = {
-            let mut map = self.regions.write().unwrap();
-            match map.get(&addr) {
-                Some(r) if r.len == len => map.remove(&addr),
+            let mut map = self.map.write().unwrap();
+            match map.by_addr.get(&addr) {
+                Some(r) if r.len == len => map.remove(addr),
                 _ => None,
             }
         };
         match region {
-            Some(r) => r.close_and_drain(wait).map(|_| true),
-            None => Ok(false),
+            Some(r) => r.close_and_drain(wait).map(|_| Some(r)),
+            None => Ok(None),
         }
     }
 
-    /// Removes every region (finalize), with the same waiting rules as `deregister`.
-    pub fn clear(&self, wait: Duration) -> Result<()> {
-        let all: Vec<_> = std::mem::take(&mut *self.regions.write().unwrap()).into_values().collect();
+    /// Removes every region (finalize), with the same waiting rules as `deregister`; returns
+    /// them, and the first error.
+    pub fn clear(&self, wait: Duration) -> (Vec<Arc<Region>>, Result<()>) {
+        let all: Vec<_> = {
+            let mut map = self.map.write().unwrap();
+            let addrs: Vec<u64> = map.by_addr.keys().copied().collect();
+            addrs.into_iter().filter_map(|a| map.remove(a)).collect()
+        };
         let mut first_err = None;
-        for r in all {
+        for r in &all {
             if let Err(e) = r.close_and_drain(wait) {
                 first_err.get_or_insert(e);
             }
         }
-        first_err.map_or(Ok(()), Err)
+        (all, first_err.map_or(Ok(()), Err))
     }
 
-    /// The region table sent to peers, sorted by address.
-    pub fn table(&self) -> Vec<RegionEntry> {
-        let map = self.regions.read().unwrap();
-        map.values()
-            .map(|r| RegionEntry { addr: r.addr, len: r.len, id: r.id, fd: r.fd, writable: r.writable })
-            .collect()
+    /// The region table sent to peers, sorted by address, and its version.
+    pub fn table(&self) -> (u64, Vec<RegionEntry>) {
+        let map = self.map.read().unwrap();
+        (map.version, map.by_addr.values().map(|r| r.entry()).collect())
+    }
+
+    /// The table's version (+1 per registration and per deregistration).
+    pub fn version(&self) -> u64 {
+        self.map.read().unwrap().version
+    }
+
+    /// The net changes from table version `since` to now (a region added and removed in
+    /// between appears in neither list), or `None` when the journal no longer reaches back
+    /// that far (send the whole table then).
+    pub fn changes_since(&self, since: u64) -> Option<Delta> {
+        let map = self.map.read().unwrap();
+        let oldest = map.journal.front().map_or(map.version + 1, |(v, _)| *v);
+        if since > map.version || since + 1 < oldest {
+            return None;
+        }
+        let mut added: BTreeMap<u64, RegionEntry> = BTreeMap::new();
+        let mut removed = Vec::new();
+        for (_, c) in map.journal.iter().filter(|(v, _)| *v > since) {
+            match c {
+                Change::Added(e) => {
+                    added.insert(e.id, e.clone());
+                }
+                Change::Removed(id) => {
+                    if added.remove(id).is_none() {
+                        removed.push(*id);
+                    }
+                }
+            }
+        }
+        Some(Delta { version: map.version, added: added.into_values().collect(), removed })
     }
 
     /// Number of regions.
     pub fn len(&self) -> usize {
-        self.regions.read().unwrap().len()
+        self.map.read().unwrap().by_addr.len()
     }
 
     /// Whether no region is registered.
@@ -349,24 +516,47 @@ fn overlap(addr: u64, len: u64, r: &Region) -> Error {
     Error::param(format!("region 0x{addr:x}+{len} overlaps the registered region 0x{:x}+{}", r.addr, r.len))
 }
 
-/// A sorted copy of a peer's region table, for checking remote ranges before sending.
+/// A copy of a peer's region table, for checking remote ranges before sending; kept current
+/// by whole tables and by deltas.
 #[derive(Clone, Debug, Default)]
 pub struct RemoteTable {
-    regions: Vec<RegionEntry>,
+    by_addr: BTreeMap<u64, RegionEntry>,
+    /// Address of each region, by id (deltas name removed regions by id).
+    addr_of: HashMap<u64, u64>,
 }
 
 impl RemoteTable {
-    /// Builds a table from entries in any order.
-    pub fn new(mut regions: Vec<RegionEntry>) -> Self {
-        regions.sort_unstable();
-        RemoteTable { regions }
+    /// Builds a table from entries in any order (a later entry at the same address wins).
+    pub fn new(regions: Vec<RegionEntry>) -> Self {
+        let mut t = RemoteTable::default();
+        t.apply(regions, &[]);
+        t
+    }
+
+    /// Removes the regions with ids `removed`, then inserts `added` (replacing any region with
+    /// the same id or address).
+    pub fn apply(&mut self, added: Vec<RegionEntry>, removed: &[u64]) {
+        for id in removed {
+            if let Some(a) = self.addr_of.remove(id) {
+                self.by_addr.remove(&a);
+            }
+        }
+        for e in added {
+            if let Some(a) = self.addr_of.remove(&e.id) {
+                self.by_addr.remove(&a);
+            }
+            if let Some(old) = self.by_addr.remove(&e.addr) {
+                self.addr_of.remove(&old.id);
+            }
+            self.addr_of.insert(e.id, e.addr);
+            self.by_addr.insert(e.addr, e);
+        }
     }
 
     /// The region that contains all of `[addr, addr+len)`.
     pub fn find(&self, addr: u64, len: u64) -> Option<&RegionEntry> {
-        let i = self.regions.partition_point(|r| r.addr <= addr);
-        let r = self.regions.get(i.checked_sub(1)?)?;
-        (addr >= r.addr && addr.checked_add(len).is_some_and(|e| e <= r.addr + r.len)).then_some(r)
+        let (_, r) = self.by_addr.range(..=addr).next_back()?;
+        (addr.checked_add(len).is_some_and(|e| e <= r.addr + r.len)).then_some(r)
     }
 
     /// Whether `[addr, addr+len)` lies inside one region of the table.
@@ -374,9 +564,27 @@ impl RemoteTable {
         self.find(addr, len).is_some()
     }
 
+    /// The region named `name`.
+    pub fn by_name(&self, name: &str) -> Option<&RegionEntry> {
+        if name.is_empty() {
+            return None;
+        }
+        self.by_addr.values().find(|r| r.name == name)
+    }
+
     /// The regions, sorted by address.
-    pub fn regions(&self) -> &[RegionEntry] {
-        &self.regions
+    pub fn regions(&self) -> impl ExactSizeIterator<Item = &RegionEntry> {
+        self.by_addr.values()
+    }
+
+    /// Number of regions.
+    pub fn len(&self) -> usize {
+        self.by_addr.len()
+    }
+
+    /// Whether the table is empty.
+    pub fn is_empty(&self) -> bool {
+        self.by_addr.is_empty()
     }
 }
 
@@ -401,7 +609,6 @@ mod tests {
         r.register(0xf00, 0x100, MemType::Host).unwrap();
         assert_eq!(r.len(), 3);
         assert_eq!(r.register(u64::MAX - 1, 4, MemType::Host).unwrap_err().status, Status::ParamInvalid);
-        assert_eq!(r.register(0x9000, 4, MemType::Device).unwrap_err().status, Status::Unsupported);
     }
 
     #[test]
@@ -435,10 +642,10 @@ mod tests {
             std::thread::sleep(Duration::from_millis(50));
             drop(pin);
         });
-        assert!(r.deregister(0x1000, 0x100, Duration::from_secs(5)).unwrap());
+        assert!(r.deregister(0x1000, 0x100, Duration::from_secs(5)).unwrap().is_some());
         t.join().unwrap();
         assert!(!flag.0.load(Ordering::SeqCst));
-        assert!(!r.deregister(0x1000, 0x100, Duration::from_secs(1)).unwrap(), "idempotent");
+        assert!(r.deregister(0x1000, 0x100, Duration::from_secs(1)).unwrap().is_none(), "idempotent");
         assert!(region.pin(flag.clone()).is_err(), "closed region refuses pins");
 
         // A pin held too long: the holder is aborted, and releases after abort.
@@ -459,13 +666,51 @@ mod tests {
 
     #[test]
     fn remote_table_contains() {
-        let e = |addr, len| RegionEntry { addr, len, id: addr, fd: -1, writable: true };
-        let t = RemoteTable::new(vec![e(0x3000, 0x10), e(0x1000, 0x100)]);
+        let e = |addr, len| RegionEntry::host(addr, len, addr);
+        let mut t = RemoteTable::new(vec![e(0x3000, 0x10), e(0x1000, 0x100)]);
         assert_eq!(t.find(0x3008, 8).unwrap().id, 0x3000);
         assert!(t.contains(0x1000, 0x100));
         assert!(t.contains(0x3008, 8));
         assert!(!t.contains(0x3008, 9));
         assert!(!t.contains(0x2000, 1));
         assert!(!t.contains(0x10, 1));
+        // A delta: region 0x3000 goes, 0x5000 comes.
+        t.apply(vec![e(0x5000, 8)], &[0x3000]);
+        assert!(!t.contains(0x3008, 1));
+        assert!(t.contains(0x5000, 8));
+        assert_eq!(t.len(), 2);
+    }
+
+    #[test]
+    fn names_are_unique_and_deltas_are_net() {
+        let r = Registry::new();
+        let named = |addr, name: &str| RegionSpec { name: name.into(), ..RegionSpec::host(addr, 0x10) };
+        let (a, created) = r.register_spec(named(0x1000, "kv")).unwrap();
+        assert!(created);
+        let e = r.register_spec(named(0x2000, "kv")).unwrap_err();
+        assert!(e.message.contains("name=\"kv\" is already registered"), "{e}");
+        let (again, created) = r.register_spec(named(0x1000, "kv")).unwrap();
+        assert!(!created && again.id == a.id);
+        assert!(r.register_spec(named(0x1000, "other")).is_err(), "same range, other name");
+        assert_eq!(r.by_name("kv").unwrap().id, a.id);
+        let v1 = r.version();
+        let b = r.register(0x3000, 0x10, MemType::Host).unwrap();
+        let c = r.register(0x4000, 0x10, MemType::Host).unwrap();
+        r.deregister(0x3000, 0x10, Duration::from_secs(1)).unwrap();
+        r.deregister(0x1000, 0x10, Duration::from_secs(1)).unwrap();
+        assert!(r.by_name("kv").is_none(), "a deregistered name is free again");
+        let d = r.changes_since(v1).unwrap();
+        assert_eq!(d.version, v1 + 4);
+        assert_eq!(d.added.iter().map(|e| e.id).collect::<Vec<_>>(), vec![c.id], "b came and went");
+        assert_eq!(d.removed, vec![a.id]);
+        assert_ne!(b.id, c.id);
+        assert_eq!(r.changes_since(r.version()).unwrap(), Delta { version: r.version(), ..Delta::default() });
+        assert!(r.changes_since(r.version() + 1).is_none());
+        // Past the journal: no delta, the whole table instead.
+        for i in 0..JOURNAL_LEN as u64 {
+            r.register(0x10_0000 + i * 0x100, 0x10, MemType::Host).unwrap();
+        }
+        assert!(r.changes_since(v1).is_none());
+        assert!(r.changes_since(r.version() - 10).is_some());
     }
 }

@@ -6,7 +6,9 @@
 use std::time::{Duration, Instant};
 
 use hixl_core::auth::{FrameMac, MAC_LEN};
-use hixl_core::wire::{self, Frame, RegionEntry, Seg, StridedSeg, HEADER_LEN};
+use hixl_core::wire::{
+    self, BackendKey, Capability, Domain, Frame, RegionEntry, Seg, StridedSeg, HEADER_LEN,
+};
 
 struct Rng(u64);
 
@@ -29,7 +31,10 @@ impl Rng {
 const KEY: [u8; 32] = [0x5a; 32];
 
 fn seed_frames() -> Vec<Vec<u8>> {
-    let regions = vec![RegionEntry { addr: 0x1000, len: 4096, id: 1, fd: -1, writable: true }];
+    let mut named = RegionEntry::host(0x9000, 64, 2);
+    named.name = "kv".into();
+    named.keys = vec![BackendKey { backend: "shm".into(), key: 7i32.to_le_bytes().to_vec() }];
+    let regions = vec![RegionEntry::host(0x1000, 4096, 1), named];
     let frames = vec![
         Frame::Hello {
             engine_id: "a:1".into(),
@@ -44,10 +49,22 @@ fn seed_frames() -> Vec<Vec<u8>> {
         Frame::Welcome {
             engine_id: "b".into(),
             host: "h".into(),
-            local_socket: "hixl-00".into(),
             table_version: 3,
+            capabilities: vec![
+                Capability {
+                    backend: "shm".into(),
+                    domains: vec![(Domain::Host, Domain::Host)],
+                    param: "hixl-00".into(),
+                },
+                Capability {
+                    backend: "tcp".into(),
+                    domains: vec![(Domain::Host, Domain::Host)],
+                    param: String::new(),
+                },
+            ],
             regions: regions.clone(),
         },
+        Frame::RegionsDelta { from: 3, version: 5, added: regions.clone(), removed: vec![4, 9] },
         Frame::Write { segs: vec![Seg { addr: 0x1000, len: 16 }, Seg { addr: 0x2000, len: 8 }] },
         Frame::Read { segs: vec![Seg { addr: 0x1000, len: 16 }] },
         Frame::ReadResp { status: 0, message: String::new() },

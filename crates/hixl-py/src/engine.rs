@@ -14,7 +14,8 @@ use hixl_core::Engine;
 use crate::buffer::{self, KeepAlive};
 use crate::errors::{self, to_py};
 use crate::types::{
-    self, AsyncConnectStatus, MemDesc, MemType, NotifyDesc, StridedDesc, TransferOp, TransferStatus,
+    self, AsyncConnectStatus, MemDesc, MemType, NotifyDesc, RemoteRegion, StridedDesc, TransferOp,
+    TransferStatus,
 };
 
 /// How long one GIL-free wait slice lasts before Python signals (Ctrl-C) are checked.
@@ -43,12 +44,20 @@ pub struct MemHandle {
     /// Memory type.
     #[pyo3(get)]
     mem_type: MemType,
+    /// The name it was registered under (empty: none).
+    #[pyo3(get)]
+    name: String,
 }
 
 #[pymethods]
 impl MemHandle {
     fn __repr__(&self) -> String {
-        format!("MemHandle(id={}, addr=0x{:x}, len={})", self.id, self.addr, self.len)
+        match self.name.as_str() {
+            "" => format!("MemHandle(id={}, addr=0x{:x}, len={})", self.id, self.addr, self.len),
+            name => {
+                format!("MemHandle(id={}, addr=0x{:x}, len={}, name={name:?})", self.id, self.addr, self.len)
+            }
+        }
     }
 }
 
@@ -297,41 +306,46 @@ impl Hixl {
         Ok(false)
     }
 
-    /// Registers a raw range. `access="r"` lets peers READ it but never WRITE it.
-    #[pyo3(signature = (desc, mem_type = MemType::HOST, access = "rw"))]
+    /// Registers a raw range. `access="r"` lets peers READ it but never WRITE it; `name`
+    /// (unique within this engine) lets peers find it with `remote_region`.
+    #[pyo3(signature = (desc, mem_type = MemType::HOST, access = "rw", name = None))]
     fn register_mem(
         &self,
         py: Python<'_>,
         desc: MemDesc,
         mem_type: MemType,
         access: &str,
+        name: Option<String>,
     ) -> PyResult<MemHandle> {
         let access = hixl_core::Access::parse(access).map_err(to_py)?;
+        let name = name.unwrap_or_default();
         let e = self.engine.clone();
         let h = py
             .allow_threads(|| {
                 let d = hixl_core::MemDesc { addr: desc.addr, len: desc.len };
-                e.register_mem_access(d, mem_type.into(), access)
+                e.register_named(d, mem_type.into(), access, &name)
             })
             .map_err(to_py)?;
-        Ok(MemHandle { addr: h.addr, len: h.len, id: h.id, mem_type })
+        Ok(MemHandle { addr: h.addr, len: h.len, id: h.id, mem_type, name })
     }
 
     /// Registers the memory of a buffer (numpy, bytearray, memoryview, mmap) or a torch CPU
-    /// tensor, keeping the object alive until deregistration. `access="r"`: read-only for peers.
-    #[pyo3(signature = (obj, mem_type = MemType::HOST, access = "rw"))]
+    /// tensor, keeping the object alive until deregistration. `access="r"`: read-only for
+    /// peers; `name`: see `register_mem`.
+    #[pyo3(signature = (obj, mem_type = MemType::HOST, access = "rw", name = None))]
     fn register(
         &self,
         py: Python<'_>,
         obj: &Bound<'_, PyAny>,
         mem_type: MemType,
         access: &str,
+        name: Option<String>,
     ) -> PyResult<MemHandle> {
         let (addr, len, keep) = buffer::export(obj)?;
         if len == 0 {
             return Err(errors::param("cannot register an empty buffer (length=0)"));
         }
-        let h = self.register_mem(py, MemDesc { addr, len }, mem_type, access)?;
+        let h = self.register_mem(py, MemDesc { addr, len }, mem_type, access, name)?;
         self.keep.lock().unwrap().entry((addr, len)).or_insert(keep);
         Ok(h)
     }
@@ -339,10 +353,12 @@ impl Hixl {
     /// Allocates `size` bytes of shared memory (memfd, 2 MiB aligned, rounded up to 2 MiB),
     /// registers it and returns it as a numpy uint8 array (a `ShmBuffer` if numpy is missing).
     /// Freed once deregistered (or finalized) and no longer referenced.
-    fn alloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+    #[pyo3(signature = (size, name = None))]
+    fn alloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>, name: Option<String>) -> PyResult<Py<PyAny>> {
         let size = types::uint("size", size)?;
+        let name = name.unwrap_or_default();
         let e = self.engine.clone();
-        let (h, mem) = py.allow_threads(|| e.alloc(size)).map_err(to_py)?;
+        let (h, mem) = py.allow_threads(|| e.alloc_named(size, &name)).map_err(to_py)?;
         let buf = Py::new(py, buffer::ShmBuffer { mem })?;
         self.keep.lock().unwrap().insert((h.addr, h.len), KeepAlive::Object(buf.clone_ref(py).into_any()));
         match py.import("numpy") {
@@ -392,10 +408,23 @@ impl Hixl {
         self.engine.get_async_connect_status(remote).map(Into::into).map_err(to_py)
     }
 
-    /// Regions the peer had registered at connect.
+    /// The peer's regions, as of its last region-table update.
     fn remote_mems(&self, remote: &str) -> PyResult<Vec<MemDesc>> {
         let v = self.engine.remote_mems(remote).map_err(to_py)?;
         Ok(v.into_iter().map(|m| MemDesc { addr: m.addr, len: m.len }).collect())
+    }
+
+    /// The peer's regions with their names, memory types and access.
+    fn remote_regions(&self, remote: &str) -> PyResult<Vec<RemoteRegion>> {
+        let v = self.engine.remote_regions(remote).map_err(to_py)?;
+        Ok(v.into_iter().map(RemoteRegion::from).collect())
+    }
+
+    /// The peer's region registered under `name` (asks the peer once when it is not in the
+    /// table yet); PARAM_INVALID when there is none.
+    fn remote_region(&self, py: Python<'_>, remote: &str, name: &str) -> PyResult<RemoteRegion> {
+        let e = self.engine.clone();
+        py.allow_threads(|| e.remote_region(remote, name)).map(RemoteRegion::from).map_err(to_py)
     }
 
     /// Runs a batch and waits for it.

@@ -81,6 +81,7 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::TransferStatus>()?;
     m.add_class::<types::AsyncConnectStatus>()?;
     m.add_class::<types::MemDesc>()?;
+    m.add_class::<types::RemoteRegion>()?;
     m.add_class::<types::TransferOpDesc>()?;
     m.add_class::<types::NotifyDesc>()?;
     m.add_class::<types::StridedDesc>()?;

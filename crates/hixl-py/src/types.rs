@@ -35,6 +35,15 @@ impl From<MemType> for hixl_core::MemType {
     }
 }
 
+impl From<hixl_core::MemType> for MemType {
+    fn from(m: hixl_core::MemType) -> Self {
+        match m {
+            hixl_core::MemType::Host => MemType::HOST,
+            hixl_core::MemType::Device => MemType::DEVICE,
+        }
+    }
+}
+
 /// Direction of a transfer: READ copies remote -> local, WRITE local -> remote.
 #[pyclass(eq, eq_int, frozen, hash, module = "hixl._hixl")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -122,6 +131,58 @@ impl MemDesc {
     }
     fn __repr__(&self) -> String {
         format!("MemDesc(addr=0x{:x}, length={})", self.addr, self.len)
+    }
+}
+
+/// A region a peer registered, with its name, memory type and access.
+#[pyclass(frozen, eq, hash, module = "hixl._hixl")]
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct RemoteRegion {
+    /// Start address in the peer's address space.
+    #[pyo3(get)]
+    pub addr: u64,
+    /// Length in bytes.
+    #[pyo3(get)]
+    pub len: u64,
+    /// The name it was registered under (empty: none).
+    #[pyo3(get)]
+    pub name: String,
+    /// Its memory type (domain).
+    #[pyo3(get)]
+    pub mem_type: MemType,
+    /// Whether this engine may WRITE it.
+    #[pyo3(get)]
+    pub writable: bool,
+}
+
+impl From<hixl_core::engine::RemoteRegion> for RemoteRegion {
+    fn from(r: hixl_core::engine::RemoteRegion) -> Self {
+        RemoteRegion {
+            addr: r.addr,
+            len: r.len,
+            name: r.name,
+            mem_type: r.mem_type.into(),
+            writable: r.writable,
+        }
+    }
+}
+
+#[pymethods]
+impl RemoteRegion {
+    /// Same as `len`.
+    #[getter]
+    fn length(&self) -> u64 {
+        self.len
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "RemoteRegion(addr=0x{:x}, length={}, name={:?}, mem_type=MemType.{}, writable={})",
+            self.addr,
+            self.len,
+            self.name,
+            hixl_core::MemType::from(self.mem_type).as_str().to_uppercase(),
+            self.writable
+        )
     }
 }
 

@@ -1,23 +1,46 @@
-//! The backend seam: how a data path is chosen for a peer.
+//! The backend seam: what a backend is, and how one is chosen for a peer.
 //!
-//! Every link starts with the control channel (today the TCP link: handshake, region tables,
-//! notifications, heartbeats). Then the engine asks each backend named in `hixl.backends`, in
-//! that order, to open a data path over it; the first that can serve the peer carries the
-//! link's data, and the INFO log says which was chosen and why the ones before it were not.
-//! Adding a backend means one module and one line in [`by_name`].
+//! A backend has a name, the (local, remote) memory-domain pairs it serves, a registration
+//! hook whose opaque key travels in the region table (and a deregistration hook), the
+//! capability it advertises in Welcome, and `connect`, which opens a [`DataPath`] over a
+//! link's control channel. The engine asks the backends of `hixl.backends`, in that order, for
+//! a data path to a peer, skipping those the peer does not offer; the first that opens carries
+//! the link's data, and the INFO log says which was chosen and why the ones before it were not.
+//!
+//! Adding a backend means one module implementing [`Backend`] (and [`DataPath`]), one line in
+//! [`by_name`] and its name in [`BUILT`]; nothing in the engine or the completer changes.
 
+use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::error::Result;
 use crate::options::Options;
 use crate::transport::local::{self, Proven};
 use crate::transport::selfcopy::{self, SelfLink};
 use crate::transport::shm::ShmLink;
 use crate::transport::tcp::TcpLink;
-use crate::transport::Link;
+use crate::transport::DataPath;
+use crate::wire::{Capability, Domain};
 
 /// Names of the backends this build has, fastest first (the default of `hixl.backends`).
 pub const BUILT: &[&str] = &["self", "shm", "tcp"];
+
+/// Host memory on both sides: the one pair today's backends serve.
+const HOST_TO_HOST: &[(Domain, Domain)] = &[(Domain::Host, Domain::Host)];
+
+/// Memory being registered, as a registration hook sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct MemorySpan {
+    /// Start address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Its memory domain.
+    pub domain: Domain,
+    /// The sealed memfd the memory is a mapping of, when the engine allocated it.
+    pub memfd: Option<RawFd>,
+}
 
 /// What a backend may use to open a data path.
 pub struct OpenCtx<'a> {
@@ -31,11 +54,43 @@ pub struct OpenCtx<'a> {
 
 /// A way to move a link's data.
 pub trait Backend: Send + Sync {
-    /// Its name, as `hixl.backends` and `stats()` spell it.
+    /// Its name, as `hixl.backends`, capabilities and `stats()` spell it.
     fn name(&self) -> &'static str;
-    /// Opens a data path to the peer at the other end of `control`; Err says why this backend
-    /// cannot serve that peer (the engine then tries the next).
-    fn open(&self, ctx: &OpenCtx<'_>, control: &Arc<TcpLink>) -> std::result::Result<Arc<dyn Link>, String>;
+
+    /// The (local, remote) memory-domain pairs it moves data between.
+    fn domains(&self) -> &'static [(Domain, Domain)];
+
+    /// What this engine advertises for it in Welcome; `None` when it cannot be offered here.
+    /// `local_socket` is the name of this engine's same-host socket (empty: none).
+    fn capability(&self, local_socket: &str) -> Option<Capability> {
+        let _ = local_socket;
+        Some(Capability {
+            backend: self.name().into(),
+            domains: self.domains().to_vec(),
+            param: String::new(),
+        })
+    }
+
+    /// Registration hook: the key peers need to reach this memory through this backend
+    /// (`None`: none needed). An error fails the registration.
+    fn register(&self, mem: &MemorySpan) -> Result<Option<Vec<u8>>> {
+        let _ = mem;
+        Ok(None)
+    }
+
+    /// Deregistration hook: releases what `register` set up for `key`.
+    fn deregister(&self, mem: &MemorySpan, key: &[u8]) {
+        let _ = (mem, key);
+    }
+
+    /// Opens a data path to the peer at the other end of `control`, which offered `offer`; Err
+    /// says why this backend cannot serve that peer (the engine then tries the next).
+    fn connect(
+        &self,
+        ctx: &OpenCtx<'_>,
+        control: &Arc<TcpLink>,
+        offer: &Capability,
+    ) -> std::result::Result<Arc<dyn DataPath>, String>;
 }
 
 /// The backend called `name`, if this build has it.
@@ -48,6 +103,15 @@ pub fn by_name(name: &str) -> Option<Arc<dyn Backend>> {
     }
 }
 
+/// The capability of a backend that needs the same-host socket, if this engine has one.
+fn with_local_socket(b: &dyn Backend, local_socket: &str) -> Option<Capability> {
+    (!local_socket.is_empty()).then(|| Capability {
+        backend: b.name().into(),
+        domains: b.domains().to_vec(),
+        param: local_socket.into(),
+    })
+}
+
 /// Two engines of one process: memcpy, after an in-process check that the peer engine holds
 /// this very stream (see `selfcopy`).
 struct SameProcess;
@@ -57,10 +121,22 @@ impl Backend for SameProcess {
         "self"
     }
 
-    fn open(&self, _ctx: &OpenCtx<'_>, control: &Arc<TcpLink>) -> std::result::Result<Arc<dyn Link>, String> {
-        let info = crate::transport::Link::peer_info(&**control);
+    fn domains(&self) -> &'static [(Domain, Domain)] {
+        HOST_TO_HOST
+    }
+
+    fn capability(&self, local_socket: &str) -> Option<Capability> {
+        with_local_socket(self, local_socket)
+    }
+
+    fn connect(
+        &self,
+        _ctx: &OpenCtx<'_>,
+        control: &Arc<TcpLink>,
+        offer: &Capability,
+    ) -> std::result::Result<Arc<dyn DataPath>, String> {
         let (ours, theirs) = control.stream0_ends().map_err(|e| e.message)?;
-        let target = selfcopy::find(&info.local_socket, &ours, &theirs)?;
+        let target = selfcopy::find(&offer.param, &ours, &theirs)?;
         Ok(SelfLink::new(control.clone(), target))
     }
 }
@@ -73,12 +149,22 @@ impl Backend for Tcp {
         "tcp"
     }
 
-    fn open(&self, _ctx: &OpenCtx<'_>, control: &Arc<TcpLink>) -> std::result::Result<Arc<dyn Link>, String> {
+    fn domains(&self) -> &'static [(Domain, Domain)] {
+        HOST_TO_HOST
+    }
+
+    fn connect(
+        &self,
+        _ctx: &OpenCtx<'_>,
+        control: &Arc<TcpLink>,
+        _offer: &Capability,
+    ) -> std::result::Result<Arc<dyn DataPath>, String> {
         Ok(control.clone())
     }
 }
 
-/// Same host: cross-memory attach and sealed memfd mappings, after the same-host proof.
+/// Same host: cross-memory attach and sealed memfd mappings, after the same-host proof. Its
+/// registration key is the memfd's descriptor number in the owner (for `alloc`ed memory).
 struct Shm;
 
 impl Backend for Shm {
@@ -86,8 +172,25 @@ impl Backend for Shm {
         "shm"
     }
 
-    fn open(&self, ctx: &OpenCtx<'_>, control: &Arc<TcpLink>) -> std::result::Result<Arc<dyn Link>, String> {
-        let proven = prove_same_host(ctx, control)?;
+    fn domains(&self) -> &'static [(Domain, Domain)] {
+        HOST_TO_HOST
+    }
+
+    fn capability(&self, local_socket: &str) -> Option<Capability> {
+        with_local_socket(self, local_socket)
+    }
+
+    fn register(&self, mem: &MemorySpan) -> Result<Option<Vec<u8>>> {
+        Ok(mem.memfd.map(|fd| fd.to_le_bytes().to_vec()))
+    }
+
+    fn connect(
+        &self,
+        ctx: &OpenCtx<'_>,
+        control: &Arc<TcpLink>,
+        offer: &Capability,
+    ) -> std::result::Result<Arc<dyn DataPath>, String> {
+        let proven = prove_same_host(ctx, control, &offer.param)?;
         let link = ShmLink::new(control.clone(), proven, ctx.opts.shm_threads, ctx.opts.queue_depth)
             .map_err(|e| e.message)?;
         Ok(link)
@@ -98,17 +201,14 @@ impl Backend for Shm {
 /// socket, that they hold the two ends of this very link; then we wait for a region table at
 /// least as new as the one the peer will make us confirm. Err says why direct copies cannot
 /// be used.
-fn prove_same_host(ctx: &OpenCtx<'_>, tcp: &TcpLink) -> std::result::Result<Proven, String> {
-    let info = crate::transport::Link::peer_info(tcp);
-    if info.local_socket.is_empty() {
-        return Err("the peer offers no same-host proof".into());
-    }
-    if info.host != ctx.host {
-        return Err(format!("the peer says it runs on another host ({})", info.host));
+fn prove_same_host(ctx: &OpenCtx<'_>, tcp: &TcpLink, socket: &str) -> std::result::Result<Proven, String> {
+    let host = &tcp.handshake().host;
+    if host != ctx.host {
+        return Err(format!("the peer says it runs on another host ({host})"));
     }
     let (ours, theirs) = tcp.stream0_ends().map_err(|e| e.message)?;
     let deadline = Instant::now() + ctx.timeout.max(Duration::from_secs(1));
-    let proven = local::prove(&info.local_socket, tcp.stream0_fd(), &ours, &theirs, deadline)?;
+    let proven = local::prove(socket, tcp.stream0_fd(), &ours, &theirs, deadline)?;
     let left = deadline.saturating_duration_since(Instant::now());
     tcp.wait_table_version(proven.table_version, left).map_err(|e| e.message)?;
     Ok(proven)

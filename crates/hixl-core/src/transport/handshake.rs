@@ -145,14 +145,14 @@ pub(crate) fn recv_welcome(
         )));
     }
     match f {
-        Frame::Welcome { engine_id, host, local_socket, table_version, regions } => {
+        Frame::Welcome { engine_id, host, table_version, capabilities, regions } => {
             if target_id.is_some_and(|t| t != engine_id) {
                 return Err(Error::not_connected(format!(
                     "{peer} authenticated as one engine and welcomed us as {engine_id}"
                 )));
             }
             let info =
-                PeerInfo { engine_id, host, local_socket, table_version, regions: RemoteTable::new(regions) };
+                PeerInfo { engine_id, host, capabilities, table_version, regions: RemoteTable::new(regions) };
             Ok((info, tx, rx))
         }
         Frame::Error { status, message } => {

@@ -1,8 +1,10 @@
-//! Backends: how bytes move to a peer. The control channel (handshake, notifications) is TCP
-//! in every case; `backend` chooses the data path over it (`tcp` itself between hosts, `shm`
-//! on one host).
+//! Links to peers. Every link has one control channel (`control`: handshake, region tables,
+//! notifications, heartbeats), which runs over TCP, and one data path chosen by `backend`
+//! among the backends both sides offer (`self` in one process, `shm` on one host, `tcp`
+//! anywhere).
 
 pub mod backend;
+pub mod control;
 pub mod handshake;
 pub mod io;
 pub mod liveness;
@@ -20,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::queue::Part;
 use crate::registry::RemoteTable;
 use crate::stats::PeerStats;
+use crate::wire::Capability;
 
 /// What the handshake told us about a peer.
 #[derive(Clone, Debug)]
@@ -28,36 +31,38 @@ pub struct PeerInfo {
     pub engine_id: String,
     /// The peer's machine identity, as it claims it (a hint; never trusted).
     pub host: String,
-    /// The abstract Unix socket where the peer proves it is on this host (empty: none).
-    pub local_socket: String,
+    /// The data paths the peer offers, in its order of preference.
+    pub capabilities: Vec<Capability>,
     /// Version of the region table at the handshake.
     pub table_version: u64,
     /// The peer's regions (at connect, then as updated by the peer).
     pub regions: RemoteTable,
 }
 
-/// A connected link to one peer: accepts parts of requests and completes them.
-pub trait Link: crate::registry::Abort + Send + Sync {
+impl PeerInfo {
+    /// What the peer offers for `backend`, if it offers it.
+    pub fn offer(&self, backend: &str) -> Option<&Capability> {
+        self.capabilities.iter().find(|c| c.backend == backend)
+    }
+}
+
+/// A backend's data path to one peer: takes the parts of requests, moves their bytes and
+/// reports each part's end to the link's completer (which settles requests and sends the
+/// notification after the data over the control channel).
+pub trait DataPath: crate::registry::Abort + Send + Sync {
     /// Backend name ("tcp", ...), shown in stats and logs.
     fn backend(&self) -> &'static str;
-    /// Handshake facts about the peer.
-    fn peer_info(&self) -> PeerInfo;
-    /// The peer's current region table; hold the guard only briefly (updates wait for it).
-    fn table(&self) -> std::sync::RwLockReadGuard<'_, RemoteTable>;
-    /// Asks the peer for its current region table and waits (up to `timeout`) until it is
-    /// installed: for a range the peer registered so recently that its update is still on
-    /// the way (it told us about the range through another channel).
-    fn refresh_table(&self, timeout: std::time::Duration) -> Result<()>;
     /// How many workers can carry shares of one request in parallel.
     fn parallelism(&self) -> usize;
     /// Queues the parts of one request; `extra_slots` more queue slots are reserved for
     /// follow-up parts (the notify that follows the data). `RESOURCE_EXHAUSTED` when full.
     fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()>;
-    /// Whether the link is usable.
+    /// Whether the data path (and its control channel) is usable.
     fn is_alive(&self) -> bool;
     /// Why it died, if it did.
     fn dead_reason(&self) -> Option<String>;
-    /// Closes the link: every queued or in-flight part fails with `why`; bounded in time.
+    /// Closes it and its control channel: every queued or in-flight part fails with `why`;
+    /// bounded in time.
     fn close(&self, why: crate::error::Error);
     /// Per-peer counters.
     fn stats(&self) -> Arc<PeerStats>;

@@ -12,17 +12,16 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLockReadGuard, Weak};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, Weak};
 
 use crate::complete::Completer;
 use crate::error::{Error, Result};
 use crate::queue::{Part, PartBody, SegPair, TransferOp};
-use crate::registry::{Abort, Pin, RemoteTable};
+use crate::registry::{Abort, Pin};
 use crate::stats::PeerStats;
 use crate::transport::server::Server;
 use crate::transport::tcp::TcpLink;
-use crate::transport::{Link, PeerInfo};
+use crate::transport::DataPath;
 
 /// Listening engines of this process, by the name of their same-host socket.
 static LISTENING: Mutex<Option<HashMap<String, Weak<Server>>>> = Mutex::new(None);
@@ -122,21 +121,9 @@ impl SelfLink {
     }
 }
 
-impl Link for SelfLink {
+impl DataPath for SelfLink {
     fn backend(&self) -> &'static str {
         "self"
-    }
-
-    fn peer_info(&self) -> PeerInfo {
-        self.tcp.peer_info()
-    }
-
-    fn table(&self) -> RwLockReadGuard<'_, RemoteTable> {
-        self.tcp.table()
-    }
-
-    fn refresh_table(&self, timeout: Duration) -> Result<()> {
-        self.tcp.refresh_table(timeout)
     }
 
     fn parallelism(&self) -> usize {

@@ -112,18 +112,21 @@ pub(crate) fn serve(
         // `publish_regions`: any later update is sent after the Welcome, never before it.
         let mut tx = served.send.lock().unwrap();
         tx.mac = FrameMac::new(keys.as_ref().map(|k| k.target_to_initiator), data);
-        let table_version = srv.version.load(Ordering::SeqCst);
+        let (table_version, regions) = ctx.registry.table();
+        let socket = srv.local_socket();
         let welcome = Frame::Welcome {
             engine_id: ctx.engine_id.clone(),
             host: ctx.host.clone(),
-            local_socket: srv.local_socket(),
             table_version,
-            regions: ctx.registry.table(),
+            capabilities: ctx.backends.iter().filter_map(|b| b.capability(&socket)).collect(),
+            regions,
         };
         let mut b = wire::encode(&welcome, 0, 0);
         tx.mac.seal(&mut b);
         io::send_bytes_by(fd, &b, deadline.max(Instant::now() + ctx.slow_peer_timeout))?;
         served.sent.store(table_version, Ordering::SeqCst);
+        // Nothing older than the Welcome's table can be in use at the peer.
+        served.acked.store(table_version, Ordering::SeqCst);
         served.welcomed.store(true, Ordering::SeqCst);
     }
     serve_frames(srv, id, served, &mut rx, &mut payload)
@@ -208,8 +211,8 @@ fn serve_frames(
                 srv.acks.notify_all();
             }
             Frame::RegionsQuery => {
-                let version = srv.version.load(Ordering::SeqCst);
-                send(served, &Frame::RegionsTable { version, regions: ctx.registry.table() }, h.tag)?
+                let (version, regions) = ctx.registry.table();
+                send(served, &Frame::RegionsTable { version, regions }, h.tag)?
             }
             Frame::Bye => {
                 send(served, &Frame::Ack { status: 0, message: String::new() }, h.tag)?;

@@ -21,6 +21,7 @@ use crate::auth::{FrameMac, Secret};
 use crate::error::{Error, Result};
 use crate::notify::NotifyStore;
 use crate::registry::{Abort, Registry};
+use crate::transport::backend::Backend;
 use crate::transport::io;
 use crate::transport::local::LocalListener;
 use crate::transport::serve::serve;
@@ -71,6 +72,8 @@ pub struct ServerCtx {
     pub max_pending: usize,
     /// Most of those from one source address.
     pub max_pending_per_source: usize,
+    /// The backends this engine offers (their capabilities go in Welcome), in its order.
+    pub backends: Vec<Arc<dyn Backend>>,
 }
 
 /// The sending half of a served stream, behind one lock: frames never interleave.
@@ -119,12 +122,29 @@ impl SendState {
         {
             return;
         }
-        let mut frame =
-            wire::encode(&Frame::RegionsUpdate { version: due, regions: ctx.registry.table() }, 0, 0);
+        // The changes since the version this peer has, or (when the journal no longer reaches
+        // back that far) the whole table.
+        let sent = s.sent.load(Ordering::Acquire);
+        let (version, frame) = match ctx.registry.changes_since(sent) {
+            Some(d) if d.version <= sent => {
+                s.sent.fetch_max(due, Ordering::AcqRel);
+                return;
+            }
+            Some(d) => (
+                d.version,
+                Frame::RegionsDelta { from: sent, version: d.version, added: d.added, removed: d.removed },
+            ),
+            None => {
+                let (version, regions) = ctx.registry.table();
+                (version, Frame::RegionsUpdate { version, regions })
+            }
+        };
+        let mut frame = wire::encode(&frame, 0, 0);
         self.mac.seal(&mut frame);
+        s.update_bytes.fetch_add(frame.len() as u64, Ordering::Relaxed);
         self.outbox = frame;
         self.outbox_sent = 0;
-        self.outbox_version = due;
+        self.outbox_version = version;
     }
 
     /// Sends a due region update from the stream's own thread (blocking, like its other frames).
@@ -168,6 +188,8 @@ pub(crate) struct Served {
     pub(crate) sent: AtomicU64,
     /// Since when an update has been due and not sent.
     due_since: Mutex<Option<Instant>>,
+    /// Bytes of region-table updates queued for this stream (counted for `stats`).
+    pub(crate) update_bytes: AtomicU64,
 }
 
 impl Abort for Served {
@@ -190,7 +212,6 @@ pub struct Server {
     pub(crate) live: Mutex<usize>,
     gone: Condvar,
     threads: Mutex<Vec<JoinHandle<()>>>,
-    pub(crate) version: AtomicU64,
     pub(crate) acks: Condvar,
     /// Rung when an update becomes due (or on stop); the publisher sleeps on it.
     publish: (Mutex<bool>, Condvar),
@@ -222,7 +243,6 @@ impl Server {
             live: Mutex::new(0),
             gone: Condvar::new(),
             threads: Mutex::new(Vec::new()),
-            version: AtomicU64::new(0),
             acks: Condvar::new(),
             publish: (Mutex::new(false), Condvar::new()),
         });
@@ -261,7 +281,7 @@ impl Server {
         })?;
         s.acks_updates.store(true, Ordering::SeqCst);
         // Read after the flag: any publish from here on waits for this stream.
-        Some((self.version.load(Ordering::SeqCst), s.sock.as_raw_fd()))
+        Some((self.ctx.registry.version(), s.sock.as_raw_fd()))
     }
 
     /// Whether one of this engine's served link heads has exactly these ends (seen from the
@@ -377,6 +397,7 @@ impl Server {
                 due: AtomicU64::new(0),
                 sent: AtomicU64::new(0),
                 due_since: Mutex::new(None),
+                update_bytes: AtomicU64::new(0),
             });
             self.served.lock().unwrap().insert(id, served.clone());
             self.admit(id, from.ip());
@@ -447,7 +468,7 @@ impl Server {
     /// does not within `wait` is disconnected and the call fails, so the caller must not free
     /// the memory. Never sends on a socket itself.
     pub fn publish_regions(&self, wait: Option<Duration>) -> Result<()> {
-        let version = self.version.fetch_add(1, Ordering::SeqCst) + 1;
+        let version = self.ctx.registry.version();
         let heads: Vec<Arc<Served>> = self
             .served
             .lock()

@@ -23,7 +23,7 @@ use crate::stats::PeerStats;
 use crate::transport::io::{iov, IOV_MAX};
 use crate::transport::local::{exited, get_fd, Proven};
 use crate::transport::tcp::TcpLink;
-use crate::transport::{Link, PeerInfo, Workers};
+use crate::transport::{DataPath, Workers};
 use crate::wire::RegionEntry;
 
 /// Requests up to this size are copied by the calling thread (no hand-off, no wake-up).
@@ -127,6 +127,12 @@ impl Drop for PeerMapping {
     }
 }
 
+/// The owner's memfd descriptor of a region it allocated: the `shm` backend's registration key.
+fn memfd_key(e: &RegionEntry) -> Option<i32> {
+    let fd = i32::from_le_bytes(e.key("shm")?.try_into().ok()?);
+    (fd >= 0).then_some(fd)
+}
+
 /// Seals an engine-allocated memfd must carry before a peer maps it: it can then never shrink
 /// under the mapping (SIGBUS) or change size at all.
 const REQUIRED_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
@@ -134,22 +140,22 @@ const REQUIRED_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
 /// Maps a same-host peer's memfd region. The descriptor is taken from the proven process itself
 /// (`pidfd_getfd`: the very object it holds, never a path reopened), and mapped only when it is
 /// a memfd sealed against shrinking and growing, at least as long as the region.
-fn map_peer_region(pidfd: &OwnedFd, e: &RegionEntry) -> std::io::Result<PeerMapping> {
+fn map_peer_region(pidfd: &OwnedFd, e: &RegionEntry, fd: i32) -> std::io::Result<PeerMapping> {
     use std::os::fd::AsRawFd;
-    let f = std::fs::File::from(get_fd(pidfd, e.fd)?);
+    let f = std::fs::File::from(get_fd(pidfd, fd)?);
     // SAFETY: F_GET_SEALS takes no argument; it fails (EINVAL) on anything but a memfd/shmem file.
     let seals = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GET_SEALS) };
     if seals < 0 {
-        return Err(std::io::Error::other(format!("descriptor {} of the peer is not a memfd", e.fd)));
+        return Err(std::io::Error::other(format!("descriptor {} of the peer is not a memfd", fd)));
     }
     if seals & REQUIRED_SEALS != REQUIRED_SEALS {
         return Err(std::io::Error::other(format!(
             "the peer's memfd {} is not sealed against shrinking and growing",
-            e.fd
+            fd
         )));
     }
     if f.metadata()?.len() < e.len {
-        return Err(std::io::Error::other(format!("the peer's memfd {} is smaller than the region", e.fd)));
+        return Err(std::io::Error::other(format!("the peer's memfd {} is smaller than the region", fd)));
     }
     // SAFETY: a new shared mapping of a file we opened; no existing memory is affected.
     let p = unsafe {
@@ -330,16 +336,15 @@ impl ShmLink {
             return None;
         }
         let mut maps = self.maps.lock().unwrap();
-        if maps.len() > table.regions().len() {
-            maps.retain(|id, _| table.regions().iter().any(|r| r.id == *id));
+        if maps.len() > table.len() {
+            let ids: std::collections::HashSet<u64> = table.regions().map(|r| r.id).collect();
+            maps.retain(|id, _| ids.contains(id));
         }
         let mut out: Vec<(Arc<PeerMapping>, u64)> = Vec::with_capacity(segs.len());
         let mut last: Option<(u64, Arc<PeerMapping>, u64)> = None; // (id, mapping, region addr)
         for s in segs {
             let e = table.find(s.remote, s.len)?;
-            if e.fd < 0 {
-                return None;
-            }
+            let fd = memfd_key(e)?;
             if let Some((id, m, base)) = &last {
                 if *id == e.id {
                     out.push((m.clone(), *base));
@@ -348,7 +353,7 @@ impl ShmLink {
             }
             let m = match maps.get(&e.id) {
                 Some(m) => m.clone(),
-                None => match map_peer_region(&self.pidfd, e) {
+                None => match map_peer_region(&self.pidfd, e, fd) {
                     Ok(m) => {
                         let m = Arc::new(m);
                         maps.insert(e.id, m.clone());
@@ -403,21 +408,9 @@ impl ShmLink {
     }
 }
 
-impl Link for ShmLink {
+impl DataPath for ShmLink {
     fn backend(&self) -> &'static str {
         "shm"
-    }
-
-    fn peer_info(&self) -> PeerInfo {
-        self.tcp.peer_info()
-    }
-
-    fn table(&self) -> RwLockReadGuard<'_, RemoteTable> {
-        self.tcp.table()
-    }
-
-    fn refresh_table(&self, timeout: Duration) -> Result<()> {
-        self.tcp.refresh_table(timeout)
     }
 
     fn parallelism(&self) -> usize {

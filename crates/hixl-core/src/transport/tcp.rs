@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::auth::{self, FrameMac, Secret, MAC_LEN};
@@ -18,9 +18,7 @@ use crate::registry::{Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::handshake::{self, connect_one};
 use crate::transport::io::{self, iov};
-use crate::transport::liveness::{self, Liveness};
-use crate::transport::server::addr_text;
-use crate::transport::{Link, PeerInfo, Workers};
+use crate::transport::{DataPath, PeerInfo, Workers};
 use crate::wire::{self, Frame, Kind, Seg, StridedSeg};
 
 /// Most parts a writer takes from the queue per wake-up.
@@ -59,53 +57,53 @@ pub struct ConnectParams {
     pub data_mac: bool,
 }
 
-struct Pending {
+pub(super) struct Pending {
     tag: u64,
     part: Part,
 }
 
-struct Stream {
+pub(super) struct Stream {
     /// Index of this stream, and of its lane in the link's queue.
-    lane: usize,
-    sock: TcpStream,
+    pub(super) lane: usize,
+    pub(super) sock: TcpStream,
     /// Held while frames are written, so that frames of two senders never interleave; seals
     /// each frame (on an authenticated stream).
-    send_lock: Mutex<FrameMac>,
+    pub(super) send_lock: Mutex<FrameMac>,
     /// Opens incoming frames; taken by the stream's reader thread.
-    rx: Mutex<Option<FrameMac>>,
-    pending: Mutex<VecDeque<Pending>>,
-    next_tag: AtomicU64,
+    pub(super) rx: Mutex<Option<FrameMac>>,
+    pub(super) pending: Mutex<VecDeque<Pending>>,
+    pub(super) next_tag: AtomicU64,
     /// A region-table version the reader still has to confirm (0: none).
-    ack_due: AtomicU64,
+    pub(super) ack_due: AtomicU64,
 }
 
 /// A TCP link to one peer.
 pub struct TcpLink {
-    peer: String,
-    info: PeerInfo,
+    pub(super) peer: String,
+    pub(super) info: PeerInfo,
     /// The peer's region table; direct-access backends hold a read guard while they copy.
-    table: RwLock<RemoteTable>,
+    pub(super) table: RwLock<RemoteTable>,
     /// Version of `table` (tables older than it are ignored).
-    table_version: AtomicU64,
-    queue: WorkQueue<Part>,
+    pub(super) table_version: AtomicU64,
+    pub(super) queue: WorkQueue<Part>,
     /// Where the next split request's first share goes (rotates, to spread the load).
-    next_lane: AtomicUsize,
-    streams: Vec<Arc<Stream>>,
-    alive: AtomicBool,
-    reason: Mutex<Option<Error>>,
+    pub(super) next_lane: AtomicUsize,
+    pub(super) streams: Vec<Arc<Stream>>,
+    pub(super) alive: AtomicBool,
+    pub(super) reason: Mutex<Option<Error>>,
     /// Settles this link's requests (and counts them).
-    done: Completer,
-    threads: Workers,
-    coalesce: Duration,
-    coalesce_max_ops: usize,
+    pub(super) done: Completer,
+    pub(super) threads: Workers,
+    pub(super) coalesce: Duration,
+    pub(super) coalesce_max_ops: usize,
     /// The highest tag of a RegionsQuery answered so far (`refresh_table` waits for its own),
     /// rung whenever a table is installed; and the tag of the next query.
     /// for it to move.
-    tables: (Mutex<u64>, std::sync::Condvar),
-    next_query: AtomicU64,
+    pub(super) tables: (Mutex<u64>, std::sync::Condvar),
+    pub(super) next_query: AtomicU64,
     /// Wakes the control thread early: when the link closes, or a confirmation waits (it
     /// sleeps a whole heartbeat interval otherwise).
-    closing: (Mutex<bool>, std::sync::Condvar),
+    pub(super) closing: (Mutex<bool>, std::sync::Condvar),
 }
 
 impl TcpLink {
@@ -351,159 +349,6 @@ impl TcpLink {
         unsafe { io::send_all(fd, &mut iovs[sent..]) }
     }
 
-    /// Probes the peer every `every` (a Heartbeat on each stream that is idle; zero: never) and
-    /// closes the link once the peer has made no progress for `liveness::MISSED` intervals.
-    ///
-    /// The same thread sends the region-table confirmations that a reader could not send at
-    /// once (a reader never waits for the send lock: see `confirm_table`).
-    fn control(self: &Arc<Self>, every: Duration) {
-        let period = if every.is_zero() { Duration::from_secs(3600) } else { every };
-        let mut live = Liveness::new(period, Instant::now());
-        let mut probes_sent: u64 = 0;
-        let mut next_probe = Instant::now() + period;
-        loop {
-            {
-                // One wake-up per interval (an idle engine stays idle); close() and readers with
-                // a confirmation to send ring earlier.
-                let mut g = self.closing.0.lock().unwrap();
-                let left = next_probe.saturating_duration_since(Instant::now());
-                if !*g && !left.is_zero() && self.is_alive() {
-                    g = self.closing.1.wait_timeout(g, left).unwrap().0;
-                }
-                *g = false;
-            }
-            if !self.is_alive() {
-                return;
-            }
-            for s in &self.streams {
-                if s.ack_due.load(Ordering::Acquire) != 0 {
-                    let mut mac = s.send_lock.lock().unwrap();
-                    if self.send_ack_locked(s, &mut mac).is_err() {
-                        drop(mac);
-                        self.close(Error::not_connected(format!("stream to {} failed", self.peer)));
-                        return;
-                    }
-                }
-            }
-            let now = Instant::now();
-            if every.is_zero() || now < next_probe {
-                continue;
-            }
-            next_probe = now + period;
-            for s in &self.streams {
-                // Only on a stream nobody is writing to and whose send queue is empty, so the
-                // probe can never block this thread (a cut link leaves data queued; then the
-                // missing progress speaks for itself).
-                if let Ok(mut mac) = s.send_lock.try_lock() {
-                    let fd = s.sock.as_raw_fd();
-                    if io::queued_bytes(fd) == Some(0) {
-                        let mut probe = wire::encode(&Frame::Heartbeat, 0, 0);
-                        mac.seal(&mut probe);
-                        if io::send_bytes(fd, &probe).is_ok() {
-                            probes_sent += probe.len() as u64;
-                        }
-                    }
-                }
-            }
-            let mut progress: i128 = -(probes_sent as i128);
-            for s in &self.streams {
-                let Some((received, acked)) = liveness::tcp_progress(s.sock.as_raw_fd()) else { return };
-                progress += received as i128 + acked as i128;
-            }
-            if let Some(silent) = live.observe(progress, now) {
-                self.close(Error::not_connected(format!(
-                    "{} stopped answering: no progress for {} ms ({} heartbeats of {} ms missed)",
-                    self.peer,
-                    silent.as_millis(),
-                    liveness::MISSED,
-                    every.as_millis()
-                )));
-                return;
-            }
-        }
-    }
-
-    /// Replaces the peer's region table unless ours is newer (waiting for direct copies that
-    /// hold the old one) and wakes `refresh_table` / `wait_table_version` callers.
-    fn install_table(&self, version: u64, regions: Vec<crate::wire::RegionEntry>, answers: Option<u64>) {
-        {
-            let mut t = self.table.write().unwrap();
-            if version >= self.table_version.load(Ordering::Acquire) {
-                *t = RemoteTable::new(regions);
-                self.table_version.store(version, Ordering::Release);
-            }
-        }
-        let mut answered = self.tables.0.lock().unwrap();
-        if let Some(tag) = answers {
-            *answered = (*answered).max(tag);
-        }
-        self.tables.1.notify_all();
-    }
-
-    /// Waits (up to `timeout`) until the installed region table has at least `version`.
-    pub fn wait_table_version(&self, version: u64, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        let mut n = self.tables.0.lock().unwrap();
-        while self.table_version.load(Ordering::Acquire) < version {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if !self.is_alive() || left.is_zero() {
-                return Err(Error::timeout(format!(
-                    "{} did not send region table version {version} in time",
-                    self.peer
-                )));
-            }
-            n = self.tables.1.wait_timeout(n, left.min(Duration::from_millis(50))).unwrap().0;
-        }
-        Ok(())
-    }
-
-    /// Confirms region-table `version` to the peer. A reader never waits for the send lock nor
-    /// on a full socket (the peer may be blocked sending to us, waiting for us to read): it
-    /// sends at once only when the lock is free and the socket's send queue is empty, and
-    /// otherwise leaves the confirmation to the control thread.
-    fn confirm_table(&self, s: &Stream, version: u64) {
-        s.ack_due.fetch_max(version, Ordering::AcqRel);
-        if let Ok(mut mac) = s.send_lock.try_lock() {
-            if io::queued_bytes(s.sock.as_raw_fd()) == Some(0) {
-                if self.send_ack_locked(s, &mut mac).is_err() {
-                    drop(mac);
-                    self.close(Error::not_connected(format!("stream to {} failed", self.peer)));
-                }
-                return;
-            }
-        }
-        self.ring_control();
-    }
-
-    /// Sends the pending confirmation of stream `s`, if any; the caller holds its send lock.
-    fn send_ack_locked(&self, s: &Stream, mac: &mut FrameMac) -> std::io::Result<()> {
-        let version = s.ack_due.swap(0, Ordering::AcqRel);
-        if version == 0 {
-            return Ok(());
-        }
-        let mut ack = wire::encode(&Frame::RegionsAck { version }, 0, 0);
-        mac.seal(&mut ack);
-        io::send_bytes(s.sock.as_raw_fd(), &ack)
-    }
-
-    fn ring_control(&self) {
-        *self.closing.0.lock().unwrap() = true;
-        self.closing.1.notify_all();
-    }
-
-    /// Our descriptor of stream 0 (the same-host proof shows it to the peer).
-    pub fn stream0_fd(&self) -> std::os::fd::RawFd {
-        self.streams[0].sock.as_raw_fd()
-    }
-
-    /// The two ends of stream 0 (ours, the peer's), as the same-host proof names them.
-    pub fn stream0_ends(&self) -> Result<(String, String)> {
-        let s = &self.streams[0].sock;
-        let ends = s.local_addr().and_then(|l| Ok((l, s.peer_addr()?)));
-        let (l, p) = ends.map_err(|e| Error::not_connected(format!("stream to {}: {e}", self.peer)))?;
-        Ok((addr_text(l), addr_text(p)))
-    }
-
     fn reader(self: &Arc<Self>, s: &Stream) {
         let fd = s.sock.as_raw_fd();
         let mut payload = Vec::new();
@@ -549,6 +394,13 @@ impl TcpLink {
                 Frame::RegionsUpdate { version, regions } => {
                     // Waits for direct copies that use the old table, then confirms.
                     self.install_table(version, regions, None);
+                    self.confirm_table(s, version);
+                }
+                Frame::RegionsDelta { from, version, added, removed } => {
+                    if let Err(e) = self.apply_delta(from, version, added, &removed) {
+                        self.close(e);
+                        break;
+                    }
                     self.confirm_table(s, version);
                 }
                 Frame::Error { status, message } => {
@@ -709,41 +561,9 @@ impl TcpLink {
     }
 }
 
-impl Link for TcpLink {
+impl DataPath for TcpLink {
     fn backend(&self) -> &'static str {
         "tcp"
-    }
-
-    fn peer_info(&self) -> PeerInfo {
-        PeerInfo { regions: self.table.read().unwrap().clone(), ..self.info.clone() }
-    }
-
-    fn table(&self) -> RwLockReadGuard<'_, RemoteTable> {
-        self.table.read().unwrap()
-    }
-
-    fn refresh_table(&self, timeout: Duration) -> Result<()> {
-        let tag = self.next_query.fetch_add(1, Ordering::Relaxed);
-        // On the first stream: the one the peer sends its table updates on, so the answer
-        // comes after every update sent before it.
-        let s = &self.streams[0];
-        let mut query = wire::encode(&Frame::RegionsQuery, tag, 0);
-        {
-            let mut mac = s.send_lock.lock().unwrap();
-            mac.seal(&mut query);
-            io::send_bytes(s.sock.as_raw_fd(), &query)
-                .map_err(|e| Error::not_connected(format!("stream to {} failed: {e}", self.peer)))?;
-        }
-        let deadline = Instant::now() + timeout;
-        let mut n = self.tables.0.lock().unwrap();
-        while *n < tag {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if !self.is_alive() || left.is_zero() {
-                return Err(Error::timeout(format!("{} did not send its region table in time", self.peer)));
-            }
-            n = self.tables.1.wait_timeout(n, left.min(Duration::from_millis(50))).unwrap().0;
-        }
-        Ok(())
     }
 
     fn parallelism(&self) -> usize {

@@ -13,10 +13,18 @@
 
 use std::fmt;
 
+mod region;
+
+use region::{put_capabilities, put_ids, put_regions};
+pub use region::{
+    BackendKey, Capability, Domain, RegionEntry, MAX_BACKEND_NAME, MAX_CAPABILITIES, MAX_DOMAIN_PAIRS,
+    MAX_KEYS, MAX_KEY_LEN, MAX_REGIONS, MAX_REGION_NAME,
+};
+
 /// Frame magic.
 pub const MAGIC: [u8; 2] = *b"HX";
 /// Protocol version; a peer with another version is refused at the handshake.
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 24;
 /// Most descriptors in one data frame.
@@ -27,10 +35,11 @@ pub const MAX_PAYLOAD: u32 = 4 << 20;
 pub const MAX_NAME: usize = 1024;
 /// Longest notify message / error message in bytes.
 pub const MAX_MSG: usize = 1 << 20;
-/// Bytes of one region-table entry on the wire.
-pub const REGION_ENTRY_LEN: usize = 32;
-/// Most regions in a region table.
-pub const MAX_REGIONS: usize = (MAX_PAYLOAD as usize - 64 - 3 * MAX_NAME) / REGION_ENTRY_LEN;
+/// Largest payload of a frame that carries a region table (Welcome, RegionsTable,
+/// RegionsUpdate, RegionsDelta).
+pub const MAX_TABLE_PAYLOAD: u32 = 16 << 20;
+/// Most bytes a registry's encoded entries may take, leaving room for the rest of a Welcome.
+pub const MAX_TABLE_BYTES: usize = MAX_TABLE_PAYLOAD as usize - (64 << 10);
 /// Hello flag: MAC every frame's bulk bytes too (sealed streams only).
 pub const FLAG_DATA_MAC: u32 = 1;
 /// Every Hello flag this version knows.
@@ -44,7 +53,7 @@ pub const fn max_payload(kind: Kind) -> u32 {
     let msg = 8 + MAX_MSG as u32;
     match kind {
         Kind::Hello => MAX_HELLO,
-        Kind::Welcome | Kind::RegionsTable | Kind::RegionsUpdate => MAX_PAYLOAD,
+        Kind::Welcome | Kind::RegionsTable | Kind::RegionsUpdate | Kind::RegionsDelta => MAX_TABLE_PAYLOAD,
         Kind::Write | Kind::Read => 4 + 16 * MAX_DESCS as u32,
         Kind::ReadResp | Kind::Ack | Kind::Error => msg,
         Kind::Notify => msg + MAX_NAME as u32,
@@ -54,22 +63,6 @@ pub const fn max_payload(kind: Kind) -> u32 {
         Kind::AuthChallenge => 68 + MAX_NAME as u32,
         Kind::AuthResponse => 32,
     }
-}
-
-/// One registered region as peers see it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct RegionEntry {
-    /// Start address in the owner's address space.
-    pub addr: u64,
-    /// Length in bytes.
-    pub len: u64,
-    /// The owner's registry id (never reused within one engine).
-    pub id: u64,
-    /// For engine-allocated shared memory: the owner's memfd descriptor, which a same-host
-    /// peer may open through /proc and map; -1 otherwise.
-    pub fd: i32,
-    /// False for regions registered read-only (`access="r"`): peers may READ, not WRITE.
-    pub writable: bool,
 }
 
 /// What went wrong while decoding; the I/O layer treats it as a protocol violation.
@@ -157,6 +150,8 @@ pub enum Kind {
     AuthChallenge = 18,
     /// Initiator -> target: the initiator's proof.
     AuthResponse = 19,
+    /// Target -> initiator, unsolicited: the changes of the region table since a version.
+    RegionsDelta = 20,
 }
 
 impl Kind {
@@ -181,6 +176,7 @@ impl Kind {
             17 => Kind::ReadStrided,
             18 => Kind::AuthChallenge,
             19 => Kind::AuthResponse,
+            20 => Kind::RegionsDelta,
             _ => return Err(WireError::BadKind(b)),
         })
     }
@@ -250,14 +246,13 @@ pub enum Frame {
         dialled: String,
     },
     /// See [`Kind::Welcome`]. `host` identifies the machine (boot id and host name), a hint
-    /// only; `local_socket` names the abstract Unix socket where a same-host initiator proves
-    /// that this very process accepted its stream (empty: none); `table_version` is the
-    /// version of `regions`.
+    /// only; `capabilities` are the data paths the target offers, in its order of preference;
+    /// `table_version` is the version of `regions`.
     Welcome {
         engine_id: String,
         host: String,
-        local_socket: String,
         table_version: u64,
+        capabilities: Vec<Capability>,
         regions: Vec<RegionEntry>,
     },
     /// See [`Kind::Write`]; `bulk_len` equals the sum of the segment lengths.
@@ -286,6 +281,9 @@ pub enum Frame {
     RegionsUpdate { version: u64, regions: Vec<RegionEntry> },
     /// See [`Kind::RegionsAck`].
     RegionsAck { version: u64 },
+    /// See [`Kind::RegionsDelta`]: turns table `from` (or any newer one older than `version`)
+    /// into table `version`: `removed` ids go, `added` entries are inserted or replaced by id.
+    RegionsDelta { from: u64, version: u64, added: Vec<RegionEntry>, removed: Vec<u64> },
     /// See [`Kind::WriteStrided`].
     WriteStrided { seg: StridedSeg },
     /// See [`Kind::ReadStrided`].
@@ -315,6 +313,7 @@ impl Frame {
             Frame::RegionsTable { .. } => Kind::RegionsTable,
             Frame::RegionsUpdate { .. } => Kind::RegionsUpdate,
             Frame::RegionsAck { .. } => Kind::RegionsAck,
+            Frame::RegionsDelta { .. } => Kind::RegionsDelta,
             Frame::WriteStrided { .. } => Kind::WriteStrided,
             Frame::ReadStrided { .. } => Kind::ReadStrided,
             Frame::AuthChallenge { .. } => Kind::AuthChallenge,
@@ -371,11 +370,11 @@ pub fn encode(frame: &Frame, tag: u64, read_bulk: u64) -> Vec<u8> {
             put_str(&mut p, engine_id);
         }
         Frame::AuthResponse { proof } => p.extend_from_slice(proof),
-        Frame::Welcome { engine_id, host, local_socket, table_version, regions } => {
+        Frame::Welcome { engine_id, host, table_version, capabilities, regions } => {
             put_str(&mut p, engine_id);
             put_str(&mut p, host);
-            put_str(&mut p, local_socket);
             p.extend_from_slice(&table_version.to_le_bytes());
+            put_capabilities(&mut p, capabilities);
             put_regions(&mut p, regions);
         }
         Frame::Write { segs } | Frame::Read { segs } => {
@@ -405,6 +404,12 @@ pub fn encode(frame: &Frame, tag: u64, read_bulk: u64) -> Vec<u8> {
             put_regions(&mut p, regions);
         }
         Frame::RegionsAck { version } => p.extend_from_slice(&version.to_le_bytes()),
+        Frame::RegionsDelta { from, version, added, removed } => {
+            p.extend_from_slice(&from.to_le_bytes());
+            p.extend_from_slice(&version.to_le_bytes());
+            put_regions(&mut p, added);
+            put_ids(&mut p, removed);
+        }
         Frame::WriteStrided { seg } | Frame::ReadStrided { seg } => {
             for v in [seg.addr, seg.count, seg.size, seg.stride] {
                 p.extend_from_slice(&v.to_le_bytes());
@@ -485,8 +490,8 @@ pub fn decode_payload(h: &Header, payload: &[u8]) -> Result<Frame, WireError> {
         Kind::Welcome => Frame::Welcome {
             engine_id: r.str("engine_id", MAX_NAME)?,
             host: r.str("host", MAX_NAME)?,
-            local_socket: r.str("local_socket", MAX_NAME)?,
             table_version: r.u64("table_version")?,
+            capabilities: r.capabilities()?,
             regions: r.regions()?,
         },
         Kind::Write | Kind::Read => {
@@ -544,6 +549,13 @@ pub fn decode_payload(h: &Header, payload: &[u8]) -> Result<Frame, WireError> {
         Kind::RegionsTable => Frame::RegionsTable { version: r.u64("version")?, regions: r.regions()? },
         Kind::RegionsUpdate => Frame::RegionsUpdate { version: r.u64("version")?, regions: r.regions()? },
         Kind::RegionsAck => Frame::RegionsAck { version: r.u64("version")? },
+        Kind::RegionsDelta => {
+            let (from, version) = (r.u64("from version")?, r.u64("version")?);
+            if from >= version {
+                return Err(WireError::Invalid { field: "delta from version", value: from });
+            }
+            Frame::RegionsDelta { from, version, added: r.regions()?, removed: r.ids()? }
+        }
         Kind::WriteStrided | Kind::ReadStrided => {
             let seg = StridedSeg {
                 addr: r.u64("strided addr")?,
@@ -599,18 +611,7 @@ fn put_str(p: &mut Vec<u8>, s: &str) {
     p.extend_from_slice(s.as_bytes());
 }
 
-fn put_regions(p: &mut Vec<u8>, regions: &[RegionEntry]) {
-    p.extend_from_slice(&(regions.len() as u32).to_le_bytes());
-    for r in regions {
-        p.extend_from_slice(&r.addr.to_le_bytes());
-        p.extend_from_slice(&r.len.to_le_bytes());
-        p.extend_from_slice(&r.id.to_le_bytes());
-        p.extend_from_slice(&r.fd.to_le_bytes());
-        p.extend_from_slice(&u32::from(r.writable).to_le_bytes());
-    }
-}
-
-struct Reader<'a> {
+pub(crate) struct Reader<'a> {
     b: &'a [u8],
 }
 
@@ -622,6 +623,9 @@ impl<'a> Reader<'a> {
         let (h, t) = self.b.split_at(n);
         self.b = t;
         Ok(h)
+    }
+    fn u8(&mut self, f: &'static str) -> Result<u8, WireError> {
+        Ok(self.take(1, f)?[0])
     }
     fn u16(&mut self, f: &'static str) -> Result<u16, WireError> {
         Ok(u16::from_le_bytes(self.take(2, f)?.try_into().unwrap()))
@@ -643,160 +647,7 @@ impl<'a> Reader<'a> {
         let b = self.take(n, f)?;
         String::from_utf8(b.to_vec()).map_err(|_| WireError::Utf8 { field: f })
     }
-    fn regions(&mut self) -> Result<Vec<RegionEntry>, WireError> {
-        let n = self.u32("region count")? as usize;
-        if n > MAX_REGIONS || self.b.len() < n * REGION_ENTRY_LEN {
-            return Err(if n > MAX_REGIONS {
-                WireError::TooLarge { field: "region count", value: n as u64, limit: MAX_REGIONS as u64 }
-            } else {
-                WireError::Truncated { field: "regions" }
-            });
-        }
-        let mut v = Vec::with_capacity(n);
-        for _ in 0..n {
-            let addr = self.u64("region addr")?;
-            let len = self.u64("region len")?;
-            let id = self.u64("region id")?;
-            let fd = self.u32("region fd")? as i32;
-            let writable = match self.u32("region flags")? {
-                0 => false,
-                1 => true,
-                other => return Err(WireError::Invalid { field: "region flags", value: other as u64 }),
-            };
-            if len == 0 || addr.checked_add(len).is_none() {
-                return Err(WireError::Invalid { field: "region", value: addr });
-            }
-            if fd < -1 {
-                return Err(WireError::Invalid { field: "region fd", value: fd as u64 });
-            }
-            v.push(RegionEntry { addr, len, id, fd, writable });
-        }
-        Ok(v)
-    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    fn seg() -> impl Strategy<Value = Seg> {
-        (0u64..u64::MAX / 2, 1u64..1 << 40).prop_map(|(addr, len)| Seg { addr, len })
-    }
-
-    fn frame() -> impl Strategy<Value = Frame> {
-        let s = "[a-zA-Z0-9:._ -]{0,40}";
-        let regions = prop::collection::vec(
-            (1u64..1 << 48, 1u64..1 << 30, any::<u64>(), -1i32..1000, any::<bool>())
-                .prop_map(|(addr, len, id, fd, writable)| RegionEntry { addr, len, id, fd, writable }),
-            0..20,
-        );
-        prop_oneof![
-            (s, any::<u64>(), any::<u16>(), any::<u16>(), any::<[u8; 32]>(), 0..=KNOWN_FLAGS).prop_map(
-                |(e, n, i, c, a, flags)| Frame::Hello {
-                    host: e.chars().rev().collect(),
-                    dialled: format!("{e}:1"),
-                    engine_id: e,
-                    link_nonce: n,
-                    stream_index: i,
-                    stream_count: c,
-                    auth_nonce: a,
-                    flags,
-                }
-            ),
-            (any::<[u8; 32]>(), any::<[u8; 32]>(), s)
-                .prop_map(|(nonce, proof, engine_id)| Frame::AuthChallenge { nonce, proof, engine_id }),
-            any::<[u8; 32]>().prop_map(|proof| Frame::AuthResponse { proof }),
-            (s, s, s, any::<u64>(), regions.clone()).prop_map(|(e, host, sock, v, regions)| {
-                Frame::Welcome { engine_id: e, host, local_socket: sock, table_version: v, regions }
-            }),
-            prop::collection::vec(seg(), 0..50).prop_map(|segs| Frame::Write { segs }),
-            prop::collection::vec(seg(), 0..50).prop_map(|segs| Frame::Read { segs }),
-            (1u32.., s).prop_map(|(status, message)| Frame::ReadResp { status, message }),
-            (any::<u32>(), s).prop_map(|(status, message)| Frame::Ack { status, message }),
-            (any::<u32>(), s).prop_map(|(status, message)| Frame::Error { status, message }),
-            (s, s).prop_map(|(name, msg)| Frame::Notify { name, msg }),
-            Just(Frame::Heartbeat),
-            Just(Frame::HeartbeatAck),
-            Just(Frame::Bye),
-            Just(Frame::RegionsQuery),
-            (any::<u64>(), regions.clone())
-                .prop_map(|(version, regions)| Frame::RegionsTable { version, regions }),
-            (any::<u64>(), regions).prop_map(|(version, regions)| Frame::RegionsUpdate { version, regions }),
-            any::<u64>().prop_map(|version| Frame::RegionsAck { version }),
-            (1u64..1 << 40, 1u64..1 << 20, 1u64..1 << 12, 0u64..1 << 12).prop_map(
-                |(addr, count, size, pad)| {
-                    Frame::WriteStrided { seg: StridedSeg { addr, count, size, stride: size + pad } }
-                }
-            ),
-            (1u64..1 << 40, 1u64..1 << 20, 1u64..1 << 12, 0u64..1 << 12).prop_map(
-                |(addr, count, size, pad)| {
-                    Frame::ReadStrided { seg: StridedSeg { addr, count, size, stride: size + pad } }
-                }
-            ),
-        ]
-    }
-
-    proptest! {
-        #[test]
-        fn round_trip(f in frame(), tag in any::<u64>()) {
-            let buf = encode(&f, tag, 0);
-            let (h, g, used) = decode(&buf).unwrap();
-            prop_assert_eq!(used, buf.len());
-            prop_assert_eq!(h.tag, tag);
-            prop_assert_eq!(h.bulk_len, f.bulk_len());
-            prop_assert_eq!(g, f);
-        }
-
-        #[test]
-        fn truncation_is_rejected(f in frame(), cut in 0usize..1000) {
-            let buf = encode(&f, 1, 0);
-            let cut = cut % buf.len();
-            prop_assert!(decode(&buf[..cut]).is_err());
-        }
-
-        #[test]
-        fn random_bytes_never_panic(b in prop::collection::vec(any::<u8>(), 0..512)) {
-            let _ = decode(&b);
-        }
-
-        #[test]
-        fn mutated_frames_never_panic(f in frame(), i in any::<usize>(), v in any::<u8>()) {
-            let mut buf = encode(&f, 7, 0);
-            let i = i % buf.len();
-            buf[i] = v;
-            let _ = decode(&buf);
-        }
-    }
-
-    #[test]
-    fn oversized_fields_are_rejected() {
-        let mut h = encode_header(&Header { kind: Kind::Write, payload_len: 0, tag: 0, bulk_len: 0 });
-        h[4..8].copy_from_slice(&(MAX_PAYLOAD + 1).to_le_bytes());
-        assert!(matches!(decode_header(&h), Err(WireError::TooLarge { field: "payload_len", .. })));
-        // Each kind has its own cap: a Hello may not declare more than MAX_HELLO.
-        let hello =
-            encode_header(&Header { kind: Kind::Hello, payload_len: MAX_HELLO + 1, tag: 0, bulk_len: 0 });
-        assert!(
-            matches!(decode_header(&hello), Err(WireError::TooLarge { limit, .. }) if limit == MAX_HELLO as u64)
-        );
-        let hb = encode_header(&Header { kind: Kind::Heartbeat, payload_len: 1, tag: 0, bulk_len: 0 });
-        assert!(decode_header(&hb).is_err(), "a heartbeat has no payload");
-        let mut buf = encode(&Frame::Read { segs: vec![] }, 0, 0);
-        buf[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&((MAX_DESCS + 1) as u32).to_le_bytes());
-        assert!(matches!(decode(&buf), Err(WireError::TooLarge { field: "segment count", .. })));
-        let mut v = encode(&Frame::Heartbeat, 0, 0);
-        v[2] = 9;
-        assert_eq!(decode(&v).unwrap_err(), WireError::BadVersion(9));
-        let w = encode(&Frame::Write { segs: vec![Seg { addr: 1, len: 4 }] }, 0, 0);
-        let (h, _, _) = decode(&w).unwrap();
-        assert_eq!(h.bulk_len, 4);
-        let mut bad = w.clone();
-        bad[16..24].copy_from_slice(&5u64.to_le_bytes());
-        assert!(decode(&bad).is_err(), "bulk_len must match the segments");
-        let zero = encode(&Frame::Write { segs: vec![Seg { addr: 1, len: 0 }] }, 0, 0);
-        assert!(decode(&zero).is_err(), "zero-length segment");
-        let wrap = encode(&Frame::Read { segs: vec![Seg { addr: u64::MAX, len: 2 }] }, 0, 0);
-        assert!(decode(&wrap).is_err(), "wrapping segment");
-    }
-}
+mod tests;
