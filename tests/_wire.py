@@ -48,6 +48,7 @@ MAX_DESCS = 1 << 16
 MAX_NAME = 1024  # engine ids, host, capability param
 MAC_LEN = 16
 FLAG_DATA_MAC = 1
+FLAG_DATA_PATH = 2  # v4: a data-path stream (no region table, no table updates)
 HEADER = struct.Struct("<2sBBIQQ")
 
 # v4 region tables and capabilities.

@@ -92,6 +92,8 @@ pub struct PeerSnapshot {
     pub peer: String,
     /// Backend name.
     pub backend: &'static str,
+    /// Why the backends tried before it were not chosen ("shm: ...; ..."; empty: it was first).
+    pub not_chosen: String,
     /// Whether the link is usable.
     pub alive: bool,
     /// Bytes written to the peer.
@@ -149,6 +151,8 @@ struct PeerConn {
     link: Arc<dyn DataPath>,
     /// The (local, remote) domain pairs that data path serves.
     domains: &'static [(Domain, Domain)],
+    /// Why the backends before it were not chosen.
+    not_chosen: String,
     /// Recent requests, so that a later notify can wait for their data.
     recent: Mutex<Vec<Weak<Request>>>,
 }
@@ -394,6 +398,7 @@ impl Engine {
             secret: r.opts.secret.clone(),
             heartbeat: r.opts.heartbeat,
             data_mac: r.opts.data_mac,
+            data_path: false,
         }
     }
 
@@ -423,8 +428,10 @@ impl Engine {
     /// Connects the control channel, then asks each backend of `hixl.backends` that the peer
     /// offers, in order, for a data path to it; the first that can serve it wins.
     fn open_link(r: &Running, key: &str, addr: SocketAddr, timeout: Duration) -> Result<PeerConn> {
-        let control = TcpLink::connect(key, addr, &Self::link_params(r, timeout))?;
-        let ctx = backend::OpenCtx { opts: &r.opts, host: &r.host, timeout };
+        // The control channel needs one stream; a backend that moves data over TCP opens its own.
+        let params = ConnectParams { streams: 1, ..Self::link_params(r, timeout) };
+        let control = TcpLink::connect(key, addr, &params)?;
+        let ctx = backend::OpenCtx { opts: &r.opts, addr, params: &params, host: &r.host, timeout };
         let mut not_chosen: Vec<String> = Vec::new();
         for b in &r.backends {
             let offer = match control.handshake().offer(b.name()) {
@@ -441,8 +448,14 @@ impl Engine {
                     } else {
                         tracing::info!(peer = %key, backend = b.name(), not_chosen = %not_chosen.join("; "), "data path chosen");
                     }
-                    let domains = b.domains();
-                    return Ok(PeerConn { control, link, domains, recent: Mutex::new(Vec::new()) });
+                    let (domains, not_chosen) = (b.domains(), not_chosen.join("; "));
+                    return Ok(PeerConn {
+                        control,
+                        link,
+                        domains,
+                        not_chosen,
+                        recent: Mutex::new(Vec::new()),
+                    });
                 }
                 Err(why) => not_chosen.push(format!("{}: {why}", b.name())),
             }
@@ -810,6 +823,7 @@ impl Engine {
                 out.push(PeerSnapshot {
                     peer: peer.clone(),
                     backend: c.link.backend(),
+                    not_chosen: c.not_chosen.clone(),
                     alive: c.link.is_alive(),
                     bytes_write: l(&s.bytes_write),
                     bytes_read: l(&s.bytes_read),

@@ -665,6 +665,7 @@ impl Hixl {
         for s in self.engine.stats().map_err(to_py)? {
             let d = PyDict::new(py);
             d.set_item("backend", s.backend)?;
+            d.set_item("not_chosen", s.not_chosen)?;
             d.set_item("alive", s.alive)?;
             d.set_item("bytes_write", s.bytes_write)?;
             d.set_item("bytes_read", s.bytes_read)?;

@@ -10,6 +10,7 @@
 //! Adding a backend means one module implementing [`Backend`] (and [`DataPath`]), one line in
 //! [`by_name`] and its name in [`BUILT`]; nothing in the engine or the completer changes.
 
+use std::net::SocketAddr;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,7 +20,7 @@ use crate::options::Options;
 use crate::transport::local::{self, Proven};
 use crate::transport::selfcopy::{self, SelfLink};
 use crate::transport::shm::ShmLink;
-use crate::transport::tcp::TcpLink;
+use crate::transport::tcp::{ConnectParams, TcpLink};
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
 
@@ -46,6 +47,11 @@ pub struct MemorySpan {
 pub struct OpenCtx<'a> {
     /// The engine's options.
     pub opts: &'a Options,
+    /// The peer's address.
+    pub addr: SocketAddr,
+    /// How the control channel was connected (a backend that opens TCP streams of its own
+    /// starts from these).
+    pub params: &'a ConnectParams,
     /// This machine's identity (a hint: a peer that claims another host is not tried).
     pub host: &'a str,
     /// The connect deadline.
@@ -141,7 +147,8 @@ impl Backend for SameProcess {
     }
 }
 
-/// Any host: the control channel's own TCP streams carry the data.
+/// Any host: TCP streams of its own (`hixl.tcp.streams` of them), apart from the control
+/// channel's; bytes go straight between sockets and registered memory.
 struct Tcp;
 
 impl Backend for Tcp {
@@ -155,11 +162,18 @@ impl Backend for Tcp {
 
     fn connect(
         &self,
-        _ctx: &OpenCtx<'_>,
+        ctx: &OpenCtx<'_>,
         control: &Arc<TcpLink>,
         _offer: &Capability,
     ) -> std::result::Result<Arc<dyn DataPath>, String> {
-        Ok(control.clone())
+        let params = ConnectParams { streams: ctx.opts.streams, data_path: true, ..ctx.params.clone() };
+        let data = TcpLink::connect_counting(control.peer(), ctx.addr, &params, control.stats())
+            .map_err(|e| e.message)?;
+        if let Err(e) = data.attach_to(control.clone()) {
+            data.close(e.clone());
+            return Err(e.message);
+        }
+        Ok(data)
     }
 }
 

@@ -205,6 +205,11 @@ impl TcpLink {
         Ok((addr_text(l), addr_text(p)))
     }
 
+    /// The peer's address as the engine was asked to connect to it.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
     /// Handshake facts about the peer (`regions` as of the handshake).
     pub fn handshake(&self) -> &PeerInfo {
         &self.info

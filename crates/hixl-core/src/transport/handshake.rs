@@ -13,7 +13,7 @@ use crate::transport::io;
 use crate::transport::server::addr_text;
 use crate::transport::tcp::ConnectParams;
 use crate::transport::PeerInfo;
-use crate::wire::{self, Frame, Kind, FLAG_DATA_MAC};
+use crate::wire::{self, Frame, Kind, FLAG_DATA_MAC, FLAG_DATA_PATH};
 
 /// Opens one TCP connection, retrying while nobody listens yet (peers start in any order).
 pub(crate) fn connect_one(addr: SocketAddr, deadline: Instant, peer: &str) -> Result<TcpStream> {
@@ -71,7 +71,7 @@ pub(crate) fn send_hello(
     let map_io = io_error(peer);
     s.set_nodelay(true).map_err(&map_io)?;
     let dialled = addr_text(s.peer_addr().map_err(&map_io)?);
-    let flags = if p.data_mac { FLAG_DATA_MAC } else { 0 };
+    let flags = if p.data_mac { FLAG_DATA_MAC } else { 0 } | if p.data_path { FLAG_DATA_PATH } else { 0 };
     let sent = SentHello { ni: auth::nonce()?, link_nonce, stream_index: i as u16, flags, dialled };
     let hello = Frame::Hello {
         engine_id: p.local_id.clone(),

@@ -15,7 +15,7 @@ use crate::error::{Error, Result, Status};
 use crate::registry::{Pin, Registry};
 use crate::transport::io::{self, iov};
 use crate::transport::server::{Served, Server, ServerCtx, AUTH_TARPIT};
-use crate::wire::{self, Frame, Header, Kind, Seg, StridedSeg, FLAG_DATA_MAC};
+use crate::wire::{self, Frame, Header, Kind, Seg, StridedSeg, FLAG_DATA_MAC, FLAG_DATA_PATH};
 
 type IoResult<T> = std::io::Result<T>;
 
@@ -106,13 +106,15 @@ pub(crate) fn serve(
     srv.handshake_over(id);
     let data = flags & FLAG_DATA_MAC != 0;
     let mut rx = FrameMac::new(keys.as_ref().map(|k| k.initiator_to_target), data);
-    served.link_head.store(stream_index == 0, Ordering::SeqCst);
+    // A data-path stream gets no region table: its link's control channel has it.
+    let data_path = flags & FLAG_DATA_PATH != 0;
+    served.link_head.store(stream_index == 0 && !data_path, Ordering::SeqCst);
     {
         // Welcome goes out under the send lock, after this stream became visible to
         // `publish_regions`: any later update is sent after the Welcome, never before it.
         let mut tx = served.send.lock().unwrap();
         tx.mac = FrameMac::new(keys.as_ref().map(|k| k.target_to_initiator), data);
-        let (table_version, regions) = ctx.registry.table();
+        let (table_version, regions) = if data_path { (0, Vec::new()) } else { ctx.registry.table() };
         let socket = srv.local_socket();
         let welcome = Frame::Welcome {
             engine_id: ctx.engine_id.clone(),

@@ -55,6 +55,8 @@ pub struct ConnectParams {
     pub heartbeat: Duration,
     /// MAC every transfer's bytes too (sealed streams only).
     pub data_mac: bool,
+    /// These streams carry a data path, not a control channel (see `wire::FLAG_DATA_PATH`).
+    pub data_path: bool,
 }
 
 pub(super) struct Pending {
@@ -101,6 +103,9 @@ pub struct TcpLink {
     /// for it to move.
     pub(super) tables: (Mutex<u64>, std::sync::Condvar),
     pub(super) next_query: AtomicU64,
+    /// For a data path: the link's control channel, which sends the notifications after the
+    /// data and lives and dies with it (unset: this link is a control channel).
+    pub(super) control: std::sync::OnceLock<Arc<TcpLink>>,
     /// Wakes the control thread early: when the link closes, or a confirmation waits (it
     /// sleeps a whole heartbeat interval otherwise).
     pub(super) closing: (Mutex<bool>, std::sync::Condvar),
@@ -110,6 +115,16 @@ impl TcpLink {
     /// Connects `p.streams` streams to `peer`, performs the handshake on each and starts the
     /// stream threads.
     pub fn connect(peer: &str, addr: SocketAddr, p: &ConnectParams) -> Result<Arc<TcpLink>> {
+        Self::connect_counting(peer, addr, p, Arc::new(PeerStats::default()))
+    }
+
+    /// Like `connect`, counting into `stats` (a data path counts where its control channel does).
+    pub fn connect_counting(
+        peer: &str,
+        addr: SocketAddr,
+        p: &ConnectParams,
+        stats: Arc<PeerStats>,
+    ) -> Result<Arc<TcpLink>> {
         let deadline = Instant::now() + p.timeout;
         let mut nonce = [0u8; 8];
         auth::random_bytes(&mut nonce)?;
@@ -165,13 +180,14 @@ impl TcpLink {
                 .collect(),
             alive: AtomicBool::new(true),
             reason: Mutex::new(None),
-            done: Completer::new("tcp", peer, Arc::new(PeerStats::default())),
+            done: Completer::new("tcp", peer, stats),
             threads: Workers::default(),
             coalesce: p.coalesce,
             coalesce_max_ops: p.coalesce_max_ops,
             closing: (Mutex::new(false), std::sync::Condvar::new()),
             tables: (Mutex::new(0), std::sync::Condvar::new()),
             next_query: AtomicU64::new(1),
+            control: std::sync::OnceLock::new(),
         });
         {
             let (l, every) = (link.clone(), p.heartbeat);
@@ -521,6 +537,9 @@ impl TcpLink {
 
     /// Records the end of one part; the last part settles the request or queues its notify.
     fn finish_part(&self, part: Part, res: Result<()>) {
+        if let Some(control) = self.control.get() {
+            return control.finish_elsewhere(&self.done, part, res);
+        }
         match self.done.finish(part, res) {
             Next::Pending => {}
             // Its slot was reserved at submit; the notification will not use it.
@@ -543,6 +562,20 @@ impl TcpLink {
                 done.abandon(&req, e);
             }
         }
+    }
+
+    /// Makes this link the data path of `control`'s link: notifications after the data go
+    /// over `control`, and closing either side closes the pair.
+    pub(crate) fn attach_to(&self, control: Arc<TcpLink>) -> Result<()> {
+        let (ours, theirs) = (&self.info.engine_id, &control.info.engine_id);
+        if ours != theirs {
+            return Err(Error::not_connected(format!(
+                "{}: the data streams reached {ours}, the control channel {theirs}",
+                self.peer
+            )));
+        }
+        let _ = self.control.set(control);
+        Ok(())
     }
 
     /// Names the backend in logs when another backend carries the data over this link's
@@ -570,9 +603,16 @@ impl DataPath for TcpLink {
         self.streams.len()
     }
 
-    fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()> {
+    fn submit(&self, parts: Vec<Part>, mut extra_slots: usize) -> Result<()> {
         if !self.alive.load(Ordering::Acquire) {
             return Err(self.close_reason());
+        }
+        if let Some(control) = self.control.get() {
+            // Notifications go over the control channel, after the data (see `finish_part`).
+            if parts.iter().all(|p| matches!(p.body, PartBody::Notify(_))) {
+                return control.submit(parts, extra_slots);
+            }
+            extra_slots = 0;
         }
         self.queue.reserve(parts.len() + extra_slots)?;
         let mut parts = parts.into_iter();
@@ -602,11 +642,12 @@ impl DataPath for TcpLink {
     }
 
     fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::Acquire)
+        self.alive.load(Ordering::Acquire) && self.control.get().is_none_or(|c| c.is_alive())
     }
 
     fn dead_reason(&self) -> Option<String> {
-        self.reason.lock().unwrap().as_ref().map(|e| e.message.clone())
+        let own = self.reason.lock().unwrap().as_ref().map(|e| e.message.clone());
+        own.or_else(|| self.control.get().and_then(|c| c.dead_reason()))
     }
 
     fn close(&self, why: Error) {
@@ -624,6 +665,9 @@ impl DataPath for TcpLink {
             self.fail_pending(s);
         }
         self.threads.join_unless_own();
+        if let Some(control) = self.control.get() {
+            control.close(self.close_reason());
+        }
     }
 
     fn stats(&self) -> Arc<PeerStats> {

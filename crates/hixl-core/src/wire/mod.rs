@@ -42,8 +42,12 @@ pub const MAX_TABLE_PAYLOAD: u32 = 16 << 20;
 pub const MAX_TABLE_BYTES: usize = MAX_TABLE_PAYLOAD as usize - (64 << 10);
 /// Hello flag: MAC every frame's bulk bytes too (sealed streams only).
 pub const FLAG_DATA_MAC: u32 = 1;
+/// Hello flag: this stream belongs to a data path (the `tcp` backend's streams), not to a
+/// control channel: the target sends it no region table (an empty one in Welcome) and no
+/// table updates.
+pub const FLAG_DATA_PATH: u32 = 2;
 /// Every Hello flag this version knows.
-pub const KNOWN_FLAGS: u32 = FLAG_DATA_MAC;
+pub const KNOWN_FLAGS: u32 = FLAG_DATA_MAC | FLAG_DATA_PATH;
 /// Largest Hello payload: two names, the dialled address and the fixed fields.
 pub const MAX_HELLO: u32 = 4096;
 
