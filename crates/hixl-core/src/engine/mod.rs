@@ -1,0 +1,508 @@
+//! The public engine: initialize / register / connect / transfer / status / notify / finalize.
+//!
+//! A transfer's path (`transfer`): validate every descriptor against the local registry and the
+//! peer's region table (`validate`) -> merge adjacent descriptors -> cut the batch into one
+//! part per worker share -> the chosen backend's data path moves them -> the completer settles
+//! the request when the last part ends and wakes waiters. Each peer has one control channel
+//! (the region table, notifications) and one data path, chosen when it connects (`open_link`).
+//! Registration runs the backends' hooks first (`register`).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use crate::error::{Error, Result, Status};
+use crate::notify::NotifyStore;
+use crate::options::Options;
+use crate::queue::Request;
+use crate::registry::{Access, MemType, Registry};
+use crate::transport::backend::{self, Backend, MemorySpan};
+use crate::transport::server::{Server, ServerCtx};
+use crate::transport::shm::{self, SharedMem};
+use crate::transport::tcp::{ConnectParams, TcpLink};
+use crate::transport::DataPath;
+use crate::wire::Domain;
+
+mod register;
+mod transfer;
+mod types;
+mod validate;
+
+use register::{register_region, run_deregister_hooks};
+pub use types::{
+    ConnectStatus, MemDesc, MemHandle, PeerSnapshot, RemoteRegion, StridedDesc, TransferOpDesc, TransferReq,
+};
+use validate::with_fresh_table;
+pub use validate::{push_merged, split};
+
+struct PeerConn {
+    /// The control channel: the peer's region table, notifications, liveness.
+    control: Arc<TcpLink>,
+    /// The chosen backend's data path.
+    link: Arc<dyn DataPath>,
+    /// The (local, remote) domain pairs that data path serves.
+    domains: &'static [(Domain, Domain)],
+    /// Why the backends before it were not chosen.
+    not_chosen: String,
+    /// Recent requests, so that a later notify can wait for their data.
+    recent: Mutex<Vec<Weak<Request>>>,
+}
+
+enum PeerSlot {
+    Connecting,
+    Connected(Arc<PeerConn>),
+    Failed,
+}
+
+struct Running {
+    local_engine: String,
+    host: String,
+    opts: Options,
+    /// The backends of `hixl.backends`, in the order they are tried.
+    backends: Vec<Arc<dyn Backend>>,
+    pid: u32,
+    registry: Arc<Registry>,
+    notifies: Arc<NotifyStore>,
+    server: Option<Arc<Server>>,
+    peers: Mutex<HashMap<String, PeerSlot>>,
+    next_req: AtomicU64,
+    /// Memory from `alloc`, by address; dropped (unmapped unless referenced) on deregistration.
+    allocated: Mutex<HashMap<u64, Arc<SharedMem>>>,
+}
+
+/// A transfer engine (one per process is typical). All methods take `&self` and are thread-safe.
+pub struct Engine {
+    state: Mutex<Option<Arc<Running>>>,
+    finalized: std::sync::atomic::AtomicBool,
+}
+
+impl Default for Engine {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Parses "ip:port", "[v6]:port", "host:port" into one socket address.
+pub fn parse_addr(s: &str) -> Result<SocketAddr> {
+    if let Ok(a) = s.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    match s.to_socket_addrs() {
+        Ok(mut it) => it.next().ok_or_else(|| Error::param(format!("address {s:?} resolves to nothing"))),
+        Err(_) => Err(Error::param(format!("address {s:?} is not \"ip:port\" (IPv6 as \"[::1]:port\")"))),
+    }
+}
+
+impl Engine {
+    /// A new, uninitialized engine.
+    pub fn new() -> Self {
+        crate::log::init();
+        Engine { state: Mutex::new(None), finalized: Default::default() }
+    }
+
+    fn running(&self) -> Result<Arc<Running>> {
+        let r = self.state.lock().unwrap().clone();
+        match r {
+            Some(r) if r.pid != std::process::id() => Err(Error::failed(format!(
+                "this engine was initialized in process {}; its threads do not survive fork() \
+                 (this is process {}): create a new engine in the child",
+                r.pid,
+                std::process::id()
+            ))),
+            Some(r) => Ok(r),
+            None if self.finalized.load(Ordering::Acquire) => {
+                Err(Error::failed("the engine was finalized; create a new one"))
+            }
+            None => Err(Error::failed("the engine is not initialized: call initialize() first")),
+        }
+    }
+
+    /// Starts the engine. `local_engine` is "ip:port" to listen (port 0 = ephemeral) or "ip"
+    /// alone for a client-only engine.
+    pub fn initialize(&self, local_engine: &str, options: &HashMap<String, String>) -> Result<()> {
+        let opts = Options::parse(options)?;
+        let mut st = self.state.lock().unwrap();
+        if st.is_some() {
+            return Err(Error::failed("the engine is already initialized"));
+        }
+        if self.finalized.load(Ordering::Acquire) {
+            return Err(Error::failed("the engine was finalized; create a new one"));
+        }
+        let registry = Arc::new(Registry::new());
+        let notifies = Arc::new(NotifyStore::new(opts.notify_limits));
+        let pid = std::process::id();
+        let host = shm::host_id();
+        let backends: Vec<Arc<dyn Backend>> =
+            opts.backends.iter().filter_map(|n| backend::by_name(n)).collect();
+        let bare = local_engine.trim_start_matches('[').trim_end_matches(']');
+        let (local, server) = if let Ok(ip) = bare.parse::<IpAddr>() {
+            // Client only: an id that is unique per process.
+            (format!("{ip}#{pid}"), None)
+        } else {
+            let addr = parse_addr(local_engine)?;
+            let l = TcpListener::bind(addr)
+                .map_err(|e| Error::param(format!("cannot listen on {local_engine:?}: {e}")))?;
+            let bound = l.local_addr().map_err(|e| Error::failed(e.to_string()))?.to_string();
+            let ctx = Arc::new(ServerCtx {
+                engine_id: bound.clone(),
+                registry: registry.clone(),
+                notifies: notifies.clone(),
+                handshake_timeout: opts.handshake_timeout,
+                slow_peer_timeout: opts.deregister_timeout.max(Duration::from_secs(1)),
+                host: host.clone(),
+                secret: opts.secret.clone(),
+                max_pending: opts.max_pending_handshakes,
+                max_pending_per_source: opts.max_pending_per_source,
+                backends: backends.clone(),
+            });
+            if opts.secret.is_none() && !addr.ip().is_loopback() {
+                warn_open_listener(&bound);
+            }
+            (bound, Some(Server::start(l, ctx)?))
+        };
+        tracing::info!(engine = %local, "engine initialized");
+        *st = Some(Arc::new(Running {
+            local_engine: local,
+            host,
+            backends,
+            opts,
+            pid,
+            registry,
+            notifies,
+            server,
+            peers: Mutex::new(HashMap::new()),
+            next_req: AtomicU64::new(1),
+            allocated: Mutex::new(HashMap::new()),
+        }));
+        Ok(())
+    }
+
+    /// The bound "ip:port" (or "ip#pid" for a client-only engine).
+    pub fn local_engine(&self) -> Result<String> {
+        Ok(self.running()?.local_engine.clone())
+    }
+
+    /// Stops the engine: fails every pending request (FAILED), closes links and the listener,
+    /// deregisters all memory. Later calls fail; a second finalize is a no-op.
+    pub fn finalize(&self) -> Result<()> {
+        let Some(r) = self.state.lock().unwrap().take() else { return Ok(()) };
+        self.finalized.store(true, Ordering::Release);
+        let slots: Vec<_> = r.peers.lock().unwrap().drain().collect();
+        for (_, slot) in slots {
+            if let PeerSlot::Connected(c) = slot {
+                c.link.close(Error::failed("the engine was finalized"));
+            }
+        }
+        // Empty the registry, then make same-host peers (direct copies) confirm the empty
+        // table before the listener stops and memory may be freed.
+        let (regions, cleared) = r.registry.clear(r.opts.deregister_timeout);
+        let published = match &r.server {
+            Some(s) => {
+                let p = s.publish_regions(Some(r.opts.deregister_timeout));
+                s.stop();
+                p
+            }
+            None => Ok(()),
+        };
+        for region in &regions {
+            run_deregister_hooks(&r, region);
+        }
+        let allocated = std::mem::take(&mut *r.allocated.lock().unwrap());
+        if published.is_err() {
+            // A peer may still copy into it: leak rather than free memory under it.
+            std::mem::forget(allocated);
+        }
+        tracing::info!(engine = %r.local_engine, "engine finalized");
+        cleared.and(published)
+    }
+
+    /// Registers `[desc.addr, desc.addr + desc.len)` for peers to READ and WRITE.
+    pub fn register_mem(&self, desc: MemDesc, mem_type: MemType) -> Result<MemHandle> {
+        self.register_mem_access(desc, mem_type, Access::ReadWrite)
+    }
+
+    /// Registers with an access mode: `Access::ReadOnly` regions may be READ by peers, and a
+    /// peer's WRITE into them is refused by this engine (PARAM_INVALID, nothing written).
+    pub fn register_mem_access(&self, desc: MemDesc, mem_type: MemType, access: Access) -> Result<MemHandle> {
+        self.register_named(desc, mem_type, access, "")
+    }
+
+    /// Registers under a name (empty: none) that peers see in their region table and can look
+    /// the region up by ([`Engine::remote_region`]); names are unique within an engine. A
+    /// memory domain that no backend of `hixl.backends` serves is UNSUPPORTED.
+    pub fn register_named(
+        &self,
+        desc: MemDesc,
+        mem_type: MemType,
+        access: Access,
+        name: &str,
+    ) -> Result<MemHandle> {
+        let r = self.running()?;
+        let span = MemorySpan { addr: desc.addr, len: desc.len, domain: mem_type, memfd: None };
+        let region = register_region(&r, span, access, name)?;
+        Ok(MemHandle { id: region.id, addr: region.addr, len: region.len, mem_type })
+    }
+
+    /// Allocates `size` bytes of shared memory (memfd, 2 MiB aligned, size rounded up to 2 MiB)
+    /// and registers it. The engine frees it on deregistration or finalize, unless the caller
+    /// still holds the returned `Arc` (then it is freed when that goes).
+    pub fn alloc(&self, size: u64) -> Result<(MemHandle, Arc<SharedMem>)> {
+        self.alloc_named(size, "")
+    }
+
+    /// [`Engine::alloc`] under a name (see [`Engine::register_named`]).
+    pub fn alloc_named(&self, size: u64, name: &str) -> Result<(MemHandle, Arc<SharedMem>)> {
+        let r = self.running()?;
+        let mem = Arc::new(SharedMem::new(size)?);
+        let span =
+            MemorySpan { addr: mem.addr(), len: mem.len(), domain: MemType::Host, memfd: Some(mem.fd()) };
+        let region = register_region(&r, span, Access::ReadWrite, name)?;
+        r.allocated.lock().unwrap().insert(mem.addr(), mem.clone());
+        Ok((MemHandle { id: region.id, addr: region.addr, len: region.len, mem_type: MemType::Host }, mem))
+    }
+
+    /// Deregisters a region, waiting for (then aborting) transfers that use it. Idempotent.
+    pub fn deregister_mem(&self, h: &MemHandle) -> Result<()> {
+        let r = self.running()?;
+        let Some(region) = r.registry.deregister(h.addr, h.len, r.opts.deregister_timeout)? else {
+            return Ok(());
+        };
+        if let Some(s) = &r.server {
+            // Same-host peers copy without a target-side check: they must drop the region
+            // from their tables before its memory may be freed.
+            s.publish_regions(Some(r.opts.deregister_timeout))?;
+        }
+        run_deregister_hooks(&r, &region);
+        r.allocated.lock().unwrap().remove(&h.addr);
+        Ok(())
+    }
+
+    fn link_params(r: &Running, timeout: Duration) -> ConnectParams {
+        ConnectParams {
+            local_id: r.local_engine.clone(),
+            streams: r.opts.streams,
+            queue_depth: r.opts.queue_depth,
+            timeout,
+            host: r.host.clone(),
+            coalesce: r.opts.coalesce,
+            coalesce_max_ops: r.opts.coalesce_max_ops,
+            secret: r.opts.secret.clone(),
+            heartbeat: r.opts.heartbeat,
+            data_mac: r.opts.data_mac,
+            data_path: false,
+        }
+    }
+
+    fn begin_connect(r: &Running, key: &str) -> Result<()> {
+        let mut peers = r.peers.lock().unwrap();
+        match peers.get(key) {
+            Some(PeerSlot::Connected(c)) if c.link.is_alive() => {
+                Err(Error::new(Status::AlreadyConnected, format!("already connected to {key}")))
+            }
+            Some(PeerSlot::Connecting) => Err(Error::new(
+                Status::AlreadyConnected,
+                format!("a connect to {key} is already in progress"),
+            )),
+            Some(PeerSlot::Connected(c)) => {
+                // The old link died: close it (joins its threads) and connect anew.
+                c.link.close(Error::not_connected(format!("link to {key} replaced")));
+                peers.insert(key.to_string(), PeerSlot::Connecting);
+                Ok(())
+            }
+            _ => {
+                peers.insert(key.to_string(), PeerSlot::Connecting);
+                Ok(())
+            }
+        }
+    }
+
+    /// Connects the control channel, then asks each backend of `hixl.backends` that the peer
+    /// offers, in order, for a data path to it; the first that can serve it wins.
+    fn open_link(r: &Running, key: &str, addr: SocketAddr, timeout: Duration) -> Result<PeerConn> {
+        // The control channel needs one stream; a backend that moves data over TCP opens its own.
+        let params = ConnectParams { streams: 1, ..Self::link_params(r, timeout) };
+        let control = TcpLink::connect(key, addr, &params)?;
+        let ctx = backend::OpenCtx { opts: &r.opts, addr, params: &params, host: &r.host, timeout };
+        let mut not_chosen: Vec<String> = Vec::new();
+        for b in &r.backends {
+            let offer = match control.handshake().offer(b.name()) {
+                None => Err("the peer does not offer it".to_string()),
+                Some(o) if !o.domains.contains(&(Domain::Host, Domain::Host)) => {
+                    Err("the peer offers it for other memory domains only".to_string())
+                }
+                Some(o) => b.connect(&ctx, &control, o),
+            };
+            match offer {
+                Ok(link) => {
+                    if not_chosen.is_empty() {
+                        tracing::info!(peer = %key, backend = b.name(), "data path chosen");
+                    } else {
+                        tracing::info!(peer = %key, backend = b.name(), not_chosen = %not_chosen.join("; "), "data path chosen");
+                    }
+                    let (domains, not_chosen) = (b.domains(), not_chosen.join("; "));
+                    return Ok(PeerConn {
+                        control,
+                        link,
+                        domains,
+                        not_chosen,
+                        recent: Mutex::new(Vec::new()),
+                    });
+                }
+                Err(why) => not_chosen.push(format!("{}: {why}", b.name())),
+            }
+        }
+        let e = Error::new(
+            Status::Unsupported,
+            format!(
+                "{key} cannot be reached directly or otherwise by hixl.backends={}: {}",
+                r.opts.backends.join(","),
+                not_chosen.join("; ")
+            ),
+        );
+        control.close(e.clone());
+        Err(e)
+    }
+
+    fn finish_connect(r: &Running, key: &str, res: Result<PeerConn>, keep_failure: bool) -> Result<()> {
+        let mut peers = r.peers.lock().unwrap();
+        match res {
+            Ok(conn) => {
+                tracing::info!(peer = %key, backend = conn.link.backend(), "connected");
+                peers.insert(key.to_string(), PeerSlot::Connected(Arc::new(conn)));
+                Ok(())
+            }
+            Err(e) => {
+                if keep_failure {
+                    tracing::warn!(peer = %key, error = %e, "async connect failed");
+                    peers.insert(key.to_string(), PeerSlot::Failed);
+                } else {
+                    peers.remove(key);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Connects to the engine listening at `remote` ("ip:port"): handshake, region table.
+    pub fn connect(&self, remote: &str, timeout: Duration) -> Result<()> {
+        let r = self.running()?;
+        let addr = parse_addr(remote)?;
+        let key = remote.to_string();
+        Self::begin_connect(&r, &key)?;
+        let res = Self::open_link(&r, &key, addr, timeout);
+        Self::finish_connect(&r, &key, res, false)
+    }
+
+    /// Starts a connect in the background; poll with [`Engine::get_async_connect_status`].
+    pub fn connect_async(&self, remote: &str) -> Result<()> {
+        let r = self.running()?;
+        let addr = parse_addr(remote)?;
+        let key = remote.to_string();
+        Self::begin_connect(&r, &key)?;
+        let timeout = r.opts.connect_timeout;
+        let r2 = r.clone();
+        std::thread::Builder::new()
+            .name("hixl-connect".into())
+            .spawn(move || {
+                let res = Self::open_link(&r2, &key, addr, timeout);
+                let _ = Self::finish_connect(&r2, &key, res, true);
+            })
+            .map_err(|e| Error::failed(format!("cannot start the connect thread: {e}")))?;
+        Ok(())
+    }
+
+    /// The state of a connect to `remote`.
+    pub fn get_async_connect_status(&self, remote: &str) -> Result<ConnectStatus> {
+        let r = self.running()?;
+        let peers = r.peers.lock().unwrap();
+        Ok(match peers.get(remote) {
+            None => ConnectStatus::NotConnect,
+            Some(PeerSlot::Connecting) => ConnectStatus::Connecting,
+            Some(PeerSlot::Connected(c)) if c.link.is_alive() => ConnectStatus::Connected,
+            Some(_) => ConnectStatus::ConnectFailed,
+        })
+    }
+
+    /// Closes the link to `remote`; its pending requests fail with NOT_CONNECTED.
+    pub fn disconnect(&self, remote: &str, _timeout: Duration) -> Result<()> {
+        let r = self.running()?;
+        let slot = r.peers.lock().unwrap().remove(remote);
+        match slot {
+            Some(PeerSlot::Connected(c)) => {
+                c.link.close(Error::not_connected(format!("disconnected from {remote}")));
+                Ok(())
+            }
+            Some(PeerSlot::Failed) => Ok(()),
+            Some(PeerSlot::Connecting) => {
+                r.peers.lock().unwrap().insert(remote.to_string(), PeerSlot::Connecting);
+                Err(Error::failed(format!("a connect to {remote} is in progress; wait for it first")))
+            }
+            None => Err(Error::not_connected(format!("not connected to {remote}"))),
+        }
+    }
+
+    fn conn(r: &Running, remote: &str) -> Result<Arc<PeerConn>> {
+        match r.peers.lock().unwrap().get(remote) {
+            Some(PeerSlot::Connected(c)) if c.link.is_alive() => Ok(c.clone()),
+            Some(PeerSlot::Connected(c)) => Err(Error::not_connected(format!(
+                "the link to {remote} died: {}",
+                c.link.dead_reason().unwrap_or_default()
+            ))),
+            _ => Err(Error::not_connected(format!("not connected to {remote}: call connect() first"))),
+        }
+    }
+
+    /// The regions the peer has registered, as of the last region-table update this engine
+    /// received from it (the peer pushes one after every registration and deregistration).
+    pub fn remote_mems(&self, remote: &str) -> Result<Vec<MemDesc>> {
+        let r = self.running()?;
+        let c = Self::conn(&r, remote)?;
+        let table = c.control.table();
+        Ok(table.regions().map(|r| MemDesc { addr: r.addr, len: r.len }).collect())
+    }
+
+    /// The peer's regions with their names, domains and access, as of its last region-table
+    /// update.
+    pub fn remote_regions(&self, remote: &str) -> Result<Vec<RemoteRegion>> {
+        let r = self.running()?;
+        let c = Self::conn(&r, remote)?;
+        let table = c.control.table();
+        Ok(table.regions().map(RemoteRegion::from).collect())
+    }
+
+    /// The peer's region registered under `name`. A name not in this engine's copy of the
+    /// peer's table is asked for once (the peer may have registered it a moment ago);
+    /// PARAM_INVALID naming it when the peer has no such region.
+    pub fn remote_region(&self, remote: &str, name: &str) -> Result<RemoteRegion> {
+        let r = self.running()?;
+        let c = Self::conn(&r, remote)?;
+        let find = |miss: &mut bool| match c.control.table().by_name(name) {
+            Some(e) => Ok(RemoteRegion::from(e)),
+            None => {
+                *miss = true;
+                Err(Error::param(format!("{remote} has no region registered as name={name:?}")))
+            }
+        };
+        with_fresh_table(&r, &c, find)
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.finalize();
+    }
+}
+
+/// Logs, once per process, that a listener reachable from other hosts has no cluster secret.
+fn warn_open_listener(bound: &str) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            listen = %bound,
+            "listening on a non-loopback address without a cluster secret: anyone who can reach \
+             this port can read and write registered memory; set hixl.secret or HIXL_SECRET"
+        );
+    });
+}

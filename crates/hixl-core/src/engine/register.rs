@@ -1,0 +1,84 @@
+//! Registration: the backends' hooks, the registry, and telling the peers.
+
+use std::sync::Arc;
+
+use super::Running;
+use crate::error::{Error, Result, Status};
+use crate::registry::{Access, Region, RegionSpec};
+use crate::transport::backend::{self, MemorySpan};
+use crate::wire::BackendKey;
+
+/// Registers a region: every backend's registration hook first (its key travels in the region
+/// table), then the registry, then the peers are told. A domain no backend serves is
+/// UNSUPPORTED; a failed registration releases the keys already made.
+pub(super) fn register_region(
+    r: &Running,
+    span: MemorySpan,
+    access: Access,
+    name: &str,
+) -> Result<Arc<Region>> {
+    if !r.backends.iter().any(|b| b.domains().iter().any(|(local, _)| *local == span.domain)) {
+        return Err(Error::new(
+            Status::Unsupported,
+            format!(
+                "memory domain {} (MemType.{}) is served by no backend of hixl.backends={} (this build has: {})",
+                span.domain.as_str(),
+                span.domain.as_str().to_uppercase(),
+                r.opts.backends.join(","),
+                backend::BUILT.join(", ")
+            ),
+        ));
+    }
+    let mut keys: Vec<BackendKey> = Vec::new();
+    let release = |keys: &[BackendKey]| {
+        for k in keys {
+            if let Some(b) = r.backends.iter().find(|b| b.name() == k.backend) {
+                b.deregister(&span, &k.key);
+            }
+        }
+    };
+    for b in &r.backends {
+        match b.register(&span) {
+            Ok(Some(key)) => keys.push(BackendKey { backend: b.name().into(), key }),
+            Ok(None) => {}
+            Err(e) => {
+                release(&keys);
+                return Err(e);
+            }
+        }
+    }
+    let spec = RegionSpec {
+        addr: span.addr,
+        len: span.len,
+        mem_type: span.domain,
+        access,
+        name: name.to_string(),
+        keys: keys.clone(),
+    };
+    let (region, created) = match r.registry.register_spec(spec) {
+        Ok(x) => x,
+        Err(e) => {
+            release(&keys);
+            return Err(e);
+        }
+    };
+    if !created {
+        // The same range again: the existing region keeps its own keys.
+        release(&keys);
+        return Ok(region);
+    }
+    if let Some(s) = &r.server {
+        s.publish_regions(None)?;
+    }
+    Ok(region)
+}
+
+/// Runs the backends' deregistration hooks for a region that left the registry.
+pub(super) fn run_deregister_hooks(r: &Running, region: &Region) {
+    let span = MemorySpan { addr: region.addr, len: region.len, domain: region.mem_type, memfd: None };
+    for k in &region.keys {
+        if let Some(b) = r.backends.iter().find(|b| b.name() == k.backend) {
+            b.deregister(&span, &k.key);
+        }
+    }
+}

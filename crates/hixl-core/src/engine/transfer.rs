@@ -1,0 +1,285 @@
+//! Transfers: batches, one-sided helpers, strided descriptors, notifications, stats.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::types::{PeerSnapshot, StridedDesc, TransferOpDesc, TransferReq};
+use super::validate::{split, validate, validate_strided, with_fresh_table};
+use super::{Engine, PeerConn, PeerSlot, Running};
+use crate::error::{Error, Result, Status};
+use crate::queue::{NotifyDesc, Part, PartBody, Request, TransferOp, TransferStatus};
+use crate::registry::Pin;
+
+impl Engine {
+    /// Runs a batch and waits for it (up to `timeout`).
+    pub fn transfer_sync(
+        &self,
+        remote: &str,
+        op: TransferOp,
+        descs: &[TransferOpDesc],
+        timeout: Duration,
+    ) -> Result<()> {
+        let req = self.transfer_async(remote, op, descs, None, Some(timeout))?;
+        req.wait(None);
+        req.result()
+    }
+
+    /// Validates and queues a batch; returns at once. `notify` is delivered to the peer after
+    /// all of the batch's bytes are there. `timeout` (default `hixl.transfer_timeout_ms`) is the
+    /// request's deadline.
+    pub fn transfer_async(
+        &self,
+        remote: &str,
+        op: TransferOp,
+        descs: &[TransferOpDesc],
+        notify: Option<NotifyDesc>,
+        timeout: Option<Duration>,
+    ) -> Result<TransferReq> {
+        let r = self.running()?;
+        let conn = Self::conn(&r, remote)?;
+        if descs.is_empty() {
+            return Err(Error::param("the descriptor list is empty"));
+        }
+        if let Some(n) = &notify {
+            check_notify(n)?;
+        }
+        let write = op == TransferOp::Write;
+        let (segs, pins, bytes) =
+            with_fresh_table(&r, &conn, |miss| validate(&r, &conn, remote, descs, write, miss))?;
+        let parts = split(segs, bytes, conn.link.parallelism(), r.opts.split_bytes);
+        let bodies = parts.into_iter().map(PartBody::Data).collect();
+        self.submit(&r, &conn, remote, op, bodies, bytes, descs.len(), pins, notify, timeout)
+    }
+
+    /// Makes the request for validated parts and queues them on the peer's link.
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &self,
+        r: &Running,
+        conn: &PeerConn,
+        remote: &str,
+        op: TransferOp,
+        bodies: Vec<PartBody>,
+        bytes: u64,
+        descs: usize,
+        pins: Vec<Pin>,
+        notify: Option<NotifyDesc>,
+        timeout: Option<Duration>,
+    ) -> Result<TransferReq> {
+        let timeout = timeout.unwrap_or(r.opts.transfer_timeout);
+        let id = r.next_req.fetch_add(1, Ordering::Relaxed);
+        let extra = usize::from(notify.is_some());
+        let n = bodies.len();
+        let req = Arc::new(Request::new(id, op, remote.to_string(), bytes, descs, n, timeout, pins, notify));
+        let parts: Vec<Part> = bodies.into_iter().map(|body| Part { req: req.clone(), body }).collect();
+        if let Err(e) = conn.link.submit(parts, extra) {
+            req.settle(TransferStatus::Failed, Some(e.clone()));
+            req.release_pins();
+            return Err(e);
+        }
+        remember(conn, &req);
+        Ok(req)
+    }
+
+    /// One-sided WRITE of `len` bytes, waiting up to `timeout`.
+    pub fn put(
+        &self,
+        remote: &str,
+        local_addr: u64,
+        remote_addr: u64,
+        len: u64,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.transfer_sync(
+            remote,
+            TransferOp::Write,
+            &[TransferOpDesc { local_addr, remote_addr, len }],
+            timeout,
+        )
+    }
+
+    /// One-sided READ of `len` bytes, waiting up to `timeout`.
+    pub fn get(
+        &self,
+        remote: &str,
+        local_addr: u64,
+        remote_addr: u64,
+        len: u64,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.transfer_sync(
+            remote,
+            TransferOp::Read,
+            &[TransferOpDesc { local_addr, remote_addr, len }],
+            timeout,
+        )
+    }
+
+    /// Strided WRITE (see [`StridedDesc`]), waiting up to `timeout`.
+    pub fn put_strided(
+        &self,
+        remote: &str,
+        local_base: u64,
+        remote_base: u64,
+        d: &StridedDesc,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.strided_sync(remote, TransferOp::Write, local_base, remote_base, d, timeout)
+    }
+
+    /// Strided READ (see [`StridedDesc`]), waiting up to `timeout`.
+    pub fn get_strided(
+        &self,
+        remote: &str,
+        local_base: u64,
+        remote_base: u64,
+        d: &StridedDesc,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.strided_sync(remote, TransferOp::Read, local_base, remote_base, d, timeout)
+    }
+
+    fn strided_sync(
+        &self,
+        remote: &str,
+        op: TransferOp,
+        local_base: u64,
+        remote_base: u64,
+        d: &StridedDesc,
+        timeout: Duration,
+    ) -> Result<()> {
+        let req = self.strided_async(remote, op, local_base, remote_base, d, None, Some(timeout))?;
+        req.wait(None);
+        req.result()
+    }
+
+    /// Queues a strided transfer and returns at once: one request, one descriptor on the wire,
+    /// expanded into segments only by the backend, a chunk at a time.
+    #[allow(clippy::too_many_arguments)]
+    pub fn strided_async(
+        &self,
+        remote: &str,
+        op: TransferOp,
+        local_base: u64,
+        remote_base: u64,
+        d: &StridedDesc,
+        notify: Option<NotifyDesc>,
+        timeout: Option<Duration>,
+    ) -> Result<TransferReq> {
+        let r = self.running()?;
+        let conn = Self::conn(&r, remote)?;
+        if let Some(n) = &notify {
+            check_notify(n)?;
+        }
+        let write = op == TransferOp::Write;
+        let (st, pins) = with_fresh_table(&r, &conn, |miss| {
+            validate_strided(&r, &conn, remote, (local_base, remote_base), d, write, miss)
+        })?;
+        let shares = if st.bytes() >= r.opts.split_bytes { conn.link.parallelism() } else { 1 };
+        let bodies: Vec<PartBody> = st.split(shares).into_iter().map(PartBody::Strided).collect();
+        self.submit(&r, &conn, remote, op, bodies, st.bytes(), 1, pins, notify, timeout)
+    }
+
+    /// Status of a request (WAITING turns into TIMEOUT past its deadline).
+    pub fn get_transfer_status(&self, req: &TransferReq) -> Result<TransferStatus> {
+        Ok(req.status())
+    }
+
+    /// Sends a notification; it is delivered after the data of every transfer to the same peer
+    /// submitted before it.
+    pub fn send_notify(&self, remote: &str, n: NotifyDesc, timeout: Duration) -> Result<()> {
+        let r = self.running()?;
+        let conn = Self::conn(&r, remote).map_err(|e| {
+            let died = matches!(r.peers.lock().unwrap().get(remote), Some(PeerSlot::Connected(_)));
+            if died {
+                Error::new(
+                    Status::NotifyFailed,
+                    format!("notify to {remote} cannot be delivered: {}", e.message),
+                )
+            } else {
+                e
+            }
+        })?;
+        check_notify(&n)?;
+        let deadline = Instant::now() + timeout;
+        let earlier: Vec<_> = conn.recent.lock().unwrap().iter().filter_map(|w| w.upgrade()).collect();
+        for q in earlier {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if q.wait(Some(left)) == TransferStatus::Waiting {
+                return Err(Error::timeout(format!(
+                    "notify to {remote}: an earlier transfer was still in flight after {timeout:?}"
+                )));
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let id = r.next_req.fetch_add(1, Ordering::Relaxed);
+        let req = Arc::new(Request::new(id, TransferOp::Write, remote.into(), 0, 0, 1, left, vec![], None));
+        conn.link.submit(vec![Part { req: req.clone(), body: PartBody::Notify(n) }], 0)?;
+        req.wait(None);
+        req.result().map_err(|e| match e.status {
+            Status::Timeout | Status::ResourceExhausted => e,
+            _ => Error::new(Status::NotifyFailed, format!("notify to {remote} failed: {}", e.message)),
+        })
+    }
+
+    /// Returns and clears the notifications received so far.
+    pub fn get_notifies(&self) -> Result<Vec<NotifyDesc>> {
+        Ok(self.running()?.notifies.take())
+    }
+
+    /// Per-peer counters.
+    pub fn stats(&self) -> Result<Vec<PeerSnapshot>> {
+        let r = self.running()?;
+        let peers = r.peers.lock().unwrap();
+        let mut out = Vec::new();
+        for (peer, slot) in peers.iter() {
+            if let PeerSlot::Connected(c) = slot {
+                let s = c.link.stats();
+                let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+                out.push(PeerSnapshot {
+                    peer: peer.clone(),
+                    backend: c.link.backend(),
+                    not_chosen: c.not_chosen.clone(),
+                    alive: c.link.is_alive(),
+                    bytes_write: l(&s.bytes_write),
+                    bytes_read: l(&s.bytes_read),
+                    ops_write: l(&s.ops_write),
+                    ops_read: l(&s.ops_read),
+                    errors: l(&s.errors),
+                    notifies: l(&s.notifies),
+                    direct_parts: l(&s.direct_parts),
+                    latency: s.latency(),
+                });
+            }
+        }
+        out.sort_by(|a, b| a.peer.cmp(&b.peer));
+        Ok(out)
+    }
+
+    /// Number of registered regions.
+    pub fn registered_count(&self) -> Result<usize> {
+        Ok(self.running()?.registry.len())
+    }
+}
+
+fn check_notify(n: &NotifyDesc) -> Result<()> {
+    if n.name.len() > crate::wire::MAX_NAME || n.msg.len() > crate::wire::MAX_MSG {
+        return Err(Error::param(format!(
+            "notify name ({} bytes) or msg ({} bytes) is too long: the limits are {} and {} bytes",
+            n.name.len(),
+            n.msg.len(),
+            crate::wire::MAX_NAME,
+            crate::wire::MAX_MSG
+        )));
+    }
+    Ok(())
+}
+
+fn remember(conn: &PeerConn, req: &Arc<Request>) {
+    let mut recent = conn.recent.lock().unwrap();
+    if recent.len() >= 256 {
+        recent.retain(|w| w.upgrade().is_some_and(|q| q.status() == TransferStatus::Waiting));
+    }
+    recent.push(Arc::downgrade(req));
+}

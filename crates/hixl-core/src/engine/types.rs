@@ -1,0 +1,128 @@
+//! The engine's public data types.
+
+use std::sync::Arc;
+
+use crate::queue::Request;
+use crate::registry::MemType;
+use crate::stats::LatencySummary;
+use crate::wire::RegionEntry;
+
+/// A memory range: start address and length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MemDesc {
+    /// Start address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// A registered region, as returned by `register_mem`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MemHandle {
+    /// Registry id.
+    pub id: u64,
+    /// Start address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Memory type.
+    pub mem_type: MemType,
+}
+
+/// One descriptor of a batch: `len` bytes between `local_addr` and `remote_addr`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TransferOpDesc {
+    /// Address in this engine's registered memory.
+    pub local_addr: u64,
+    /// Address in the peer's registered memory.
+    pub remote_addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// A strided descriptor: `count` elements of `size` bytes; element i sits at
+/// `base + i * stride` locally and at `remote_base + i * remote_stride` (default: `stride`)
+/// at the peer, so a layout can be re-packed on the way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StridedDesc {
+    /// Number of elements (>= 1).
+    pub count: u64,
+    /// Bytes per element (>= 1).
+    pub size: u64,
+    /// Local distance between elements (>= size).
+    pub stride: u64,
+    /// Remote distance between elements (>= size); None means `stride`.
+    pub remote_stride: Option<u64>,
+}
+
+/// State of an asynchronous connect.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ConnectStatus {
+    /// No connect was made (or the peer was disconnected).
+    NotConnect,
+    /// A connect is running.
+    Connecting,
+    /// Connected and alive.
+    Connected,
+    /// The last connect failed, or the link died.
+    ConnectFailed,
+}
+
+/// Per-peer figures returned by [`Engine::stats`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct PeerSnapshot {
+    /// Peer address.
+    pub peer: String,
+    /// Backend name.
+    pub backend: &'static str,
+    /// Why the backends tried before it were not chosen ("shm: ...; ..."; empty: it was first).
+    pub not_chosen: String,
+    /// Whether the link is usable.
+    pub alive: bool,
+    /// Bytes written to the peer.
+    pub bytes_write: u64,
+    /// Bytes read from it.
+    pub bytes_read: u64,
+    /// Completed WRITE requests.
+    pub ops_write: u64,
+    /// Completed READ requests.
+    pub ops_read: u64,
+    /// Failed or timed-out requests.
+    pub errors: u64,
+    /// Notifications sent.
+    pub notifies: u64,
+    /// Same-host copies done through a mapping of the peer's memory (not CMA).
+    pub direct_parts: u64,
+    /// Latency of recent requests.
+    pub latency: LatencySummary,
+}
+
+/// A region a peer registered, as [`Engine::remote_regions`] shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RemoteRegion {
+    /// Start address in the peer's address space.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The name the peer registered it under (empty: none).
+    pub name: String,
+    /// Its memory domain.
+    pub mem_type: MemType,
+    /// Whether this engine may WRITE it (false: registered read-only).
+    pub writable: bool,
+}
+
+impl From<&RegionEntry> for RemoteRegion {
+    fn from(e: &RegionEntry) -> Self {
+        RemoteRegion {
+            addr: e.addr,
+            len: e.len,
+            name: e.name.clone(),
+            mem_type: e.domain,
+            writable: e.writable,
+        }
+    }
+}
+
+/// A transfer request handle.
+pub type TransferReq = Arc<Request>;

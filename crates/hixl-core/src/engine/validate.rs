@@ -1,0 +1,263 @@
+//! Checking a batch before anything is queued: every descriptor against the local registry
+//! and the peer's region table (ranges, access, memory domains), then merging and cutting it
+//! into parts.
+
+use std::sync::Arc;
+
+use super::types::{StridedDesc, TransferOpDesc};
+use super::{PeerConn, Running};
+use crate::error::{Error, Result, Status};
+use crate::queue::{SegPair, Strided};
+use crate::registry::{read_only, Abort, Pin};
+use crate::wire::{Domain, MAX_DESCS};
+
+/// Whether the peer's data path moves data between these two memory domains.
+pub(super) fn check_domains(conn: &PeerConn, remote: &str, local: Domain, theirs: Domain) -> Result<()> {
+    if conn.domains.contains(&(local, theirs)) {
+        return Ok(());
+    }
+    Err(Error::new(
+        Status::Unsupported,
+        format!(
+            "the {} backend chosen for {remote} does not move data between {} memory here and {} \
+             memory there",
+            conn.link.backend(),
+            local.as_str(),
+            theirs.as_str()
+        ),
+    ))
+}
+
+/// Runs a validation; when it failed only because a remote range is missing from our copy of
+/// the peer's table, asks the peer for its current table once and validates again. A range
+/// the peer registered a moment ago (and announced through another channel) then works,
+/// while a wrong range still fails, one round trip later.
+pub(super) fn with_fresh_table<T>(
+    r: &Running,
+    conn: &PeerConn,
+    mut check: impl FnMut(&mut bool) -> Result<T>,
+) -> Result<T> {
+    let mut miss = false;
+    match check(&mut miss) {
+        Err(e) if miss => {
+            if conn.control.refresh_table(r.opts.handshake_timeout).is_err() {
+                return Err(e);
+            }
+            check(&mut false)
+        }
+        other => other,
+    }
+}
+
+/// Checks every descriptor, pins the local regions, merges adjacent descriptors.
+pub(super) fn validate(
+    r: &Running,
+    conn: &PeerConn,
+    remote: &str,
+    descs: &[TransferOpDesc],
+    write: bool,
+    remote_miss: &mut bool,
+) -> Result<(Vec<SegPair>, Vec<Pin>, u64)> {
+    let table = conn.control.table();
+    let holder: Arc<dyn Abort> = conn.link.clone();
+    let mut pins: Vec<Pin> = Vec::new();
+    let mut segs: Vec<SegPair> = Vec::with_capacity(descs.len());
+    let mut bytes = 0u64;
+    for (i, d) in descs.iter().enumerate() {
+        if d.len == 0 {
+            return Err(Error::param(format!("descriptor {i}: length is 0")));
+        }
+        let pinned = pins.iter().position(|p| p.region().contains(d.local_addr, d.len));
+        let local = match pinned {
+            Some(k) => pins[k].region().mem_type,
+            None => {
+                let region = r
+                    .registry
+                    .lookup(d.local_addr, d.len, "local")
+                    .map_err(|e| Error::param(format!("descriptor {i}: {}", e.message)))?;
+                pins.push(region.pin(holder.clone())?);
+                region.mem_type
+            }
+        };
+        match table.find(d.remote_addr, d.len) {
+            None => {
+                *remote_miss = true;
+                return Err(Error::param(format!(
+                    "descriptor {i}: remote range 0x{:x}+{} is not inside a region registered at \
+                     {remote} (as of its last region-table update)",
+                    d.remote_addr, d.len
+                )));
+            }
+            Some(e) if write && !e.writable => {
+                return Err(Error::param(format!(
+                    "descriptor {i}: {}",
+                    read_only(d.remote_addr, d.len).message
+                )))
+            }
+            Some(e) => check_domains(conn, remote, local, e.domain)
+                .map_err(|e| e.context(&format!("descriptor {i}")))?,
+        }
+        bytes += d.len;
+        push_merged(&mut segs, d);
+    }
+    Ok((segs, pins, bytes))
+}
+
+/// Checks a strided descriptor (counts, strides, 64-byte alignment, both spans inside one
+/// registered region) and pins the local region.
+pub(super) fn validate_strided(
+    r: &Running,
+    conn: &PeerConn,
+    remote: &str,
+    (local_base, remote_base): (u64, u64),
+    d: &StridedDesc,
+    write: bool,
+    remote_miss: &mut bool,
+) -> Result<(Strided, Vec<Pin>)> {
+    let rstride = d.remote_stride.unwrap_or(d.stride);
+    if d.count == 0 {
+        return Err(Error::param("count=0: a strided descriptor needs at least one element"));
+    }
+    if d.size == 0 {
+        return Err(Error::param("size=0: elements need at least one byte"));
+    }
+    for (name, v) in [("stride", d.stride), ("remote_stride", rstride)] {
+        if v < d.size {
+            return Err(Error::param(format!(
+                "{name}={v} is smaller than size={}: elements would overlap",
+                d.size
+            )));
+        }
+    }
+    if r.opts.strict_alignment {
+        for (name, v) in [
+            ("local_base", local_base),
+            ("remote_base", remote_base),
+            ("stride", d.stride),
+            ("remote_stride", rstride),
+        ] {
+            if v % 64 != 0 {
+                return Err(Error::param(format!(
+                    "{name}=0x{v:x} ({v}) is not a multiple of 64 bytes (hixl.strict_alignment=0 relaxes this)"
+                )));
+            }
+        }
+    }
+    let span = |stride: u64| (d.count - 1).checked_mul(stride).and_then(|x| x.checked_add(d.size));
+    let (Some(lspan), Some(rspan)) = (span(d.stride), span(rstride)) else {
+        return Err(Error::param(format!(
+            "count={} with these strides overflows the address space",
+            d.count
+        )));
+    };
+    d.count
+        .checked_mul(d.size)
+        .ok_or_else(|| Error::param(format!("count={} x size={} overflows", d.count, d.size)))?;
+    let region = r.registry.lookup(local_base, lspan, "local strided").map_err(|e| {
+        Error::param(format!("{} (the whole strided range must lie in one region)", e.message))
+    })?;
+    let pin = region.pin(conn.link.clone())?;
+    match conn.control.table().find(remote_base, rspan) {
+        None => {
+            *remote_miss = true;
+            return Err(Error::param(format!(
+            "remote strided range 0x{remote_base:x}+{rspan} is not inside one region registered at {remote}"
+        )));
+        }
+        Some(e) if write && !e.writable => return Err(read_only(remote_base, rspan)),
+        Some(e) => check_domains(conn, remote, region.mem_type, e.domain)?,
+    }
+    let st = Strided {
+        local: local_base,
+        remote: remote_base,
+        count: d.count,
+        size: d.size,
+        lstride: d.stride,
+        rstride,
+    };
+    Ok((st, vec![pin]))
+}
+
+/// Appends a descriptor, extending the last segment when both sides continue it (public for
+/// the hot-path benches).
+pub fn push_merged(segs: &mut Vec<SegPair>, d: &TransferOpDesc) {
+    match segs.last_mut() {
+        Some(p) if p.local + p.len == d.local_addr && p.remote + p.len == d.remote_addr => p.len += d.len,
+        _ => segs.push(SegPair { local: d.local_addr, remote: d.remote_addr, len: d.len }),
+    }
+}
+
+/// Cuts merged segments into parts: one per stream for large batches (splitting segments at
+/// the boundaries), never more than `MAX_DESCS` segments per part.
+pub fn split(segs: Vec<SegPair>, bytes: u64, streams: usize, split_bytes: u64) -> Vec<Vec<SegPair>> {
+    let shares = if bytes >= split_bytes && streams > 1 { streams as u64 } else { 1 };
+    let per = bytes.div_ceil(shares).max(1);
+    let mut parts = Vec::new();
+    let mut cur: Vec<SegPair> = Vec::new();
+    let mut cur_bytes = 0u64;
+    for mut s in segs {
+        while s.len > 0 {
+            let room = per - cur_bytes;
+            let take = s.len.min(room);
+            cur.push(SegPair { local: s.local, remote: s.remote, len: take });
+            cur_bytes += take;
+            s.local += take;
+            s.remote += take;
+            s.len -= take;
+            if cur_bytes == per || cur.len() == MAX_DESCS {
+                parts.push(std::mem::take(&mut cur));
+                cur_bytes = 0;
+            }
+        }
+    }
+    if !cur.is_empty() {
+        parts.push(cur);
+    }
+    parts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sp(local: u64, remote: u64, len: u64) -> SegPair {
+        SegPair { local, remote, len }
+    }
+
+    #[test]
+    fn adjacent_descriptors_merge_into_one_segment() {
+        let d = |l, r, n| TransferOpDesc { local_addr: l, remote_addr: r, len: n };
+        let mut segs = Vec::new();
+        // 4 blocks contiguous on both sides, then one contiguous only locally, then a gap.
+        for x in
+            [d(0, 1000, 10), d(10, 1010, 10), d(20, 1020, 5), d(25, 1025, 5), d(30, 2000, 8), d(50, 2008, 2)]
+        {
+            push_merged(&mut segs, &x);
+        }
+        assert_eq!(segs, vec![sp(0, 1000, 30), sp(30, 2000, 8), sp(50, 2008, 2)]);
+    }
+
+    #[test]
+    fn split_small_batch_is_one_part() {
+        let p = split(vec![sp(0, 100, 10), sp(50, 200, 10)], 20, 2, 1 << 20);
+        assert_eq!(p, vec![vec![sp(0, 100, 10), sp(50, 200, 10)]]);
+    }
+
+    #[test]
+    fn split_large_batch_cuts_segments_evenly() {
+        let p = split(vec![sp(0, 1000, 30), sp(100, 2000, 10)], 40, 2, 16);
+        assert_eq!(p, vec![vec![sp(0, 1000, 20)], vec![sp(20, 1020, 10), sp(100, 2000, 10)]]);
+        let total: u64 = p.iter().flatten().map(|s| s.len).sum();
+        assert_eq!(total, 40);
+    }
+
+    #[test]
+    fn split_caps_segments_per_part() {
+        let segs: Vec<_> = (0..(MAX_DESCS as u64 + 5)).map(|i| sp(i * 2, i * 2, 1)).collect();
+        let n = segs.len() as u64;
+        let p = split(segs, n, 1, u64::MAX);
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[0].len(), MAX_DESCS);
+        assert_eq!(p[1].len(), 5);
+    }
+}
