@@ -43,6 +43,34 @@ def test_status_enum_and_hierarchy():
         assert isinstance(err, hixl.HixlError) and err.code == code
 
 
+def test_every_layer_uses_the_one_definition_of_the_codes():
+    """The core defines the status codes and transfer states once; the Python enums, the
+    exception classes and the bindings' conversions must all agree with it."""
+    from hixl import _hixl
+
+    core = dict(_hixl.status_codes())
+    assert core == {s.name: int(s) for s in hixl.Status}, "hixl.Status differs from the core"
+    for name, code in core.items():
+        if name == "SUCCESS":
+            continue
+        cls = {c.status: c for c in hixl.HixlError.__subclasses__()}[hixl.Status(code)]
+        assert cls.status.name == name
+    states = dict(_hixl.transfer_states())
+    py_states = {n: int(getattr(hixl.TransferStatus, n)) for n in states}
+    assert py_states == states, "hixl.TransferStatus differs from the core"
+    assert states == {"WAITING": 0, "COMPLETED": 1, "TIMEOUT": 2, "FAILED": 3}
+
+
+def test_errors_from_the_core_carry_its_codes(engine):
+    """An error raised by the core reaches Python as the class of its code."""
+    with pytest.raises(hixl.ParamInvalid) as e:
+        engine.register_mem(hixl.MemDesc(0, 10))
+    assert e.value.code == dict(hixl._hixl.status_codes())["PARAM_INVALID"]
+    with pytest.raises(hixl.NotConnected) as e:
+        engine.put("127.0.0.1:9", 1, 1, 1)
+    assert e.value.code == dict(hixl._hixl.status_codes())["NOT_CONNECTED"]
+
+
 def test_bad_ranges_are_refused_and_nothing_is_written(engine, make_peer):
     peer = make_peer(4096)
     engine.connect(peer.engine, timeout_ms=5000)

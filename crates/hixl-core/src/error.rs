@@ -3,7 +3,8 @@
 
 use std::fmt;
 
-/// Status codes of the public contract (API.md). The numbers are stable and shared with Python.
+/// Status codes of the public contract: their one definition. The numbers are stable; the
+/// Python layer's `hixl.Status` is checked against [`Status::ALL`] by the tests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum Status {
@@ -28,6 +29,19 @@ pub enum Status {
 }
 
 impl Status {
+    /// Every status code.
+    pub const ALL: [Status; 9] = [
+        Status::Success,
+        Status::ParamInvalid,
+        Status::Timeout,
+        Status::NotConnected,
+        Status::AlreadyConnected,
+        Status::NotifyFailed,
+        Status::Unsupported,
+        Status::ResourceExhausted,
+        Status::Failed,
+    ];
+
     /// The numeric code.
     pub fn code(self) -> u32 {
         self as u32
@@ -35,17 +49,7 @@ impl Status {
 
     /// Parses a numeric code (as carried on the wire); unknown numbers become `Failed`.
     pub fn from_code(code: u32) -> Status {
-        match code {
-            0 => Status::Success,
-            103900 => Status::ParamInvalid,
-            103901 => Status::Timeout,
-            103902 => Status::NotConnected,
-            103903 => Status::AlreadyConnected,
-            103904 => Status::NotifyFailed,
-            103905 => Status::Unsupported,
-            203900 => Status::ResourceExhausted,
-            _ => Status::Failed,
-        }
+        Self::ALL.into_iter().find(|s| s.code() == code).unwrap_or(Status::Failed)
     }
 
     /// The upper-case name used in docs and messages.

@@ -26,7 +26,8 @@ pub enum TransferOp {
 /// How long a waiter spins before it sleeps.
 const SPIN: Duration = Duration::from_micros(50);
 
-/// State of a request.
+/// State of a request. The numbers are the public contract (the same in Python, and as in
+/// HIXL's TransferStatus).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum TransferStatus {
@@ -34,19 +35,28 @@ pub enum TransferStatus {
     Waiting = 0,
     /// All bytes are at the destination.
     Completed = 1,
-    /// Failed; see [`Request::error`].
-    Failed = 2,
     /// Did not finish before its deadline.
-    Timeout = 3,
+    Timeout = 2,
+    /// Failed; see [`Request::error`].
+    Failed = 3,
 }
 
 impl TransferStatus {
+    /// Every status, in the order of its number.
+    pub const ALL: [TransferStatus; 4] =
+        [TransferStatus::Waiting, TransferStatus::Completed, TransferStatus::Timeout, TransferStatus::Failed];
+
     fn from_u8(v: u8) -> Self {
-        match v {
-            0 => TransferStatus::Waiting,
-            1 => TransferStatus::Completed,
-            2 => TransferStatus::Failed,
-            _ => TransferStatus::Timeout,
+        Self::ALL.get(v as usize).copied().unwrap_or(TransferStatus::Failed)
+    }
+
+    /// The upper-case name used in docs and in Python.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransferStatus::Waiting => "WAITING",
+            TransferStatus::Completed => "COMPLETED",
+            TransferStatus::Timeout => "TIMEOUT",
+            TransferStatus::Failed => "FAILED",
         }
     }
 }

@@ -20,6 +20,18 @@ fn get_log_level() -> &'static str {
     hixl_core::log::level()
 }
 
+/// The one definition of the status codes: list of (name, code).
+#[pyfunction]
+fn status_codes() -> Vec<(&'static str, u32)> {
+    hixl_core::Status::ALL.iter().map(|s| (s.name(), s.code())).collect()
+}
+
+/// The one definition of the transfer states: list of (name, number).
+#[pyfunction]
+fn transfer_states() -> Vec<(&'static str, u8)> {
+    hixl_core::TransferStatus::ALL.iter().map(|s| (s.name(), *s as u8)).collect()
+}
+
 /// The documented option keys: list of (key, default, meaning).
 #[pyfunction]
 fn option_keys() -> Vec<(&'static str, &'static str, &'static str)> {
@@ -92,6 +104,8 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(get_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(option_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(status_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_states, m)?)?;
     m.add_function(wrap_pyfunction!(_raw_tcp_sink, m)?)?;
     m.add_function(wrap_pyfunction!(_raw_tcp_send, m)?)?;
     m.add_function(wrap_pyfunction!(_raw_cma, m)?)?;

@@ -67,10 +67,10 @@ impl From<TransferOp> for hixl_core::TransferOp {
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 #[allow(clippy::upper_case_acronyms)]
 pub enum TransferStatus {
-    WAITING = 0,
-    COMPLETED = 1,
-    TIMEOUT = 2,
-    FAILED = 3,
+    WAITING = hixl_core::TransferStatus::Waiting as isize,
+    COMPLETED = hixl_core::TransferStatus::Completed as isize,
+    TIMEOUT = hixl_core::TransferStatus::Timeout as isize,
+    FAILED = hixl_core::TransferStatus::Failed as isize,
 }
 
 impl From<hixl_core::TransferStatus> for TransferStatus {
@@ -181,7 +181,7 @@ impl RemoteRegion {
             self.len,
             self.name,
             hixl_core::MemType::from(self.mem_type).as_str().to_uppercase(),
-            self.writable
+            if self.writable { "True" } else { "False" }
         )
     }
 }
