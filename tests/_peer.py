@@ -7,6 +7,11 @@ Start: python _peer.py SIZE [OPTIONS_JSON] (listening on $HIXL_TEST_LISTEN, defa
   fill SEED           fill the buffer with random bytes          -> OK
   zero                zero the buffer                            -> OK
   notifies            get_notifies() as JSON [[name, msg], ...]  -> JSON
+  register_named NAME SIZE
+                      register a fresh zeroed SIZE-byte buffer under NAME
+                                                                 -> <addr> | ERR <message>
+  save_named NAME PATH  write that buffer to PATH                -> OK
+  deregister_named NAME deregister it (the buffer stays alive)   -> OK
   exit                finalize and exit                          -> OK
 """
 
@@ -32,6 +37,8 @@ def main() -> None:
     e.initialize(os.environ.get("HIXL_TEST_LISTEN", "127.0.0.1:0"), options)
     buf = np.zeros(size, np.uint8)
     e.register(buf)
+    named: dict[str, tuple[np.ndarray, hixl.MemHandle]] = {}
+    kept: list[np.ndarray] = []  # deregistered buffers stay alive
     print(f"READY {e.local_engine} {buf.ctypes.data}", flush=True)
     for line in sys.stdin:
         cmd, *args = line.split()
@@ -47,6 +54,21 @@ def main() -> None:
             print("OK", flush=True)
         elif cmd == "notifies":
             print(json.dumps([[n.name, n.msg] for n in e.get_notifies()]), flush=True)
+        elif cmd == "register_named":
+            b = np.zeros(int(args[1]), np.uint8)
+            try:
+                named[args[0]] = (b, e.register(b, name=args[0]))
+                print(b.ctypes.data, flush=True)
+            except hixl.HixlError as x:
+                print(f"ERR {x}", flush=True)
+        elif cmd == "save_named":
+            named[args[0]][0].tofile(args[1])
+            print("OK", flush=True)
+        elif cmd == "deregister_named":
+            b, h = named.pop(args[0])
+            e.deregister_mem(h)
+            kept.append(b)
+            print("OK", flush=True)
         elif cmd == "exit":
             e.finalize()
             print("OK", flush=True)

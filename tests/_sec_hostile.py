@@ -8,6 +8,9 @@ Start: python _sec_hostile.py MODE [ARGS...]. Prints "READY <host:port> <pid> <b
   served      how many streams finished a handshake                        -> <n>
   answers     the same-host proof answers sent so far, as JSON              -> [...]
   bystander   the forked bystander's pid (mode bystander)                   -> <pid>
+  frames      the kinds of the frames received after Hello, all streams      -> [...]
+  add_region NAME  (mode regions) adds a region to the table without telling anyone (no
+              update, no delta): only a RegionsQuery finds it                 -> OK
   exit                                                                     -> OK
 
 Modes:
@@ -33,6 +36,12 @@ Modes:
       private buffer at the same address). This process answers the proof on that listener
       truthfully (its own accepted stream, its own descriptor number), offers a table of one
       writable region over its private buffer (no memfd) and serves data frames into it.
+  regions
+      Another host's engine with named regions in both memory domains, over its private
+      buffer: "host" (host domain) at [0, 16 KiB) and "dev" (device domain) at [16, 32 KiB),
+      both writable. Data frames are served into the buffer wherever they land in it (the
+      domain is not checked here: a write that reached "dev" would change its bytes).
+      `add_region NAME` adds [32, 48 KiB) in the host domain under NAME.
   readresp
       Another host's engine: every Write is answered by a ReadResp with status 0 carrying as
       many bytes (0xEE) as the write had.
@@ -75,6 +84,7 @@ class Hostile:
         self.host = "elsewhere"
         self.v2_identity = (0, 0, 0)  # pid, probe_addr, probe_token (v2 Welcome)
         self.table_version = 1
+        self.frames: list[int] = []
         self.lsock = socket.socket()
         self.lsock.bind(("127.0.0.1", 0))
         self.lsock.listen(64)
@@ -158,6 +168,19 @@ class Hostile:
         threading.Thread(target=self.local_loop, daemon=True).start()
         self.regions = [w.Region(self.buf_addr, LEN, 1)]
 
+    def setup_regions(self) -> None:
+        q = LEN // 4
+        self.regions = [
+            w.Region(self.buf_addr, q, 1, name="host"),
+            w.Region(self.buf_addr + q, q, 2, domain=w.DEVICE, name="dev"),
+        ]
+
+    def add_region(self, name: str) -> None:
+        q = LEN // 4
+        with self.lock:
+            self.regions.append(w.Region(self.buf_addr + 2 * q, q, 3, name=name))
+            self.table_version += 1
+
     def setup_readresp(self) -> None:
         self.regions = [w.Region(self.buf_addr, LEN, 1)]
 
@@ -239,10 +262,13 @@ class Hostile:
             c.sendall(w.frame(w.WELCOME, self.welcome()))
             while True:
                 kind, tag, bulk, payload = w.read_frame(c)
+                with self.lock:
+                    self.frames.append(kind)
                 if kind == w.HEARTBEAT:
                     c.sendall(w.frame(w.HEARTBEAT_ACK, tag=tag))
                 elif kind == w.REGIONS_QUERY:
-                    table = w.regions_table_payload(self.table_version, self.regions)
+                    with self.lock:
+                        table = w.regions_table_payload(self.table_version, self.regions)
                     c.sendall(w.frame(w.REGIONS_TABLE, table, tag=tag))
                 elif kind == w.NOTIFY:
                     c.sendall(w.frame(w.ACK, w.status_payload(0), tag=tag))
@@ -316,6 +342,12 @@ def main() -> None:
         elif cmd == "answers":
             with h.lock:
                 print(json.dumps(h.answers), flush=True)
+        elif cmd == "frames":
+            with h.lock:
+                print(json.dumps(h.frames), flush=True)
+        elif cmd == "add_region":
+            h.add_region(args[0])
+            print("OK", flush=True)
         elif cmd == "bystander":
             print(h.child, flush=True)
         elif cmd == "exit":
