@@ -1,5 +1,7 @@
-//! Logging through `tracing`, to stderr. The level comes from `HIXL_LOG_LEVEL`
-//! (DEBUG | INFO | WARN | ERROR, default WARN) and can be changed at run time.
+//! Logging through `tracing`. The engine only emits events (targets `hixl_core::...`); which
+//! subscriber shows them is the host program's choice. [`init`] installs hixl's own stderr
+//! logger, whose level comes from `HIXL_LOG_LEVEL` (DEBUG | INFO | WARN | ERROR, default
+//! WARN) and can be changed at run time; the Python module calls it on import.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Once;
@@ -32,7 +34,8 @@ fn parse(s: &str) -> Option<u8> {
     }
 }
 
-/// Installs the stderr logger once (reading `HIXL_LOG_LEVEL`). Called by `Engine::new`.
+/// Installs hixl's stderr logger once, as the global `tracing` subscriber (reading
+/// `HIXL_LOG_LEVEL`), unless the program already has one. Never called by the engine itself.
 pub fn init() {
     INIT.call_once(|| {
         let lvl = std::env::var("HIXL_LOG_LEVEL").ok().and_then(|v| parse(&v)).unwrap_or(1);

@@ -92,6 +92,8 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::TransferOp>()?;
     m.add_class::<types::TransferStatus>()?;
     m.add_class::<types::AsyncConnectStatus>()?;
+    // Python programs get hixl's stderr logger (HIXL_LOG_LEVEL); Rust hosts choose their own.
+    hixl_core::log::init();
     m.add_class::<types::MemDesc>()?;
     m.add_class::<types::RemoteRegion>()?;
     m.add_class::<types::TransferOpDesc>()?;

@@ -98,7 +98,6 @@ pub fn parse_addr(s: &str) -> Result<SocketAddr> {
 impl Engine {
     /// A new, uninitialized engine.
     pub fn new() -> Self {
-        crate::log::init();
         Engine { state: Mutex::new(None), finalized: Default::default() }
     }
 
