@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -70,6 +70,10 @@ struct Running {
     next_req: AtomicU64,
     /// Memory from `alloc`, by address; dropped (unmapped unless referenced) on deregistration.
     allocated: Mutex<HashMap<u64, Arc<SharedMem>>>,
+    /// Set by `finalize` (under the `peers` lock): a connect that ends later closes its link.
+    closed: AtomicBool,
+    /// Threads of `connect_async` calls; `finalize` waits for them (each ends by its deadline).
+    connects: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 /// A transfer engine (one per process is typical). All methods take `&self` and are thread-safe.
@@ -174,6 +178,8 @@ impl Engine {
             peers: Mutex::new(HashMap::new()),
             next_req: AtomicU64::new(1),
             allocated: Mutex::new(HashMap::new()),
+            closed: AtomicBool::new(false),
+            connects: Mutex::new(Vec::new()),
         }));
         Ok(())
     }
@@ -188,11 +194,20 @@ impl Engine {
     pub fn finalize(&self) -> Result<()> {
         let Some(r) = self.state.lock().unwrap().take() else { return Ok(()) };
         self.finalized.store(true, Ordering::Release);
-        let slots: Vec<_> = r.peers.lock().unwrap().drain().collect();
+        let slots: Vec<_> = {
+            let mut peers = r.peers.lock().unwrap();
+            r.closed.store(true, Ordering::Release);
+            peers.drain().collect()
+        };
         for (_, slot) in slots {
             if let PeerSlot::Connected(c) = slot {
                 c.link.close(Error::failed("the engine was finalized"));
             }
+        }
+        // Connects still under way close what they open (see `finish_connect`); each ends by
+        // its own deadline (hixl.connect_timeout_ms at most).
+        for h in std::mem::take(&mut *r.connects.lock().unwrap()) {
+            let _ = h.join();
         }
         // Empty the registry, then make same-host peers (direct copies) confirm the empty
         // table before the listener stops and memory may be freed.
@@ -366,6 +381,14 @@ impl Engine {
 
     fn finish_connect(r: &Running, key: &str, res: Result<PeerConn>, keep_failure: bool) -> Result<()> {
         let mut peers = r.peers.lock().unwrap();
+        if r.closed.load(Ordering::Acquire) {
+            let e = Error::failed(format!("the engine was finalized while connecting to {key}"));
+            if let Ok(conn) = res {
+                drop(peers);
+                conn.link.close(e.clone());
+            }
+            return Err(e);
+        }
         match res {
             Ok(conn) => {
                 tracing::info!(peer = %key, backend = conn.link.backend(), "connected");
@@ -402,13 +425,16 @@ impl Engine {
         Self::begin_connect(&r, &key)?;
         let timeout = r.opts.connect_timeout;
         let r2 = r.clone();
-        std::thread::Builder::new()
+        let mut connects = r.connects.lock().unwrap();
+        connects.retain(|h| !h.is_finished());
+        let h = std::thread::Builder::new()
             .name("hixl-connect".into())
             .spawn(move || {
                 let res = Self::open_link(&r2, &key, addr, timeout);
                 let _ = Self::finish_connect(&r2, &key, res, true);
             })
             .map_err(|e| Error::failed(format!("cannot start the connect thread: {e}")))?;
+        connects.push(h);
         Ok(())
     }
 
