@@ -16,18 +16,21 @@ fn main() -> Result<(), hixl_core::Error> {
     let target = Engine::new();
     target.initialize("127.0.0.1:0", &opts)?;
     let mut remote_buf = vec![0u8; 64 << 20];
-    target.register_mem(
-        MemDesc { addr: remote_buf.as_mut_ptr() as u64, len: remote_buf.len() as u64 },
-        MemType::Host,
-    )?;
+    unsafe {
+        target.register_mem(
+            MemDesc { addr: remote_buf.as_mut_ptr() as u64, len: remote_buf.len() as u64 },
+            MemType::Host,
+        )
+    }?;
     let peer = target.local_engine()?;
 
     // The initiator: client only.
     let init = Engine::new();
     init.initialize("127.0.0.1", &opts)?;
     let mut local: Vec<u8> = (0..64u32 << 20).map(|i| (i % 251) as u8).collect();
-    let h = init
-        .register_mem(MemDesc { addr: local.as_mut_ptr() as u64, len: local.len() as u64 }, MemType::Host)?;
+    let h = unsafe {
+        init.register_mem(MemDesc { addr: local.as_mut_ptr() as u64, len: local.len() as u64 }, MemType::Host)
+    }?;
     init.connect(&peer, timeout)?;
     let remote = init.remote_mems(&peer)?[0];
 

@@ -9,15 +9,21 @@
 //!
 //! let e = Engine::new();
 //! e.initialize("127.0.0.1:0", &Default::default())?;
-//! let mut buf = vec![7u8; 4096];
-//! let h = e.register_mem(MemDesc { addr: buf.as_mut_ptr() as u64, len: 4096 }, MemType::Host)?;
+//! // Memory the engine may use for the rest of the program: registering it is safe.
+//! let h = e.register_static(Box::leak(vec![7u8; 4096].into_boxed_slice()), "src")?;
+//! // A buffer the caller keeps: registering it is `unsafe` (see `Engine::register_mem`).
+//! let mut mine = vec![0u8; 4096];
+//! // SAFETY: `mine` outlives the engine (finalized below) and is host memory of this process.
+//! unsafe { e.register_mem(MemDesc { addr: mine.as_mut_ptr() as u64, len: 4096 }, MemType::Host)? };
 //! e.connect("127.0.0.1:18001", Duration::from_secs(1))?;
-//! let remote = e.remote_mems("127.0.0.1:18001")?[0];
+//! let remote = e.remote_region("127.0.0.1:18001", "kv")?;
 //! let d = TransferOpDesc { local_addr: h.addr, remote_addr: remote.addr, len: 4096 };
 //! e.transfer_sync("127.0.0.1:18001", TransferOp::Write, &[d], Duration::from_secs(1))?;
 //! e.finalize()?;
 //! # Ok::<(), hixl_core::Error>(())
 //! ```
+
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod auth;
 pub mod bench;

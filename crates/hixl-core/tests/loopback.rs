@@ -45,8 +45,10 @@ fn pair(size: usize, opts: &[(&str, &str)]) -> Pair {
     let b = engine("127.0.0.1:0", opts);
     let mut abuf = vec![0u8; size];
     let mut bbuf = vec![0u8; size];
-    a.register_mem(MemDesc { addr: abuf.as_mut_ptr() as u64, len: size as u64 }, MemType::Host).unwrap();
-    b.register_mem(MemDesc { addr: bbuf.as_mut_ptr() as u64, len: size as u64 }, MemType::Host).unwrap();
+    unsafe { a.register_mem(MemDesc { addr: abuf.as_mut_ptr() as u64, len: size as u64 }, MemType::Host) }
+        .unwrap();
+    unsafe { b.register_mem(MemDesc { addr: bbuf.as_mut_ptr() as u64, len: size as u64 }, MemType::Host) }
+        .unwrap();
     let peer = b.local_engine().unwrap();
     a.connect(&peer, T).unwrap();
     Pair { a, b, peer, abuf, bbuf }
@@ -139,7 +141,7 @@ fn target_refuses_ranges_it_no_longer_has() {
     // The link is still usable afterwards, and a region registered later becomes reachable
     // once the target's table update arrives.
     let mut other = vec![0u8; 64];
-    p.b.register_mem(MemDesc { addr: other.as_mut_ptr() as u64, len: 64 }, MemType::Host).unwrap();
+    unsafe { p.b.register_mem(MemDesc { addr: other.as_mut_ptr() as u64, len: 64 }, MemType::Host) }.unwrap();
     let d = [TransferOpDesc { local_addr: la, remote_addr: other.as_ptr() as u64, len: 64 }];
     let t0 = std::time::Instant::now();
     while let Err(e) = p.a.transfer_sync(&p.peer, TransferOp::Write, &d, T) {
@@ -214,7 +216,7 @@ fn notify_follows_data_and_finalize_fails_everything() {
 
     p.a.finalize().unwrap();
     p.a.finalize().unwrap();
-    let e = p.a.register_mem(MemDesc { addr: la, len: 1 }, MemType::Host).unwrap_err();
+    let e = unsafe { p.a.register_mem(MemDesc { addr: la, len: 1 }, MemType::Host) }.unwrap_err();
     assert_eq!(e.status, Status::Failed);
     assert!(e.message.contains("finalized"), "{e}");
 }
@@ -337,11 +339,13 @@ fn self_backend_checks_the_target_registry_itself() {
     assert_eq!(p.a.stats().unwrap()[0].backend, "self");
     let la = p.abuf.as_ptr() as u64;
     let mut ro = vec![7u8; 4096];
-    let h = p.b.register_mem_access(
-        MemDesc { addr: ro.as_mut_ptr() as u64, len: 4096 },
-        MemType::Host,
-        hixl_core::Access::ReadOnly,
-    );
+    let h = unsafe {
+        p.b.register_mem_access(
+            MemDesc { addr: ro.as_mut_ptr() as u64, len: 4096 },
+            MemType::Host,
+            hixl_core::Access::ReadOnly,
+        )
+    };
     let h = h.unwrap();
     let e = p.a.put(&p.peer, la, h.addr, 64, T).unwrap_err();
     assert_eq!(e.status, Status::ParamInvalid, "{e}");
@@ -368,7 +372,8 @@ fn deregistered_target_region_is_dropped_from_shm_tables() {
     assert!(p.bbuf.iter().all(|&b| b == 0), "nothing written into the deregistered region");
     // And a newly registered region becomes usable without reconnecting.
     let mut fresh = vec![0u8; 4096];
-    p.b.register_mem(MemDesc { addr: fresh.as_mut_ptr() as u64, len: 4096 }, MemType::Host).unwrap();
+    unsafe { p.b.register_mem(MemDesc { addr: fresh.as_mut_ptr() as u64, len: 4096 }, MemType::Host) }
+        .unwrap();
     let d2 = [TransferOpDesc { local_addr: la, remote_addr: fresh.as_ptr() as u64, len: 4096 }];
     let t0 = std::time::Instant::now();
     loop {
@@ -392,7 +397,10 @@ fn engine_allocated_peer_memory_is_copied_through_a_mapping() {
     assert_eq!(bh.len, 4 << 20);
     let mut src = vec![0u8; 1 << 20];
     fill(&mut src, 9);
-    a.register_mem(MemDesc { addr: src.as_mut_ptr() as u64, len: src.len() as u64 }, MemType::Host).unwrap();
+    unsafe {
+        a.register_mem(MemDesc { addr: src.as_mut_ptr() as u64, len: src.len() as u64 }, MemType::Host)
+    }
+    .unwrap();
     a.connect(&peer, T).unwrap();
     let d = [TransferOpDesc { local_addr: src.as_ptr() as u64, remote_addr: bh.addr + 100, len: 1 << 20 }];
     a.transfer_sync(&peer, TransferOp::Write, &d, T).unwrap();
@@ -503,7 +511,8 @@ fn remote_mems_follows_registrations_after_connect() {
     let p = pair(4096, &[]);
     assert_eq!(p.a.remote_mems(&p.peer).unwrap().len(), 1);
     let mut late = vec![0u8; 8192];
-    let h = p.b.register_mem(MemDesc { addr: late.as_mut_ptr() as u64, len: 8192 }, MemType::Host).unwrap();
+    let h = unsafe { p.b.register_mem(MemDesc { addr: late.as_mut_ptr() as u64, len: 8192 }, MemType::Host) }
+        .unwrap();
     let has = |want: bool| {
         let deadline = std::time::Instant::now() + T;
         loop {
@@ -549,8 +558,10 @@ fn cluster_secret_is_mutual_and_never_shown() {
     res.unwrap();
     let mut src = vec![9u8; 4096];
     let mut dst = vec![0u8; 4096];
-    let hs = a.register_mem(MemDesc { addr: src.as_mut_ptr() as u64, len: 4096 }, MemType::Host).unwrap();
-    let hd = b.register_mem(MemDesc { addr: dst.as_mut_ptr() as u64, len: 4096 }, MemType::Host).unwrap();
+    let hs = unsafe { a.register_mem(MemDesc { addr: src.as_mut_ptr() as u64, len: 4096 }, MemType::Host) }
+        .unwrap();
+    let hd = unsafe { b.register_mem(MemDesc { addr: dst.as_mut_ptr() as u64, len: 4096 }, MemType::Host) }
+        .unwrap();
     // The table update of `hd` may still be on its way.
     let deadline = std::time::Instant::now() + T;
     while !a.remote_mems(&peer).unwrap().iter().any(|m| m.addr == hd.addr) {
@@ -591,14 +602,16 @@ fn read_only_regions_can_be_read_not_written() {
     let b = engine("127.0.0.1:0", &[]);
     let mut ro = vec![5u8; 8192];
     let mut local = vec![0u8; 8192];
-    let h = b
-        .register_mem_access(
+    let h = unsafe {
+        b.register_mem_access(
             MemDesc { addr: ro.as_mut_ptr() as u64, len: 8192 },
             MemType::Host,
             hixl_core::Access::ReadOnly,
         )
+    }
+    .unwrap();
+    let l = unsafe { a.register_mem(MemDesc { addr: local.as_mut_ptr() as u64, len: 8192 }, MemType::Host) }
         .unwrap();
-    let l = a.register_mem(MemDesc { addr: local.as_mut_ptr() as u64, len: 8192 }, MemType::Host).unwrap();
     let peer = b.local_engine().unwrap();
     a.connect(&peer, T).unwrap();
     a.get(&peer, l.addr, h.addr, 8192, T).unwrap();
@@ -609,7 +622,8 @@ fn read_only_regions_can_be_read_not_written() {
     assert!(e.message.contains("read-only"), "{e}");
     assert!(ro.iter().all(|&x| x == 5));
     // Registering the same range read-write while it is read-only is refused.
-    let e = b.register_mem(MemDesc { addr: ro.as_mut_ptr() as u64, len: 8192 }, MemType::Host).unwrap_err();
+    let e = unsafe { b.register_mem(MemDesc { addr: ro.as_mut_ptr() as u64, len: 8192 }, MemType::Host) }
+        .unwrap_err();
     assert!(e.message.contains("access=\"r\""), "{e}");
 }
 
@@ -621,9 +635,10 @@ fn lifecycle_deregister_while_a_transfer_uses_the_region() {
     for transport in ["tcp", "shm"] {
         let mut p = pair(32 << 20, &[("hixl.transport", transport), ("hixl.deregister_timeout_ms", "50")]);
         let mut local = vec![3u8; 32 << 20];
-        let h =
+        let h = unsafe {
             p.a.register_mem(MemDesc { addr: local.as_mut_ptr() as u64, len: 32 << 20 }, MemType::Host)
-                .unwrap();
+        }
+        .unwrap();
         let d = [TransferOpDesc { local_addr: h.addr, remote_addr: p.bbuf.as_ptr() as u64, len: 32 << 20 }];
         let reqs: Vec<_> = (0..16)
             .map(|_| p.a.transfer_async(&p.peer, TransferOp::Write, &d, None, None).unwrap())
@@ -661,7 +676,7 @@ fn lifecycle_finalize_with_requests_in_flight_twice_and_after() {
         p.a.finalize().unwrap(); // twice
         let e = p.a.transfer_sync(&p.peer, TransferOp::Read, &d, T).unwrap_err();
         assert_eq!(e.status, Status::Failed, "{e}");
-        assert!(p.a.register_mem(MemDesc { addr: 4096, len: 1 }, MemType::Host).is_err());
+        assert!(unsafe { p.a.register_mem(MemDesc { addr: 4096, len: 1 }, MemType::Host) }.is_err());
         assert!(p.a.connect(&p.peer, T).is_err());
         p.b.finalize().unwrap();
         drop(p);
@@ -678,9 +693,10 @@ fn a_range_the_peer_registered_a_moment_ago_is_found() {
         let la = p.abuf.as_ptr() as u64;
         for _ in 0..50 {
             let mut fresh = vec![0u8; 4096];
-            let h =
+            let h = unsafe {
                 p.b.register_mem(MemDesc { addr: fresh.as_mut_ptr() as u64, len: 4096 }, MemType::Host)
-                    .unwrap();
+            }
+            .unwrap();
             p.a.put(&p.peer, la, h.addr, 64, T).unwrap();
             assert_eq!(&fresh[..64], &p.abuf[..64], "{transport}");
             p.b.deregister_mem(&h).unwrap();

@@ -307,7 +307,9 @@ impl Hixl {
     }
 
     /// Registers a raw range. `access="r"` lets peers READ it but never WRITE it; `name`
-    /// (unique within this engine) lets peers find it with `remote_region`.
+    /// (unique within this engine) lets peers find it with `remote_region`. The range must
+    /// stay valid memory of this process until it is deregistered: `register(obj)` keeps the
+    /// object alive for you.
     #[pyo3(signature = (desc, mem_type = MemType::HOST, access = "rw", name = None))]
     fn register_mem(
         &self,
@@ -323,7 +325,10 @@ impl Hixl {
         let h = py
             .allow_threads(|| {
                 let d = hixl_core::MemDesc { addr: desc.addr, len: desc.len };
-                e.register_named(d, mem_type.into(), access, &name)
+                // SAFETY: the contract of a raw range passes to the Python caller, as the
+                // method's documentation says (like NIXL's register_memory); `register(obj)`
+                // meets it by keeping the object alive until deregistration.
+                unsafe { e.register_named(d, mem_type.into(), access, &name) }
             })
             .map_err(to_py)?;
         Ok(MemHandle { addr: h.addr, len: h.len, id: h.id, mem_type, name })

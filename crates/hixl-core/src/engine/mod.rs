@@ -233,20 +233,61 @@ impl Engine {
     }
 
     /// Registers `[desc.addr, desc.addr + desc.len)` for peers to READ and WRITE.
-    pub fn register_mem(&self, desc: MemDesc, mem_type: MemType) -> Result<MemHandle> {
-        self.register_mem_access(desc, mem_type, Access::ReadWrite)
+    ///
+    /// # Safety
+    ///
+    /// The caller promises what the engine cannot check: the range is memory of this process
+    /// of `mem_type`, mapped, and stays valid until it is deregistered (or the engine
+    /// finalized); peers and this engine's transfers may read and write it at any time until
+    /// then, concurrently with the caller. For memory the engine owns instead, use
+    /// [`Engine::alloc`] or [`Engine::register_static`] (safe).
+    ///
+    /// ```compile_fail
+    /// # let e = hixl_core::Engine::new();
+    /// # let mut buf = vec![0u8; 64];
+    /// // A raw range is only registered inside `unsafe`: this does not compile.
+    /// let d = hixl_core::MemDesc { addr: buf.as_mut_ptr() as u64, len: 64 };
+    /// e.register_mem(d, hixl_core::MemType::Host);
+    /// ```
+    pub unsafe fn register_mem(&self, desc: MemDesc, mem_type: MemType) -> Result<MemHandle> {
+        // SAFETY: the caller carries this function's contract, which is the callee's.
+        unsafe { self.register_mem_access(desc, mem_type, Access::ReadWrite) }
     }
 
     /// Registers with an access mode: `Access::ReadOnly` regions may be READ by peers, and a
     /// peer's WRITE into them is refused by this engine (PARAM_INVALID, nothing written).
-    pub fn register_mem_access(&self, desc: MemDesc, mem_type: MemType, access: Access) -> Result<MemHandle> {
-        self.register_named(desc, mem_type, access, "")
+    ///
+    /// # Safety
+    ///
+    /// As for [`Engine::register_mem`].
+    pub unsafe fn register_mem_access(
+        &self,
+        desc: MemDesc,
+        mem_type: MemType,
+        access: Access,
+    ) -> Result<MemHandle> {
+        // SAFETY: the caller carries this function's contract, which is the callee's.
+        unsafe { self.register_named(desc, mem_type, access, "") }
+    }
+
+    /// Registers host memory that lives for the rest of the program and that the caller gave
+    /// up (`Box::leak` makes such a slice): safe, since nothing else can touch it. Peers may
+    /// READ and WRITE it; `name` as in [`Engine::register_named`].
+    pub fn register_static(&self, buf: &'static mut [u8], name: &str) -> Result<MemHandle> {
+        let desc = MemDesc { addr: buf.as_mut_ptr() as u64, len: buf.len() as u64 };
+        // SAFETY: a 'static exclusive borrow: the memory is host memory of this process, stays
+        // mapped forever, and the caller can no longer access it.
+        unsafe { self.register_named(desc, MemType::Host, Access::ReadWrite, name) }
     }
 
     /// Registers under a name (empty: none) that peers see in their region table and can look
     /// the region up by ([`Engine::remote_region`]); names are unique within an engine. A
     /// memory domain that no backend of `hixl.backends` serves is UNSUPPORTED.
-    pub fn register_named(
+    ///
+    /// # Safety
+    ///
+    /// As for [`Engine::register_mem`].
+    pub unsafe fn register_named(
         &self,
         desc: MemDesc,
         mem_type: MemType,

@@ -545,7 +545,7 @@ impl SharedMem {
                 0,
             )
         };
-        // SAFETY (both munmaps): they release only the unused head and tail of our reservation.
+        // SAFETY: both munmaps release only the unused head and tail of our reservation.
         unsafe {
             let head = start - base as u64;
             if head > 0 {
