@@ -91,7 +91,12 @@ pub fn raw_tcp_send(addr: &str, size: usize, iters: usize, streams: usize) -> Re
 /// Baseline for same-host copies: raw `process_vm_writev` (or `_readv` when `write` is false)
 /// of `descs` (local, remote, len) to process `pid`, IOV_MAX descriptors per call, with the
 /// iovec arrays built before timing. Returns each round's seconds after one warm-up round.
-pub fn raw_cma(pid: u32, write: bool, descs: &[(u64, u64, u64)], iters: usize) -> Result<Vec<f64>> {
+///
+/// # Safety
+///
+/// Every local range of `descs` must be memory of this process that may be written (for a
+/// READ, `write == false`) or read for the whole call; the kernel checks the remote ranges.
+pub unsafe fn raw_cma(pid: u32, write: bool, descs: &[(u64, u64, u64)], iters: usize) -> Result<Vec<f64>> {
     use crate::transport::io::{iov, IOV_MAX};
     let local: Vec<_> = descs.iter().map(|d| iov(d.0, d.2)).collect();
     let remote: Vec<_> = descs.iter().map(|d| iov(d.1, d.2)).collect();
@@ -102,8 +107,8 @@ pub fn raw_cma(pid: u32, write: bool, descs: &[(u64, u64, u64)], iters: usize) -
         let mut moved = 0u64;
         for (l, r) in local.chunks(IOV_MAX).zip(remote.chunks(IOV_MAX)) {
             let n = l.len() as libc::c_ulong;
-            // SAFETY: the caller passes local ranges of its own live memory; the kernel checks
-            // the remote ranges. This is a benchmark baseline, not a library path.
+            // SAFETY: the local ranges are live memory of this process (this function's
+            // contract); the kernel checks the remote ranges.
             let got = unsafe {
                 if write {
                     libc::process_vm_writev(pid as libc::pid_t, l.as_ptr(), n, r.as_ptr(), n, 0)

@@ -26,6 +26,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod auth;
+#[cfg(feature = "baselines")]
 pub mod bench;
 mod complete;
 pub mod engine;

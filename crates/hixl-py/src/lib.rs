@@ -70,7 +70,9 @@ fn _raw_cma(
 ) -> PyResult<Vec<f64>> {
     let d: Vec<(u64, u64, u64)> =
         engine::parse_descs(descs)?.into_iter().map(|d| (d.local_addr, d.remote_addr, d.len)).collect();
-    py.allow_threads(|| hixl_core::bench::raw_cma(pid, write, &d, iters)).map_err(errors::to_py)
+    // SAFETY: the contract passes to the Python caller (a benchmark helper: `hixl bench` and
+    // benches/ pass ranges of buffers they hold for the whole call).
+    py.allow_threads(|| unsafe { hixl_core::bench::raw_cma(pid, write, &d, iters) }).map_err(errors::to_py)
 }
 
 /// Baseline: one-thread memcpy of `count` blocks of `block` bytes; seconds per round.
