@@ -5,10 +5,10 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use hixl_core::engine::{push_merged, split};
-use hixl_core::queue::{SegPair, Strided, WorkQueue};
-use hixl_core::registry::{MemType, Registry, RemoteTable};
-use hixl_core::wire::{self, Frame, RegionEntry, Seg};
+use hixl_core::unstable::queue::{SegPair, Strided, WorkQueue};
+use hixl_core::unstable::registry::{MemType, Registry, RemoteTable};
+use hixl_core::unstable::wire::{self, Frame, RegionEntry, Seg};
+use hixl_core::unstable::{push_merged, split};
 use hixl_core::TransferOpDesc;
 
 const REGIONS: u64 = 4096;

@@ -25,28 +25,56 @@
 
 #![warn(clippy::undocumented_unsafe_blocks)]
 
-pub mod auth;
+mod auth;
 #[cfg(feature = "baselines")]
 pub mod bench;
 mod complete;
-pub mod engine;
-pub mod error;
+mod engine;
+mod error;
 pub mod log;
-pub mod notify;
-pub mod options;
-pub mod queue;
-pub mod registry;
-pub mod stats;
-pub mod transport;
-pub mod wire;
+mod notify;
+mod options;
+mod queue;
+mod registry;
+mod stats;
+mod transport;
+mod wire;
 
 pub use engine::{
     ConnectStatus, Engine, MemDesc, MemHandle, PeerSnapshot, RemoteRegion, StridedDesc, TransferOpDesc,
     TransferReq,
 };
 pub use error::{Error, Result, Status};
-pub use queue::{NotifyDesc, TransferOp, TransferStatus};
+pub use options::KEYS as OPTION_KEYS;
+pub use queue::{NotifyDesc, Request, TransferOp, TransferStatus};
 pub use registry::{Access, MemType};
+pub use stats::LatencySummary;
+pub use transport::shm::{host_id, SharedMem};
+pub use wire::Domain;
+
+/// The engine's internals, for hixl's own fuzz targets, benchmarks and tests. Nothing here is
+/// part of the API: it changes without notice; services use the items at the crate root.
+#[doc(hidden)]
+pub mod unstable {
+    /// Session keys and frame MACs.
+    pub mod auth {
+        pub use crate::auth::*;
+    }
+    /// The sans-IO wire protocol.
+    pub mod wire {
+        pub use crate::wire::*;
+    }
+    /// Requests, parts and the work queue.
+    pub mod queue {
+        pub use crate::queue::*;
+    }
+    /// The registry and remote tables.
+    pub mod registry {
+        pub use crate::registry::*;
+    }
+    /// How a batch is merged and cut into parts.
+    pub use crate::engine::{push_merged, split};
+}
 
 /// The crate version.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -5,8 +5,8 @@
 
 use std::time::{Duration, Instant};
 
-use hixl_core::auth::{FrameMac, MAC_LEN};
-use hixl_core::wire::{
+use hixl_core::unstable::auth::{FrameMac, MAC_LEN};
+use hixl_core::unstable::wire::{
     self, BackendKey, Capability, Domain, Frame, RegionEntry, Seg, StridedSeg, HEADER_LEN,
 };
 

@@ -74,7 +74,7 @@ pub fn export(obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64, KeepAlive)> {
 /// array still uses it.
 #[pyclass(frozen, module = "hixl._hixl")]
 pub struct ShmBuffer {
-    pub mem: std::sync::Arc<hixl_core::transport::shm::SharedMem>,
+    pub mem: std::sync::Arc<hixl_core::SharedMem>,
 }
 
 #[pymethods]

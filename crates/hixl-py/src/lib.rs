@@ -35,7 +35,7 @@ fn transfer_states() -> Vec<(&'static str, u8)> {
 /// The documented option keys: list of (key, default, meaning).
 #[pyfunction]
 fn option_keys() -> Vec<(&'static str, &'static str, &'static str)> {
-    hixl_core::options::KEYS.to_vec()
+    hixl_core::OPTION_KEYS.to_vec()
 }
 
 /// Baseline: starts a raw TCP sink (Rust recv loop) in this process; returns its address.
@@ -84,7 +84,7 @@ fn _raw_memcpy(py: Python<'_>, block: usize, count: usize, iters: usize) -> PyRe
 /// This host's identity as same-host peers compare it: "boot_id/hostname".
 #[pyfunction]
 fn _host_identity() -> String {
-    hixl_core::transport::shm::host_id()
+    hixl_core::host_id()
 }
 
 #[pymodule]

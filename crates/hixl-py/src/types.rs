@@ -155,8 +155,8 @@ pub struct RemoteRegion {
     pub writable: bool,
 }
 
-impl From<hixl_core::engine::RemoteRegion> for RemoteRegion {
-    fn from(r: hixl_core::engine::RemoteRegion) -> Self {
+impl From<hixl_core::RemoteRegion> for RemoteRegion {
+    fn from(r: hixl_core::RemoteRegion) -> Self {
         RemoteRegion {
             addr: r.addr,
             len: r.len,

@@ -68,7 +68,7 @@ pub enum ConnectStatus {
     ConnectFailed,
 }
 
-/// Per-peer figures returned by [`Engine::stats`].
+/// Per-peer figures returned by [`Engine::stats`](crate::Engine::stats).
 #[derive(Clone, Debug, PartialEq)]
 pub struct PeerSnapshot {
     /// Peer address.
@@ -97,7 +97,7 @@ pub struct PeerSnapshot {
     pub latency: LatencySummary,
 }
 
-/// A region a peer registered, as [`Engine::remote_regions`] shows it.
+/// A region a peer registered, as [`Engine::remote_regions`](crate::Engine::remote_regions) shows it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct RemoteRegion {
     /// Start address in the peer's address space.
