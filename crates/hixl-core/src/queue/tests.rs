@@ -1,0 +1,139 @@
+//! Unit tests of requests (states, deadlines, waiters), strided descriptors and the work queue.
+
+use super::*;
+use std::sync::Arc;
+
+#[test]
+fn strided_expands_in_chunks_and_splits_evenly() {
+    let s = Strided { local: 1000, remote: 5000, count: 10, size: 8, lstride: 64, rstride: 128 };
+    assert_eq!(s.bytes(), 80);
+    let mut seen = vec![];
+    s.for_each_chunk(4, |c| {
+        assert!(c.len() <= 4);
+        seen.extend_from_slice(c);
+        Ok::<(), ()>(())
+    })
+    .unwrap();
+    assert_eq!(seen.len(), 10);
+    assert_eq!(seen[9], SegPair { local: 1000 + 9 * 64, remote: 5000 + 9 * 128, len: 8 });
+    let parts = s.split(3);
+    assert_eq!(parts.iter().map(|p| p.count).collect::<Vec<_>>(), vec![4, 4, 2]);
+    assert_eq!(parts[1].seg(0), s.seg(4));
+    assert_eq!(s.split(100).len(), 10, "never more parts than elements");
+}
+
+#[test]
+fn full_queue_refuses_at_once() {
+    let q = WorkQueue::<u32>::new(4);
+    q.reserve(3).unwrap();
+    let e = q.reserve(2).unwrap_err();
+    assert_eq!(e.status, Status::ResourceExhausted);
+    assert!(e.message.contains("3 of 4"), "{e}");
+    q.reserve(1).unwrap();
+    for i in 0..4 {
+        q.push_reserved(i);
+    }
+    let mut out = vec![];
+    assert!(q.pop_batch(&mut out, 16, Duration::from_millis(1)));
+    assert_eq!(out, vec![0, 1, 2, 3], "one wake-up drains the batch in order");
+    q.reserve(4).unwrap();
+}
+
+#[test]
+fn lanes_go_to_their_worker_and_share_the_bound() {
+    let q = WorkQueue::<u32>::with_lanes(3, 2);
+    q.reserve(3).unwrap();
+    assert!(q.reserve(1).is_err(), "lanes count against the same bound");
+    q.push_reserved_lane(0, 10);
+    q.push_reserved_lane(1, 11);
+    q.push_reserved(12);
+    let mut out = vec![];
+    assert!(q.pop_weighted(Some(1), &mut out, 1, u64::MAX, |_| 0, Duration::ZERO));
+    assert_eq!(out, vec![11], "a worker takes its own lane first");
+    out.clear();
+    assert!(q.pop_weighted(Some(1), &mut out, 8, u64::MAX, |_| 0, Duration::ZERO));
+    assert_eq!(out, vec![12], "then shared items, never another lane");
+    assert_eq!(q.pop(), Some(10));
+    assert!(q.is_empty());
+    q.reserve(3).unwrap();
+}
+
+#[test]
+fn workers_wake_on_push_and_stop_on_close() {
+    let q = Arc::new(WorkQueue::<u64>::new(1024));
+    let total = Arc::new(AtomicUsize::new(0));
+    let workers: Vec<_> = (0..3)
+        .map(|_| {
+            let q = q.clone();
+            let total = total.clone();
+            std::thread::spawn(move || {
+                let mut out = vec![];
+                while q.pop_batch(&mut out, 64, Duration::from_secs(5)) {
+                    total.fetch_add(out.iter().sum::<u64>() as usize, Ordering::SeqCst);
+                    out.clear();
+                }
+            })
+        })
+        .collect();
+    let producers: Vec<_> = (0..4)
+        .map(|_| {
+            let q = q.clone();
+            std::thread::spawn(move || {
+                for i in 1..=1000u64 {
+                    while q.reserve(1).is_err() {
+                        std::thread::yield_now();
+                    }
+                    q.push_reserved(i);
+                }
+            })
+        })
+        .collect();
+    for p in producers {
+        p.join().unwrap();
+    }
+    q.close();
+    for w in workers {
+        w.join().unwrap();
+    }
+    assert_eq!(total.load(Ordering::SeqCst), 4 * 500500);
+}
+
+#[test]
+fn request_settles_once_and_times_out() {
+    let r = Request::new(1, TransferOp::Write, "p".into(), 8, 1, 2, Duration::from_millis(30), vec![], None);
+    assert_eq!(r.status(), TransferStatus::Waiting);
+    assert!(!r.part_done(&Ok(())));
+    assert!(r.part_done(&Ok(())));
+    assert!(r.settle(TransferStatus::Completed, None));
+    assert!(!r.settle(TransferStatus::Failed, Some(Error::failed("late"))));
+    assert_eq!(r.wait(None), TransferStatus::Completed);
+    assert!(r.error().is_none());
+
+    let t = Request::new(2, TransferOp::Read, "p".into(), 8, 1, 1, Duration::from_millis(30), vec![], None);
+    let t0 = Instant::now();
+    assert_eq!(t.wait(Some(Duration::from_millis(5))), TransferStatus::Waiting);
+    assert_eq!(t.wait(None), TransferStatus::Timeout);
+    assert!(t0.elapsed() >= Duration::from_millis(30));
+    assert_eq!(t.result().unwrap_err().status, Status::Timeout);
+}
+
+#[test]
+fn waiter_wakes_on_settle() {
+    let r = Arc::new(Request::new(
+        3,
+        TransferOp::Write,
+        "p".into(),
+        1,
+        1,
+        1,
+        Duration::from_secs(10),
+        vec![],
+        None,
+    ));
+    let r2 = r.clone();
+    let t = std::thread::spawn(move || r2.wait(None));
+    std::thread::sleep(Duration::from_millis(20));
+    r.settle(TransferStatus::Failed, Some(Error::not_connected("gone")));
+    assert_eq!(t.join().unwrap(), TransferStatus::Failed);
+    assert_eq!(r.error().unwrap().status, Status::NotConnected);
+}
