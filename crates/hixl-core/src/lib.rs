@@ -45,7 +45,7 @@ pub use engine::{
     TransferReq,
 };
 pub use error::{Error, Result, Status};
-pub use options::KEYS as OPTION_KEYS;
+pub use options::{keys as option_keys, OptionSpec, SPECS as OPTIONS};
 pub use queue::{NotifyDesc, Request, TransferOp, TransferStatus};
 pub use registry::{Access, MemType};
 pub use stats::LatencySummary;

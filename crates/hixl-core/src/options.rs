@@ -118,80 +118,207 @@ pub struct Options {
 }
 
 impl Default for Options {
+    /// Every option at the default of its row in [`SPECS`].
     fn default() -> Self {
-        Options {
-            streams: 2,
-            queue_depth: 4096,
-            split_bytes: 1 << 20,
-            transfer_timeout: Duration::from_secs(10),
-            connect_timeout: Duration::from_secs(3),
-            handshake_timeout: Duration::from_secs(5),
-            deregister_timeout: Duration::from_secs(5),
-            notify_limits: crate::notify::NotifyLimits {
-                per_conn: 4096,
-                per_conn_bytes: 16 << 20,
-                total: 65536,
-                total_bytes: 256 << 20,
-            },
-            backends: crate::transport::backend::BUILT.iter().map(|b| b.to_string()).collect(),
-            shm_threads: 2,
-            strict_alignment: true,
-            coalesce: Duration::ZERO,
-            coalesce_max_ops: 64,
-            secret: None,
-            heartbeat: Duration::from_millis(1000),
-            data_mac: false,
-            max_pending_handshakes: 256,
-            max_pending_per_source: 32,
+        let mut o = Options::blank();
+        for spec in SPECS.iter().filter(|s| !s.default.is_empty()) {
+            (spec.apply)(&mut o, spec.key, spec.default).expect("every default in SPECS parses");
         }
+        o
     }
 }
 
-/// Every accepted key with its default, for docs and `hixl info`.
-pub const KEYS: &[(&str, &str, &str)] = &[
-    (
+/// One engine option: its key, its default (empty: unset), what it means (for `hixl info` and
+/// the README's table, which a test holds to this one) and how a value is parsed into
+/// [`Options`]. The one definition of every option.
+pub struct OptionSpec {
+    /// The key, as `initialize` takes it.
+    pub key: &'static str,
+    /// The default, as text (empty: unset).
+    pub default: &'static str,
+    /// What it does, with its range.
+    pub meaning: &'static str,
+    apply: fn(&mut Options, &str, &str) -> Result<()>,
+}
+
+const fn spec(
+    key: &'static str,
+    default: &'static str,
+    meaning: &'static str,
+    apply: fn(&mut Options, &str, &str) -> Result<()>,
+) -> OptionSpec {
+    OptionSpec { key, default, meaning, apply }
+}
+
+fn ms(k: &str, v: &str, min: u64) -> Result<Duration> {
+    int(k, v, min, 86_400_000).map(Duration::from_millis)
+}
+
+/// Every option, in the order `hixl info` lists them.
+pub const SPECS: &[OptionSpec] = &[
+    spec(
         "hixl.backends",
         "auto",
         "backends that may carry data, tried in this order: auto (= self,shm,tcp) or a list of self (same process), shm (same host), tcp",
+        |o, k, v| {
+            o.backends = backends(k, v)?;
+            Ok(())
+        },
     ),
-    ("hixl.tcp.streams", "2", "TCP streams per peer link (1..64)"),
-    ("hixl.queue_depth", "4096", "request-queue slots per link (1..1048576)"),
-    ("hixl.split_bytes", "1048576", "requests of at least this many bytes are split across streams"),
-    ("hixl.transfer_timeout_ms", "10000", "deadline of an async transfer that gives none"),
-    ("hixl.connect_timeout_ms", "3000", "deadline of connect_async"),
-    ("hixl.handshake_timeout_ms", "5000", "one deadline for a new stream's whole handshake (both sides)"),
-    ("hixl.deregister_timeout_ms", "5000", "wait for in-flight transfers before aborting them; also drops a peer that owes a table update this long"),
-    ("hixl.max_notifies", "4096", "pending received notifications per connection"),
-    ("hixl.max_notify_bytes", "16777216", "pending received notification bytes per connection"),
-    ("hixl.max_notifies_total", "65536", "pending received notifications in all"),
-    ("hixl.max_notify_bytes_total", "268435456", "pending received notification bytes in all"),
-    ("hixl.shm.threads", "2", "copy threads per same-host link (1..64)"),
-    ("hixl.strict_alignment", "1", "1: strided bases and strides must be multiples of 64 bytes; 0: any"),
-    ("hixl.tcp.coalesce_us", "0", "wait this long for more small requests to send together (0 = off)"),
-    ("hixl.tcp.coalesce_max_ops", "64", "most requests in one coalesced batch (1..4096)"),
-    (
+    spec("hixl.tcp.streams", "2", "TCP streams per peer link (1..64)", |o, k, v| {
+        {
+            o.streams = int(k, v, 1, 64)? as usize;
+            Ok(())
+        }
+    }),
+    spec("hixl.queue_depth", "4096", "request-queue slots per link (1..1048576)", |o, k, v| {
+        {
+            o.queue_depth = int(k, v, 1, 1 << 20)? as usize;
+            Ok(())
+        }
+    }),
+    spec("hixl.split_bytes", "1048576", "requests of at least this many bytes are split across streams", |o, k, v| {
+        {
+            o.split_bytes = int(k, v, 1, u64::MAX)?;
+            Ok(())
+        }
+    }),
+    spec("hixl.transfer_timeout_ms", "10000", "deadline of an async transfer that gives none", |o, k, v| {
+        {
+            o.transfer_timeout = ms(k, v, 1)?;
+            Ok(())
+        }
+    }),
+    spec("hixl.connect_timeout_ms", "3000", "deadline of connect_async", |o, k, v| {
+        {
+            o.connect_timeout = ms(k, v, 1)?;
+            Ok(())
+        }
+    }),
+    spec(
+        "hixl.handshake_timeout_ms",
+        "5000",
+        "one deadline for a new stream's whole handshake (both sides)",
+        |o, k, v| {
+            o.handshake_timeout = ms(k, v, 1)?;
+            Ok(())
+        },
+    ),
+    spec(
+        "hixl.deregister_timeout_ms",
+        "5000",
+        "wait for in-flight transfers before aborting them; also drops a peer that owes a table update this long",
+        |o, k, v| {
+            o.deregister_timeout = ms(k, v, 0)?;
+            Ok(())
+        },
+    ),
+    spec("hixl.max_notifies", "4096", "pending received notifications per connection", |o, k, v| {
+        {
+            o.notify_limits.per_conn = int(k, v, 1, 1 << 20)? as usize;
+            Ok(())
+        }
+    }),
+    spec("hixl.max_notify_bytes", "16777216", "pending received notification bytes per connection", |o, k, v| {
+        {
+            o.notify_limits.per_conn_bytes = int(k, v, 1, 1 << 40)? as usize;
+            Ok(())
+        }
+    }),
+    spec("hixl.max_notifies_total", "65536", "pending received notifications in all", |o, k, v| {
+        {
+            o.notify_limits.total = int(k, v, 1, 1 << 24)? as usize;
+            Ok(())
+        }
+    }),
+    spec("hixl.max_notify_bytes_total", "268435456", "pending received notification bytes in all", |o, k, v| {
+        {
+            o.notify_limits.total_bytes = int(k, v, 1, 1 << 40)? as usize;
+            Ok(())
+        }
+    }),
+    spec("hixl.shm.threads", "2", "copy threads per same-host link (1..64)", |o, k, v| {
+        {
+            o.shm_threads = int(k, v, 1, 64)? as usize;
+            Ok(())
+        }
+    }),
+    spec(
+        "hixl.strict_alignment",
+        "1",
+        "1: strided bases and strides must be multiples of 64 bytes; 0: any",
+        |o, k, v| {
+            o.strict_alignment = int(k, v, 0, 1)? == 1;
+            Ok(())
+        },
+    ),
+    spec(
+        "hixl.tcp.coalesce_us",
+        "0",
+        "wait this long for more small requests to send together (0 = off)",
+        |o, k, v| {
+            o.coalesce = Duration::from_micros(int(k, v, 0, 1_000_000)?);
+            Ok(())
+        },
+    ),
+    spec("hixl.tcp.coalesce_max_ops", "64", "most requests in one coalesced batch (1..4096)", |o, k, v| {
+        {
+            o.coalesce_max_ops = int(k, v, 1, 4096)? as usize;
+            Ok(())
+        }
+    }),
+    spec(
         "hixl.secret",
         "",
         "cluster secret, at least 32 hex characters (`hixl secret` makes one); peers must prove they \
          know it and every frame is MACed; env HIXL_SECRET",
+        |o, _, v| {
+            o.secret = Some(Secret::new(v)?);
+            Ok(())
+        },
     ),
-    (
+    spec(
         "hixl.data_mac",
         "0",
         "1: with a secret, MAC every transfer's bytes too (detects tampering; costs a hash pass)",
+        |o, k, v| {
+            o.data_mac = int(k, v, 0, 1)? == 1;
+            Ok(())
+        },
     ),
-    (
+    spec(
         "hixl.max_pending_handshakes",
         "256",
         "most accepted streams still in their handshake (the oldest is closed)",
+        |o, k, v| {
+            o.max_pending_handshakes = int(k, v, 1, 1 << 20)? as usize;
+            Ok(())
+        },
     ),
-    ("hixl.max_pending_per_source", "32", "of those, most from one source address (its oldest is closed)"),
-    (
+    spec(
+        "hixl.max_pending_per_source",
+        "32",
+        "of those, most from one source address (its oldest is closed)",
+        |o, k, v| {
+            o.max_pending_per_source = int(k, v, 1, 1 << 20)? as usize;
+            Ok(())
+        },
+    ),
+    spec(
         "hixl.heartbeat_ms",
         "1000",
         "probe idle links this often; a peer silent for 3 intervals is dead (0 = off)",
+        |o, k, v| {
+            o.heartbeat = Duration::from_millis(int(k, v, 0, 600_000)?);
+            Ok(())
+        },
     ),
 ];
+
+/// Every accepted key with its default and meaning, for docs and `hixl info` (from [`SPECS`]).
+pub fn keys() -> Vec<(&'static str, &'static str, &'static str)> {
+    SPECS.iter().map(|s| (s.key, s.default, s.meaning)).collect()
+}
 
 fn int(key: &str, v: &str, min: u64, max: u64) -> Result<u64> {
     match v.trim().parse::<u64>() {
@@ -203,6 +330,35 @@ fn int(key: &str, v: &str, min: u64, max: u64) -> Result<u64> {
 }
 
 impl Options {
+    /// Every field empty; `default` fills them from [`SPECS`].
+    fn blank() -> Options {
+        Options {
+            streams: 0,
+            queue_depth: 0,
+            split_bytes: 0,
+            transfer_timeout: Duration::ZERO,
+            connect_timeout: Duration::ZERO,
+            handshake_timeout: Duration::ZERO,
+            deregister_timeout: Duration::ZERO,
+            notify_limits: crate::notify::NotifyLimits {
+                per_conn: 0,
+                per_conn_bytes: 0,
+                total: 0,
+                total_bytes: 0,
+            },
+            backends: Vec::new(),
+            shm_threads: 0,
+            strict_alignment: false,
+            coalesce: Duration::ZERO,
+            coalesce_max_ops: 0,
+            secret: None,
+            heartbeat: Duration::ZERO,
+            data_mac: false,
+            max_pending_handshakes: 0,
+            max_pending_per_source: 0,
+        }
+    }
+
     /// Parses a string map on top of the defaults.
     pub fn parse(map: &HashMap<String, String>) -> Result<Options> {
         let mut o = Options::default();
@@ -219,42 +375,16 @@ impl Options {
         given.sort();
         for (key, v, k) in &given {
             // Errors name the key as the caller spelt it (an old alias included).
-            let (key, v, k) = (key.as_str(), v.as_str(), *k);
-            let ms = |min| int(k, v, min, 86_400_000).map(Duration::from_millis);
-            match key {
-                "hixl.backends" => o.backends = backends(k, v)?,
-                "hixl.tcp.streams" => o.streams = int(k, v, 1, 64)? as usize,
-                "hixl.queue_depth" => o.queue_depth = int(k, v, 1, 1 << 20)? as usize,
-                "hixl.split_bytes" => o.split_bytes = int(k, v, 1, u64::MAX)?,
-                "hixl.transfer_timeout_ms" => o.transfer_timeout = ms(1)?,
-                "hixl.connect_timeout_ms" => o.connect_timeout = ms(1)?,
-                "hixl.handshake_timeout_ms" => o.handshake_timeout = ms(1)?,
-                "hixl.deregister_timeout_ms" => o.deregister_timeout = ms(0)?,
-                "hixl.max_notifies" => o.notify_limits.per_conn = int(k, v, 1, 1 << 20)? as usize,
-                "hixl.max_notify_bytes" => o.notify_limits.per_conn_bytes = int(k, v, 1, 1 << 40)? as usize,
-                "hixl.max_notifies_total" => o.notify_limits.total = int(k, v, 1, 1 << 24)? as usize,
-                "hixl.max_notify_bytes_total" => {
-                    o.notify_limits.total_bytes = int(k, v, 1, 1 << 40)? as usize
-                }
-                "hixl.data_mac" => o.data_mac = int(k, v, 0, 1)? == 1,
-                "hixl.max_pending_handshakes" => o.max_pending_handshakes = int(k, v, 1, 1 << 20)? as usize,
-                "hixl.max_pending_per_source" => o.max_pending_per_source = int(k, v, 1, 1 << 20)? as usize,
-                "hixl.shm.threads" => o.shm_threads = int(k, v, 1, 64)? as usize,
-                "hixl.strict_alignment" => o.strict_alignment = int(k, v, 0, 1)? == 1,
-                "hixl.tcp.coalesce_us" => o.coalesce = Duration::from_micros(int(k, v, 0, 1_000_000)?),
-                "hixl.tcp.coalesce_max_ops" => o.coalesce_max_ops = int(k, v, 1, 4096)? as usize,
-                "hixl.secret" => o.secret = Some(Secret::new(v)?),
-                "hixl.heartbeat_ms" => o.heartbeat = Duration::from_millis(int(k, v, 0, 600_000)?),
-                _ => {
-                    let mut known: Vec<_> = KEYS.iter().map(|k| k.0).collect();
-                    known.extend(ALIASES.iter().map(|a| a.0));
-                    // The value is not echoed: a misspelt secret key must not leak the secret.
-                    return Err(Error::param(format!(
-                        "unknown option key {k:?}; known keys: {}",
-                        known.join(", ")
-                    )));
-                }
-            }
+            let Some(spec) = SPECS.iter().find(|s| s.key == key) else {
+                let mut known: Vec<_> = SPECS.iter().map(|s| s.key).collect();
+                known.extend(ALIASES.iter().map(|a| a.0));
+                // The value is not echoed: a misspelt secret key must not leak the secret.
+                return Err(Error::param(format!(
+                    "unknown option key {k:?}; known keys: {}",
+                    known.join(", ")
+                )));
+            };
+            (spec.apply)(&mut o, k, v)?;
         }
         if o.secret.is_none() {
             if let Ok(v) = std::env::var(SECRET_ENV) {

@@ -35,7 +35,7 @@ fn transfer_states() -> Vec<(&'static str, u8)> {
 /// The documented option keys: list of (key, default, meaning).
 #[pyfunction]
 fn option_keys() -> Vec<(&'static str, &'static str, &'static str)> {
-    hixl_core::OPTION_KEYS.to_vec()
+    hixl_core::option_keys()
 }
 
 /// Baseline: starts a raw TCP sink (Rust recv loop) in this process; returns its address.

@@ -19,7 +19,8 @@ use crate::wire::{BackendKey, RegionEntry, MAX_REGIONS, MAX_REGION_NAME, MAX_TAB
 pub type MemType = crate::wire::Domain;
 
 /// Changes of the region table a registry remembers, so that peers can be sent deltas; a
-/// peer further behind gets the whole table.
+/// peer further behind gets the whole table. Fixed: a peer that fell this far behind is rare,
+/// and the whole table is the correct answer for it anyway.
 pub const JOURNAL_LEN: usize = 4096;
 
 /// Something that holds pins and can be told to stop using memory (a link or a served stream).
