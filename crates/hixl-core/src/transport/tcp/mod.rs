@@ -24,9 +24,9 @@ use crate::wire::{self, Frame, Seg, StridedSeg};
 mod recv;
 
 /// Most parts a writer takes from the queue per wake-up. Fixed, like the three below: they
-/// trade a little latency for fewer system calls, and sweeps on loopback and between hosts
-/// found no workload that a different value served better; `hixl.tcp.coalesce_*` is the knob
-/// for small-request batching.
+/// bound how much one writer takes at a time so that the other streams share the load, and
+/// they are not a user's concern; `hixl.tcp.coalesce_*` and `hixl.split_bytes` are the knobs
+/// for batching small requests and spreading large ones.
 const BATCH_PARTS: usize = 64;
 /// A writer stops taking parts once it holds this many bytes, leaving the rest to the
 /// other streams' writers.
