@@ -5,7 +5,8 @@
 //! claiming that peer's id.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result, Status};
 use crate::queue::NotifyDesc;
@@ -25,7 +26,8 @@ pub struct NotifyLimits {
 
 #[derive(Default)]
 struct Pending {
-    queue: VecDeque<NotifyDesc>,
+    /// Each with the connection it arrived on (its quota is freed when it is collected).
+    queue: VecDeque<(u64, NotifyDesc)>,
     /// (count, bytes) per connection.
     by_conn: HashMap<u64, (usize, usize)>,
     bytes: usize,
@@ -35,12 +37,14 @@ struct Pending {
 pub struct NotifyStore {
     limits: NotifyLimits,
     inner: Mutex<Pending>,
+    /// Rung on every arrival (`wait_take` sleeps on it).
+    arrived: Condvar,
 }
 
 impl NotifyStore {
     /// An empty store with these limits.
     pub fn new(limits: NotifyLimits) -> Self {
-        NotifyStore { limits, inner: Mutex::new(Pending::default()) }
+        NotifyStore { limits, inner: Mutex::new(Pending::default()), arrived: Condvar::new() }
     }
 
     /// Adds one that arrived on connection `conn`; `RESOURCE_EXHAUSTED` (naming the limit) when
@@ -79,7 +83,8 @@ impl NotifyStore {
         }
         g.by_conn.insert(conn, (n + 1, bytes + size));
         g.bytes += size;
-        g.queue.push_back(NotifyDesc { name, msg });
+        g.queue.push_back((conn, NotifyDesc { name, msg }));
+        self.arrived.notify_all();
         Ok(())
     }
 
@@ -88,7 +93,45 @@ impl NotifyStore {
         let mut g = self.inner.lock().unwrap();
         g.by_conn.clear();
         g.bytes = 0;
-        g.queue.drain(..).collect()
+        g.queue.drain(..).map(|(_, n)| n).collect()
+    }
+
+    /// Waits up to `timeout` until a notification (named `name`, when given) is pending, then
+    /// returns and removes every pending one that matches, in arrival order (the others stay).
+    /// `TIMEOUT` naming what it waited for when none came.
+    pub fn wait_take(&self, name: Option<&str>, timeout: Duration) -> Result<Vec<NotifyDesc>> {
+        let deadline = Instant::now() + timeout;
+        let matches = |n: &NotifyDesc| name.is_none_or(|want| n.name == want);
+        let mut g = self.inner.lock().unwrap();
+        loop {
+            if g.queue.iter().any(|(_, n)| matches(n)) {
+                let mut out = Vec::new();
+                let mut kept = VecDeque::with_capacity(g.queue.len());
+                for (conn, n) in std::mem::take(&mut g.queue) {
+                    if !matches(&n) {
+                        kept.push_back((conn, n));
+                        continue;
+                    }
+                    let size = n.name.len() + n.msg.len();
+                    g.bytes -= size;
+                    if let Some(c) = g.by_conn.get_mut(&conn) {
+                        c.0 -= 1;
+                        c.1 -= size;
+                    }
+                    out.push(n);
+                }
+                g.queue = kept;
+                g.by_conn.retain(|_, c| c.0 > 0);
+                return Ok(out);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let what =
+                    name.map_or("a notification".to_string(), |n| format!("a notification named {n:?}"));
+                return Err(Error::timeout(format!("no {what} arrived within {timeout:?}")));
+            }
+            g = self.arrived.wait_timeout(g, left).unwrap().0;
+        }
     }
 }
 
@@ -108,5 +151,30 @@ mod tests {
         assert!(push(3, "y").unwrap_err().message.contains("hixl.max_notifies_total=3"));
         assert_eq!(s.take().len(), 3);
         assert!(push(1, "again").is_ok(), "collecting frees the quota");
+    }
+
+    #[test]
+    fn wait_take_takes_the_named_ones_and_frees_their_quota() {
+        let s = std::sync::Arc::new(NotifyStore::new(NotifyLimits {
+            per_conn: 2,
+            per_conn_bytes: 100,
+            total: 10,
+            total_bytes: 100,
+        }));
+        s.push(1, "layer".into(), "0".into()).unwrap();
+        s.push(1, "done".into(), "".into()).unwrap();
+        let e = s.wait_take(Some("other"), Duration::from_millis(20)).unwrap_err();
+        assert_eq!(e.status, Status::Timeout);
+        assert!(e.message.contains("\"other\""), "{e}");
+        let got = s.wait_take(Some("done"), Duration::ZERO).unwrap();
+        assert_eq!(got, vec![NotifyDesc { name: "done".into(), msg: "".into() }]);
+        assert!(s.push(1, "x".into(), "".into()).is_ok(), "the taken one's quota is free again");
+        // One that arrives while waiting wakes the waiter.
+        let s2 = s.clone();
+        let t = std::thread::spawn(move || s2.wait_take(Some("late"), Duration::from_secs(5)));
+        std::thread::sleep(Duration::from_millis(20));
+        s.push(2, "late".into(), "hi".into()).unwrap();
+        assert_eq!(t.join().unwrap().unwrap().len(), 1);
+        assert_eq!(s.take().len(), 2, "the others stayed: layer and x");
     }
 }

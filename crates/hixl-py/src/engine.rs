@@ -266,14 +266,20 @@ impl Hixl {
     }
 
     /// Starts the engine: "ip:port" listens (port 0 = ephemeral), "ip" alone is client only.
+    /// Option values may be str, int or bool (`{"hixl.tcp.streams": 4, "hixl.data_mac": True}`).
     #[pyo3(signature = (local_engine, options = None))]
     fn initialize(
         &self,
         py: Python<'_>,
         local_engine: &str,
-        options: Option<HashMap<String, String>>,
+        options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
-        let opts = options.unwrap_or_default();
+        let mut opts = HashMap::new();
+        for (k, v) in options.map(|d| d.iter()).into_iter().flatten() {
+            let key: String =
+                k.extract().map_err(|_| errors::param(format!("option key {k} is not a str")))?;
+            opts.insert(key.clone(), types::option_text(&key, &v)?);
+        }
         let e = self.engine.clone();
         py.allow_threads(|| e.initialize(local_engine, &opts)).map_err(to_py)
     }
@@ -657,6 +663,39 @@ impl Hixl {
         let t = ms("timeout_ms", Some(timeout_ms))?.unwrap();
         let e = self.engine.clone();
         py.allow_threads(|| e.send_notify(remote, notify.into(), t)).map_err(to_py)
+    }
+
+    /// Waits (GIL released, Ctrl-C gets through) up to `timeout_ms` for a notification, named
+    /// `name` when given, and returns every pending one that matches; the others stay for
+    /// `get_notifies`. Raises Timeout when none came in time.
+    #[pyo3(signature = (timeout_ms, name = None))]
+    fn wait_notifies(
+        &self,
+        py: Python<'_>,
+        timeout_ms: f64,
+        name: Option<String>,
+    ) -> PyResult<Vec<NotifyDesc>> {
+        let total = ms("timeout_ms", Some(timeout_ms))?.unwrap();
+        let until = Instant::now() + total;
+        let e = self.engine.clone();
+        loop {
+            let slice = until.saturating_duration_since(Instant::now()).min(SLICE);
+            match py.allow_threads(|| e.wait_notifies(slice, name.as_deref())) {
+                Ok(got) => return Ok(got.into_iter().map(Into::into).collect()),
+                Err(err) if err.status == hixl_core::Status::Timeout && Instant::now() < until => {
+                    py.check_signals()?
+                }
+                Err(err) if err.status == hixl_core::Status::Timeout => {
+                    let what = name
+                        .as_deref()
+                        .map_or("a notification".to_string(), |n| format!("a notification named {n:?}"));
+                    return Err(to_py(hixl_core::Error::timeout(format!(
+                        "no {what} arrived within timeout_ms={timeout_ms}"
+                    ))));
+                }
+                Err(err) => return Err(to_py(err)),
+            }
+        }
     }
 
     /// Returns and clears the notifications received.

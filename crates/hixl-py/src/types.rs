@@ -332,3 +332,22 @@ impl From<StridedDesc> for hixl_core::StridedDesc {
         }
     }
 }
+
+/// An option value as the engine takes it: str as it is, bool as "1"/"0", int in decimal;
+/// anything else is ParamInvalid naming the key and the type.
+pub(crate) fn option_text(key: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
+    if let Ok(s) = v.downcast::<pyo3::types::PyString>() {
+        return Ok(s.to_str()?.to_string());
+    }
+    if let Ok(b) = v.downcast::<pyo3::types::PyBool>() {
+        return Ok(if b.is_true() { "1" } else { "0" }.to_string());
+    }
+    if v.downcast::<pyo3::types::PyInt>().is_ok() {
+        return Ok(v.str()?.to_str()?.to_string());
+    }
+    Err(crate::errors::param(format!(
+        "option {key}={} has type {}: expected str, int or bool",
+        v.repr()?,
+        v.get_type().name()?
+    )))
+}

@@ -223,6 +223,13 @@ impl Engine {
         })
     }
 
+    /// Waits up to `timeout` for a notification (named `name`, when given) and returns every
+    /// pending one that matches (the others stay for `get_notifies`); TIMEOUT when none came.
+    pub fn wait_notifies(&self, timeout: Duration, name: Option<&str>) -> Result<Vec<NotifyDesc>> {
+        let notifies = self.running()?.notifies.clone();
+        notifies.wait_take(name, timeout)
+    }
+
     /// Returns and clears the notifications received so far.
     pub fn get_notifies(&self) -> Result<Vec<NotifyDesc>> {
         Ok(self.running()?.notifies.take())

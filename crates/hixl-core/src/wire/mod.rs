@@ -97,7 +97,11 @@ pub enum WireError {
 impl fmt::Display for WireError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            WireError::BadMagic(m) => write!(f, "bad frame magic {m:?}"),
+            WireError::BadMagic(m) => write!(
+                f,
+                "the peer is not a hixl engine: its first bytes are {:?}, not the frame magic \"HX\"",
+                String::from_utf8_lossy(m)
+            ),
             WireError::BadVersion(v) => {
                 write!(f, "protocol version {v} is not supported (this engine speaks {VERSION})")
             }
