@@ -74,3 +74,44 @@ def test_a_peer_that_is_not_a_hixl_engine_is_named_so() -> None:
     finally:
         e.finalize()
         srv.close()
+
+
+def test_sync_calls_default_to_the_engine_timeouts() -> None:
+    """With no timeout_ms, transfer_sync/put/get and send_notify use hixl.transfer_timeout_ms
+    and connect uses hixl.connect_timeout_ms, not a fixed second."""
+    quiet = socket.create_server(("127.0.0.1", 0))  # accepts, never answers a Hello
+    port = quiet.getsockname()[1]
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.connect_timeout_ms": 300, "hixl.handshake_timeout_ms": 60000})
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(hixl.HixlError):
+            e.connect(f"127.0.0.1:{port}")
+        took = time.monotonic() - t0
+        assert 0.2 < took < 5, f"connect gave up after {took:.2f} s, not after the engine's 0.3 s"
+    finally:
+        e.finalize()
+        quiet.close()
+
+
+def test_ctrl_c_interrupts_connect() -> None:
+    """SIGINT during a connect that would wait a minute raises KeyboardInterrupt at once."""
+    import signal
+
+    quiet = socket.create_server(("127.0.0.1", 0))
+    port = quiet.getsockname()[1]
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.handshake_timeout_ms": 60000})
+    main = threading.get_ident()
+    threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            e.connect(f"127.0.0.1:{port}", timeout_ms=60000)
+        took = time.monotonic() - t0
+        assert took < 5, f"connect ignored Ctrl-C for {took:.1f} s"
+    finally:
+        t1 = time.monotonic()
+        e.finalize()
+        quiet.close()
+        print(f"finalize after the abandoned connect: {time.monotonic() - t1:.2f} s")

@@ -393,12 +393,54 @@ impl Hixl {
         Ok(())
     }
 
-    /// Connects to the engine at `remote` ("ip:port").
-    #[pyo3(signature = (remote, timeout_ms = 1000.0))]
-    fn connect(&self, py: Python<'_>, remote: &str, timeout_ms: f64) -> PyResult<()> {
-        let t = ms("timeout_ms", Some(timeout_ms))?.unwrap();
+    /// Connects to the engine at `remote` ("ip:port"); `timeout_ms=None`: the engine's
+    /// `hixl.connect_timeout_ms`.
+    #[pyo3(signature = (remote, timeout_ms = None))]
+    fn connect(&self, py: Python<'_>, remote: &str, timeout_ms: Option<f64>) -> PyResult<()> {
         let e = self.engine.clone();
-        py.allow_threads(|| e.connect(remote, t)).map_err(to_py)
+        let t = match ms("timeout_ms", timeout_ms)? {
+            Some(t) => t,
+            None => e.default_timeouts().map_err(to_py)?.1,
+        };
+        // The connect runs on a thread of its own so that this one can wait in GIL-free slices
+        // and let Ctrl-C through; a connect abandoned that way is disconnected when it ends.
+        let gate = Arc::new(Mutex::new(false)); // true: the caller gave up
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (e2, gate2, peer) = (e.clone(), gate.clone(), remote.to_string());
+        std::thread::Builder::new()
+            .name("hixl-py-connect".into())
+            .spawn(move || {
+                let res = e2.connect(&peer, t);
+                let abandoned = gate2.lock().unwrap();
+                if *abandoned {
+                    if res.is_ok() {
+                        let _ = e2.disconnect(&peer, Duration::ZERO);
+                    }
+                } else {
+                    let _ = tx.send(res);
+                }
+            })
+            .map_err(|err| errors::failed(format!("cannot start the connect thread: {err}")))?;
+        let rx = Mutex::new(rx); // allow_threads needs Sync
+        loop {
+            match py.allow_threads(|| rx.lock().unwrap().recv_timeout(SLICE)) {
+                Ok(res) => return res.map_err(to_py),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    if let Err(interrupt) = py.check_signals() {
+                        let mut abandoned = gate.lock().unwrap();
+                        *abandoned = true;
+                        // It may have ended just now: then undo it here.
+                        if let Ok(Ok(())) = rx.lock().unwrap().try_recv() {
+                            let _ = e.disconnect(remote, Duration::ZERO);
+                        }
+                        return Err(interrupt);
+                    }
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(errors::failed("the connect thread ended without an answer"))
+                }
+            }
+        }
     }
 
     /// Closes the link to `remote`.
@@ -439,16 +481,16 @@ impl Hixl {
     }
 
     /// Runs a batch and waits for it.
-    #[pyo3(signature = (remote, op, descs, timeout_ms = 1000.0))]
+    #[pyo3(signature = (remote, op, descs, timeout_ms = None))]
     fn transfer_sync(
         &self,
         py: Python<'_>,
         remote: &str,
         op: TransferOp,
         descs: &Bound<'_, PyAny>,
-        timeout_ms: f64,
+        timeout_ms: Option<f64>,
     ) -> PyResult<()> {
-        let t = ms("timeout_ms", Some(timeout_ms))?;
+        let t = ms("timeout_ms", timeout_ms)?;
         let d = parse_descs(descs)?;
         let e = self.engine.clone();
         let req = py.allow_threads(|| e.transfer_async(remote, op.into(), &d, None, t)).map_err(to_py)?;
@@ -477,7 +519,7 @@ impl Hixl {
     }
 
     /// One-sided WRITE of `length` bytes.
-    #[pyo3(signature = (remote, local_addr, remote_addr, length, timeout_ms = 1000.0))]
+    #[pyo3(signature = (remote, local_addr, remote_addr, length, timeout_ms = None))]
     fn put(
         &self,
         py: Python<'_>,
@@ -485,15 +527,14 @@ impl Hixl {
         local_addr: &Bound<'_, PyAny>,
         remote_addr: &Bound<'_, PyAny>,
         length: &Bound<'_, PyAny>,
-        timeout_ms: f64,
+        timeout_ms: Option<f64>,
     ) -> PyResult<()> {
-        let req =
-            self.one(py, remote, TransferOp::WRITE, local_addr, remote_addr, length, Some(timeout_ms))?;
+        let req = self.one(py, remote, TransferOp::WRITE, local_addr, remote_addr, length, timeout_ms)?;
         finish_sync(py, &req)
     }
 
     /// One-sided READ of `length` bytes.
-    #[pyo3(signature = (remote, local_addr, remote_addr, length, timeout_ms = 1000.0))]
+    #[pyo3(signature = (remote, local_addr, remote_addr, length, timeout_ms = None))]
     fn get(
         &self,
         py: Python<'_>,
@@ -501,10 +542,9 @@ impl Hixl {
         local_addr: &Bound<'_, PyAny>,
         remote_addr: &Bound<'_, PyAny>,
         length: &Bound<'_, PyAny>,
-        timeout_ms: f64,
+        timeout_ms: Option<f64>,
     ) -> PyResult<()> {
-        let req =
-            self.one(py, remote, TransferOp::READ, local_addr, remote_addr, length, Some(timeout_ms))?;
+        let req = self.one(py, remote, TransferOp::READ, local_addr, remote_addr, length, timeout_ms)?;
         finish_sync(py, &req)
     }
 
@@ -543,7 +583,7 @@ impl Hixl {
     }
 
     /// Strided WRITE: one request, one descriptor, whatever `desc.count` is.
-    #[pyo3(signature = (remote, local_base, remote_base, desc, timeout_ms = 1000.0))]
+    #[pyo3(signature = (remote, local_base, remote_base, desc, timeout_ms = None))]
     fn put_strided(
         &self,
         py: Python<'_>,
@@ -551,23 +591,15 @@ impl Hixl {
         local_base: &Bound<'_, PyAny>,
         remote_base: &Bound<'_, PyAny>,
         desc: StridedDesc,
-        timeout_ms: f64,
+        timeout_ms: Option<f64>,
     ) -> PyResult<()> {
-        let req = self.strided(
-            py,
-            remote,
-            TransferOp::WRITE,
-            local_base,
-            remote_base,
-            desc,
-            None,
-            Some(timeout_ms),
-        )?;
+        let req =
+            self.strided(py, remote, TransferOp::WRITE, local_base, remote_base, desc, None, timeout_ms)?;
         finish_sync(py, &req)
     }
 
     /// Strided READ.
-    #[pyo3(signature = (remote, local_base, remote_base, desc, timeout_ms = 1000.0))]
+    #[pyo3(signature = (remote, local_base, remote_base, desc, timeout_ms = None))]
     fn get_strided(
         &self,
         py: Python<'_>,
@@ -575,18 +607,10 @@ impl Hixl {
         local_base: &Bound<'_, PyAny>,
         remote_base: &Bound<'_, PyAny>,
         desc: StridedDesc,
-        timeout_ms: f64,
+        timeout_ms: Option<f64>,
     ) -> PyResult<()> {
-        let req = self.strided(
-            py,
-            remote,
-            TransferOp::READ,
-            local_base,
-            remote_base,
-            desc,
-            None,
-            Some(timeout_ms),
-        )?;
+        let req =
+            self.strided(py, remote, TransferOp::READ, local_base, remote_base, desc, None, timeout_ms)?;
         finish_sync(py, &req)
     }
 
@@ -658,10 +682,19 @@ impl Hixl {
     }
 
     /// Sends a notification after every earlier transfer to the peer has landed.
-    #[pyo3(signature = (remote, notify, timeout_ms = 1000.0))]
-    fn send_notify(&self, py: Python<'_>, remote: &str, notify: NotifyDesc, timeout_ms: f64) -> PyResult<()> {
-        let t = ms("timeout_ms", Some(timeout_ms))?.unwrap();
+    #[pyo3(signature = (remote, notify, timeout_ms = None))]
+    fn send_notify(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        notify: NotifyDesc,
+        timeout_ms: Option<f64>,
+    ) -> PyResult<()> {
         let e = self.engine.clone();
+        let t = match ms("timeout_ms", timeout_ms)? {
+            Some(t) => t,
+            None => e.default_timeouts().map_err(to_py)?.0,
+        };
         py.allow_threads(|| e.send_notify(remote, notify.into(), t)).map_err(to_py)
     }
 

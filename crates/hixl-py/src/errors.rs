@@ -21,3 +21,8 @@ pub fn to_py(e: Error) -> PyErr {
 pub fn param(msg: impl Into<String>) -> PyErr {
     to_py(Error::param(msg))
 }
+
+/// `Failed` with a message.
+pub fn failed(msg: impl Into<String>) -> PyErr {
+    to_py(Error::failed(msg))
+}

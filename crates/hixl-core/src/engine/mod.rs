@@ -184,6 +184,13 @@ impl Engine {
         Ok(())
     }
 
+    /// The deadlines a call that gives none gets: (`hixl.transfer_timeout_ms`,
+    /// `hixl.connect_timeout_ms`).
+    pub fn default_timeouts(&self) -> Result<(Duration, Duration)> {
+        let r = self.running()?;
+        Ok((r.opts.transfer_timeout, r.opts.connect_timeout))
+    }
+
     /// The bound "ip:port" (or "ip#pid" for a client-only engine).
     pub fn local_engine(&self) -> Result<String> {
         Ok(self.running()?.local_engine.clone())
