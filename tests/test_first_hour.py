@@ -115,3 +115,47 @@ def test_ctrl_c_interrupts_connect() -> None:
         e.finalize()
         quiet.close()
         print(f"finalize after the abandoned connect: {time.monotonic() - t1:.2f} s")
+
+
+def test_unmapped_memory_is_refused_at_registration(engine) -> None:
+    with pytest.raises(hixl.ParamInvalid, match=r"0x10000\+1048576 is not \(entirely\) mapped"):
+        engine.register_mem(hixl.MemDesc(0x10000, 1 << 20))
+    import numpy as np
+
+    buf = np.zeros(8192, np.uint8)
+    engine.register(buf)  # mapped memory still registers
+
+
+def test_an_address_in_use_says_so() -> None:
+    a = hixl.Hixl()
+    a.initialize("127.0.0.1:0")
+    b = hixl.Hixl()
+    try:
+        with pytest.raises(hixl.ParamInvalid, match="already in use"):
+            b.initialize(a.local_engine)
+    finally:
+        a.finalize()
+
+
+def test_notifications_sent_with_a_transfer_are_counted(make_peer) -> None:
+    import numpy as np
+
+    peer = make_peer(4096)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp"})
+    try:
+        e.connect(peer.engine, timeout_ms=5000)
+        src = np.ones(4096, np.uint8)
+        e.register(src)
+        req = e.transfer_async(
+            peer.engine,
+            hixl.TransferOp.WRITE,
+            [(src.ctypes.data, peer.addr, 4096)],
+            notify=hixl.NotifyDesc("kv", "layer 0"),
+        )
+        assert req.wait(timeout_ms=5000) == hixl.TransferStatus.COMPLETED
+        e.send_notify(peer.engine, hixl.NotifyDesc("done", ""))
+        st = e.stats()[peer.engine]
+        assert (st["notifies"], st["ops_write"]) == (2, 1), st
+    finally:
+        e.finalize()

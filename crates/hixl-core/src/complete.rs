@@ -86,11 +86,11 @@ impl Completer {
     pub(crate) fn settle(&self, req: &Arc<Request>, to: TransferStatus, err: Option<Error>) {
         let ok = to == TransferStatus::Completed;
         let latency = req.started.elapsed();
-        if req.descs == 0 {
-            if ok {
-                self.stats.notifies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-        } else {
+        // A notification was delivered: sent alone (no descriptors) or after a transfer's data.
+        if ok && (req.descs == 0 || req.carries_notify) {
+            self.stats.notifies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        if req.descs > 0 {
             self.stats.record(req.op, req.bytes, ok, latency);
         }
         let backend = self.backend.get().copied().unwrap_or(self.default_backend);
@@ -156,6 +156,8 @@ mod tests {
         assert_eq!(req.status(), TransferStatus::Waiting, "settles only once the notify is delivered");
         assert!(matches!(c.finish(n, Ok(())), Next::Settled { notify_dropped: false }));
         assert_eq!(req.status(), TransferStatus::Completed);
+        assert_eq!(c.stats().notifies.load(Ordering::Relaxed), 1, "the notification is counted");
+        assert_eq!(c.stats().ops_write.load(Ordering::Relaxed), 1, "and so is the transfer");
     }
 
     #[test]
@@ -170,6 +172,7 @@ mod tests {
         assert_eq!(req.status(), TransferStatus::Failed);
         assert_eq!(req.error().unwrap().message, "first");
         assert_eq!(c.stats().errors.load(Ordering::Relaxed), 1);
+        assert_eq!(c.stats().notifies.load(Ordering::Relaxed), 0, "a dropped notification is not");
     }
 
     #[test]

@@ -145,8 +145,13 @@ impl Engine {
             (format!("{ip}#{pid}"), None)
         } else {
             let addr = parse_addr(local_engine)?;
-            let l = TcpListener::bind(addr)
-                .map_err(|e| Error::param(format!("cannot listen on {local_engine:?}: {e}")))?;
+            let l = TcpListener::bind(addr).map_err(|e| match e.kind() {
+                std::io::ErrorKind::AddrInUse => Error::param(format!(
+                    "cannot listen on {local_engine:?}: the address is already in use (another \
+                         engine or program listens there); pick another port, or port 0 for any free one"
+                )),
+                _ => Error::param(format!("cannot listen on {local_engine:?}: {e}")),
+            })?;
             let bound = l.local_addr().map_err(|e| Error::failed(e.to_string()))?.to_string();
             let ctx = Arc::new(ServerCtx {
                 engine_id: bound.clone(),

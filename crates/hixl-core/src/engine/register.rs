@@ -6,7 +6,7 @@ use super::Running;
 use crate::error::{Error, Result, Status};
 use crate::registry::{Access, Region, RegionSpec};
 use crate::transport::backend::{self, MemorySpan};
-use crate::wire::BackendKey;
+use crate::wire::{BackendKey, Domain};
 
 /// Registers a region: every backend's registration hook first (its key travels in the region
 /// table), then the registry, then the peers are told. A domain no backend serves is
@@ -28,6 +28,9 @@ pub(super) fn register_region(
                 backend::BUILT.join(", ")
             ),
         ));
+    }
+    if span.domain == Domain::Host && span.addr != 0 && span.len != 0 {
+        check_mapped(span.addr, span.len)?;
     }
     let mut keys: Vec<BackendKey> = Vec::new();
     let release = |keys: &[BackendKey]| {
@@ -81,4 +84,24 @@ pub(super) fn run_deregister_hooks(r: &Running, region: &Region) {
             b.deregister(&span, &k.key);
         }
     }
+}
+
+/// Whether `[addr, addr+len)` is mapped memory of this process: a peer's write into an
+/// unmapped range would fail at the target with EFAULT, so such a range is refused here.
+/// `msync(MS_ASYNC)` only walks the mappings (it is a no-op for the pages themselves) and
+/// fails with ENOMEM when part of the range is not mapped.
+fn check_mapped(addr: u64, len: u64) -> Result<()> {
+    const PAGE: u64 = 4096;
+    let start = addr & !(PAGE - 1);
+    let Some(end) = addr.checked_add(len) else { return Ok(()) }; // the registry refuses it
+                                                                  // SAFETY: MS_ASYNC neither reads nor writes memory; the call only checks the mappings
+                                                                  // covering the page-aligned range.
+    let rc = unsafe { libc::msync(start as *mut libc::c_void, (end - start) as usize, libc::MS_ASYNC) };
+    if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOMEM) {
+        return Err(Error::param(format!(
+            "range 0x{addr:x}+{len} is not (entirely) mapped memory of this process: registering it \
+             would let peers fail on it"
+        )));
+    }
+    Ok(())
 }

@@ -102,6 +102,8 @@ pub struct Request {
     error: Mutex<Option<Error>>,
     pins: Mutex<Vec<Pin>>,
     notify_after: Mutex<Option<NotifyDesc>>,
+    /// Whether it carries a notification after its data (counted when it completes).
+    pub carries_notify: bool,
     sleep: Mutex<()>,
     wake: Condvar,
     sleepers: AtomicUsize,
@@ -134,6 +136,7 @@ impl Request {
             parts_left: AtomicUsize::new(parts),
             error: Mutex::new(None),
             pins: Mutex::new(pins),
+            carries_notify: notify_after.is_some(),
             notify_after: Mutex::new(notify_after),
             sleep: Mutex::new(()),
             wake: Condvar::new(),

@@ -277,6 +277,24 @@ pub fn shutdown(fd: RawFd) {
     unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
 }
 
+/// Shuts a socket down like [`shutdown`], and makes its final close a reset that discards
+/// whatever is still queued to send: a closed link's bytes must never land at the peer later
+/// (after a cut link comes back, say, and a new link has written the same memory since).
+pub fn abort(fd: RawFd) {
+    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: setsockopt reads `linger` for the given length; on a closed fd it only fails.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            &linger as *const libc::linger as *const libc::c_void,
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    shutdown(fd);
+}
+
 /// Sends what the socket takes now of `buf` without blocking; returns how many bytes went.
 pub fn send_some(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
     let mut sent = 0;

@@ -492,7 +492,7 @@ impl DataPath for TcpLink {
             self.queue.close();
             self.ring_control();
             for s in &self.streams {
-                io::shutdown(s.sock.as_raw_fd());
+                io::abort(s.sock.as_raw_fd());
             }
         }
         self.fail_queued_if_closed();
