@@ -159,3 +159,48 @@ def test_notifications_sent_with_a_transfer_are_counted(make_peer) -> None:
         assert (st["notifies"], st["ops_write"]) == (2, 1), st
     finally:
         e.finalize()
+
+
+def test_descriptors_take_any_plain_integer_form(make_peer) -> None:
+    """numpy integer scalars, lists of lists and (N, 3) arrays of any integer dtype or memory
+    order are accepted (and move the right bytes); a float array or a negative value is refused
+    naming what it got."""
+    import numpy as np
+
+    peer = make_peer(1 << 16)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp"})
+    try:
+        e.connect(peer.engine, timeout_ms=5000)
+        src = (np.arange(1 << 16) % 251).astype(np.uint8)
+        e.register(src)
+        a, r = src.ctypes.data, peer.addr
+        forms = {
+            "numpy scalars": [(np.uint64(a), np.int64(r), np.uint32(4096))],
+            "list of lists": [[a + 4096, r + 4096, 4096]],
+            "int64 array": np.array([[a + 8192, r + 8192, 4096]], np.int64),
+            "Fortran order": np.asfortranarray(np.array([[a + 12288, r + 12288, 4096]], np.uint64)),
+        }
+        for what, descs in forms.items():
+            try:
+                e.transfer_sync(peer.engine, hixl.TransferOp.WRITE, descs, timeout_ms=5000)
+            except hixl.HixlError as err:
+                raise AssertionError(f"{what} refused: {err}") from err
+        assert bytes(peer.read(0, 16384)) == bytes(src[:16384]), "every form moved its bytes"
+        with pytest.raises(hixl.ParamInvalid, match="dtype float64"):
+            e.transfer_sync(peer.engine, hixl.TransferOp.WRITE, np.zeros((1, 3)), timeout_ms=5000)
+        with pytest.raises(hixl.ParamInvalid, match="negative value"):
+            bad = np.array([[a, r, -1]], np.int64)
+            e.transfer_sync(peer.engine, hixl.TransferOp.WRITE, bad, timeout_ms=5000)
+        with pytest.raises(hixl.ParamInvalid, match=r"shape \(N, 3\), got shape \[2, 2\]"):
+            e.transfer_sync(peer.engine, hixl.TransferOp.WRITE, np.zeros((2, 2), np.int32))
+    finally:
+        e.finalize()
+
+
+def test_reprs_agree_on_length(engine) -> None:
+    import numpy as np
+
+    h = engine.register(np.zeros(4096, np.uint8), name="kv")
+    assert "length=4096" in repr(h) and "name=" in repr(h), repr(h)
+    assert "length=8" in repr(hixl.MemDesc(64, 8))

@@ -53,9 +53,9 @@ pub struct MemHandle {
 impl MemHandle {
     fn __repr__(&self) -> String {
         match self.name.as_str() {
-            "" => format!("MemHandle(id={}, addr=0x{:x}, len={})", self.id, self.addr, self.len),
+            "" => format!("MemHandle(id={}, addr=0x{:x}, length={})", self.id, self.addr, self.len),
             name => {
-                format!("MemHandle(id={}, addr=0x{:x}, len={}, name={name:?})", self.id, self.addr, self.len)
+                format!("MemHandle(id={}, addr=0x{:x}, length={}, name={name:?})", self.id, self.addr, self.len)
             }
         }
     }
@@ -138,6 +138,34 @@ pub struct Hixl {
 /// Past this many unreported requests, finished ones are forgotten unreported.
 const MAX_UNREPORTED: usize = 65536;
 
+/// A numpy array of descriptors in any integer dtype and any order, as a C-contiguous uint64
+/// copy; anything else is ParamInvalid naming what it got.
+fn as_uint64_rows<'py>(descs: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let what = "descs must be a list of TransferOpDesc / (local_addr, remote_addr, length), or an \
+                integer numpy array of shape (N, 3)";
+    let Ok(dtype) = descs.getattr("dtype") else {
+        let t = descs.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        return Err(errors::param(format!("{what}; got a {t}")));
+    };
+    let shape: Vec<usize> = descs.getattr("shape")?.extract()?;
+    if shape.len() != 2 || shape[1] != 3 {
+        return Err(errors::param(format!("descs array must have shape (N, 3), got shape {shape:?}")));
+    }
+    let kind: String = dtype.getattr("kind")?.extract()?;
+    if kind != "i" && kind != "u" {
+        return Err(errors::param(format!(
+            "descs array has dtype {dtype}: expected an integer dtype (uint64 is read without a copy)"
+        )));
+    }
+    if kind == "i" && shape[0] > 0 {
+        let min = descs.call_method0("min")?;
+        if min.lt(0)? {
+            return Err(errors::param(format!("descs array (dtype {dtype}) holds a negative value ({min})")));
+        }
+    }
+    descs.py().import("numpy")?.call_method1("ascontiguousarray", (descs, "uint64"))
+}
+
 pub(crate) fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::TransferOpDesc>> {
     if descs.is_instance_of::<PyList>() || descs.is_instance_of::<PyTuple>() {
         let mut out = Vec::with_capacity(descs.len()?);
@@ -145,14 +173,14 @@ pub(crate) fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::T
             let item = item?;
             if let Ok(d) = item.downcast::<types::TransferOpDesc>() {
                 out.push((*d.get()).into());
-            } else if let Ok(t) = item.downcast::<PyTuple>() {
-                if t.len() != 3 {
-                    return Err(errors::param(format!("descs[{i}] must have 3 fields, got {}", t.len())));
+            } else if item.is_instance_of::<PyTuple>() || item.is_instance_of::<PyList>() {
+                if item.len()? != 3 {
+                    return Err(errors::param(format!("descs[{i}] must have 3 fields, got {}", item.len()?)));
                 }
                 out.push(hixl_core::TransferOpDesc {
-                    local_addr: types::uint(&format!("descs[{i}].local_addr"), &t.get_item(0)?)?,
-                    remote_addr: types::uint(&format!("descs[{i}].remote_addr"), &t.get_item(1)?)?,
-                    len: types::uint(&format!("descs[{i}].length"), &t.get_item(2)?)?,
+                    local_addr: types::uint(&format!("descs[{i}].local_addr"), &item.get_item(0)?)?,
+                    remote_addr: types::uint(&format!("descs[{i}].remote_addr"), &item.get_item(1)?)?,
+                    len: types::uint(&format!("descs[{i}].length"), &item.get_item(2)?)?,
                 });
             } else {
                 let t = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
@@ -163,18 +191,18 @@ pub(crate) fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::T
         }
         return Ok(out);
     }
-    // Fast path: a uint64 array of shape (N, 3), read once.
-    let buf = PyBuffer::<u64>::get(descs).map_err(|e| {
-        errors::param(format!(
-            "descs must be a list of TransferOpDesc or a numpy uint64 array of shape (N, 3): {e}"
-        ))
-    })?;
-    let shape = buf.shape();
-    if shape.len() != 2 || shape[1] != 3 || !buf.is_c_contiguous() {
-        return Err(errors::param(format!(
-            "descs array must be C-contiguous with shape (N, 3), got shape {shape:?}"
-        )));
-    }
+    // Fast path: a C-contiguous uint64 array of shape (N, 3), read once.
+    let buf = match PyBuffer::<u64>::get(descs) {
+        Ok(b) if b.shape().len() == 2 && b.shape()[1] == 3 && b.is_c_contiguous() => b,
+        Ok(b) if b.shape().len() != 2 || b.shape()[1] != 3 => {
+            return Err(errors::param(format!(
+                "descs array must have shape (N, 3), got shape {:?}",
+                b.shape()
+            )))
+        }
+        // Another integer dtype, or another memory order: converted once, checked first.
+        _ => return parse_descs(&as_uint64_rows(descs)?),
+    };
     // One pass straight from the array's memory into the descriptors (no intermediate copy).
     let cells = buf
         .as_slice(descs.py())

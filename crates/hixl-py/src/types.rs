@@ -7,10 +7,15 @@ use crate::errors;
 
 /// Reads a non-negative integer argument, naming it in the error.
 pub fn uint(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
-    if !v.is_instance_of::<PyInt>() {
+    // Python ints, and integer scalars that say they are one (numpy's, via __index__).
+    let v = if v.is_instance_of::<PyInt>() {
+        v.clone()
+    } else if let Ok(i) = v.call_method0("__index__") {
+        i
+    } else {
         let t = v.get_type().name().map(|n| n.to_string()).unwrap_or_default();
         return Err(errors::param(format!("{name} must be an int, got {t} {v}")));
-    }
+    };
     match v.extract::<u64>() {
         Ok(x) => Ok(x),
         Err(_) => Err(errors::param(format!("{name}={v} is out of range: expected 0 <= {name} < 2**64"))),
