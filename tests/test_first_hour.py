@@ -204,3 +204,28 @@ def test_reprs_agree_on_length(engine) -> None:
     h = engine.register(np.zeros(4096, np.uint8), name="kv")
     assert "length=4096" in repr(h) and "name=" in repr(h), repr(h)
     assert "length=8" in repr(hixl.MemDesc(64, 8))
+
+
+def test_disconnect_waits_for_transfers_already_submitted(make_peer) -> None:
+    """disconnect() lets the transfers submitted before it finish (up to its timeout) instead
+    of failing them, then closes the link."""
+    import numpy as np
+
+    size = 64 << 20
+    peer = make_peer(size)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp"})
+    try:
+        e.connect(peer.engine, timeout_ms=5000)
+        src = (np.arange(size, dtype=np.uint64) * 2654435761 % 251).astype(np.uint8)
+        e.register(src)
+        req = e.transfer_async(
+            peer.engine, hixl.TransferOp.WRITE, [(src.ctypes.data, peer.addr, size)]
+        )
+        e.disconnect(peer.engine, timeout_ms=20_000)
+        assert req.wait(timeout_ms=0) == hixl.TransferStatus.COMPLETED
+        assert bytes(peer.read(0, size)) == bytes(src)
+        with pytest.raises(hixl.NotConnected):
+            e.put(peer.engine, src.ctypes.data, peer.addr, 16)
+    finally:
+        e.finalize()

@@ -55,7 +55,10 @@ impl MemHandle {
         match self.name.as_str() {
             "" => format!("MemHandle(id={}, addr=0x{:x}, length={})", self.id, self.addr, self.len),
             name => {
-                format!("MemHandle(id={}, addr=0x{:x}, length={}, name={name:?})", self.id, self.addr, self.len)
+                format!(
+                    "MemHandle(id={}, addr=0x{:x}, length={}, name={name:?})",
+                    self.id, self.addr, self.len
+                )
             }
         }
     }
@@ -471,11 +474,15 @@ impl Hixl {
         }
     }
 
-    /// Closes the link to `remote`.
-    #[pyo3(signature = (remote, timeout_ms = 1000.0))]
-    fn disconnect(&self, py: Python<'_>, remote: &str, timeout_ms: f64) -> PyResult<()> {
-        let t = ms("timeout_ms", Some(timeout_ms))?.unwrap();
+    /// Closes the link to `remote` after waiting up to `timeout_ms` (None: the engine's
+    /// `hixl.transfer_timeout_ms`; 0: not at all) for the transfers already submitted to it.
+    #[pyo3(signature = (remote, timeout_ms = None))]
+    fn disconnect(&self, py: Python<'_>, remote: &str, timeout_ms: Option<f64>) -> PyResult<()> {
         let e = self.engine.clone();
+        let t = match ms("timeout_ms", timeout_ms)? {
+            Some(t) => t,
+            None => e.default_timeouts().map_err(to_py)?.0,
+        };
         py.allow_threads(|| e.disconnect(remote, t)).map_err(to_py)
     }
 

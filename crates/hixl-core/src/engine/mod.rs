@@ -503,12 +503,23 @@ impl Engine {
         })
     }
 
-    /// Closes the link to `remote`; its pending requests fail with NOT_CONNECTED.
-    pub fn disconnect(&self, remote: &str, _timeout: Duration) -> Result<()> {
+    /// Closes the link to `remote`, after waiting up to `timeout` for the requests already
+    /// submitted to it to end (zero: at once); what is still pending then fails with
+    /// NOT_CONNECTED. New requests to `remote` are refused from the start of the call.
+    pub fn disconnect(&self, remote: &str, timeout: Duration) -> Result<()> {
         let r = self.running()?;
         let slot = r.peers.lock().unwrap().remove(remote);
         match slot {
             Some(PeerSlot::Connected(c)) => {
+                let deadline = std::time::Instant::now() + timeout;
+                let pending: Vec<_> = c.recent.lock().unwrap().iter().filter_map(|w| w.upgrade()).collect();
+                for q in pending {
+                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() {
+                        break;
+                    }
+                    q.wait(Some(left));
+                }
                 c.link.close(Error::not_connected(format!("disconnected from {remote}")));
                 Ok(())
             }
