@@ -229,3 +229,39 @@ def test_disconnect_waits_for_transfers_already_submitted(make_peer) -> None:
             e.put(peer.engine, src.ctypes.data, peer.addr, 16)
     finally:
         e.finalize()
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_a_transfer_racing_finalize_fails_with_failed(make_peer, backend) -> None:
+    """finalize() fails what is in flight with FAILED, as documented, on every backend (shm
+    used to say NOT_CONNECTED when the race went one way)."""
+    import numpy as np
+
+    peer = make_peer(1 << 22)
+    seen: dict[str, int] = {}
+    for _ in range(12):
+        e = hixl.Hixl()
+        e.initialize("127.0.0.1", {"hixl.backends": backend})
+        e.connect(peer.engine, timeout_ms=5000)
+        src = np.ones(1 << 22, np.uint8)
+        e.register(src)
+        errors: list[hixl.HixlError] = []
+
+        def spam(e=e, src=src, errors=errors) -> None:
+            for _ in range(500):
+                try:
+                    e.put(peer.engine, src.ctypes.data, peer.addr, 1 << 20, timeout_ms=5000)
+                except hixl.HixlError as raised:
+                    errors.append(raised)
+                    return
+
+        t = threading.Thread(target=spam)
+        t.start()
+        time.sleep(0.003)
+        e.finalize()
+        t.join(30)
+        for failure in errors:
+            name = type(failure).__name__
+            seen[name] = seen.get(name, 0) + 1
+    print(f"{backend}: errors after finalize: {seen}")
+    assert set(seen) <= {"Failed"}, seen

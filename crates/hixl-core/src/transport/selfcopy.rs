@@ -107,7 +107,8 @@ impl SelfLink {
 
     fn execute(&self, part: &Part) -> Result<()> {
         if !self.is_alive() {
-            return Err(Error::not_connected("the link is closed"));
+            let why = self.tcp.close_reason();
+            return Err(Error::new(why.status, format!("the link is closed: {}", why.message)));
         }
         match &part.body {
             PartBody::Data(segs) => self.copy(part.req.op, segs),

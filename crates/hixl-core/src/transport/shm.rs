@@ -390,12 +390,11 @@ impl ShmLink {
         }
     }
 
+    /// Why the link is closed, with the status of the close (FAILED after finalize,
+    /// NOT_CONNECTED when the peer went away or was disconnected).
     fn reason(&self) -> Error {
-        Error::not_connected(format!(
-            "the link to pid {} is closed: {}",
-            self.pid,
-            self.tcp.dead_reason().unwrap_or_else(|| "closed".into())
-        ))
+        let why = self.tcp.close_reason();
+        Error::new(why.status, format!("the link to pid {} is closed: {}", self.pid, why.message))
     }
 
     fn finish_part(&self, part: Part, res: Result<()>) {

@@ -176,7 +176,7 @@ impl TcpLink {
         }
     }
 
-    pub(super) fn close_reason(&self) -> Error {
+    pub(crate) fn close_reason(&self) -> Error {
         self.reason
             .lock()
             .unwrap()
