@@ -76,5 +76,13 @@ pub mod unstable {
     pub use crate::engine::{push_merged, split};
 }
 
+/// The longest wait any call honours: a longer timeout (`Duration::MAX` included) means this.
+pub const MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(365 * 86_400);
+
+/// `t`, at most [`MAX_WAIT`] (so that `Instant::now() + t` cannot overflow).
+pub(crate) fn capped(t: std::time::Duration) -> std::time::Duration {
+    t.min(MAX_WAIT)
+}
+
 /// The crate version.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

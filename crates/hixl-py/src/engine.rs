@@ -24,7 +24,10 @@ const SLICE: Duration = Duration::from_millis(50);
 fn ms(name: &str, v: Option<f64>) -> PyResult<Option<Duration>> {
     match v {
         None => Ok(None),
-        Some(x) if x.is_finite() && x >= 0.0 => Ok(Some(Duration::from_secs_f64(x / 1000.0))),
+        // Longer than hixl_core::MAX_WAIT (a year) means that long.
+        Some(x) if x.is_finite() && x >= 0.0 => {
+            Ok(Some(Duration::from_secs_f64((x / 1000.0).min(hixl_core::MAX_WAIT.as_secs_f64()))))
+        }
         Some(x) => Err(errors::param(format!("{name}={x} must be a non-negative number of milliseconds"))),
     }
 }

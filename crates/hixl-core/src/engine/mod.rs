@@ -17,7 +17,7 @@ use crate::error::{Error, Result, Status};
 use crate::notify::NotifyStore;
 use crate::options::Options;
 use crate::queue::Request;
-use crate::registry::{Access, MemType, Registry};
+use crate::registry::{Access, MemType, Region, Registry};
 use crate::transport::backend::{self, Backend, MemorySpan};
 use crate::transport::server::{Server, ServerCtx};
 use crate::transport::shm::{self, SharedMem};
@@ -72,6 +72,9 @@ struct Running {
     allocated: Mutex<HashMap<u64, Arc<SharedMem>>>,
     /// Set by `finalize` (under the `peers` lock): a connect that ends later closes its link.
     closed: AtomicBool,
+    /// Regions deregistered whose removal a same-host peer has not confirmed yet (their memory
+    /// must stay allocated): a retried `deregister_mem` asks again.
+    unconfirmed: Mutex<HashMap<(u64, u64), Arc<Region>>>,
     /// Threads of `connect_async` calls; `finalize` waits for them (each ends by its deadline).
     connects: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
@@ -184,6 +187,7 @@ impl Engine {
             next_req: AtomicU64::new(1),
             allocated: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
+            unconfirmed: Mutex::new(HashMap::new()),
             connects: Mutex::new(Vec::new()),
         }));
         Ok(())
@@ -333,13 +337,22 @@ impl Engine {
     /// Deregisters a region, waiting for (then aborting) transfers that use it. Idempotent.
     pub fn deregister_mem(&self, h: &MemHandle) -> Result<()> {
         let r = self.running()?;
-        let Some(region) = r.registry.deregister(h.addr, h.len, r.opts.deregister_timeout)? else {
-            return Ok(());
+        let region = match r.registry.deregister(h.addr, h.len, r.opts.deregister_timeout)? {
+            Some(region) => region,
+            // Gone from the registry, but a same-host peer had not confirmed it: ask again.
+            None => match r.unconfirmed.lock().unwrap().remove(&(h.addr, h.len)) {
+                Some(region) => region,
+                None => return Ok(()),
+            },
         };
         if let Some(s) = &r.server {
             // Same-host peers copy without a target-side check: they must drop the region
             // from their tables before its memory may be freed.
-            s.publish_regions(Some(r.opts.deregister_timeout))?;
+            if let Err(e) = s.publish_regions(Some(r.opts.deregister_timeout)) {
+                // A retry must fail again until they confirm (or are gone): not report success.
+                r.unconfirmed.lock().unwrap().insert((h.addr, h.len), region);
+                return Err(e);
+            }
         }
         run_deregister_hooks(&r, &region);
         r.allocated.lock().unwrap().remove(&h.addr);
@@ -462,6 +475,7 @@ impl Engine {
 
     /// Connects to the engine listening at `remote` ("ip:port"): handshake, region table.
     pub fn connect(&self, remote: &str, timeout: Duration) -> Result<()> {
+        let timeout = crate::capped(timeout);
         let r = self.running()?;
         let addr = parse_addr(remote)?;
         let key = remote.to_string();
@@ -511,7 +525,7 @@ impl Engine {
         let slot = r.peers.lock().unwrap().remove(remote);
         match slot {
             Some(PeerSlot::Connected(c)) => {
-                let deadline = std::time::Instant::now() + timeout;
+                let deadline = std::time::Instant::now() + crate::capped(timeout);
                 let pending: Vec<_> = c.recent.lock().unwrap().iter().filter_map(|w| w.upgrade()).collect();
                 for q in pending {
                     let left = deadline.saturating_duration_since(std::time::Instant::now());

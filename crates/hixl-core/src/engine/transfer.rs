@@ -36,6 +36,7 @@ impl Engine {
         notify: Option<NotifyDesc>,
         timeout: Option<Duration>,
     ) -> Result<TransferReq> {
+        let timeout = timeout.map(crate::capped);
         let r = self.running()?;
         let conn = Self::conn(&r, remote)?;
         if descs.is_empty() {
@@ -167,6 +168,7 @@ impl Engine {
         notify: Option<NotifyDesc>,
         timeout: Option<Duration>,
     ) -> Result<TransferReq> {
+        let timeout = timeout.map(crate::capped);
         let r = self.running()?;
         let conn = Self::conn(&r, remote)?;
         if let Some(n) = &notify {
@@ -189,6 +191,7 @@ impl Engine {
     /// Sends a notification; it is delivered after the data of every transfer to the same peer
     /// submitted before it.
     pub fn send_notify(&self, remote: &str, n: NotifyDesc, timeout: Duration) -> Result<()> {
+        let timeout = crate::capped(timeout);
         let r = self.running()?;
         let conn = Self::conn(&r, remote).map_err(|e| {
             let died = matches!(r.peers.lock().unwrap().get(remote), Some(PeerSlot::Connected(_)));
@@ -227,7 +230,7 @@ impl Engine {
     /// pending one that matches (the others stay for `get_notifies`); TIMEOUT when none came.
     pub fn wait_notifies(&self, timeout: Duration, name: Option<&str>) -> Result<Vec<NotifyDesc>> {
         let notifies = self.running()?.notifies.clone();
-        notifies.wait_take(name, timeout)
+        notifies.wait_take(name, crate::capped(timeout))
     }
 
     /// Returns and clears the notifications received so far.

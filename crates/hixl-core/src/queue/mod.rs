@@ -131,7 +131,7 @@ impl Request {
             bytes,
             descs,
             started: now,
-            deadline: now + timeout,
+            deadline: now + crate::capped(timeout),
             state: AtomicU8::new(TransferStatus::Waiting as u8),
             parts_left: AtomicUsize::new(parts),
             error: Mutex::new(None),
@@ -186,7 +186,9 @@ impl Request {
     /// Blocks until the request leaves WAITING, the request's deadline passes, or `timeout`
     /// (if any) expires, whichever is first; returns the status then.
     pub fn wait(&self, timeout: Option<Duration>) -> TransferStatus {
-        let until = timeout.map_or(self.deadline, |t| self.deadline.min(Instant::now() + t));
+        let until = timeout
+            .and_then(|t| Instant::now().checked_add(t))
+            .map_or(self.deadline, |u| self.deadline.min(u));
         // Short spin (yielding, so the threads that complete us can run) before parking:
         // small transfers finish in tens of microseconds and a wake-up costs about as much.
         let spin_until = Instant::now() + SPIN;

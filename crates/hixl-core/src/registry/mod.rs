@@ -431,9 +431,10 @@ impl Registry {
         self.map.read().unwrap().version
     }
 
-    /// The net changes from table version `since` to now (a region added and removed in
-    /// between appears in neither list), or `None` when the journal no longer reaches back
-    /// that far (send the whole table then).
+    /// The net changes from table version `since` to now, or `None` when the journal no longer
+    /// reaches back that far (send the whole table then). A region added and removed in
+    /// between is not in `added` but its id is in `removed`: the peer may hold a newer table
+    /// than `since` (a RegionsQuery's answer) that has it.
     pub fn changes_since(&self, since: u64) -> Option<Delta> {
         let map = self.map.read().unwrap();
         let oldest = map.journal.front().map_or(map.version + 1, |(v, _)| *v);
@@ -448,9 +449,8 @@ impl Registry {
                     added.insert(e.id, e.clone());
                 }
                 Change::Removed(id) => {
-                    if added.remove(id).is_none() {
-                        removed.push(*id);
-                    }
+                    added.remove(id);
+                    removed.push(*id);
                 }
             }
         }

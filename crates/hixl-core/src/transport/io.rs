@@ -277,21 +277,16 @@ pub fn shutdown(fd: RawFd) {
     unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
 }
 
-/// Shuts a socket down like [`shutdown`], and makes its final close a reset that discards
-/// whatever is still queued to send: a closed link's bytes must never land at the peer later
-/// (after a cut link comes back, say, and a new link has written the same memory since).
+/// Ends a TCP connection at once, like a close with SO_LINGER 0: whatever is still queued to
+/// send is dropped and the peer gets a reset. A closed link's bytes must never land at the
+/// peer later (after a cut link comes back, say, and a new link has written the same memory
+/// since); a plain shutdown would still send them before its FIN. Threads blocked on the
+/// socket wake with an error, as after [`shutdown`]; the descriptor stays open until dropped.
 pub fn abort(fd: RawFd) {
-    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
-    // SAFETY: setsockopt reads `linger` for the given length; on a closed fd it only fails.
-    unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            &linger as *const libc::linger as *const libc::c_void,
-            std::mem::size_of::<libc::linger>() as libc::socklen_t,
-        )
-    };
+    let unspec = libc::sockaddr { sa_family: libc::AF_UNSPEC as libc::sa_family_t, sa_data: [0; 14] };
+    // SAFETY: connect reads `unspec` for the given length; AF_UNSPEC disconnects a TCP socket
+    // (its send queue is purged and a reset sent); on a closed fd it only fails.
+    unsafe { libc::connect(fd, &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
     shutdown(fd);
 }
 

@@ -109,6 +109,7 @@ pub(crate) fn serve(
     // A data-path stream gets no region table: its link's control channel has it.
     let data_path = flags & FLAG_DATA_PATH != 0;
     served.link_head.store(stream_index == 0 && !data_path, Ordering::SeqCst);
+    served.data_path.store(data_path, Ordering::SeqCst);
     {
         // Welcome goes out under the send lock, after this stream became visible to
         // `publish_regions`: any later update is sent after the Welcome, never before it.
@@ -211,6 +212,12 @@ fn serve_frames(
                 served.acked.fetch_max(version, Ordering::AcqRel);
                 let _g = srv.live.lock().unwrap();
                 srv.acks.notify_all();
+            }
+            Frame::RegionsQuery if served.data_path.load(Ordering::Acquire) => {
+                let message = "a data-path stream gets no region table: ask on the control channel";
+                let err = Frame::Error { status: Status::ParamInvalid.code(), message: message.into() };
+                send(served, &err, h.tag)?;
+                return Err(std::io::Error::other(message));
             }
             Frame::RegionsQuery => {
                 let (version, regions) = ctx.registry.table();

@@ -178,6 +178,8 @@ pub(crate) struct Served {
     pub(crate) acks_updates: AtomicBool,
     /// First stream of its link (region updates go there).
     pub(crate) link_head: AtomicBool,
+    /// A data-path stream (Hello flag bit 1): it gets no region table at all.
+    pub(crate) data_path: AtomicBool,
     /// Highest region-table version the peer confirmed.
     pub(crate) acked: AtomicU64,
     /// Set when the serve thread is done with this stream.
@@ -398,6 +400,7 @@ impl Server {
                 sent: AtomicU64::new(0),
                 due_since: Mutex::new(None),
                 update_bytes: AtomicU64::new(0),
+                data_path: AtomicBool::new(false),
             });
             self.served.lock().unwrap().insert(id, served.clone());
             self.admit(id, from.ip());

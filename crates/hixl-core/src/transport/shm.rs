@@ -353,9 +353,12 @@ impl ShmLink {
                     continue;
                 }
             }
+            // A cached mapping serves only an entry it covers whole: the peer may have sent a
+            // table that changed this id's length since (a hostile peer), and the copy must
+            // never run past what was mapped; a fresh mapping checks the memfd's size again.
             let m = match maps.get(&e.id) {
-                Some(m) => m.clone(),
-                None => match map_peer_region(&self.pidfd, e, fd) {
+                Some(m) if m.len >= e.len => m.clone(),
+                _ => match map_peer_region(&self.pidfd, e, fd) {
                     Ok(m) => {
                         let m = Arc::new(m);
                         maps.insert(e.id, m.clone());
