@@ -9,6 +9,8 @@ Start: python _sec_hostile.py MODE [ARGS...]. Prints "READY <host:port> <pid> <b
   answers     the same-host proof answers sent so far, as JSON              -> [...]
   bystander   the forked bystander's pid (mode bystander)                   -> <pid>
   frames      the kinds of the frames received after Hello, all streams      -> [...]
+  grow LEN    sends every served stream a RegionsDelta that gives region 0 (same id and
+              address) LEN bytes: a lie about a region the initiator may have mapped -> OK
   add_region NAME  (mode regions) adds a region to the table without telling anyone (no
               update, no delta): only a RegionsQuery finds it                 -> OK
   exit                                                                     -> OK
@@ -247,6 +249,18 @@ class Hostile:
             probe_token=probe_token,
         )
 
+    def grow(self, n: int) -> None:
+        with self.lock:
+            old = self.table_version
+            self.table_version += 1
+            r = self.regions[0]
+            big = w.Region(r.addr, n, r.id, r.writable, r.domain, r.name, r.keys)
+            self.regions = [big, *self.regions[1:]]
+            payload = w.regions_delta_payload(old, self.table_version, [big])
+            delta = w.frame(w.REGIONS_DELTA, payload)
+            for s in self.served:
+                s.sendall(delta)
+
     def accept_loop(self) -> None:
         while True:
             c, _ = self.lsock.accept()
@@ -347,6 +361,9 @@ def main() -> None:
                 print(json.dumps(h.frames), flush=True)
         elif cmd == "add_region":
             h.add_region(args[0])
+            print("OK", flush=True)
+        elif cmd == "grow":
+            h.grow(int(args[0]))
             print("OK", flush=True)
         elif cmd == "bystander":
             print(h.child, flush=True)

@@ -437,6 +437,37 @@ def test_shrink_cannot_sigbus(procs: Callable[..., Proc]) -> None:
             assert shrink.startswith("ERR"), "a sealed memfd cannot shrink"
 
 
+def test_grown_region_never_copies_past_the_mapping(procs: Callable[..., Proc]) -> None:
+    """A same-host target offers a sealed 64 KiB memfd, lets the initiator map it (one put),
+    then claims in a delta that the same region id is 64 MiB long. A read 1 MiB into the
+    'grown' region must not go through the 64 KiB mapping (that would copy the initiator's
+    own memory, or crash it): it goes by cross-memory attach, which the kernel checks."""
+    h = Hostile(procs, "memfd", "sealed")
+    a = hixl.Hixl()
+    a.initialize("127.0.0.1", {"hixl.backends": "shm"})
+    try:
+        src = np.full(1 << 16, 0x5A, np.uint8)
+        a.register(src)
+        a.connect(h.engine, timeout_ms=5000)
+        a.put(h.engine, src.ctypes.data, h.buf, 4096, timeout_ms=5000)
+        mapped = a.stats()[h.engine]["direct_parts"]
+        assert mapped == 1, "the first put went through the mapping"
+        assert h.proc.cmd("grow", 64 << 20) == "OK"
+        deadline = time.monotonic() + 5
+        while a.remote_regions(h.engine)[0].len != 64 << 20:
+            assert time.monotonic() < deadline, "the delta never arrived"
+            time.sleep(0.01)
+        dst = np.zeros(4096, np.uint8)
+        a.register(dst)
+        with contextlib.suppress(hixl.HixlError):  # the kernel may refuse the range (EFAULT)
+            a.get(h.engine, dst.ctypes.data, h.buf + (1 << 20), 4096, timeout_ms=5000)
+        st = a.stats()[h.engine]
+        print(f"direct copies before the lie {mapped}, after the read {st['direct_parts']}")
+        assert st["direct_parts"] == mapped, "the read went through the 64 KiB mapping"
+    finally:
+        a.finalize()
+
+
 # --- finding 5 -----------------------------------------------------------------------------
 
 
