@@ -1,0 +1,234 @@
+"""The programs in examples/ run as written, as real processes, and the README shows them.
+
+Each pair starts its waiting side first (target.py, kv_decode.py), takes the address from its
+"READY ip:port" line, runs the other side against it, and requires exit 0 from both and the
+lines each prints on success. The Rust example runs only where CI asks for it
+(HIXL_EXAMPLES_RUST=1 and cargo on the PATH): building it takes minutes."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+README = ROOT / "README.md"
+LIMIT_S = 120  # per process; each pair takes about a second
+
+
+class Example:
+    """One example program as a subprocess; its stdout lines are collected as they come."""
+
+    def __init__(self, script: str, *args: str) -> None:
+        self.name = script
+        self.proc = subprocess.Popen(
+            [sys.executable, str(EXAMPLES / script), *args],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self.err = ""
+        self._new = threading.Condition()
+        self._out = threading.Thread(target=self._read_out, daemon=True)
+        self._err = threading.Thread(target=self._read_err, daemon=True)
+        self._out.start()
+        self._err.start()
+
+    def _read_out(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._new:
+                self.lines.append(line.rstrip("\n"))
+                self._new.notify_all()
+        with self._new:
+            self._new.notify_all()
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        self.err = self.proc.stderr.read()
+
+    def ready(self, timeout_s: float = LIMIT_S) -> str:
+        """The address of the "READY ip:port" line, waiting for it at most timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        with self._new:
+            while True:
+                for line in self.lines:
+                    if line.startswith("READY "):
+                        return line.split()[1]
+                left = deadline - time.monotonic()
+                if self.proc.poll() is not None and not self._out.is_alive():
+                    break
+                if left <= 0:
+                    break
+                self._new.wait(min(left, 0.1))
+        self.kill()
+        pytest.fail(f"{self.name} printed no READY line:\n{self.report()}")
+
+    def finish(self, timeout_s: float = LIMIT_S) -> int:
+        try:
+            rc = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"{self.name} did not end within {timeout_s} s:\n{self.report()}")
+        self._out.join(10)
+        self._err.join(10)
+        return rc
+
+    def succeeds(self, *expected: str, timeout_s: float = LIMIT_S) -> list[str]:
+        """Waits for exit 0 and a line starting with each of `expected`; returns the lines."""
+        rc = self.finish(timeout_s)
+        assert rc == 0, f"{self.name} exited {rc}:\n{self.report()}"
+        for want in expected:
+            assert any(line.startswith(want) for line in self.lines), (
+                f"{self.name} printed no line starting {want!r}:\n{self.report()}"
+            )
+        return self.lines
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def report(self) -> str:
+        return "stdout:\n" + "\n".join(self.lines) + "\nstderr:\n" + self.err
+
+
+@pytest.fixture
+def run() -> Iterator:
+    started: list[Example] = []
+
+    def start(script: str, *args: str) -> Example:
+        ex = Example(script, *args)
+        started.append(ex)
+        return ex
+
+    yield start
+    for ex in started:
+        ex.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+TARGET_LINES = ("notify kv: page 0", "notify kv: layer 2", "notify done: ", "'kv' holds what")
+INITIATOR_LINES = (
+    "connected to ",
+    "write 16777216 bytes, read them back: ok",
+    "async write 'first page': TransferStatus.COMPLETED",
+    "put 4096 bytes, get 16384: ok",
+    "strided put/get of layers 1 and 2 (4096 rows each): ok",
+    "backend ",
+    "sent 'done'",
+)
+
+
+@pytest.mark.parametrize("backends", ["auto", "tcp"])
+def test_target_and_initiator(run, backends: str) -> None:
+    target = run("target.py", "--listen", "127.0.0.1:0")
+    remote = target.ready()
+    out = run("initiator.py", "--remote", remote, "--backends", backends).succeeds(*INITIATOR_LINES)
+    target.succeeds(*TARGET_LINES)
+    backend = next(line.split()[1] for line in out if line.startswith("backend "))
+    # auto: the same-host backend, or TCP where this process may not attach to the target
+    assert backend.rstrip(":") in (("shm", "tcp") if backends == "auto" else ("tcp",)), out
+
+
+def test_target_and_initiator_started_together(run) -> None:
+    """The README's `target.py & initiator.py`: the initiator may connect before the target
+    listens or before it has registered "kv", and must wait for both."""
+    remote = f"127.0.0.1:{free_port()}"
+    target = run("target.py", "--listen", remote)
+    run("initiator.py", "--remote", remote).succeeds(*INITIATOR_LINES)
+    target.succeeds(*TARGET_LINES)
+
+
+def test_kv_prefill_pushes_layer_by_layer_to_decode(run) -> None:
+    decode = run("kv_decode.py", "--listen", "127.0.0.1:0")
+    address = decode.ready()
+    prefill = run("kv_prefill.py", "--decode", address)
+    prefill.succeeds(
+        *(f"layer {k}: computed, sending" for k in range(8)),
+        "pushed 16777216 bytes in 8 layers to rank 1",
+    )
+    decode.succeeds(
+        *(f"layer {k}: arrived and used" for k in range(8)),
+        "received 16777216 bytes in 8 layers from rank 0",
+    )
+
+
+def test_examples_fail_with_a_nonzero_exit(run) -> None:
+    """Every wait has a timeout, and a failure is an exit status, not a hang."""
+    target = run("target.py", "--timeout-s", "0.5")
+    target.ready()
+    assert target.finish() == 1
+    assert "no 'done' notification within 0.5 s" in target.err, target.report()
+    nobody = f"127.0.0.1:{free_port()}"
+    initiator = run("initiator.py", "--remote", nobody, "--timeout-ms", "300")
+    assert initiator.finish() != 0, initiator.report()
+    decode = run("kv_decode.py", "--timeout-s", "0.5")
+    decode.ready()
+    assert decode.finish() != 0, decode.report()
+
+
+@pytest.mark.skipif(
+    os.environ.get("HIXL_EXAMPLES_RUST") != "1" or shutil.which("cargo") is None,
+    reason="the Rust example builds with cargo (minutes): set HIXL_EXAMPLES_RUST=1, as CI "
+    "does, with cargo on the PATH",
+)
+@pytest.mark.timeout(900)
+def test_rust_two_engines() -> None:
+    proc = subprocess.run(
+        ["cargo", "run", "--release", "-q", "-p", "hixl-core", "--example", "two_engines"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=850,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "read back and verified" in proc.stdout, proc.stdout + proc.stderr
+
+
+def readme_excerpts() -> list[tuple[str, list[str]]]:
+    """README code blocks whose first line is `# examples/NAME` (or `// examples/...`)."""
+    out = []
+    for m in re.finditer(r"^```\w*\n(.*?)^```", README.read_text(), re.S | re.M):
+        lines = m.group(1).splitlines()
+        head = re.match(r"^(?:#|//) (examples/\S+|crates/\S+)", lines[0]) if lines else None
+        if head:
+            out.append((head.group(1), lines[1:]))
+    return out
+
+
+def test_readme_shows_the_example_files() -> None:
+    """Each README block headed by a file's path is an excerpt of that file: its lines appear
+    in the file, in order, indentation aside (a line `...` stands for lines left out)."""
+    excerpts = readme_excerpts()
+    shown = {path for path, _ in excerpts}
+    for name in ("target.py", "initiator.py", "kv_prefill.py", "kv_decode.py"):
+        assert f"examples/{name}" in shown, f"README shows no excerpt of examples/{name}"
+    for path, lines in excerpts:
+        file_lines = (ROOT / path).read_text().splitlines()
+        i = 0
+        for line in lines:
+            if line.strip() in ("...", "# ...", "// ..."):
+                continue
+            while i < len(file_lines) and file_lines[i].strip() != line.strip():
+                i += 1
+            assert i < len(file_lines), f"README's excerpt of {path}: {line!r} is not in the file"
+            i += 1
