@@ -169,3 +169,28 @@ def test_batch_status_query_reports_each_final_status_once(engine, make_peer):
     assert sorted(got) == sorted((f"blk{i}", hixl.TransferStatus.COMPLETED) for i in range(16))
     assert engine.get_transfer_status() == [], "final statuses are reported once"
     assert np.array_equal(peer.read(), src)
+
+
+@pytest.mark.parametrize("backends", ["tcp", "shm,tcp", "self,tcp"])
+def test_batch_across_adjacent_regions(backends):
+    """Two regions registered back to back at the target, and a batch whose descriptors are
+    contiguous on both sides across their boundary: the engine must not merge them into one
+    segment that no single region holds (the target would refuse it); the bytes arrive."""
+    t = hixl.Hixl()
+    t.initialize("127.0.0.1:0", {"hixl.backends": backends})
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": backends})
+    try:
+        big = hixl.aligned_empty(8192)
+        big[:] = 0
+        t.register(big[:4096], name="first")
+        t.register(big[4096:], name="second")
+        src = random_bytes(8192, 5)
+        e.register(src)
+        e.connect(t.local_engine, timeout_ms=5000)
+        s, a = src.ctypes.data, big.ctypes.data
+        e.transfer_sync(t.local_engine, W, [(s, a, 4096), (s + 4096, a + 4096, 4096)], 5000)
+        assert bytes(big) == bytes(src)
+    finally:
+        e.finalize()
+        t.finalize()

@@ -63,23 +63,26 @@ pub(super) fn validate(
     let mut pins: Vec<Pin> = Vec::new();
     let mut segs: Vec<SegPair> = Vec::with_capacity(descs.len());
     let mut bytes = 0u64;
+    // The (local, remote) regions of the last descriptor: only descriptors within the same two
+    // regions merge, since a segment must lie inside one region on each side.
+    let mut last_regions: Option<(u64, u64)> = None;
     for (i, d) in descs.iter().enumerate() {
         if d.len == 0 {
             return Err(Error::param(format!("descriptor {i}: length is 0")));
         }
         let pinned = pins.iter().position(|p| p.region().contains(d.local_addr, d.len));
-        let local = match pinned {
-            Some(k) => pins[k].region().mem_type,
+        let (local, local_id) = match pinned {
+            Some(k) => (pins[k].region().mem_type, pins[k].region().id),
             None => {
                 let region = r
                     .registry
                     .lookup(d.local_addr, d.len, "local")
                     .map_err(|e| Error::param(format!("descriptor {i}: {}", e.message)))?;
                 pins.push(region.pin(holder.clone())?);
-                region.mem_type
+                (region.mem_type, region.id)
             }
         };
-        match table.find(d.remote_addr, d.len) {
+        let remote_id = match table.find(d.remote_addr, d.len) {
             None => {
                 *remote_miss = true;
                 return Err(Error::param(format!(
@@ -94,11 +97,19 @@ pub(super) fn validate(
                     read_only(d.remote_addr, d.len).message
                 )))
             }
-            Some(e) => check_domains(conn, remote, local, e.domain)
-                .map_err(|e| e.context(&format!("descriptor {i}")))?,
-        }
+            Some(e) => {
+                check_domains(conn, remote, local, e.domain)
+                    .map_err(|e| e.context(&format!("descriptor {i}")))?;
+                e.id
+            }
+        };
         bytes += d.len;
-        push_merged(&mut segs, d);
+        if last_regions == Some((local_id, remote_id)) {
+            push_merged(&mut segs, d);
+        } else {
+            segs.push(SegPair { local: d.local_addr, remote: d.remote_addr, len: d.len });
+        }
+        last_regions = Some((local_id, remote_id));
     }
     Ok((segs, pins, bytes))
 }

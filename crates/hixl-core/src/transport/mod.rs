@@ -88,6 +88,11 @@ impl Workers {
         Ok(())
     }
 
+    /// Whether the calling thread is one of these.
+    pub(crate) fn is_own(&self) -> bool {
+        self.ids.lock().unwrap().contains(&std::thread::current().id())
+    }
+
     /// Joins every thread, unless called from one of them.
     pub(crate) fn join_unless_own(&self) {
         let me = std::thread::current().id();

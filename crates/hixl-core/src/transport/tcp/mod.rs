@@ -111,6 +111,9 @@ pub struct TcpLink {
     /// For a data path: the link's control channel, which sends the notifications after the
     /// data and lives and dies with it (unset: this link is a control channel).
     pub(super) control: std::sync::OnceLock<Arc<TcpLink>>,
+    /// For a control channel: its data path's link, closed with it (a dead control channel
+    /// must not leave data streams whose queued bytes could still land later).
+    pub(super) data: std::sync::OnceLock<std::sync::Weak<TcpLink>>,
     /// Wakes the control thread early: when the link closes, or a confirmation waits (it
     /// sleeps a whole heartbeat interval otherwise).
     pub(super) closing: (Mutex<bool>, std::sync::Condvar),
@@ -193,6 +196,7 @@ impl TcpLink {
             tables: (Mutex::new(0), std::sync::Condvar::new()),
             next_query: AtomicU64::new(1),
             control: std::sync::OnceLock::new(),
+            data: std::sync::OnceLock::new(),
         });
         {
             let (l, every) = (link.clone(), p.heartbeat);
@@ -399,9 +403,29 @@ impl TcpLink {
         }
     }
 
+    /// Closes this link without waiting for its threads: marks it dead (the first call only,
+    /// which returns true), resets its sockets and fails whatever is queued or in flight.
+    fn shut(&self, why: Error) -> bool {
+        let first = self.alive.swap(false, Ordering::AcqRel);
+        if first {
+            tracing::info!(peer = %self.peer, reason = %why.message, "closing link");
+            *self.reason.lock().unwrap() = Some(why);
+            self.queue.close();
+            self.ring_control();
+            for s in &self.streams {
+                io::abort(s.sock.as_raw_fd());
+            }
+        }
+        self.fail_queued_if_closed();
+        for s in &self.streams {
+            self.fail_pending(s);
+        }
+        first
+    }
+
     /// Makes this link the data path of `control`'s link: notifications after the data go
     /// over `control`, and closing either side closes the pair.
-    pub(crate) fn attach_to(&self, control: Arc<TcpLink>) -> Result<()> {
+    pub(crate) fn attach_to(self: &Arc<Self>, control: Arc<TcpLink>) -> Result<()> {
         let (ours, theirs) = (&self.info.engine_id, &control.info.engine_id);
         if ours != theirs {
             return Err(Error::not_connected(format!(
@@ -409,6 +433,7 @@ impl TcpLink {
                 self.peer
             )));
         }
+        let _ = control.data.set(Arc::downgrade(self));
         let _ = self.control.set(control);
         Ok(())
     }
@@ -486,22 +511,23 @@ impl DataPath for TcpLink {
     }
 
     fn close(&self, why: Error) {
-        if self.alive.swap(false, Ordering::AcqRel) {
-            tracing::info!(peer = %self.peer, reason = %why.message, "closing link");
-            *self.reason.lock().unwrap() = Some(why);
-            self.queue.close();
-            self.ring_control();
-            for s in &self.streams {
-                io::abort(s.sock.as_raw_fd());
+        let first = self.shut(why);
+        // A data path and its control channel live and die together. The other side is shut
+        // without waiting for its threads from here: when the caller is a thread of either
+        // side, joining the other side could wait for a thread that waits for us.
+        let partner =
+            self.control.get().cloned().or_else(|| self.data.get().and_then(std::sync::Weak::upgrade));
+        if first {
+            if let Some(p) = &partner {
+                p.shut(self.close_reason());
             }
         }
-        self.fail_queued_if_closed();
-        for s in &self.streams {
-            self.fail_pending(s);
-        }
-        self.threads.join_unless_own();
-        if let Some(control) = self.control.get() {
-            control.close(self.close_reason());
+        let inside = self.threads.is_own() || partner.as_ref().is_some_and(|p| p.threads.is_own());
+        if !inside {
+            self.threads.join_unless_own();
+            if let Some(p) = &partner {
+                p.threads.join_unless_own();
+            }
         }
     }
 
