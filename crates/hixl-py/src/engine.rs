@@ -1,136 +1,23 @@
-//! `Hixl` (the engine), `MemHandle` and `TransferReq`. The GIL is released around every call
+//! `Hixl`, the engine (handles and requests: `request`; descriptor parsing: `descs`). The GIL is released around every call
 //! into the core that can block, wait or copy.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyDict, PyTuple};
 
 use hixl_core::Engine;
 
 use crate::buffer::{self, KeepAlive};
+use crate::descs::parse_descs;
 use crate::errors::{self, to_py};
+use crate::request::{connect_interruptibly, ms, wait_req, MemHandle, TransferReq, SLICE};
 use crate::types::{
     self, AsyncConnectStatus, MemDesc, MemType, NotifyDesc, RemoteRegion, StridedDesc, TransferOp,
     TransferStatus,
 };
-
-/// How long one GIL-free wait slice lasts before Python signals (Ctrl-C) are checked.
-const SLICE: Duration = Duration::from_millis(50);
-
-fn ms(name: &str, v: Option<f64>) -> PyResult<Option<Duration>> {
-    match v {
-        None => Ok(None),
-        // Longer than hixl_core::MAX_WAIT (a year) means that long.
-        Some(x) if x.is_finite() && x >= 0.0 => {
-            Ok(Some(Duration::from_secs_f64((x / 1000.0).min(hixl_core::MAX_WAIT.as_secs_f64()))))
-        }
-        Some(x) => Err(errors::param(format!("{name}={x} must be a non-negative number of milliseconds"))),
-    }
-}
-
-/// A registered region.
-#[pyclass(frozen, module = "hixl._hixl")]
-pub struct MemHandle {
-    /// Start address.
-    #[pyo3(get)]
-    addr: u64,
-    /// Length in bytes.
-    #[pyo3(get)]
-    len: u64,
-    /// Registry id.
-    #[pyo3(get)]
-    id: u64,
-    /// Memory type.
-    #[pyo3(get)]
-    mem_type: MemType,
-    /// The name it was registered under (empty: none).
-    #[pyo3(get)]
-    name: String,
-}
-
-#[pymethods]
-impl MemHandle {
-    fn __repr__(&self) -> String {
-        match self.name.as_str() {
-            "" => format!("MemHandle(id={}, addr=0x{:x}, length={})", self.id, self.addr, self.len),
-            name => {
-                format!(
-                    "MemHandle(id={}, addr=0x{:x}, length={}, name={name:?})",
-                    self.id, self.addr, self.len
-                )
-            }
-        }
-    }
-}
-
-/// An asynchronous transfer. `wait()` blocks without the GIL.
-#[pyclass(frozen, module = "hixl._hixl")]
-pub struct TransferReq {
-    req: hixl_core::TransferReq,
-    user_data: Py<PyAny>,
-}
-
-/// Waits in GIL-free slices so that Ctrl-C (KeyboardInterrupt) gets through.
-fn wait_req(
-    py: Python<'_>,
-    req: &hixl_core::TransferReq,
-    timeout: Option<Duration>,
-) -> PyResult<TransferStatus> {
-    let until = timeout.map(|t| Instant::now() + t);
-    loop {
-        let slice = match until {
-            Some(u) => u.saturating_duration_since(Instant::now()).min(SLICE),
-            None => SLICE,
-        };
-        let s = py.allow_threads(|| req.wait(Some(slice)));
-        if s != hixl_core::TransferStatus::Waiting {
-            return Ok(s.into());
-        }
-        py.check_signals()?;
-        if until.is_some_and(|u| Instant::now() >= u) {
-            return Ok(TransferStatus::WAITING);
-        }
-    }
-}
-
-#[pymethods]
-impl TransferReq {
-    /// Waits up to `timeout_ms` (default: the request's own deadline); returns the status.
-    #[pyo3(signature = (timeout_ms = None))]
-    fn wait(&self, py: Python<'_>, timeout_ms: Option<f64>) -> PyResult<TransferStatus> {
-        wait_req(py, &self.req, ms("timeout_ms", timeout_ms)?)
-    }
-    /// Current status without waiting.
-    fn status(&self) -> TransferStatus {
-        self.req.status().into()
-    }
-    /// Raises the request's error if it FAILED or timed out; returns None when COMPLETED.
-    fn result(&self) -> PyResult<()> {
-        self.req.result().map_err(to_py)
-    }
-    /// The object passed as `user_data`.
-    #[getter]
-    fn user_data(&self, py: Python<'_>) -> Py<PyAny> {
-        self.user_data.clone_ref(py)
-    }
-    /// Request id.
-    #[getter]
-    fn id(&self) -> u64 {
-        self.req.id
-    }
-    /// Bytes the request moves.
-    #[getter]
-    fn nbytes(&self) -> u64 {
-        self.req.bytes
-    }
-    fn __repr__(&self) -> String {
-        format!("TransferReq(id={}, status={:?})", self.req.id, TransferStatus::from(self.req.status()))
-    }
-}
 
 /// The engine: one per process is typical.
 #[pyclass(frozen, module = "hixl._hixl", subclass)]
@@ -143,85 +30,6 @@ pub struct Hixl {
 
 /// Past this many unreported requests, finished ones are forgotten unreported.
 const MAX_UNREPORTED: usize = 65536;
-
-/// A numpy array of descriptors in any integer dtype and any order, as a C-contiguous uint64
-/// copy; anything else is ParamInvalid naming what it got.
-fn as_uint64_rows<'py>(descs: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-    let what = "descs must be a list of TransferOpDesc / (local_addr, remote_addr, length), or an \
-                integer numpy array of shape (N, 3)";
-    let Ok(dtype) = descs.getattr("dtype") else {
-        let t = descs.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-        return Err(errors::param(format!("{what}; got a {t}")));
-    };
-    let shape: Vec<usize> = descs.getattr("shape")?.extract()?;
-    if shape.len() != 2 || shape[1] != 3 {
-        return Err(errors::param(format!("descs array must have shape (N, 3), got shape {shape:?}")));
-    }
-    let kind: String = dtype.getattr("kind")?.extract()?;
-    if kind != "i" && kind != "u" {
-        return Err(errors::param(format!(
-            "descs array has dtype {dtype}: expected an integer dtype (uint64 is read without a copy)"
-        )));
-    }
-    if kind == "i" && shape[0] > 0 {
-        let min = descs.call_method0("min")?;
-        if min.lt(0)? {
-            return Err(errors::param(format!("descs array (dtype {dtype}) holds a negative value ({min})")));
-        }
-    }
-    descs.py().import("numpy")?.call_method1("ascontiguousarray", (descs, "uint64"))
-}
-
-pub(crate) fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::TransferOpDesc>> {
-    if descs.is_instance_of::<PyList>() || descs.is_instance_of::<PyTuple>() {
-        let mut out = Vec::with_capacity(descs.len()?);
-        for (i, item) in descs.try_iter()?.enumerate() {
-            let item = item?;
-            if let Ok(d) = item.downcast::<types::TransferOpDesc>() {
-                out.push((*d.get()).into());
-            } else if item.is_instance_of::<PyTuple>() || item.is_instance_of::<PyList>() {
-                if item.len()? != 3 {
-                    return Err(errors::param(format!("descs[{i}] must have 3 fields, got {}", item.len()?)));
-                }
-                out.push(hixl_core::TransferOpDesc {
-                    local_addr: types::uint(&format!("descs[{i}].local_addr"), &item.get_item(0)?)?,
-                    remote_addr: types::uint(&format!("descs[{i}].remote_addr"), &item.get_item(1)?)?,
-                    len: types::uint(&format!("descs[{i}].length"), &item.get_item(2)?)?,
-                });
-            } else {
-                let t = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-                return Err(errors::param(format!(
-                    "descs[{i}] is a {t}; expected hixl.TransferOpDesc or (local_addr, remote_addr, length)"
-                )));
-            }
-        }
-        return Ok(out);
-    }
-    // Fast path: a C-contiguous uint64 array of shape (N, 3), read once.
-    let buf = match PyBuffer::<u64>::get(descs) {
-        Ok(b) if b.shape().len() == 2 && b.shape()[1] == 3 && b.is_c_contiguous() => b,
-        Ok(b) if b.shape().len() != 2 || b.shape()[1] != 3 => {
-            return Err(errors::param(format!(
-                "descs array must have shape (N, 3), got shape {:?}",
-                b.shape()
-            )))
-        }
-        // Another integer dtype, or another memory order: converted once, checked first.
-        _ => return parse_descs(&as_uint64_rows(descs)?),
-    };
-    // One pass straight from the array's memory into the descriptors (no intermediate copy).
-    let cells = buf
-        .as_slice(descs.py())
-        .ok_or_else(|| errors::param("descs array must be C-contiguous with shape (N, 3)"))?;
-    Ok(cells
-        .chunks_exact(3)
-        .map(|c| hixl_core::TransferOpDesc {
-            local_addr: c[0].get(),
-            remote_addr: c[1].get(),
-            len: c[2].get(),
-        })
-        .collect())
-}
 
 fn finish_sync(py: Python<'_>, req: &hixl_core::TransferReq) -> PyResult<()> {
     wait_req(py, req, None)?;
@@ -436,45 +244,7 @@ impl Hixl {
             Some(t) => t,
             None => e.default_timeouts().map_err(to_py)?.1,
         };
-        // The connect runs on a thread of its own so that this one can wait in GIL-free slices
-        // and let Ctrl-C through; a connect abandoned that way is disconnected when it ends.
-        let gate = Arc::new(Mutex::new(false)); // true: the caller gave up
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (e2, gate2, peer) = (e.clone(), gate.clone(), remote.to_string());
-        std::thread::Builder::new()
-            .name("hixl-py-connect".into())
-            .spawn(move || {
-                let res = e2.connect(&peer, t);
-                let abandoned = gate2.lock().unwrap();
-                if *abandoned {
-                    if res.is_ok() {
-                        let _ = e2.disconnect(&peer, Duration::ZERO);
-                    }
-                } else {
-                    let _ = tx.send(res);
-                }
-            })
-            .map_err(|err| errors::failed(format!("cannot start the connect thread: {err}")))?;
-        let rx = Mutex::new(rx); // allow_threads needs Sync
-        loop {
-            match py.allow_threads(|| rx.lock().unwrap().recv_timeout(SLICE)) {
-                Ok(res) => return res.map_err(to_py),
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                    if let Err(interrupt) = py.check_signals() {
-                        let mut abandoned = gate.lock().unwrap();
-                        *abandoned = true;
-                        // It may have ended just now: then undo it here.
-                        if let Ok(Ok(())) = rx.lock().unwrap().try_recv() {
-                            let _ = e.disconnect(remote, Duration::ZERO);
-                        }
-                        return Err(interrupt);
-                    }
-                }
-                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(errors::failed("the connect thread ended without an answer"))
-                }
-            }
-        }
+        connect_interruptibly(py, &e, remote, t)
     }
 
     /// Closes the link to `remote` after waiting up to `timeout_ms` (None: the engine's

@@ -2,8 +2,10 @@
 //! call that can block or copy releases the GIL. Modules mirror the core crate's.
 
 mod buffer;
+mod descs;
 mod engine;
 mod errors;
+mod request;
 mod types;
 
 use pyo3::prelude::*;
@@ -69,7 +71,7 @@ fn _raw_cma(
     iters: usize,
 ) -> PyResult<Vec<f64>> {
     let d: Vec<(u64, u64, u64)> =
-        engine::parse_descs(descs)?.into_iter().map(|d| (d.local_addr, d.remote_addr, d.len)).collect();
+        descs::parse_descs(descs)?.into_iter().map(|d| (d.local_addr, d.remote_addr, d.len)).collect();
     // SAFETY: the contract passes to the Python caller (a benchmark helper: `hixl bench` and
     // benches/ pass ranges of buffers they hold for the whole call).
     py.allow_threads(|| unsafe { hixl_core::bench::raw_cma(pid, write, &d, iters) }).map_err(errors::to_py)
@@ -101,8 +103,8 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::TransferOpDesc>()?;
     m.add_class::<types::NotifyDesc>()?;
     m.add_class::<types::StridedDesc>()?;
-    m.add_class::<engine::MemHandle>()?;
-    m.add_class::<engine::TransferReq>()?;
+    m.add_class::<request::MemHandle>()?;
+    m.add_class::<request::TransferReq>()?;
     m.add_class::<engine::Hixl>()?;
     m.add_class::<buffer::ShmBuffer>()?;
     m.add_function(wrap_pyfunction!(set_log_level, m)?)?;

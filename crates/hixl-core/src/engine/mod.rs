@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use crate::error::{Error, Result, Status};
+use crate::error::{Error, Result};
 use crate::notify::NotifyStore;
 use crate::options::Options;
 use crate::queue::Request;
@@ -21,10 +21,11 @@ use crate::registry::{Access, MemType, Region, Registry};
 use crate::transport::backend::{self, Backend, MemorySpan};
 use crate::transport::server::{Server, ServerCtx};
 use crate::transport::shm::{self, SharedMem};
-use crate::transport::tcp::{ConnectParams, TcpLink};
+use crate::transport::tcp::TcpLink;
 use crate::transport::DataPath;
 use crate::wire::Domain;
 
+mod connect;
 mod register;
 mod transfer;
 mod types;
@@ -357,204 +358,6 @@ impl Engine {
         run_deregister_hooks(&r, &region);
         r.allocated.lock().unwrap().remove(&h.addr);
         Ok(())
-    }
-
-    fn link_params(r: &Running, timeout: Duration) -> ConnectParams {
-        ConnectParams {
-            local_id: r.local_engine.clone(),
-            streams: r.opts.streams,
-            queue_depth: r.opts.queue_depth,
-            timeout,
-            host: r.host.clone(),
-            coalesce: r.opts.coalesce,
-            coalesce_max_ops: r.opts.coalesce_max_ops,
-            secret: r.opts.secret.clone(),
-            heartbeat: r.opts.heartbeat,
-            data_mac: r.opts.data_mac,
-            data_path: false,
-        }
-    }
-
-    fn begin_connect(r: &Running, key: &str) -> Result<()> {
-        let mut peers = r.peers.lock().unwrap();
-        match peers.get(key) {
-            Some(PeerSlot::Connected(c)) if c.link.is_alive() => {
-                Err(Error::new(Status::AlreadyConnected, format!("already connected to {key}")))
-            }
-            Some(PeerSlot::Connecting) => Err(Error::new(
-                Status::AlreadyConnected,
-                format!("a connect to {key} is already in progress"),
-            )),
-            Some(PeerSlot::Connected(c)) => {
-                // The old link died: close it (joins its threads) and connect anew.
-                c.link.close(Error::not_connected(format!("link to {key} replaced")));
-                peers.insert(key.to_string(), PeerSlot::Connecting);
-                Ok(())
-            }
-            _ => {
-                peers.insert(key.to_string(), PeerSlot::Connecting);
-                Ok(())
-            }
-        }
-    }
-
-    /// Connects the control channel, then asks each backend of `hixl.backends` that the peer
-    /// offers, in order, for a data path to it; the first that can serve it wins.
-    fn open_link(r: &Running, key: &str, addr: SocketAddr, timeout: Duration) -> Result<PeerConn> {
-        // The control channel needs one stream; a backend that moves data over TCP opens its own.
-        let params = ConnectParams { streams: 1, ..Self::link_params(r, timeout) };
-        let control = TcpLink::connect(key, addr, &params)?;
-        let ctx = backend::OpenCtx { opts: &r.opts, addr, params: &params, host: &r.host, timeout };
-        let mut not_chosen: Vec<String> = Vec::new();
-        for b in &r.backends {
-            let offer = match control.handshake().offer(b.name()) {
-                None => Err("the peer does not offer it".to_string()),
-                Some(o) if !o.domains.contains(&(Domain::Host, Domain::Host)) => {
-                    Err("the peer offers it for other memory domains only".to_string())
-                }
-                Some(o) => b.connect(&ctx, &control, o),
-            };
-            match offer {
-                Ok(link) => {
-                    if not_chosen.is_empty() {
-                        tracing::info!(peer = %key, backend = b.name(), "data path chosen");
-                    } else {
-                        tracing::info!(peer = %key, backend = b.name(), not_chosen = %not_chosen.join("; "), "data path chosen");
-                    }
-                    let (domains, not_chosen) = (b.domains(), not_chosen.join("; "));
-                    return Ok(PeerConn {
-                        control,
-                        link,
-                        domains,
-                        not_chosen,
-                        recent: Mutex::new(Vec::new()),
-                    });
-                }
-                Err(why) => not_chosen.push(format!("{}: {why}", b.name())),
-            }
-        }
-        let e = Error::new(
-            Status::Unsupported,
-            format!(
-                "{key} cannot be reached directly or otherwise by hixl.backends={}: {}",
-                r.opts.backends.join(","),
-                not_chosen.join("; ")
-            ),
-        );
-        control.close(e.clone());
-        Err(e)
-    }
-
-    fn finish_connect(r: &Running, key: &str, res: Result<PeerConn>, keep_failure: bool) -> Result<()> {
-        let mut peers = r.peers.lock().unwrap();
-        if r.closed.load(Ordering::Acquire) {
-            let e = Error::failed(format!("the engine was finalized while connecting to {key}"));
-            if let Ok(conn) = res {
-                drop(peers);
-                conn.link.close(e.clone());
-            }
-            return Err(e);
-        }
-        match res {
-            Ok(conn) => {
-                tracing::info!(peer = %key, backend = conn.link.backend(), "connected");
-                peers.insert(key.to_string(), PeerSlot::Connected(Arc::new(conn)));
-                Ok(())
-            }
-            Err(e) => {
-                if keep_failure {
-                    tracing::warn!(peer = %key, error = %e, "async connect failed");
-                    peers.insert(key.to_string(), PeerSlot::Failed);
-                } else {
-                    peers.remove(key);
-                }
-                Err(e)
-            }
-        }
-    }
-
-    /// Connects to the engine listening at `remote` ("ip:port"): handshake, region table.
-    pub fn connect(&self, remote: &str, timeout: Duration) -> Result<()> {
-        let timeout = crate::capped(timeout);
-        let r = self.running()?;
-        let addr = parse_addr(remote)?;
-        let key = remote.to_string();
-        Self::begin_connect(&r, &key)?;
-        let res = Self::open_link(&r, &key, addr, timeout);
-        Self::finish_connect(&r, &key, res, false)
-    }
-
-    /// Starts a connect in the background; poll with [`Engine::get_async_connect_status`].
-    pub fn connect_async(&self, remote: &str) -> Result<()> {
-        let r = self.running()?;
-        let addr = parse_addr(remote)?;
-        let key = remote.to_string();
-        Self::begin_connect(&r, &key)?;
-        let timeout = r.opts.connect_timeout;
-        let r2 = r.clone();
-        let mut connects = r.connects.lock().unwrap();
-        connects.retain(|h| !h.is_finished());
-        let h = std::thread::Builder::new()
-            .name("hixl-connect".into())
-            .spawn(move || {
-                let res = Self::open_link(&r2, &key, addr, timeout);
-                let _ = Self::finish_connect(&r2, &key, res, true);
-            })
-            .map_err(|e| Error::failed(format!("cannot start the connect thread: {e}")))?;
-        connects.push(h);
-        Ok(())
-    }
-
-    /// The state of a connect to `remote`.
-    pub fn get_async_connect_status(&self, remote: &str) -> Result<ConnectStatus> {
-        let r = self.running()?;
-        let peers = r.peers.lock().unwrap();
-        Ok(match peers.get(remote) {
-            None => ConnectStatus::NotConnect,
-            Some(PeerSlot::Connecting) => ConnectStatus::Connecting,
-            Some(PeerSlot::Connected(c)) if c.link.is_alive() => ConnectStatus::Connected,
-            Some(_) => ConnectStatus::ConnectFailed,
-        })
-    }
-
-    /// Closes the link to `remote`, after waiting up to `timeout` for the requests already
-    /// submitted to it to end (zero: at once); what is still pending then fails with
-    /// NOT_CONNECTED. New requests to `remote` are refused from the start of the call.
-    pub fn disconnect(&self, remote: &str, timeout: Duration) -> Result<()> {
-        let r = self.running()?;
-        let slot = r.peers.lock().unwrap().remove(remote);
-        match slot {
-            Some(PeerSlot::Connected(c)) => {
-                let deadline = std::time::Instant::now() + crate::capped(timeout);
-                let pending: Vec<_> = c.recent.lock().unwrap().iter().filter_map(|w| w.upgrade()).collect();
-                for q in pending {
-                    let left = deadline.saturating_duration_since(std::time::Instant::now());
-                    if left.is_zero() {
-                        break;
-                    }
-                    q.wait(Some(left));
-                }
-                c.link.close(Error::not_connected(format!("disconnected from {remote}")));
-                Ok(())
-            }
-            Some(PeerSlot::Failed) => Ok(()),
-            Some(PeerSlot::Connecting) => {
-                r.peers.lock().unwrap().insert(remote.to_string(), PeerSlot::Connecting);
-                Err(Error::failed(format!("a connect to {remote} is in progress; wait for it first")))
-            }
-            None => Err(Error::not_connected(format!("not connected to {remote}"))),
-        }
-    }
-
-    fn conn(r: &Running, remote: &str) -> Result<Arc<PeerConn>> {
-        match r.peers.lock().unwrap().get(remote) {
-            Some(PeerSlot::Connected(c)) if c.link.is_alive() => Ok(c.clone()),
-            Some(PeerSlot::Connected(c)) => Err(Error::not_connected(format!(
-                "the link to {remote} died: {}",
-                c.link.dead_reason().unwrap_or_default()
-            ))),
-            _ => Err(Error::not_connected(format!("not connected to {remote}: call connect() first"))),
-        }
     }
 
     /// The regions the peer has registered, as of the last region-table update this engine

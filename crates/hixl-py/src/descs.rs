@@ -1,0 +1,87 @@
+//! Transfer descriptors from Python: TransferOpDesc objects, tuples or lists of three ints, or
+//! an (N, 3) integer numpy array (uint64 C-order is read in place; others are converted once).
+
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+use crate::{errors, types};
+
+/// A numpy array of descriptors in any integer dtype and any order, as a C-contiguous uint64
+/// copy; anything else is ParamInvalid naming what it got.
+fn as_uint64_rows<'py>(descs: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let what = "descs must be a list of TransferOpDesc / (local_addr, remote_addr, length), or an \
+                integer numpy array of shape (N, 3)";
+    let Ok(dtype) = descs.getattr("dtype") else {
+        let t = descs.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        return Err(errors::param(format!("{what}; got a {t}")));
+    };
+    let shape: Vec<usize> = descs.getattr("shape")?.extract()?;
+    if shape.len() != 2 || shape[1] != 3 {
+        return Err(errors::param(format!("descs array must have shape (N, 3), got shape {shape:?}")));
+    }
+    let kind: String = dtype.getattr("kind")?.extract()?;
+    if kind != "i" && kind != "u" {
+        return Err(errors::param(format!(
+            "descs array has dtype {dtype}: expected an integer dtype (uint64 is read without a copy)"
+        )));
+    }
+    if kind == "i" && shape[0] > 0 {
+        let min = descs.call_method0("min")?;
+        if min.lt(0)? {
+            return Err(errors::param(format!("descs array (dtype {dtype}) holds a negative value ({min})")));
+        }
+    }
+    descs.py().import("numpy")?.call_method1("ascontiguousarray", (descs, "uint64"))
+}
+
+pub(crate) fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::TransferOpDesc>> {
+    if descs.is_instance_of::<PyList>() || descs.is_instance_of::<PyTuple>() {
+        let mut out = Vec::with_capacity(descs.len()?);
+        for (i, item) in descs.try_iter()?.enumerate() {
+            let item = item?;
+            if let Ok(d) = item.downcast::<types::TransferOpDesc>() {
+                out.push((*d.get()).into());
+            } else if item.is_instance_of::<PyTuple>() || item.is_instance_of::<PyList>() {
+                if item.len()? != 3 {
+                    return Err(errors::param(format!("descs[{i}] must have 3 fields, got {}", item.len()?)));
+                }
+                out.push(hixl_core::TransferOpDesc {
+                    local_addr: types::uint(&format!("descs[{i}].local_addr"), &item.get_item(0)?)?,
+                    remote_addr: types::uint(&format!("descs[{i}].remote_addr"), &item.get_item(1)?)?,
+                    len: types::uint(&format!("descs[{i}].length"), &item.get_item(2)?)?,
+                });
+            } else {
+                let t = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+                return Err(errors::param(format!(
+                    "descs[{i}] is a {t}; expected hixl.TransferOpDesc or (local_addr, remote_addr, length)"
+                )));
+            }
+        }
+        return Ok(out);
+    }
+    // Fast path: a C-contiguous uint64 array of shape (N, 3), read once.
+    let buf = match PyBuffer::<u64>::get(descs) {
+        Ok(b) if b.shape().len() == 2 && b.shape()[1] == 3 && b.is_c_contiguous() => b,
+        Ok(b) if b.shape().len() != 2 || b.shape()[1] != 3 => {
+            return Err(errors::param(format!(
+                "descs array must have shape (N, 3), got shape {:?}",
+                b.shape()
+            )))
+        }
+        // Another integer dtype, or another memory order: converted once, checked first.
+        _ => return parse_descs(&as_uint64_rows(descs)?),
+    };
+    // One pass straight from the array's memory into the descriptors (no intermediate copy).
+    let cells = buf
+        .as_slice(descs.py())
+        .ok_or_else(|| errors::param("descs array must be C-contiguous with shape (N, 3)"))?;
+    Ok(cells
+        .chunks_exact(3)
+        .map(|c| hixl_core::TransferOpDesc {
+            local_addr: c[0].get(),
+            remote_addr: c[1].get(),
+            len: c[2].get(),
+        })
+        .collect())
+}

@@ -1,0 +1,170 @@
+//! `MemHandle` and `TransferReq`, and the GIL-free waits in slices that let Ctrl-C through.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pyo3::prelude::*;
+
+use crate::errors::{self, to_py};
+use crate::types::{MemType, TransferStatus};
+
+/// How long one GIL-free wait slice lasts before Python signals (Ctrl-C) are checked.
+pub(crate) const SLICE: Duration = Duration::from_millis(50);
+
+pub(crate) fn ms(name: &str, v: Option<f64>) -> PyResult<Option<Duration>> {
+    match v {
+        None => Ok(None),
+        // Longer than hixl_core::MAX_WAIT (a year) means that long.
+        Some(x) if x.is_finite() && x >= 0.0 => {
+            Ok(Some(Duration::from_secs_f64((x / 1000.0).min(hixl_core::MAX_WAIT.as_secs_f64()))))
+        }
+        Some(x) => Err(errors::param(format!("{name}={x} must be a non-negative number of milliseconds"))),
+    }
+}
+
+/// A registered region.
+#[pyclass(frozen, module = "hixl._hixl")]
+pub struct MemHandle {
+    /// Start address.
+    #[pyo3(get)]
+    pub(crate) addr: u64,
+    /// Length in bytes.
+    #[pyo3(get)]
+    pub(crate) len: u64,
+    /// Registry id.
+    #[pyo3(get)]
+    pub(crate) id: u64,
+    /// Memory type.
+    #[pyo3(get)]
+    pub(crate) mem_type: MemType,
+    /// The name it was registered under (empty: none).
+    #[pyo3(get)]
+    pub(crate) name: String,
+}
+
+#[pymethods]
+impl MemHandle {
+    fn __repr__(&self) -> String {
+        match self.name.as_str() {
+            "" => format!("MemHandle(id={}, addr=0x{:x}, length={})", self.id, self.addr, self.len),
+            name => {
+                format!(
+                    "MemHandle(id={}, addr=0x{:x}, length={}, name={name:?})",
+                    self.id, self.addr, self.len
+                )
+            }
+        }
+    }
+}
+
+/// An asynchronous transfer. `wait()` blocks without the GIL.
+#[pyclass(frozen, module = "hixl._hixl")]
+pub struct TransferReq {
+    pub(crate) req: hixl_core::TransferReq,
+    pub(crate) user_data: Py<PyAny>,
+}
+
+/// Waits in GIL-free slices so that Ctrl-C (KeyboardInterrupt) gets through.
+pub(crate) fn wait_req(
+    py: Python<'_>,
+    req: &hixl_core::TransferReq,
+    timeout: Option<Duration>,
+) -> PyResult<TransferStatus> {
+    let until = timeout.map(|t| Instant::now() + t);
+    loop {
+        let slice = match until {
+            Some(u) => u.saturating_duration_since(Instant::now()).min(SLICE),
+            None => SLICE,
+        };
+        let s = py.allow_threads(|| req.wait(Some(slice)));
+        if s != hixl_core::TransferStatus::Waiting {
+            return Ok(s.into());
+        }
+        py.check_signals()?;
+        if until.is_some_and(|u| Instant::now() >= u) {
+            return Ok(TransferStatus::WAITING);
+        }
+    }
+}
+
+#[pymethods]
+impl TransferReq {
+    /// Waits up to `timeout_ms` (default: the request's own deadline); returns the status.
+    #[pyo3(signature = (timeout_ms = None))]
+    fn wait(&self, py: Python<'_>, timeout_ms: Option<f64>) -> PyResult<TransferStatus> {
+        wait_req(py, &self.req, ms("timeout_ms", timeout_ms)?)
+    }
+    /// Current status without waiting.
+    fn status(&self) -> TransferStatus {
+        self.req.status().into()
+    }
+    /// Raises the request's error if it FAILED or timed out; returns None when COMPLETED.
+    fn result(&self) -> PyResult<()> {
+        self.req.result().map_err(to_py)
+    }
+    /// The object passed as `user_data`.
+    #[getter]
+    fn user_data(&self, py: Python<'_>) -> Py<PyAny> {
+        self.user_data.clone_ref(py)
+    }
+    /// Request id.
+    #[getter]
+    fn id(&self) -> u64 {
+        self.req.id
+    }
+    /// Bytes the request moves.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.req.bytes
+    }
+    fn __repr__(&self) -> String {
+        format!("TransferReq(id={}, status={:?})", self.req.id, TransferStatus::from(self.req.status()))
+    }
+}
+
+/// `Engine::connect` on a thread of its own, so that this one waits in GIL-free slices and
+/// lets Ctrl-C through; a connect abandoned that way is disconnected when it ends.
+pub(crate) fn connect_interruptibly(
+    py: Python<'_>,
+    e: &Arc<hixl_core::Engine>,
+    remote: &str,
+    t: Duration,
+) -> PyResult<()> {
+    let gate = Arc::new(Mutex::new(false)); // true: the caller gave up
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (e2, gate2, peer) = (e.clone(), gate.clone(), remote.to_string());
+    std::thread::Builder::new()
+        .name("hixl-py-connect".into())
+        .spawn(move || {
+            let res = e2.connect(&peer, t);
+            let abandoned = gate2.lock().unwrap();
+            if *abandoned {
+                if res.is_ok() {
+                    let _ = e2.disconnect(&peer, Duration::ZERO);
+                }
+            } else {
+                let _ = tx.send(res);
+            }
+        })
+        .map_err(|err| errors::failed(format!("cannot start the connect thread: {err}")))?;
+    let rx = Mutex::new(rx); // allow_threads needs Sync
+    loop {
+        match py.allow_threads(|| rx.lock().unwrap().recv_timeout(SLICE)) {
+            Ok(res) => return res.map_err(to_py),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                if let Err(interrupt) = py.check_signals() {
+                    let mut abandoned = gate.lock().unwrap();
+                    *abandoned = true;
+                    // It may have ended just now: then undo it here.
+                    if let Ok(Ok(())) = rx.lock().unwrap().try_recv() {
+                        let _ = e.disconnect(remote, Duration::ZERO);
+                    }
+                    return Err(interrupt);
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(errors::failed("the connect thread ended without an answer"))
+            }
+        }
+    }
+}
