@@ -78,7 +78,13 @@ pub(super) fn validate(
                     .registry
                     .lookup(d.local_addr, d.len, "local")
                     .map_err(|e| Error::param(format!("descriptor {i}: {}", e.message)))?;
-                pins.push(region.pin(holder.clone())?);
+                if !write && !region.writable {
+                    return Err(Error::param(format!(
+                        "descriptor {i}: {}",
+                        read_only_destination(d.local_addr, d.len).message
+                    )));
+                }
+                pins.push(region.pin(&holder)?);
                 (region.mem_type, region.id)
             }
         };
@@ -167,7 +173,11 @@ pub(super) fn validate_strided(
     let region = r.registry.lookup(local_base, lspan, "local strided").map_err(|e| {
         Error::param(format!("{} (the whole strided range must lie in one region)", e.message))
     })?;
-    let pin = region.pin(conn.link.clone())?;
+    if !write && !region.writable {
+        return Err(read_only_destination(local_base, lspan));
+    }
+    let holder: Arc<dyn Abort> = conn.link.clone();
+    let pin = region.pin(&holder)?;
     match conn.control.table().find(remote_base, rspan) {
         None => {
             *remote_miss = true;
@@ -187,6 +197,14 @@ pub(super) fn validate_strided(
         rstride,
     };
     Ok((st, vec![pin]))
+}
+
+/// A READ into a local region registered read-only: nothing hixl does writes into it.
+fn read_only_destination(addr: u64, len: u64) -> Error {
+    Error::param(format!(
+        "local range 0x{addr:x}+{len} lies in a region registered read-only (access=\"r\"): it \
+         cannot be the destination of a READ/get; register the destination with access=\"rw\""
+    ))
 }
 
 /// Appends a descriptor, extending the last segment when both sides continue it (public for

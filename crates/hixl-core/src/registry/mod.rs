@@ -8,11 +8,16 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use crate::error::{Error, Result, Status};
+
 use crate::wire::{BackendKey, RegionEntry, MAX_REGIONS, MAX_REGION_NAME, MAX_TABLE_BYTES};
+
+mod pin;
+use pin::Pins;
+pub use pin::{new_holder_id, Abort, Pin};
 
 /// Where a region's memory lives: its memory domain (host now; device kinds next). The same
 /// type the wire carries, so that there is one definition.
@@ -22,19 +27,6 @@ pub type MemType = crate::wire::Domain;
 /// peer further behind gets the whole table. Fixed: a peer that fell this far behind is rare,
 /// and the whole table is the correct answer for it anyway.
 pub const JOURNAL_LEN: usize = 4096;
-
-/// Something that holds pins and can be told to stop using memory (a link or a served stream).
-pub trait Abort: Send + Sync {
-    /// Stop all I/O as soon as possible; pins must be released shortly after.
-    fn abort(&self, why: &str);
-}
-
-#[derive(Default)]
-struct PinSet {
-    closing: bool,
-    next: u64,
-    holders: HashMap<u64, Arc<dyn Abort>>,
-}
 
 /// One registered region.
 pub struct Region {
@@ -52,8 +44,7 @@ pub struct Region {
     pub keys: Vec<BackendKey>,
     /// False for read-only regions: peers may READ them but never WRITE them.
     pub writable: bool,
-    pins: Mutex<PinSet>,
-    released: Condvar,
+    pins: Pins,
 }
 
 impl Region {
@@ -80,86 +71,25 @@ impl Region {
         addr >= self.addr && addr.checked_add(len).is_some_and(|e| e <= self.end())
     }
 
-    /// Takes a pin for an in-flight operation; fails if the region is being deregistered.
-    pub fn pin(self: &Arc<Self>, holder: Arc<dyn Abort>) -> Result<Pin> {
-        let mut set = self.pins.lock().unwrap();
-        if set.closing {
-            return Err(Error::param(format!("region 0x{:x}+{} is being deregistered", self.addr, self.len)));
-        }
-        set.next += 1;
-        let id = set.next;
-        set.holders.insert(id, holder);
-        Ok(Pin { region: self.clone(), id })
+    /// Takes a pin for an in-flight operation of `holder`; fails if the region is being
+    /// deregistered. Lock-free once the holder has pinned this region before.
+    pub fn pin(self: &Arc<Self>, holder: &Arc<dyn Abort>) -> Result<Pin> {
+        Pin::take(self, holder)
     }
 
     /// Number of pins currently held.
     pub fn pin_count(&self) -> usize {
-        self.pins.lock().unwrap().holders.len()
+        self.pins.count()
     }
 
     fn close_and_drain(&self, wait: Duration) -> Result<()> {
-        let mut set = self.pins.lock().unwrap();
-        set.closing = true;
-        let deadline = Instant::now() + wait;
-        while !set.holders.is_empty() && Instant::now() < deadline {
-            let left = deadline.saturating_duration_since(Instant::now());
-            set = self.released.wait_timeout(set, left).unwrap().0;
-        }
-        if set.holders.is_empty() {
-            return Ok(());
-        }
-        // Still in use: abort the holders, then wait (bounded) for their I/O to stop.
-        let holders: Vec<_> = set.holders.values().cloned().collect();
-        drop(set);
-        let why = format!("region 0x{:x}+{} deregistered while in use", self.addr, self.len);
-        for h in holders {
-            h.abort(&why);
-        }
-        let mut set = self.pins.lock().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !set.holders.is_empty() && Instant::now() < deadline {
-            let left = deadline.saturating_duration_since(Instant::now());
-            set = self.released.wait_timeout(set, left).unwrap().0;
-        }
-        if set.holders.is_empty() {
-            Ok(())
-        } else {
-            Err(Error::failed(format!(
-                "region 0x{:x}+{} still has {} in-flight transfers after abort",
-                self.addr,
-                self.len,
-                set.holders.len()
-            )))
-        }
+        self.pins.close_and_drain(&format!("region 0x{:x}+{}", self.addr, self.len), wait)
     }
 }
 
 impl std::fmt::Debug for Region {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Region(id={}, 0x{:x}+{}, {:?})", self.id, self.addr, self.len, self.mem_type)
-    }
-}
-
-/// A held pin; dropping it releases the region for deregistration.
-pub struct Pin {
-    region: Arc<Region>,
-    id: u64,
-}
-
-impl Pin {
-    /// The pinned region.
-    pub fn region(&self) -> &Arc<Region> {
-        &self.region
-    }
-}
-
-impl Drop for Pin {
-    fn drop(&mut self) {
-        let mut set = self.region.pins.lock().unwrap();
-        set.holders.remove(&self.id);
-        if set.holders.is_empty() {
-            self.region.released.notify_all();
-        }
     }
 }
 
@@ -337,8 +267,7 @@ impl Registry {
             name,
             keys,
             writable,
-            pins: Mutex::new(PinSet::default()),
-            released: Condvar::new(),
+            pins: Pins::default(),
         });
         let entry = region.entry();
         if map.table_bytes + entry.encoded_len() > MAX_TABLE_BYTES {

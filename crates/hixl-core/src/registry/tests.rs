@@ -2,6 +2,7 @@
 
 use super::*;
 use std::sync::atomic::AtomicBool;
+use std::time::Instant;
 
 #[test]
 fn register_rejects_bad_and_overlapping_ranges() {
@@ -34,19 +35,31 @@ fn lookup_checks_bounds() {
     assert!(r.lookup(u64::MAX, 2, "local").is_err());
 }
 
-struct Flag(AtomicBool);
+struct Flag(AtomicBool, u64);
 impl Abort for Flag {
     fn abort(&self, _: &str) {
         self.0.store(true, Ordering::SeqCst);
     }
+
+    fn holder_id(&self) -> u64 {
+        self.1
+    }
+}
+
+fn new_flag() -> Arc<Flag> {
+    Arc::new(Flag(AtomicBool::new(false), new_holder_id()))
+}
+
+fn dyn_holder(f: &Arc<Flag>) -> Arc<dyn Abort> {
+    f.clone()
 }
 
 #[test]
 fn deregister_waits_for_pins_then_aborts() {
     let r = Arc::new(Registry::new());
     let region = r.register(0x1000, 0x100, MemType::Host).unwrap();
-    let flag = Arc::new(Flag(AtomicBool::new(false)));
-    let pin = region.pin(flag.clone()).unwrap();
+    let flag = new_flag();
+    let pin = region.pin(&dyn_holder(&flag)).unwrap();
     // A pin released in time: deregister returns without aborting.
     let t = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(50));
@@ -56,12 +69,13 @@ fn deregister_waits_for_pins_then_aborts() {
     t.join().unwrap();
     assert!(!flag.0.load(Ordering::SeqCst));
     assert!(r.deregister(0x1000, 0x100, Duration::from_secs(1)).unwrap().is_none(), "idempotent");
-    assert!(region.pin(flag.clone()).is_err(), "closed region refuses pins");
+    assert!(region.pin(&dyn_holder(&flag)).is_err(), "closed region refuses pins");
+    assert_eq!(region.pin_count(), 0, "a refused pin is not counted");
 
     // A pin held too long: the holder is aborted, and releases after abort.
     let region = r.register(0x1000, 0x100, MemType::Host).unwrap();
-    let flag2 = Arc::new(Flag(AtomicBool::new(false)));
-    let pin = region.pin(flag2.clone()).unwrap();
+    let flag2 = new_flag();
+    let pin = region.pin(&dyn_holder(&flag2)).unwrap();
     let f = flag2.clone();
     let t = std::thread::spawn(move || {
         while !f.0.load(Ordering::SeqCst) {
@@ -72,6 +86,79 @@ fn deregister_waits_for_pins_then_aborts() {
     r.deregister(0x1000, 0x100, Duration::from_millis(20)).unwrap();
     t.join().unwrap();
     assert!(flag2.0.load(Ordering::SeqCst));
+}
+
+/// Holds `n` pins per holder; releases a holder's pins once it is aborted.
+fn hold_until_aborted(region: &Arc<Region>, holder: &Arc<Flag>, n: usize) -> std::thread::JoinHandle<()> {
+    let pins: Vec<Pin> = (0..n).map(|_| region.pin(&dyn_holder(holder)).unwrap()).collect();
+    let f = holder.clone();
+    std::thread::spawn(move || {
+        while !f.0.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(pins);
+    })
+}
+
+#[test]
+fn deregister_aborts_exactly_the_holders_with_live_pins() {
+    // More holders than the region has slots, so some count in the overflow map; of those that
+    // pinned, some released already: only the ones still holding pins may be aborted.
+    let r = Arc::new(Registry::new());
+    let region = r.register(0x1000, 0x100, MemType::Host).unwrap();
+    let holders: Vec<Arc<Flag>> = (0..20).map(|_| new_flag()).collect();
+    let mut waiting = Vec::new();
+    for (i, h) in holders.iter().enumerate() {
+        if i % 2 == 0 {
+            waiting.push(hold_until_aborted(&region, h, 3));
+        } else {
+            drop(region.pin(&dyn_holder(h)).unwrap());
+        }
+    }
+    assert_eq!(region.pin_count(), 30);
+    r.deregister(0x1000, 0x100, Duration::from_millis(20)).unwrap();
+    for t in waiting {
+        t.join().unwrap();
+    }
+    for (i, h) in holders.iter().enumerate() {
+        assert_eq!(h.0.load(Ordering::SeqCst), i % 2 == 0, "holder {i} aborted wrongly or not at all");
+    }
+    assert_eq!(region.pin_count(), 0);
+}
+
+#[test]
+fn pins_from_many_threads_balance_and_dead_holders_free_their_slots() {
+    let r = Arc::new(Registry::new());
+    let region = r.register(0x1000, 0x100, MemType::Host).unwrap();
+    // Holders come and go (links reconnecting): each pins from several threads at once.
+    for _round in 0..5 {
+        let holders: Vec<Arc<Flag>> = (0..12).map(|_| new_flag()).collect();
+        std::thread::scope(|s| {
+            for h in &holders {
+                for _ in 0..2 {
+                    let (region, h) = (region.clone(), dyn_holder(h));
+                    s.spawn(move || {
+                        for _ in 0..2000 {
+                            let p = region.pin(&h).unwrap();
+                            assert!(region.pin_count() >= 1);
+                            drop(p);
+                        }
+                    });
+                }
+            }
+        });
+        assert_eq!(region.pin_count(), 0);
+    }
+    // Every earlier holder is gone: a new one finds a slot again, and deregistration neither
+    // waits nor aborts.
+    let h = new_flag();
+    let p = region.pin(&dyn_holder(&h)).unwrap();
+    assert!(p.counted_in_slot(), "slots of dead holders are reused");
+    drop(p);
+    let t = Instant::now();
+    r.deregister(0x1000, 0x100, Duration::from_secs(5)).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(1));
+    assert!(!h.0.load(Ordering::SeqCst));
 }
 
 #[test]

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, Weak};
 use crate::complete::Completer;
 use crate::error::{Error, Result};
 use crate::queue::{Part, PartBody, SegPair, TransferOp};
-use crate::registry::{Abort, Pin};
+use crate::registry::{new_holder_id, Abort, Pin};
 use crate::stats::PeerStats;
 use crate::transport::server::Server;
 use crate::transport::tcp::TcpLink;
@@ -60,6 +60,8 @@ pub(crate) fn find(name: &str, ours: &str, theirs: &str) -> std::result::Result<
 
 /// A link to an engine of this same process.
 pub struct SelfLink {
+    /// This link as a holder of its own side's region pins.
+    holder_id: u64,
     tcp: Arc<TcpLink>,
     target: Arc<Server>,
     done: Completer,
@@ -68,9 +70,13 @@ pub struct SelfLink {
     holder: Arc<dyn Abort>,
 }
 
-struct NoAbort;
+struct NoAbort(u64);
 impl Abort for NoAbort {
     fn abort(&self, _why: &str) {}
+
+    fn holder_id(&self) -> u64 {
+        self.0
+    }
 }
 
 impl SelfLink {
@@ -78,13 +84,20 @@ impl SelfLink {
     pub(crate) fn new(tcp: Arc<TcpLink>, target: Arc<Server>) -> Arc<SelfLink> {
         tcp.set_label("self");
         let done = Completer::new("self", &tcp.peer_info().engine_id, tcp.stats());
-        Arc::new(SelfLink { tcp, target, done, closed: AtomicBool::new(false), holder: Arc::new(NoAbort) })
+        Arc::new(SelfLink {
+            holder_id: new_holder_id(),
+            tcp,
+            target,
+            done,
+            closed: AtomicBool::new(false),
+            holder: Arc::new(NoAbort(new_holder_id())),
+        })
     }
 
     /// Checks and pins the remote range in the target's own registry.
     fn pin_remote(&self, addr: u64, len: u64, write: bool) -> Result<Pin> {
         let region = self.target.ctx.registry.lookup_for(addr, len, "remote", write)?;
-        region.pin(self.holder.clone())
+        region.pin(&self.holder)
     }
 
     fn copy(&self, op: TransferOp, segs: &[SegPair]) -> Result<()> {
@@ -164,5 +177,9 @@ impl DataPath for SelfLink {
 impl Abort for SelfLink {
     fn abort(&self, why: &str) {
         self.close(Error::failed(why.to_string()));
+    }
+
+    fn holder_id(&self) -> u64 {
+        self.holder_id
     }
 }

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use crate::auth::{self, FrameMac, Secret, SessionKeys, Transcript, MAC_LEN};
 use crate::error::{Error, Result, Status};
-use crate::registry::{Pin, Registry};
+use crate::registry::{Abort, Pin, Registry};
 use crate::transport::io::{self, iov};
 use crate::transport::server::{Served, Server, ServerCtx, AUTH_TARPIT};
 use crate::wire::{self, Frame, Header, Kind, Seg, StridedSeg, FLAG_DATA_MAC, FLAG_DATA_PATH};
@@ -238,7 +238,7 @@ fn serve_frames(
 }
 
 /// Checks every segment against the registry and pins the regions they fall in.
-fn check_and_pin(reg: &Registry, segs: &[Seg], holder: &Arc<Served>, write: bool) -> Result<Vec<Pin>> {
+fn check_and_pin(reg: &Registry, segs: &[Seg], holder: &Arc<dyn Abort>, write: bool) -> Result<Vec<Pin>> {
     let mut pins: Vec<Pin> = Vec::new();
     for s in segs {
         if let Some(p) = pins.last() {
@@ -248,7 +248,7 @@ fn check_and_pin(reg: &Registry, segs: &[Seg], holder: &Arc<Served>, write: bool
         }
         let region = reg.lookup_for(s.addr, s.len, "remote", write)?;
         if !pins.iter().any(|p| p.region().id == region.id) {
-            pins.push(region.pin(holder.clone())?);
+            pins.push(region.pin(holder)?);
         }
     }
     Ok(pins)
@@ -262,13 +262,14 @@ enum Ranges<'a> {
 
 impl Ranges<'_> {
     /// Checks the ranges against the registry and pins their regions.
-    fn pin(&self, reg: &Registry, holder: &Arc<Served>, write: bool) -> Result<Vec<Pin>> {
+    fn pin(&self, reg: &Registry, served: &Arc<Served>, write: bool) -> Result<Vec<Pin>> {
+        let holder: &Arc<dyn Abort> = &(served.clone() as Arc<dyn Abort>);
         match self {
             Ranges::List(segs) => check_and_pin(reg, segs, holder, write),
             Ranges::Strided(st) => {
                 let span = st.span().ok_or_else(|| Error::param("strided range overflows"))?;
                 let region = reg.lookup_for(st.addr, span, "remote strided", write)?;
-                Ok(vec![region.pin(holder.clone())?])
+                Ok(vec![region.pin(holder)?])
             }
         }
     }

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use crate::auth::{FrameMac, Secret};
 use crate::error::{Error, Result};
 use crate::notify::NotifyStore;
-use crate::registry::{Abort, Registry};
+use crate::registry::{new_holder_id, Abort, Registry};
 use crate::transport::backend::Backend;
 use crate::transport::io;
 use crate::transport::local::LocalListener;
@@ -166,6 +166,8 @@ impl SendState {
 
 /// One accepted stream.
 pub(crate) struct Served {
+    /// This stream as a holder of region pins.
+    holder_id: u64,
     pub(crate) sock: TcpStream,
     /// The initiator's address and ours, as text (the four-tuple of the same-host proof).
     pub(crate) peer_addr: String,
@@ -197,6 +199,10 @@ pub(crate) struct Served {
 impl Abort for Served {
     fn abort(&self, _why: &str) {
         io::shutdown(self.sock.as_raw_fd());
+    }
+
+    fn holder_id(&self) -> u64 {
+        self.holder_id
     }
 }
 
@@ -387,6 +393,7 @@ impl Server {
             let (Ok(clone), Ok(local)) = (sock.try_clone(), sock.local_addr()) else { continue };
             let id = self.next.fetch_add(1, Ordering::Relaxed);
             let served = Arc::new(Served {
+                holder_id: new_holder_id(),
                 sock: clone,
                 peer_addr: addr_text(from),
                 local_addr: addr_text(local),

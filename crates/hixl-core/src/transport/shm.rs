@@ -18,7 +18,7 @@ use std::time::Duration;
 use crate::complete::Completer;
 use crate::error::{Error, Result, Status};
 use crate::queue::{Part, PartBody, SegPair, TransferOp, TransferStatus, WorkQueue};
-use crate::registry::{Abort, RemoteTable};
+use crate::registry::{new_holder_id, Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::io::{iov, IOV_MAX};
 use crate::transport::local::{exited, get_fd, Proven};
@@ -179,6 +179,8 @@ fn map_peer_region(pidfd: &OwnedFd, e: &RegionEntry, fd: i32) -> std::io::Result
 /// A same-host link: data by CMA (or by memcpy through a mapping, for the peer's
 /// engine-allocated regions), control (handshake, notifications) over the TCP link.
 pub struct ShmLink {
+    /// This link as a holder of region pins.
+    holder_id: u64,
     tcp: Arc<TcpLink>,
     pid: i32,
     /// Mapped peer regions by registry id (ids are never reused, so a stale entry can never
@@ -214,6 +216,7 @@ impl ShmLink {
         let done = Completer::new("shm", &tcp.peer_info().engine_id, tcp.stats());
         let workers = workers.max(1);
         let link = Arc::new(ShmLink {
+            holder_id: new_holder_id(),
             tcp,
             pid,
             maps: Mutex::new(std::collections::HashMap::new()),
@@ -479,6 +482,10 @@ impl DataPath for ShmLink {
 impl Abort for ShmLink {
     fn abort(&self, why: &str) {
         self.close(Error::failed(why.to_string()));
+    }
+
+    fn holder_id(&self) -> u64 {
+        self.holder_id
     }
 }
 

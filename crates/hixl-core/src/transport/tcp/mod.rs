@@ -14,7 +14,7 @@ use crate::auth::{self, FrameMac, Secret, MAC_LEN};
 use crate::complete::{Completer, Next};
 use crate::error::{Error, Result};
 use crate::queue::{Part, PartBody, Strided, TransferOp, TransferStatus, WorkQueue};
-use crate::registry::{Abort, RemoteTable};
+use crate::registry::{new_holder_id, Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::handshake::{self, connect_one};
 use crate::transport::io::{self, iov};
@@ -86,6 +86,8 @@ pub(super) struct Stream {
 
 /// A TCP link to one peer.
 pub struct TcpLink {
+    /// This link as a holder of region pins.
+    holder_id: u64,
     pub(super) peer: String,
     pub(super) info: PeerInfo,
     /// The peer's region table; direct-access backends hold a read guard while they copy.
@@ -164,6 +166,7 @@ impl TcpLink {
         }
         let info = info.ok_or_else(|| Error::param("hixl.streams must be at least 1"))?;
         let link = Arc::new(TcpLink {
+            holder_id: new_holder_id(),
             peer: peer.to_string(),
             table: RwLock::new(info.regions.clone()),
             table_version: AtomicU64::new(info.table_version),
@@ -539,5 +542,9 @@ impl DataPath for TcpLink {
 impl Abort for TcpLink {
     fn abort(&self, why: &str) {
         self.close(Error::failed(why.to_string()));
+    }
+
+    fn holder_id(&self) -> u64 {
+        self.holder_id
     }
 }
