@@ -265,3 +265,55 @@ def test_a_transfer_racing_finalize_fails_with_failed(make_peer, backend) -> Non
             seen[name] = seen.get(name, 0) + 1
     print(f"{backend}: errors after finalize: {seen}")
     assert set(seen) <= {"Failed"}, seen
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_read_only_buffers_register_read_only_and_are_never_written(backend) -> None:
+    """`bytes` and a read-only numpy array register with access="r"; peers READ them byte for
+    byte, and such a region refuses to be the local destination of a READ (plain and strided),
+    so nothing writes into memory Python promised not to change."""
+    import numpy as np
+
+    opts = {"hixl.backends": backend}
+    t, i = hixl.Hixl(), hixl.Hixl()
+    t.initialize("127.0.0.1:0", opts)
+    i.initialize("127.0.0.1", opts)
+    try:
+        blob = bytes(range(256)) * 16
+        frozen = hixl.aligned_empty(8192, np.uint8)
+        frozen[:] = np.arange(8192) % 253
+        frozen.setflags(write=False)
+        with pytest.raises(hixl.ParamInvalid, match='read-only buffer: register it with access="r'):
+            t.register(frozen)
+        t.register(blob, access="r", name="blob")
+        t.register(frozen, access="r", name="frozen")
+        i.connect(t.local_engine, timeout_ms=5000)
+        peer = t.local_engine
+        dst = np.zeros(8192, np.uint8)
+        i.register(dst)
+        i.get(peer, dst.ctypes.data, i.remote_region(peer, "blob").addr, len(blob), timeout_ms=5000)
+        assert dst[: len(blob)].tobytes() == blob
+        i.get(peer, dst.ctypes.data, i.remote_region(peer, "frozen").addr, 8192, timeout_ms=5000)
+        assert dst.tobytes() == frozen.tobytes()
+
+        mine = hixl.aligned_empty(8192, np.uint8)
+        mine[:] = 7
+        mine.setflags(write=False)
+        i.register(mine, access="r")
+        src = i.remote_region(peer, "frozen").addr
+        with pytest.raises(hixl.ParamInvalid, match="cannot be the destination of a READ"):
+            i.get(peer, mine.ctypes.data, src, 4096, timeout_ms=5000)
+        with pytest.raises(hixl.ParamInvalid, match="cannot be the destination of a READ"):
+            i.transfer_sync(peer, hixl.TransferOp.READ, [(mine.ctypes.data + 4096, src, 64)])
+        d = hixl.StridedDesc(count=2, size=64, stride=128)
+        with pytest.raises(hixl.ParamInvalid, match="cannot be the destination of a READ"):
+            i.get_strided(peer, mine.ctypes.data, src, d, timeout_ms=5000)
+        assert (mine == 7).all(), "the read-only buffer was written"
+        # As the source of a WRITE it works.
+        sink = np.zeros(8192, np.uint8)
+        t.register(sink, name="sink")
+        i.put(peer, mine.ctypes.data, i.remote_region(peer, "sink").addr, 8192, timeout_ms=5000)
+        assert (sink == 7).all()
+    finally:
+        i.finalize()
+        t.finalize()

@@ -33,12 +33,14 @@ impl Drop for BufferView {
     }
 }
 
-/// Finds the memory of `obj`: `(addr, len, keepalive)`.
-pub fn export(obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64, KeepAlive)> {
+/// Finds the memory of `obj`: `(addr, len, keepalive)`. `writable`: the memory must be
+/// writable (a read-write registration: peers and local READs write into it); otherwise a
+/// read-only buffer (`bytes`, a read-only numpy array) is accepted too.
+pub fn export(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<(u64, u64, KeepAlive)> {
     let py = obj.py();
     // SAFETY: Py_buffer is a plain C struct; zeroed is the documented initial state.
     let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
-    let flags = ffi::PyBUF_WRITABLE | ffi::PyBUF_C_CONTIGUOUS;
+    let flags = if writable { ffi::PyBUF_WRITABLE } else { 0 } | ffi::PyBUF_C_CONTIGUOUS;
     // SAFETY: obj is a live object (we hold the GIL and a reference); view is writable.
     let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) };
     if rc == 0 {
@@ -64,9 +66,30 @@ pub fn export(obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64, KeepAlive)> {
     }
     let why = buf_err.map(|e| e.to_string()).unwrap_or_default();
     let tname = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+    if writable && is_read_only_buffer(obj) {
+        return Err(errors::param(format!(
+            "object of type {tname} is a read-only buffer: register it with access=\"r\" (peers may \
+             then READ it, and nothing writes into it)"
+        )));
+    }
     Err(errors::param(format!(
         "object of type {tname} is not a writable C-contiguous buffer or a torch CPU tensor ({why})"
     )))
+}
+
+/// Whether `obj` exports a C-contiguous buffer when writability is not asked for.
+fn is_read_only_buffer(obj: &Bound<'_, PyAny>) -> bool {
+    // SAFETY: as in `export`: a zeroed view, filled by CPython and released right away.
+    unsafe {
+        let mut view: ffi::Py_buffer = std::mem::zeroed();
+        if ffi::PyObject_GetBuffer(obj.as_ptr(), &mut view, ffi::PyBUF_C_CONTIGUOUS) == 0 {
+            ffi::PyBuffer_Release(&mut view);
+            true
+        } else {
+            ffi::PyErr_Clear();
+            false
+        }
+    }
 }
 
 /// Engine-allocated shared memory as a Python buffer (what `Hixl.alloc` wraps in a numpy

@@ -184,7 +184,8 @@ impl Hixl {
 
     /// Registers the memory of a buffer (numpy, bytearray, memoryview, mmap) or a torch CPU
     /// tensor, keeping the object alive until deregistration. `access="r"`: read-only for
-    /// peers; `name`: see `register_mem`.
+    /// peers, and never the local destination of a READ/get, so read-only buffers (`bytes`, a
+    /// read-only numpy array) can be registered that way; `name`: see `register_mem`.
     #[pyo3(signature = (obj, mem_type = MemType::HOST, access = "rw", name = None))]
     fn register(
         &self,
@@ -194,7 +195,8 @@ impl Hixl {
         access: &str,
         name: Option<String>,
     ) -> PyResult<MemHandle> {
-        let (addr, len, keep) = buffer::export(obj)?;
+        let writable = hixl_core::Access::parse(access).map_err(to_py)? == hixl_core::Access::ReadWrite;
+        let (addr, len, keep) = buffer::export(obj, writable)?;
         if len == 0 {
             return Err(errors::param("cannot register an empty buffer (length=0)"));
         }
