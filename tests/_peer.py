@@ -12,6 +12,10 @@ Start: python _peer.py SIZE [OPTIONS_JSON] (listening on $HIXL_TEST_LISTEN, defa
                                                                  -> <addr> | ERR <message>
   save_named NAME PATH  write that buffer to PATH                -> OK
   deregister_named NAME deregister it (the buffer stays alive)   -> OK
+  map_named NAME SIZE   mmap a fresh SIZE-byte anonymous mapping and register it under NAME
+                                                                 -> <addr>
+  unmap_named NAME      munmap it, leaving it registered          -> OK
+  protect_named NAME    mprotect it PROT_NONE, leaving it registered -> OK
   exit                finalize and exit                          -> OK
 """
 
@@ -39,6 +43,12 @@ def main() -> None:
     e.register(buf)
     named: dict[str, tuple[np.ndarray, hixl.MemHandle]] = {}
     kept: list[np.ndarray] = []  # deregistered buffers stay alive
+    mapped: dict[str, tuple[int, int]] = {}
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     print(f"READY {e.local_engine} {buf.ctypes.data}", flush=True)
     for line in sys.stdin:
         cmd, *args = line.split()
@@ -69,6 +79,16 @@ def main() -> None:
             e.deregister_mem(h)
             kept.append(b)
             print("OK", flush=True)
+        elif cmd == "map_named":
+            n = int(args[1])
+            addr = libc.mmap(None, n, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+            e.register_mem(hixl.MemDesc(addr, n), name=args[0])
+            mapped[args[0]] = (addr, n)
+            print(addr, flush=True)
+        elif cmd in ("unmap_named", "protect_named"):
+            addr, n = mapped[args[0]]
+            rc = libc.munmap(addr, n) if cmd == "unmap_named" else libc.mprotect(addr, n, 0)
+            print("OK" if rc == 0 else f"ERR errno {ctypes.get_errno()}", flush=True)
         elif cmd == "exit":
             e.finalize()
             print("OK", flush=True)

@@ -317,3 +317,44 @@ def test_read_only_buffers_register_read_only_and_are_never_written(backend) -> 
     finally:
         i.finalize()
         t.finalize()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_target_memory_unmapped_after_registration_fails_the_request_not_the_link(
+    make_peer, backend
+) -> None:
+    """Registered memory that the target unmaps (or write-protects) afterwards makes a WRITE or
+    READ of it fail with PARAM_INVALID; the link stays up and the next transfer, to memory that
+    is still there, moves its bytes."""
+    import numpy as np
+
+    peer = make_peer(1 << 16)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": backend})
+    try:
+        e.connect(peer.engine, timeout_ms=5000)
+        assert e.stats()[peer.engine]["backend"] == backend
+        src = (np.arange(1 << 16) % 241).astype(np.uint8)
+        e.register(src)
+        for name in ("gone", "shut"):
+            assert int(peer.cmd("map_named", name, 1 << 16)) > 0
+        gone, shut = (e.remote_region(peer.engine, n).addr for n in ("gone", "shut"))
+        e.put(peer.engine, src.ctypes.data, gone, 1 << 16, timeout_ms=5000)  # mapped: fine
+        assert peer.cmd("unmap_named", "gone") == "OK"
+        assert peer.cmd("protect_named", "shut") == "OK"
+        attempts = [
+            ("WRITE to unmapped", lambda: e.put(peer.engine, src.ctypes.data, gone, 1 << 16)),
+            ("READ of unmapped", lambda: e.get(peer.engine, src.ctypes.data, gone, 4096)),
+            ("WRITE to PROT_NONE", lambda: e.put(peer.engine, src.ctypes.data, shut, 8192)),
+        ]
+        for what, attempt in attempts:
+            with pytest.raises(hixl.ParamInvalid) as err:
+                attempt()
+            assert "EFAULT" in str(err.value) or "no longer mapped" in str(err.value), what
+            # The same link still carries a transfer to memory that is there.
+            e.put(peer.engine, src.ctypes.data, peer.addr, 1 << 16, timeout_ms=5000)
+            assert bytes(peer.read()) == src.tobytes(), f"after {what}"
+            peer.cmd("zero")
+        assert e.stats()[peer.engine]["errors"] >= 3
+    finally:
+        e.finalize()

@@ -88,16 +88,8 @@ pub(super) fn run_deregister_hooks(r: &Running, region: &Region) {
 
 /// Whether `[addr, addr+len)` is mapped memory of this process: a peer's write into an
 /// unmapped range would fail at the target with EFAULT, so such a range is refused here.
-/// `msync(MS_ASYNC)` only walks the mappings (it is a no-op for the pages themselves) and
-/// fails with ENOMEM when part of the range is not mapped.
 fn check_mapped(addr: u64, len: u64) -> Result<()> {
-    const PAGE: u64 = 4096;
-    let start = addr & !(PAGE - 1);
-    let Some(end) = addr.checked_add(len) else { return Ok(()) }; // the registry refuses it
-                                                                  // SAFETY: MS_ASYNC neither reads nor writes memory; the call only checks the mappings
-                                                                  // covering the page-aligned range.
-    let rc = unsafe { libc::msync(start as *mut libc::c_void, (end - start) as usize, libc::MS_ASYNC) };
-    if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOMEM) {
+    if addr.checked_add(len).is_some() && !crate::transport::io::is_mapped(addr, len) {
         return Err(Error::param(format!(
             "range 0x{addr:x}+{len} is not (entirely) mapped memory of this process: registering it \
              would let peers fail on it"

@@ -74,6 +74,18 @@ pub unsafe fn send_all(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Result<()> {
 /// # Safety
 /// Every iovec must describe writable memory that stays valid for the duration of the call.
 pub unsafe fn recv_all(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Result<()> {
+    let mut got = 0;
+    // SAFETY: the caller's contract is this function's.
+    unsafe { recv_all_counted(fd, iovs, &mut got) }
+}
+
+/// [`recv_all`], adding to `got` every byte received, so that after an error the caller knows
+/// how many bytes of the stream were consumed (an EFAULT consumes none of the bytes it could
+/// not place).
+///
+/// # Safety
+/// As for [`recv_all`].
+pub unsafe fn recv_all_counted(fd: RawFd, iovs: &mut [libc::iovec], got: &mut u64) -> io::Result<()> {
     let mut start = advance(iovs, 0, 0);
     while start < iovs.len() {
         let n = (iovs.len() - start).min(IOV_MAX) as libc::c_int;
@@ -89,9 +101,23 @@ pub unsafe fn recv_all(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Result<()> {
         if r == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the stream"));
         }
+        *got += r as u64;
         start = advance(iovs, start, r as usize);
     }
     Ok(())
+}
+
+/// Whether `[addr, addr+len)` lies entirely in mappings of this process. `msync(MS_ASYNC)`
+/// only walks the mappings (it neither reads nor writes the pages) and fails with ENOMEM when
+/// part of the range is not mapped. Protection is not checked: a PROT_NONE page is mapped.
+pub fn is_mapped(addr: u64, len: u64) -> bool {
+    const PAGE: u64 = 4096;
+    let start = addr & !(PAGE - 1);
+    let Some(end) = addr.checked_add(len) else { return false };
+    // SAFETY: MS_ASYNC neither reads nor writes memory; the call only checks the mappings
+    // covering the page-aligned range.
+    let rc = unsafe { libc::msync(start as *mut libc::c_void, (end - start) as usize, libc::MS_ASYNC) };
+    rc == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ENOMEM)
 }
 
 /// Receives exactly `buf.len()` bytes.

@@ -326,9 +326,24 @@ fn serve_write(
     let data_mac_len = if rx.data() { MAC_LEN as u64 } else { 0 };
     let ack = match ranges.pin(&ctx.registry, served, true) {
         Ok(pins) => {
+            let mut got = 0u64;
             // SAFETY: every range was checked to lie inside a registered region, and those
             // regions are pinned (cannot be deregistered and freed) until `pins` drops.
-            ranges.for_each_chunk(|v| unsafe { io::recv_all(fd, v) })?;
+            let placed = ranges.for_each_chunk(|v| unsafe { io::recv_all_counted(fd, v, &mut got) });
+            if let Err(e) = placed {
+                if e.raw_os_error() != Some(libc::EFAULT) {
+                    return Err(e);
+                }
+                // Registered memory that was unmapped or protected since: fail this request,
+                // skip the rest of its bytes, keep the stream.
+                drop(pins);
+                io::discard(fd, h.bulk_len.saturating_sub(got) + data_mac_len)?;
+                let message = format!(
+                    "the target cannot write its registered memory after byte {got} of this \
+                     request (EFAULT: unmapped or write-protected since it was registered)"
+                );
+                return send(served, &Frame::Ack { status: Status::ParamInvalid.code(), message }, h.tag);
+            }
             if let Some(mut hasher) = rx.data_hasher(seq) {
                 let mut tag = [0u8; MAC_LEN];
                 io::recv_exact(fd, &mut tag)?;
@@ -367,6 +382,20 @@ fn serve_read(ctx: &ServerCtx, served: &Arc<Served>, h: &Header, ranges: Ranges<
     };
     match ranges.pin(&ctx.registry, served, false) {
         Ok(pins) => {
+            // Registered memory unmapped since: refuse before the reply promises its bytes. (A
+            // page made PROT_NONE is still mapped; sending from it fails mid-reply and closes
+            // the stream.)
+            if let Some(p) = pins.iter().find(|p| !io::is_mapped(p.region().addr, p.region().len)) {
+                let message = format!(
+                    "the target's registered region 0x{:x}+{} is no longer mapped (unmapped since \
+                     it was registered)",
+                    p.region().addr,
+                    p.region().len
+                );
+                drop(pins);
+                let resp = Frame::ReadResp { status: Status::ParamInvalid.code(), message };
+                return send(served, &resp, h.tag);
+            }
             let fd = served.sock.as_raw_fd();
             let mut tx = served.send.lock().unwrap();
             tx.finish_outbox(served)?;
