@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use hixl_core::unstable::queue::{SegPair, Strided, WorkQueue};
-use hixl_core::unstable::registry::{MemType, Registry, RemoteTable};
+use hixl_core::unstable::registry::{new_holder_id, Abort, MemType, Registry, RemoteTable};
 use hixl_core::unstable::wire::{self, Frame, RegionEntry, Seg};
 use hixl_core::unstable::{push_merged, split};
 use hixl_core::TransferOpDesc;
@@ -137,5 +137,51 @@ fn queue_push_pop(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, registry_lookup, validate_and_merge, strided_expansion, wire_codec, queue_push_pop);
+/// A pin holder that is never aborted.
+struct Holder(u64);
+impl Abort for Holder {
+    fn abort(&self, _why: &str) {}
+    fn holder_id(&self) -> u64 {
+        self.0
+    }
+}
+
+/// What every transfer pays per region on each side: take a pin and release it; alone, and
+/// with two holders (two links) pinning the same region from two threads at once.
+fn region_pins(c: &mut Criterion) {
+    let reg = Registry::new();
+    let region = reg.register(BASE, REGION_LEN, MemType::Host).expect("register");
+    let mut g = c.benchmark_group("pins");
+    g.throughput(Throughput::Elements(1));
+    let one: Arc<dyn Abort> = Arc::new(Holder(new_holder_id()));
+    g.bench_function("pin+release, one thread", |b| b.iter(|| drop(black_box(region.pin(&one).unwrap()))));
+    g.bench_function("pin+release, two threads on one region", |b| {
+        b.iter_custom(|iters| {
+            let start = std::time::Instant::now();
+            std::thread::scope(|s| {
+                for _ in 0..2 {
+                    let region = region.clone();
+                    s.spawn(move || {
+                        let h: Arc<dyn Abort> = Arc::new(Holder(new_holder_id()));
+                        for _ in 0..iters {
+                            drop(black_box(region.pin(&h).unwrap()));
+                        }
+                    });
+                }
+            });
+            start.elapsed()
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    region_pins,
+    registry_lookup,
+    validate_and_merge,
+    strided_expansion,
+    wire_codec,
+    queue_push_pop
+);
 criterion_main!(benches);
