@@ -12,7 +12,7 @@
 use std::sync::{Arc, OnceLock};
 
 use crate::error::Error;
-use crate::queue::{Part, PartBody, Request, TransferStatus};
+use crate::queue::{Part, PartBody, Request, TransferOp, TransferStatus};
 use crate::stats::PeerStats;
 
 /// What the backend must do after reporting a part.
@@ -94,8 +94,12 @@ impl Completer {
             self.stats.record(req.op, req.bytes, ok, latency);
         }
         let backend = self.backend.get().copied().unwrap_or(self.default_backend);
+        // Source and destination of the first segment, the way the data flowed.
+        let (local, remote) = req.first_addrs;
+        let (src, dst) = if req.op == TransferOp::Write { (local, remote) } else { (remote, local) };
         tracing::debug!(
             peer = %self.peer, backend = backend, op = ?req.op, descs = req.descs, bytes = req.bytes,
+            src = %format_args!("0x{src:x}"), dst = %format_args!("0x{dst:x}"),
             latency_us = latency.as_micros() as u64, status = ?to, "transfer done"
         );
         req.settle(to, err);

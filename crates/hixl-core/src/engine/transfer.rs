@@ -72,7 +72,14 @@ impl Engine {
         let id = r.next_req.fetch_add(1, Ordering::Relaxed);
         let extra = usize::from(notify.is_some());
         let n = bodies.len();
-        let req = Arc::new(Request::new(id, op, remote.to_string(), bytes, descs, n, timeout, pins, notify));
+        let first = match bodies.first() {
+            Some(PartBody::Data(segs)) => segs.first().map(|s| (s.local, s.remote)),
+            Some(PartBody::Strided(st)) => Some((st.local, st.remote)),
+            _ => None,
+        };
+        let (local, remote_addr) = first.unwrap_or((0, 0));
+        let req = Request::new(id, op, remote.to_string(), bytes, descs, n, timeout, pins, notify);
+        let req = Arc::new(req.with_first_addrs(local, remote_addr));
         let parts: Vec<Part> = bodies.into_iter().map(|body| Part { req: req.clone(), body }).collect();
         if let Err(e) = conn.link.submit(parts, extra) {
             req.settle(TransferStatus::Failed, Some(e.clone()));

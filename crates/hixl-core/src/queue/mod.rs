@@ -104,6 +104,8 @@ pub struct Request {
     notify_after: Mutex<Option<NotifyDesc>>,
     /// Whether it carries a notification after its data (counted when it completes).
     pub carries_notify: bool,
+    /// Local and remote address of its first segment (for the DEBUG log); 0: none.
+    pub first_addrs: (u64, u64),
     sleep: Mutex<()>,
     wake: Condvar,
     sleepers: AtomicUsize,
@@ -137,11 +139,18 @@ impl Request {
             error: Mutex::new(None),
             pins: Mutex::new(pins),
             carries_notify: notify_after.is_some(),
+            first_addrs: (0, 0),
             notify_after: Mutex::new(notify_after),
             sleep: Mutex::new(()),
             wake: Condvar::new(),
             sleepers: AtomicUsize::new(0),
         }
+    }
+
+    /// The same request, naming `(local, remote)` as the addresses of its first segment.
+    pub fn with_first_addrs(mut self, local: u64, remote: u64) -> Self {
+        self.first_addrs = (local, remote);
+        self
     }
 
     /// Current status; a WAITING request past its deadline turns into TIMEOUT here.
