@@ -30,3 +30,9 @@ def test_readme_has_a_row_per_option_with_its_default() -> None:
         else:
             assert shown.startswith("unset"), f"README shows {key} = {shown}, the engine: unset"
     assert not missing, f"options without a README row: {missing}"
+
+
+def test_readme_has_a_row_per_hixl_option_key_with_what_it_does() -> None:
+    text = README.read_text()
+    for key, effect in hixl.hixl_option_keys():
+        assert f"| `{key}` | {effect} |" in text, f"README lacks the row of HIXL's {key}"

@@ -391,3 +391,56 @@ i.finalize(); t.finalize()
     for line, (s, d, n) in ((write[0], (src, dst + 4096, 4096)), (read[0], (dst, src + 64, 1000))):
         assert f"src=0x{s:x}" in line and f"dst=0x{d:x}" in line, line
         assert f"bytes={n}" in line and "latency_us=" in line, line
+
+
+def test_hixl_option_keys_are_accepted_checked_and_auto_connect_links(make_peer) -> None:
+    """A program written for HIXL initializes with HIXL's own keys: values are checked
+    (a bad one names itself), keys without effect log once, and AutoConnect links to the
+    listed engines in the background."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    peer = make_peer(4096)
+    opts = {
+        "AutoConnect": peer.engine,
+        "BufferPool": "4:8",
+        "stream_count": "4",
+        "RdmaTrafficClass": "132",
+        "RdmaServiceLevel": "4",
+        "EnableUseFabricMem": "0",
+        "GlobalResourceConfig": '{"transfer_config": {}}',
+        "hixl.backends": "tcp",
+    }
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", opts)
+    try:
+        deadline = time.monotonic() + 10
+        while e.get_async_connect_status(peer.engine) != hixl.AsyncConnectStatus.CONNECTED:
+            assert time.monotonic() < deadline, e.get_async_connect_status(peer.engine)
+            time.sleep(0.01)
+        src = np.arange(4096, dtype=np.uint8)
+        e.register(src)
+        e.put(peer.engine, src.ctypes.data, peer.addr, 4096)
+        assert bytes(peer.read()) == src.tobytes()
+    finally:
+        e.finalize()
+    for key, bad in [
+        ("BufferPool", "lots"),
+        ("RdmaServiceLevel", "9"),
+        ("EnableUseFabricMem", "yes"),
+        ("AutoConnect", "not an address"),
+    ]:
+        with pytest.raises(hixl.ParamInvalid, match=f"option {key}="):
+            hixl.Hixl().initialize("127.0.0.1", {key: bad})
+    # Each key without effect says so once per process, at INFO.
+    script = (
+        "import hixl; hixl.set_log_level('INFO')\n"
+        "for _ in range(2):\n"
+        "    e = hixl.Hixl(); e.initialize('127.0.0.1', {'BufferPool': '4:8'}); e.finalize()\n"
+    )
+    err = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    ).stderr
+    assert err.count("option BufferPool (a HIXL option) is accepted and has no effect") == 1, err

@@ -35,6 +35,7 @@ from ._hixl import (
     TransferStatus,
     __version__,
     get_log_level,
+    hixl_option_keys,
     option_keys,
     set_log_level,
 )
@@ -110,5 +111,6 @@ __all__ = [
     "get_log_level",
     "kv",
     "option_keys",
+    "hixl_option_keys",
     "set_log_level",
 ]

@@ -45,6 +45,7 @@ pub use engine::{
     TransferReq,
 };
 pub use error::{Error, Result, Status};
+pub use options::compat::{CompatKey, COMPAT as HIXL_OPTIONS};
 pub use options::{keys as option_keys, OptionSpec, SPECS as OPTIONS};
 pub use queue::{NotifyDesc, Request, TransferOp, TransferStatus};
 pub use registry::{Access, MemType};

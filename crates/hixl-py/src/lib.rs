@@ -40,6 +40,13 @@ fn option_keys() -> Vec<(&'static str, &'static str, &'static str)> {
     hixl_core::option_keys()
 }
 
+/// The option keys of Huawei's HIXL that initialize accepts: list of (key, what hixl does with
+/// it). Keys without an effect here are checked and logged once.
+#[pyfunction]
+fn hixl_option_keys() -> Vec<(&'static str, &'static str)> {
+    hixl_core::HIXL_OPTIONS.iter().map(|c| (c.key, c.effect)).collect()
+}
+
 /// Baseline: starts a raw TCP sink (Rust recv loop) in this process; returns its address.
 #[pyfunction]
 fn _raw_tcp_sink(listen: &str) -> PyResult<String> {
@@ -110,6 +117,7 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(get_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(option_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(hixl_option_keys, m)?)?;
     m.add_function(wrap_pyfunction!(status_codes, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_states, m)?)?;
     m.add_function(wrap_pyfunction!(_raw_tcp_sink, m)?)?;

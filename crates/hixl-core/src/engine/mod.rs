@@ -175,6 +175,7 @@ impl Engine {
             (bound, Some(Server::start(l, ctx)?))
         };
         tracing::info!(engine = %local, "engine initialized");
+        let auto_connect = opts.auto_connect.clone();
         *st = Some(Arc::new(Running {
             local_engine: local,
             host,
@@ -191,6 +192,14 @@ impl Engine {
             unconfirmed: Mutex::new(HashMap::new()),
             connects: Mutex::new(Vec::new()),
         }));
+        drop(st);
+        // HIXL's AutoConnect: connect in the background; each result is the peer's connect
+        // status (`get_async_connect_status`), and a failure is logged there.
+        for peer in auto_connect {
+            if let Err(e) = self.connect_async(&peer) {
+                tracing::warn!(peer = %peer, "AutoConnect could not start: {e}");
+            }
+        }
         Ok(())
     }
 

@@ -7,6 +7,8 @@ use std::time::Duration;
 use crate::auth::Secret;
 use crate::error::{Error, Result};
 
+pub mod compat;
+
 /// Environment variable that supplies the cluster secret when `hixl.secret` is not given.
 pub const SECRET_ENV: &str = "HIXL_SECRET";
 
@@ -115,6 +117,8 @@ pub struct Options {
     pub max_pending_handshakes: usize,
     /// `hixl.max_pending_per_source`: most of those from one source address.
     pub max_pending_per_source: usize,
+    /// HIXL's `AutoConnect`: engines to connect to (in the background) once initialized.
+    pub auto_connect: Vec<String>,
 }
 
 impl Default for Options {
@@ -356,6 +360,7 @@ impl Options {
             data_mac: false,
             max_pending_handshakes: 0,
             max_pending_per_source: 0,
+            auto_connect: Vec::new(),
         }
     }
 
@@ -364,6 +369,12 @@ impl Options {
         let mut o = Options::default();
         let mut given: Vec<(String, String, &str)> = Vec::new();
         for (k, v) in map {
+            if let Some(spec) = compat::check(k, v) {
+                if spec?.key == "AutoConnect" {
+                    o.auto_connect = compat::auto_connect_peers(v);
+                }
+                continue;
+            }
             let (key, value) = canonical(k, v)?;
             if let Some((_, _, first)) = given.iter().find(|(g, _, _)| *g == key) {
                 return Err(Error::param(format!(
