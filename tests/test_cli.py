@@ -196,6 +196,33 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_table_marks_strided_rows_thin_p99_and_gives_a_verdict_per_group() -> None:
+    r = hixl(
+        "bench",
+        "--transport",
+        "shm,tcp",
+        "--block-sizes",
+        "4K,64K",
+        "--batch-sizes",
+        "4",
+        "--strided",
+        "--iterations",
+        "20",
+        "--baseline",
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    rows = [line for line in lines if line.split()[1:2] == ["strided"]]
+    assert len(rows) == 8, r.stdout  # 2 ops x 2 backends x 2 sizes, each named strided
+    assert all("~" in line for line in rows), "20 samples: p99 is marked as the slowest one"
+    assert any(line.startswith("~ p99 of a row with fewer than 100") for line in lines)
+    verdicts = [line for line in lines if line.startswith("verdict ")]
+    assert len(verdicts) == 4, r.stdout
+    for v in verdicts:
+        assert ("raw CMA" in v) != (" tcp:" in v), v  # same-host rows against CMA, tcp sockets
+        assert "near the limit" in v or "below the limit" in v, v
+
+
 def test_a_sweep_of_one_4k_block_finds_its_target() -> None:
     # The target's data buffer once had the stats cell's length (4 KiB) here, and the
     # initiator could not tell them apart ("not a hixl bench target").
@@ -213,6 +240,8 @@ def test_a_sweep_of_one_4k_block_finds_its_target() -> None:
         (["bench", "--batch-sizes", "8-2"], "'8-2'"),
         (["bench", "--role", "initiator"], "--remote"),
         (["bench", "--option", "novalue"], "'novalue'"),
+        (["bench", "--option", "hixl.bogus=1"], "hixl.bogus"),
+        (["bench", "--option", "hixl.tcp.streams=0"], "hixl.tcp.streams"),
         (["bench", "--bogus"], "--bogus"),
         (["bench", "--strided", "--block-sizes", "100"], "64 bytes"),
         (["frobnicate"], "frobnicate"),

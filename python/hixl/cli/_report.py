@@ -34,7 +34,11 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("check", "check", "{}"),
 ]
 #: Columns every row has (the rest appear with --baseline / --check).
-BASE_KEYS = [k for k, _, _ in COLUMNS[:12]] + ["request_bytes", "seconds", "check"]
+BASE_KEYS = [k for k, _, _ in COLUMNS[:12]] + ["request_bytes", "seconds", "check", "strided"]
+#: Fewer latency samples than this make p99 the largest sample; the table marks it with "~".
+P99_MIN_SAMPLES = 100
+#: hixl at this share of its raw baseline or more is "near the limit".
+NEAR_LIMIT = 0.8
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -47,13 +51,62 @@ def _cell(value: Any, fmt: str) -> str:
     return fmt.format(value)
 
 
+def _row_cell(r: dict[str, Any], key: str, fmt: str) -> str:
+    text = _cell(r.get(key), fmt)
+    if key == "op" and r.get("strided"):
+        return f"{text} strided"
+    if key == "lat_p99_us" and r.get(key) is not None and r["requests"] < P99_MIN_SAMPLES:
+        return f"~{text}"
+    return text
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    """Aligned text table of the columns present in any row."""
+    """Aligned text table of the columns present in any row, then its footnotes and verdicts."""
     cols = [c for c in COLUMNS if any(r.get(c[0]) is not None for r in rows)]
-    grid = [[h for _, h, _ in cols]] + [[_cell(r.get(k), f) for k, _, f in cols] for r in rows]
+    grid = [[h for _, h, _ in cols]] + [[_row_cell(r, k, f) for k, _, f in cols] for r in rows]
     widths = [max(len(line[i]) for line in grid) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in grid]
+    if any(r["requests"] < P99_MIN_SAMPLES for r in rows):
+        lines.append(
+            f"~ p99 of a row with fewer than {P99_MIN_SAMPLES} requests is its slowest one "
+            "(too few samples for a 99th percentile; a run without --quick takes more)"
+        )
+    lines += verdicts(rows)
     return "\n".join(lines)
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per (op, via) group that was measured against a raw baseline: its range of
+    ratios and whether it is near the limit that baseline sets, and why not where it is not."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((_row_cell(r, "op", "{}"), r["transport"]), []).append(r)
+    out = []
+    for (op, via), rs in groups.items():
+        # A TCP row's limit is a raw socket; a same-host row's is raw cross-memory attach.
+        base = "x_socket" if via == "tcp" else "x_cma"
+        pts = sorted((r["block"], r[base]) for r in rs if r.get(base))
+        if not pts:
+            continue
+        name = "raw CMA" if base == "x_cma" else "raw TCP"
+        lo, hi = min(x for _, x in pts), max(x for _, x in pts)
+        below = [b for b, x in pts if x < NEAR_LIMIT]
+        if not below:
+            verdict = f"near the limit (at least {NEAR_LIMIT:.1f}x everywhere)"
+        elif below == [b for b, _ in pts[: len(below)]]:
+            verdict = (
+                f"near the limit from {human(pts[len(below)][0])} on"
+                if len(below) < len(pts)
+                else "below the limit at every size"
+            ) + (
+                f"; below it up to {human(below[-1])}, where the fixed cost of a request "
+                "(queueing, waking the waiter, the reply) outweighs moving the bytes"
+            )
+        else:
+            sizes = ", ".join(human(b) for b in below)
+            verdict = f"below the limit at {sizes} (noise or contention?)"
+        out.append(f"verdict {op} {via}: {lo:.2f}-{hi:.2f}x {name}: {verdict}")
+    return out
 
 
 def to_csv(rows: list[dict[str, Any]]) -> str:

@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(args, p)
     if args.plot:
         _report.require_matplotlib(p)
+    _check_options(plan, p)
     target = None
     remote = args.remote
     if args.role == "local":
@@ -86,6 +87,17 @@ def run(args: argparse.Namespace) -> int:
     for r in failed:
         print(f"hixl bench: check FAILED: {r['check']}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _check_options(plan: Plan, p: argparse.ArgumentParser) -> None:
+    """Refuses bad --option values here, once, before any target process starts."""
+    probe = Hixl()
+    try:
+        probe.initialize("127.0.0.1", dict(plan.options))
+    except HixlError as exc:
+        p.error(f"--option: {exc}")
+    finally:
+        probe.finalize()
 
 
 def _start_target(plan: Plan) -> tuple[subprocess.Popen[str], str]:
@@ -250,6 +262,7 @@ class Sweep:
         lat_us = sorted(x * 1e6 for x in lat)
         row: dict[str, Any] = {
             "op": op_name,
+            "strided": plan.strided,
             "transport": backend,
             "block": block,
             "batch": batch,
