@@ -33,10 +33,11 @@ impl Drop for BufferView {
     }
 }
 
-/// Finds the memory of `obj`: `(addr, len, keepalive)`. `writable`: the memory must be
-/// writable (a read-write registration: peers and local READs write into it); otherwise a
-/// read-only buffer (`bytes`, a read-only numpy array) is accepted too.
-pub fn export(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<(u64, u64, KeepAlive)> {
+/// Finds the memory of `obj`: `(addr, len, keepalive, read_only)`. `writable`: the memory must
+/// be writable (a read-write registration: peers and local READs write into it); otherwise a
+/// read-only buffer (`bytes`, a read-only numpy array) is accepted too, and `read_only` says
+/// that it is one.
+pub fn export(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<(u64, u64, KeepAlive, bool)> {
     let py = obj.py();
     // SAFETY: Py_buffer is a plain C struct; zeroed is the documented initial state.
     let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
@@ -44,8 +45,8 @@ pub fn export(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<(u64, u64, Kee
     // SAFETY: obj is a live object (we hold the GIL and a reference); view is writable.
     let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) };
     if rc == 0 {
-        let (addr, len) = (view.buf as u64, view.len as u64);
-        return Ok((addr, len, KeepAlive::Buffer(BufferView(view))));
+        let (addr, len, read_only) = (view.buf as u64, view.len as u64, view.readonly != 0);
+        return Ok((addr, len, KeepAlive::Buffer(BufferView(view)), read_only));
     }
     let buf_err = PyErr::take(py);
     if obj.hasattr("data_ptr")? && obj.hasattr("untyped_storage")? {
@@ -62,7 +63,7 @@ pub fn export(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<(u64, u64, Kee
         let addr: u64 = obj.call_method0("data_ptr")?.extract()?;
         let numel: u64 = obj.call_method0("numel")?.extract()?;
         let esize: u64 = obj.call_method0("element_size")?.extract()?;
-        return Ok((addr, numel * esize, KeepAlive::Object(obj.clone().unbind())));
+        return Ok((addr, numel * esize, KeepAlive::Object(obj.clone().unbind()), false));
     }
     let why = buf_err.map(|e| e.to_string()).unwrap_or_default();
     let tname = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());

@@ -37,6 +37,29 @@ fn finish_sync(py: Python<'_>, req: &hixl_core::TransferReq) -> PyResult<()> {
 }
 
 impl Hixl {
+    /// `register_mem` with a parsed access mode.
+    fn register_access(
+        &self,
+        py: Python<'_>,
+        desc: MemDesc,
+        mem_type: MemType,
+        access: hixl_core::Access,
+        name: Option<String>,
+    ) -> PyResult<MemHandle> {
+        let name = name.unwrap_or_default();
+        let e = self.engine.clone();
+        let h = py
+            .allow_threads(|| {
+                let d = hixl_core::MemDesc { addr: desc.addr, len: desc.len };
+                // SAFETY: the contract of a raw range passes to the Python caller, as the
+                // method's documentation says (like NIXL's register_memory); `register(obj)`
+                // meets it by keeping the object alive until deregistration.
+                unsafe { e.register_named(d, mem_type.into(), access, &name) }
+            })
+            .map_err(to_py)?;
+        Ok(MemHandle { addr: h.addr, len: h.len, id: h.id, mem_type, name })
+    }
+
     /// Wraps a request for Python and remembers it for the no-argument status query.
     fn track(
         &self,
@@ -168,24 +191,14 @@ impl Hixl {
         name: Option<String>,
     ) -> PyResult<MemHandle> {
         let access = hixl_core::Access::parse(access).map_err(to_py)?;
-        let name = name.unwrap_or_default();
-        let e = self.engine.clone();
-        let h = py
-            .allow_threads(|| {
-                let d = hixl_core::MemDesc { addr: desc.addr, len: desc.len };
-                // SAFETY: the contract of a raw range passes to the Python caller, as the
-                // method's documentation says (like NIXL's register_memory); `register(obj)`
-                // meets it by keeping the object alive until deregistration.
-                unsafe { e.register_named(d, mem_type.into(), access, &name) }
-            })
-            .map_err(to_py)?;
-        Ok(MemHandle { addr: h.addr, len: h.len, id: h.id, mem_type, name })
+        self.register_access(py, desc, mem_type, access, name)
     }
 
     /// Registers the memory of a buffer (numpy, bytearray, memoryview, mmap) or a torch CPU
     /// tensor, keeping the object alive until deregistration. `access="r"`: read-only for
-    /// peers, and never the local destination of a READ/get, so read-only buffers (`bytes`, a
-    /// read-only numpy array) can be registered that way; `name`: see `register_mem`.
+    /// peers. A read-only buffer (`bytes`, a read-only numpy array) needs `access="r"`, and then
+    /// nothing writes it: it is never the local destination of a READ/get either. `name`: see
+    /// `register_mem`.
     #[pyo3(signature = (obj, mem_type = MemType::HOST, access = "rw", name = None))]
     fn register(
         &self,
@@ -195,12 +208,14 @@ impl Hixl {
         access: &str,
         name: Option<String>,
     ) -> PyResult<MemHandle> {
-        let writable = hixl_core::Access::parse(access).map_err(to_py)? == hixl_core::Access::ReadWrite;
-        let (addr, len, keep) = buffer::export(obj, writable)?;
+        let access = hixl_core::Access::parse(access).map_err(to_py)?;
+        let (addr, len, keep, read_only) = buffer::export(obj, access == hixl_core::Access::ReadWrite)?;
         if len == 0 {
             return Err(errors::param("cannot register an empty buffer (length=0)"));
         }
-        let h = self.register_mem(py, MemDesc { addr, len }, mem_type, access, name)?;
+        // Memory Python promised not to change: nothing hixl does may write it.
+        let access = if read_only { hixl_core::Access::Immutable } else { access };
+        let h = self.register_access(py, MemDesc { addr, len }, mem_type, access, name)?;
         self.keep.lock().unwrap().entry((addr, len)).or_insert(keep);
         Ok(h)
     }

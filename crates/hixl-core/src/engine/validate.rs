@@ -8,7 +8,7 @@ use super::types::{StridedDesc, TransferOpDesc};
 use super::{PeerConn, Running};
 use crate::error::{Error, Result, Status};
 use crate::queue::{SegPair, Strided};
-use crate::registry::{read_only, Abort, Pin};
+use crate::registry::{read_only, Abort, Access, Pin};
 use crate::wire::{Domain, MAX_DESCS};
 
 /// Whether the peer's data path moves data between these two memory domains.
@@ -78,7 +78,7 @@ pub(super) fn validate(
                     .registry
                     .lookup(d.local_addr, d.len, "local")
                     .map_err(|e| Error::param(format!("descriptor {i}: {}", e.message)))?;
-                if !write && !region.writable {
+                if !write && region.access == Access::Immutable {
                     return Err(Error::param(format!(
                         "descriptor {i}: {}",
                         read_only_destination(d.local_addr, d.len).message
@@ -173,7 +173,7 @@ pub(super) fn validate_strided(
     let region = r.registry.lookup(local_base, lspan, "local strided").map_err(|e| {
         Error::param(format!("{} (the whole strided range must lie in one region)", e.message))
     })?;
-    if !write && !region.writable {
+    if !write && region.access == Access::Immutable {
         return Err(read_only_destination(local_base, lspan));
     }
     let holder: Arc<dyn Abort> = conn.link.clone();
@@ -199,11 +199,12 @@ pub(super) fn validate_strided(
     Ok((st, vec![pin]))
 }
 
-/// A READ into a local region registered read-only: nothing hixl does writes into it.
+/// A READ into a local region registered immutable: nothing hixl does writes into it.
 fn read_only_destination(addr: u64, len: u64) -> Error {
     Error::param(format!(
-        "local range 0x{addr:x}+{len} lies in a region registered read-only (access=\"r\"): it \
-         cannot be the destination of a READ/get; register the destination with access=\"rw\""
+        "local range 0x{addr:x}+{len} lies in a region of memory that must not change (a read-only \
+         buffer, registered immutable): it cannot be the destination of a READ/get; use a writable \
+         buffer as the destination"
     ))
 }
 

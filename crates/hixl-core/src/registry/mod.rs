@@ -44,6 +44,8 @@ pub struct Region {
     pub keys: Vec<BackendKey>,
     /// False for read-only regions: peers may READ them but never WRITE them.
     pub writable: bool,
+    /// How it was registered (`writable` is `access == ReadWrite`).
+    pub access: Access,
     pins: Pins,
 }
 
@@ -218,11 +220,11 @@ impl Registry {
         let mut map = self.map.write().unwrap();
         if let Some((_, r)) = map.by_addr.range(..=addr).next_back() {
             if r.addr == addr && r.len == len && r.mem_type == mem_type {
-                if r.writable != writable {
+                if r.access != access {
                     return Err(Error::param(format!(
                         "region 0x{addr:x}+{len} is already registered with access={:?}; \
                          deregister it before registering it with access={:?}",
-                        Access::of(r.writable).as_str(),
+                        r.access.as_str(),
                         access.as_str()
                     )));
                 }
@@ -267,6 +269,7 @@ impl Registry {
             name,
             keys,
             writable,
+            access,
             pins: Pins::default(),
         });
         let entry = region.entry();
@@ -413,6 +416,9 @@ pub enum Access {
     ReadWrite,
     /// Peers may only READ it.
     ReadOnly,
+    /// Nothing writes it: peers may only READ it, and it is never the destination of one of
+    /// this engine's READs (memory that must not change, such as a read-only Python buffer).
+    Immutable,
 }
 
 impl Access {
@@ -425,19 +431,12 @@ impl Access {
         }
     }
 
-    fn of(writable: bool) -> Access {
-        if writable {
-            Access::ReadWrite
-        } else {
-            Access::ReadOnly
-        }
-    }
-
-    /// "rw" or "r".
+    /// "rw", "r", or "r (immutable)".
     pub fn as_str(self) -> &'static str {
         match self {
             Access::ReadWrite => "rw",
             Access::ReadOnly => "r",
+            Access::Immutable => "r (immutable)",
         }
     }
 }
