@@ -49,7 +49,8 @@ def test_demo_tokens_match_one_process(transport: str, head_dim: int) -> None:
     assert [row["layer"] for row in t] == [0, 1, 2, 3]
     for row in t:
         # a layer is used only after it arrived, and arrives only after it was computed
-        assert row["computed_ms"] <= row["arrived_ms"] <= row["used_ms"]
+        assert row["computed_ms"] <= row["submitted_ms"] <= row["acked_ms"]
+        assert row["submitted_ms"] <= row["arrived_ms"] <= row["used_ms"]
     # Decode started on layer 0 before prefill had computed the last layer.
     assert t[0]["used_ms"] < t[-1]["computed_ms"]
 

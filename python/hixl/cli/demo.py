@@ -6,7 +6,8 @@ layer the moment it is computed (hixl.transfer_cache_async, mode "push"). The de
 (rank 1, role "decoder") follows the arrivals (hixl.receive_cache_async) and runs its first
 step's layer k as soon as KV layer k is there, then generates the new tokens.
 
-Prints a per-layer timeline (computed, sent, arrived, used; ms since prefill started), the
+Prints a per-layer timeline (ms since prefill started: computed and submitted at prefill, acked
+when prefill saw its write complete, arrived when decode saw the layer, used by decode), the
 bytes and bandwidth, and compares the generated tokens with a single-process run of the same
 model: identical -> exit 0; different -> exit 1 naming the first mismatch.
 """
@@ -223,7 +224,8 @@ def _report(
         {
             "layer": k,
             "computed_ms": ms(pre["computed"], k),
-            "sent_ms": ms(pre["sent"], k),
+            "submitted_ms": ms(pre["submitted"], k),
+            "acked_ms": ms(pre["sent"], k),
             "arrived_ms": ms(dec["arrived"], k),
             "used_ms": ms(dec["used"], k),
         }
@@ -263,11 +265,13 @@ def _report(
             f"{layout.head_stride} B), prompt {a.prompt_len} tokens, {a.tokens} new tokens, "
             f"transport {pre['backend']}"
         )
-        print("layer  computed    sent  arrived    used   (ms since prefill started)")
+        print("ms since prefill started; prefill: computed, submitted, acked (saw its write")
+        print("complete); decode: arrived (saw the layer), used (ran the layer on it)")
+        print("layer  computed  submitted    acked  arrived     used")
         for r in rows:
             print(
-                f"{r['layer']:5}  {r['computed_ms']:8.2f} {r['sent_ms']:7.2f} "
-                f"{r['arrived_ms']:8.2f} {r['used_ms']:7.2f}"
+                f"{r['layer']:5}  {r['computed_ms']:8.2f}  {r['submitted_ms']:9.2f} "
+                f"{r['acked_ms']:8.2f} {r['arrived_ms']:8.2f} {r['used_ms']:8.2f}"
             )
         lead = doc["decode_first_layer_before_prefill_end_ms"]
         print(
