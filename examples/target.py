@@ -36,19 +36,22 @@ def main() -> int:
         print(f"registered 'kv': {h.len} bytes at {h.addr:#x}")
         print(f"READY {t.local_engine}", flush=True)
 
-        # Wait for "done", printing every notification on the way (t.wait_notifies(timeout_ms,
-        # name="done") would block for that one alone and leave the others pending).
+        # Wait for "done", printing every notification on the way: wait_notifies blocks (GIL
+        # released, Ctrl-C honoured) until some are pending and returns them; with name="done"
+        # it would wait for that one alone and leave the others pending.
         deadline = time.monotonic() + args.timeout_s
         done = None
         while done is None:
-            for n in t.get_notifies():  # returns and clears what has arrived
+            left_ms = max(0.0, deadline - time.monotonic()) * 1000
+            try:
+                arrived = t.wait_notifies(timeout_ms=left_ms)
+            except hixl.Timeout:
+                print(f"no 'done' notification within {args.timeout_s} s", file=sys.stderr)
+                return 1
+            for n in arrived:
                 print(f"notify {n.name}: {n.msg}", flush=True)
                 if n.name == "done":
                     done = n.msg
-            if done is None and time.monotonic() > deadline:
-                print(f"no 'done' notification within {args.timeout_s} s", file=sys.stderr)
-                return 1
-            time.sleep(0.01)
 
         have = hashlib.sha256(kv.tobytes()).hexdigest()
         if have != done:

@@ -444,3 +444,11 @@ def test_hixl_option_keys_are_accepted_checked_and_auto_connect_links(make_peer)
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     ).stderr
     assert err.count("option BufferPool (a HIXL option) is accepted and has no effect") == 1, err
+
+
+def test_enum_members_have_a_name_like_python_enums() -> None:
+    for enum in (hixl.TransferStatus, hixl.TransferOp, hixl.AsyncConnectStatus, hixl.MemType):
+        members = [m for m in vars(enum) if m.isupper()]
+        assert members, enum
+        for m in members:
+            assert getattr(enum, m).name == m

@@ -41,12 +41,16 @@ class MemType:
     HOST: MemType
     DEVICE: MemType
     def __int__(self) -> int: ...
+    @property
+    def name(self) -> str: ...
 
 @final
 class TransferOp:
     READ: TransferOp
     WRITE: TransferOp
     def __int__(self) -> int: ...
+    @property
+    def name(self) -> str: ...
 
 @final
 class TransferStatus:
@@ -55,6 +59,8 @@ class TransferStatus:
     TIMEOUT: TransferStatus
     FAILED: TransferStatus
     def __int__(self) -> int: ...
+    @property
+    def name(self) -> str: ...
 
 @final
 class AsyncConnectStatus:
@@ -63,6 +69,8 @@ class AsyncConnectStatus:
     CONNECTED: AsyncConnectStatus
     CONNECT_FAILED: AsyncConnectStatus
     def __int__(self) -> int: ...
+    @property
+    def name(self) -> str: ...
 
 @final
 class MemDesc:

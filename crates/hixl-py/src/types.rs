@@ -356,3 +356,26 @@ pub(crate) fn option_text(key: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
         v.get_type().name()?
     )))
 }
+
+/// `.name`, as Python's enums have it: the member's name.
+macro_rules! member_names {
+    ($($ty:ident { $($member:ident),* })*) => {$(
+        #[pymethods]
+        impl $ty {
+            /// The member's name, as Python enums have it (`"COMPLETED"`).
+            #[getter]
+            fn name(&self) -> &'static str {
+                match self {
+                    $($ty::$member => stringify!($member),)*
+                }
+            }
+        }
+    )*};
+}
+
+member_names! {
+    MemType { HOST, DEVICE }
+    TransferOp { READ, WRITE }
+    TransferStatus { WAITING, COMPLETED, TIMEOUT, FAILED }
+    AsyncConnectStatus { NOT_CONNECT, CONNECTING, CONNECTED, CONNECT_FAILED }
+}
