@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,12 @@ import pytest
 import hixl
 
 PEER = Path(__file__).with_name("_peer.py")
+
+
+def _proc_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (R running, S sleeping, T stopped, ...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 class Peer:
@@ -77,9 +84,14 @@ class Peer:
     @contextlib.contextmanager
     def stopped(self) -> Iterator[None]:
         """Freezes the peer (SIGSTOP) for the block, so transfers to it cannot finish; it is
-        resumed on exit whatever happens inside."""
+        resumed on exit whatever happens inside. Returns once the kernel reports it stopped
+        (the signal is delivered asynchronously: a request sent at once could still be served)."""
         os.kill(self.proc.pid, signal.SIGSTOP)
         try:
+            deadline = time.monotonic() + 5
+            while _proc_state(self.proc.pid) != "T":
+                assert time.monotonic() < deadline, "the peer did not stop within 5 s"
+                time.sleep(0.001)
             yield
         finally:
             os.kill(self.proc.pid, signal.SIGCONT)

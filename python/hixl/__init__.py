@@ -6,7 +6,7 @@ target runs no application code. See README.md for the full API, options and sta
 
 from __future__ import annotations
 
-from . import kv
+from . import aio, kv
 from ._errors import (
     AlreadyConnected,
     Failed,
@@ -109,6 +109,7 @@ __all__ = [
     "__version__",
     "aligned_empty",
     "get_log_level",
+    "aio",
     "kv",
     "option_keys",
     "hixl_option_keys",

@@ -40,6 +40,18 @@ fn option_keys() -> Vec<(&'static str, &'static str, &'static str)> {
     hixl_core::option_keys()
 }
 
+/// Internal (hixl.aio): the completion queue's file descriptor, readable while tokens wait.
+#[pyfunction]
+fn _completion_fd() -> PyResult<i32> {
+    Ok(request::completions()?.fd())
+}
+
+/// Internal (hixl.aio): the tokens of the requests settled since the last call.
+#[pyfunction]
+fn _drain_completions() -> PyResult<Vec<u64>> {
+    Ok(request::completions()?.drain())
+}
+
 /// The option keys of Huawei's HIXL that initialize accepts: list of (key, what hixl does with
 /// it). Keys without an effect here are checked and logged once.
 #[pyfunction]
@@ -118,6 +130,8 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(get_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(option_keys, m)?)?;
     m.add_function(wrap_pyfunction!(hixl_option_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(_completion_fd, m)?)?;
+    m.add_function(wrap_pyfunction!(_drain_completions, m)?)?;
     m.add_function(wrap_pyfunction!(status_codes, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_states, m)?)?;
     m.add_function(wrap_pyfunction!(_raw_tcp_sink, m)?)?;

@@ -57,7 +57,19 @@ impl MemHandle {
     }
 }
 
-/// An asynchronous transfer. `wait()` blocks without the GIL.
+/// The process's completion queue for asyncio (`hixl.aio`): one eventfd for every awaited
+/// request of every engine.
+pub(crate) fn completions() -> PyResult<&'static Arc<hixl_core::CompletionQueue>> {
+    static QUEUE: std::sync::OnceLock<Arc<hixl_core::CompletionQueue>> = std::sync::OnceLock::new();
+    if let Some(q) = QUEUE.get() {
+        return Ok(q);
+    }
+    let q = Arc::new(hixl_core::CompletionQueue::new().map_err(to_py)?);
+    Ok(QUEUE.get_or_init(|| q))
+}
+
+/// An asynchronous transfer. `wait()` blocks without the GIL; `await req` waits on an asyncio
+/// event loop.
 #[pyclass(frozen, module = "hixl._hixl")]
 pub struct TransferReq {
     pub(crate) req: hixl_core::TransferReq,
@@ -93,6 +105,21 @@ impl TransferReq {
     #[pyo3(signature = (timeout_ms = None))]
     fn wait(&self, py: Python<'_>, timeout_ms: Option<f64>) -> PyResult<TransferStatus> {
         wait_req(py, &self.req, ms("timeout_ms", timeout_ms)?)
+    }
+    /// `await req`: waits on the running asyncio event loop (no thread, no polling: see
+    /// `hixl.aio`); returns None when COMPLETED, raises the request's error otherwise.
+    fn __await__<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        py.import("hixl.aio")?.call_method1("wait", (slf,))?.call_method0("__await__")
+    }
+    /// Internal (hixl.aio): queue `token` on the completion queue when the request settles.
+    /// False: it had settled already (do not wait for the token).
+    fn _report(&self, token: u64) -> PyResult<bool> {
+        Ok(self.req.report_to(completions()?, token))
+    }
+    /// Internal (hixl.aio): seconds until the request's deadline (0 when it has passed).
+    fn _seconds_left(&self) -> f64 {
+        self.req.deadline().saturating_duration_since(Instant::now()).as_secs_f64()
     }
     /// Current status without waiting.
     fn status(&self) -> TransferStatus {

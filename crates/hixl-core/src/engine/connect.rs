@@ -202,7 +202,13 @@ impl Engine {
     }
 
     pub(super) fn conn(r: &Running, remote: &str) -> Result<Arc<PeerConn>> {
-        match r.peers.lock().unwrap().get(remote) {
+        let peers = r.peers.lock().unwrap();
+        // Set under this lock by `finalize` before it empties the map: a call racing finalize
+        // fails the way finalize fails in-flight requests, not as "not connected".
+        if r.closed.load(Ordering::Acquire) {
+            return Err(Error::failed("the engine was finalized"));
+        }
+        match peers.get(remote) {
             Some(PeerSlot::Connected(c)) if c.link.is_alive() => Ok(c.clone()),
             Some(PeerSlot::Connected(c)) => Err(Error::not_connected(format!(
                 "the link to {remote} died: {}",

@@ -5,14 +5,18 @@
 //! together. The request's state is an atomic that flips once, WAITING -> COMPLETED | FAILED |
 //! TIMEOUT; waiters spin briefly, then sleep on a condition variable.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
 
 use crate::error::{Error, Result, Status};
-use crate::registry::Pin;
+
+mod completion;
+mod request;
+pub use completion::CompletionQueue;
+pub use request::Request;
 
 /// Direction of a transfer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -25,7 +29,7 @@ pub enum TransferOp {
 
 /// How long a waiter spins before it sleeps. Fixed: a same-host request often ends within it
 /// (no futex round trip), and a longer spin only burns the waiter's core.
-const SPIN: Duration = Duration::from_micros(50);
+pub(crate) const SPIN: Duration = Duration::from_micros(50);
 
 /// State of a request. The numbers are the public contract (the same in Python, and as in
 /// HIXL's TransferStatus).
@@ -80,206 +84,6 @@ pub struct NotifyDesc {
     pub name: String,
     /// Message body.
     pub msg: String,
-}
-
-/// A user transfer in flight.
-pub struct Request {
-    /// Engine-unique id.
-    pub id: u64,
-    /// Direction.
-    pub op: TransferOp,
-    /// Peer address.
-    pub peer: String,
-    /// Bytes moved by the whole request.
-    pub bytes: u64,
-    /// Number of descriptors the caller passed.
-    pub descs: usize,
-    /// When it was submitted.
-    pub started: Instant,
-    deadline: Instant,
-    state: AtomicU8,
-    parts_left: AtomicUsize,
-    error: Mutex<Option<Error>>,
-    pins: Mutex<Vec<Pin>>,
-    notify_after: Mutex<Option<NotifyDesc>>,
-    /// Whether it carries a notification after its data (counted when it completes).
-    pub carries_notify: bool,
-    /// Local and remote address of its first segment (for the DEBUG log); 0: none.
-    pub first_addrs: (u64, u64),
-    sleep: Mutex<()>,
-    wake: Condvar,
-    sleepers: AtomicUsize,
-}
-
-impl Request {
-    /// A new WAITING request with `parts` parts outstanding.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        id: u64,
-        op: TransferOp,
-        peer: String,
-        bytes: u64,
-        descs: usize,
-        parts: usize,
-        timeout: Duration,
-        pins: Vec<Pin>,
-        notify_after: Option<NotifyDesc>,
-    ) -> Self {
-        let now = Instant::now();
-        Request {
-            id,
-            op,
-            peer,
-            bytes,
-            descs,
-            started: now,
-            deadline: now + crate::capped(timeout),
-            state: AtomicU8::new(TransferStatus::Waiting as u8),
-            parts_left: AtomicUsize::new(parts),
-            error: Mutex::new(None),
-            pins: Mutex::new(pins),
-            carries_notify: notify_after.is_some(),
-            first_addrs: (0, 0),
-            notify_after: Mutex::new(notify_after),
-            sleep: Mutex::new(()),
-            wake: Condvar::new(),
-            sleepers: AtomicUsize::new(0),
-        }
-    }
-
-    /// The same request, naming `(local, remote)` as the addresses of its first segment.
-    pub fn with_first_addrs(mut self, local: u64, remote: u64) -> Self {
-        self.first_addrs = (local, remote);
-        self
-    }
-
-    /// Current status; a WAITING request past its deadline turns into TIMEOUT here.
-    pub fn status(&self) -> TransferStatus {
-        let s = TransferStatus::from_u8(self.state.load(Ordering::Acquire));
-        if s == TransferStatus::Waiting && Instant::now() >= self.deadline {
-            self.settle(
-                TransferStatus::Timeout,
-                Some(Error::timeout(format!(
-                    "transfer {} to {} did not finish within its deadline ({:?})",
-                    self.id,
-                    self.peer,
-                    self.deadline - self.started
-                ))),
-            );
-            return TransferStatus::from_u8(self.state.load(Ordering::Acquire));
-        }
-        s
-    }
-
-    /// The error of a FAILED or TIMEOUT request.
-    pub fn error(&self) -> Option<Error> {
-        self.error.lock().unwrap().clone()
-    }
-
-    /// Converts the final state into a `Result` (WAITING counts as TIMEOUT for sync callers).
-    pub fn result(&self) -> Result<()> {
-        match self.status() {
-            TransferStatus::Completed => Ok(()),
-            TransferStatus::Waiting => {
-                Err(Error::timeout(format!("transfer {} to {} still waiting", self.id, self.peer)))
-            }
-            _ => Err(self.error().unwrap_or_else(|| Error::failed("transfer failed"))),
-        }
-    }
-
-    /// The request's own deadline.
-    pub fn deadline(&self) -> Instant {
-        self.deadline
-    }
-
-    /// Blocks until the request leaves WAITING, the request's deadline passes, or `timeout`
-    /// (if any) expires, whichever is first; returns the status then.
-    pub fn wait(&self, timeout: Option<Duration>) -> TransferStatus {
-        let until = timeout
-            .and_then(|t| Instant::now().checked_add(t))
-            .map_or(self.deadline, |u| self.deadline.min(u));
-        // Short spin (yielding, so the threads that complete us can run) before parking:
-        // small transfers finish in tens of microseconds and a wake-up costs about as much.
-        let spin_until = Instant::now() + SPIN;
-        let mut i = 0u32;
-        loop {
-            let s = self.status();
-            if s != TransferStatus::Waiting {
-                return s;
-            }
-            if Instant::now() >= spin_until.min(until) {
-                break;
-            }
-            i += 1;
-            if i < 16 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
-        let mut g = self.sleep.lock().unwrap();
-        self.sleepers.fetch_add(1, Ordering::SeqCst);
-        loop {
-            // Read the raw state here: settling (status() past the deadline) takes this lock.
-            let s = TransferStatus::from_u8(self.state.load(Ordering::Acquire));
-            let now = Instant::now();
-            if s != TransferStatus::Waiting || now >= until {
-                self.sleepers.fetch_sub(1, Ordering::SeqCst);
-                drop(g);
-                return self.status();
-            }
-            g = self.wake.wait_timeout(g, until - now).unwrap().0;
-        }
-    }
-
-    /// Moves WAITING into a final state once; later calls are ignored. Wakes waiters.
-    pub fn settle(&self, to: TransferStatus, err: Option<Error>) -> bool {
-        if let Some(e) = &err {
-            let mut slot = self.error.lock().unwrap();
-            if self.state.load(Ordering::Acquire) != TransferStatus::Waiting as u8 {
-                return false;
-            }
-            slot.get_or_insert_with(|| e.clone());
-        }
-        let won = self
-            .state
-            .compare_exchange(TransferStatus::Waiting as u8, to as u8, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok();
-        if won && self.sleepers.load(Ordering::SeqCst) > 0 {
-            let _g = self.sleep.lock().unwrap();
-            self.wake.notify_all();
-        }
-        won
-    }
-
-    /// Records the end of one part. Returns true when it was the last one; the caller then
-    /// decides between settling and sending the notify that follows the data.
-    pub fn part_done(&self, res: &Result<()>) -> bool {
-        if let Err(e) = res {
-            self.error.lock().unwrap().get_or_insert_with(|| e.clone());
-        }
-        self.parts_left.fetch_sub(1, Ordering::AcqRel) == 1
-    }
-
-    /// Adds parts (the notify sent after the data).
-    pub fn add_parts(&self, n: usize) {
-        self.parts_left.fetch_add(n, Ordering::AcqRel);
-    }
-
-    /// The first error recorded by any part.
-    pub fn part_error(&self) -> Option<Error> {
-        self.error.lock().unwrap().clone()
-    }
-
-    /// Takes the notification that must follow the data, if any.
-    pub fn take_notify_after(&self) -> Option<NotifyDesc> {
-        self.notify_after.lock().unwrap().take()
-    }
-
-    /// Releases the pinned regions (all I/O for this request has stopped).
-    pub fn release_pins(&self) {
-        self.pins.lock().unwrap().clear();
-    }
 }
 
 /// `count` elements of `size` bytes: element i is at `local + i * lstride` here and at

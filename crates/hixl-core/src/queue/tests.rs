@@ -137,3 +137,47 @@ fn waiter_wakes_on_settle() {
     assert_eq!(t.join().unwrap(), TransferStatus::Failed);
     assert_eq!(r.error().unwrap().status, Status::NotConnected);
 }
+
+fn waiting(id: u64) -> Arc<Request> {
+    Arc::new(Request::new(id, TransferOp::Write, "p".into(), 8, 1, 1, Duration::from_secs(5), vec![], None))
+}
+
+fn readable(fd: std::os::fd::RawFd) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, no wait.
+    unsafe { libc::poll(&mut p, 1, 0) == 1 }
+}
+
+#[test]
+fn settled_requests_report_their_token_once_and_wake_the_descriptor() {
+    let q = Arc::new(CompletionQueue::new().unwrap());
+    assert!(!readable(q.fd()));
+    let (a, b) = (waiting(1), waiting(2));
+    assert!(a.report_to(&q, 101) && b.report_to(&q, 102));
+    b.report_to(&q, 999); // a second hook is ignored: 102 is reported, not 999
+    b.settle(TransferStatus::Completed, None);
+    a.settle(TransferStatus::Failed, Some(Error::failed("x")));
+    a.settle(TransferStatus::Completed, None); // lost race: reported already
+    assert!(readable(q.fd()));
+    assert_eq!(q.drain(), vec![102, 101]);
+    assert!(!readable(q.fd()), "drained: nothing left to read");
+    let late = waiting(3);
+    late.settle(TransferStatus::Completed, None);
+    assert!(!late.report_to(&q, 103), "already settled: the caller must not wait");
+}
+
+#[test]
+fn a_hook_racing_the_settle_is_never_lost() {
+    // Either the token arrives or report_to says the request had settled: never neither.
+    let q = Arc::new(CompletionQueue::new().unwrap());
+    for round in 0..2000u64 {
+        let r = waiting(round);
+        let r2 = r.clone();
+        let t = std::thread::spawn(move || r2.settle(TransferStatus::Completed, None));
+        let waiting_for_it = r.report_to(&q, round);
+        t.join().unwrap();
+        let got = q.drain();
+        assert!(got.len() <= 1);
+        assert!(!waiting_for_it || got == vec![round], "round {round}: token lost");
+    }
+}

@@ -1,0 +1,221 @@
+"""asyncio support: await transfers on an event loop without a thread or polling per request.
+
+``await req`` works on every :class:`hixl.TransferReq` (``transfer_async``, ``put_async`` /
+``get_async``, the strided variants). It returns ``None`` when the request completed and
+raises its error otherwise (:class:`hixl.Timeout` past its deadline, :class:`hixl.Failed`,
+...), like ``req.result()`` after ``req.wait()``.
+
+How it waits: the extension keeps one completion queue per process with one eventfd. A request
+that is awaited asks to have a token queued there when it settles; every event loop that awaits
+hixl requests watches that descriptor (``loop.add_reader``) and, when it becomes readable,
+drains the tokens and resolves their futures (on their own loop, if several loops in several
+threads await). One descriptor, no thread, no polling. A request's deadline is a timer on its
+loop.
+
+Cancelling a task that awaits a request abandons the wait, not the transfer: its bytes may
+already be on the wire, so the request runs to its end and its status stays available
+(``req.status()``, ``req.wait()``); awaiting it again is allowed.
+
+The helpers below add what an event loop needs beyond ``await req``: ``submit`` (and
+``transfer``, ``put``, ``get``, ``put_strided``, ``get_strided``) wait for room when the link's
+request queue is full instead of raising :class:`hixl.ResourceExhausted`, and ``connect`` runs
+a blocking connect off the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ._errors import HixlError, ResourceExhausted
+from ._hixl import (
+    Hixl,
+    NotifyDesc,
+    StridedDesc,
+    TransferOp,
+    TransferReq,
+    _completion_fd,
+    _drain_completions,
+)
+
+__all__ = ["connect", "get", "get_strided", "put", "put_strided", "submit", "transfer", "wait"]
+
+_tokens = itertools.count(1)
+_lock = threading.Lock()
+#: token -> (loop, future, request) of every request being awaited.
+_waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[None], TransferReq]] = {}
+#: Per loop: an event set whenever a request settles (room may have opened in a queue).
+_room: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Event] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _finish(fut: asyncio.Future[None], req: TransferReq) -> None:
+    """Resolves `fut` from the settled request (on the future's own loop)."""
+    if fut.done():
+        return
+    try:
+        req.result()
+    except HixlError as exc:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(None)
+
+
+def _drain(loop: asyncio.AbstractEventLoop) -> None:
+    """The descriptor is readable: resolve every settled request, each on its own loop."""
+    tokens = _drain_completions()
+    for token in tokens:
+        with _lock:
+            entry = _waiting.pop(token, None)
+        if entry is None:
+            continue  # reported by a request whose waiter has gone (cancelled, or it settled first)
+        owner, fut, req = entry
+        if owner is loop:
+            _finish(fut, req)
+        elif not owner.is_closed():
+            owner.call_soon_threadsafe(_finish, fut, req)
+    if tokens:
+        for other, room in list(_room.items()):
+            if other is loop:
+                room.set()
+            elif not other.is_closed():
+                other.call_soon_threadsafe(room.set)
+
+
+def _room_event(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+    """This loop's room event; the first call also starts watching the descriptor."""
+    room = _room.get(loop)
+    if room is None:
+        room = asyncio.Event()
+        _room[loop] = room
+        loop.add_reader(_completion_fd(), _drain, loop)
+    return room
+
+
+def _expire(token: int) -> None:
+    """The request's deadline passed: `status()` turns it into TIMEOUT, which reports it."""
+    with _lock:
+        entry = _waiting.get(token)
+    if entry is not None:
+        _, fut, req = entry
+        if int(req.status()) != 0:  # no longer WAITING
+            with _lock:
+                _waiting.pop(token, None)
+            _finish(fut, req)
+
+
+async def wait(req: TransferReq) -> None:
+    """Waits for `req` on the running loop; what ``await req`` does. Returns None when it
+    completed, raises its error otherwise."""
+    loop = asyncio.get_running_loop()
+    _room_event(loop)
+    fut: asyncio.Future[None] = loop.create_future()
+    token = next(_tokens)
+    with _lock:
+        _waiting[token] = (loop, fut, req)
+    if not req._report(token):  # settled already
+        with _lock:
+            _waiting.pop(token, None)
+        _finish(fut, req)
+        return await fut
+    timer = loop.call_later(req._seconds_left() + 0.001, _expire, token)
+    try:
+        return await fut
+    finally:
+        timer.cancel()
+        with _lock:
+            _waiting.pop(token, None)
+
+
+async def submit(
+    call: Callable[..., TransferReq], *args: Any, room_timeout_ms: float | None = None, **kw: Any
+) -> None:
+    """Calls ``call(*args, **kw)`` (an engine's ``*_async`` method) and awaits the request.
+    While the link's request queue is full (ResourceExhausted), waits on the loop for another
+    request to settle and tries again, for up to `room_timeout_ms` (default: the engine's
+    ``hixl.transfer_timeout_ms``, 10 s unless set), then raises that ResourceExhausted."""
+    loop = asyncio.get_running_loop()
+    room = _room_event(loop)
+    deadline: float | None = None
+    while True:
+        room.clear()
+        try:
+            req = call(*args, **kw)
+        except ResourceExhausted:
+            if deadline is None:
+                wait_s = 10.0 if room_timeout_ms is None else room_timeout_ms / 1000
+                deadline = time.monotonic() + wait_s
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            try:
+                await asyncio.wait_for(room.wait(), timeout=min(left, 0.05))
+            except TimeoutError:
+                pass  # a request settled elsewhere (sync waits) does not set the event
+            continue
+        await wait(req)
+        return
+
+
+async def transfer(
+    engine: Hixl,
+    remote: str,
+    op: TransferOp,
+    descs: Any,
+    *,
+    notify: NotifyDesc | None = None,
+    timeout_ms: float | None = None,
+) -> None:
+    """``transfer_async`` awaited, waiting for queue room instead of raising."""
+    await submit(engine.transfer_async, remote, op, descs, notify=notify, timeout_ms=timeout_ms)
+
+
+async def put(
+    engine: Hixl, remote: str, local: int, remote_addr: int, n: int, timeout_ms: float | None = None
+) -> None:
+    """One-sided WRITE of `n` bytes, awaited (``put_async``)."""
+    await submit(engine.put_async, remote, local, remote_addr, n, timeout_ms=timeout_ms)
+
+
+async def get(
+    engine: Hixl, remote: str, local: int, remote_addr: int, n: int, timeout_ms: float | None = None
+) -> None:
+    """One-sided READ of `n` bytes, awaited (``get_async``)."""
+    await submit(engine.get_async, remote, local, remote_addr, n, timeout_ms=timeout_ms)
+
+
+async def put_strided(
+    engine: Hixl,
+    remote: str,
+    local: int,
+    remote_addr: int,
+    desc: StridedDesc,
+    timeout_ms: float | None = None,
+) -> None:
+    """Strided WRITE, awaited (``put_strided_async``)."""
+    await submit(engine.put_strided_async, remote, local, remote_addr, desc, timeout_ms=timeout_ms)
+
+
+async def get_strided(
+    engine: Hixl,
+    remote: str,
+    local: int,
+    remote_addr: int,
+    desc: StridedDesc,
+    timeout_ms: float | None = None,
+) -> None:
+    """Strided READ, awaited (``get_strided_async``)."""
+    await submit(engine.get_strided_async, remote, local, remote_addr, desc, timeout_ms=timeout_ms)
+
+
+async def connect(engine: Hixl, remote: str, timeout_ms: float | None = None) -> None:
+    """``engine.connect`` without blocking the loop: it runs on the loop's default executor
+    (a connect is rare and slow; transfers never take this path)."""
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, lambda: engine.connect(remote, timeout_ms=timeout_ms))
