@@ -620,3 +620,45 @@ def test_directory_is_the_region_that_names_itself_and_the_rank(ranks, kv) -> No
         attacker.put(real.address, forged.ctypes.data, big.addr, HEADER, 5000)
     with pytest.raises(hixl.LLMError, match="refusing to guess"):
         hixl.link([{"cluster_id": 0, "address": real.address}])
+
+
+def test_kv_tasks_and_layers_are_awaitable(ranks, kv) -> None:
+    """asyncio: `await syncer.wait_sync_async()` follows a layerwise pull without blocking the
+    loop, and `await task` returns the task's result (or raises its LLMError)."""
+    import asyncio
+
+    shape = (16, 2, 16, 16, 8, 64)  # 16 layers of 512 KiB
+    prompt = ranks(0, "prompt")
+    prompt.ok("alloc", name="kv", shape=shape, dtype="float16", seed=13)
+    kv(cluster_id=1, role="decoder", peers={0: prompt.address})
+    local = hixl.allocate_cache(np.zeros(shape, DT), name="kv")
+
+    async def main() -> tuple[list[int], int]:
+        syncer = hixl.LayerSynchronizer(16, sync_interval=4)
+        task = hixl.transfer_cache_async(0, local, syncer, mode="pull")
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.ensure_future(ticker())
+        seen: list[int] = []
+        while not seen or seen[-1] < 16:
+            seen.append(await syncer.wait_sync_async(timeout_ms=30_000))
+            n = seen[-1]
+            assert local.array[:n].tobytes() == filled(shape, 13)[:n].tobytes()
+        res = await task
+        assert res.bytes == local.nbytes
+        with pytest.raises(hixl.Timeout):
+            await hixl.LayerSynchronizer(2).wait_layer_async(1, timeout_ms=50)
+        t.cancel()
+        return seen, ticks
+
+    seen, ticks = asyncio.run(main())
+    steps = zip([0, *seen], seen, strict=False)
+    assert seen[-1] == 16 and all(b - a >= 4 or b == 16 for a, b in steps)
+    assert ticks > len(seen), "the loop kept running while the layers arrived"
+    assert local.array.tobytes() == filled(shape, 13).tobytes()

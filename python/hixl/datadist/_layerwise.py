@@ -3,6 +3,7 @@ producer starts sending layer k as soon as it has computed it."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import deque
@@ -10,6 +11,7 @@ from collections import deque
 from .._errors import HixlError, ParamInvalid
 from .._errors import Timeout as HixlTimeout
 from .._hixl import NotifyDesc, TransferOp
+from .._wakers import Wakers
 from ._cache import Cache
 from ._context import context
 from ._errors import LLMError
@@ -52,6 +54,7 @@ class LayerSynchronizer:
         self._error: BaseException | None = None
         #: monotonic times per event ("ready", "arrived") and layer, for timelines.
         self.times: dict[str, dict[int, float]] = {"ready": {}, "arrived": {}}
+        self._wakers = Wakers()  # asyncio waiters (wait_sync_async, wait_layer_async)
 
     def get_current_layer(self) -> int:
         with self._cond:
@@ -84,6 +87,35 @@ class LayerSynchronizer:
             self._synced = max(self._synced, got)
         return got
 
+    async def _wait_for_async(self, count: int, timeout_ms: float | None) -> int:
+        fut = self._wakers.add(lambda: self._current >= count)
+        with self._cond:
+            self._wakers.wake(lambda: self._current, self._error)  # it may hold already
+        try:
+            limit = None if timeout_ms is None else timeout_ms / 1000
+            return int(await asyncio.wait_for(fut, limit))
+        except TimeoutError:
+            raise HixlTimeout(
+                f"{self.get_current_layer()} of {self.total_layers} layers present "
+                f"after {timeout_ms} ms, waiting for {count}"
+            ) from None
+
+    async def wait_sync_async(self, timeout_ms: float | None = None) -> int:
+        """``wait_sync`` for an asyncio event loop: awaits without blocking the loop (the
+        thread that records the layers wakes it)."""
+        with self._cond:
+            target = min(self.total_layers, self._synced + self.sync_interval)
+        got = await self._wait_for_async(target, timeout_ms)
+        with self._cond:
+            self._synced = max(self._synced, got)
+        return got
+
+    async def wait_layer_async(self, layer: int, timeout_ms: float | None = None) -> None:
+        """``wait_layer`` for an asyncio event loop."""
+        if not 0 <= layer < self.total_layers:
+            raise ParamInvalid(f"layer={layer} is out of range 0..{self.total_layers - 1}")
+        await self._wait_for_async(layer + 1, timeout_ms)
+
     def wait_layer(self, layer: int, timeout_ms: float | None = None) -> None:
         """Blocks until layer `layer` (and every one before it) is present."""
         if not 0 <= layer < self.total_layers:
@@ -106,6 +138,7 @@ class LayerSynchronizer:
         while self._current < self.total_layers and self._present[self._current]:
             self._current += 1
         self._cond.notify_all()
+        self._wakers.wake(lambda: self._current)
 
     def _arrive(self, layer: int) -> None:
         with self._cond:
@@ -116,6 +149,7 @@ class LayerSynchronizer:
         with self._cond:
             self._error = err
             self._cond.notify_all()
+        self._wakers.wake(lambda: None, err)
 
     def _take_ready(self, timeout_s: float) -> int | None:
         with self._cond:

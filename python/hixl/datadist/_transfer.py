@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +14,7 @@ import numpy as np
 from .._errors import HixlError, ParamInvalid, Status
 from .._errors import Timeout as HixlTimeout
 from .._hixl import NotifyDesc, TransferOp, TransferReq, TransferStatus
+from .._wakers import Wakers
 from ._cache import Cache, CacheInfo, block_runs
 from ._context import Context, context
 from ._errors import LLM_SUCCESS, LLM_TOO_LARGE, LLMError
@@ -83,6 +84,7 @@ class TransferTask:
         self.result = TransferResult(per_rank={r: TransferResult() for r in ranks})
         self.layer_times: dict[str, dict[int, float]] = {}
         self._done = threading.Event()
+        self._wakers = Wakers()  # asyncio waiters (`await task`)
         self._body = body
         self._t0 = time.perf_counter()
         if run_async:
@@ -105,6 +107,7 @@ class TransferTask:
             for r in self.result.per_rank.values():
                 r.elapsed_s = r.elapsed_s or self.result.elapsed_s
             self._done.set()
+            self._wakers.wake(lambda: None)
 
     def _raise_if_sync(self, cfg: TransferConfig) -> TransferTask:
         """A synchronous call has already run the body: it raises the error right away."""
@@ -125,6 +128,18 @@ class TransferTask:
 
     def is_done(self) -> bool:
         return self._done.is_set()
+
+    def __await__(self) -> Generator[Any, None, TransferResult]:
+        """``await task``: waits on the running asyncio loop (the task's own thread wakes it)
+        and returns its TransferResult or raises its LLMError, like ``wait()``."""
+        return self._wait_async().__await__()
+
+    async def _wait_async(self) -> TransferResult:
+        fut = self._wakers.add(self._done.is_set)
+        if self._done.is_set():
+            self._wakers.wake(lambda: None)
+        await fut
+        return self.wait(0)
 
     def wait(self, timeout_ms: float | None = None) -> TransferResult:
         """Waits for the end (at most `timeout_ms`; the task's own requests always end within
