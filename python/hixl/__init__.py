@@ -6,7 +6,7 @@ target runs no application code. See README.md for the full API, options and sta
 
 from __future__ import annotations
 
-from . import aio, kv
+from . import aio, kv, metrics
 from ._errors import (
     AlreadyConnected,
     Failed,
@@ -111,6 +111,7 @@ __all__ = [
     "get_log_level",
     "aio",
     "kv",
+    "metrics",
     "option_keys",
     "hixl_option_keys",
     "set_log_level",

@@ -84,6 +84,16 @@ impl Completer {
     /// Settles a request once all its I/O has stopped: counts it, logs it (DEBUG), wakes waiters
     /// and releases its pinned regions.
     pub(crate) fn settle(&self, req: &Arc<Request>, to: TransferStatus, err: Option<Error>) {
+        let backend = self.backend.get().copied().unwrap_or(self.default_backend);
+        if req.account(backend) {
+            self.count(req, to, err.as_ref(), backend);
+        }
+        req.settle(to, err);
+        req.release_pins();
+    }
+
+    /// Counts a request once in its peer's stats and logs it (DEBUG).
+    fn count(&self, req: &Request, to: TransferStatus, err: Option<&Error>, backend: &'static str) {
         let ok = to == TransferStatus::Completed;
         let latency = req.started.elapsed();
         // A notification was delivered: sent alone (no descriptors) or after a transfer's data.
@@ -91,9 +101,10 @@ impl Completer {
             self.stats.notifies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         if req.descs > 0 {
-            self.stats.record(req.op, req.bytes, ok, latency);
+            let failed = (!ok).then(|| err.map_or(crate::error::Status::Failed, |e| e.status));
+            self.stats.record(req.op, req.bytes, failed, latency);
         }
-        let backend = self.backend.get().copied().unwrap_or(self.default_backend);
+        self.stats.in_flight.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         // Source and destination of the first segment, the way the data flowed.
         let (local, remote) = req.first_addrs;
         let (src, dst) = if req.op == TransferOp::Write { (local, remote) } else { (remote, local) };
@@ -102,8 +113,6 @@ impl Completer {
             src = %format_args!("0x{src:x}"), dst = %format_args!("0x{dst:x}"),
             latency_us = latency.as_micros() as u64, status = ?to, "transfer done"
         );
-        req.settle(to, err);
-        req.release_pins();
     }
 }
 

@@ -32,6 +32,7 @@ mod complete;
 mod engine;
 mod error;
 pub mod log;
+pub mod metrics;
 mod notify;
 mod options;
 mod queue;
@@ -49,7 +50,7 @@ pub use options::compat::{CompatKey, COMPAT as HIXL_OPTIONS};
 pub use options::{keys as option_keys, OptionSpec, SPECS as OPTIONS};
 pub use queue::{CompletionQueue, NotifyDesc, Request, TransferOp, TransferStatus};
 pub use registry::{Access, MemType};
-pub use stats::LatencySummary;
+pub use stats::{LatencySummary, LATENCY_BUCKETS_US};
 pub use transport::shm::{host_id, SharedMem};
 pub use wire::Domain;
 

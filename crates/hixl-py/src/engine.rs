@@ -22,7 +22,7 @@ use crate::types::{
 /// The engine: one per process is typical.
 #[pyclass(frozen, module = "hixl._hixl", subclass)]
 pub struct Hixl {
-    engine: Arc<Engine>,
+    pub(crate) engine: Arc<Engine>,
     keep: Mutex<HashMap<(u64, u64), KeepAlive>>,
     /// Requests not yet reported final by the no-argument `get_transfer_status()`.
     unreported: Mutex<Vec<Py<TransferReq>>>,

@@ -40,6 +40,20 @@ fn option_keys() -> Vec<(&'static str, &'static str, &'static str)> {
     hixl_core::option_keys()
 }
 
+/// Prometheus text exposition (format 0.0.4) of `engines` (engines not initialized, or
+/// finalized, are left out); every engine's peers past the `max_peers` that moved the most
+/// bytes are summed under `peer="_other"`. `hixl.metrics.serve` serves it over HTTP.
+#[pyfunction]
+#[pyo3(signature = (engines, max_peers = 32))]
+fn metrics_text(py: Python<'_>, engines: Vec<PyRef<'_, engine::Hixl>>, max_peers: usize) -> String {
+    let cores: Vec<_> = engines.iter().map(|e| e.engine.clone()).collect();
+    py.allow_threads(|| {
+        let snaps: Vec<_> =
+            cores.iter().filter_map(|e| hixl_core::metrics::EngineMetrics::of(e).ok()).collect();
+        hixl_core::metrics::render(&snaps, max_peers)
+    })
+}
+
 /// Internal (hixl.aio): the completion queue's file descriptor, readable while tokens wait.
 #[pyfunction]
 fn _completion_fd() -> PyResult<i32> {
@@ -131,6 +145,7 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(option_keys, m)?)?;
     m.add_function(wrap_pyfunction!(hixl_option_keys, m)?)?;
     m.add_function(wrap_pyfunction!(_completion_fd, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics_text, m)?)?;
     m.add_function(wrap_pyfunction!(_drain_completions, m)?)?;
     m.add_function(wrap_pyfunction!(status_codes, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_states, m)?)?;

@@ -121,6 +121,21 @@ impl TransferReq {
     fn _seconds_left(&self) -> f64 {
         self.req.deadline().saturating_duration_since(Instant::now()).as_secs_f64()
     }
+    /// What happened to the request, once it has ended (None while in flight): a dict with
+    /// `backend` (the one that carried it), `duration_us` (from submission until its I/O
+    /// ended), `bytes`, `descs` (descriptors as given), `status` and `retries` (always 0: hixl
+    /// does not retry a request).
+    fn telemetry<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, pyo3::types::PyDict>>> {
+        let Some((backend, took)) = self.req.telemetry() else { return Ok(None) };
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("backend", backend)?;
+        d.set_item("duration_us", took.as_secs_f64() * 1e6)?;
+        d.set_item("bytes", self.req.bytes)?;
+        d.set_item("descs", self.req.descs)?;
+        d.set_item("status", TransferStatus::from(self.req.status()))?;
+        d.set_item("retries", 0)?;
+        Ok(Some(d))
+    }
     /// Current status without waiting.
     fn status(&self) -> TransferStatus {
         self.req.status().into()

@@ -81,7 +81,14 @@ impl Engine {
         let req = Request::new(id, op, remote.to_string(), bytes, descs, n, timeout, pins, notify);
         let req = Arc::new(req.with_first_addrs(local, remote_addr));
         let parts: Vec<Part> = bodies.into_iter().map(|body| Part { req: req.clone(), body }).collect();
+        let stats = conn.link.stats();
+        stats.in_flight.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = conn.link.submit(parts, extra) {
+            // Refused before any backend took it: not counted as an operation, no longer in
+            // flight (unless a part reached the completer, which counted it).
+            if req.account(conn.link.backend()) {
+                stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+            }
             req.settle(TransferStatus::Failed, Some(e.clone()));
             req.release_pins();
             return Err(e);
@@ -267,11 +274,24 @@ impl Engine {
                     notifies: l(&s.notifies),
                     direct_parts: l(&s.direct_parts),
                     latency: s.latency(),
+                    in_flight: s.in_flight.load(Ordering::Relaxed),
+                    errors_by_status: crate::Status::ALL
+                        .iter()
+                        .zip(&s.errors_by_status)
+                        .map(|(st, n)| (*st, l(n)))
+                        .collect(),
+                    latency_buckets: s.latency_buckets.iter().map(l).collect(),
+                    latency_sum_us: l(&s.latency_sum_us),
                 });
             }
         }
         out.sort_by(|a, b| a.peer.cmp(&b.peer));
         Ok(out)
+    }
+
+    /// Bytes of memory registered (every region's length).
+    pub fn registered_bytes(&self) -> Result<u64> {
+        Ok(self.running()?.registry.total_bytes())
     }
 
     /// Number of registered regions.

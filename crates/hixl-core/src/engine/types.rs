@@ -95,6 +95,15 @@ pub struct PeerSnapshot {
     pub direct_parts: u64,
     /// Latency of recent requests.
     pub latency: LatencySummary,
+    /// Requests submitted and not settled yet.
+    pub in_flight: i64,
+    /// Failed requests by status (every status of [`Status::ALL`](crate::Status::ALL), in order).
+    pub errors_by_status: Vec<(crate::Status, u64)>,
+    /// Completed requests per latency bucket: the bounds of
+    /// [`LATENCY_BUCKETS_US`](crate::LATENCY_BUCKETS_US), then +Inf (not cumulative).
+    pub latency_buckets: Vec<u64>,
+    /// Sum of the completed requests' latencies, in microseconds.
+    pub latency_sum_us: u64,
 }
 
 /// A region a peer registered, as [`Engine::remote_regions`](crate::Engine::remote_regions) shows it.

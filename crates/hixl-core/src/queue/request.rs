@@ -1,7 +1,7 @@
 //! One user transfer in flight: its parts' count, its one atomic state, its waiters, its pins,
 //! and the completion queue it reports to when an event loop awaits it.
 
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -38,6 +38,10 @@ pub struct Request {
     sleepers: AtomicUsize,
     /// Where to report settling, with the token to report (set once, by `report_to`).
     report: OnceLock<(Arc<CompletionQueue>, u64)>,
+    /// Set when its link's completer has counted it (stats, in flight): exactly once.
+    accounted: AtomicBool,
+    /// The backend that carried it and when its I/O ended (for telemetry).
+    ended: OnceLock<(&'static str, Instant)>,
 }
 
 impl Request {
@@ -74,6 +78,8 @@ impl Request {
             wake: Condvar::new(),
             sleepers: AtomicUsize::new(0),
             report: OnceLock::new(),
+            accounted: AtomicBool::new(false),
+            ended: OnceLock::new(),
         }
     }
 
@@ -189,6 +195,22 @@ impl Request {
         won
     }
 
+    /// The completer's once-only claim to count the request in its peer's stats; true the
+    /// first time. Also records the backend and the end time for telemetry.
+    pub(crate) fn account(&self, backend: &'static str) -> bool {
+        let first = !self.accounted.swap(true, Ordering::AcqRel);
+        if first {
+            let _ = self.ended.set((backend, Instant::now()));
+        }
+        first
+    }
+
+    /// The backend that carried it and how long it took from submission until its I/O ended
+    /// (None while in flight).
+    pub fn telemetry(&self) -> Option<(&'static str, Duration)> {
+        self.ended.get().map(|(b, t)| (*b, t.saturating_duration_since(self.started)))
+    }
+
     /// Asks for `token` to be queued on `q` when the request settles (at most once per
     /// request; a second call is ignored). Returns false when it has settled already: then the
     /// token may or may not be queued, and the caller should not wait for it.
@@ -231,4 +253,3 @@ impl Request {
         self.pins.lock().unwrap().clear();
     }
 }
-

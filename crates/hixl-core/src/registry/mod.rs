@@ -389,6 +389,11 @@ impl Registry {
         Some(Delta { version: map.version, added: added.into_values().collect(), removed })
     }
 
+    /// Bytes of all regions together.
+    pub fn total_bytes(&self) -> u64 {
+        self.map.read().unwrap().by_addr.values().map(|r| r.len).sum()
+    }
+
     /// Number of regions.
     pub fn len(&self) -> usize {
         self.map.read().unwrap().by_addr.len()

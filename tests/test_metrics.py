@@ -1,0 +1,139 @@
+"""Metrics: the Prometheus endpoint scraped over real HTTP and parsed with prometheus_client,
+its figures held to what the test moved; the peer-label cap; per-request telemetry."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+import hixl
+import hixl.metrics
+
+parser = pytest.importorskip("prometheus_client.parser")
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        body = r.read().decode()
+    out = {}
+    for fam in parser.text_string_to_metric_families(body):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` whose labels include `labels`."""
+    want = set(labels.items())
+    hits = [v for (n, ls), v in samples.items() if n == name and want <= ls]
+    assert hits, f"no sample {name} {labels}"
+    return sum(hits)
+
+
+def test_scraped_metrics_match_what_moved(make_peer) -> None:
+    peer = make_peer(1 << 16)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp"})
+    srv = hixl.metrics.serve(e)
+    try:
+        assert srv.url.startswith("http://127.0.0.1:")
+        e.connect(peer.engine, timeout_ms=5000)
+        src = np.ones(1 << 16, np.uint8)
+        h = e.register(src)
+        for i in range(10):
+            e.put(peer.engine, src.ctypes.data, peer.addr + i * 4096, 4096)
+        reqs = [e.get_async(peer.engine, src.ctypes.data, peer.addr, 8192) for _ in range(3)]
+        for r in reqs:
+            assert r.wait(5000) == hixl.TransferStatus.COMPLETED
+        # One failure the target reports: its memory is gone.
+        assert int(peer.cmd("map_named", "gone", 8192)) > 0
+        gone = e.remote_region(peer.engine, "gone").addr
+        assert peer.cmd("unmap_named", "gone") == "OK"
+        with pytest.raises(hixl.ParamInvalid):
+            e.put(peer.engine, src.ctypes.data, gone, 4096)
+
+        s = scrape(srv.url)
+        lab = {"engine": e.local_engine, "peer": peer.engine, "backend": "tcp"}
+        assert value(s, "hixl_link_up", **lab) == 1
+        assert value(s, "hixl_bytes_total", op="write", **lab) == 10 * 4096
+        assert value(s, "hixl_bytes_total", op="read", **lab) == 3 * 8192
+        assert value(s, "hixl_operations_total", op="write", **lab) == 10
+        assert value(s, "hixl_operations_total", op="read", **lab) == 3
+        assert value(s, "hixl_errors_total", status="PARAM_INVALID", **lab) == 1
+        assert value(s, "hixl_errors_total", status="TIMEOUT", **lab) == 0
+        assert value(s, "hixl_requests_in_flight", **lab) == 0
+        assert value(s, "hixl_request_duration_seconds_count", **lab) == 13
+        assert value(s, "hixl_request_duration_seconds_bucket", le="+Inf", **lab) == 13
+        assert value(s, "hixl_request_duration_seconds_sum", **lab) > 0
+        assert value(s, "hixl_registered_bytes", engine=e.local_engine) == h.len
+        assert value(s, "hixl_registered_regions", engine=e.local_engine) == 1
+        assert value(s, "hixl_peers", engine=e.local_engine) == 1
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(srv.url.replace("/metrics", "/other"), timeout=10)
+        assert err.value.code == 404
+    finally:
+        srv.close()
+        e.finalize()
+
+
+def test_peer_labels_are_capped_and_the_rest_summed(make_peer) -> None:
+    peers = [make_peer(1 << 16) for _ in range(4)]
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp"})
+    try:
+        src = np.ones(1 << 16, np.uint8)
+        e.register(src)
+        for k, p in enumerate(peers):
+            e.connect(p.engine, timeout_ms=5000)
+            for _ in range(k + 1):  # peer k moved (k + 1) x 4 KiB
+                e.put(p.engine, src.ctypes.data, p.addr, 4096)
+        text = hixl.metrics.text(e, max_peers=2)
+        s = {}
+        for fam in parser.text_string_to_metric_families(text):
+            for smp in fam.samples:
+                s[(smp.name, frozenset(smp.labels.items()))] = smp.value
+        labelled = {dict(ls)["peer"] for (n, ls) in s if n == "hixl_link_up"}
+        assert labelled == {peers[3].engine, peers[2].engine, "_other"}, labelled
+        assert value(s, "hixl_link_up", peer="_other") == 2
+        assert value(s, "hixl_bytes_total", op="write", peer="_other") == (1 + 2) * 4096
+        assert value(s, "hixl_bytes_total", op="write") == (1 + 2 + 3 + 4) * 4096
+        assert value(s, "hixl_peers") == 4
+    finally:
+        e.finalize()
+
+
+def test_a_request_reports_its_telemetry_once_it_ended(make_peer) -> None:
+    peer = make_peer(1 << 16)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": "shm"})
+    try:
+        e.connect(peer.engine, timeout_ms=5000)
+        src = np.ones(1 << 16, np.uint8)
+        e.register(src)
+        descs = [(src.ctypes.data + i * 4096, peer.addr + i * 8192, 4096) for i in range(4)]
+        req = e.transfer_async(peer.engine, hixl.TransferOp.WRITE, descs)
+        assert req.wait(5000) == hixl.TransferStatus.COMPLETED
+        t = req.telemetry()
+        assert t is not None
+        assert (t["backend"], t["bytes"], t["descs"], t["retries"]) == ("shm", 16384, 4, 0)
+        assert t["status"] == hixl.TransferStatus.COMPLETED and t["duration_us"] > 0
+        # A request still in flight has none yet.
+        e2 = hixl.Hixl()
+        e2.initialize("127.0.0.1", {"hixl.backends": "tcp"})
+        try:
+            e2.connect(peer.engine, timeout_ms=5000)
+            e2.register(src)
+            with peer.stopped():
+                slow = e2.put_async(peer.engine, src.ctypes.data, peer.addr, 4096)
+                assert slow.telemetry() is None
+            assert slow.wait(5000) == hixl.TransferStatus.COMPLETED
+            assert slow.telemetry()["backend"] == "tcp"
+        finally:
+            e2.finalize()
+    finally:
+        e.finalize()
