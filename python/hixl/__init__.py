@@ -36,10 +36,11 @@ from ._hixl import (
     __version__,
     get_log_level,
     hixl_option_keys,
+    log_dropped,
     option_keys,
-    set_log_level,
 )
 from ._layout import KVLayout, aligned_empty
+from ._logging import set_log_level
 from .datadist import (
     Cache,
     LayerSynchronizer,
@@ -109,6 +110,7 @@ __all__ = [
     "__version__",
     "aligned_empty",
     "get_log_level",
+    "log_dropped",
     "aio",
     "kv",
     "metrics",

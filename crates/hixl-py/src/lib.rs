@@ -16,6 +16,21 @@ fn set_log_level(level: &str) -> PyResult<()> {
     hixl_core::log::set_level(level).map_err(errors::to_py)
 }
 
+/// Internal (hixl._logging): the log records queued now (waiting up to `max_wait_ms` for the
+/// first), as (level 0 ERROR..3 DEBUG, target, message); GIL released while waiting.
+#[pyfunction]
+fn _log_take(py: Python<'_>, max_wait_ms: u64) -> Vec<(u8, String, String)> {
+    let q = hixl_core::log::init_queue();
+    let records = py.allow_threads(|| q.take(std::time::Duration::from_millis(max_wait_ms)));
+    records.into_iter().map(|r| (r.level, r.target, r.message)).collect()
+}
+
+/// Log records lost because Python did not take them in time (the queue holds 4096).
+#[pyfunction]
+fn log_dropped() -> u64 {
+    hixl_core::log::init_queue().dropped()
+}
+
 /// The current log level.
 #[pyfunction]
 fn get_log_level() -> &'static str {
@@ -129,8 +144,9 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::TransferOp>()?;
     m.add_class::<types::TransferStatus>()?;
     m.add_class::<types::AsyncConnectStatus>()?;
-    // Python programs get hixl's stderr logger (HIXL_LOG_LEVEL); Rust hosts choose their own.
-    hixl_core::log::init();
+    // Python programs get hixl's records in Python's `hixl` logger (hixl._logging drains the
+    // queue); Rust hosts choose their own subscriber.
+    hixl_core::log::init_queue();
     m.add_class::<types::MemDesc>()?;
     m.add_class::<types::RemoteRegion>()?;
     m.add_class::<types::TransferOpDesc>()?;
@@ -146,6 +162,8 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hixl_option_keys, m)?)?;
     m.add_function(wrap_pyfunction!(_completion_fd, m)?)?;
     m.add_function(wrap_pyfunction!(metrics_text, m)?)?;
+    m.add_function(wrap_pyfunction!(_log_take, m)?)?;
+    m.add_function(wrap_pyfunction!(log_dropped, m)?)?;
     m.add_function(wrap_pyfunction!(_drain_completions, m)?)?;
     m.add_function(wrap_pyfunction!(status_codes, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_states, m)?)?;

@@ -219,6 +219,7 @@ impl Engine {
     /// deregisters all memory. Later calls fail; a second finalize is a no-op.
     pub fn finalize(&self) -> Result<()> {
         let Some(r) = self.state.lock().unwrap().take() else { return Ok(()) };
+        tracing::info!(engine = %r.local_engine, "engine finalizing");
         self.finalized.store(true, Ordering::Release);
         let slots: Vec<_> = {
             let mut peers = r.peers.lock().unwrap();
