@@ -813,7 +813,8 @@ impl Hixl {
     ///   not yet reported are dropped.)
     ///
     /// A WAITING request past its deadline reports TIMEOUT. Raises `ParamInvalid` when a list
-    /// holds something other than a `TransferReq`. Does not block.
+    /// holds something other than a `TransferReq` (`TypeError` for an argument that is neither
+    /// a request nor iterable). Does not block.
     #[pyo3(signature = (req = None))]
     fn get_transfer_status(&self, py: Python<'_>, req: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
         let Some(req) = req else {
