@@ -11,7 +11,8 @@ mod types;
 use pyo3::prelude::*;
 
 /// Sets the level of hixl's log (stderr) for this process: `level` is "DEBUG", "INFO",
-/// "WARN" or "ERROR" (`ParamInvalid` otherwise). The start level comes from `HIXL_LOG_LEVEL`.
+/// "WARN" (or "WARNING") or "ERROR", in any case (`ParamInvalid` otherwise). The start level
+/// comes from `HIXL_LOG_LEVEL` (default WARN).
 #[pyfunction]
 fn set_log_level(level: &str) -> PyResult<()> {
     hixl_core::log::set_level(level).map_err(errors::to_py)
