@@ -148,7 +148,7 @@ impl Hixl {
     /// Starts the engine: a listener for peers (unless client only) and its threads.
     ///
     /// Arguments:
-    /// - `local_engine` (str): "ip:port" (also "[v6]:port" or "host:port") to listen there; port 0
+    /// - `local_engine` (str): "ip:port" (also `"[v6]:port"` or "host:port") to listen there; port 0
     ///   takes a free port, which the `local_engine` property then reports. An IP address alone
     ///   ("10.0.0.5", "::1") makes a client-only engine: it connects to others, nobody connects to
     ///   it, and its id is "ip#pid".
