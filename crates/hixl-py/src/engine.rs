@@ -27,8 +27,8 @@ use crate::types::{
 /// exceptions through. Every method may be called from any thread. The calls that can block,
 /// wait or copy release the GIL; the waits of `connect`, `transfer_sync`, `put`/`get`, the
 /// strided calls, `wait_notifies` and `TransferReq.wait` also check for Ctrl-C every 50 ms
-/// (`KeyboardInterrupt`). Any call before `initialize`, after `finalize`, or in a `fork()`ed
-/// child of the process that initialized it raises `Failed`.
+/// (`KeyboardInterrupt`). A call that uses the engine before `initialize`, after `finalize`,
+/// or in a `fork()`ed child of the process that initialized it raises `Failed`.
 ///
 /// `timeout_ms` arguments are milliseconds (int or float, >= 0); more than a year means a year,
 /// and a negative, NaN or infinite value raises `ParamInvalid`. Left out (None), a call takes
