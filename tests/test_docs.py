@@ -4,12 +4,14 @@ the engine's default."""
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
 import hixl
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+API = Path(__file__).resolve().parent.parent / "docs" / "API.md"
 
 
 def test_readme_has_a_row_per_option_with_its_default() -> None:
@@ -36,3 +38,40 @@ def test_readme_has_a_row_per_hixl_option_key_with_what_it_does() -> None:
     text = README.read_text()
     for key, effect in hixl.hixl_option_keys():
         assert f"| `{key}` | {effect} |" in text, f"README lacks the row of HIXL's {key}"
+
+
+def _public_hixl_members() -> list[str]:
+    return sorted(n for n in dir(hixl.Hixl) if not n.startswith("_"))
+
+
+def _in_reference(name: str, text: str) -> bool:
+    """Whether `name` (bare, or as hixl.name / Hixl.name) is a word of a heading of the API
+    reference or of a span in backticks (`e.get` does not count for `get`)."""
+    word = re.compile(rf"(?<![\w.])(?:hixl\.)?(?:Hixl\.)?{re.escape(name)}(?!\w)")
+    if any(line.startswith("#") and word.search(line) for line in text.splitlines()):
+        return True
+    return any(word.search(span) for span in re.findall(r"`([^`\n]+)`", text))
+
+
+def test_api_reference_covers_every_hixl_method_and_every_exported_name() -> None:
+    """docs/API.md is held to the code: a method of Hixl or a name in hixl.__all__ that is
+    added without an entry there fails here."""
+    text = API.read_text()
+    missing = [f"Hixl.{n}" for n in _public_hixl_members() if not _in_reference(n, text)]
+    missing += [n for n in hixl.__all__ if not _in_reference(n, text)]
+    assert not missing, f"docs/API.md does not mention: {missing}"
+
+
+def test_every_hixl_method_has_a_docstring_that_names_its_arguments() -> None:
+    """help(hixl.Hixl.<method>) says more than one line and names each argument."""
+    short, unnamed = [], []
+    for name in _public_hixl_members():
+        member = getattr(hixl.Hixl, name)
+        doc = member.__doc__ or ""
+        if len([line for line in doc.strip().splitlines() if line.strip()]) < 2:
+            short.append(name)
+        if callable(member):
+            params = [p for p in inspect.signature(member).parameters if p != "self"]
+            unnamed += [f"{name}({p})" for p in params if not re.search(rf"\b{p}\b", doc)]
+    assert not short, f"Hixl methods whose docstring is one line or none: {short}"
+    assert not unnamed, f"docstrings that do not mention these arguments: {unnamed}"

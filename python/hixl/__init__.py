@@ -1,7 +1,10 @@
 """hixl: one-sided, batched, zero-copy transfers between processes and hosts.
 
 Engines register memory and then READ or WRITE each other's registered memory in batches; the
-target runs no application code. See README.md for the full API, options and status codes.
+target runs no application code. ``docs/API.md`` in the repository is the API reference (every
+call, its arguments, defaults, errors and GIL behaviour); ``help(hixl.Hixl)`` and the
+docstrings of each method say the same. README.md has the options, status codes and the
+KV-cache layer.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from ._hixl import (
     hixl_option_keys,
     log_dropped,
     option_keys,
+    status_codes,
+    transfer_states,
 )
 from ._layout import KVLayout, aligned_empty
 from ._logging import set_log_level
@@ -115,6 +120,8 @@ __all__ = [
     "kv",
     "metrics",
     "option_keys",
+    "status_codes",
+    "transfer_states",
     "hixl_option_keys",
     "set_log_level",
 ]

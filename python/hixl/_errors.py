@@ -6,7 +6,9 @@ from enum import IntEnum
 
 
 class Status(IntEnum):
-    """Status codes of the public contract."""
+    """Status codes of the public contract: an ``IntEnum`` whose values are the numbers
+    ``HixlError.code`` carries. ``hixl._hixl.status_codes()`` is their one definition (the
+    engine's); this enum mirrors it."""
 
     SUCCESS = 0
     PARAM_INVALID = 103900
@@ -20,7 +22,9 @@ class Status(IntEnum):
 
 
 class HixlError(Exception):
-    """Base of every hixl error; ``.code`` is the numeric status, ``.status`` the enum."""
+    """Base of every hixl error; ``.code`` is the numeric status, ``.status`` the ``Status``
+    member and ``.message`` the text (which names the value that was wrong). ``str(err)`` is
+    ``"NAME (code): message"``. Catch ``HixlError`` for any failure of the engine."""
 
     status: Status = Status.FAILED
 
@@ -30,6 +34,7 @@ class HixlError(Exception):
 
     @property
     def code(self) -> int:
+        """The numeric status code (``int(self.status)``), e.g. 103900 for ``ParamInvalid``."""
         return int(self.status)
 
     def __str__(self) -> str:
@@ -37,49 +42,58 @@ class HixlError(Exception):
 
 
 class ParamInvalid(HixlError, ValueError):
-    """A value passed in is wrong; the message names it."""
+    """PARAM_INVALID (103900), also a ``ValueError``: a value passed in is wrong (a bad
+    argument, option, address or range, a range outside the registered regions, a WRITE into
+    a read-only region); the message names it."""
 
     status = Status.PARAM_INVALID
 
 
 class Timeout(HixlError, TimeoutError):
-    """The peer did not answer within the timeout."""
+    """TIMEOUT (103901), also a ``TimeoutError``: a deadline passed (a connect nobody
+    answered, a transfer's deadline, ``send_notify`` or ``wait_notifies`` waiting too long)."""
 
     status = Status.TIMEOUT
 
 
 class NotConnected(HixlError, ConnectionError):
-    """No usable link to the peer."""
+    """NOT_CONNECTED (103902), also a ``ConnectionError``: no usable link to the peer (never
+    connected, disconnected, or the link died), or a connect failed other than by a timeout."""
 
     status = Status.NOT_CONNECTED
 
 
 class AlreadyConnected(HixlError):
-    """A second connect to the same peer."""
+    """ALREADY_CONNECTED (103903): a connect to a peer that has a live link, or whose connect
+    is still in progress."""
 
     status = Status.ALREADY_CONNECTED
 
 
 class NotifyFailed(HixlError):
-    """A notification could not be delivered."""
+    """NOTIFY_FAILED (103904): a notification could not be delivered (the link died or lost
+    it)."""
 
     status = Status.NOTIFY_FAILED
 
 
 class Unsupported(HixlError):
-    """Memory type or backend not available on this machine."""
+    """UNSUPPORTED (103905): a memory type or backend not available here (``MemType.DEVICE``,
+    a non-CPU tensor, no backend of ``hixl.backends`` that can reach the peer)."""
 
     status = Status.UNSUPPORTED
 
 
 class ResourceExhausted(HixlError):
-    """A bounded resource (request queue, notify buffer) is full."""
+    """RESOURCE_EXHAUSTED (203900): a bounded resource is full (a link's request queue, the
+    peer's pending notifications, the region table)."""
 
     status = Status.RESOURCE_EXHAUSTED
 
 
 class Failed(HixlError):
-    """Anything else, including use after finalize."""
+    """FAILED (503900): anything else, including use before ``initialize``, after
+    ``finalize`` or after ``fork()``, and requests failed because the engine was finalized."""
 
     status = Status.FAILED
 
@@ -88,5 +102,6 @@ _BY_CODE = {cls.status: cls for cls in HixlError.__subclasses__()}
 
 
 def error_for(code: int, message: str) -> HixlError:
-    """Builds the exception class that belongs to ``code``."""
+    """Builds an instance of the exception class that belongs to ``code`` (``Failed`` for a
+    code without a class of its own), with ``message``."""
     return _BY_CODE.get(Status(code), Failed)(message)

@@ -21,6 +21,15 @@ def aligned_empty(
 
     numpy's own allocations are often only 16-byte aligned; strided transfers need bases that
     are multiples of 64 bytes (see ``hixl.strict_alignment``).
+
+    Args:
+        shape: an int or a tuple of non-negative ints, as for ``numpy.empty``.
+        dtype: any numpy dtype (default ``"uint8"``).
+        alignment: a power of two, in bytes (default 4096).
+
+    Returns a C-contiguous, writable array (a view of a slightly larger buffer, which it keeps
+    alive); register it with ``Hixl.register``. Raises ``ParamInvalid`` for an alignment that
+    is not a positive power of two or a shape that is not non-negative ints.
     """
     import numpy as np
 
@@ -47,6 +56,12 @@ class KVLayout:
     Each head row holds ``head_dim`` values and is padded to a power of two of at least 64
     bytes (head_dim 96 in float16: 192 bytes used, stride 256), so every row starts on a
     64-byte boundary. The descriptors move only the used bytes of each row, never the padding.
+
+    ``KVLayout(num_layers, num_kv_heads, head_dim, dtype, block_tokens, num_blocks)``: every
+    count a positive int (``ParamInvalid`` otherwise), ``dtype`` any numpy dtype. It is a
+    frozen dataclass that only computes offsets: ``array()``/``empty()`` allocate, the
+    ``*_desc`` methods return ``(byte offset, StridedDesc)`` to add to both registered bases,
+    and raise ``ParamInvalid`` for a layer, head or block out of range. Also ``hixl.kv.KVLayout``.
     """
 
     num_layers: int
@@ -64,6 +79,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
+        """Bytes of one ``dtype`` element."""
         import numpy as np
 
         return int(np.dtype(self.dtype).itemsize)
@@ -80,18 +96,22 @@ class KVLayout:
 
     @property
     def token_stride(self) -> int:
+        """Bytes from one token to the next (all KV heads of it, padded rows)."""
         return self.num_kv_heads * self.head_stride
 
     @property
     def block_stride(self) -> int:
+        """Bytes from one block to the next (``block_tokens`` tokens)."""
         return self.block_tokens * self.token_stride
 
     @property
     def kv_stride(self) -> int:
+        """Bytes from a layer's K half to its V half (all blocks)."""
         return self.num_blocks * self.block_stride
 
     @property
     def layer_stride(self) -> int:
+        """Bytes from one layer to the next (K and V)."""
         return 2 * self.kv_stride
 
     @property
@@ -100,6 +120,7 @@ class KVLayout:
         return self.num_layers * self.layer_stride
 
     def rows_per_layer(self) -> int:
+        """Head rows in one layer: 2 (K, V) x blocks x block_tokens x kv_heads."""
         return 2 * self.num_blocks * self.block_tokens * self.num_kv_heads
 
     @property

@@ -142,7 +142,11 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for QueueLayer {
         let mut f = Fields::default();
         event.record(&mut f);
         let m = event.metadata();
-        self.0.push(Record { level: rank(m.level()), target: m.target().to_string(), message: f.message + &f.rest });
+        self.0.push(Record {
+            level: rank(m.level()),
+            target: m.target().to_string(),
+            message: f.message + &f.rest,
+        });
     }
 }
 

@@ -93,9 +93,10 @@ fn is_read_only_buffer(obj: &Bound<'_, PyAny>) -> bool {
     }
 }
 
-/// Engine-allocated shared memory as a Python buffer (what `Hixl.alloc` wraps in a numpy
-/// array). Every export holds a reference, so the mapping outlives deregistration while any
-/// array still uses it.
+/// Engine-allocated shared memory as a Python buffer: what `Hixl.alloc` returns (wrapped in a
+/// numpy uint8 array, or bare when numpy is missing). It exports a writable 1-D byte buffer;
+/// `addr` is its start address and `len()` its length (a multiple of 2 MiB). Every export holds
+/// a reference, so the mapping outlives deregistration while any array still uses it.
 #[pyclass(frozen, module = "hixl._hixl")]
 pub struct ShmBuffer {
     pub mem: std::sync::Arc<hixl_core::SharedMem>,

@@ -10,7 +10,9 @@ mod types;
 
 use pyo3::prelude::*;
 
-/// Sets the log level: "DEBUG", "INFO", "WARN" or "ERROR".
+/// Sets the level of hixl's log (stderr) for this process: `level` is "DEBUG", "INFO",
+/// "WARN" (or "WARNING") or "ERROR", in any case (`ParamInvalid` otherwise). The start level
+/// comes from `HIXL_LOG_LEVEL` (default WARN).
 #[pyfunction]
 fn set_log_level(level: &str) -> PyResult<()> {
     hixl_core::log::set_level(level).map_err(errors::to_py)
@@ -31,25 +33,28 @@ fn log_dropped() -> u64 {
     hixl_core::log::init_queue().dropped()
 }
 
-/// The current log level.
+/// The current level of hixl's log: "DEBUG", "INFO", "WARN" or "ERROR".
 #[pyfunction]
 fn get_log_level() -> &'static str {
     hixl_core::log::level()
 }
 
-/// The one definition of the status codes: list of (name, code).
+/// The one definition of hixl's status codes: a list of (name, code), SUCCESS first.
+/// `hixl.Status` and the exception classes carry the same codes.
 #[pyfunction]
 fn status_codes() -> Vec<(&'static str, u32)> {
     hixl_core::Status::ALL.iter().map(|s| (s.name(), s.code())).collect()
 }
 
-/// The one definition of the transfer states: list of (name, number).
+/// The one definition of the transfer states: a list of (name, number), as `TransferStatus`
+/// has them.
 #[pyfunction]
 fn transfer_states() -> Vec<(&'static str, u8)> {
     hixl_core::TransferStatus::ALL.iter().map(|s| (s.name(), *s as u8)).collect()
 }
 
-/// The documented option keys: list of (key, default, meaning).
+/// The engine's option keys, as `Hixl.initialize` takes them: a list of (key, default,
+/// meaning); an empty default means unset.
 #[pyfunction]
 fn option_keys() -> Vec<(&'static str, &'static str, &'static str)> {
     hixl_core::option_keys()

@@ -22,22 +22,23 @@ pub(crate) fn ms(name: &str, v: Option<f64>) -> PyResult<Option<Duration>> {
     }
 }
 
-/// A registered region.
+/// A region registered on this engine, as `Hixl.register_mem`, `Hixl.register` return it; pass
+/// it to `Hixl.deregister_mem`. Read-only attributes: `addr`, `len`, `id`, `mem_type`, `name`.
 #[pyclass(frozen, module = "hixl._hixl")]
 pub struct MemHandle {
-    /// Start address.
+    /// Start address of the region in this process.
     #[pyo3(get)]
     pub(crate) addr: u64,
-    /// Length in bytes.
+    /// Length of the region in bytes.
     #[pyo3(get)]
     pub(crate) len: u64,
-    /// Registry id.
+    /// The region's id in this engine's registry (the same range registered again: the same id).
     #[pyo3(get)]
     pub(crate) id: u64,
-    /// Memory type.
+    /// Where the memory lives (`MemType`).
     #[pyo3(get)]
     pub(crate) mem_type: MemType,
-    /// The name it was registered under (empty: none).
+    /// The name it was registered under ("": none).
     #[pyo3(get)]
     pub(crate) name: String,
 }
@@ -68,8 +69,13 @@ pub(crate) fn completions() -> PyResult<&'static Arc<hixl_core::CompletionQueue>
     Ok(QUEUE.get_or_init(|| q))
 }
 
-/// An asynchronous transfer. `wait()` blocks without the GIL; `await req` waits on an asyncio
-/// event loop.
+/// An asynchronous transfer, as `Hixl.transfer_async`, `put_async`, `get_async` and the strided
+/// async calls return it.
+///
+/// `wait()` blocks (GIL released, Ctrl-C checked) until it ends; `await req` waits on an
+/// asyncio event loop instead (see `hixl.aio`); `status()` looks without waiting; `result()`
+/// raises its error; `telemetry()` tells how it went. Attributes: `user_data`, `id`, `nbytes`. A request
+/// ends COMPLETED, FAILED or TIMEOUT (past its deadline) and never changes after that.
 #[pyclass(frozen, module = "hixl._hixl")]
 pub struct TransferReq {
     pub(crate) req: hixl_core::TransferReq,
@@ -101,7 +107,18 @@ pub(crate) fn wait_req(
 
 #[pymethods]
 impl TransferReq {
-    /// Waits up to `timeout_ms` (default: the request's own deadline); returns the status.
+    /// Waits until the request has ended, `timeout_ms` has passed, or its deadline has passed,
+    /// whichever comes first, and returns its `TransferStatus` then.
+    ///
+    /// Arguments:
+    /// - `timeout_ms` (float or None, default None): how long to wait at most, in milliseconds.
+    ///   None: until the request's own deadline (the `timeout_ms` it was submitted with). 0: the
+    ///   status now, without waiting.
+    ///
+    /// Returns WAITING only when `timeout_ms` ran out first; a request past its deadline is
+    /// TIMEOUT. Does not raise the request's error (see `result`). Raises `ParamInvalid` for a
+    /// negative or non-finite `timeout_ms`. Waits with the GIL released; Ctrl-C raises
+    /// `KeyboardInterrupt` within 50 ms (the transfer goes on).
     #[pyo3(signature = (timeout_ms = None))]
     fn wait(&self, py: Python<'_>, timeout_ms: Option<f64>) -> PyResult<TransferStatus> {
         wait_req(py, &self.req, ms("timeout_ms", timeout_ms)?)
@@ -136,25 +153,28 @@ impl TransferReq {
         d.set_item("retries", 0)?;
         Ok(Some(d))
     }
-    /// Current status without waiting.
+    /// The request's `TransferStatus` now, without waiting: WAITING, COMPLETED, FAILED, or
+    /// TIMEOUT (a request still WAITING past its deadline turns TIMEOUT here). Takes no arguments.
     fn status(&self) -> TransferStatus {
         self.req.status().into()
     }
-    /// Raises the request's error if it FAILED or timed out; returns None when COMPLETED.
+    /// Returns None when the request COMPLETED; otherwise raises, without waiting: the request's
+    /// error when it FAILED (`ParamInvalid`, `NotConnected`, `Failed`, ...) or timed out
+    /// (`Timeout`), and `Timeout` when it is still WAITING. Call `wait()` first. Takes no arguments.
     fn result(&self) -> PyResult<()> {
         self.req.result().map_err(to_py)
     }
-    /// The object passed as `user_data`.
+    /// The object passed as `user_data` when the request was made (None when none was).
     #[getter]
     fn user_data(&self, py: Python<'_>) -> Py<PyAny> {
         self.user_data.clone_ref(py)
     }
-    /// Request id.
+    /// The request's id, unique within its engine.
     #[getter]
     fn id(&self) -> u64 {
         self.req.id
     }
-    /// Bytes the request moves.
+    /// Bytes the request moves (the sum of its descriptors' lengths).
     #[getter]
     fn nbytes(&self) -> u64 {
         self.req.bytes

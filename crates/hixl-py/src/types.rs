@@ -22,7 +22,8 @@ pub fn uint(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
     }
 }
 
-/// Where memory lives.
+/// Where memory lives: `MemType.HOST` (this process's memory, the default) or `MemType.DEVICE`
+/// (accelerator memory; no backend serves it yet, so registering it raises `Unsupported`).
 #[pyclass(eq, eq_int, frozen, hash, module = "hixl._hixl")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 #[allow(clippy::upper_case_acronyms)]
@@ -49,7 +50,8 @@ impl From<hixl_core::MemType> for MemType {
     }
 }
 
-/// Direction of a transfer: READ copies remote -> local, WRITE local -> remote.
+/// Direction of a transfer: `TransferOp.READ` copies remote -> local, `TransferOp.WRITE`
+/// local -> remote. Both are one-sided: the peer runs no application code.
 #[pyclass(eq, eq_int, frozen, hash, module = "hixl._hixl")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 #[allow(clippy::upper_case_acronyms)]
@@ -67,7 +69,9 @@ impl From<TransferOp> for hixl_core::TransferOp {
     }
 }
 
-/// State of a transfer request.
+/// State of a transfer request: `WAITING` (0, in flight), `COMPLETED` (1, every byte is at its
+/// destination, and a notify attached to it delivered), `TIMEOUT` (2, its deadline passed) or
+/// `FAILED` (3, see `TransferReq.result()`). The numbers are HIXL's and the same in Rust.
 #[pyclass(eq, eq_int, frozen, hash, module = "hixl._hixl")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 #[allow(clippy::upper_case_acronyms)]
@@ -89,7 +93,9 @@ impl From<hixl_core::TransferStatus> for TransferStatus {
     }
 }
 
-/// State of a connect.
+/// State of a link, as `Hixl.get_async_connect_status` reports it: `NOT_CONNECT` (none:
+/// never connected, disconnected, or a synchronous connect failed), `CONNECTING`, `CONNECTED`
+/// (linked and alive) or `CONNECT_FAILED` (a `connect_async` failed, or the link died).
 #[pyclass(eq, eq_int, frozen, hash, module = "hixl._hixl")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 #[allow(clippy::upper_case_acronyms, non_camel_case_types)]
@@ -111,7 +117,9 @@ impl From<hixl_core::ConnectStatus> for AsyncConnectStatus {
     }
 }
 
-/// A memory range: `MemDesc(addr, length)`.
+/// A memory range: `MemDesc(addr, length)`, both ints >= 0 (`ParamInvalid`
+/// otherwise). What `Hixl.register_mem` takes and `Hixl.remote_mems` returns (there: a range
+/// in the peer's address space). Attributes `addr`, `len` and `length` (the same as `len`).
 #[pyclass(frozen, eq, hash, module = "hixl._hixl")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct MemDesc {
@@ -139,7 +147,9 @@ impl MemDesc {
     }
 }
 
-/// A region a peer registered, with its name, memory type and access.
+/// A region a peer registered, as `Hixl.remote_regions` and `Hixl.remote_region` return it:
+/// `addr` and `len` (also `length`) in the peer's address space, `name` ("": none),
+/// `mem_type`, and `writable` (False: registered read-only, so this engine may only READ it).
 #[pyclass(frozen, eq, hash, module = "hixl._hixl")]
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct RemoteRegion {
@@ -155,7 +165,7 @@ pub struct RemoteRegion {
     /// Its memory type (domain).
     #[pyo3(get)]
     pub mem_type: MemType,
-    /// Whether this engine may WRITE it.
+    /// Whether this engine may WRITE it (False: the peer registered it read-only).
     #[pyo3(get)]
     pub writable: bool,
 }
@@ -191,7 +201,11 @@ impl RemoteRegion {
     }
 }
 
-/// One descriptor: `TransferOpDesc(local_addr, remote_addr, length)`.
+/// One descriptor of a batch: `TransferOpDesc(local_addr, remote_addr, length)`, all ints >= 0
+/// (`ParamInvalid` otherwise): `length` bytes between `local_addr` (inside a region registered
+/// on this engine) and `remote_addr` (inside a region the peer registered). A plain
+/// `(local_addr, remote_addr, length)` tuple or an (N, 3) numpy array works as well. Attributes
+/// `local_addr`, `remote_addr`, `len` and `length` (the same as `len`).
 #[pyclass(frozen, eq, hash, module = "hixl._hixl")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TransferOpDesc {
@@ -239,14 +253,17 @@ impl From<TransferOpDesc> for hixl_core::TransferOpDesc {
     }
 }
 
-/// A notification: `NotifyDesc(name, msg)`.
+/// A notification: `NotifyDesc(name, msg="")`. `name` (str, at most 1,024 bytes) says what it
+/// is about, `msg` (str, at most 1 MiB) carries the message. Sent with `Hixl.send_notify` or
+/// attached to an async transfer (`notify=`), received with `Hixl.get_notifies` or
+/// `Hixl.wait_notifies`.
 #[pyclass(frozen, eq, hash, module = "hixl._hixl")]
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct NotifyDesc {
-    /// Name.
+    /// What it is about (receivers can wait for a name: `Hixl.wait_notifies(.., name=)`).
     #[pyo3(get)]
     pub name: String,
-    /// Message.
+    /// The message ("" by default).
     #[pyo3(get)]
     pub msg: String,
 }
@@ -275,21 +292,26 @@ impl From<hixl_core::NotifyDesc> for NotifyDesc {
     }
 }
 
-/// A strided descriptor: `StridedDesc(count, size, stride, remote_stride=None)`; element i is
-/// at `base + i * stride` (remote: `i * remote_stride`, default `stride`).
+/// A strided descriptor: `StridedDesc(count, size, stride, remote_stride=None)`, `count`
+/// elements of `size` bytes; element i is at `base + i * stride` locally and at
+/// `remote_base + i * remote_stride` at the peer (`remote_stride` None: `stride`), so a
+/// different `remote_stride` re-packs the layout on the way. All ints >= 0 (`ParamInvalid`
+/// otherwise). The transfer calls check the rules: count >= 1, size >= 1, strides >= size,
+/// bases and strides multiples of 64 bytes unless `hixl.strict_alignment=0`, and each side's
+/// whole range inside one registered region. `nbytes` is `count * size`.
 #[pyclass(frozen, eq, hash, module = "hixl._hixl")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct StridedDesc {
-    /// Elements.
+    /// Number of elements.
     #[pyo3(get)]
     pub count: u64,
     /// Bytes per element.
     #[pyo3(get)]
     pub size: u64,
-    /// Local distance between elements.
+    /// Bytes from one element to the next, locally.
     #[pyo3(get)]
     pub stride: u64,
-    /// Remote distance between elements (None: `stride`).
+    /// Bytes from one element to the next at the peer (None: `stride`).
     #[pyo3(get)]
     pub remote_stride: Option<u64>,
 }

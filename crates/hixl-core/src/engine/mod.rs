@@ -370,8 +370,9 @@ impl Engine {
         Ok(())
     }
 
-    /// The regions the peer has registered, as of the last region-table update this engine
-    /// received from it (the peer pushes one after every registration and deregistration).
+    /// The regions the peer has registered, by address: the peer's regions as of the last
+    /// region-table update this engine received (the whole table when the link was made, then
+    /// an update after every registration and deregistration; no round trip is made here).
     pub fn remote_mems(&self, remote: &str) -> Result<Vec<MemDesc>> {
         let r = self.running()?;
         let c = Self::conn(&r, remote)?;
@@ -379,8 +380,8 @@ impl Engine {
         Ok(table.regions().map(|r| MemDesc { addr: r.addr, len: r.len }).collect())
     }
 
-    /// The peer's regions with their names, domains and access, as of its last region-table
-    /// update.
+    /// The peer's regions with their names, domains and access, by address: the peer's regions
+    /// as of the last region-table update this engine received (see [`Engine::remote_mems`]).
     pub fn remote_regions(&self, remote: &str) -> Result<Vec<RemoteRegion>> {
         let r = self.running()?;
         let c = Self::conn(&r, remote)?;
@@ -388,9 +389,10 @@ impl Engine {
         Ok(table.regions().map(RemoteRegion::from).collect())
     }
 
-    /// The peer's region registered under `name`. A name not in this engine's copy of the
-    /// peer's table is asked for once (the peer may have registered it a moment ago);
-    /// PARAM_INVALID naming it when the peer has no such region.
+    /// The peer's region registered under `name`, looked up in the peer's regions as of the last
+    /// region-table update this engine received. A name not found there is asked for once (the
+    /// peer may have registered it a moment ago); PARAM_INVALID naming it when the peer has no
+    /// such region.
     pub fn remote_region(&self, remote: &str, name: &str) -> Result<RemoteRegion> {
         let r = self.running()?;
         let c = Self::conn(&r, remote)?;
