@@ -8,6 +8,7 @@ thousands of entries cost one array, not thousands of Python tuples.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -185,7 +186,16 @@ def _desc_array(descs: Any, width: int) -> npt.NDArray[np.uint64]:
         if descs.dtype.kind == "i" and descs.size and int(descs.min()) < 0:
             raise nixlInvalidParamError("descriptors must not be negative")
         return np.ascontiguousarray(descs, dtype=np.uint64)
-    rows = list(descs)
+    rows = descs if isinstance(descs, list) else list(descs)
+    first = rows[0] if rows else None
+    if width == 3 and isinstance(first, (tuple, list)) and len(first) == 3:
+        try:  # the fast path: numpy reads the integers in C (no pass over the tuples first)
+            flat = itertools.chain.from_iterable(rows)
+            fast = np.fromiter(flat, np.uint64, 3 * len(rows)).reshape(-1, 3)
+            if next(flat, None) is None:  # not more numbers than 3 a row
+                return fast
+        except (OverflowError, ValueError, TypeError):
+            pass  # the loop below names the bad descriptor
     out = np.empty((len(rows), 3), np.uint64)
     for i, d in enumerate(rows):
         if not isinstance(d, (tuple, list)) or len(d) != width:
