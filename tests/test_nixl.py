@@ -436,12 +436,35 @@ def test_metadata_from_real_nixl_or_garbage_is_refused(agents):
             a.add_remote_agent(junk)
     with pytest.raises(nixl.nixlInvalidParamError, match="must be bytes"):
         a.add_remote_agent(12345)  # type: ignore[arg-type]
-    real = pytest.importorskip("nixl._api", reason="the real NIXL is not installed")
-    if getattr(sys.modules.get("nixl"), "__hixl__", False):
-        pytest.skip("`nixl` is hixl's shim here")
-    other = real.nixl_agent("real-nixl", real.nixl_agent_config(backends=["UCX"]))
+    # Metadata a real NIXL 1.5.1 agent (UCX backend, one DRAM region) wrote, kept verbatim.
+    real = (HERE / "nixl-1.5.1-agent.md").read_bytes()
+    with pytest.raises(nixl.nixlInvalidParamError, match="real NIXL agent") as e:
+        a.add_remote_agent(real)
+    assert "[hixl PARAM_INVALID 103900]" in str(e.value)
+    assert not a.check_remote_metadata("real-nixl-agent")
+
+
+@pytest.mark.skipif(
+    not os.environ.get("HIXL_TEST_NIXL_PYTHON"),
+    reason="set HIXL_TEST_NIXL_PYTHON to an interpreter with the real NIXL installed",
+)
+def test_metadata_from_a_live_real_nixl_agent_is_refused(agents):
+    prog = (
+        "import sys\n"
+        "from nixl._api import nixl_agent, nixl_agent_config\n"
+        "a = nixl_agent('live-nixl', nixl_agent_config(backends=['UCX']))\n"
+        "sys.stdout.write('MD ' + a.get_agent_metadata().hex() + '\\n')\n"
+    )
+    r = subprocess.run(
+        [os.environ["HIXL_TEST_NIXL_PYTHON"], "-c", prog],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    md = bytes.fromhex(next(x for x in r.stdout.splitlines() if x.startswith("MD "))[3:])
     with pytest.raises(nixl.nixlInvalidParamError, match="real NIXL agent"):
-        a.add_remote_agent(other.get_agent_metadata())
+        agents("reader").add_remote_agent(md)
 
 
 def test_partial_metadata_and_refresh(agents):

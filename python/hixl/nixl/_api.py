@@ -76,6 +76,7 @@ REFUSED_BACKENDS = {
     "OBJ": "object storage",
     "HF3FS": "3FS storage",
     "GUSLI": "block storage",
+    "INFINIA": "object storage",
     "AZURE_BLOB": "object storage",
     "GPUNETIO": "GPU-initiated networking (device memory)",
 }
