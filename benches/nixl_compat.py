@@ -122,7 +122,7 @@ def measure(impl: str, nblk: int, iters: int) -> dict[str, float]:
         target.wait(30)
 
 
-POLL_S = 2e-4  # how often a program checks a transfer's state
+POLL_S = 2e-4  # how often a program checks a transfer's state (--poll-us)
 
 
 def transfers(
@@ -188,7 +188,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=None, help="timed runs per row (default 15)")
     ap.add_argument("--nixl-python", help="an interpreter with the real NIXL installed")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument(
+        "--poll-us", type=float, default=200.0, help="check_xfer_state interval (default 200)"
+    )
     a = ap.parse_args()
+    global POLL_S
+    POLL_S = a.poll_us / 1e6
     if a.serve:
         serve(a.serve[0], int(a.serve[1]))
         return
@@ -200,6 +205,7 @@ def main() -> None:
     res = {"hixl": measure("hixl", nblk, iters)}
     if a.nixl_python:
         cmd = [a.nixl_python, __file__, "--measure", "nixl", "--iters", str(iters)]
+        cmd += ["--poll-us", str(a.poll_us)]
         out = subprocess.run(
             cmd + (["--quick"] if a.quick else []), capture_output=True, text=True, timeout=900
         )
@@ -212,7 +218,9 @@ def main() -> None:
     def col(d: dict[str, float], k: str) -> str:
         return f"{d[k]:.2f}" if k in d else "-"
 
-    print(f"{nblk} x 16 KiB, scattered, same host; medians of {iters}; polls every 200 us")
+    print(
+        f"{nblk} x 16 KiB, scattered, same host; medians of {iters}; polls every {a.poll_us:g} us"
+    )
     print("| row | hixl.nixl | real NIXL 1.5.1 (UCX) |")
     print("|---|---|---|")
     for row, k in (
