@@ -421,6 +421,10 @@ def test_memory_types_and_backends(agents):
     with pytest.raises(nixl.nixlNotSupportedError, match="etcd"):
         a.fetch_remote_metadata("x")
     assert a.query_memory([(0x1000, 4096, 0, "")], "UCX", "DRAM") == [None]
+    rd = a.get_remote_descs([(0x1000, 4096, 0, "peer")], "VRAM")
+    assert rd[0] == (0x1000, 4096, 0, "peer")
+    with pytest.raises(nixl.nixlNotSupportedError, match="memory views"):
+        a.prep_mem_view(rd)
     none = agents("nobackend", nixl_agent_config(backends=[]))
     with pytest.raises(nixl.nixlNotFoundError, match="no backend"):
         none.prep_xfer_dlist("NIXL_INIT_AGENT", [], "DRAM")

@@ -46,6 +46,7 @@ from ._bindings import (
     nixlNotSupportedError,
     nixlRegDList,
     nixlRemoteDisconnectError,
+    nixlRemoteDList,
     nixlRepostActiveError,
     nixlXferDList,
     nixlXferTelemetry,
@@ -156,7 +157,8 @@ class nixl_agent_config:
 
     ``enable_prog_thread``, ``num_threads`` and ``capture_telemetry`` are accepted and ignored
     (hixl's engine always progresses on its own threads, and telemetry is always kept).
-    ``listen_port=0`` lets the OS choose the port of the listen thread; the chosen one is
+    ``sync_mode`` is accepted and ignored (every agent call is thread-safe). ``listen_port`` is
+    the listen thread's port (NIXL's default 8888); 0 lets the OS choose, and the chosen one is
     ``agent.listen_port``. ``hixl_listen`` ("ip:port") is where the hixl engine listens
     (default ``$HIXL_NIXL_LISTEN`` or ``127.0.0.1:0``), ``hixl_options`` are engine options.
     """
@@ -165,10 +167,11 @@ class nixl_agent_config:
         self,
         enable_prog_thread: bool = True,
         enable_listen_thread: bool = False,
-        listen_port: int = 0,
+        listen_port: int = DEFAULT_COMM_PORT,
         capture_telemetry: Any = False,
         num_threads: int = 0,
         backends: Sequence[str] | None = None,
+        sync_mode: Any = None,
         *,
         hixl_listen: str | None = None,
         hixl_options: dict[str, str | int | bool] | None = None,
@@ -181,6 +184,7 @@ class nixl_agent_config:
         self.port = int(listen_port)
         self.capture_telemetry = bool(capture_telemetry)
         self.num_threads = int(num_threads)
+        self.sync_mode = sync_mode
         self.hixl_listen = hixl_listen
         self.hixl_options = dict(hixl_options or {})
 
@@ -319,6 +323,8 @@ class nixl_agent:
 
         if not conf.enable_pthread:
             self._ignore("enable_prog_thread=False (hixl always progresses on its own threads)")
+        if conf.sync_mode is not None:
+            self._ignore(f"sync_mode={conf.sync_mode!r} (every call is thread-safe)")
         if conf.num_threads:
             self._ignore(f"num_threads={conf.num_threads} (set hixl options instead)")
         wanted = list(self.plugin_list) if instantiate_all else list(conf.backends)
@@ -511,6 +517,25 @@ class nixl_agent:
         """A registration descriptor list from 4-tuples (with mem_type), an Nx3 array (with
         mem_type), a tensor or array, a list of them, or such a list."""
         return self._descs(descs, mem_type, reg=True)  # type: ignore[no-any-return]
+
+    def get_remote_descs(self, descs: Any, mem_type: str | None = None) -> nixlRemoteDList:
+        """(addr, len, dev_id, agent name) 4-tuples; only prep_mem_view takes them."""
+        if isinstance(descs, nixlRemoteDList):
+            return descs
+        if mem_type is None:
+            raise nixlInvalidParamError("a memory type is needed for a list of tuples")
+        if descs and len(descs[0]) != 4:
+            raise nixlInvalidParamError("4-tuples (addr, len, dev_id, agent_name) needed")
+        return nixlRemoteDList(mem_type, list(descs))
+
+    def prep_mem_view(self, dlist: Any, *, backends: Any = None) -> int:
+        raise nixlNotSupportedError(
+            "prep_mem_view: memory views are for device (VRAM) memory and NIXL's GPU device "
+            "API; hixl has neither yet"
+        )
+
+    def release_mem_view(self, mvh: int) -> None:
+        raise nixlNotSupportedError("release_mem_view: hixl makes no memory views")
 
     def get_serialized_descs(self, descs: Any) -> bytes:
         if not isinstance(descs, (nixlXferDList, nixlRegDList)):

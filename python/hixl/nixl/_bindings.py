@@ -42,9 +42,24 @@ MEM_TYPES = {
 NIXL_READ = 0
 NIXL_WRITE = 1
 
+# Status values and thread-sync modes, with NIXL's numbers.
 NIXL_IN_PROG = 1
 NIXL_SUCCESS = 0
+NIXL_ERR_NOT_POSTED = -1
+NIXL_ERR_INVALID_PARAM = -2
+NIXL_ERR_BACKEND = -3
+NIXL_ERR_NOT_FOUND = -4
+NIXL_ERR_MISMATCH = -5
+NIXL_ERR_NOT_ALLOWED = -6
+NIXL_ERR_REPOST_ACTIVE = -7
+NIXL_ERR_UNKNOWN = -8
+NIXL_ERR_NOT_SUPPORTED = -9
 NIXL_COST_ANALYTICAL_BACKEND = 0
+NIXL_THREAD_SYNC_NONE = 0
+NIXL_THREAD_SYNC_STRICT = 1
+NIXL_THREAD_SYNC_RW = 2
+NIXL_THREAD_SYNC_DEFAULT = 0
+HAVE_UCX_GPU_DEVICE_API = False
 
 
 class nixlError(RuntimeError):
@@ -347,6 +362,22 @@ class nixlRegDList(_DList):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, ("r", self._seg, self.arr.tobytes(), list(self.meta)))
+
+
+class nixlRemoteDList(_DList):
+    """Remote descriptors: (address, length, device id, remote agent name) each; only for
+    NIXL's device memory views, which hixl refuses (prep_mem_view)."""
+
+    _width = 4
+
+    def __init__(self, type: Any, descs: Any = 0) -> None:  # noqa: A002
+        super().__init__(type, descs)
+        n = self.descCount()
+        self.agents: list[str] = [""] * n if isinstance(descs, int) else [str(d[3]) for d in descs]
+
+    def __getitem__(self, i: int) -> tuple[int, int, int, str]:
+        a, n, d = self.arr[i]
+        return int(a), int(n), int(d), self.agents[i]
 
 
 def _meta_bytes(m: Any) -> bytes:
