@@ -176,7 +176,7 @@ class nixl_agent_config:
         hixl_listen: str | None = None,
         hixl_options: dict[str, str | int | bool] | None = None,
     ) -> None:
-        if isinstance(capture_telemetry, (list, tuple)):  # NIXL < 0.6 order: (..., backends)
+        if isinstance(capture_telemetry, (list, tuple)):  # older NIXL order: (..., backends)
             backends, capture_telemetry = capture_telemetry, False
         self.backends = list(backends) if backends is not None else ["UCX"]
         self.enable_pthread = bool(enable_prog_thread)
@@ -565,7 +565,7 @@ class nixl_agent:
         backends: Any = None,
         is_sorted: Any = None,
     ) -> nixlRegDList:
-        if isinstance(backends, bool):  # NIXL < 0.6 order: (reg_list, mem_type, is_sorted, ...)
+        if isinstance(backends, bool):  # older NIXL order: (reg_list, mem_type, is_sorted, ...)
             backends, is_sorted = is_sorted, backends
         self._check_backends(backends)
         descs = self.get_reg_descs(reg_list, mem_type)
@@ -893,7 +893,7 @@ class nixl_agent:
         backends: Any = None,
         is_sorted: Any = None,
     ) -> nixl_prepped_dlist_handle:
-        if isinstance(backends, bool):  # NIXL < 0.6 order: (..., mem_type, is_sorted, backends)
+        if isinstance(backends, bool):  # older NIXL order: (..., mem_type, is_sorted, backends)
             backends, is_sorted = is_sorted, backends
         self._check_backends(backends)
         self._need_backend()
