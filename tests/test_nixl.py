@@ -276,6 +276,70 @@ def test_vllm_nixl_connector_sequence(agents):
     decode.release_dlist_handle(dst_h)
 
 
+def test_nixl_example_call_sequence(agents):
+    """The calls of NIXL's published nixl_api_example.py: malloc'd buffers described by tuples
+    (with the older is_sorted arguments), descriptor lists from tuples and from an N x 3 array,
+    READ posted twice on one handle, serialized descriptors in a notification, a prepped
+    WRITE with swapped indices, completion seen on both sides, and teardown."""
+    from hixl.nixl import _utils
+
+    size = 256
+    target = agents("target", nixl_agent_config(backends=["UCX"]))
+    init = agents("initiator", None)
+    a1, a3 = _utils.malloc_passthru(2 * size), _utils.malloc_passthru(2 * size)
+    try:
+        t_bytes = np.frombuffer(_utils.ba_buf(a1, 2 * size), np.uint8)
+        i_bytes = np.frombuffer(_utils.ba_buf(a3, 2 * size), np.uint8)
+        t_bytes[:] = seeded((2 * size,), 21)
+        i_bytes[:] = 0
+        t_tuples = [(a1, size, 0), (a1 + size, size, 0)]
+        t_reg = target.get_reg_descs([(a1, size, 0, "a"), (a1 + size, size, 0, "b")], "DRAM", True)
+        t_xfer = target.get_xfer_descs(t_tuples, "DRAM", is_sorted=True)
+        assert t_xfer == target.get_xfer_descs(np.array(t_tuples), "DRAM")
+        assert target.register_memory(t_reg) is not None
+        i_reg = init.get_reg_descs([(a3, size, 0, "a"), (a3 + size, size, 0, "b")], "DRAM")
+        i_xfer = init.get_xfer_descs([(a3, size, 0), (a3 + size, size, 0)], "DRAM")
+        assert init.register_memory(i_reg, is_sorted=True) is not None
+        name = init.add_remote_agent(target.get_agent_metadata())
+        assert name == b"target"
+        serdes = target.get_serialized_descs(t_reg)
+        assert init.deserialize_descs(serdes) == t_reg
+        h1 = init.initialize_xfer("READ", i_xfer, t_xfer, name, b"UUID1")
+        assert h1
+        for _ in range(2):  # one handle, posted twice
+            i_bytes[:] = 0
+            assert init.transfer(h1) != "ERR"
+            assert wait_done(init, h1) == "DONE"
+            until(lambda: target.check_remote_xfer_done("initiator", b"UUID1"), "UUID1")
+            assert np.array_equal(i_bytes, t_bytes)
+        lp = init.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", [(a3, size, 0), (a3 + size, size, 0)], "DRAM", True
+        )
+        rp = init.prep_xfer_dlist(name, t_xfer, "DRAM")
+        empty = init.prep_xfer_dlist("NIXL_INIT_AGENT", [], "DRAM")
+        assert lp and rp and empty and lp != 0
+        note = b"DESCS: " + serdes
+        init.send_notif(name, note)
+        until(lambda: note in target.get_new_notifs().get("initiator", []), "the DESCS notif")
+        i_bytes[:] = seeded((2 * size,), 22)
+        h2 = init.make_prepped_xfer("WRITE", lp, [0, 1], rp, [1, 0], b"UUID2")
+        assert init.transfer(h2) != "ERR"
+        assert wait_done(init, h2) == "DONE"
+        until(lambda: target.check_remote_xfer_done("initiator", b"UUID2"), "UUID2")
+        assert np.array_equal(t_bytes[:size], i_bytes[size:])
+        assert np.array_equal(t_bytes[size:], i_bytes[:size])
+        for h in (h1, h2):
+            init.release_xfer_handle(h)
+        for d in (lp, rp, empty):
+            init.release_dlist_handle(d)
+        init.remove_remote_agent("target")
+        target.deregister_memory(t_reg)
+        init.deregister_memory(i_reg)
+    finally:
+        _utils.free_passthru(a1)
+        _utils.free_passthru(a3)
+
+
 def test_8192_prepped_descriptors_with_index_selection(agents):
     """8192-entry prepped lists, a random selection of half of them, WRITE; bytes compared."""
     n, size = 8192, 512
@@ -398,10 +462,10 @@ def test_memory_types_and_backends(agents):
     assert any("GDS" in w for w in a.ignored) and any("NOPE" in w for w in a.ignored)
     assert list(a.backends) == ["UCX"]
     assert "UCX" in a.get_plugin_list() and "GDS" not in a.get_plugin_list()
-    assert a.get_plugin_mem_types("UCX") == ["DRAM"]
+    assert a.get_plugin_mem_types("UCX") == ["DRAM_SEG"]
     assert a.get_plugin_mem_types("GDS") == []
     assert a.get_backend_params("UCX")["hixl.backends"] == "auto"
-    assert a.get_backend_mem_types("UCX") == ["DRAM"]
+    assert a.get_backend_mem_types("UCX") == ["DRAM_SEG"]
     with pytest.raises(nixl.nixlNotFoundError, match="GPUDirect Storage"):
         a.create_backend("GDS")
     with pytest.raises(nixl.nixlNotFoundError, match="no plugin named 'UVX'"):

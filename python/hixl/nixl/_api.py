@@ -228,7 +228,9 @@ class nixl_prepped_dlist_handle:
         self._agent, self.remote, self.addrs, self.lens = agent, remote, addrs, lens
         self._released = False
 
-    def __len__(self) -> int:
+    @property
+    def count(self) -> int:
+        """Descriptors in the list (no __len__: an empty list's handle must stay truthy)."""
         return int(self.addrs.shape[0])
 
     def release(self) -> None:
@@ -236,7 +238,7 @@ class nixl_prepped_dlist_handle:
 
     def __repr__(self) -> str:
         side = "local" if self.remote is None else f"remote {self.remote!r}"
-        n = len(self)
+        n = self.count
         return f"nixl_prepped_dlist_handle({side}, {n} descriptors, released={self._released})"
 
 
@@ -400,7 +402,7 @@ class nixl_agent:
 
     def get_plugin_mem_types(self, backend: str) -> list[str]:
         if backend in NETWORK_BACKENDS:
-            return ["DRAM"]
+            return ["DRAM_SEG"]
         log.warning("Plugin %s is not available to get its supported mem types.", backend)
         return []
 
@@ -443,7 +445,7 @@ class nixl_agent:
                     f"{NETWORK_BACKENDS[first]!r} (from {first}); {want!r} not applied"
                 )
         self.backends[backend] = len(self.backends) + 1
-        self.backend_mems[backend] = ["DRAM"]
+        self.backend_mems[backend] = ["DRAM_SEG"]
         self.backend_options[backend] = {"hixl.backends": want, "hixl.engine": self._addr}
 
     # --- descriptors ----------------------------------------------------------------------
@@ -945,9 +947,9 @@ class nixl_agent:
                 f"{li.shape[0]} local and {ri.shape[0]} remote indices: counts differ"
             )
         for idx, h, side in ((li, loc, "local"), (ri, rem, "remote")):
-            if idx.shape[0] and (int(idx.min()) < 0 or int(idx.max()) >= len(h)):
+            if idx.shape[0] and (int(idx.min()) < 0 or int(idx.max()) >= h.count):
                 raise nixlInvalidParamError(
-                    f"{side} index out of range (list has {len(h)} descriptors)"
+                    f"{side} index out of range (list has {h.count} descriptors)"
                 )
         lens = loc.lens[li]
         rlens = rem.lens[ri]
