@@ -377,6 +377,29 @@ def _rows(arr: np.ndarray) -> list[tuple[int, int, int]]:
     return [(arr.ctypes.data + i * n, n, 0) for i in range(arr.shape[0])]
 
 
+def test_a_plain_hixl_engine_reaches_an_agent(agents):
+    """An agent's engine is an ordinary hixl engine: a plain hixl.Hixl that knows its address
+    (it is in the metadata) writes the agent's registered memory and notifies it; the
+    notification appears under its hixl name."""
+    a = agents("plain-target")
+    buf = np.zeros(4096, np.uint8)
+    a.register_memory(buf)
+    engine_addr = json.loads(a.get_agent_metadata()[len(b"HIXLNIXL1\n") :])["engine"]
+    assert engine_addr == a.engine.local_engine
+    src = seeded((4096,), 30)
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1")
+        e.register(src)
+        e.connect(engine_addr, timeout_ms=10000)
+        e.transfer_sync(
+            engine_addr, hixl.TransferOp.WRITE, [(src.ctypes.data, buf.ctypes.data, 4096)]
+        )
+        e.send_notify(engine_addr, hixl.NotifyDesc("plain", "héllo"), timeout_ms=10000)
+        got = until(lambda: a.get_new_notifs(), "the plain engine's notification")
+    assert got == {"plain": ["héllo".encode()]}
+    assert np.array_equal(buf, src)
+
+
 def test_loopback_and_nixl_utils(agents):
     """NIXL's loopback mode (the remote side prepared with the agent's own name), on memory
     from nixl._utils' malloc_passthru."""
