@@ -400,6 +400,63 @@ def test_a_plain_hixl_engine_reaches_an_agent(agents):
     assert np.array_equal(buf, src)
 
 
+class _Device:
+    def __init__(self, kind: str) -> None:
+        self.type = kind
+
+    def __str__(self) -> str:
+        return self.type if self.type == "cpu" else f"{self.type}:0"
+
+
+class FakeTensor:
+    """Stands in for a torch tensor (torch is not a test dependency): the attributes hixl.nixl
+    and hixl's engine read, over a numpy array."""
+
+    __module__ = "torch"
+
+    def __init__(self, arr: np.ndarray, device: str = "cpu") -> None:
+        self.arr, self.device = arr, _Device(device)
+
+    def data_ptr(self) -> int:
+        return int(self.arr.ctypes.data)
+
+    def untyped_storage(self) -> np.ndarray:
+        return self.arr
+
+    def numel(self) -> int:
+        return int(self.arr.size)
+
+    def element_size(self) -> int:
+        return int(self.arr.itemsize)
+
+    def is_contiguous(self) -> bool:
+        return bool(self.arr.flags.c_contiguous)
+
+    def get_device(self) -> int:
+        return -1 if self.device.type == "cpu" else 0
+
+
+def test_tensors_register_and_transfer(agents):
+    """Lists of (CPU) tensors register and describe themselves; CUDA tensors are refused."""
+    a, b = agents("ta"), agents("tb")
+    src = [FakeTensor(seeded((256,), 40 + i).view(np.float32)) for i in range(2)]
+    dst = [FakeTensor(np.zeros(64, np.float32)) for _ in range(2)]
+    a.register_memory(src)
+    b.register_memory(b.get_reg_descs(dst))
+    name = a.add_remote_agent(b.get_agent_metadata())
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs(src), a.get_xfer_descs(dst), name)
+    a.transfer(h)
+    assert wait_done(a, h) == "DONE"
+    for s_, d in zip(src, dst, strict=True):
+        assert s_.arr.tobytes() == d.arr.tobytes()
+    gpu = FakeTensor(np.zeros(16, np.float32), "cuda")
+    assert a.get_xfer_descs(gpu).getType() == nixl._bindings.VRAM_SEG
+    with pytest.raises(nixl.nixlNotSupportedError, match="VRAM"):
+        a.register_memory([gpu])
+    with pytest.raises(nixl.nixlInvalidParamError, match="one kind of device"):
+        a.get_reg_descs([src[0], gpu])
+
+
 def test_loopback_and_nixl_utils(agents):
     """NIXL's loopback mode (the remote side prepared with the agent's own name), on memory
     from nixl._utils' malloc_passthru."""
@@ -538,7 +595,7 @@ def test_metadata_from_real_nixl_or_garbage_is_refused(agents):
     with pytest.raises(nixl.nixlInvalidParamError, match="must be bytes"):
         a.add_remote_agent(12345)  # type: ignore[arg-type]
     # Metadata a real NIXL 1.5.1 agent (UCX backend, one DRAM region) wrote, kept verbatim.
-    real = (HERE / "nixl-1.5.1-agent.md").read_bytes()
+    real = (HERE / "nixl-1.5.1-agent-metadata.bin").read_bytes()
     with pytest.raises(nixl.nixlInvalidParamError, match="real NIXL agent") as e:
         a.add_remote_agent(real)
     assert "[hixl PARAM_INVALID 103900]" in str(e.value)

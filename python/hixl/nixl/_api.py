@@ -40,6 +40,7 @@ from ._bindings import (
     VRAM_SEG,
     from_hixl,
     mem_seg,
+    nixlBackendError,
     nixlInvalidParamError,
     nixlNotFoundError,
     nixlNotPostedError,
@@ -353,9 +354,8 @@ class nixl_agent:
                 )
             except OSError as e:
                 self._engine.finalize()
-                raise nixlInvalidParamError(
-                    f"listen thread: cannot listen on port {conf.port}: {e}", Status.FAILED
-                ) from e
+                msg = f"listen thread: cannot listen on port {conf.port}: {e}"
+                raise nixlBackendError(msg) from e
         log.info("hixl.nixl agent %s: engine %s", name, self._addr)
 
     # --- lifetime -----------------------------------------------------------------------
