@@ -10,10 +10,12 @@ is implemented, accepted and ignored, or refused.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any, Self
 
@@ -85,6 +87,19 @@ REFUSED_BACKENDS = {
 _OPS = {"WRITE": TransferOp.WRITE, "READ": TransferOp.READ}
 _NOTIF_PREFIX = "nixl:"
 _CONNECT_WAIT_S = 10.0
+
+
+# Agents not closed yet; closed at interpreter exit, before daemon threads are stopped.
+_OPEN: weakref.WeakSet[nixl_agent] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for a in list(_OPEN):
+        try:
+            a.close()
+        except Exception:
+            pass
 
 
 def _name(agent: Any) -> str:
@@ -322,6 +337,7 @@ class nixl_agent:
         self._rate: dict[str, float] = {}  # bytes per microsecond, per remote agent
         self._notif_name = _NOTIF_PREFIX + name
         self._listener: _meta.Listener | None = None
+        self._threads: list[threading.Thread] = []
         self._closed = False
 
         if not conf.enable_pthread:
@@ -356,6 +372,7 @@ class nixl_agent:
                 self._engine.finalize()
                 msg = f"listen thread: cannot listen on port {conf.port}: {e}"
                 raise nixlBackendError(msg) from e
+        _OPEN.add(self)
         log.info("hixl.nixl agent %s: engine %s", name, self._addr)
 
     # --- lifetime -----------------------------------------------------------------------
@@ -375,12 +392,19 @@ class nixl_agent:
         return self._engine
 
     def close(self) -> None:
-        """Stops the listen thread and the engine (hixl extension; idempotent)."""
+        """Stops the listen thread and the engine (hixl extension; idempotent). Waits first for
+        this agent's background metadata requests: a thread still inside the engine when the
+        interpreter exits can abort the process. Agents still open at exit are closed then."""
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         if self._listener is not None:
             self._listener.close()
+        with self._lock:
+            pending = list(self._threads)
+        for t in pending:
+            t.join(timeout=_meta.IO_TIMEOUT_S + 5.0)
         self._engine.finalize()
 
     def __enter__(self) -> Self:
@@ -793,7 +817,11 @@ class nixl_agent:
             except Exception as e:
                 log.warning("hixl.nixl agent %s: %s failed: %s", self.name, what, e)
 
-        threading.Thread(target=run, name="hixl-nixl-md", daemon=True).start()
+        t = threading.Thread(target=run, name="hixl-nixl-md", daemon=True)
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()]
+            self._threads.append(t)
+        t.start()
 
     def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
         self._peer(ip_addr, "send_local_metadata")
@@ -876,7 +904,9 @@ class nixl_agent:
                 AsyncConnectStatus.CONNECTED
             ):
                 try:  # the peer may have registered more since its metadata was taken
-                    r.add_regions([(x.addr, x.len) for x in self._engine.remote_regions(r.engine)])
+                    table = [(x.addr, x.len) for x in self._engine.remote_regions(r.engine)]
+                    r.starts = r.ends = np.zeros(0, np.uint64)
+                    r.add_regions(table)  # the live table replaces what the metadata said
                 except HixlError:
                     pass
                 bad = _first_outside(addrs, lens, r.starts, r.ends)

@@ -144,6 +144,8 @@ class Listener:
         self._sock.settimeout(0.2)
         self.port = int(self._sock.getsockname()[1])
         self._stop = threading.Event()
+        self._serving: set[threading.Thread] = set()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="hixl-nixl-listen", daemon=True)
         self._thread.start()
 
@@ -155,7 +157,11 @@ class Listener:
                 continue
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            with self._lock:
+                self._serving = {x for x in self._serving if x.is_alive()}
+                self._serving.add(t)
+            t.start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -177,9 +183,15 @@ class Listener:
                 log.warning("hixl.nixl listener: request failed: %s", e)
 
     def close(self) -> None:
+        """Stops accepting and waits for the requests being served: none may still be inside
+        the engine when it is finalized (or when the interpreter exits)."""
         self._stop.set()
         try:
             self._sock.close()
         except OSError:
             pass
         self._thread.join(timeout=2.0)
+        with self._lock:
+            serving = list(self._serving)
+        for t in serving:
+            t.join(timeout=IO_TIMEOUT_S + 5.0)
