@@ -173,6 +173,8 @@ def test_remove_agent_while_transfer_in_flight(procs, agents):
         assert me.transfer(h) == "PROC"
         time.sleep(0.2)
         assert me.check_xfer_state(h) == "PROC"
+        with pytest.raises(nixl.nixlRepostActiveError, match="still in progress"):
+            me.transfer(h)
         t0 = time.monotonic()
         me.remove_remote_agent("frozen")
         assert time.monotonic() - t0 < 15
@@ -365,8 +367,14 @@ def test_8192_prepped_descriptors_with_index_selection(agents):
     li = rng.permutation(n)[: n // 2]
     ri = rng.permutation(n)[: n // 2]
     h = a.make_prepped_xfer("WRITE", lh, li.tolist(), rh, ri.astype(np.int32))
+    assert a.query_xfer_backend(h) == "UCX"
+    dur, margin, method = a.estimate_xfer_cost(h)
+    assert dur > 0 and margin > 0 and method == "ANALYTICAL_BACKEND"
     a.transfer(h)
     assert wait_done(a, h) == "DONE"
+    tel = a.get_xfer_telemetry(h)
+    assert tel.totalBytes == (n // 2) * size and tel.descCount == n // 2
+    assert tel["xferDuration"] == tel.xferDuration >= tel.postDuration >= 0
     assert np.array_equal(dst[ri], src[li])
     rest = np.setdiff1d(np.arange(n), ri)
     assert not dst[rest].any()
