@@ -620,11 +620,13 @@ class nixl_agent:
         if r is not None:
             r.refs += 1
             return
-        for k, p in self._regs.items():  # inside a region already registered: an alias
-            if p.parent is None and k[0] <= a and a + n <= k[0] + k[1]:
-                p.refs += 1
-                self._regs[key] = _Region(None, k)
-                return
+        # Inside a region registered before this call: an alias holding a reference on it.
+        i = int(np.searchsorted(self._lstarts, np.uint64(a), side="right")) - 1
+        if i >= 0 and a + n <= int(self._lends[i]):
+            k = (int(self._lstarts[i]), int(self._lends[i]) - int(self._lstarts[i]))
+            self._regs[k].refs += 1
+            self._regs[key] = _Region(None, k)
+            return
         try:
             if obj is not None:
                 h = self._engine.register(obj)
