@@ -1,0 +1,4 @@
+"""``nixl._api`` from hixl (the shim)."""
+
+from hixl.nixl import *  # noqa: F403
+from hixl.nixl._api import *  # noqa: F403

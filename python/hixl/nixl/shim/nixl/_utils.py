@@ -1,0 +1,3 @@
+"""``nixl._utils`` from hixl (the shim)."""
+
+from hixl.nixl._utils import *  # noqa: F403
