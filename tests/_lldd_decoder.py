@@ -266,10 +266,10 @@ def run_ranktable(datadist: LLMDataDist, out: str) -> None:
     )
     deadline = time.monotonic() + 20
     while True:
-        ret = datadist.query_register_mem_status(comm_id)
-        if ret == RegisterMemStatus.OK:
+        st = datadist.query_register_mem_status(comm_id)
+        if st == RegisterMemStatus.OK:
             break
-        check(ret != RegisterMemStatus.FAILED, "query_register_mem_status: FAILED")
+        check(st != RegisterMemStatus.FAILED, "query_register_mem_status: FAILED")
         check(time.monotonic() < deadline, "query_register_mem_status stays PREPARING")
         time.sleep(0.05)
     barrier("linked")

@@ -144,7 +144,7 @@ def run_layerwise(datadist: LLMDataDist, out: str) -> None:
     check(ret == LLMStatusCode.LLM_SUCCESS and rets == [ret], f"link_clusters: {ret} {rets}")
 
     syncer = LayerSynchronizerImpl(num_layers)
-    configs = [
+    configs: list[TransferConfig | TransferWithCacheKeyConfig] = [
         TransferWithCacheKeyConfig(
             BlocksCacheKey(DECODER_CLUSTER_ID, 0), range(0, num_layers), range(0, num_layers)
         ),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ctypes
+import importlib
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -110,7 +111,7 @@ def create_tensors(
     if framework == "numpy":
         return arrays
     check(framework == "torch", f"framework={framework!r} must be 'numpy' or 'torch'")
-    import torch  # noqa: PLC0415 - optional dependency
+    torch: Any = importlib.import_module("torch")  # optional dependency
 
     out = [torch.from_numpy(a) for a in arrays]
     if data_type == DataType.DT_BF16:
