@@ -40,6 +40,9 @@ from ._hixl import (
 )
 from ._layout import KVLayout, aligned_empty
 from .datadist import (
+    HIXL_001001,
+    HIXL_001002,
+    HIXL_001003,
     Cache,
     LayerSynchronizer,
     LLMClusterInfo,
@@ -62,6 +65,9 @@ from .datadist import (
 )
 
 __all__ = [
+    "HIXL_001001",
+    "HIXL_001002",
+    "HIXL_001003",
     "Cache",
     "LLMClusterInfo",
     "LLMError",
