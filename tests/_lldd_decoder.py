@@ -13,7 +13,7 @@ import logging
 import time
 
 import numpy as np
-from _lldd_sync import barrier, check, dump, expect_code, hear, say
+from _lldd_sync import barrier, check, dump, expect_code, fill, hear, say
 
 from hixl.llm_datadist import (  # was: from llm_datadist import ...
     BlocksCacheKey,
@@ -46,6 +46,7 @@ def init_llm_datadist(cache_manager: bool = True, remote_cache: bool = False) ->
     if remote_cache:
         llm_config.enable_remote_cache_accessible = True
     llm_config.sync_kv_timeout = 5000
+    llm_config.enable_switch_role = True
     datadist.init(llm_config.generate_options())
     return datadist
 
@@ -157,7 +158,8 @@ def run_blocks(datadist: LLMDataDist, out: str) -> None:
     cache = cache_manager.register_blocks_cache(
         cache_desc, [int(t.ctypes.data) for t in kv], BlocksCacheKey(DECODER_CLUSTER_ID, 0)
     )
-    cluster = prompt_cluster(hear()["addr"])
+    peer = hear()
+    cluster = prompt_cluster(peer["addr"])
     link(datadist, cluster)
     barrier("linked")
     cache_manager.pull_blocks(
@@ -193,6 +195,21 @@ def run_blocks(datadist: LLMDataDist, out: str) -> None:
     barrier("pulled")
     cache_manager.push_blocks(
         BlocksCacheKey(PROMPT_CLUSTER_ID, 0), cache, src_blocks=[2, 3], dst_blocks=[6, 7]
+    )
+    # A plain cache: its batch entry 1 into the prompt's plain cache (entry 1), and its
+    # entry 0 cut into the prompt's block 4.
+    plain = cache_manager.allocate_cache(CacheDesc(2, [2, 256], DataType.DT_FLOAT, Placement.HOST))
+    for i, t in enumerate(cache_manager.get_cache_tensors(plain)):
+        fill(t, 700 + i)
+    cache_manager.push_cache(
+        CacheKeyByIdAndIndex(PROMPT_CLUSTER_ID, peer["plain_id"], 1), plain, src_batch_index=1
+    )
+    cache_manager.push_blocks(BlocksCacheKey(PROMPT_CLUSTER_ID, 0), plain, dst_blocks=[4])
+    expect_code(
+        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+        cache_manager.push_cache,
+        CacheKeyByIdAndIndex(PROMPT_CLUSTER_ID, 999, 0),
+        plain,
     )
     barrier("pushed")
     for i, t in enumerate(kv):
@@ -290,8 +307,18 @@ def run_ranktable(datadist: LLMDataDist, out: str) -> None:
         ret == LLMStatusCode.LLM_LINK_FAILED and rets == [LLMStatusCode.LLM_LINK_FAILED],
         f"decoder to decoder link_clusters: {ret} {rets}",
     )
+    # This process takes the prompt's role and its old address; its caches stay registered.
+    llm_config = LLMConfig()
+    llm_config.listen_ip_info = peer["addr"]
+    datadist.switch_role(LLMRole.PROMPT, llm_config.generate_options())
+    check(datadist.local_address == peer["addr"], "listening at the old prompt's address")
+    new = kv_cache_manager.allocate_cache(cache_desc, [CacheKey(DECODER_CLUSTER_ID, req_id=5)])
+    for i, t in enumerate(kv_cache_manager.get_cache_tensors(new)):
+        fill(t, 800 + i)
+    say({"kv_id": kv_cache.cache_id})
+    barrier("done")  # the other one pulled both caches
     kv_cache_manager.deallocate_cache(kv_cache)
-    barrier("done")
+    kv_cache_manager.deallocate_cache(new)
 
 
 def main() -> None:

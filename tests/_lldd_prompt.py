@@ -21,6 +21,7 @@ from hixl.llm_datadist import (  # was: from llm_datadist import ...
     BlocksCacheKey,
     CacheDesc,
     CacheKey,
+    CacheKeyByIdAndIndex,
     DataType,
     LayerSynchronizer,
     LLMClusterInfo,
@@ -97,12 +98,16 @@ def run_blocks(datadist: LLMDataDist, out: str) -> None:
         cache_desc, addrs, BlocksCacheKey(PROMPT_CLUSTER_ID, 0)
     )
     logging.info("register_blocks_cache success")
-    say({"addr": datadist.local_address})
+    # A plain (batch) cache the decoder pushes into by id and batch index.
+    plain = cache_manager.allocate_cache(CacheDesc(2, [2, 256], DataType.DT_FLOAT, Placement.HOST))
+    say({"addr": datadist.local_address, "plain_id": plain.cache_id})
     barrier("linked")
     barrier("pulled")
-    barrier("pushed")  # the decoder wrote into blocks 6 and 7
+    barrier("pushed")  # the decoder wrote into blocks 4, 6 and 7 and into plain entry 1
     for i, t in enumerate(kv):
         dump(out, f"prompt_blocks_{i}", t)
+    for i, t in enumerate(cache_manager.get_cache_tensors(plain)):
+        dump(out, f"prompt_plain_{i}", t)
     barrier("unlinked")
     cache_manager.unregister_cache(cache.cache_id)
     barrier("done")
@@ -236,11 +241,31 @@ def run_ranktable(datadist: LLMDataDist, out: str) -> None:
     datadist.unlink(comm_id)
     expect_code(LLMStatusCode.LLM_NOT_YET_LINK, datadist.check_link_status, DECODER_CLUSTER_ID)
     barrier("unlinked")
-    # Now a decoder itself (the engine restarts on a new port): a decoder may not link to it.
+    # Roles swap (switch_role_sample): this process becomes a decoder (its engine restarts on
+    # a free port, giving up its address), the decoder becomes the prompt at that address.
+    old_addr = datadist.local_address
     datadist.switch_role(LLMRole.DECODER)
     check(datadist.role == LLMRole.DECODER, "switched to DECODER")
+    check(datadist.local_address != old_addr, "the old listen address is given up")
     say({"addr": datadist.local_address})
-    barrier("switched")
+    barrier("switched")  # the other one checks that two decoders do not link
+    peer = hear()  # it is the prompt now, at old_addr
+    ip, port = old_addr.rsplit(":", 1)
+    cluster = LLMClusterInfo()
+    cluster.remote_cluster_id = DECODER_CLUSTER_ID
+    cluster.append_remote_ip_info(ip, int(port))
+    ret, rets = datadist.link_clusters([cluster], 5000)
+    check(ret == LLMStatusCode.LLM_SUCCESS, f"link to the new prompt: {ret} {rets}")
+    for name, key in (
+        ("new_key", CacheKey(DECODER_CLUSTER_ID, req_id=5)),
+        ("reregistered", CacheKeyByIdAndIndex(DECODER_CLUSTER_ID, peer["kv_id"], 0)),
+    ):
+        dst = kv_cache_manager.allocate_cache(cache_desc)
+        kv_cache_manager.pull_cache(key, dst)
+        for i, t in enumerate(kv_cache_manager.get_cache_tensors(dst)):
+            dump(out, f"prompt_{name}_{i}", t)
+    ret, _ = datadist.unlink_clusters([cluster], 5000)
+    check(ret == LLMStatusCode.LLM_SUCCESS, f"unlink_clusters: {ret}")
     kv_cache_manager.deallocate_cache(kv_cache)
     barrier("done")
 

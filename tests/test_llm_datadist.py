@@ -139,9 +139,14 @@ def test_pull_push_swap_copy_blocks(tmp_path: Path) -> None:
         cpu = np.zeros((8, bb), np.uint8)
         cpu[0], cpu[1], cpu[7] = src[0], src[1], src[5]
         assert np.array_equal(f.bytes(f"decoder_cpu_{i}").reshape(8, bb), cpu), i
+        plain = pattern(2 * bb, 700 + i).reshape(2, bb)  # the decoder's plain cache
         prompt = src.copy()
         prompt[6], prompt[7] = src[0], src[1]  # pushed back by the decoder
+        prompt[4] = plain[0]  # its plain cache's entry 0, pushed as a block
         assert np.array_equal(f.bytes(f"prompt_blocks_{i}").reshape(8, bb), prompt), i
+        want = np.zeros((2, bb), np.uint8)
+        want[1] = plain[1]  # push_cache: entry 1 into entry 1
+        assert np.array_equal(f.bytes(f"prompt_plain_{i}").reshape(2, bb), want), i
 
 
 def test_transfer_cache_async_layerwise(tmp_path: Path) -> None:
@@ -162,6 +167,10 @@ def test_rank_table_link_kv_cache_manager_switch_role(tmp_path: Path) -> None:
     f.check()
     for i in range(2):
         assert np.array_equal(f.bytes(f"decoder_cache_{i}"), pattern(512, 600 + i)), i
+        # After the roles swapped: a cache allocated by the new prompt, and one registered
+        # before its switch_role (registered again with the new engine).
+        assert np.array_equal(f.bytes(f"prompt_new_key_{i}"), pattern(512, 800 + i)), i
+        assert np.array_equal(f.bytes(f"prompt_reregistered_{i}"), pattern(512, 600 + i)), i
 
 
 SHIM_PROGRAM = """
