@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import queue
+import select
+import signal
 import subprocess
 import sys
 import threading
@@ -199,6 +201,66 @@ def test_unchanged_import_needs_the_opt_in_shim(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["hixl.llm_datadist", "hixl.llm_datadist._datadist"]
+
+
+def _decoder(addr: str, heartbeat_ms: str) -> tuple[ld.LLMDataDist, ld.LLMClusterInfo]:
+    d = ld.LLMDataDist(ld.LLMRole.DECODER, 1)
+    cfg = ld.LLMConfig()
+    cfg.enable_cache_manager = True
+    cfg.sync_kv_timeout = 1000
+    cfg.hixl_options = {"hixl.backends": "tcp", "hixl.heartbeat_ms": heartbeat_ms}
+    d.init(cfg.generate_options())
+    info = ld.LLMClusterInfo()
+    info.remote_cluster_id = 0
+    ip, port = addr.rsplit(":", 1)
+    info.append_remote_ip_info(ip, int(port))
+    assert d.link_clusters([info], 5000)[0] == ld.LLMStatusCode.LLM_SUCCESS
+    return d, info
+
+
+def test_pull_from_a_frozen_prompt_fails_in_time() -> None:
+    holder = subprocess.Popen(
+        [sys.executable, str(HERE / "_lldd_holder.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=HERE,
+    )
+    try:
+        assert holder.stdout is not None
+        ready, _, _ = select.select([holder.stdout], [], [], 60)
+        assert ready, "the holder did not start within 60 s"
+        tag, addr, cache_id = holder.stdout.readline().split()
+        assert tag == "READY"
+        key = ld.CacheKeyByIdAndIndex(0, int(cache_id), 0)
+        desc = ld.CacheDesc(2, [1, 4096], ld.DataType.DT_UINT8, ld.Placement.HOST)
+        # Without heartbeats the read times out; with them (1 s) the link is declared dead
+        # after 3 s of silence. Either way the pull ends, with the code of what happened.
+        for heartbeat_ms, want in (
+            ("0", ld.LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT),
+            ("1000", ld.LLMStatusCode.LLM_NOT_YET_LINK),
+        ):
+            d, info = _decoder(addr, heartbeat_ms)
+            try:
+                cm = d.cache_manager
+                local = cm.allocate_cache(desc)
+                cm.pull_cache(key, local)
+                for i, t in enumerate(cm.get_cache_tensors(local)):
+                    assert t.tobytes() == pattern(4096, 900 + i).tobytes()
+                    t[:] = 0
+                os.kill(holder.pid, signal.SIGSTOP)
+                try:
+                    t0 = time.monotonic()
+                    assert code(cm.pull_cache, key, local) == want, heartbeat_ms
+                    assert time.monotonic() - t0 < 15
+                finally:
+                    os.kill(holder.pid, signal.SIGCONT)
+                d.unlink_clusters([info], force=True)
+            finally:
+                d.finalize()
+    finally:
+        holder.kill()
+        holder.wait(10)
 
 
 # -- in one process: parameters, options and codes ---------------------------------------
