@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import threading
 from collections.abc import Sequence
@@ -190,6 +191,7 @@ class CacheManager:
         node = self._live()
         check(isinstance(desc, CacheDesc), f"cache_desc={desc!r} must be a CacheDesc")
         _host_only(desc, what)
+        desc = copy.deepcopy(desc)  # the cache keeps its own (the caller may reuse theirs)
         desc._is_blocks = blocks
         owned = []
         if addrs is None:

@@ -88,15 +88,17 @@ class Node:
         self.thread = self._start()
 
     def _start(self) -> threading.Thread:
-        t = threading.Thread(target=self._serve, name="hixl-lldd-release", daemon=True)
+        t = threading.Thread(
+            target=self._serve, args=(self.ctx.engine,), name="hixl-lldd-release", daemon=True
+        )
         t.start()
         return t
 
     def restart(self, role: str, listen: str) -> None:
         """A new engine with another role (and listen address), every cache registered again
         at the same addresses (switch_role)."""
+        self.close()  # outside the lock: the release thread may be waiting for it
         with self.lock:
-            self.close()
             self.ctx = Context(self.cluster_id, role, listen, self.device_id, self.engine_options)
             for loc in self.caches.values():
                 d = loc.cache.cache_desc
@@ -206,11 +208,11 @@ class Node:
             self.publish()
             return True
 
-    def _serve(self) -> None:
-        """Applies the key releases peers send after pulling by CacheKey."""
-        while not self.closed:
+    def _serve(self, engine: Any) -> None:
+        """Applies the key releases peers send to `engine` after pulling by CacheKey."""
+        while not self.closed and self.ctx.engine is engine:
             try:
-                notes = self.engine.wait_notifies(200, RELEASE_NOTIFY)
+                notes = engine.wait_notifies(200, RELEASE_NOTIFY)
             except HixlTimeout:
                 continue
             except (Failed, HixlError):
