@@ -9,6 +9,7 @@ import os
 import queue
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,20 +31,20 @@ TIMEOUT_S = 120
 class Flow:
     """Runs the prompt and decoder scripts of one flow to the end (or kills them)."""
 
-    def __init__(self, flow: str, out: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, flow: str, out: Path, cmds: dict[str, list[str]] | None = None) -> None:
         self.out = out
         self.lines: dict[str, list[str]] = {"prompt": [], "decoder": []}
         self.q: queue.Queue[tuple[str, str | None]] = queue.Queue()
         self.procs = {}
         for side in ("prompt", "decoder"):
+            cmd = (cmds or {}).get(side) or [str(HERE / f"_lldd_{side}.py"), "--flow", flow]
             p = subprocess.Popen(
-                [sys.executable, str(HERE / f"_lldd_{side}.py"), "--flow", flow, "--out", str(out)],
+                [sys.executable, *cmd, "--out", str(out)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
                 cwd=HERE,
-                env={**os.environ, **(env or {})},
             )
             self.procs[side] = p
             threading.Thread(target=self._read, args=(side, p), daemon=True).start()
@@ -173,6 +174,36 @@ def test_rank_table_link_kv_cache_manager_switch_role(tmp_path: Path) -> None:
         # before its switch_role (registered again with the new engine).
         assert np.array_equal(f.bytes(f"prompt_new_key_{i}"), pattern(512, 800 + i)), i
         assert np.array_equal(f.bytes(f"prompt_reregistered_{i}"), pattern(512, 600 + i)), i
+
+
+def free_ports(n: int) -> list[int]:
+    """Ports nothing listened on a moment ago (the OS picks them)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_pull_cache_sample_ported(tmp_path: Path) -> None:
+    """LLM-DataDist's pull_cache sample, changed only in the import and device lines."""
+    ports = ",".join(map(str, free_ports(2)))
+    script = str(HERE / "_lldd_sample_pull_cache.py")
+    cmds = {
+        "prompt": [script, "--cluster_id", "1", "--ports", ports],
+        "decoder": [script, "--cluster_id", "2", "--ports", ports],
+    }
+    f = Flow("", tmp_path, cmds)
+    f.check()
+    n = 2 * 4096 * 2
+    for i in range(4):
+        src = pattern(n, 1000 + i)
+        assert np.array_equal(f.bytes(f"prompt_{i}"), src), i
+        half = n // 2  # key 0 (batch 0) into batch 1, key 1 (batch 1) into batch 0
+        assert np.array_equal(f.bytes(f"decoder_{i}"), np.concatenate([src[half:], src[:half]]))
 
 
 SHIM_PROGRAM = """
@@ -355,6 +386,14 @@ def test_cache_manager_in_one_process(dd: ld.LLMDataDist) -> None:
     assert ta[0].shape == (4, 8) and ta[0].dtype == np.float16
     for t in ta:
         t[:] = np.arange(32, dtype=np.float16).reshape(4, 8)
+    # create_tensors (Ascend: create_npu_tensors) views the same memory, in any dtype form.
+    for dt in (ld.DataType.DT_FLOAT16, "float16", np.float16):
+        v = ld.create_tensors([4, 8], dt, a.tensor_addrs)
+        assert v[1].dtype == np.float16 and np.shares_memory(v[1], ta[1])
+    assert ld.create_tensors([4, 8], ld.DataType.DT_BF16, a.tensor_addrs)[0].dtype == np.uint16
+    assert code(ld.create_tensors, [4], "no-such-type", a.tensor_addrs) == (
+        ld.LLMStatusCode.LLM_PARAM_INVALID
+    )
     cm.copy_cache(b, a, dst_batch_index=3, src_batch_index=1, offset=4, size=8)
     assert np.array_equal(tb[1][3, 2:6], ta[1][1, 2:6]) and not tb[1][3, :2].any()
     assert code(cm.copy_cache, b, a, 0, 4) == ld.LLMStatusCode.LLM_PARAM_INVALID

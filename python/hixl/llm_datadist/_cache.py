@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ._status import LLMStatusCode, check
+from ._status import LLMException, LLMStatusCode, check
 from ._types import NP_DTYPES, CacheDesc, DataType, check_int, check_ints
 
 
@@ -97,15 +97,40 @@ def host_array(addr: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
 
 
+def _element_type(data_type: Any) -> tuple[np.dtype, bool, bool]:
+    """(numpy storage dtype, is bfloat16, given as a torch dtype) of a DataType, a numpy
+    dtype (or its name) or a torch dtype."""
+    if isinstance(data_type, DataType):
+        check(data_type in NP_DTYPES, f"data_type={data_type.name} has no fixed element size")
+        return np.dtype(NP_DTYPES[data_type]), data_type == DataType.DT_BF16, False
+    name = str(data_type)
+    if name.startswith("torch."):
+        if name == "torch.bfloat16":
+            return np.dtype(np.uint16), True, True
+        name = name[len("torch.") :]
+        torch_given = True
+    else:
+        torch_given = False
+    try:
+        return np.dtype(name if torch_given else data_type), False, torch_given
+    except TypeError:
+        raise LLMException(
+            f"data_type={data_type!r} is not a DataType, numpy or torch dtype",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        ) from None
+
+
 def create_tensors(
-    shape: Sequence[int], data_type: DataType, addrs: Sequence[int], framework: str = "numpy"
+    shape: Sequence[int], data_type: Any, addrs: Sequence[int], framework: str | None = None
 ) -> list[Any]:
-    """One array per address, of `shape` and `data_type`, viewing that memory (no copy):
-    numpy arrays, or torch CPU tensors with ``framework="torch"``. The hixl counterpart of
-    Ascend's ``create_npu_tensors``; the memory must stay alive while they are used."""
-    check(isinstance(data_type, DataType) and data_type in NP_DTYPES, f"data_type={data_type!r}")
+    """One array per address, of `shape` and `data_type` (a DataType, numpy dtype or torch
+    dtype), viewing that memory (no copy): numpy arrays, or torch CPU tensors with
+    ``framework="torch"`` (the default when `data_type` is a torch dtype). hixl's
+    counterpart of Ascend's ``create_npu_tensors(shape, dtype, addrs)``; the memory must stay
+    alive while they are used."""
+    dt, bf16, torch_given = _element_type(data_type)
+    framework = framework or ("torch" if torch_given else "numpy")
     dims = [check_int("shape dim", d, 1) for d in shape]
-    dt = np.dtype(NP_DTYPES[data_type])
     nbytes = int(np.prod(dims)) * dt.itemsize
     arrays = [host_array(a, nbytes).view(dt).reshape(dims) for a in _flat_addrs(addrs)]
     if framework == "numpy":
@@ -114,7 +139,7 @@ def create_tensors(
     torch: Any = importlib.import_module("torch")  # optional dependency
 
     out = [torch.from_numpy(a) for a in arrays]
-    if data_type == DataType.DT_BF16:
+    if bf16:
         out = [t.view(torch.bfloat16) for t in out]
     return out
 

@@ -336,7 +336,7 @@ class CacheManager:
         )
 
     def get_cache_tensors(
-        self, cache: Cache, tensor_index: int | None = None, framework: str = "numpy"
+        self, cache: Cache, tensor_index: int | None = None, framework: str | None = None
     ) -> Any:
         """The cache's tensors as numpy arrays (or torch CPU tensors) viewing its memory;
         one tensor when tensor_index is given."""
