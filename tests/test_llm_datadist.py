@@ -431,4 +431,5 @@ def test_one_instance_per_process_and_finalize(dd: ld.LLMDataDist) -> None:
     dd.finalize()
     desc = ld.CacheDesc(1, [4], ld.DataType.DT_UINT8, ld.Placement.HOST)
     assert code(cm.allocate_cache, desc) == ld.LLMStatusCode.LLM_ENGINE_FINALIZED
+    assert not cm.is_initialized()
     dd.finalize()  # idempotent

@@ -159,6 +159,10 @@ class CacheManager:
         self._remote_accessible = remote_accessible
         self._initialized = True
 
+    def is_initialized(self) -> bool:
+        """False once the LLMDataDist is finalized."""
+        return self._initialized
+
     # -- helpers -------------------------------------------------------------------------
 
     def _live(self) -> Node:
