@@ -739,27 +739,23 @@ class CacheManager:
         def run() -> None:
             try:
                 for layer in order:
+                    why = LLMStatusCode.LLM_TIMEOUT  # synchronize_layer said False
                     try:
-                        ok = layer_synchronizer.synchronize_layer(layer, node.timeout_ms)
+                        ok = bool(layer_synchronizer.synchronize_layer(layer, node.timeout_ms))
                     except Exception as exc:  # noqa: BLE001 - recorded on the task
-                        task.error = exc
-                        ok = False
+                        task.error, ok, why = exc, False, code_of(exc)
                     if not ok:
                         for i in range(len(plans)):
                             if task._results[i] == LLMStatusCode.LLM_SUCCESS:
-                                task._results[i] = (
-                                    LLMStatusCode.LLM_TIMEOUT
-                                    if task.error is None
-                                    else code_of(task.error)
-                                )
+                                task._results[i] = why
                         return
                     for i, (cluster, address, per_layer) in enumerate(plans):
                         if layer not in per_layer or task._results[i] != LLMStatusCode.LLM_SUCCESS:
                             continue
                         try:
                             node.transfer(cluster, address, TransferOp.WRITE, per_layer[layer])
-                        except LLMException as exc:
-                            task._results[i] = exc.status_code
+                        except Exception as exc:  # noqa: BLE001 - recorded on the task
+                            task._results[i] = code_of(exc)
                             task.error = exc
             finally:
                 task._finish()
