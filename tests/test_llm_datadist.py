@@ -234,6 +234,70 @@ def test_unchanged_import_needs_the_opt_in_shim(tmp_path: Path) -> None:
     assert out.stdout.split() == ["hixl.llm_datadist", "hixl.llm_datadist._datadist"]
 
 
+def _holder(cluster_id: int = 0) -> tuple[subprocess.Popen, str, int]:
+    """A prompt process holding one cache: (process, its address, the cache id)."""
+    p = subprocess.Popen(
+        [sys.executable, str(HERE / "_lldd_holder.py"), str(cluster_id)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=HERE,
+    )
+    assert p.stdout is not None
+    ready, _, _ = select.select([p.stdout], [], [], 60)
+    if not ready:
+        p.kill()
+        raise AssertionError("the holder did not start within 60 s")
+    tag, addr, cache_id = p.stdout.readline().split()
+    assert tag == "READY"
+    return p, addr, int(cache_id)
+
+
+def test_link_clusters_reports_each_cluster() -> None:
+    """One decoder, three clusters at once (LLM-DataDist's xPyD): two prompts that are up and
+    an address where nothing listens. Each gets its own status; the two linked ones serve."""
+    holders = [_holder(5), _holder(6)]
+    dead = free_ports(1)[0]
+    d = ld.LLMDataDist(ld.LLMRole.DECODER, 1)
+    try:
+        cfg = ld.LLMConfig()
+        cfg.enable_cache_manager = True
+        d.init(cfg.generate_options())
+        infos = []
+        for cid, addr in ((5, holders[0][1]), (7, f"127.0.0.1:{dead}"), (6, holders[1][1])):
+            info = ld.LLMClusterInfo()
+            info.remote_cluster_id = cid
+            ip, port = addr.rsplit(":", 1)
+            info.append_remote_ip_info(ip, int(port))
+            infos.append(info)
+        t0 = time.monotonic()
+        ret, rets = d.link_clusters(infos, 1000)
+        assert time.monotonic() - t0 < 10
+        s = ld.LLMStatusCode
+        assert (ret, rets) == (s.LLM_LINK_FAILED, [s.LLM_SUCCESS, s.LLM_LINK_FAILED, s.LLM_SUCCESS])
+        assert set(d.link_errors) == {7}
+        ret, rets = d.link_clusters(infos[:1], 1000)
+        assert (ret, rets) == (s.LLM_LINK_FAILED, [s.LLM_ALREADY_LINK])
+        cm = d.cache_manager
+        desc = ld.CacheDesc(2, [2, 4096], ld.DataType.DT_UINT8, ld.Placement.HOST)
+        local = cm.allocate_cache(desc)
+        for b, (cid, (_, _, cache_id)) in enumerate(zip((5, 6), holders, strict=True)):
+            cm.pull_cache(ld.CacheKeyByIdAndIndex(cid, cache_id, 0), local, batch_index=b)
+        for i, t in enumerate(cm.get_cache_tensors(local)):
+            for b, cid in enumerate((5, 6)):
+                assert t[b].tobytes() == pattern(4096, 900 + 10 * cid + i).tobytes(), (i, b)
+        ret, rets = d.unlink_clusters(infos, 1000)
+        assert (ret, rets) == (
+            s.LLM_UNLINK_FAILED,
+            [s.LLM_SUCCESS, s.LLM_NOT_YET_LINK, s.LLM_SUCCESS],
+        )
+    finally:
+        d.finalize()
+        for p, _, _ in holders:
+            p.kill()
+            p.wait(10)
+
+
 def _decoder(addr: str, heartbeat_ms: str) -> tuple[ld.LLMDataDist, ld.LLMClusterInfo]:
     d = ld.LLMDataDist(ld.LLMRole.DECODER, 1)
     cfg = ld.LLMConfig()
@@ -250,19 +314,8 @@ def _decoder(addr: str, heartbeat_ms: str) -> tuple[ld.LLMDataDist, ld.LLMCluste
 
 
 def test_pull_from_a_frozen_prompt_fails_in_time() -> None:
-    holder = subprocess.Popen(
-        [sys.executable, str(HERE / "_lldd_holder.py")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=HERE,
-    )
+    holder, addr, cache_id = _holder()
     try:
-        assert holder.stdout is not None
-        ready, _, _ = select.select([holder.stdout], [], [], 60)
-        assert ready, "the holder did not start within 60 s"
-        tag, addr, cache_id = holder.stdout.readline().split()
-        assert tag == "READY"
         key = ld.CacheKeyByIdAndIndex(0, int(cache_id), 0)
         desc = ld.CacheDesc(2, [1, 4096], ld.DataType.DT_UINT8, ld.Placement.HOST)
         # Without heartbeats the read times out; with them (1 s) the link is declared dead
