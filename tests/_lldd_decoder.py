@@ -321,13 +321,48 @@ def run_ranktable(datadist: LLMDataDist, out: str) -> None:
     kv_cache_manager.deallocate_cache(new)
 
 
+def run_switch(datadist: LLMDataDist, out: str) -> None:
+    cache_manager = datadist.cache_manager
+    cache_desc = CacheDesc(2, [4, 512], DataType.DT_FLOAT16, Placement.HOST)
+    kv = [np.zeros((4, 512), np.float16) for _ in range(2)]  # device line
+    cache = cache_manager.register_blocks_cache(
+        cache_desc, [int(t.ctypes.data) for t in kv], BlocksCacheKey(DECODER_CLUSTER_ID, 0)
+    )
+    prompt_addr = hear()["addr"]
+    cluster = prompt_cluster(prompt_addr)
+    link(datadist, cluster)
+    cache_manager.pull_blocks(
+        BlocksCacheKey(PROMPT_CLUSTER_ID, 0), cache, src_blocks=[0, 1], dst_blocks=[0, 2]
+    )
+    ret, _ = datadist.unlink_clusters([cluster], 5000)  # not forced: both ends go
+    check(ret == LLMStatusCode.LLM_SUCCESS, f"unlink_clusters: {ret}")
+    barrier("decoder unlinked")
+    barrier("prompt switched")  # its old address is free now
+    options = {"llm.listenIpInfo": prompt_addr}
+    datadist.switch_role(LLMRole.PROMPT, options)
+    barrier("decoder switched")
+    barrier("prompt linked")  # the old prompt, now a decoder, linked to this process
+    # Pushed over the link the other side made (this side never called link_clusters).
+    cache_manager.push_blocks(
+        BlocksCacheKey(PROMPT_CLUSTER_ID, 0), cache, src_blocks=[0, 2], dst_blocks=[2, 3]
+    )
+    barrier("pushed")
+    for i, t in enumerate(kv):
+        dump(out, f"decoder_switch_{i}", t)
+    ret, _ = datadist.unlink_clusters([cluster], 5000, force=True)
+    check(ret == LLMStatusCode.LLM_SUCCESS, f"unlink_clusters(force=True): {ret}")
+    cache_manager.unregister_cache(cache.cache_id)
+    barrier("done")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--flow", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     datadist = init_llm_datadist(
-        cache_manager=args.flow != "ranktable", remote_cache=args.flow in ("blocks", "layerwise")
+        cache_manager=args.flow != "ranktable",
+        remote_cache=args.flow in ("blocks", "layerwise", "switch"),
     )
     try:
         {
@@ -335,6 +370,7 @@ def main() -> None:
             "blocks": run_blocks,
             "layerwise": run_layerwise,
             "ranktable": run_ranktable,
+            "switch": run_switch,
         }[args.flow](datadist, args.out)
     finally:
         datadist.finalize()

@@ -270,13 +270,47 @@ def run_ranktable(datadist: LLMDataDist, out: str) -> None:
     barrier("done")
 
 
+def run_switch(datadist: LLMDataDist, out: str) -> None:
+    """switch_role_sample: the decoder pulls blocks, both switch roles, the new decoder (this
+    process) links to the new prompt, which pushes blocks back over that link."""
+    cache_manager = datadist.cache_manager
+    cache_desc = CacheDesc(2, [4, 512], DataType.DT_FLOAT16, Placement.HOST)
+    kv = [np.zeros((4, 512), np.float16) for _ in range(2)]  # device line
+    for i, t in enumerate(kv):
+        fill(t, 1100 + i)
+    cache = cache_manager.register_blocks_cache(
+        cache_desc, [int(t.ctypes.data) for t in kv], BlocksCacheKey(PROMPT_CLUSTER_ID, 0)
+    )
+    old_addr = datadist.local_address
+    say({"addr": old_addr})
+    barrier("decoder unlinked")  # it linked, pulled blocks 0 and 1, and unlinked
+    datadist.switch_role(LLMRole.DECODER)  # gives up old_addr
+    barrier("prompt switched")
+    barrier("decoder switched")  # the other process is the prompt now, at old_addr
+    ip, port = old_addr.rsplit(":", 1)
+    cluster = LLMClusterInfo()
+    cluster.remote_cluster_id = DECODER_CLUSTER_ID
+    cluster.append_remote_ip_info(ip, int(port))
+    ret, rets = datadist.link_clusters([cluster], 5000)
+    check(ret == LLMStatusCode.LLM_SUCCESS, f"link to the new prompt: {ret} {rets}")
+    barrier("prompt linked")
+    barrier("pushed")  # the new prompt pushed its blocks 0 and 2 into blocks 2 and 3 here
+    for i, t in enumerate(kv):
+        dump(out, f"prompt_switch_{i}", t)
+    ret, _ = datadist.unlink_clusters([cluster], 5000, force=True)
+    check(ret == LLMStatusCode.LLM_SUCCESS, f"unlink_clusters: {ret}")
+    cache_manager.unregister_cache(cache.cache_id)
+    barrier("done")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--flow", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     datadist = init_llm_datadist(
-        cache_manager=args.flow != "ranktable", remote_cache=args.flow in ("blocks", "layerwise")
+        cache_manager=args.flow != "ranktable",
+        remote_cache=args.flow in ("blocks", "layerwise", "switch"),
     )
     try:
         {
@@ -284,6 +318,7 @@ def main() -> None:
             "blocks": run_blocks,
             "layerwise": run_layerwise,
             "ranktable": run_ranktable,
+            "switch": run_switch,
         }[args.flow](datadist, args.out)
     finally:
         datadist.finalize()

@@ -81,7 +81,8 @@ class Flow:
                 if line is None:
                     ended.add(side)
                     if self.procs[side].wait(10) != 0:
-                        break  # the other one would wait at a barrier forever
+                        self.procs[other].kill()  # it would wait at a barrier forever
+                        break
                     continue
                 self.lines[side].append(line)
                 if line.startswith("SAY "):
@@ -204,6 +205,20 @@ def test_pull_cache_sample_ported(tmp_path: Path) -> None:
         assert np.array_equal(f.bytes(f"prompt_{i}"), src), i
         half = n // 2  # key 0 (batch 0) into batch 1, key 1 (batch 1) into batch 0
         assert np.array_equal(f.bytes(f"decoder_{i}"), np.concatenate([src[half:], src[:half]]))
+
+
+def test_switch_role_sample_push_over_the_peers_link(tmp_path: Path) -> None:
+    f = Flow("switch", tmp_path)
+    f.check()
+    blk = 512 * 2
+    for i in range(2):
+        src = pattern(4 * blk, 1100 + i).reshape(4, blk)
+        dec = np.zeros((4, blk), np.uint8)
+        dec[0], dec[2] = src[0], src[1]  # pulled before the switch
+        assert np.array_equal(f.bytes(f"decoder_switch_{i}").reshape(4, blk), dec), i
+        want = src.copy()
+        want[2], want[3] = src[0], src[1]  # pushed back after the switch
+        assert np.array_equal(f.bytes(f"prompt_switch_{i}").reshape(4, blk), want), i
 
 
 SHIM_PROGRAM = """

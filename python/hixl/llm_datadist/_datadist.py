@@ -187,8 +187,13 @@ class LLMDataDist:
         rid = cluster.remote_cluster_id
         assert rid is not None
         with node.ctx.lock:
-            if rid in node.ctx.peers:
-                return LLMStatusCode.LLM_ALREADY_LINK
+            linked = rid in node.ctx.peers
+        if linked:
+            with node.lock:
+                if rid not in node.back:
+                    return LLMStatusCode.LLM_ALREADY_LINK
+                node.back.discard(rid)  # a way back opened on demand becomes this link
+            return LLMStatusCode.LLM_SUCCESS
         ip, port = cluster.remote_ip_info_list[0]
         role = None if cluster.remote_role_type is None else ROLE_NAMES[cluster.remote_role_type]
         try:
@@ -197,6 +202,7 @@ class LLMDataDist:
             self.link_errors[rid] = str(exc)
             log.warning("link to cluster %s at %s:%s failed: %s", rid, ip, port, exc)
             return LLMStatusCode.LLM_LINK_FAILED
+        node.hello(f"{ip}:{port}")
         return LLMStatusCode.LLM_SUCCESS
 
     def _clusters(self, clusters: Any, timeout: Any) -> list[LLMClusterInfo]:
@@ -244,8 +250,10 @@ class LLMDataDist:
     def unlink_clusters(
         self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        """Closes this side's link to each cluster. A cluster this side never linked gives
-        LLM_NOT_YET_LINK, or LLM_SUCCESS with force=True (nothing to tear down here)."""
+        """Closes the link with each cluster: the one this side made (without force the
+        peer is told, and closes its way back), or the way back to a cluster that linked to
+        this side. A cluster linked neither way gives LLM_NOT_YET_LINK, or LLM_SUCCESS with
+        force=True (nothing to tear down)."""
         node = self._live()
         cl = self._clusters(clusters, timeout)
         check(isinstance(force, bool), f"force={force!r} must be a bool")
@@ -254,14 +262,21 @@ class LLMDataDist:
             return code, [code] * len(cl)
         rets = []
         for c in cl:
-            rid = c.remote_cluster_id
+            rid = int(c.remote_cluster_id)  # type: ignore[arg-type]
             with node.ctx.lock:
-                linked = rid in node.ctx.peers
-            if not linked:
+                peer = node.ctx.peers.get(rid)
+            with node.lock:
+                routed, back = rid in node.routes, rid in node.back
+            if peer is None and not routed:
                 rets.append(LLMStatusCode.LLM_SUCCESS if force else LLMStatusCode.LLM_NOT_YET_LINK)
                 continue
             try:
-                node.ctx.unlink(int(rid))  # type: ignore[arg-type]
+                if routed:
+                    node.forget_route(rid)
+                if peer is not None and not back:
+                    if not force:
+                        node.bye(peer.address)
+                    node.ctx.unlink(rid)
                 rets.append(LLMStatusCode.LLM_SUCCESS)
             except HixlError as exc:
                 log.warning("unlink from cluster %s failed: %s", rid, exc)
@@ -274,10 +289,6 @@ class LLMDataDist:
         raises LLMException (LLM_NOT_YET_LINK, LLM_LINK_FAILED, ...) otherwise."""
         node = self._live()
         rid = check_int("remote_cluster_id", remote_cluster_id)
-        with node.ctx.lock:
-            linked = rid in node.ctx.peers
-        if not linked:
-            raise fail(LLMStatusCode.LLM_NOT_YET_LINK, f"cluster {rid} is not linked")
         try:
             node.view(rid)
         except LLMException as exc:
@@ -368,7 +379,13 @@ class LLMDataDist:
         deadline = time.monotonic() + 10
         while job.status == RegisterMemStatus.PREPARING and time.monotonic() < deadline:
             time.sleep(0.01)
-        for cid in job.clusters:
+        for cid in job.clusters:  # the comm domain goes: this side's link and the way back
+            with node.ctx.lock:
+                peer = node.ctx.peers.get(cid)
+            node.forget_route(cid)
+            if peer is None:
+                continue
+            node.bye(peer.address)
             try:
                 node.ctx.unlink(cid)
             except HixlError as exc:
@@ -390,8 +407,7 @@ class LLMDataDist:
                 "switch_role needs LLMConfig.enable_switch_role = True",
             )
         opts = dict(switch_options or {})
-        with node.ctx.lock:
-            linked = sorted(node.ctx.peers)
+        linked = node.explicit_links()
         if linked:
             raise fail(LLMStatusCode.LLM_EXIST_LINK, f"unlink clusters {linked} before switch_role")
         listen = opts.get("llm.listenIpInfo") or os.environ.get("HIXL_LISTEN", "127.0.0.1:0")

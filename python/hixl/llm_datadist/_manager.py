@@ -663,10 +663,7 @@ class CacheManager:
                 f"src_layer_range={src_range}: the cache has {layers} layers",
             )
             if isinstance(cfg, TransferConfig):
-                try:
-                    address = node.ctx.peer(cfg.dst_cluster_id).address
-                except Exception as exc:
-                    raise wrap(exc, f"cluster {cfg.dst_cluster_id}") from exc
+                address = node.peer_address(cfg.dst_cluster_id)
                 check(
                     len(cfg.dst_addrs) == len(src_range) * tpl,
                     f"{len(cfg.dst_addrs)} dst_addrs for {len(src_range)} layers of {tpl} tensors",

@@ -16,6 +16,7 @@ from .._errors import Failed, HixlError
 from .._errors import Timeout as HixlTimeout
 from .._hixl import MemDesc, MemHandle, NotifyDesc, TransferOp, TransferStatus
 from ..datadist._context import Context
+from ..datadist._context import LLMClusterInfo as KvClusterInfo
 from ._cache import Cache
 from ._status import LLMException, LLMStatusCode, fail, wrap
 from ._types import CacheDesc
@@ -23,6 +24,11 @@ from ._types import CacheDesc
 #: The notification a puller sends the owner of a CacheKey after pulling by it: the key is
 #: used up (LLM-DataDist releases a key once it has been pulled).
 RELEASE_NOTIFY = "hixl.lldd.release"
+#: Sent to a cluster after linking to it: {"cluster": id, "address": "ip:port"}, so that it
+#: can link back on demand (LLM-DataDist's links carry transfers both ways).
+HELLO_NOTIFY = "hixl.lldd.hello"
+#: Sent before a non-forced unlink: the peer forgets the way back (and closes it).
+BYE_NOTIFY = "hixl.lldd.bye"
 #: Where a node publishes its caches and keys in its directory's ``extra``.
 EXTRA_KEY = "lldd"
 
@@ -83,6 +89,10 @@ class Node:
         # CacheKeys this node has pulled (-> the owner's cache id then): a second pull by
         # the same key fails at once, even before the owner has applied the release.
         self.consumed: dict[KeyIdent, int] = {}
+        # Clusters that linked to this node (-> their listen address), and those of them this
+        # node has linked back to on demand (not links of its own: switch_role ignores them).
+        self.routes: dict[int, str] = {}
+        self.back: set[int] = set()
         self.closed = False
         self.publish()
         self.thread = self._start()
@@ -99,6 +109,8 @@ class Node:
         at the same addresses (switch_role)."""
         self.close()  # outside the lock: the release thread may be waiting for it
         with self.lock:
+            self.routes.clear()
+            self.back.clear()
             self.ctx = Context(self.cluster_id, role, listen, self.device_id, self.engine_options)
             for loc in self.caches.values():
                 d = loc.cache.cache_desc
@@ -209,26 +221,92 @@ class Node:
             return True
 
     def _serve(self, engine: Any) -> None:
-        """Applies the key releases peers send to `engine` after pulling by CacheKey."""
+        """Applies what peers send to `engine`: key releases after a pull by CacheKey, and
+        the hello / bye of clusters that link to this node."""
         while not self.closed and self.ctx.engine is engine:
             try:
-                notes = engine.wait_notifies(200, RELEASE_NOTIFY)
+                notes = engine.wait_notifies(200)
             except HixlTimeout:
                 continue
             except (Failed, HixlError):
                 return  # finalized
             for n in notes:
                 try:
-                    k = tuple(int(x) for x in json.loads(n.msg))
-                except (ValueError, TypeError):
-                    continue
-                if len(k) == 4:
-                    self.remove_key(k)  # type: ignore[arg-type]
+                    self._apply(n.name, json.loads(n.msg))
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    continue  # not ours, or malformed: peers are not trusted
+
+    def _apply(self, name: str, msg: Any) -> None:
+        if name == RELEASE_NOTIFY:
+            k = tuple(int(x) for x in msg)
+            if len(k) == 4:
+                self.remove_key(k)  # type: ignore[arg-type]
+        elif name == HELLO_NOTIFY:
+            cid, address = int(msg["cluster"]), str(msg["address"])
+            if cid != self.cluster_id and ":" in address:
+                with self.lock:
+                    self.routes[cid] = address
+        elif name == BYE_NOTIFY:
+            self.forget_route(int(msg["cluster"]))
+
+    def forget_route(self, cid: int) -> None:
+        with self.lock:
+            self.routes.pop(cid, None)
+            was_back = cid in self.back
+            self.back.discard(cid)
+        if was_back:
+            try:
+                self.ctx.unlink(cid)
+            except HixlError:
+                pass  # gone already
+
+    def explicit_links(self) -> list[int]:
+        """Clusters this node linked to itself (not the ways back it opened on demand)."""
+        with self.ctx.lock:
+            linked = set(self.ctx.peers)
+        with self.lock:
+            return sorted(linked - self.back)
+
+    def _tell(self, address: str, name: str, doc: dict[str, Any]) -> None:
+        try:
+            self.engine.send_notify(address, NotifyDesc(name, json.dumps(doc)), timeout_ms=2000)
+        except HixlError:
+            pass  # best effort: without it the peer just cannot link back
+
+    def hello(self, address: str) -> None:
+        self._tell(address, HELLO_NOTIFY, {"cluster": self.cluster_id, "address": self.ctx.address})
+
+    def bye(self, address: str) -> None:
+        self._tell(address, BYE_NOTIFY, {"cluster": self.cluster_id})
+
+    def peer_address(self, cluster_id: int) -> str:
+        """The address of a linked cluster; a cluster that linked to this node is linked back
+        to on first use. LLM_NOT_YET_LINK otherwise."""
+        with self.ctx.lock:
+            p = self.ctx.peers.get(cluster_id)
+        if p is not None:
+            return p.address
+        with self.lock:
+            address = self.routes.get(cluster_id)
+        if address is None:
+            raise fail(
+                LLMStatusCode.LLM_NOT_YET_LINK,
+                f"cluster {cluster_id} is not linked to cluster {self.cluster_id} "
+                "(call link_clusters)",
+            )
+        try:
+            self.ctx.link_all([KvClusterInfo(cluster_id, None, address)], self.timeout_ms)
+        except Exception as exc:
+            raise wrap(exc, f"linking back to cluster {cluster_id} at {address}") from exc
+        with self.lock:
+            self.back.add(cluster_id)
+        return address
 
     # -- peers -------------------------------------------------------------------------
 
     def view(self, cluster_id: int) -> RemoteView:
         """The peer's caches and keys, read now (one-sided) from its directory."""
+        self.peer_address(cluster_id)
         try:
             peer = self.ctx.peer(cluster_id)
             fresh = self.ctx.reader.fetch(peer.address, cluster_id, peer.dir_addr)
