@@ -492,6 +492,25 @@ def test_cache_manager_in_one_process(dd: ld.LLMDataDist) -> None:
         cm.get_cache_tensors(b)
 
 
+def test_switch_role_to_a_busy_address_keeps_the_instance(dd: ld.LLMDataDist) -> None:
+    cm = dd.cache_manager
+    desc = ld.CacheDesc(1, [2, 64], ld.DataType.DT_UINT8, ld.Placement.HOST)
+    a = cm.allocate_cache(desc)
+    cm.get_cache_tensors(a)[0][:] = 7
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ld.LLMException, match=str(port)):
+            dd.switch_role(ld.LLMRole.DECODER, {"llm.listenIpInfo": f"127.0.0.1:{port}"})
+    assert dd.role == ld.LLMRole.PROMPT
+    b = cm.allocate_cache(desc)  # still usable, its caches still there
+    cm.copy_cache(b, a, dst_batch_index=1, src_batch_index=0)  # entry 0 of a into entry 1
+    assert (cm.get_cache_tensors(b)[0][1] == 7).all() and not cm.get_cache_tensors(b)[0][0].any()
+    dd.switch_role(ld.LLMRole.DECODER)
+    assert dd.role == ld.LLMRole.DECODER
+
+
 def test_one_instance_per_process_and_finalize(dd: ld.LLMDataDist) -> None:
     other = ld.LLMDataDist(ld.LLMRole.DECODER, 4)
     assert code(other.init, {}) == ld.LLMStatusCode.LLM_FAILED

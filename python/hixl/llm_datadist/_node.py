@@ -107,11 +107,26 @@ class Node:
     def restart(self, role: str, listen: str) -> None:
         """A new engine with another role (and listen address), every cache registered again
         at the same addresses (switch_role)."""
+        old_role = self.ctx.role
         self.close()  # outside the lock: the release thread may be waiting for it
         with self.lock:
             self.routes.clear()
             self.back.clear()
-            self.ctx = Context(self.cluster_id, role, listen, self.device_id, self.engine_options)
+            try:
+                self.ctx = Context(
+                    self.cluster_id, role, listen, self.device_id, self.engine_options
+                )
+            except BaseException:
+                # Stay usable: the old role on a free port (the caller gets the error).
+                self.ctx = Context(
+                    self.cluster_id, old_role, "127.0.0.1:0", self.device_id, self.engine_options
+                )
+                self._reregister()
+                raise
+            self._reregister()
+
+    def _reregister(self) -> None:
+        with self.lock:
             for loc in self.caches.values():
                 d = loc.cache.cache_desc
                 loc.handles = self.register(loc.cache.tensor_addrs, d.size, loc.writable)
