@@ -47,6 +47,9 @@ from ._hixl import (
 from ._layout import KVLayout, aligned_empty
 from ._logging import set_log_level
 from .datadist import (
+    HIXL_001001,
+    HIXL_001002,
+    HIXL_001003,
     Cache,
     LayerSynchronizer,
     LLMClusterInfo,
@@ -69,6 +72,9 @@ from .datadist import (
 )
 
 __all__ = [
+    "HIXL_001001",
+    "HIXL_001002",
+    "HIXL_001003",
     "Cache",
     "LLMClusterInfo",
     "LLMError",

@@ -15,6 +15,9 @@ from ._context import (
     unlink,
 )
 from ._errors import (
+    HIXL_001001,
+    HIXL_001002,
+    HIXL_001003,
     LLM_CACHE_NOT_FOUND,
     LLM_NOT_LINKED,
     LLM_ROLE_MISMATCH,
@@ -34,6 +37,9 @@ from ._transfer import (
 )
 
 __all__ = [
+    "HIXL_001001",
+    "HIXL_001002",
+    "HIXL_001003",
     "LLM_CACHE_NOT_FOUND",
     "LLM_NOT_LINKED",
     "LLM_ROLE_MISMATCH",

@@ -59,6 +59,9 @@ class Directory:
     role: str
     caches: dict[str, CacheInfo] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Anything else a layer on top publishes for its peers (JSON values; hixl.llm_datadist
+    #: keeps its caches and keys here). Peers get it as PeerDirectory.extra, unchecked.
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.buf = aligned_empty(DIR_BYTES, np.uint8)
@@ -78,6 +81,8 @@ class Directory:
             "role": self.role,
             "caches": [c.to_json() for c in self.caches.values()],
         }
+        if self.extra:
+            doc["extra"] = self.extra
         body = json.dumps(doc, separators=(",", ":")).encode()
         if len(body) > DIR_BYTES - HEADER:
             raise ParamInvalid(
@@ -112,6 +117,8 @@ class PeerDirectory:
     role: str
     dir_addr: int
     caches: dict[str, CacheInfo]
+    #: The peer's Directory.extra, as published (untrusted: check before use).
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class DirectoryReader:
@@ -236,6 +243,9 @@ def parse(address: str, dir_addr: int, body: bytes) -> PeerDirectory:
     try:
         doc: dict[str, Any] = json.loads(body)
         rank, role = int(doc["rank"]), str(doc["role"])
+        extra = doc.get("extra", {})
+        if not isinstance(extra, dict):
+            raise ValueError("its extra field is not an object")
         caches = {}
         for c in doc["caches"]:
             info = CacheInfo.from_json(c)
@@ -250,4 +260,4 @@ def parse(address: str, dir_addr: int, body: bytes) -> PeerDirectory:
             LLM_NOT_LINKED,
             f"{address} publishes a malformed KV-cache directory ({why[:200]})",
         ) from None
-    return PeerDirectory(address, rank, role, dir_addr, caches)
+    return PeerDirectory(address, rank, role, dir_addr, caches, extra)

@@ -35,3 +35,13 @@ class LLMError(HixlError):
         out = cls(str(err.code), f"{what}: {err}", err.status)
         out.__cause__ = err
         return out
+
+
+# The seed article's engine error names, as aliases of the matching status codes (compare
+# with ``err.status`` or ``err.code`` of any HixlError, an LLMError included).
+#: Registration failed (the memory overlaps a registered region, or is not usable memory).
+HIXL_001001 = Status.PARAM_INVALID
+#: Link timeout: the peer did not answer (not started, wrong address, network).
+HIXL_001002 = Status.TIMEOUT
+#: Invalid handle: the instance was finalized (use after finalize).
+HIXL_001003 = Status.FAILED

@@ -12,7 +12,7 @@ from .._errors import HixlError, ParamInvalid
 from .._errors import Timeout as HixlTimeout
 from .._hixl import NotifyDesc, TransferOp
 from .._wakers import Wakers
-from ._cache import Cache
+from ._cache import Cache, CacheInfo
 from ._context import context
 from ._errors import LLMError
 from ._transfer import (
@@ -22,10 +22,11 @@ from ._transfer import (
     TransferTask,
     as_llm_error,
     check_fits,
+    descs,
+    layer_pairs,
     layer_request,
     run_requests,
     same_geometry,
-    whole_requests,
 )
 
 #: Name of the notification a producer sends after each layer's bytes are visible; the message
@@ -36,16 +37,28 @@ LAYER_NOTIFY = "hixl.kv.layer"
 class LayerSynchronizer:
     """Tracks which layers of a cache are present (consumer) or computed (producer).
 
-    ``get_current_layer()`` is the number of layers present, counted from layer 0 without a
-    gap; ``wait_sync()`` blocks until the next ``sync_interval`` layers are present;
-    ``layer_ready(k)`` is the producer's call after computing layer k."""
+    ``get_current_layer()`` is the index of the newest layer present (every layer before it
+    is present too); before the first layer has arrived it waits for it, at most
+    ``timeout_ms``, so a loop that uses that layer never reads an absent one.
+    ``get_layer_count()`` is the number of layers present. ``wait_sync()`` blocks until the
+    next ``sync_interval`` layers are present; ``layer_ready(k)`` is the producer's call after
+    computing layer k.
 
-    def __init__(self, total_layers: int, sync_interval: int = 1) -> None:
+    ``total_layers`` may be fewer than the cache's layers (its layer axis) if it divides
+    them: each synchronizer layer is then that many consecutive cache layers (a (8192, 8192)
+    cache described as 32 layers moves in 32 pieces of 256 rows)."""
+
+    def __init__(
+        self, total_layers: int, sync_interval: int = 1, timeout_ms: float | None = 30_000
+    ) -> None:
         for name, v in (("total_layers", total_layers), ("sync_interval", sync_interval)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ParamInvalid(f"{name}={v!r} must be an integer >= 1")
+        if timeout_ms is not None and not timeout_ms > 0:
+            raise ParamInvalid(f"timeout_ms={timeout_ms!r} must be > 0 (or None: no limit)")
         self.total_layers = total_layers
         self.sync_interval = sync_interval
+        self.timeout_ms = timeout_ms
         self._cond = threading.Condition()
         self._present = [False] * total_layers
         self._current = 0
@@ -57,6 +70,13 @@ class LayerSynchronizer:
         self._wakers = Wakers()  # asyncio waiters (wait_sync_async, wait_layer_async)
 
     def get_current_layer(self) -> int:
+        """The index of the newest layer present, counted from layer 0 without a gap. Before
+        any layer is present it waits for layer 0 (raising hixl.Timeout after the
+        synchronizer's timeout_ms, or the transfer's error if it failed)."""
+        return self._wait_for(1, self.timeout_ms) - 1
+
+    def get_layer_count(self) -> int:
+        """How many layers are present, counted from layer 0 without a gap (at once)."""
         with self._cond:
             return self._current
 
@@ -78,11 +98,10 @@ class LayerSynchronizer:
     def wait_sync(self, timeout_ms: float | None = None) -> int:
         """Blocks until `sync_interval` more layers than at the last wait_sync are present (or
         all of them) and returns the count. Raises the transfer's error if it failed, and
-        hixl.Timeout after `timeout_ms`. Without a timeout it still ends: the transfer
-        behind it fails within its own timeout."""
+        hixl.Timeout after `timeout_ms` (None: the synchronizer's timeout_ms)."""
         with self._cond:
             target = min(self.total_layers, self._synced + self.sync_interval)
-        got = self._wait_for(target, timeout_ms)
+        got = self._wait_for(target, self.timeout_ms if timeout_ms is None else timeout_ms)
         with self._cond:
             self._synced = max(self._synced, got)
         return got
@@ -96,7 +115,7 @@ class LayerSynchronizer:
             return int(await asyncio.wait_for(fut, limit))
         except TimeoutError:
             raise HixlTimeout(
-                f"{self.get_current_layer()} of {self.total_layers} layers present "
+                f"{self.get_layer_count()} of {self.total_layers} layers present "
                 f"after {timeout_ms} ms, waiting for {count}"
             ) from None
 
@@ -105,7 +124,9 @@ class LayerSynchronizer:
         thread that records the layers wakes it)."""
         with self._cond:
             target = min(self.total_layers, self._synced + self.sync_interval)
-        got = await self._wait_for_async(target, timeout_ms)
+        got = await self._wait_for_async(
+            target, self.timeout_ms if timeout_ms is None else timeout_ms
+        )
         with self._cond:
             self._synced = max(self._synced, got)
         return got
@@ -114,13 +135,14 @@ class LayerSynchronizer:
         """``wait_layer`` for an asyncio event loop."""
         if not 0 <= layer < self.total_layers:
             raise ParamInvalid(f"layer={layer} is out of range 0..{self.total_layers - 1}")
-        await self._wait_for_async(layer + 1, timeout_ms)
+        await self._wait_for_async(layer + 1, self.timeout_ms if timeout_ms is None else timeout_ms)
 
     def wait_layer(self, layer: int, timeout_ms: float | None = None) -> None:
-        """Blocks until layer `layer` (and every one before it) is present."""
+        """Blocks until layer `layer` (and every one before it) is present (at most
+        `timeout_ms`; None: the synchronizer's timeout_ms)."""
         if not 0 <= layer < self.total_layers:
             raise ParamInvalid(f"layer={layer} is out of range 0..{self.total_layers - 1}")
-        self._wait_for(layer + 1, timeout_ms)
+        self._wait_for(layer + 1, self.timeout_ms if timeout_ms is None else timeout_ms)
 
     def layer_ready(self, layer: int) -> None:
         """Producer: layer `layer` is computed; a push task sends it at once."""
@@ -158,12 +180,38 @@ class LayerSynchronizer:
             return self._ready.popleft() if self._ready else None
 
 
-def _check_layers(cache: Cache, syncer: LayerSynchronizer) -> None:
-    if syncer.total_layers != cache.num_layers:
+def _check_layers(cache: Cache, syncer: LayerSynchronizer) -> int:
+    """How many cache layers make one synchronizer layer."""
+    if cache.num_layers % syncer.total_layers:
         raise ParamInvalid(
             f"synchronizer has total_layers={syncer.total_layers}, cache "
-            f"{cache.name!r} has {cache.num_layers} layers"
+            f"{cache.name!r} has {cache.num_layers} layers (not a multiple)"
         )
+    return cache.num_layers // syncer.total_layers
+
+
+def _group_request(
+    local: CacheInfo,
+    remote: CacheInfo,
+    rank: int,
+    address: str,
+    op: TransferOp,
+    group: int,
+    per: int,
+    notify: NotifyDesc | None = None,
+) -> Request:
+    """The request moving synchronizer layer `group`: cache layers group*per .. +per-1."""
+    if per == 1:
+        return layer_request(local, remote, rank, address, op, group, notify)
+    p = [x for k in range(group * per, (group + 1) * per) for x in layer_pairs(local, remote, k)]
+    p.sort()
+    merged: list[tuple[int, int, int]] = []
+    for lo, ro, n in p:  # consecutive layers of a layer-major cache: one piece
+        if merged and merged[-1][0] + merged[-1][2] == lo and merged[-1][1] + merged[-1][2] == ro:
+            merged[-1] = (merged[-1][0], merged[-1][1], merged[-1][2] + n)
+        else:
+            merged.append((lo, ro, n))
+    return Request(rank, address, op, descs(merged), sum(x[2] for x in merged), group, notify)
 
 
 def transfer_cache_async(
@@ -181,7 +229,7 @@ def transfer_cache_async(
     a notification that the receiver's ``receive_cache_async`` counts."""
     if mode not in ("pull", "push"):
         raise ParamInvalid(f"mode={mode!r} must be 'pull' or 'push'")
-    _check_layers(local_cache, synchronizer)
+    per = _check_layers(local_cache, synchronizer)
     ctx, cfg = context(), transfer_config or TransferConfig()
     name = remote_name or local_cache.name
 
@@ -192,7 +240,12 @@ def transfer_cache_async(
                 f"layerwise pull needs equal shapes: local {local_cache.shape}, "
                 f"remote {remote.shape} on rank {remote_rank}"
             )
-        reqs = whole_requests(local_cache.info, remote, remote_rank, peer.address, TransferOp.READ)
+        reqs = [
+            _group_request(
+                local_cache.info, remote, remote_rank, peer.address, TransferOp.READ, g, per
+            )
+            for g in range(synchronizer.total_layers)
+        ]
 
         def arrived(r: Request) -> None:
             assert r.layer is not None
@@ -208,7 +261,7 @@ def transfer_cache_async(
                 f"layerwise push needs equal shapes: local {local_cache.shape}, "
                 f"remote {remote.shape} on rank {remote_rank}"
             )
-        total = local_cache.num_layers
+        total = synchronizer.total_layers
         pipe = Pipeline(ctx, task, cfg, on_done=lambda r: task.mark("sent", r.layer or 0))
         submitted = 0
         gap_deadline = time.monotonic() + cfg.timeout_ms / 1000
@@ -227,8 +280,15 @@ def transfer_cache_async(
             note = NotifyDesc(LAYER_NOTIFY, f"{ctx.rank}:{name}:{k}")
             task.mark("submitted", k)
             pipe.submit(
-                layer_request(
-                    local_cache.info, remote, remote_rank, peer.address, TransferOp.WRITE, k, note
+                _group_request(
+                    local_cache.info,
+                    remote,
+                    remote_rank,
+                    peer.address,
+                    TransferOp.WRITE,
+                    k,
+                    per,
+                    note,
                 )
             )
             submitted += 1
@@ -267,11 +327,11 @@ def receive_cache_async(
         return n.name == LAYER_NOTIFY and n.msg.startswith(prefix)
 
     def body(task: TransferTask) -> None:
-        total, got = local_cache.num_layers, 0
+        total, got = synchronizer.total_layers, 0
         layer_bytes = local_cache.nbytes // total
         gap_deadline = time.monotonic() + cfg.timeout_ms / 1000
         try:
-            while synchronizer.get_current_layer() < total:
+            while synchronizer.get_layer_count() < total:
                 notes = ctx.mailbox.take(match)
                 for n in notes:
                     k = int(n.msg[len(prefix) :])

@@ -1,0 +1,383 @@
+"""One LLMDataDist's state on hixl: an engine (through hixl.datadist's Context: linking,
+role checks and the directory peers read one-sidedly), its caches and keys as published in
+that directory, and the thread that applies peers' key releases."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._errors import Failed, HixlError
+from .._errors import Timeout as HixlTimeout
+from .._hixl import MemDesc, MemHandle, NotifyDesc, TransferOp, TransferStatus
+from ..datadist._context import Context
+from ..datadist._context import LLMClusterInfo as KvClusterInfo
+from ._cache import Cache
+from ._status import LLMException, LLMStatusCode, fail, wrap
+from ._types import CacheDesc
+
+#: The notification a puller sends the owner of a CacheKey after pulling by it: the key is
+#: used up (LLM-DataDist releases a key once it has been pulled).
+RELEASE_NOTIFY = "hixl.lldd.release"
+#: Sent to a cluster after linking to it: {"cluster": id, "address": "ip:port"}, so that it
+#: can link back on demand (LLM-DataDist's links carry transfers both ways).
+HELLO_NOTIFY = "hixl.lldd.hello"
+#: Sent before a non-forced unlink: the peer forgets the way back (and closes it).
+BYE_NOTIFY = "hixl.lldd.bye"
+#: Where a node publishes its caches and keys in its directory's ``extra``.
+EXTRA_KEY = "lldd"
+
+KeyIdent = tuple[int, int, int, int]
+
+
+@dataclass
+class Local:
+    """A cache of this node."""
+
+    cache: Cache
+    handles: list[MemHandle]
+    owned: list[np.ndarray] = field(default_factory=list)  # memory allocate_cache made
+    keys: set[KeyIdent] = field(default_factory=set)
+    bkey: tuple[int, int] | None = None
+    dealloc_pending: bool = False
+    writable: bool = True  # peers may push into it (not only pull)
+
+
+@dataclass
+class RemoteCache:
+    cache_id: int
+    desc: CacheDesc
+    addrs: list[int]
+
+
+@dataclass
+class RemoteView:
+    """What a peer publishes: its caches, CacheKeys (-> cache id, batch index) and
+    BlocksCacheKeys (-> cache id)."""
+
+    address: str
+    caches: dict[int, RemoteCache]
+    keys: dict[KeyIdent, tuple[int, int]]
+    bkeys: dict[tuple[int, int], int]
+
+
+class Node:
+    def __init__(
+        self,
+        cluster_id: int,
+        role: str,
+        listen: str,
+        device_id: int,
+        engine_options: dict[str, str],
+        timeout_ms: int,
+    ) -> None:
+        self.cluster_id = cluster_id
+        self.timeout_ms = timeout_ms
+        self.device_id = device_id
+        self.engine_options = engine_options
+        self.ctx = Context(cluster_id, role, listen, device_id, engine_options)
+        self.lock = threading.RLock()
+        self.caches: dict[int, Local] = {}
+        self.keys: dict[KeyIdent, tuple[int, int]] = {}
+        self.bkeys: dict[tuple[int, int], int] = {}
+        self.next_id = 1
+        # CacheKeys this node has pulled (-> the owner's cache id then): a second pull by
+        # the same key fails at once, even before the owner has applied the release.
+        self.consumed: dict[KeyIdent, int] = {}
+        # Clusters that linked to this node (-> their listen address), and those of them this
+        # node has linked back to on demand (not links of its own: switch_role ignores them).
+        self.routes: dict[int, str] = {}
+        self.back: set[int] = set()
+        self.closed = False
+        self.publish()
+        self.thread = self._start()
+
+    def _start(self) -> threading.Thread:
+        t = threading.Thread(
+            target=self._serve, args=(self.ctx.engine,), name="hixl-lldd-release", daemon=True
+        )
+        t.start()
+        return t
+
+    def restart(self, role: str, listen: str) -> None:
+        """A new engine with another role (and listen address), every cache registered again
+        at the same addresses (switch_role)."""
+        old_role = self.ctx.role
+        self.close()  # outside the lock: the release thread may be waiting for it
+        with self.lock:
+            self.routes.clear()
+            self.back.clear()
+            try:
+                self.ctx = Context(
+                    self.cluster_id, role, listen, self.device_id, self.engine_options
+                )
+            except BaseException:
+                # Stay usable: the old role on a free port (the caller gets the error).
+                self.ctx = Context(
+                    self.cluster_id, old_role, "127.0.0.1:0", self.device_id, self.engine_options
+                )
+                self._reregister()
+                raise
+            self._reregister()
+
+    def _reregister(self) -> None:
+        with self.lock:
+            for loc in self.caches.values():
+                d = loc.cache.cache_desc
+                loc.handles = self.register(loc.cache.tensor_addrs, d.size, loc.writable)
+            self.closed = False
+            self.publish()
+            self.thread = self._start()
+
+    @property
+    def engine(self) -> Any:
+        return self.ctx.engine
+
+    # -- publishing --------------------------------------------------------------------
+
+    def publish(self) -> None:
+        """Rewrites this node's entry in its directory (the caller may hold self.lock)."""
+        with self.lock:
+            doc = {
+                "caches": {
+                    str(cid): {
+                        "desc": loc.cache.cache_desc.to_json(),
+                        "addrs": loc.cache.tensor_addrs,
+                    }
+                    for cid, loc in self.caches.items()
+                },
+                "keys": [[*k, cid, b] for k, (cid, b) in self.keys.items()],
+                "bkeys": [[c, m, cid] for (c, m), cid in self.bkeys.items()],
+            }
+            self.ctx.directory.extra[EXTRA_KEY] = doc
+            self.ctx.directory.publish()
+
+    def new_id(self) -> int:
+        with self.lock:
+            cid = self.next_id
+            self.next_id += 1
+            return cid
+
+    def register(self, addrs: list[int], nbytes: int, writable: bool) -> list[MemHandle]:
+        out: list[MemHandle] = []
+        try:
+            for a in addrs:
+                out.append(
+                    self.engine.register_mem(MemDesc(a, nbytes), access="rw" if writable else "r")
+                )
+        except BaseException as exc:
+            for h in out:
+                self.engine.deregister_mem(h)
+            raise wrap(exc, "registering the cache's memory") from exc
+        return out
+
+    def add(self, loc: Local, keys: Iterable[tuple[KeyIdent, int]]) -> None:
+        with self.lock:
+            keys = list(keys)
+            for k, _ in keys:
+                if k in self.keys:
+                    raise fail(
+                        LLMStatusCode.LLM_PARAM_INVALID, f"CacheKey {list(k)} is already in use"
+                    )
+            if loc.bkey is not None and loc.bkey in self.bkeys:
+                raise fail(
+                    LLMStatusCode.LLM_PARAM_INVALID,
+                    f"BlocksCacheKey {list(loc.bkey)} is already in use",
+                )
+            cid = loc.cache.cache_id
+            self.caches[cid] = loc
+            for k, b in keys:
+                self.keys[k] = (cid, b)
+                loc.keys.add(k)
+            if loc.bkey is not None:
+                self.bkeys[loc.bkey] = cid
+            self.publish()
+
+    def drop(self, cid: int, force: bool = True) -> None:
+        """Forgets cache `cid` and deregisters its memory; with force=False only once no
+        CacheKey refers to it any more (then it is marked and dropped when the last goes)."""
+        with self.lock:
+            loc = self.caches.get(cid)
+            if loc is None:
+                return
+            if loc.keys and not force:
+                loc.dealloc_pending = True
+                return
+            del self.caches[cid]
+            for k in loc.keys:
+                self.keys.pop(k, None)
+            if loc.bkey is not None and self.bkeys.get(loc.bkey) == cid:
+                del self.bkeys[loc.bkey]
+            self.publish()
+            loc.cache._valid = False
+        for h in loc.handles:
+            try:
+                self.engine.deregister_mem(h)
+            except HixlError:
+                pass  # finalized already
+
+    def remove_key(self, k: KeyIdent) -> bool:
+        with self.lock:
+            hit = self.keys.pop(k, None)
+            if hit is None:
+                return False
+            loc = self.caches.get(hit[0])
+            if loc is not None:
+                loc.keys.discard(k)
+                if loc.dealloc_pending and not loc.keys:
+                    self.drop(hit[0])
+                    return True
+            self.publish()
+            return True
+
+    def _serve(self, engine: Any) -> None:
+        """Applies what peers send to `engine`: key releases after a pull by CacheKey, and
+        the hello / bye of clusters that link to this node."""
+        while not self.closed and self.ctx.engine is engine:
+            try:
+                notes = engine.wait_notifies(200)
+            except HixlTimeout:
+                continue
+            except (Failed, HixlError):
+                return  # finalized
+            for n in notes:
+                try:
+                    self._apply(n.name, json.loads(n.msg))
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    continue  # not ours, or malformed: peers are not trusted
+
+    def _apply(self, name: str, msg: Any) -> None:
+        if name == RELEASE_NOTIFY:
+            k = tuple(int(x) for x in msg)
+            if len(k) == 4:
+                self.remove_key(k)  # type: ignore[arg-type]
+        elif name == HELLO_NOTIFY:
+            cid, address = int(msg["cluster"]), str(msg["address"])
+            if cid != self.cluster_id and ":" in address:
+                with self.lock:
+                    self.routes[cid] = address
+        elif name == BYE_NOTIFY:
+            self.forget_route(int(msg["cluster"]))
+
+    def forget_route(self, cid: int) -> None:
+        with self.lock:
+            self.routes.pop(cid, None)
+            was_back = cid in self.back
+            self.back.discard(cid)
+        if was_back:
+            try:
+                self.ctx.unlink(cid)
+            except HixlError:
+                pass  # gone already
+
+    def explicit_links(self) -> list[int]:
+        """Clusters this node linked to itself (not the ways back it opened on demand)."""
+        with self.ctx.lock:
+            linked = set(self.ctx.peers)
+        with self.lock:
+            return sorted(linked - self.back)
+
+    def _tell(self, address: str, name: str, doc: dict[str, Any]) -> None:
+        try:
+            self.engine.send_notify(address, NotifyDesc(name, json.dumps(doc)), timeout_ms=2000)
+        except HixlError:
+            pass  # best effort: without it the peer just cannot link back
+
+    def hello(self, address: str) -> None:
+        self._tell(address, HELLO_NOTIFY, {"cluster": self.cluster_id, "address": self.ctx.address})
+
+    def bye(self, address: str) -> None:
+        self._tell(address, BYE_NOTIFY, {"cluster": self.cluster_id})
+
+    def peer_address(self, cluster_id: int) -> str:
+        """The address of a linked cluster; a cluster that linked to this node is linked back
+        to on first use. LLM_NOT_YET_LINK otherwise."""
+        with self.ctx.lock:
+            p = self.ctx.peers.get(cluster_id)
+        if p is not None:
+            return p.address
+        with self.lock:
+            address = self.routes.get(cluster_id)
+        if address is None:
+            raise fail(
+                LLMStatusCode.LLM_NOT_YET_LINK,
+                f"cluster {cluster_id} is not linked to cluster {self.cluster_id} "
+                "(call link_clusters)",
+            )
+        try:
+            self.ctx.link_all([KvClusterInfo(cluster_id, None, address)], self.timeout_ms)
+        except Exception as exc:
+            raise wrap(exc, f"linking back to cluster {cluster_id} at {address}") from exc
+        with self.lock:
+            self.back.add(cluster_id)
+        return address
+
+    # -- peers -------------------------------------------------------------------------
+
+    def view(self, cluster_id: int) -> RemoteView:
+        """The peer's caches and keys, read now (one-sided) from its directory."""
+        self.peer_address(cluster_id)
+        try:
+            peer = self.ctx.peer(cluster_id)
+            fresh = self.ctx.reader.fetch(peer.address, cluster_id, peer.dir_addr)
+        except (HixlError, LLMException) as exc:
+            raise wrap(exc, f"cluster {cluster_id}") from exc
+        doc = fresh.extra.get(EXTRA_KEY)
+        try:
+            if doc is None:
+                raise ValueError("it publishes no LLM-DataDist caches (not an LLMDataDist?)")
+            caches = {
+                int(cid): RemoteCache(
+                    int(cid), CacheDesc.from_json(c["desc"]), [int(a) for a in c["addrs"]]
+                )
+                for cid, c in doc["caches"].items()
+            }
+            keys = {
+                (int(e[0]), int(e[1]), int(e[2]), int(e[3])): (int(e[4]), int(e[5]))
+                for e in doc["keys"]
+            }
+            bkeys = {(int(e[0]), int(e[1])): int(e[2]) for e in doc["bkeys"]}
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, LLMException) as exc:
+            raise fail(
+                LLMStatusCode.LLM_FAILED,
+                f"cluster {cluster_id} at {peer.address} publishes a malformed cache list: {exc}",
+            ) from None
+        return RemoteView(peer.address, caches, keys, bkeys)
+
+    def transfer(
+        self, cluster_id: int, address: str, op: TransferOp, pairs: list[tuple[int, int, int]]
+    ) -> None:
+        """One request moving `pairs` (local, remote, length), waited for within the
+        node's timeout; engine errors become LLMExceptions."""
+        if not pairs:
+            return
+        descs = np.array(pairs, dtype=np.uint64).reshape(-1, 3)
+        what = f"{'pull from' if op == TransferOp.READ else 'push to'} cluster {cluster_id}"
+        try:
+            req = self.engine.transfer_async(address, op, descs, timeout_ms=self.timeout_ms)
+            st = req.wait(self.timeout_ms + 2000)
+            if st != TransferStatus.COMPLETED:
+                req.result()
+                raise HixlTimeout(f"still running after {self.timeout_ms} ms")
+        except HixlError as exc:
+            raise wrap(exc, what) from exc
+
+    def release(self, cluster_id: int, address: str, k: KeyIdent, cid: int) -> None:
+        with self.lock:
+            self.consumed[k] = cid
+        try:
+            self.engine.send_notify(
+                address, NotifyDesc(RELEASE_NOTIFY, json.dumps(list(k))), timeout_ms=self.timeout_ms
+            )
+        except HixlError:
+            pass  # the pull succeeded; the owner keeps the key until remove_cache_key
+
+    def close(self) -> None:
+        self.closed = True
+        self.ctx.finalize()
+        self.thread.join(5)
