@@ -235,3 +235,46 @@ def test_torch_cpu_tensor():
         t = torch.arange(1024, dtype=torch.float32)
         h = e.register(t)
         assert (h.addr, h.len) == (t.data_ptr(), 4096)
+
+
+def test_a_failed_finalize_stays_failed_and_keeps_registered_memory_referenced() -> None:
+    """finalize fails when a same-host peer (it copies with no check at this side) does not
+    confirm that it dropped this engine's regions; the objects registered must then stay
+    referenced, and a second finalize must not pretend all is well (it used to return None,
+    and the bindings then released the objects a peer might still write)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    t = hixl.Hixl()
+    t.initialize("127.0.0.1:0", {"hixl.deregister_timeout_ms": "300"})
+    buf = np.zeros(1 << 16, np.uint8)
+    t.register(buf)
+    script = (
+        "import sys, hixl\n"
+        "e = hixl.Hixl(); e.initialize('127.0.0.1', {'hixl.backends': 'shm'})\n"
+        f"e.connect('{t.local_engine}', timeout_ms=5000)\n"
+        "assert e.stats()['" + t.local_engine + "']['backend'] == 'shm'\n"
+        "print('LINKED', flush=True); sys.stdin.read()\n"
+    )
+    peer = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert peer.stdout is not None and peer.stdout.readline().strip() == "LINKED"
+        os.kill(peer.pid, signal.SIGSTOP)  # it can no longer confirm anything
+        deadline = time.monotonic() + 5
+        while open(f"/proc/{peer.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        held = sys.getrefcount(buf)
+        with pytest.raises(hixl.HixlError):
+            t.finalize()
+        with pytest.raises(hixl.HixlError, match="an earlier finalize failed"):
+            t.finalize()
+        assert sys.getrefcount(buf) == held, "the registered object was released"
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+        peer.kill()
+        peer.wait(10)

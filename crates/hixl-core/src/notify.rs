@@ -126,8 +126,7 @@ impl NotifyStore {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                let what =
-                    name.map_or("a notification".to_string(), |n| format!("a notification named {n:?}"));
+                let what = name.map_or("notification".to_string(), |n| format!("notification named {n:?}"));
                 return Err(Error::timeout(format!("no {what} arrived within {timeout:?}")));
             }
             g = self.arrived.wait_timeout(g, left).unwrap().0;

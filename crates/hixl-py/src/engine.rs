@@ -909,7 +909,7 @@ impl Hixl {
                 Err(err) if err.status == hixl_core::Status::Timeout => {
                     let what = name
                         .as_deref()
-                        .map_or("a notification".to_string(), |n| format!("a notification named {n:?}"));
+                        .map_or("notification".to_string(), |n| format!("notification named {n:?}"));
                     return Err(to_py(hixl_core::Error::timeout(format!(
                         "no {what} arrived within timeout_ms={timeout_ms}"
                     ))));

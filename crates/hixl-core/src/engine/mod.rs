@@ -84,6 +84,10 @@ struct Running {
 pub struct Engine {
     state: Mutex<Option<Arc<Running>>>,
     finalized: std::sync::atomic::AtomicBool,
+    /// Why finalize failed, when it did: a same-host peer may still copy into memory this
+    /// engine registered, so every later finalize reports it again (and callers keep that
+    /// memory alive) instead of succeeding.
+    finalize_failed: Mutex<Option<Error>>,
 }
 
 impl Default for Engine {
@@ -106,7 +110,7 @@ pub fn parse_addr(s: &str) -> Result<SocketAddr> {
 impl Engine {
     /// A new, uninitialized engine.
     pub fn new() -> Self {
-        Engine { state: Mutex::new(None), finalized: Default::default() }
+        Engine { state: Mutex::new(None), finalized: Default::default(), finalize_failed: Mutex::new(None) }
     }
 
     fn running(&self) -> Result<Arc<Running>> {
@@ -218,7 +222,12 @@ impl Engine {
     /// Stops the engine: fails every pending request (FAILED), closes links and the listener,
     /// deregisters all memory. Later calls fail; a second finalize is a no-op.
     pub fn finalize(&self) -> Result<()> {
-        let Some(r) = self.state.lock().unwrap().take() else { return Ok(()) };
+        let Some(r) = self.state.lock().unwrap().take() else {
+            return match &*self.finalize_failed.lock().unwrap() {
+                Some(e) => Err(e.clone().context("an earlier finalize failed, and its memory stays in use")),
+                None => Ok(()),
+            };
+        };
         tracing::info!(engine = %r.local_engine, "engine finalizing");
         self.finalized.store(true, Ordering::Release);
         let slots: Vec<_> = {
@@ -256,7 +265,11 @@ impl Engine {
             std::mem::forget(allocated);
         }
         tracing::info!(engine = %r.local_engine, "engine finalized");
-        cleared.and(published)
+        let res = cleared.and(published);
+        if let Err(e) = &res {
+            *self.finalize_failed.lock().unwrap() = Some(e.clone());
+        }
+        res
     }
 
     /// Registers `[desc.addr, desc.addr + desc.len)` for peers to READ and WRITE.

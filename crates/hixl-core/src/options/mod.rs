@@ -84,9 +84,9 @@ pub struct Options {
     pub queue_depth: usize,
     /// `hixl.split_bytes`: requests of at least this many bytes are split across the streams.
     pub split_bytes: u64,
-    /// `hixl.transfer_timeout_ms`: deadline of an async transfer that gives none.
+    /// `hixl.transfer_timeout_ms`: deadline of a transfer, notify or disconnect that gives none.
     pub transfer_timeout: Duration,
-    /// `hixl.connect_timeout_ms`: deadline of `connect_async`.
+    /// `hixl.connect_timeout_ms`: deadline of a connect that gives none (and of `connect_async`).
     pub connect_timeout: Duration,
     /// `hixl.handshake_timeout_ms`: one deadline for a new stream's whole handshake.
     pub handshake_timeout: Duration,
@@ -133,8 +133,8 @@ impl Default for Options {
 }
 
 /// One engine option: its key, its default (empty: unset), what it means (for `hixl info` and
-/// the README's table, which a test holds to this one) and how a value is parsed into
-/// [`Options`]. The one definition of every option.
+/// the README's table, which a test holds to this one) and how a value is parsed into the
+/// engine's options. The one definition of every option.
 pub struct OptionSpec {
     /// The key, as `initialize` takes it.
     pub key: &'static str,
@@ -187,13 +187,13 @@ pub const SPECS: &[OptionSpec] = &[
             Ok(())
         }
     }),
-    spec("hixl.transfer_timeout_ms", "10000", "deadline of an async transfer that gives none", |o, k, v| {
+    spec("hixl.transfer_timeout_ms", "10000", "deadline of a transfer (sync or async), put/get, send_notify or disconnect that gives none", |o, k, v| {
         {
             o.transfer_timeout = ms(k, v, 1)?;
             Ok(())
         }
     }),
-    spec("hixl.connect_timeout_ms", "3000", "deadline of connect_async", |o, k, v| {
+    spec("hixl.connect_timeout_ms", "3000", "deadline of connect (and connect_async) when it gives none", |o, k, v| {
         {
             o.connect_timeout = ms(k, v, 1)?;
             Ok(())
