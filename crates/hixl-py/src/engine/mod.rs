@@ -1,0 +1,378 @@
+//! `Hixl`, the engine (handles and requests: `request`; descriptor parsing: `descs`). The GIL is released around every call
+//! into the core that can block, wait or copy.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use hixl_core::Engine;
+
+use crate::buffer::{self, KeepAlive};
+use crate::descs::parse_descs;
+use crate::errors::{self, to_py};
+use crate::request::{connect_interruptibly, ms, wait_req, MemHandle, TransferReq, SLICE};
+use crate::types::{
+    self, AsyncConnectStatus, MemDesc, MemType, NotifyDesc, RemoteRegion, StridedDesc, TransferOp,
+    TransferStatus,
+};
+
+/// A transfer engine: it registers memory of this process, links to other engines, and READs or
+/// WRITEs their registered memory one-sidedly (the peer runs no application code for it).
+///
+/// `Hixl()` makes an engine that does nothing until `initialize`; one per process is typical.
+/// It is a context manager: `with hixl.Hixl() as e:` calls `finalize` on exit and lets
+/// exceptions through. Every method may be called from any thread. The calls that can block,
+/// wait or copy release the GIL; the waits of `connect`, `transfer_sync`, `put`/`get`, the
+/// strided calls, `wait_notifies` and `TransferReq.wait` also check for Ctrl-C every 50 ms
+/// (`KeyboardInterrupt`). A call that uses the engine before `initialize`, after `finalize`,
+/// or in a `fork()`ed child of the process that initialized it raises `Failed`.
+///
+/// `timeout_ms` arguments are milliseconds (int or float, >= 0); more than a year means a year,
+/// and a negative, NaN or infinite value raises `ParamInvalid`. Left out (None), a call takes
+/// the engine's option, `hixl.transfer_timeout_ms` (default 10000) or
+/// `hixl.connect_timeout_ms` (default 3000), as each method says. Errors are subclasses of
+/// `hixl.HixlError`. The repository's docs/API.md is the full reference.
+#[pyclass(frozen, module = "hixl._hixl", subclass)]
+pub struct Hixl {
+    pub(crate) engine: Arc<Engine>,
+    keep: Mutex<HashMap<(u64, u64), KeepAlive>>,
+    /// Requests not yet reported final by the no-argument `get_transfer_status()`.
+    unreported: Mutex<Vec<Py<TransferReq>>>,
+}
+
+/// Past this many unreported requests, finished ones are forgotten unreported.
+const MAX_UNREPORTED: usize = 65536;
+
+fn finish_sync(py: Python<'_>, req: &hixl_core::TransferReq) -> PyResult<()> {
+    wait_req(py, req, None)?;
+    req.result().map_err(to_py)
+}
+
+impl Hixl {
+    /// `register_mem` with a parsed access mode.
+    fn register_access(
+        &self,
+        py: Python<'_>,
+        desc: MemDesc,
+        mem_type: MemType,
+        access: hixl_core::Access,
+        name: Option<String>,
+    ) -> PyResult<MemHandle> {
+        let name = name.unwrap_or_default();
+        let e = self.engine.clone();
+        let h = py
+            .allow_threads(|| {
+                let d = hixl_core::MemDesc { addr: desc.addr, len: desc.len };
+                // SAFETY: the contract of a raw range passes to the Python caller, as the
+                // method's documentation says (like NIXL's register_memory); `register(obj)`
+                // meets it by keeping the object alive until deregistration.
+                unsafe { e.register_named(d, mem_type.into(), access, &name) }
+            })
+            .map_err(to_py)?;
+        Ok(MemHandle { addr: h.addr, len: h.len, id: h.id, mem_type, name })
+    }
+
+    /// Wraps a request for Python and remembers it for the no-argument status query.
+    fn track(
+        &self,
+        py: Python<'_>,
+        req: hixl_core::TransferReq,
+        user_data: Option<Py<PyAny>>,
+    ) -> PyResult<Py<TransferReq>> {
+        let obj = Py::new(py, TransferReq { req, user_data: user_data.unwrap_or_else(|| py.None()) })?;
+        let mut un = self.unreported.lock().unwrap();
+        if un.len() >= MAX_UNREPORTED {
+            un.retain(|r| r.get().req.status() == hixl_core::TransferStatus::Waiting);
+        }
+        un.push(obj.clone_ref(py));
+        Ok(obj)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn one(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        op: TransferOp,
+        local_addr: &Bound<'_, PyAny>,
+        remote_addr: &Bound<'_, PyAny>,
+        length: &Bound<'_, PyAny>,
+        timeout_ms: Option<f64>,
+    ) -> PyResult<hixl_core::TransferReq> {
+        let d = [hixl_core::TransferOpDesc {
+            local_addr: types::uint("local_addr", local_addr)?,
+            remote_addr: types::uint("remote_addr", remote_addr)?,
+            len: types::uint("length", length)?,
+        }];
+        let t = ms("timeout_ms", timeout_ms)?;
+        let e = self.engine.clone();
+        py.allow_threads(|| e.transfer_async(remote, op.into(), &d, None, t)).map_err(to_py)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn strided(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        op: TransferOp,
+        local_base: &Bound<'_, PyAny>,
+        remote_base: &Bound<'_, PyAny>,
+        desc: StridedDesc,
+        notify: Option<NotifyDesc>,
+        timeout_ms: Option<f64>,
+    ) -> PyResult<hixl_core::TransferReq> {
+        let lb = types::uint("local_base", local_base)?;
+        let rb = types::uint("remote_base", remote_base)?;
+        let t = ms("timeout_ms", timeout_ms)?;
+        let e = self.engine.clone();
+        let d: hixl_core::StridedDesc = desc.into();
+        let n = notify.map(Into::into);
+        py.allow_threads(|| e.strided_async(remote, op.into(), lb, rb, &d, n, t)).map_err(to_py)
+    }
+}
+
+#[pymethods]
+impl Hixl {
+    #[new]
+    fn py_new() -> Self {
+        Hixl {
+            engine: Arc::new(Engine::new()),
+            keep: Mutex::new(HashMap::new()),
+            unreported: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Starts the engine: a listener for peers (unless client only) and its threads.
+    ///
+    /// Arguments:
+    /// - `local_engine` (str): "ip:port" (also `"[v6]:port"` or "host:port") to listen there; port 0
+    ///   takes a free port, which the `local_engine` property then reports. An IP address alone
+    ///   ("10.0.0.5", "::1") makes a client-only engine: it connects to others, nobody connects to
+    ///   it, and its id is "ip#pid".
+    /// - `options` (dict or None, default None): engine options as `{key: value}`, values str, int
+    ///   or bool (`{"hixl.tcp.streams": 4, "hixl.data_mac": True}`; True/False mean "1"/"0").
+    ///   `hixl.option_keys()` lists every key with its default and meaning; Huawei HIXL's keys
+    ///   (`hixl.hixl_option_keys()`) are accepted too, and `AutoConnect` starts `connect_async`
+    ///   to each engine it lists. None: every default.
+    ///
+    /// Raises `ParamInvalid` for an unknown key, a value of another type or one that does not
+    /// parse (the message names the key), or an address that does not parse or cannot be listened
+    /// on (in use, for one); `Failed` when the engine is already initialized or was finalized (an
+    /// engine does not restart: make a new `Hixl`).
+    ///
+    /// Returns None. Blocks only while it binds and starts threads, with the GIL released.
+    #[pyo3(signature = (local_engine, options = None))]
+    fn initialize(
+        &self,
+        py: Python<'_>,
+        local_engine: &str,
+        options: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<()> {
+        let mut opts = HashMap::new();
+        for (k, v) in options.map(|d| d.iter()).into_iter().flatten() {
+            let key: String =
+                k.extract().map_err(|_| errors::param(format!("option key {k} is not a str")))?;
+            opts.insert(key.clone(), types::option_text(&key, &v)?);
+        }
+        let e = self.engine.clone();
+        py.allow_threads(|| e.initialize(local_engine, &opts)).map_err(to_py)
+    }
+
+    /// This engine's id, the address peers `connect` to: the bound "ip:port" of a listening
+    /// engine (the real port when it was started on port 0), or "ip#pid" for a client-only one.
+    ///
+    /// Raises `Failed` before `initialize` and after `finalize`. Does not block.
+    #[getter]
+    fn local_engine(&self) -> PyResult<String> {
+        self.engine.local_engine().map_err(to_py)
+    }
+
+    /// Stops the engine and releases what it holds.
+    ///
+    /// Every pending request fails (FAILED, error `Failed`), links and the listener close,
+    /// background connects are waited for (each ends by its own deadline), and all memory is
+    /// deregistered: the objects `register` kept alive are released, and `alloc`'d memory is
+    /// unmapped once no array refers to it. Before memory may be freed, same-host peers that copy
+    /// into it directly must confirm that they dropped it (up to `hixl.deregister_timeout_ms`).
+    ///
+    /// Takes no arguments and returns None. Idempotent: a second call, or a call on an engine
+    /// never initialized, does nothing. Engine calls made afterwards raise `Failed`.
+    ///
+    /// Raises `Failed` when transfers on a region did not drain or a same-host peer did not
+    /// confirm in time; that peer is disconnected and the memory stays allocated (a leak rather
+    /// than memory freed under a copy), and the registered objects stay referenced.
+    ///
+    /// Blocks with the GIL released, bounded by `hixl.deregister_timeout_ms` and the deadlines of
+    /// connects still under way (no Ctrl-C check).
+    fn finalize(&self, py: Python<'_>) -> PyResult<()> {
+        let e = self.engine.clone();
+        let r = py.allow_threads(|| e.finalize());
+        if r.is_ok() {
+            // On error a peer may still access the memory: the objects stay referenced.
+            let released = std::mem::take(&mut *self.keep.lock().unwrap());
+            drop(released);
+        }
+        r.map_err(to_py)
+    }
+
+    /// Returns the engine itself (`with hixl.Hixl() as e:`).
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Calls `finalize`; returns False, so an exception raised in the block goes on.
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        self.finalize(py)?;
+        Ok(false)
+    }
+
+    /// Registers a raw address range of this process, so that peers can READ it (and WRITE it,
+    /// unless it is read-only), and returns its `MemHandle`.
+    ///
+    /// Arguments:
+    /// - `desc` (MemDesc): the range, `MemDesc(addr, length)`.
+    /// - `mem_type` (MemType, default `MemType.HOST`): where the memory lives. `MemType.DEVICE`
+    ///   raises `Unsupported`: no backend serves device memory yet.
+    /// - `access` (str, default "rw"): "rw": peers may READ and WRITE it. "r": peers may only READ
+    ///   it; a peer's WRITE into it is refused (`ParamInvalid`).
+    /// - `name` (str or None, default None): a name, at most 255 bytes and unique within this
+    ///   engine, by which peers find the region (`remote_region`). None or "": unnamed.
+    ///
+    /// Registering exactly the same range again returns the same handle; it must then have the
+    /// same access and name. Peers learn of a new region from the region-table update this engine
+    /// sends them. The range must stay mapped memory of this process until it is deregistered (or
+    /// the engine finalized), and peers may write it at any time until then: hixl cannot check
+    /// that and keeps nothing alive. `register(obj)` does that for an object.
+    ///
+    /// Raises `ParamInvalid` for a null address, a zero length, a range that is not mapped memory
+    /// of this process or that overlaps another region, a name that is taken or too long, the same
+    /// range with another access or name, or `access` other than "rw"/"r"; `Unsupported` for a
+    /// memory type no backend of `hixl.backends` serves; `ResourceExhausted` when the region table
+    /// is full (65,536 regions, or 16 MiB - 64 KiB of entries); `Failed` before `initialize` or
+    /// after `finalize`.
+    ///
+    /// Does not wait for peers; the GIL is released while it registers.
+    #[pyo3(signature = (desc, mem_type = MemType::HOST, access = "rw", name = None))]
+    fn register_mem(
+        &self,
+        py: Python<'_>,
+        desc: MemDesc,
+        mem_type: MemType,
+        access: &str,
+        name: Option<String>,
+    ) -> PyResult<MemHandle> {
+        let access = hixl_core::Access::parse(access).map_err(to_py)?;
+        self.register_access(py, desc, mem_type, access, name)
+    }
+
+    /// Registers the memory of a Python object, keeps the object alive until the region is
+    /// deregistered (or the engine finalized), and returns its `MemHandle`.
+    ///
+    /// Arguments:
+    /// - `obj`: an object with a C-contiguous buffer (numpy array, bytearray, memoryview, mmap,
+    ///   ...) or a contiguous torch CPU tensor. It must be writable unless `access` is "r".
+    /// - `mem_type` (MemType, default `MemType.HOST`): as in `register_mem`.
+    /// - `access` (str, default "rw"): "rw": peers may READ and WRITE it. "r": peers may only READ
+    ///   it. A read-only buffer (`bytes`, a read-only numpy array) needs "r", and then nothing
+    ///   writes it at all: it is not the destination of one of this engine's READs (`get`) either.
+    /// - `name` (str or None, default None): as in `register_mem`.
+    ///
+    /// Registering the same memory again (the same range) returns the same handle; to get the
+    /// handle of an `alloc`'d array, register the array (with its `name`, if it has one).
+    ///
+    /// Raises `ParamInvalid` for an object without a C-contiguous buffer, an empty one, a
+    /// read-only buffer with `access="rw"`, a non-contiguous tensor, and in every case where
+    /// `register_mem` does; `Unsupported` for a tensor that is not on the CPU or for
+    /// `MemType.DEVICE`; `ResourceExhausted` and `Failed` as `register_mem`.
+    ///
+    /// Does not wait for peers; the GIL is released while it registers.
+    #[pyo3(signature = (obj, mem_type = MemType::HOST, access = "rw", name = None))]
+    fn register(
+        &self,
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        mem_type: MemType,
+        access: &str,
+        name: Option<String>,
+    ) -> PyResult<MemHandle> {
+        let access = hixl_core::Access::parse(access).map_err(to_py)?;
+        let (addr, len, keep, read_only) = buffer::export(obj, access == hixl_core::Access::ReadWrite)?;
+        if len == 0 {
+            return Err(errors::param("cannot register an empty buffer (length=0)"));
+        }
+        // Memory Python promised not to change: nothing hixl does may write it.
+        let access = if read_only { hixl_core::Access::Immutable } else { access };
+        let h = self.register_access(py, MemDesc { addr, len }, mem_type, access, name)?;
+        self.keep.lock().unwrap().entry((addr, len)).or_insert(keep);
+        Ok(h)
+    }
+
+    /// Allocates shared memory, registers it read-write, and returns it as a numpy uint8 array.
+    ///
+    /// Arguments:
+    /// - `size` (int): bytes wanted, at least 1. The allocation is rounded up to a multiple of
+    ///   2 MiB and starts on a 2 MiB boundary; the array has the rounded length.
+    /// - `name` (str or None, default None): as in `register_mem`.
+    ///
+    /// The memory is zero-filled and memfd-backed (nothing is left in /dev/shm, even after a
+    /// crash); same-host peers map it and copy into it directly. Without numpy the result is a
+    /// `ShmBuffer` (buffer protocol, `addr`, `len()`). The memory is unmapped once it is
+    /// deregistered (or the engine finalized) and nothing refers to it any more. For its
+    /// `MemHandle`, call `register(arr)` with the same `name`.
+    ///
+    /// Raises `ParamInvalid` when `size` is 0 or not an int below 2**64, and for a name as in
+    /// `register_mem`; `Failed` when the system refuses the memory, before `initialize` or after
+    /// `finalize`; `ResourceExhausted` when the region table is full.
+    ///
+    /// The GIL is released while it allocates and registers.
+    #[pyo3(signature = (size, name = None))]
+    fn alloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>, name: Option<String>) -> PyResult<Py<PyAny>> {
+        let size = types::uint("size", size)?;
+        let name = name.unwrap_or_default();
+        let e = self.engine.clone();
+        let (h, mem) = py.allow_threads(|| e.alloc_named(size, &name)).map_err(to_py)?;
+        let buf = Py::new(py, buffer::ShmBuffer { mem })?;
+        self.keep.lock().unwrap().insert((h.addr, h.len), KeepAlive::Object(buf.clone_ref(py).into_any()));
+        match py.import("numpy") {
+            Ok(np) => Ok(np.call_method1("frombuffer", (buf, "uint8"))?.unbind()),
+            Err(_) => Ok(buf.into_any()),
+        }
+    }
+
+    /// Deregisters a region: peers' tables lose it, and `register`'s object is released.
+    ///
+    /// Arguments:
+    /// - `handle` (MemHandle): what `register_mem`, `register` or `register(arr)` returned.
+    ///
+    /// Transfers still using the region are waited for, up to `hixl.deregister_timeout_ms`; then
+    /// the links that hold them are aborted. A listening engine also waits (same bound) until every
+    /// same-host peer that copies directly has confirmed the new table; only then may the memory be
+    /// freed. Idempotent: a handle already deregistered, or unknown, does nothing.
+    ///
+    /// Returns None. Raises `Failed` when transfers did not drain, or when a same-host peer did not
+    /// confirm in time: that peer is disconnected, the memory stays allocated and referenced, and a
+    /// retry asks again. Also `Failed` before `initialize` or after `finalize`.
+    ///
+    /// Blocks with the GIL released, up to about `hixl.deregister_timeout_ms` (no Ctrl-C check).
+    fn deregister_mem(&self, py: Python<'_>, handle: &MemHandle) -> PyResult<()> {
+        let e = self.engine.clone();
+        let core = hixl_core::MemHandle {
+            id: handle.id,
+            addr: handle.addr,
+            len: handle.len,
+            mem_type: handle.mem_type.into(),
+        };
+        py.allow_threads(|| e.deregister_mem(&core)).map_err(to_py)?;
+        let released = self.keep.lock().unwrap().remove(&(handle.addr, handle.len));
+        drop(released);
+        Ok(())
+    }
+}
+
+mod links;
+mod notifies;
+mod transfers;

@@ -1,0 +1,129 @@
+//! `Hixl`: notifications (send, wait, collect) and per-peer stats.
+
+use super::*;
+
+#[pymethods]
+impl Hixl {
+    /// Sends a notification to `remote` once every transfer submitted to it before this call has
+    /// ended (completed or failed), and waits until the peer has it.
+    ///
+    /// Arguments:
+    /// - `remote` (str): a connected peer.
+    /// - `notify` (NotifyDesc): `name` at most 1,024 bytes, `msg` at most 1 MiB. The peer gets it
+    ///   from `get_notifies` or `wait_notifies`.
+    /// - `timeout_ms` (float or None, default None): bounds both the wait for the earlier
+    ///   transfers and the delivery. None: the engine's `hixl.transfer_timeout_ms` (default
+    ///   10000). 0: `Timeout` if an earlier transfer is still in flight (the delivery itself
+    ///   still gets 1 ms).
+    ///
+    /// Returns None. Raises `Timeout` when an earlier transfer was still in flight or the peer did
+    /// not confirm in time; `NotifyFailed` when the link died or lost the notification;
+    /// `NotConnected` when `remote` is not connected (never, or disconnected); `ResourceExhausted`
+    /// when the peer already holds `hixl.max_notifies` of ours (or another of its notification
+    /// limits is full); `ParamInvalid` for a name or msg over its limit; `Failed` before
+    /// `initialize` or after `finalize`.
+    ///
+    /// Blocks with the GIL released, up to `timeout_ms` (no Ctrl-C check).
+    #[pyo3(signature = (remote, notify, timeout_ms = None))]
+    fn send_notify(
+        &self,
+        py: Python<'_>,
+        remote: &str,
+        notify: NotifyDesc,
+        timeout_ms: Option<f64>,
+    ) -> PyResult<()> {
+        let e = self.engine.clone();
+        let t = match ms("timeout_ms", timeout_ms)? {
+            Some(t) => t,
+            None => e.default_timeouts().map_err(to_py)?.0,
+        };
+        py.allow_threads(|| e.send_notify(remote, notify.into(), t)).map_err(to_py)
+    }
+
+    /// Waits until a notification (named `name`, if given) is pending, then returns every pending
+    /// one that matches, as a list of `NotifyDesc`; the others stay for `get_notifies`.
+    ///
+    /// Arguments:
+    /// - `timeout_ms` (float, required): how long to wait, in milliseconds. 0: return what is
+    ///   pending now, or raise `Timeout`.
+    /// - `name` (str or None, default None): only notifications with this name; None: any.
+    ///
+    /// Raises `Timeout` when none came in time; `ParamInvalid` for a negative or non-finite
+    /// `timeout_ms`; `Failed` before `initialize` or after `finalize`.
+    ///
+    /// Waits with the GIL released; Ctrl-C raises `KeyboardInterrupt` within 50 ms.
+    #[pyo3(signature = (timeout_ms, name = None))]
+    fn wait_notifies(
+        &self,
+        py: Python<'_>,
+        timeout_ms: f64,
+        name: Option<String>,
+    ) -> PyResult<Vec<NotifyDesc>> {
+        let total = ms("timeout_ms", Some(timeout_ms))?.unwrap();
+        let until = Instant::now() + total;
+        let e = self.engine.clone();
+        loop {
+            let slice = until.saturating_duration_since(Instant::now()).min(SLICE);
+            match py.allow_threads(|| e.wait_notifies(slice, name.as_deref())) {
+                Ok(got) => return Ok(got.into_iter().map(Into::into).collect()),
+                Err(err) if err.status == hixl_core::Status::Timeout && Instant::now() < until => {
+                    py.check_signals()?
+                }
+                Err(err) if err.status == hixl_core::Status::Timeout => {
+                    let what = name
+                        .as_deref()
+                        .map_or("notification".to_string(), |n| format!("notification named {n:?}"));
+                    return Err(to_py(hixl_core::Error::timeout(format!(
+                        "no {what} arrived within timeout_ms={timeout_ms}"
+                    ))));
+                }
+                Err(err) => return Err(to_py(err)),
+            }
+        }
+    }
+
+    /// Returns and clears the notifications this engine has received from all peers, as a list
+    /// of `NotifyDesc` in arrival order (empty when none is pending).
+    ///
+    /// Takes no arguments. Raises `Failed` before `initialize` or after `finalize`. Does not block;
+    /// `wait_notifies` waits for one.
+    fn get_notifies(&self) -> PyResult<Vec<NotifyDesc>> {
+        Ok(self.engine.get_notifies().map_err(to_py)?.into_iter().map(Into::into).collect())
+    }
+
+    /// Counters of every peer this engine has a link to, as `{peer: {...}}`.
+    ///
+    /// Takes no arguments. Each peer's dict holds `backend` (the data path: "self", "shm" or
+    /// "tcp"), `not_chosen` (why the backends tried before it were not taken; "" when it was
+    /// first), `alive`, `bytes_write`, `bytes_read`, `ops_write` and `ops_read` (completed
+    /// requests), `errors` (failed or timed-out requests), `notifies` (sent), `direct_parts`
+    /// (same-host copies through a mapping of the peer's `alloc`'d memory) and `latency_us`
+    /// (`count`, `avg`, `p50`, `p99`, `max` of recent requests, in microseconds).
+    ///
+    /// Raises `Failed` before `initialize` or after `finalize`. Does not block.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for s in self.engine.stats().map_err(to_py)? {
+            let d = PyDict::new(py);
+            d.set_item("backend", s.backend)?;
+            d.set_item("not_chosen", s.not_chosen)?;
+            d.set_item("alive", s.alive)?;
+            d.set_item("bytes_write", s.bytes_write)?;
+            d.set_item("bytes_read", s.bytes_read)?;
+            d.set_item("ops_write", s.ops_write)?;
+            d.set_item("ops_read", s.ops_read)?;
+            d.set_item("errors", s.errors)?;
+            d.set_item("notifies", s.notifies)?;
+            d.set_item("direct_parts", s.direct_parts)?;
+            let l = PyDict::new(py);
+            l.set_item("count", s.latency.count)?;
+            l.set_item("avg", s.latency.avg_us)?;
+            l.set_item("p50", s.latency.p50_us)?;
+            l.set_item("p99", s.latency.p99_us)?;
+            l.set_item("max", s.latency.max_us)?;
+            d.set_item("latency_us", l)?;
+            out.set_item(s.peer, d)?;
+        }
+        Ok(out)
+    }
+}
