@@ -67,6 +67,9 @@ def test_scraped_metrics_match_what_moved(make_peer) -> None:
         assert value(s, "hixl_errors_total", status="PARAM_INVALID", **lab) == 1
         assert value(s, "hixl_errors_total", status="TIMEOUT", **lab) == 0
         assert value(s, "hixl_requests_in_flight", **lab) == 0
+        assert value(s, "hixl_queue_slots_used", **lab) == 0
+        assert value(s, "hixl_queue_slots", **lab) == 4096  # hixl.queue_depth
+        assert value(s, "hixl_heartbeats_missed_total", **lab) >= 0
         assert value(s, "hixl_request_duration_seconds_count", **lab) == 13
         assert value(s, "hixl_request_duration_seconds_bucket", le="+Inf", **lab) == 13
         assert value(s, "hixl_request_duration_seconds_sum", **lab) > 0
@@ -135,5 +138,35 @@ def test_a_request_reports_its_telemetry_once_it_ended(make_peer) -> None:
             assert slow.telemetry()["backend"] == "tcp"
         finally:
             e2.finalize()
+    finally:
+        e.finalize()
+
+
+def test_queue_and_heartbeat_gauges_follow_a_stalled_peer(make_peer) -> None:
+    """While the peer is frozen, requests sit in flight (and in the queue) and heartbeat
+    intervals go by without progress; afterwards all of it drains."""
+    import time
+
+    peer = make_peer(1 << 20)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp", "hixl.heartbeat_ms": "300"})
+    try:
+        e.connect(peer.engine, timeout_ms=5000)
+        src = np.ones(1 << 20, np.uint8)
+        e.register(src)
+        with peer.stopped():
+            n = 64  # 64 MiB: more than the sockets' buffers hold, so some stay queued
+            reqs = [e.put_async(peer.engine, src.ctypes.data, peer.addr, 1 << 20) for _ in range(n)]
+            # The first interval without progress (the link would die after three).
+            deadline = time.monotonic() + 5
+            while (st := e.stats()[peer.engine])["heartbeat_misses"] == 0:
+                assert time.monotonic() < deadline, st
+                time.sleep(0.02)
+            assert st["in_flight"] == n, st
+            assert st["queue_slots"] == 4096 and st["queue_slots_used"] >= 1, st
+        for r in reqs:
+            assert r.wait(10_000) == hixl.TransferStatus.COMPLETED
+        st = e.stats()[peer.engine]
+        assert (st["in_flight"], st["queue_slots_used"]) == (0, 0), st
     finally:
         e.finalize()

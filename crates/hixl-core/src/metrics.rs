@@ -52,6 +52,9 @@ struct Series {
     errors: BTreeMap<&'static str, u64>,
     buckets: Vec<u64>,
     sum_us: u64,
+    queue_used: u64,
+    queue_slots: u64,
+    heartbeat_misses: u64,
 }
 
 impl Series {
@@ -73,6 +76,9 @@ impl Series {
             *b += n;
         }
         self.sum_us += p.latency_sum_us;
+        self.queue_used += p.queue_slots.0 as u64;
+        self.queue_slots += p.queue_slots.1 as u64;
+        self.heartbeat_misses += p.heartbeat_misses;
     }
 }
 
@@ -162,6 +168,18 @@ pub fn render(engines: &[EngineMetrics], max_peers: usize) -> String {
     header(&mut o, "hixl_requests_in_flight", "gauge", "Requests submitted and not settled yet.");
     per_series(&mut o, &all, |o, l, s| {
         let _ = writeln!(o, "hixl_requests_in_flight{{{l}}} {}", s.in_flight.max(0));
+    });
+    header(&mut o, "hixl_queue_slots_used", "gauge", "Request-queue slots in use.");
+    per_series(&mut o, &all, |o, l, s| {
+        let _ = writeln!(o, "hixl_queue_slots_used{{{l}}} {}", s.queue_used);
+    });
+    header(&mut o, "hixl_queue_slots", "gauge", "Request-queue slots in all (hixl.queue_depth; 0: none).");
+    per_series(&mut o, &all, |o, l, s| {
+        let _ = writeln!(o, "hixl_queue_slots{{{l}}} {}", s.queue_slots);
+    });
+    header(&mut o, "hixl_heartbeats_missed_total", "counter", "Heartbeat intervals without progress.");
+    per_series(&mut o, &all, |o, l, s| {
+        let _ = writeln!(o, "hixl_heartbeats_missed_total{{{l}}} {}", s.heartbeat_misses);
     });
     let h = "hixl_request_duration_seconds";
     header(&mut o, h, "histogram", "Completed requests, from submission to completion.");

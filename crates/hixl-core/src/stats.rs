@@ -44,6 +44,8 @@ pub struct PeerStats {
     pub latency_buckets: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
     /// Sum of the completed requests' latencies, in microseconds.
     pub latency_sum_us: AtomicU64,
+    /// Heartbeat intervals in which the peer made no progress (three in a row: it is dead).
+    pub heartbeat_misses: AtomicU64,
     latencies: Mutex<Vec<u64>>,
     next: AtomicU64,
 }

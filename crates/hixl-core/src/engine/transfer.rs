@@ -282,6 +282,8 @@ impl Engine {
                         .collect(),
                     latency_buckets: s.latency_buckets.iter().map(l).collect(),
                     latency_sum_us: l(&s.latency_sum_us),
+                    queue_slots: c.link.queue_slots(),
+                    heartbeat_misses: l(&s.heartbeat_misses),
                 });
             }
         }

@@ -104,6 +104,10 @@ pub struct PeerSnapshot {
     pub latency_buckets: Vec<u64>,
     /// Sum of the completed requests' latencies, in microseconds.
     pub latency_sum_us: u64,
+    /// Request-queue slots in use and in all (0, 0: the path queues nothing).
+    pub queue_slots: (usize, usize),
+    /// Heartbeat intervals in which the peer made no progress.
+    pub heartbeat_misses: u64,
 }
 
 /// A region a peer registered, as [`Engine::remote_regions`](crate::Engine::remote_regions) shows it.

@@ -255,6 +255,11 @@ impl<T> WorkQueue<T> {
         self.q.capacity()
     }
 
+    /// Slots reserved now (queued or about to be).
+    pub fn in_use(&self) -> usize {
+        self.reserved.load(Ordering::Relaxed)
+    }
+
     /// Number of lanes.
     pub fn lanes(&self) -> usize {
         self.lanes.len()

@@ -78,7 +78,11 @@ impl TcpLink {
                 let Some((received, acked)) = liveness::tcp_progress(s.sock.as_raw_fd()) else { return };
                 progress += received as i128 + acked as i128;
             }
-            if let Some(silent) = live.observe(progress, now) {
+            let (missed, dead) = live.observe_counting(progress, now);
+            if missed {
+                self.done.stats().heartbeat_misses.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Some(silent) = dead {
                 self.close(Error::not_connected(format!(
                     "{} stopped answering: no progress for {} ms ({} heartbeats of {} ms missed)",
                     self.peer,

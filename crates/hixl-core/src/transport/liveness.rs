@@ -27,16 +27,22 @@ impl Liveness {
         Liveness { interval, best: i128::MIN, since: now }
     }
 
-    /// Records a sample; returns how long the peer has been silent once that reaches
-    /// `MISSED` intervals (the peer is then dead), None otherwise.
+    /// [`Liveness::observe_counting`] without the miss.
+    #[cfg(test)]
     pub fn observe(&mut self, progress: i128, now: Instant) -> Option<Duration> {
+        self.observe_counting(progress, now).1
+    }
+
+    /// Records a sample: whether it showed no progress (a missed heartbeat interval), and how
+    /// long the peer has been silent once that reaches `MISSED` intervals (it is then dead).
+    pub fn observe_counting(&mut self, progress: i128, now: Instant) -> (bool, Option<Duration>) {
         if progress > self.best {
             self.best = progress;
             self.since = now;
-            return None;
+            return (false, None);
         }
         let silent = now.saturating_duration_since(self.since);
-        (silent >= self.interval * MISSED).then_some(silent)
+        (true, (silent >= self.interval * MISSED).then_some(silent))
     }
 }
 

@@ -66,6 +66,11 @@ pub trait DataPath: crate::registry::Abort + Send + Sync {
     fn close(&self, why: crate::error::Error);
     /// Per-peer counters.
     fn stats(&self) -> Arc<PeerStats>;
+    /// Request-queue slots in use and in all (`hixl.queue_depth`); (0, 0) for a path that
+    /// queues nothing (it copies on the caller's thread).
+    fn queue_slots(&self) -> (usize, usize) {
+        (0, 0)
+    }
 }
 
 /// The threads of a link: started by name, joined when the link closes, unless the closing

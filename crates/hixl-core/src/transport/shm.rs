@@ -477,6 +477,10 @@ impl DataPath for ShmLink {
     fn stats(&self) -> Arc<PeerStats> {
         self.tcp.stats()
     }
+
+    fn queue_slots(&self) -> (usize, usize) {
+        (self.queue.in_use(), self.queue.capacity())
+    }
 }
 
 impl Abort for ShmLink {

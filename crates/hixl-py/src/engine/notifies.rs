@@ -97,8 +97,11 @@ impl Hixl {
     /// "tcp"), `not_chosen` (why the backends tried before it were not taken; "" when it was
     /// first), `alive`, `bytes_write`, `bytes_read`, `ops_write` and `ops_read` (completed
     /// requests), `errors` (failed or timed-out requests), `notifies` (sent), `direct_parts`
-    /// (same-host copies through a mapping of the peer's `alloc`'d memory) and `latency_us`
-    /// (`count`, `avg`, `p50`, `p99`, `max` of recent requests, in microseconds).
+    /// (same-host copies through a mapping of the peer's `alloc`'d memory), `in_flight`
+    /// (requests submitted and not settled), `queue_slots_used` / `queue_slots` (the link's
+    /// request queue; 0 / 0 for "self"), `heartbeat_misses` (intervals in which the peer made
+    /// no progress) and `latency_us` (`count`, `avg`, `p50`, `p99`, `max` of recent requests,
+    /// in microseconds). `hixl.metrics` exposes the same for Prometheus.
     ///
     /// Raises `Failed` before `initialize` or after `finalize`. Does not block.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -115,6 +118,10 @@ impl Hixl {
             d.set_item("errors", s.errors)?;
             d.set_item("notifies", s.notifies)?;
             d.set_item("direct_parts", s.direct_parts)?;
+            d.set_item("in_flight", s.in_flight)?;
+            d.set_item("queue_slots_used", s.queue_slots.0)?;
+            d.set_item("queue_slots", s.queue_slots.1)?;
+            d.set_item("heartbeat_misses", s.heartbeat_misses)?;
             let l = PyDict::new(py);
             l.set_item("count", s.latency.count)?;
             l.set_item("avg", s.latency.avg_us)?;

@@ -537,6 +537,10 @@ impl DataPath for TcpLink {
     fn stats(&self) -> Arc<PeerStats> {
         self.done.stats().clone()
     }
+
+    fn queue_slots(&self) -> (usize, usize) {
+        (self.queue.in_use(), self.queue.capacity())
+    }
 }
 
 impl Abort for TcpLink {
