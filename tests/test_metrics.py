@@ -170,3 +170,15 @@ def test_queue_and_heartbeat_gauges_follow_a_stalled_peer(make_peer) -> None:
         assert (st["in_flight"], st["queue_slots_used"]) == (0, 0), st
     finally:
         e.finalize()
+
+
+def test_the_collector_serves_through_prometheus_client(engine) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    buf = np.zeros(8192, np.uint8)
+    engine.register(buf)
+    reg = CollectorRegistry()
+    reg.register(hixl.metrics.collector(engine))
+    out = generate_latest(reg).decode()
+    line = f'hixl_registered_bytes{{engine="{engine.local_engine}"}} 8192.0'
+    assert line in out, out
