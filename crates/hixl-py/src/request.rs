@@ -74,8 +74,9 @@ pub(crate) fn completions() -> PyResult<&'static Arc<hixl_core::CompletionQueue>
 ///
 /// `wait()` blocks (GIL released, Ctrl-C checked) until it ends; `await req` waits on an
 /// asyncio event loop instead (see `hixl.aio`); `status()` looks without waiting; `result()`
-/// raises its error; `telemetry()` tells how it went. Attributes: `user_data`, `id`, `nbytes`. A request
-/// ends COMPLETED, FAILED or TIMEOUT (past its deadline) and never changes after that.
+/// raises its error; `telemetry()` tells how it went. Attributes: `user_data`, `id`, `nbytes`.
+/// A request ends COMPLETED, FAILED or TIMEOUT (past its deadline) and never changes after
+/// that.
 #[pyclass(frozen, module = "hixl._hixl")]
 pub struct TransferReq {
     pub(crate) req: hixl_core::TransferReq,
@@ -138,15 +139,22 @@ impl TransferReq {
     fn _seconds_left(&self) -> f64 {
         self.req.deadline().saturating_duration_since(Instant::now()).as_secs_f64()
     }
-    /// What happened to the request, once it has ended (None while in flight): a dict with
-    /// `backend` (the one that carried it), `duration_us` (from submission until its I/O
-    /// ended), `bytes`, `descs` (descriptors as given), `status` and `retries` (always 0: hixl
-    /// does not retry a request).
+    /// What happened to the request, once its I/O has ended (None while in flight): a dict
+    /// with `backend` (the one that carried it), `start_unix_us` (when it was submitted, wall
+    /// clock), `post_us` (how long the submitting call took to hand it to the backend; more
+    /// than `duration_us` when the backend finished it inside that call),
+    /// `duration_us` (from submission until its I/O ended), `bytes`, `descs` (descriptors as
+    /// given), `status` and `retries` (always 0: hixl does not retry a request).
     fn telemetry<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, pyo3::types::PyDict>>> {
-        let Some((backend, took)) = self.req.telemetry() else { return Ok(None) };
+        let Some(t) = self.req.telemetry() else { return Ok(None) };
         let d = pyo3::types::PyDict::new(py);
-        d.set_item("backend", backend)?;
-        d.set_item("duration_us", took.as_secs_f64() * 1e6)?;
+        // Wall-clock start: now minus the time since the request was created.
+        let age = t.started.elapsed();
+        let unix_now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        d.set_item("backend", t.backend)?;
+        d.set_item("start_unix_us", unix_now.saturating_sub(age).as_micros() as u64)?;
+        d.set_item("post_us", t.post.as_secs_f64() * 1e6)?;
+        d.set_item("duration_us", t.duration.as_secs_f64() * 1e6)?;
         d.set_item("bytes", self.req.bytes)?;
         d.set_item("descs", self.req.descs)?;
         d.set_item("status", TransferStatus::from(self.req.status()))?;

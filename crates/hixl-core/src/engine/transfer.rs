@@ -93,6 +93,7 @@ impl Engine {
             req.release_pins();
             return Err(e);
         }
+        req.mark_posted();
         remember(conn, &req);
         Ok(req)
     }

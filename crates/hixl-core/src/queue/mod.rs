@@ -16,7 +16,7 @@ use crate::error::{Error, Result, Status};
 mod completion;
 mod request;
 pub use completion::CompletionQueue;
-pub use request::Request;
+pub use request::{Request, Telemetry};
 
 /// Direction of a transfer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -42,6 +42,8 @@ pub struct Request {
     accounted: AtomicBool,
     /// The backend that carried it and when its I/O ended (for telemetry).
     ended: OnceLock<(&'static str, Instant)>,
+    /// When the submitting call had handed it to its backend (for telemetry).
+    posted: OnceLock<Instant>,
 }
 
 impl Request {
@@ -80,6 +82,7 @@ impl Request {
             report: OnceLock::new(),
             accounted: AtomicBool::new(false),
             ended: OnceLock::new(),
+            posted: OnceLock::new(),
         }
     }
 
@@ -205,10 +208,21 @@ impl Request {
         first
     }
 
-    /// The backend that carried it and how long it took from submission until its I/O ended
-    /// (None while in flight).
-    pub fn telemetry(&self) -> Option<(&'static str, Duration)> {
-        self.ended.get().map(|(b, t)| (*b, t.saturating_duration_since(self.started)))
+    /// Records that the submitting call has handed it to its backend.
+    pub(crate) fn mark_posted(&self) {
+        let _ = self.posted.set(Instant::now());
+    }
+
+    /// How it went, once its I/O has ended (None while in flight).
+    pub fn telemetry(&self) -> Option<Telemetry> {
+        let (backend, end) = *self.ended.get()?;
+        let posted = self.posted.get().copied().unwrap_or(self.started);
+        Some(Telemetry {
+            backend,
+            post: posted.saturating_duration_since(self.started),
+            duration: end.saturating_duration_since(self.started),
+            started: self.started,
+        })
     }
 
     /// Asks for `token` to be queued on `q` when the request settles (at most once per
@@ -252,4 +266,18 @@ impl Request {
     pub fn release_pins(&self) {
         self.pins.lock().unwrap().clear();
     }
+}
+
+/// A settled request's telemetry (like NIXL's transfer telemetry).
+#[derive(Clone, Copy, Debug)]
+pub struct Telemetry {
+    /// The backend that carried it.
+    pub backend: &'static str,
+    /// Time the submitting call took to hand it to the backend, from its creation (after its
+    /// descriptors were checked).
+    pub post: Duration,
+    /// From its creation until its I/O ended.
+    pub duration: Duration,
+    /// When it was created.
+    pub started: Instant,
 }
