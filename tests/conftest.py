@@ -137,7 +137,7 @@ def make_peer() -> Iterator:
 def engine(request) -> Iterator[hixl.Hixl]:
     """An initiator engine; TCP data path unless parametrized indirectly with a transport."""
     e = hixl.Hixl()
-    e.initialize("127.0.0.1", {"hixl.transport": getattr(request, "param", "tcp")})
+    e.initialize("127.0.0.1", {"hixl.backends": getattr(request, "param", "tcp")})
     yield e
     e.finalize()
 
