@@ -48,7 +48,7 @@ pub use engine::{
 pub use error::{Error, Result, Status};
 pub use options::compat::{CompatKey, COMPAT as HIXL_OPTIONS};
 pub use options::{keys as option_keys, OptionSpec, SPECS as OPTIONS};
-pub use queue::{CompletionQueue, NotifyDesc, Request, Telemetry, TransferOp, TransferStatus};
+pub use queue::{Completion, CompletionQueue, NotifyDesc, Request, Telemetry, TransferOp, TransferStatus};
 pub use registry::{Access, MemType};
 pub use stats::{LatencySummary, LATENCY_BUCKETS_US};
 pub use transport::shm::{host_id, SharedMem};

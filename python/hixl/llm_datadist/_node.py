@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,9 @@ RELEASE_NOTIFY = "hixl.lldd.release"
 HELLO_NOTIFY = "hixl.lldd.hello"
 #: Sent before a non-forced unlink: the peer forgets the way back (and closes it).
 BYE_NOTIFY = "hixl.lldd.bye"
+#: How long a use of a cluster that has not linked here waits for its hello, which the peer
+#: sends right after its link is up but this node applies on its own thread.
+HELLO_WAIT_S = 2.0
 #: Where a node publishes its caches and keys in its directory's ``extra``.
 EXTRA_KEY = "lldd"
 
@@ -82,6 +86,7 @@ class Node:
         self.engine_options = engine_options
         self.ctx = Context(cluster_id, role, listen, device_id, engine_options)
         self.lock = threading.RLock()
+        self.route_added = threading.Condition(self.lock)
         self.caches: dict[int, Local] = {}
         self.keys: dict[KeyIdent, tuple[int, int]] = {}
         self.bkeys: dict[tuple[int, int], int] = {}
@@ -261,6 +266,7 @@ class Node:
             if cid != self.cluster_id and ":" in address:
                 with self.lock:
                     self.routes[cid] = address
+                    self.route_added.notify_all()
         elif name == BYE_NOTIFY:
             self.forget_route(int(msg["cluster"]))
 
@@ -301,8 +307,12 @@ class Node:
             p = self.ctx.peers.get(cluster_id)
         if p is not None:
             return p.address
+        deadline = time.monotonic() + HELLO_WAIT_S
         with self.lock:
             address = self.routes.get(cluster_id)
+            while address is None and (left := deadline - time.monotonic()) > 0:
+                self.route_added.wait(left)
+                address = self.routes.get(cluster_id)
         if address is None:
             raise fail(
                 LLMStatusCode.LLM_NOT_YET_LINK,

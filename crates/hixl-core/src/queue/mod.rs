@@ -14,8 +14,10 @@ use crossbeam_queue::ArrayQueue;
 use crate::error::{Error, Result, Status};
 
 mod completion;
+mod future;
 mod request;
 pub use completion::CompletionQueue;
+pub use future::Completion;
 pub use request::{Request, Telemetry};
 
 /// Direction of a transfer.

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::{CompletionQueue, NotifyDesc, TransferOp, TransferStatus, SPIN};
+use super::{Completion, CompletionQueue, NotifyDesc, TransferOp, TransferStatus, SPIN};
 use crate::error::{Error, Result};
 use crate::registry::Pin;
 
@@ -44,6 +44,9 @@ pub struct Request {
     ended: OnceLock<(&'static str, Instant)>,
     /// When the submitting call had handed it to its backend (for telemetry).
     posted: OnceLock<Instant>,
+    /// The task awaiting it (async Rust), woken when it settles.
+    waker: Mutex<Option<std::task::Waker>>,
+    has_waker: AtomicBool,
 }
 
 impl Request {
@@ -83,6 +86,8 @@ impl Request {
             accounted: AtomicBool::new(false),
             ended: OnceLock::new(),
             posted: OnceLock::new(),
+            waker: Mutex::new(None),
+            has_waker: AtomicBool::new(false),
         }
     }
 
@@ -194,6 +199,9 @@ impl Request {
             if let Some((q, token)) = self.report.get() {
                 q.push(*token);
             }
+            if self.has_waker.load(Ordering::SeqCst) {
+                self.wake();
+            }
         }
         won
     }
@@ -206,6 +214,27 @@ impl Request {
             let _ = self.ended.set((backend, Instant::now()));
         }
         first
+    }
+
+    /// A future that resolves when the request settles (see [`Completion`]).
+    pub fn completion(self: &Arc<Self>) -> Completion {
+        Completion::new(self.clone())
+    }
+
+    /// Sets the task to wake when it settles (the last one set wins).
+    pub(super) fn set_waker(&self, w: std::task::Waker) {
+        *self.waker.lock().unwrap() = Some(w);
+        self.has_waker.store(true, Ordering::SeqCst);
+        // Pairs with the fence in `settle`: the caller's next status check sees the settle, or
+        // the settle sees this waker.
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// Wakes the task awaiting it, if any.
+    pub(super) fn wake(&self) {
+        if let Some(w) = self.waker.lock().unwrap().take() {
+            w.wake();
+        }
     }
 
     /// Records that the submitting call has handed it to its backend.

@@ -181,3 +181,56 @@ fn a_hook_racing_the_settle_is_never_lost() {
         assert!(!waiting_for_it || got == vec![round], "round {round}: token lost");
     }
 }
+
+/// A minimal executor: polls `f` on this thread, parking between wake-ups (no runtime).
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park();
+    }
+}
+
+#[test]
+fn an_awaited_request_wakes_on_settle_and_at_its_deadline() {
+    // Settled by another thread while the task waits.
+    let r = waiting(1);
+    let r2 = r.clone();
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(30));
+        r2.settle(TransferStatus::Completed, None);
+    });
+    block_on(r.completion()).unwrap();
+    t.join().unwrap();
+    // Failed: the future gives its error.
+    let f = waiting(2);
+    let f2 = f.clone();
+    std::thread::spawn(move || f2.settle(TransferStatus::Failed, Some(Error::failed("boom"))));
+    assert_eq!(block_on(f.completion()).unwrap_err().message, "boom");
+    // Nobody settles it: the deadline wakes it with TIMEOUT, on time.
+    let slow = Arc::new(Request::new(
+        3,
+        TransferOp::Read,
+        "p".into(),
+        8,
+        1,
+        1,
+        Duration::from_millis(80),
+        vec![],
+        None,
+    ));
+    let t0 = Instant::now();
+    let err = block_on(slow.completion()).unwrap_err();
+    assert_eq!(err.status, Status::Timeout);
+    assert!(t0.elapsed() >= Duration::from_millis(75) && t0.elapsed() < Duration::from_secs(2));
+}

@@ -1,0 +1,99 @@
+//! Awaiting a request from async Rust: [`Completion`] is a `Future` woken by the completer when
+//! the request settles, with no runtime dependency and no polling. A request past its deadline
+//! is woken by one timer thread for the whole process, which sleeps until the next deadline of
+//! an awaited request.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::future::Future;
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use super::{Request, TransferStatus};
+use crate::error::Result;
+
+/// The future of one request: `Ok(())` when it completed, its error otherwise (TIMEOUT once
+/// its deadline has passed). Dropping it abandons the wait, not the transfer.
+pub struct Completion {
+    req: Arc<Request>,
+    timer_armed: bool,
+}
+
+impl Completion {
+    pub(super) fn new(req: Arc<Request>) -> Completion {
+        Completion { req, timer_armed: false }
+    }
+}
+
+impl Future for Completion {
+    type Output = Result<()>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        if self.req.status() != TransferStatus::Waiting {
+            return Poll::Ready(self.req.result());
+        }
+        self.req.set_waker(cx.waker().clone());
+        if !self.timer_armed {
+            self.timer_armed = true;
+            deadlines().watch(&self.req);
+        }
+        // It may have settled between the first look and the waker being set.
+        if self.req.status() != TransferStatus::Waiting {
+            return Poll::Ready(self.req.result());
+        }
+        Poll::Pending
+    }
+}
+
+/// Deadlines of awaited requests, earliest first, and the thread that acts on them.
+struct Deadlines {
+    due: Mutex<BinaryHeap<Reverse<(Instant, u64)>>>,
+    reqs: Mutex<std::collections::HashMap<u64, Weak<Request>>>,
+    changed: Condvar,
+}
+
+fn deadlines() -> &'static Deadlines {
+    static D: OnceLock<&'static Deadlines> = OnceLock::new();
+    D.get_or_init(|| {
+        let d: &'static Deadlines = Box::leak(Box::new(Deadlines {
+            due: Mutex::new(BinaryHeap::new()),
+            reqs: Mutex::new(std::collections::HashMap::new()),
+            changed: Condvar::new(),
+        }));
+        // One thread for the process, asleep until the earliest deadline.
+        let _ = std::thread::Builder::new().name("hixl-deadlines".into()).spawn(move || d.run());
+        d
+    })
+}
+
+impl Deadlines {
+    fn watch(&self, req: &Arc<Request>) {
+        let key = Arc::as_ptr(req) as u64;
+        self.reqs.lock().unwrap().insert(key, Arc::downgrade(req));
+        self.due.lock().unwrap().push(Reverse((req.deadline(), key)));
+        self.changed.notify_one();
+    }
+
+    fn run(&self) {
+        let mut due = self.due.lock().unwrap();
+        loop {
+            let now = Instant::now();
+            match due.peek().copied() {
+                Some(Reverse((at, key))) if at <= now => {
+                    due.pop();
+                    let req = self.reqs.lock().unwrap().remove(&key).and_then(|w| w.upgrade());
+                    drop(due);
+                    if let Some(req) = req {
+                        // Past its deadline, `status` settles it TIMEOUT, which wakes it.
+                        req.status();
+                        req.wake();
+                    }
+                    due = self.due.lock().unwrap();
+                }
+                Some(Reverse((at, _))) => due = self.changed.wait_timeout(due, at - now).unwrap().0,
+                None => due = self.changed.wait(due).unwrap(),
+            }
+        }
+    }
+}
