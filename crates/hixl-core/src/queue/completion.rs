@@ -48,9 +48,20 @@ impl CompletionQueue {
     /// Every token queued so far, oldest first; clears the descriptor's readability first, so
     /// that a token queued during the call leaves it readable for the next round.
     pub fn drain(&self) -> Vec<u64> {
+        self.take(usize::MAX)
+    }
+
+    /// At most `max` tokens, oldest first; the descriptor stays readable while more wait.
+    pub fn take(&self, max: usize) -> Vec<u64> {
         let mut count: u64 = 0;
         // SAFETY: reads 8 bytes into a live u64 from an eventfd we own (EAGAIN when zero).
         unsafe { libc::read(self.fd.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
-        std::iter::from_fn(|| self.ready.pop()).collect()
+        let out: Vec<u64> = std::iter::from_fn(|| self.ready.pop()).take(max).collect();
+        if !self.ready.is_empty() {
+            let one: u64 = 1;
+            // SAFETY: as in `push`.
+            unsafe { libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        }
+        out
     }
 }
