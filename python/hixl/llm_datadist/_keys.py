@@ -57,6 +57,8 @@ class _ManagerBase:
                 f"{what} needs LLMConfig.enable_remote_cache_accessible = True",
             )
 
+    # -- cache keys ----------------------------------------------------------------------
+
     @staticmethod
     def _keys(desc: CacheDesc, cache_keys: Any) -> list[tuple[KeyIdent, int]]:
         check(

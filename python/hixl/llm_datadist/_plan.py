@@ -1,7 +1,7 @@
 """How a cache operation's bytes are laid out: which tensor goes to which, and the (source
 offset, destination offset, length) pieces of batch entries and blocks, turned into (source
-address, destination address, length) triples. Pure functions over CacheDesc; every check
-raises LLMException (PARAM_INVALID).
+address, destination address, length) triples. Pure functions over CacheDesc; a bad argument
+raises LLMException (LLM_PARAM_INVALID).
 """
 
 from __future__ import annotations
