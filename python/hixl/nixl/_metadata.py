@@ -1,0 +1,266 @@
+"""Agent metadata and remote agents of ``nixl_agent`` (``get_agent_metadata``,
+``add_remote_agent``, ``make_connection``, ...), and the listen-thread side channel
+(``send_local_metadata``, ``fetch_remote_metadata``, ...). The wire formats are in ``_meta``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from .._errors import HixlError, Status
+from .._hixl import AsyncConnectStatus
+from . import _meta
+from ._bindings import (
+    DEFAULT_COMM_PORT,
+    DRAM_SEG,
+    from_hixl,
+    nixlInvalidParamError,
+    nixlNotFoundError,
+    nixlNotSupportedError,
+    nixlRegDList,
+    nixlRemoteDisconnectError,
+)
+from ._common import _CONNECT_WAIT_S, _first_outside, _name, log
+from ._memory import _Memory
+
+
+class _Remote:
+    __slots__ = ("name", "engine", "starts", "ends", "ready")
+
+    def __init__(self, name: str, engine: str, regions: list[list[int]]) -> None:
+        self.name, self.engine, self.ready = name, engine, False
+        self.starts = np.zeros(0, np.uint64)
+        self.ends = np.zeros(0, np.uint64)
+        self.add_regions(regions)
+
+    def add_regions(self, regions: list[list[int]] | list[tuple[int, int]]) -> None:
+        if not regions:
+            return
+        r = np.array([[int(x[0]), int(x[0]) + int(x[1])] for x in regions], np.uint64)
+        starts = np.concatenate([self.starts, r[:, 0]])
+        ends = np.concatenate([self.ends, r[:, 1]])
+        # Keep one entry per start (the longest), sorted: later tables replace earlier ones.
+        order = np.lexsort((-ends.astype(np.float64), starts))
+        starts, ends = starts[order], ends[order]
+        keep = np.ones(starts.shape[0], bool)
+        keep[1:] = starts[1:] != starts[:-1]
+        self.starts, self.ends = starts[keep], ends[keep]
+
+
+class _Metadata(_Memory):
+    """Metadata, remote agents and the side channel of ``nixl_agent``."""
+
+    _remotes: dict[str, _Remote]
+    _fetch_errors: dict[str, str]
+
+    # --- metadata ---------------------------------------------------------------------------
+
+    def _region_rows(self, only: Any = None) -> list[list[int]]:
+        with self._lock:
+            keys = [k for k, r in self._regs.items() if r.parent is None]
+        if only is None:
+            return [[a, n, 0] for a, n in sorted(keys)]
+        return [[int(a), int(n), int(d)] for a, n, d in only.arr]
+
+    def get_agent_metadata(self) -> bytes:
+        return _meta.encode(self.name, self._addr, self._region_rows())
+
+    def get_partial_agent_metadata(
+        self, descs: Any, inc_conn_info: bool = False, backends: Any = None
+    ) -> bytes:
+        d = self.get_reg_descs(descs, "DRAM") if descs is not None else nixlRegDList(DRAM_SEG)
+        rows = self._region_rows(d)
+        return _meta.encode(self.name, self._addr if inc_conn_info else None, rows, True)
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        """Loads a peer's metadata; returns its name as bytes (as NIXL does)."""
+        doc = _meta.decode(metadata)
+        name: str = doc["name"]
+        engine: str | None = doc.get("engine")
+        connect = False
+        with self._lock:
+            r = self._remotes.get(name)
+            if name == self.name:
+                return name.encode()  # our own: loopback needs nothing loaded
+            if engine is None:
+                if r is None:
+                    raise nixlNotFoundError(
+                        f"partial metadata of agent {name!r} has no connection info and the "
+                        "agent is not loaded yet"
+                    )
+                r.add_regions(doc["regions"])
+            elif r is None or r.engine != engine or not doc.get("partial"):
+                nr = _Remote(name, engine, doc["regions"] if not doc.get("partial") else [])
+                if doc.get("partial"):
+                    nr.add_regions(doc["regions"])
+                if r is not None and r.engine == engine:
+                    nr.ready = r.ready
+                self._remotes[name] = nr
+                connect = not nr.ready
+            else:
+                r.add_regions(doc["regions"])
+            self._fetch_errors.pop(name, None)
+        if connect and engine is not None:
+            try:
+                self._engine.connect_async(engine)
+            except HixlError:
+                pass  # already connected or connecting; the first use checks
+        return name.encode()
+
+    def remove_remote_agent(self, agent: Any) -> None:
+        name = _name(agent)
+        with self._lock:
+            r = self._remotes.pop(name, None)
+        if r is None:
+            raise nixlNotFoundError(f"remote agent {name!r} is not loaded")
+        try:
+            self._engine.disconnect(r.engine, timeout_ms=2000)
+        except HixlError as e:
+            log.info("hixl.nixl: disconnecting from %s (%s): %s", name, r.engine, e)
+
+    def make_connection(self, remote_agent: Any, backends: Any = None) -> None:
+        self._ready(self._remote(remote_agent))
+
+    def _remote(self, agent: Any) -> _Remote:
+        name = _name(agent)
+        if name == self.name:
+            r = _Remote(name, self._addr, [])
+            r.starts, r.ends = self._lstarts, self._lends
+            with self._lock:
+                old = self._remotes.get(name)
+                r.ready = old.ready if old is not None else False
+                self._remotes.setdefault(name, r)
+                self._remotes[name].starts, self._remotes[name].ends = r.starts, r.ends
+                return self._remotes[name]
+        r2 = self._remotes.get(name)
+        if r2 is None:
+            raise nixlNotFoundError(f"remote agent {name!r} is not loaded (add_remote_agent)")
+        return r2
+
+    def _ready(self, r: _Remote) -> None:
+        """Waits for the link to r's engine (opened in the background by add_remote_agent)."""
+        if r.ready:
+            return
+        deadline = time.monotonic() + _CONNECT_WAIT_S
+        while True:
+            st = self._engine.get_async_connect_status(r.engine)
+            if st == AsyncConnectStatus.CONNECTED:
+                r.ready = True
+                return
+            if st == AsyncConnectStatus.CONNECTING and time.monotonic() < deadline:
+                time.sleep(0.001)
+                continue
+            try:
+                left = max(deadline - time.monotonic(), 0.5)
+                self._engine.connect(r.engine, timeout_ms=left * 1000)
+                r.ready = True
+                return
+            except HixlError as e:
+                if e.status == Status.ALREADY_CONNECTED:
+                    r.ready = True
+                    return
+                raise from_hixl(
+                    e, f"connecting to agent {r.name!r} at {r.engine}", nixlRemoteDisconnectError
+                ) from e
+
+    # --- the listen-thread side channel ---------------------------------------------------------
+
+    def _load_from_peer(self, md: bytes) -> None:
+        self.add_remote_agent(md)
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            known = name in self._remotes
+        if known:
+            self.remove_remote_agent(name)
+
+    @staticmethod
+    def _peer(ip_addr: str, what: str) -> None:
+        if not ip_addr:
+            raise nixlNotSupportedError(
+                f"{what}: a central metadata server (etcd) is not supported by hixl; give the "
+                "peer's ip_addr and port"
+            )
+
+    def _async(self, what: str, fn: Any) -> None:
+        def run() -> None:
+            try:
+                fn()
+            except Exception as e:
+                log.warning("hixl.nixl agent %s: %s failed: %s", self.name, what, e)
+
+        t = threading.Thread(target=run, name="hixl-nixl-md", daemon=True)
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()]
+            self._threads.append(t)
+        t.start()
+
+    def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
+        self._peer(ip_addr, "send_local_metadata")
+        md = self.get_agent_metadata()
+        self._async(
+            f"sending metadata to {ip_addr}:{port}",
+            lambda: _meta.request(ip_addr, port, b"S", md, False),
+        )
+
+    def send_partial_agent_metadata(
+        self,
+        descs: Any,
+        inc_conn_info: bool = False,
+        backends: Any = None,
+        ip_addr: str = "",
+        port: int = DEFAULT_COMM_PORT,
+        label: str = "",
+    ) -> None:
+        self._peer(ip_addr, "send_partial_agent_metadata")
+        md = self.get_partial_agent_metadata(descs, inc_conn_info, backends)
+        self._async(
+            f"sending partial metadata to {ip_addr}:{port}",
+            lambda: _meta.request(ip_addr, port, b"S", md, False),
+        )
+
+    def fetch_remote_metadata(
+        self, remote_agent: Any, ip_addr: str = "", port: int = DEFAULT_COMM_PORT, label: str = ""
+    ) -> None:
+        name = _name(remote_agent)
+        self._peer(ip_addr, "fetch_remote_metadata")
+
+        def fetch() -> None:
+            try:
+                reply = _meta.request(ip_addr, port, b"F", name.encode(), True)
+                assert reply is not None
+                kind, payload = reply
+                if kind != b"M":
+                    raise ConnectionError(payload.decode(errors="replace"))
+                got = _meta.decode(payload)["name"]
+                if got != name:
+                    raise nixlInvalidParamError(f"asked for agent {name!r}, {got!r} answered")
+                self.add_remote_agent(payload)
+            except Exception as e:
+                self._fetch_errors[name] = str(e)
+                raise
+
+        self._async(f"fetching {name!r}'s metadata from {ip_addr}:{port}", fetch)
+
+    def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
+        self._peer(ip_addr, "invalidate_local_metadata")
+        me = self.name.encode()
+        self._async(
+            f"invalidating metadata at {ip_addr}:{port}",
+            lambda: _meta.request(ip_addr, port, b"I", me, False),
+        )
+
+    def check_remote_metadata(self, agent: Any, descs: Any = None) -> bool:
+        name = _name(agent)
+        with self._lock:
+            r = self._remotes.get(name)
+        if r is None:
+            return name == self.name
+        if descs is None:
+            return True
+        d = self.get_xfer_descs(descs, "DRAM")
+        return _first_outside(d.arr[:, 0], d.arr[:, 1], r.starts, r.ends) < 0

@@ -1,0 +1,75 @@
+"""Notifications of ``nixl_agent`` (``get_new_notifs``, ``update_notifs``,
+``check_remote_xfer_done``, ``send_notif``): hixl notifications named ``"nixl:" + sender``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._errors import HixlError, NotConnected
+from .._hixl import NotifyDesc
+from ._bindings import from_hixl
+from ._common import _NOTIF_PREFIX, _msg, _name
+from ._metadata import _Metadata
+
+
+class _Notifs(_Metadata):
+    """Notifications: the part of ``nixl_agent`` that sends and collects them."""
+
+    notifs: dict[str, list[bytes]]
+
+    # --- notifications --------------------------------------------------------------------------
+
+    def _drain(self) -> dict[str, list[bytes]]:
+        out: dict[str, list[bytes]] = {}
+        for n in self._engine.get_notifies():
+            if n.name.startswith(_NOTIF_PREFIX):
+                key = n.name[len(_NOTIF_PREFIX) :]
+                try:
+                    msg = n.msg.encode("latin-1")
+                except UnicodeEncodeError:
+                    msg = n.msg.encode()
+            else:  # from a plain hixl engine: its notification name is the key
+                key, msg = n.name, n.msg.encode()
+            out.setdefault(key, []).append(msg)
+        return out
+
+    def get_new_notifs(self, backends: Any = None) -> dict[str, list[bytes]]:
+        return self._drain()
+
+    def update_notifs(self, backends: Any = None) -> dict[str, list[bytes]]:
+        for k, v in self._drain().items():
+            self.notifs.setdefault(k, []).extend(v)
+        return self.notifs
+
+    def check_remote_xfer_done(
+        self,
+        remote_agent_name: Any,
+        lookup_tag: Any,
+        backends: Any = None,
+        tag_is_prefix: bool = True,
+    ) -> bool:
+        self.update_notifs()
+        name, tag = _name(remote_agent_name), _msg(lookup_tag)
+        msgs = self.notifs.get(name)
+        if not msgs:
+            return False
+        for i, m in enumerate(msgs):
+            if m.startswith(tag) if tag_is_prefix else tag in m:
+                del msgs[i]
+                return True
+        return False
+
+    def send_notif(self, remote_agent_name: Any, notif_msg: Any, backend: Any = None) -> None:
+        if backend is not None and backend not in self.backends:
+            raise KeyError(backend)
+        r = self._remote(remote_agent_name)
+        self._ready(r)
+        try:
+            self._engine.send_notify(
+                r.engine, NotifyDesc(self._notif_name, _msg(notif_msg).decode("latin-1"))
+            )
+        except HixlError as e:
+            if isinstance(e, NotConnected):
+                r.ready = False
+            raise from_hixl(e, f"notifying agent {r.name!r}") from e
