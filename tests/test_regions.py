@@ -345,3 +345,19 @@ def test_target_backends_limit_the_offer(make_peer):
         e.transfer_sync(tcp_only.engine, R, [(back.ctypes.data, tcp_only.addr, size)], 10_000)
         assert np.array_equal(back, src)
         assert e.stats()[tcp_only.engine]["bytes_write"] == size
+
+
+def test_remote_regions_refresh_sees_a_region_registered_a_moment_ago(make_peer) -> None:
+    """The peer's update may not have arrived yet; refresh=True asks it for its table, so a
+    region registered before the call is always in the answer (20 times in a row)."""
+    peer = make_peer(4096)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp"})
+    try:
+        e.connect(peer.engine, timeout_ms=5000)
+        for i in range(20):
+            addr = int(peer.cmd("register_named", f"r{i}", 4096))
+            fresh = {r.addr for r in e.remote_regions(peer.engine, refresh=True)}
+            assert addr in fresh, i
+    finally:
+        e.finalize()

@@ -115,7 +115,8 @@ class _Transfers(_Metadata):
                 AsyncConnectStatus.CONNECTED
             ):
                 try:  # the peer may have registered more since its metadata was taken
-                    table = [(x.addr, x.len) for x in self._engine.remote_regions(r.engine)]
+                    fresh = self._engine.remote_regions(r.engine, refresh=True)
+                    table = [(x.addr, x.len) for x in fresh]
                     r.starts = r.ends = np.zeros(0, np.uint64)
                     r.add_regions(table)  # the live table replaces what the metadata said
                 except HixlError:

@@ -402,6 +402,16 @@ impl Engine {
         Ok(table.regions().map(RemoteRegion::from).collect())
     }
 
+    /// The peer's regions after asking it for its current table (one round trip, bounded by
+    /// `hixl.handshake_timeout_ms`): what [`Engine::remote_regions`] gives, without waiting
+    /// for an update the peer may not have sent yet.
+    pub fn refresh_remote_regions(&self, remote: &str) -> Result<Vec<RemoteRegion>> {
+        let r = self.running()?;
+        let c = Self::conn(&r, remote)?;
+        c.control.refresh_table(r.opts.handshake_timeout)?;
+        self.remote_regions(remote)
+    }
+
     /// The peer's region registered under `name`, looked up in the peer's regions as of the last
     /// region-table update this engine received. A name not found there is asked for once (the
     /// peer may have registered it a moment ago); PARAM_INVALID naming it when the peer has no

@@ -117,13 +117,23 @@ impl Hixl {
     ///
     /// Arguments:
     /// - `remote` (str): a connected peer.
+    /// - `refresh` (bool, default False): True asks the peer for its current table first (one
+    ///   round trip, bounded by `hixl.handshake_timeout_ms`; GIL released), for a region it
+    ///   registered a moment ago whose update has not arrived.
     ///
     /// See `remote_mems` for when updates arrive. Raises `NotConnected` when `remote` is not
-    /// connected or its link died; `Failed` before `initialize` or after `finalize`. No network
-    /// round trip; does not block.
-    fn remote_regions(&self, remote: &str) -> PyResult<Vec<RemoteRegion>> {
-        let v = self.engine.remote_regions(remote).map_err(to_py)?;
-        Ok(v.into_iter().map(RemoteRegion::from).collect())
+    /// connected or its link died; `Timeout` when a refresh got no answer; `Failed` before
+    /// `initialize` or after `finalize`. Without `refresh`: no network round trip, does not
+    /// block.
+    #[pyo3(signature = (remote, refresh = false))]
+    fn remote_regions(&self, py: Python<'_>, remote: &str, refresh: bool) -> PyResult<Vec<RemoteRegion>> {
+        let e = self.engine.clone();
+        let v = if refresh {
+            py.allow_threads(|| e.refresh_remote_regions(remote))
+        } else {
+            e.remote_regions(remote)
+        };
+        Ok(v.map_err(to_py)?.into_iter().map(RemoteRegion::from).collect())
     }
 
     /// The `RemoteRegion` that `remote` registered under `name`.
