@@ -192,9 +192,10 @@ def test_examples_fail_with_a_nonzero_exit(run) -> None:
     "does, with cargo on the PATH",
 )
 @pytest.mark.timeout(900)
-def test_rust_two_engines() -> None:
+@pytest.mark.parametrize("example", ["two_engines", "async_service"])
+def test_rust_examples(example: str) -> None:
     proc = subprocess.run(
-        ["cargo", "run", "--release", "-q", "-p", "hixl-core", "--example", "two_engines"],
+        ["cargo", "run", "--release", "-q", "-p", "hixl-core", "--example", example],
         cwd=ROOT,
         capture_output=True,
         text=True,

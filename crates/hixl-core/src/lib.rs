@@ -1,29 +1,77 @@
 //! hixl-core: one-sided, batched, zero-copy memory transfers between engines.
 //!
-//! Engines (usually one per process) register memory, connect to each other and then READ or
-//! WRITE each other's registered memory in batches; the target runs no application code.
+//! # Concepts
 //!
-//! ```no_run
-//! use hixl_core::{Engine, MemDesc, MemType, TransferOp, TransferOpDesc};
+//! - An [`Engine`] (usually one per process) is initialized with a local address: `"ip:port"`
+//!   listens (port 0 picks a free one), `"ip"` alone is a client only.
+//! - It **registers** memory: a range of this process that peers may READ (and WRITE, unless
+//!   it is registered read-only), optionally under a name. Registering a raw range is
+//!   `unsafe` (the caller promises the memory stays valid); [`Engine::register_static`] and
+//!   [`Engine::alloc`] are the safe ways.
+//! - It **connects** to peers. A link picks the first backend of `hixl.backends` that can
+//!   serve the peer: `self` (same process, memcpy), `shm` (same host, cross-memory attach),
+//!   `tcp` (anywhere). Each side holds a copy of the other's region table.
+//! - It **transfers**: a batch of [`TransferOpDesc`] (local address, remote address, length)
+//!   is one request, READ (remote to local) or WRITE (local to remote), checked against both
+//!   tables, queued, and carried without the peer's application doing anything.
+//!   [`Engine::transfer_async`] returns a [`TransferReq`] to wait on, poll, or `.await`
+//!   ([`Request::completion`]).
+//! - **Notifications** (a name and a message) can follow a transfer's bytes or go alone.
+//!
+//! # Two engines
+//!
+//! ```
+//! use hixl_core::{Engine, TransferOp, TransferOpDesc};
 //! use std::time::Duration;
 //!
+//! let target = Engine::new();
+//! target.initialize("127.0.0.1:0", &Default::default())?; // listens on a free port
+//! let kv = target.register_static(Box::leak(vec![0u8; 4096].into_boxed_slice()), "kv")?;
+//!
 //! let e = Engine::new();
-//! e.initialize("127.0.0.1:0", &Default::default())?;
-//! // Memory the engine may use for the rest of the program: registering it is safe.
-//! let h = e.register_static(Box::leak(vec![7u8; 4096].into_boxed_slice()), "src")?;
-//! // A buffer the caller keeps: registering it is `unsafe` (see `Engine::register_mem`).
-//! let mut mine = vec![0u8; 4096];
-//! // SAFETY: `mine` outlives the engine (finalized below) and is host memory of this process.
-//! unsafe { e.register_mem(MemDesc { addr: mine.as_mut_ptr() as u64, len: 4096 }, MemType::Host)? };
-//! e.connect("127.0.0.1:18001", Duration::from_secs(1))?;
-//! let remote = e.remote_region("127.0.0.1:18001", "kv")?;
-//! let d = TransferOpDesc { local_addr: h.addr, remote_addr: remote.addr, len: 4096 };
-//! e.transfer_sync("127.0.0.1:18001", TransferOp::Write, &[d], Duration::from_secs(1))?;
+//! e.initialize("127.0.0.1", &Default::default())?; // a client
+//! let src = e.register_static(Box::leak(vec![7u8; 4096].into_boxed_slice()), "src")?;
+//! let peer = target.local_engine()?;
+//! e.connect(&peer, Duration::from_secs(5))?;
+//! let remote = e.remote_region(&peer, "kv")?;
+//! let d = TransferOpDesc { local_addr: src.addr, remote_addr: remote.addr, len: 4096 };
+//! e.transfer_sync(&peer, TransferOp::Write, &[d], Duration::from_secs(5))?;
+//! // SAFETY: `kv` was leaked above (lives for the program) and the transfer has ended.
+//! let landed = unsafe { std::slice::from_raw_parts(kv.addr as *const u8, 4096) };
+//! assert!(landed.iter().all(|b| *b == 7));
 //! e.finalize()?;
+//! target.finalize()?;
 //! # Ok::<(), hixl_core::Error>(())
 //! ```
+//!
+//! # Errors
+//!
+//! Every call returns [`Result`]; an [`Error`] has a [`Status`] (the numbers HIXL uses:
+//! `PARAM_INVALID` 103900, `TIMEOUT` 103901, ...) and a message that names the value that was
+//! wrong. A request that fails after it was queued reports its error through
+//! [`Request::result`] (or its future).
+//!
+//! # Options
+//!
+//! [`Engine::initialize`] takes a string map: every `hixl.*` key is in [`OPTIONS`] with its
+//! default and meaning (`hixl.backends`, `hixl.tcp.streams`, `hixl.transfer_timeout_ms`,
+//! `hixl.secret`, ...); Huawei HIXL's own keys ([`HIXL_OPTIONS`]) are accepted too. An unknown
+//! key or a bad value is `PARAM_INVALID`.
+//!
+//! # Async
+//!
+//! `engine.transfer_async(...)?.completion().await` works on any executor: the engine wakes
+//! the task when the request settles (no runtime dependency, no polling), and one timer
+//! thread per process wakes it at its deadline. For event loops in other languages,
+//! [`CompletionQueue`] gives one descriptor that becomes readable when requests settle.
+//!
+//! # Logging and metrics
+//!
+//! The engine emits `tracing` events and installs no subscriber ([`log`] has hixl's own);
+//! [`metrics`] renders the engines' counters as Prometheus text.
 
 #![warn(clippy::undocumented_unsafe_blocks)]
+#![deny(missing_docs)]
 
 mod auth;
 #[cfg(feature = "baselines")]

@@ -75,6 +75,7 @@ pub const fn max_payload(kind: Kind) -> u32 {
 
 /// What went wrong while decoding; the I/O layer treats it as a protocol violation.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[allow(missing_docs)] // variant fields: named for what they hold, described by the variant
 pub enum WireError {
     /// The first two bytes are not "HX".
     BadMagic([u8; 2]),
@@ -242,6 +243,7 @@ impl StridedSeg {
 
 /// A decoded frame (payload only; bulk bytes are moved by the I/O layer).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[allow(missing_docs)] // variant fields: described by each variant and docs/PROTOCOL.md
 pub enum Frame {
     /// See [`Kind::Hello`].
     Hello {
