@@ -181,4 +181,50 @@ mod tests {
         let core: Vec<u32> = hixl_core::TransferStatus::ALL.iter().map(|s| *s as u32).collect();
         assert_eq!(states.to_vec(), core);
     }
+
+    fn last_error() -> String {
+        // SAFETY: hixl_last_error returns a live NUL-terminated string.
+        unsafe { CStr::from_ptr(hixl_last_error()) }.to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn null_pointers_and_small_buffers_are_refused_with_a_message() {
+        // SAFETY: every pointer is NULL or live; that is what is being tested.
+        unsafe {
+            assert_eq!(hixl_finalize(std::ptr::null()), HIXL_PARAM_INVALID);
+            assert_eq!(last_error(), "PARAM_INVALID (103900): engine is NULL");
+            let e = hixl_engine_new();
+            let local = CString::new("127.0.0.1:0").unwrap();
+            assert_eq!(
+                hixl_initialize(e, local.as_ptr(), std::ptr::null(), std::ptr::null(), 1),
+                HIXL_PARAM_INVALID
+            );
+            assert!(last_error().contains("keys or values is NULL"));
+            assert_eq!(
+                hixl_initialize(e, local.as_ptr(), std::ptr::null(), std::ptr::null(), 0),
+                HIXL_SUCCESS
+            );
+            let mut small = [0 as c_char; 4];
+            let mut len = 0usize;
+            let rc = hixl_local_engine(e, small.as_mut_ptr(), small.len(), &mut len);
+            assert_eq!(rc, HIXL_RESOURCE_EXHAUSTED);
+            assert!(len > 4, "the length needed is reported");
+            let mut big = vec![0 as c_char; len + 1];
+            assert_eq!(hixl_local_engine(e, big.as_mut_ptr(), big.len(), &mut len), HIXL_SUCCESS);
+            assert!(CStr::from_ptr(big.as_ptr()).to_str().unwrap().starts_with("127.0.0.1:"));
+            let mut h = HixlMemHandle::default();
+            assert_eq!(hixl_register(e, 0x1000, 64, 7, std::ptr::null(), &mut h), HIXL_PARAM_INVALID);
+            assert!(last_error().contains("access=7"));
+            assert_eq!(hixl_register(e, 0, 64, HIXL_ACCESS_RW, std::ptr::null(), &mut h), HIXL_PARAM_INVALID);
+            let remote = CString::new("127.0.0.1:1").unwrap();
+            assert_eq!(
+                hixl_transfer_sync(e, remote.as_ptr(), 9, std::ptr::null(), 0, 10),
+                HIXL_PARAM_INVALID
+            );
+            assert_eq!(hixl_request_status(std::ptr::null()), HIXL_REQ_FAILED);
+            assert_eq!(hixl_finalize(e), HIXL_SUCCESS);
+            assert_eq!(hixl_finalize(e), HIXL_SUCCESS, "a second finalize does nothing");
+            hixl_engine_free(e);
+        }
+    }
 }
