@@ -103,7 +103,9 @@ def main() -> None:
                 out["arrived"] = [syncer.times["arrived"][k] for k in range(syncer.total_layers)]
                 out["bytes"] = res.bytes
             elif c["cmd"] == "ranks":
-                out["ranks"] = [[i.cluster_id, i.role, i.address] for i in hixl.ranks(c.get("role"))]
+                out["ranks"] = [
+                    [i.cluster_id, i.role, i.address] for i in hixl.ranks(c.get("role"))
+                ]
             elif c["cmd"] == "wait_ranks":
                 deadline = time.monotonic() + c["timeout_s"]
                 while True:

@@ -115,7 +115,12 @@ def hosts() -> Iterator[Hosts]:
         sh("ip", "addr", "add", f"{made.gateway}/24", "dev", br)
         sh("ip", "link", "set", br, "up")
         for i in range(5):
-            ns, a, b, ip = f"hixl-d{tag}-{i}", f"hxd{tag}{i}", f"hxe{tag}{i}", f"10.{octet}.88.{10 + i}"
+            ns, a, b, ip = (
+                f"hixl-d{tag}-{i}",
+                f"hxd{tag}{i}",
+                f"hxe{tag}{i}",
+                f"10.{octet}.88.{10 + i}",
+            )
             sh("ip", "netns", "add", ns)
             made.names.append(ns)
             sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
@@ -181,7 +186,9 @@ class Rank:
         try:
             out = self.lines.get(timeout=timeout_s)
         except queue.Empty:
-            raise AssertionError(f"rank {getattr(self, 'rank', '?')}: no answer in {timeout_s} s")
+            raise AssertionError(
+                f"rank {getattr(self, 'rank', '?')}: no answer in {timeout_s} s"
+            ) from None
         assert out, f"rank {getattr(self, 'rank', '?')} exited ({self.proc.wait(5)})"
         return out
 
@@ -336,8 +343,12 @@ def test_discovery_options_are_checked() -> None:
     with pytest.raises(hixl.ParamInvalid, match="need discovery"):
         hixl.init(cluster_id=0, options={"hixl.discovery.ttl_s": "5"})
     with pytest.raises(hixl.ParamInvalid, match="unknown option 'hixl.discovery.ttl'"):
-        hixl.init(cluster_id=0, discovery="etcd://127.0.0.1:1/x", options={"hixl.discovery.ttl": "5"})
+        hixl.init(
+            cluster_id=0, discovery="etcd://127.0.0.1:1/x", options={"hixl.discovery.ttl": "5"}
+        )
     with pytest.raises(hixl.ParamInvalid, match="only etcd://"):
         hixl.init(cluster_id=0, discovery="consul://127.0.0.1:8500/x")
     with pytest.raises(hixl.ParamInvalid, match="ttl_s"):
-        hixl.init(cluster_id=0, discovery="etcd://127.0.0.1:1/x", options={"hixl.discovery.ttl_s": "0"})
+        hixl.init(
+            cluster_id=0, discovery="etcd://127.0.0.1:1/x", options={"hixl.discovery.ttl_s": "0"}
+        )

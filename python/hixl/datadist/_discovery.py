@@ -236,8 +236,8 @@ class Discovery:
                 if time.monotonic() >= deadline:
                     raise ParamInvalid(
                         f"cluster_id={me.rank} is already published in etcd under "
-                        f"{self.cfg.prefix!r} by {other.decode(errors='replace')}: another "
-                        "process has this rank (a dead one's entry expires after its TTL)"
+                        f"{self.cfg.prefix!r} by {(other or b'').decode(errors='replace')}: "
+                        "another process has this rank (a dead one's entry expires after its TTL)"
                     )
                 time.sleep(0.2)
             view, rev = self.client.range_prefix(self.dir)
@@ -359,7 +359,7 @@ class Discovery:
                     for kind, key, value, mod in events:
                         self._apply(kind, key, value)
                         rev = max(rev, mod + 1)
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 pass  # quiet: open the watch again from where it was
             except (EtcdError, OSError, ValueError) as exc:
                 if self.stop.is_set():

@@ -253,7 +253,7 @@ class Watch:
         while True:
             try:
                 line = self.resp.readline()
-            except socket.timeout:
+            except TimeoutError:
                 raise
             except (OSError, http.client.HTTPException, ValueError, AttributeError) as exc:
                 # (AttributeError: http.client, when close() ran on another thread meanwhile)
