@@ -151,19 +151,33 @@ def etcd(tmp_path: Path, hosts: Hosts) -> Iterator[Etcd]:
 class Rank:
     """A _kv_worker.py process in host `i`'s namespace, configured only by discovery."""
 
-    def __init__(self, hosts: Hosts, i: int, rank: int, role: str, url: str) -> None:
+    def __init__(
+        self,
+        hosts: Hosts | None,
+        i: int,
+        rank: int,
+        role: str,
+        url: str,
+        env: dict[str, str] | None = None,
+        defer: bool = False,
+    ) -> None:
+        """In host `i`'s namespace, or on 127.0.0.1 in this one when `hosts` is None."""
+        ip = hosts.ips[i] if hosts else "127.0.0.1"
         env = {
             **os.environ,
             "HIXL_CLUSTER_ID": str(rank),
             "HIXL_ROLE": role,
-            "HIXL_LISTEN": f"{hosts.ips[i]}:0",
+            "HIXL_LISTEN": f"{ip}:0",
             "HIXL_PEERS": "",
             "HIXL_DISCOVERY": url,
             "HIXL_DISCOVERY_TTL_S": str(TTL),
             "HIXL_SECRET": SECRET,
+            "HIXL_KV_DEFER_INIT": "1" if defer else "0",
+            **(env or {}),
         }
+        prefix = ["ip", "netns", "exec", hosts.names[i]] if hosts else []
         self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", hosts.names[i], sys.executable, WORKER],
+            [*prefix, sys.executable, WORKER],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -171,10 +185,10 @@ class Rank:
         )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
+        self.rank = rank
         tag, self.address = self.line(30).split()
         assert tag == "READY"
-        assert self.address.startswith(hosts.ips[i] + ":"), self.address
-        self.rank = rank
+        assert defer or self.address.startswith(ip + ":"), self.address
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -186,10 +200,8 @@ class Rank:
         try:
             out = self.lines.get(timeout=timeout_s)
         except queue.Empty:
-            raise AssertionError(
-                f"rank {getattr(self, 'rank', '?')}: no answer in {timeout_s} s"
-            ) from None
-        assert out, f"rank {getattr(self, 'rank', '?')} exited ({self.proc.wait(5)})"
+            raise AssertionError(f"rank {self.rank}: no answer in {timeout_s} s") from None
+        assert out, f"rank {self.rank} exited ({self.proc.wait(5)})"
         return out
 
     def call(self, cmd: str, wait_s: float = 30, **kw: Any) -> dict[str, Any]:
@@ -217,6 +229,17 @@ class Rank:
         except (OSError, ValueError, AssertionError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait(10)
+
+
+@pytest.fixture
+def etcd_local(tmp_path: Path) -> Iterator[Etcd]:
+    """An etcd on 127.0.0.1 (no namespaces needed)."""
+    if not shutil.which("etcd"):
+        pytest.skip("needs etcd (Debian: apt-get install etcd-server)")
+    e = Etcd("127.0.0.1", tmp_path / "etcd")
+    e.start()
+    yield e
+    e.kill()
 
 
 @pytest.fixture
@@ -352,3 +375,62 @@ def test_discovery_options_are_checked() -> None:
         hixl.init(
             cluster_id=0, discovery="etcd://127.0.0.1:1/x", options={"hixl.discovery.ttl_s": "0"}
         )
+
+
+def test_etcd_auth_and_a_rank_published_twice(etcd_local: Etcd) -> None:
+    """With etcd's auth on, a rank with the password publishes itself and one without is
+    refused clearly; a second process with a rank already published waits for it to expire
+    (TTL + 1 s) and then says who holds it; once the holder finalizes, the rank is free."""
+    e = etcd_local
+    admin = EtcdClient([("127.0.0.1", e.port)])  # etcd's own auth API, over the gateway
+    admin.call("auth/user/add", {"name": "root", "password": "rootpw"})
+    admin.call("auth/user/grant", {"user": "root", "role": "root"})
+    admin.call("auth/enable", {})
+    url = f"{e.url}/auth-a"
+    with pytest.raises(hixl.NotConnected, match="authentication failed"):
+        hixl.init(
+            cluster_id=5,
+            discovery=url,
+            options={"hixl.discovery.user": "root", "hixl.discovery.password": "wrong"},
+        )
+    anon = EtcdClient([("127.0.0.1", e.port)])
+    with pytest.raises(EtcdError):  # auth is really on
+        anon.range_prefix(b"/auth-a/")
+
+    opts = {
+        "hixl.discovery.user": "root",
+        "hixl.discovery.password": "rootpw",
+        "hixl.discovery.ttl_s": str(TTL),
+    }
+    hixl.init(cluster_id=5, role="prompt", discovery=url, options=opts)
+    try:
+        auth = EtcdClient([("127.0.0.1", e.port)], user="root", password="rootpw")
+        view, _ = auth.range_prefix(b"/auth-a/ranks/")
+        assert json.loads(view[b"/auth-a/ranks/5"])["role"] == "prompt"
+
+        auth_env = {"HIXL_DISCOVERY_USER": "root", "HIXL_DISCOVERY_PASSWORD": "rootpw"}
+        twin = Rank(None, 0, 5, "decoder", url, env=auth_env, defer=True)
+        try:
+            init = {"at": 0, "cluster_id": 5, "role": "decoder", "listen": "127.0.0.1:0"}
+            t0 = time.monotonic()
+            out = twin.call("init", TTL + 15, peers={}, **init)
+            took = time.monotonic() - t0
+            assert not out["ok"] and "already published" in out["error"], out
+            assert "prompt" in out["error"], out  # names the holder
+            assert TTL < took < TTL + 5, took
+
+            other = Rank(None, 0, 6, "decoder", url, env=auth_env)
+            try:
+                deadline = time.monotonic() + 10
+                while [i.cluster_id for i in hixl.ranks()] != [6]:
+                    assert time.monotonic() < deadline, hixl.ranks()
+                    time.sleep(0.02)
+                assert other.ok("ranks")["ranks"][0][:2] == [5, "prompt"]
+            finally:
+                other.close()
+            hixl.finalize()
+            twin.ok("init", peers={}, **init)  # free at once: finalize revoked the lease
+        finally:
+            twin.close()
+    finally:
+        hixl.finalize()

@@ -213,9 +213,14 @@ class Discovery:
         try:
             self.client.status()
         except EtcdError as exc:
+            if exc.unreachable:
+                raise NotConnected(
+                    f"discovery: etcd at {self.client.describe()} does not answer ({exc}). "
+                    f"Start etcd there, or fix discovery= / HIXL_DISCOVERY ({self.cfg.url!r})"
+                ) from None
             raise NotConnected(
-                f"discovery: etcd at {self.client.describe()} does not answer ({exc}). "
-                f"Start etcd there, or fix discovery= / HIXL_DISCOVERY ({self.cfg.url!r})"
+                f"discovery: {exc} (with auth on, give hixl.discovery.user and .password, "
+                "or HIXL_DISCOVERY_USER and HIXL_DISCOVERY_PASSWORD)"
             ) from None
 
     def key(self, rank: int) -> bytes:
