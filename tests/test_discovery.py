@@ -282,6 +282,8 @@ def test_one_prompt_three_decoders_find_each_other_on_separate_hosts(ranks, host
     assert prompt.ok("linked")["linked"] == []
     prompt.ok("push", ranks=[1, 2, 3], name="kv")
     assert prompt.ok("linked")["linked"] == [1, 2, 3]
+    decoders[0].ok("link", ranks=[0])  # hixl.link by rank alone: the view has the address
+    assert decoders[0].ok("linked")["linked"] == [0]
     for d in decoders:
         assert digest(d, "kv") == digest(prompt, "kv")
         d.ok("pull", rank=0, name="src")
@@ -434,3 +436,34 @@ def test_etcd_auth_and_a_rank_published_twice(etcd_local: Etcd) -> None:
             twin.close()
     finally:
         hixl.finalize()
+
+
+def test_etcd_restarted_without_its_data_ranks_publish_again(ranks, etcd: Etcd) -> None:
+    """etcd comes back empty (a new store: the leases and keys are gone): every rank
+    publishes itself again within a keepalive period, and the views follow new joins."""
+    prompt = ranks(0, 0, "prompt")
+    d1 = ranks(1, 1, "decoder")
+    prompt.wait_ranks([1], 10)
+    alloc(prompt, "kv", 5)
+    alloc(d1, "kv", None)
+    prompt.ok("push", ranks=[1], name="kv")
+
+    etcd.kill()
+    shutil.rmtree(etcd.data)
+    etcd.start()
+    t0 = time.monotonic()
+    c = EtcdClient([(etcd.host, etcd.port)])
+    while sorted(c.range_prefix(b"/cluster-a/ranks/")[0]) != [
+        b"/cluster-a/ranks/0",
+        b"/cluster-a/ranks/1",
+    ]:
+        assert time.monotonic() - t0 < TTL + 2, c.range_prefix(b"/cluster-a/ranks/")[0]
+        time.sleep(0.05)
+    print(f"discovery: both ranks published again {time.monotonic() - t0:.2f} s after etcd")
+
+    d2 = ranks(2, 2, "decoder")
+    prompt.wait_ranks([1, 2], 10)
+    d2.wait_ranks([0, 1], 10)
+    alloc(d2, "kv", None)
+    prompt.ok("push", ranks=[1, 2], name="kv")
+    assert digest(d1, "kv") == digest(d2, "kv") == digest(prompt, "kv")

@@ -195,10 +195,14 @@ class Context:
         todo: dict[int, tuple[LLMClusterInfo, str]] = {}
         for info in infos:
             address = info.address or self.known.get(info.cluster_id)
+            if address is None and self.discovery is not None:
+                m = self.discovery.lookup(info.cluster_id)  # it may have just started
+                address = m.address if m is not None else None
             if address is None:
                 raise ParamInvalid(
                     f"no address for cluster_id={info.cluster_id}: give one in "
                     "LLMClusterInfo or in init(peers=...) / HIXL_PEERS"
+                    + (", or start it (discovery does not know it)" if self.discovery else "")
                 )
             if info.cluster_id == self.rank:
                 raise ParamInvalid(f"cluster_id={info.cluster_id} is this process's own rank")

@@ -178,11 +178,22 @@ def advertised(listen: str, cfg: Config) -> str:
     if cfg.advertise:
         return cfg.advertise
     host, _, port = listen.rpartition(":")
-    if host.strip("[]") not in ("0.0.0.0", "::", ""):
+    host = host.strip("[]")
+    if host not in ("0.0.0.0", "::", ""):
+        if _loopback(host) and not all(_loopback(h) for h, _ in cfg.endpoints):
+            log.warning(
+                "discovery: publishing %s, a loopback address, in an etcd other hosts use: "
+                "only this host can reach it (set HIXL_LISTEN or hixl.discovery.advertise)",
+                listen,
+            )
         return listen
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect(cfg.endpoints[0])  # no packet is sent: this only picks the route
         return f"{s.getsockname()[0]}:{port}"
+
+
+def _loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 class Discovery:
@@ -275,7 +286,7 @@ class Discovery:
             w.close()
         if self.lease:
             try:
-                self.client.revoke(self.lease)
+                self.client.revoke(self.lease, timeout_s=min(1.0, self.cfg.timeout_s))
             except EtcdError as exc:
                 log.info("discovery: could not revoke lease (it expires by itself): %s", exc)
         for t in self.threads:
@@ -370,8 +381,9 @@ class Discovery:
                 if self.stop.is_set():
                     return
                 self._etcd_lost(exc)
-                if not getattr(exc, "unreachable", True):
-                    rev = 0  # cancelled (compacted): read the whole view again
+                # read the whole view again: the watch was cancelled (compacted), or etcd
+                # was away and may be a new store whose revisions start over
+                rev = 0
                 self.stop.wait(0.5)
             finally:
                 w, self.watch = self.watch, None

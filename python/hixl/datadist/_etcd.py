@@ -182,8 +182,8 @@ class EtcdClient:
         out = self.call("lease/keepalive", {"ID": str(lease)})
         return int(out.get("TTL", 0))
 
-    def revoke(self, lease: int) -> None:
-        self.call("lease/revoke", {"ID": str(lease)})
+    def revoke(self, lease: int, timeout_s: float | None = None) -> None:
+        self.call("lease/revoke", {"ID": str(lease)}, timeout_s)
 
     def create(self, key: bytes, value: bytes, lease: int) -> tuple[bool, bytes | None]:
         """Puts the key only if it does not exist: (True, None), or (False, its value)."""
