@@ -27,7 +27,7 @@ from test_netns import _why_no_netns, sh
 
 import hixl
 from hixl.datadist import LLM_NOT_LINKED
-from hixl.datadist._etcd import EtcdClient, EtcdError
+from hixl.datadist._etcd import EtcdClient, EtcdError, Tls
 
 WORKER = str(Path(__file__).with_name("_kv_worker.py"))
 TTL = 3  # seconds; etcd's own minimum is 2
@@ -50,17 +50,29 @@ class Etcd:
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
     log: Path = field(default_factory=Path)
+    #: TLS: {"ca", "cert", "key"} file paths (etcd's own cert and key, and the CA whose
+    #: client certificates it requires)
+    tls: dict[str, str] | None = None
+    client_tls: Tls | None = None
 
     @property
     def url(self) -> str:
-        return f"etcd://{self.host}:{self.port}"
+        return f"{'etcds' if self.tls else 'etcd'}://{self.host}:{self.port}"
 
     def start(self) -> None:
         if not self.port:
             self.port = free_port(self.host)
         peer = f"http://127.0.0.1:{free_port('127.0.0.1')}"
-        client = f"http://{self.host}:{self.port}"
+        client = f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
         self.log = self.data.with_suffix(".log")
+        tls_args = []
+        if self.tls:
+            tls_args = [
+                f"--cert-file={self.tls['cert']}",
+                f"--key-file={self.tls['key']}",
+                "--client-cert-auth",
+                f"--trusted-ca-file={self.tls['ca']}",
+            ]
         self.proc = subprocess.Popen(
             [
                 "etcd",
@@ -71,11 +83,12 @@ class Etcd:
                 f"--listen-peer-urls={peer}",
                 f"--initial-advertise-peer-urls={peer}",
                 f"--initial-cluster=t={peer}",
+                *tls_args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=self.log.open("ab"),
         )
-        c = EtcdClient([(self.host, self.port)], timeout_s=1)
+        c = EtcdClient([(self.host, self.port)], self.client_tls, timeout_s=1)
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -467,3 +480,68 @@ def test_etcd_restarted_without_its_data_ranks_publish_again(ranks, etcd: Etcd) 
     alloc(d2, "kv", None)
     prompt.ok("push", ranks=[1, 2], name="kv")
     assert digest(d1, "kv") == digest(d2, "kv") == digest(prompt, "kv")
+
+
+def _certs(d: Path) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, made by openssl;
+    returns etcd's files (the CA, its certificate and key)."""
+
+    def ssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60, cwd=d)
+
+    new = ["-newkey", "rsa:2048", "-nodes", "-days", "1"]
+    ssl("req", "-x509", *new, "-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=hixl-ca")
+    exts = {
+        # etcd's JSON gateway dials etcd itself with the server certificate: clientAuth too
+        "server": "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n",
+        "client": "extendedKeyUsage=clientAuth\n",
+    }
+    for name, ext in exts.items():
+        (d / f"{name}.ext").write_text(ext)
+        ssl(
+            "req", *new[:3], "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}"
+        )
+        ca = ["-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1"]
+        ssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            *ca,
+            "-out",
+            f"{name}.pem",
+            "-extfile",
+            f"{name}.ext",
+        )
+    return {"ca": str(d / "ca.pem"), "cert": str(d / "server.pem"), "key": str(d / "server.key")}
+
+
+def test_etcd_over_tls_with_a_client_certificate(tmp_path: Path) -> None:
+    if not shutil.which("etcd") or not shutil.which("openssl"):
+        pytest.skip("needs etcd and openssl")
+    certs = _certs(tmp_path)
+    client = Tls(certs["ca"], str(tmp_path / "client.pem"), str(tmp_path / "client.key"))
+    e = Etcd("127.0.0.1", tmp_path / "etcd", tls=certs, client_tls=client)
+    e.start()
+    try:
+        url = f"{e.url}/tls-a"
+        with pytest.raises(hixl.NotConnected, match="does not answer"):  # etcd wants a cert
+            hixl.init(cluster_id=2, discovery=url, options={"hixl.discovery.ca": certs["ca"]})
+        with pytest.raises(hixl.NotConnected, match="CERTIFICATE_VERIFY_FAILED"):  # not its CA
+            hixl.init(cluster_id=2, discovery=url)
+        with pytest.raises(hixl.ParamInvalid, match="TLS"):
+            hixl.init(cluster_id=2, discovery=url, options={"hixl.discovery.ca": "/nonexistent"})
+        opts = {
+            "hixl.discovery.ca": certs["ca"],
+            "hixl.discovery.cert": str(client.cert),
+            "hixl.discovery.key": str(client.key),
+        }
+        me = hixl.init(cluster_id=2, role="decoder", discovery=url, options=opts)
+        try:
+            view, _ = EtcdClient([("127.0.0.1", e.port)], client).range_prefix(b"/tls-a/ranks/")
+            assert json.loads(view[b"/tls-a/ranks/2"])["address"] == me.address
+        finally:
+            hixl.finalize()
+        assert EtcdClient([("127.0.0.1", e.port)], client).range_prefix(b"/tls-a/")[0] == {}
+    finally:
+        e.kill()
