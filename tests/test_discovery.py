@@ -277,7 +277,9 @@ def alloc(r: Rank, name: str, seed: int | None) -> None:
     r.ok("alloc", name=name, shape=SHAPE, dtype="float16", seed=seed)
 
 
-def test_one_prompt_three_decoders_find_each_other_on_separate_hosts(ranks, hosts: Hosts) -> None:
+def test_one_prompt_three_decoders_find_each_other_on_separate_hosts(
+    ranks, hosts: Hosts, etcd: Etcd
+) -> None:
     prompt = ranks(0, 0, "prompt")
     decoders = [ranks(i, i, "decoder") for i in (1, 2, 3)]
     for r in [prompt, *decoders]:
@@ -293,6 +295,10 @@ def test_one_prompt_three_decoders_find_each_other_on_separate_hosts(ranks, host
         alloc(d, "kv", None)
         alloc(d, "src", None)
     assert prompt.ok("linked")["linked"] == []
+    c, deadline = EtcdClient([(etcd.host, etcd.port)]), time.monotonic() + 5
+    while json.loads(c.get(b"/cluster-a/ranks/0") or b"{}").get("caches") != ["kv", "src"]:
+        assert time.monotonic() < deadline, c.get(b"/cluster-a/ranks/0")  # names published
+        time.sleep(0.02)
     prompt.ok("push", ranks=[1, 2, 3], name="kv")
     assert prompt.ok("linked")["linked"] == [1, 2, 3]
     decoders[0].ok("link", ranks=[0])  # hixl.link by rank alone: the view has the address

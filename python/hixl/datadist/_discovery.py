@@ -218,6 +218,8 @@ class Discovery:
         self.on_leave: Callable[[Member], None] = lambda m: None
         self.watch: Any = None
         self.etcd_ok = True
+        self.wake = threading.Event()  # update() or close(): the lease thread has work
+        self.dirty = False  # this rank's entry changed since it was last published
 
     def check(self) -> None:
         """Raises NotConnected, with what to do, when etcd does not answer."""
@@ -269,18 +271,19 @@ class Discovery:
             self.threads.append(t)
 
     def update(self, caches: list[str]) -> None:
-        """Publishes this rank's cache names again (best effort: etcd may be away)."""
+        """Publishes this rank's cache names again, from the lease thread (so that
+        allocate_cache never waits for etcd; while etcd is away, once it is back)."""
         if self.me is None:
             return
-        self.me.caches = tuple(caches)
-        try:
-            self.client.put(self.key(self.me.rank), self.me.to_json(), self.lease)
-        except EtcdError as exc:
-            log.warning("discovery: could not publish the caches of rank %d: %s", self.me.rank, exc)
+        with self.lock:
+            self.me.caches = tuple(caches)
+            self.dirty = True
+        self.wake.set()
 
     def close(self) -> None:
         """Stops both threads and removes this rank from etcd (revokes its lease)."""
         self.stop.set()
+        self.wake.set()
         w = self.watch
         if w is not None:
             w.close()
@@ -391,21 +394,43 @@ class Discovery:
                     w.close()
 
     def _keepalive_loop(self) -> None:
+        """Refreshes the lease every ttl/3 (every 0.5 s while etcd is away) and publishes
+        this rank's entry again when update() changed it or the lease was lost."""
         every = max(0.5, self.cfg.ttl_s / 3)
-        while not self.stop.wait(every if self.etcd_ok else 0.5):
+        due = time.monotonic() + every
+        while True:
+            self.wake.wait(max(0.0, due - time.monotonic()))
+            self.wake.clear()
+            if self.stop.is_set():
+                return
             assert self.me is not None
             try:
-                if self.client.keepalive(self.lease) > 0:
-                    self._etcd_back()
+                with self.lock:
+                    dirty, self.dirty = self.dirty, False
+                    entry = self.me.to_json()
+                if dirty:
+                    try:
+                        self.client.put(self.key(self.me.rank), entry, self.lease)
+                    except EtcdError:
+                        with self.lock:
+                            self.dirty = True  # again, once etcd answers
+                        due = 0.0  # and see now whether etcd or the lease is gone
+                if time.monotonic() < due:
                     continue
-                # the lease expired while etcd was away: publish this rank again
-                log.warning("discovery: lease of rank %d expired; publishing again", self.me.rank)
-                self.lease, _ = self.client.grant(self.cfg.ttl_s)
-                self.client.put(self.key(self.me.rank), self.me.to_json(), self.lease)
+                if self.client.keepalive(self.lease) <= 0:
+                    # the lease expired while etcd was away (or etcd lost its data)
+                    log.warning(
+                        "discovery: the lease of rank %d is gone; publishing again", self.me.rank
+                    )
+                    self.lease, _ = self.client.grant(self.cfg.ttl_s)
+                    self.client.put(self.key(self.me.rank), entry, self.lease)
                 self._etcd_back()
+                due = time.monotonic() + every
             except EtcdError as exc:
-                if not self.stop.is_set():
-                    self._etcd_lost(exc)
+                if self.stop.is_set():
+                    return
+                self._etcd_lost(exc)
+                due = time.monotonic() + 0.5
 
     def _etcd_lost(self, exc: BaseException) -> None:
         if self.etcd_ok:
