@@ -27,7 +27,7 @@ from test_netns import _why_no_netns, sh
 
 import hixl
 from hixl.datadist import LLM_NOT_LINKED
-from hixl.datadist._etcd import EtcdClient, EtcdError, Tls
+from hixl.datadist._etcd import EtcdClient, EtcdError, Tls, b64
 
 WORKER = str(Path(__file__).with_name("_kv_worker.py"))
 TTL = 3  # seconds; etcd's own minimum is 2
@@ -551,3 +551,20 @@ def test_etcd_over_tls_with_a_client_certificate(tmp_path: Path) -> None:
         assert EtcdClient([("127.0.0.1", e.port)], client).range_prefix(b"/tls-a/")[0] == {}
     finally:
         e.kill()
+
+
+def test_an_entry_removed_by_hand_is_published_again(etcd_local: Etcd) -> None:
+    c = EtcdClient([("127.0.0.1", etcd_local.port)])
+    key = b"/hand/ranks/4"
+    me = hixl.init(cluster_id=4, role="decoder", discovery=f"{etcd_local.url}/hand")
+    try:
+        assert json.loads(c.get(key) or b"{}").get("address") == me.address
+        c.call("kv/deleterange", {"key": b64(key)})
+        t0 = time.monotonic()
+        while c.get(key) is None:
+            assert time.monotonic() - t0 < 2, "the rank did not publish itself again"
+            time.sleep(0.02)
+        assert json.loads(c.get(key) or b"{}").get("address") == me.address
+    finally:
+        hixl.finalize()
+    assert c.get(key) is None  # finalize revoked the lease: the entry went with it

@@ -259,8 +259,15 @@ class Discovery:
                     )
                 time.sleep(0.2)
             view, rev = self.client.range_prefix(self.dir)
-        except EtcdError as exc:
-            raise NotConnected(f"discovery: etcd at {self.client.describe()}: {exc}") from None
+        except BaseException as exc:
+            if self.lease:  # do not leave the entry behind for a TTL
+                try:
+                    self.client.revoke(self.lease, timeout_s=min(1.0, self.cfg.timeout_s))
+                except EtcdError:
+                    pass
+            if isinstance(exc, EtcdError):
+                raise NotConnected(f"discovery: etcd at {self.client.describe()}: {exc}") from None
+            raise
         self._replace(view)
         for name, fn in (
             ("hixl-discovery-lease", self._keepalive_loop),
@@ -277,6 +284,13 @@ class Discovery:
             return
         with self.lock:
             self.me.caches = tuple(caches)
+            self.dirty = True
+        self.wake.set()
+
+    def _republish(self) -> None:
+        log.warning("discovery: the entry of rank %d is gone from etcd; publishing again",
+                    self.me.rank if self.me else -1)  # fmt: skip
+        with self.lock:
             self.dirty = True
         self.wake.set()
 
@@ -311,8 +325,9 @@ class Discovery:
             m = Member.from_json(raw)
         except (ValueError, KeyError, TypeError):
             return None
-        self._apply("PUT", self.key(rank), raw)
-        return m
+        # not put into the view: the watch does that, in order (this read may be older
+        # than a DELETE the watch has applied meanwhile)
+        return m if m.rank == rank else None
 
     def view(self) -> list[Member]:
         with self.lock:
@@ -326,7 +341,11 @@ class Discovery:
 
     def _apply(self, kind: str, key: bytes, value: bytes) -> None:
         rank = self._rank_of(key)
-        if rank is None or (self.me is not None and rank == self.me.rank):
+        if rank is None:
+            return
+        if self.me is not None and rank == self.me.rank:
+            if kind == "DELETE" and not self.stop.is_set():
+                self._republish()  # someone removed this rank's entry: put it back
             return
         if kind == "DELETE":
             with self.lock:
@@ -355,6 +374,8 @@ class Discovery:
     def _replace(self, view: dict[bytes, bytes]) -> None:
         """Makes the view what etcd holds now (after a start or a broken watch)."""
         present = {self._rank_of(k) for k in view}
+        if self.me is not None and self.me.rank not in present and self.threads:
+            self._republish()  # gone while etcd was away (or etcd lost its data)
         with self.lock:
             gone = [r for r in self.members if r not in present]
         for r in gone:
