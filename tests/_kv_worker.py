@@ -18,6 +18,9 @@ object with "cmd"; each answer is one JSON line ({"ok": true, ...} or {"ok": fal
   push    ranks, name, remote_name|null: push_cache of the local cache to every rank
   receive rank, name: start receive_cache_async; answers at once
   received: wait for the receive task; answers the monotonic arrival time of every layer
+  ranks   role|null: hixl.ranks(role) as [rank, role, address] lists
+  wait_ranks want, role|null, timeout_s: polls hixl.ranks(role) until its ranks are exactly
+          `want`; answers them and "at", the monotonic time they were (ok false on timeout)
   exit
 """
 
@@ -99,6 +102,18 @@ def main() -> None:
                 res = task.wait(60_000)
                 out["arrived"] = [syncer.times["arrived"][k] for k in range(syncer.total_layers)]
                 out["bytes"] = res.bytes
+            elif c["cmd"] == "ranks":
+                out["ranks"] = [
+                    [i.cluster_id, i.role, i.address] for i in hixl.ranks(c.get("role"))
+                ]
+            elif c["cmd"] == "wait_ranks":
+                deadline = time.monotonic() + c["timeout_s"]
+                while True:
+                    got = sorted(i.cluster_id for i in hixl.ranks(c.get("role")))
+                    if got == sorted(c["want"]) or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
+                out = {"ok": got == sorted(c["want"]), "ranks": got, "at": time.monotonic()}
             elif c["cmd"] == "exit":
                 hixl.finalize()
                 print(json.dumps(out), flush=True)

@@ -12,6 +12,7 @@ from ._context import (
     finalize,
     init,
     link,
+    ranks,
     unlink,
 )
 from ._errors import (
@@ -62,6 +63,7 @@ __all__ = [
     "pull_cache",
     "push_blocks",
     "push_cache",
+    "ranks",
     "receive_cache_async",
     "transfer_cache_async",
     "unlink",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -13,6 +14,9 @@ from .._errors import Failed, HixlError, NotConnected, ParamInvalid, Timeout, Un
 from .._hixl import Hixl, MemType, NotifyDesc
 from ._cache import Cache, CacheInfo, as_array, describe
 from ._directory import Directory, DirectoryReader, PeerDirectory
+from ._discovery import Config as DiscoveryConfig
+from ._discovery import Discovery, Member
+from ._discovery import from_init as discovery_from_init
 from ._errors import LLM_CACHE_NOT_FOUND, LLM_NOT_LINKED, LLM_ROLE_MISMATCH, LLMError
 
 ROLES = ("prompt", "decoder", "mix")
@@ -105,6 +109,77 @@ class Context:
         self.caches: dict[str, Cache] = {}
         self.lock = threading.Lock()
         self.counter = 0
+        #: etcd discovery (hixl.init(discovery=...)), or None
+        self.discovery: Discovery | None = None
+        self.link_timeout_ms = 10_000
+        self.linking = threading.Lock()  # one on-demand link at a time
+
+    # -- discovery -----------------------------------------------------------------------
+
+    def start_discovery(self, cfg: DiscoveryConfig, deadline: float) -> None:
+        """Publishes this rank in etcd and follows the ranks that join and leave."""
+        from ._discovery import advertised
+
+        d = Discovery(cfg)
+        d.check()
+        d.on_join, d.on_leave = self._joined, self._left
+        me = Member(
+            self.rank,
+            self.role,
+            advertised(self.address, cfg),
+            self.device_id,
+            tuple(self.caches),
+            socket.gethostname(),
+            os.getpid(),
+        )
+        d.start(me, deadline)
+        self.discovery = d
+
+    def _joined(self, m: Member) -> None:
+        with self.lock:
+            self.known[m.rank] = m.address
+
+    def _left(self, m: Member) -> None:
+        """A rank left the cluster (ended, or its lease expired): forget its address and drop
+        the link to it, so that transfers to it fail at once with LLM_002004."""
+        with self.lock:
+            if self.known.get(m.rank) == m.address:
+                del self.known[m.rank]
+            peer = self.peers.get(m.rank)
+            if peer is not None and peer.address == m.address:
+                del self.peers[m.rank]
+            else:
+                peer = None
+        if peer is not None:
+            # disconnect may wait for transfers in flight: not on the watch thread
+            threading.Thread(
+                target=self._disconnect, args=(peer.address,), name="hixl-kv-unlink", daemon=True
+            ).start()
+
+    def _disconnect(self, address: str) -> None:
+        try:
+            self.engine.disconnect(address)
+        except HixlError:
+            pass  # the link is gone already
+
+    def _publish_caches(self) -> None:
+        if self.discovery is not None:
+            with self.lock:
+                names = sorted(self.caches)
+            self.discovery.update(names)
+
+    def ranks(self, role: str | None = None) -> list[LLMClusterInfo]:
+        """The other ranks this one knows: from discovery (its current view) or peers=."""
+        if self.discovery is not None:
+            out = [
+                LLMClusterInfo(m.rank, m.role, m.address, m.device_id)
+                for m in self.discovery.view()
+            ]
+        else:
+            with self.lock:
+                linked = {r: p.role for r, p in self.peers.items()}
+                out = [LLMClusterInfo(r, linked.get(r), a) for r, a in sorted(self.known.items())]
+        return [i for i in out if role is None or i.role == role]
 
     @property
     def address(self) -> str:
@@ -120,10 +195,14 @@ class Context:
         todo: dict[int, tuple[LLMClusterInfo, str]] = {}
         for info in infos:
             address = info.address or self.known.get(info.cluster_id)
+            if address is None and self.discovery is not None:
+                m = self.discovery.lookup(info.cluster_id)  # it may have just started
+                address = m.address if m is not None else None
             if address is None:
                 raise ParamInvalid(
                     f"no address for cluster_id={info.cluster_id}: give one in "
                     "LLMClusterInfo or in init(peers=...) / HIXL_PEERS"
+                    + (", or start it (discovery does not know it)" if self.discovery else "")
                 )
             if info.cluster_id == self.rank:
                 raise ParamInvalid(f"cluster_id={info.cluster_id} is this process's own rank")
@@ -199,12 +278,29 @@ class Context:
     def peer(self, rank: int) -> PeerDirectory:
         with self.lock:
             p = self.peers.get(rank)
+        if p is None and self.discovery is not None and rank != self.rank:
+            p = self._link_on_demand(rank)
         if p is None:
             raise LLMError(
                 LLM_NOT_LINKED,
                 f"rank {rank} is not linked to rank {self.rank}: "
                 "call hixl.link() or pass it in init(peers=...)",
             )
+        return p
+
+    def _link_on_demand(self, rank: int) -> PeerDirectory | None:
+        """Links to a rank of the discovery view on its first use; None when the view does
+        not hold it."""
+        m = self.discovery.lookup(rank) if self.discovery is not None else None
+        if m is None:
+            return None
+        with self.linking:
+            with self.lock:
+                p = self.peers.get(rank)
+            if p is None:
+                self.link_all([LLMClusterInfo(rank, None, m.address)], self.link_timeout_ms)
+                with self.lock:
+                    p = self.peers.get(rank)
         return p
 
     def remote_cache(self, rank: int, name: str) -> tuple[PeerDirectory, CacheInfo]:
@@ -257,6 +353,7 @@ class Context:
                 del self.caches[name]
             self.engine.deregister_mem(handle)
             raise
+        self._publish_caches()
         return cache
 
     def deallocate(self, cache: Cache) -> None:
@@ -266,8 +363,12 @@ class Context:
             del self.caches[cache.name]
         self.directory.remove(cache.name)
         self.engine.deregister_mem(cache.handle)
+        self._publish_caches()
 
     def finalize(self) -> None:
+        d, self.discovery = self.discovery, None
+        if d is not None:
+            d.close()  # leaves the cluster first: peers stop using this rank
         self.engine.finalize()
 
 
@@ -306,10 +407,18 @@ def init(
     device_id: int | None = None,
     options: Mapping[str, str] | None = None,
     link_timeout_ms: int = 10_000,
+    discovery: str | None = None,
 ) -> LLMClusterInfo:
     """Creates this process's engine and links to `peers`. Each argument left out is read
     from the environment: HIXL_CLUSTER_ID, HIXL_ROLE, HIXL_LISTEN (default 127.0.0.1:0),
-    HIXL_PEERS ("1=ip:port,2=ip:port"), HIXL_DEVICE_ID. Returns this rank's own info."""
+    HIXL_PEERS ("1=ip:port,2=ip:port"), HIXL_DEVICE_ID, HIXL_DISCOVERY. Returns this rank's
+    own info.
+
+    With `discovery` ("etcd://host:2379/prefix"), this rank publishes itself in etcd and
+    follows the ranks that join and leave (`hixl.ranks()`); a transfer to a rank of that
+    view links to it on first use, so no address needs to be configured. Options starting
+    with "hixl.discovery." (ttl_s, default 10; see hixl.datadist._discovery) are the
+    discovery's, the others the engine's. NotConnected when etcd does not answer."""
     global _ctx
     env = os.environ
     if cluster_id is None:
@@ -323,6 +432,7 @@ def init(
     listen = listen or env.get("HIXL_LISTEN", "127.0.0.1:0")
     peer_map = dict(peers) if peers is not None else parse_peers(env.get("HIXL_PEERS", ""))
     dev = device_id if device_id is not None else int(env.get("HIXL_DEVICE_ID", "0"))
+    disc_cfg, options = discovery_from_init(discovery, options, env)
     with _ctx_lock:
         if _ctx is not None:
             raise Failed(
@@ -330,7 +440,10 @@ def init(
             )
         ctx = Context(rank, role, listen, dev, options)
         ctx.known.update({_rank(r): a for r, a in peer_map.items()})
+        ctx.link_timeout_ms = link_timeout_ms
         try:
+            if disc_cfg is not None:
+                ctx.start_discovery(disc_cfg, time.monotonic() + disc_cfg.ttl_s + 1)
             ctx.link_all([LLMClusterInfo(_rank(r)) for r in peer_map], link_timeout_ms)
         except BaseException:
             ctx.finalize()
@@ -391,3 +504,12 @@ def allocate_cache(
 def deallocate_cache(cache: Cache) -> None:
     """Deregisters a cache and removes it from this rank's directory. Idempotent."""
     context().deallocate(cache)
+
+
+def ranks(role: str | None = None) -> list[LLMClusterInfo]:
+    """The other ranks of the cluster this rank knows, by rank (each with its role and
+    address): with discovery, etcd's current view (ranks that ended or died are gone within
+    their TTL); without, the ranks of peers= / HIXL_PEERS and those linked. `role` filters."""
+    if role is not None and role not in ROLES:
+        raise ParamInvalid(f"role={role!r} must be one of {', '.join(ROLES)}")
+    return context().ranks(role)
