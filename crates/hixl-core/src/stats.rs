@@ -2,7 +2,6 @@
 //! flight, a latency histogram (for metrics) and a latency summary of recent requests.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::error::Status;
@@ -46,8 +45,17 @@ pub struct PeerStats {
     pub latency_sum_us: AtomicU64,
     /// Heartbeat intervals in which the peer made no progress (three in a row: it is dead).
     pub heartbeat_misses: AtomicU64,
-    latencies: Mutex<Vec<u64>>,
+    latencies: Window,
     next: AtomicU64,
+}
+
+/// The latencies (µs) of the last `LATENCY_WINDOW` completed requests, a ring.
+struct Window(Box<[AtomicU64]>);
+
+impl Default for Window {
+    fn default() -> Self {
+        Window((0..LATENCY_WINDOW).map(|_| AtomicU64::new(0)).collect())
+    }
 }
 
 /// A snapshot of a peer's latency window (last 1024 completed requests), in microseconds.
@@ -84,18 +92,15 @@ impl PeerStats {
         };
         b.fetch_add(bytes, Ordering::Relaxed);
         o.fetch_add(1, Ordering::Relaxed);
+        // A ring of atomics: the completers of one link never wait for each other here.
         let i = self.next.fetch_add(1, Ordering::Relaxed) as usize % LATENCY_WINDOW;
-        let mut w = self.latencies.lock().unwrap();
-        if w.len() < LATENCY_WINDOW {
-            w.push(us);
-        } else {
-            w[i] = us;
-        }
+        self.latencies.0[i].store(us, Ordering::Relaxed);
     }
 
     /// Summarises the latency window.
     pub fn latency(&self) -> LatencySummary {
-        let mut v = self.latencies.lock().unwrap().clone();
+        let n = (self.next.load(Ordering::Relaxed) as usize).min(LATENCY_WINDOW);
+        let mut v: Vec<u64> = self.latencies.0[..n].iter().map(|a| a.load(Ordering::Relaxed)).collect();
         if v.is_empty() {
             return LatencySummary::default();
         }
