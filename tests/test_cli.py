@@ -40,7 +40,7 @@ def test_console_script_is_installed() -> None:
     assert HIXL is not None, "pip install should put a 'hixl' script next to the interpreter"
 
 
-@pytest.mark.parametrize("sub", [[], ["bench"], ["info"], ["demo"], ["secret"]])
+@pytest.mark.parametrize("sub", [[], ["bench"], ["info"], ["demo"], ["stats"], ["secret"]])
 def test_every_subcommand_has_help(sub: list[str]) -> None:
     r = hixl(*sub, "--help")
     assert r.returncode == 0, r.stderr
@@ -285,3 +285,32 @@ def test_secret_prints_a_fresh_strong_secret() -> None:
     help_text = " ".join(hixl("secret", "--help").stdout.split())
     for words in ("hixl.secret", "HIXL_SECRET", "32 hex characters"):
         assert words in help_text, help_text
+
+
+def test_stats_watches_a_running_engine_through_its_metrics_endpoint(make_peer) -> None:
+    import numpy as np
+
+    from hixl.metrics import serve
+
+    peer = make_peer(1 << 20)
+    e = Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp"})
+    srv = serve(e)
+    try:
+        e.connect(peer.engine, timeout_ms=5000)
+        src = np.ones(1 << 20, np.uint8)
+        e.register(src)
+        for _ in range(3):
+            e.put(peer.engine, src.ctypes.data, peer.addr, 1 << 20)
+        r = hixl("stats", "--url", srv.url, "--watch", "0.2", "--count", "2")
+        assert r.returncode == 0, r.stderr
+        rows = [line for line in r.stdout.splitlines() if line.startswith(peer.engine)]
+        assert len(rows) == 2, r.stdout  # two tables, one link each
+        cols = rows[-1].split()
+        assert cols[1:5] == ["tcp", "1", "3.15", "0.00"], rows[-1]  # 3 x 1 MiB written
+        assert cols[5] == "0.0", rows[-1]  # nothing moved between the two scrapes
+        bad = hixl("stats", "--url", "http://127.0.0.1:9/metrics", "--timeout", "2")
+        assert bad.returncode == 1 and "cannot read http://127.0.0.1:9/metrics" in bad.stderr
+    finally:
+        srv.close()
+        e.finalize()

@@ -1,4 +1,5 @@
-"""The ``hixl`` command: ``hixl bench``, ``hixl info``, ``hixl demo`` and ``hixl secret``.
+"""The ``hixl`` command: ``hixl bench``, ``hixl info``, ``hixl demo``, ``hixl stats`` and
+``hixl secret``.
 
 Every subcommand has ``--help``. Bad arguments print one line naming the value and exit 2.
 """
@@ -23,7 +24,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> OneLineParser:
-    from . import bench, demo, info, secret
+    from . import bench, demo, info, secret, stats
 
     ap = OneLineParser(
         prog="hixl",
@@ -35,7 +36,7 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--version", action="version", version=f"hixl {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True
-    for mod in (bench, info, demo, secret):
+    for mod in (bench, info, demo, stats, secret):
         p = sub.add_parser(
             mod.NAME,
             help=mod.HELP,
