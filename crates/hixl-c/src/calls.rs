@@ -589,11 +589,12 @@ pub unsafe extern "C" fn hixl_completion_take(tokens: *mut u64, cap: usize, n: *
             return Err(Error::param("tokens is NULL"));
         }
         let got = completions().take(cap);
-        // SAFETY: `tokens` is writable for `cap` >= got.len() values; `n` is writable.
-        unsafe {
-            std::ptr::copy_nonoverlapping(got.as_ptr(), tokens, got.len());
-            *n = got.len();
+        if !got.is_empty() {
+            // SAFETY: `tokens` is non-NULL (cap > 0 here) and writable for `cap` >= got.len().
+            unsafe { std::ptr::copy_nonoverlapping(got.as_ptr(), tokens, got.len()) };
         }
+        // SAFETY: `n` is non-NULL (checked) and writable per the contract.
+        unsafe { *n = got.len() };
         Ok(())
     })
 }

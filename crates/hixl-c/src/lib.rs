@@ -227,4 +227,69 @@ mod tests {
             hixl_engine_free(e);
         }
     }
+
+    #[test]
+    fn a_reported_request_makes_the_completion_fd_readable_and_gives_its_token() {
+        // SAFETY: every pointer below is live for the calls; the buffers are leaked.
+        unsafe {
+            let (t, i) = (hixl_engine_new(), hixl_engine_new());
+            let (listen, client) = (CString::new("127.0.0.1:0").unwrap(), CString::new("127.0.0.1").unwrap());
+            assert_eq!(
+                hixl_initialize(t, listen.as_ptr(), std::ptr::null(), std::ptr::null(), 0),
+                HIXL_SUCCESS
+            );
+            // TCP, so the request is still in flight when it asks to be reported (a same-process
+            // link would copy inline, inside the call).
+            let (k, v) = (CString::new("hixl.backends").unwrap(), CString::new("tcp").unwrap());
+            let (keys, values) = ([k.as_ptr()], [v.as_ptr()]);
+            assert_eq!(hixl_initialize(i, client.as_ptr(), keys.as_ptr(), values.as_ptr(), 1), HIXL_SUCCESS);
+            let dst: &'static mut [u8] = Box::leak(vec![0u8; 4096].into_boxed_slice());
+            let src: &'static mut [u8] = Box::leak(vec![9u8; 4096].into_boxed_slice());
+            let (mut hd, mut hs) = (HixlMemHandle::default(), HixlMemHandle::default());
+            let kv = CString::new("kv").unwrap();
+            assert_eq!(hixl_register(t, dst.as_ptr() as u64, 4096, HIXL_ACCESS_RW, kv.as_ptr(), &mut hd), 0);
+            assert_eq!(
+                hixl_register(i, src.as_ptr() as u64, 4096, HIXL_ACCESS_R, std::ptr::null(), &mut hs),
+                0
+            );
+            let mut buf = [0 as c_char; 64];
+            let mut len = 0usize;
+            assert_eq!(hixl_local_engine(t, buf.as_mut_ptr(), buf.len(), &mut len), 0);
+            assert_eq!(hixl_connect(i, buf.as_ptr(), 5000), HIXL_SUCCESS);
+            let d = crate::HixlDesc { local_addr: hs.addr, remote_addr: hd.addr, len: 4096 };
+            let mut req: *mut HixlRequest = std::ptr::null_mut();
+            let rc = hixl_transfer_async(
+                i,
+                buf.as_ptr(),
+                HIXL_WRITE,
+                &d,
+                1,
+                std::ptr::null(),
+                std::ptr::null(),
+                HIXL_TIMEOUT_DEFAULT,
+                &mut req,
+            );
+            assert_eq!(rc, HIXL_SUCCESS);
+            let reported = hixl_request_report(req, 42);
+            let mut state = 0;
+            assert_eq!(hixl_request_wait(req, 5000, &mut state), HIXL_SUCCESS);
+            assert_eq!(state, HIXL_REQ_COMPLETED);
+            assert_eq!(reported, 1, "a TCP round trip is still in flight right after the call");
+            {
+                let mut p = libc::pollfd { fd: hixl_completion_fd(), events: libc::POLLIN, revents: 0 };
+                assert_eq!(libc::poll(&mut p, 1, 5000), 1, "the descriptor became readable");
+                let mut tokens = [0u64; 8];
+                let mut n = 0usize;
+                assert_eq!(hixl_completion_take(tokens.as_mut_ptr(), tokens.len(), &mut n), HIXL_SUCCESS);
+                assert!(tokens[..n].contains(&42), "{:?}", &tokens[..n]);
+            }
+            let mut n = 7usize;
+            assert_eq!(hixl_completion_take(std::ptr::null_mut(), 0, &mut n), HIXL_SUCCESS);
+            assert_eq!(n, 0);
+            assert!(dst.iter().all(|b| *b == 9), "the bytes landed");
+            hixl_request_free(req);
+            hixl_engine_free(i);
+            hixl_engine_free(t);
+        }
+    }
 }
