@@ -260,7 +260,7 @@ impl Engine {
             run_deregister_hooks(&r, region);
         }
         let allocated = std::mem::take(&mut *r.allocated.lock().unwrap());
-        if published.is_err() {
+        if published.is_err() || cleared.is_err() {
             // A peer may still copy into it: leak rather than free memory under it.
             std::mem::forget(allocated);
         }
@@ -361,14 +361,24 @@ impl Engine {
     /// Deregisters a region, waiting for (then aborting) transfers that use it. Idempotent.
     pub fn deregister_mem(&self, h: &MemHandle) -> Result<()> {
         let r = self.running()?;
-        let region = match r.registry.deregister(h.addr, h.len, r.opts.deregister_timeout)? {
+        let region = match r.registry.remove_exact(h.addr, h.len) {
             Some(region) => region,
-            // Gone from the registry, but a same-host peer had not confirmed it: ask again.
+            // Gone from the registry, but its pins had not drained or a same-host peer had
+            // not confirmed it: try again.
             None => match r.unconfirmed.lock().unwrap().remove(&(h.addr, h.len)) {
                 Some(region) => region,
                 None => return Ok(()),
             },
         };
+        if let Err(e) = region.close_and_drain(r.opts.deregister_timeout) {
+            // A transfer still holds it: peers must stop using it, and a retry must fail
+            // again (not report success) until the pins are gone.
+            if let Some(s) = &r.server {
+                let _ = s.publish_regions(Some(r.opts.deregister_timeout));
+            }
+            r.unconfirmed.lock().unwrap().insert((h.addr, h.len), region);
+            return Err(e);
+        }
         if let Some(s) = &r.server {
             // Same-host peers copy without a target-side check: they must drop the region
             // from their tables before its memory may be freed.

@@ -84,7 +84,9 @@ impl Region {
         self.pins.count()
     }
 
-    fn close_and_drain(&self, wait: Duration) -> Result<()> {
+    /// Refuses new pins and waits (up to `wait`, then aborting the holders and waiting again,
+    /// bounded) until no pin is live. May be called again after an error.
+    pub fn close_and_drain(&self, wait: Duration) -> Result<()> {
         self.pins.close_and_drain(&format!("region 0x{:x}+{}", self.addr, self.len), wait)
     }
 }
@@ -322,16 +324,19 @@ impl Registry {
     /// in-flight transfers (then aborting them), and returns it. Unknown ranges are a no-op
     /// (idempotent): `None`.
     pub fn deregister(&self, addr: u64, len: u64, wait: Duration) -> Result<Option<Arc<Region>>> {
-        let region = {
-            let mut map = self.map.write().unwrap();
-            match map.by_addr.get(&addr) {
-                Some(r) if r.len == len => map.remove(addr),
-                _ => None,
-            }
-        };
-        match region {
+        match self.remove_exact(addr, len) {
             Some(r) => r.close_and_drain(wait).map(|_| Some(r)),
             None => Ok(None),
+        }
+    }
+
+    /// Removes the region registered exactly at `[addr, addr+len)` from the map (no new
+    /// transfer finds it) without waiting for its pins; see [`Region::close_and_drain`].
+    pub fn remove_exact(&self, addr: u64, len: u64) -> Option<Arc<Region>> {
+        let mut map = self.map.write().unwrap();
+        match map.by_addr.get(&addr) {
+            Some(r) if r.len == len => map.remove(addr),
+            _ => None,
         }
     }
 
