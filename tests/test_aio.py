@@ -247,3 +247,32 @@ def test_connect_does_not_block_the_loop(make_peer) -> None:
         assert peer.engine in e.stats()
     finally:
         e.finalize()
+
+
+def test_one_request_awaited_twice_or_again_after_a_cancel_ends_with_it(make_peer) -> None:
+    """A request reports one token: two tasks awaiting it, or a second await after a cancelled
+    one, must all end when it does, not at its deadline."""
+    peer = make_peer(1 << 16)
+    e = initiator("tcp")
+    try:
+        e.connect(peer.engine, timeout_ms=5000)
+        src = np.ones(1 << 16, np.uint8)
+        e.register(src)
+
+        async def main() -> tuple[float, float]:
+            req = e.put_async(peer.engine, src.ctypes.data, peer.addr, 1 << 16, timeout_ms=20_000)
+            t0 = time.monotonic()
+            await asyncio.gather(hixl.aio.wait(req), hixl.aio.wait(req))
+            both = time.monotonic() - t0
+            req2 = e.put_async(peer.engine, src.ctypes.data, peer.addr, 1 << 16, timeout_ms=20_000)
+            first = asyncio.ensure_future(hixl.aio.wait(req2))
+            await asyncio.sleep(0)
+            first.cancel()
+            t1 = time.monotonic()
+            await req2
+            return both, time.monotonic() - t1
+
+        both, again = asyncio.run(main())
+        assert both < 5 and again < 5, (both, again)  # the deadline was 20 s
+    finally:
+        e.finalize()

@@ -47,8 +47,10 @@ __all__ = ["connect", "get", "get_strided", "put", "put_strided", "submit", "tra
 
 _tokens = itertools.count(1)
 _lock = threading.Lock()
-#: token -> (loop, future, request) of every request being awaited.
-_waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[None], TransferReq]] = {}
+#: token -> the (loop, future, request) of every wait on that request (one token per request:
+#: a request awaited twice keeps the token of its first await).
+_Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]", TransferReq]
+_waiting: dict[int, list[_Waiter]] = {}
 #: Per loop: an event set whenever a request settles (room may have opened in a queue).
 _room: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Event] = (
     weakref.WeakKeyDictionary()
@@ -67,70 +69,92 @@ def _finish(fut: asyncio.Future[None], req: TransferReq) -> None:
         fut.set_result(None)
 
 
+def _resolve(waiters: list[_Waiter], loop: asyncio.AbstractEventLoop | None) -> None:
+    """Resolves each waiter on its own loop (at once when that is `loop`)."""
+    for owner, fut, req in waiters:
+        if owner is loop:
+            _finish(fut, req)
+            continue
+        try:
+            owner.call_soon_threadsafe(_finish, fut, req)
+        except RuntimeError:
+            pass  # that loop has closed: nobody waits there any more
+
+
 def _drain(loop: asyncio.AbstractEventLoop) -> None:
     """The descriptor is readable: resolve every settled request, each on its own loop."""
     tokens = _drain_completions()
     for token in tokens:
         with _lock:
-            entry = _waiting.pop(token, None)
-        if entry is None:
-            continue  # reported by a request whose waiter has gone (cancelled, or it settled first)
-        owner, fut, req = entry
-        if owner is loop:
-            _finish(fut, req)
-        elif not owner.is_closed():
-            owner.call_soon_threadsafe(_finish, fut, req)
+            waiters = _waiting.pop(token, [])
+        _resolve(waiters, loop)  # none: its waiters have gone (cancelled, or it settled first)
     if tokens:
-        for other, room in list(_room.items()):
+        with _lock:
+            rooms = list(_room.items())
+        for other, room in rooms:
             if other is loop:
                 room.set()
-            elif not other.is_closed():
-                other.call_soon_threadsafe(room.set)
+            else:
+                try:
+                    other.call_soon_threadsafe(room.set)
+                except RuntimeError:
+                    pass  # closed
 
 
 def _room_event(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
     """This loop's room event; the first call also starts watching the descriptor."""
-    room = _room.get(loop)
+    with _lock:
+        room = _room.get(loop)
     if room is None:
-        room = asyncio.Event()
-        _room[loop] = room
         loop.add_reader(_completion_fd(), _drain, loop)
+        room = asyncio.Event()
+        with _lock:
+            _room[loop] = room
     return room
 
 
-def _expire(token: int) -> None:
-    """The request's deadline passed: `status()` turns it into TIMEOUT, which reports it."""
+def _forget(token: int, fut: asyncio.Future[None]) -> None:
     with _lock:
-        entry = _waiting.get(token)
-    if entry is not None:
-        _, fut, req = entry
-        if int(req.status()) != 0:  # no longer WAITING
-            with _lock:
-                _waiting.pop(token, None)
-            _finish(fut, req)
+        rest = [w for w in _waiting.get(token, []) if w[1] is not fut]
+        if rest:
+            _waiting[token] = rest
+        else:
+            _waiting.pop(token, None)
+
+
+def _expire(token: int, fut: asyncio.Future[None], req: TransferReq) -> None:
+    """The request's deadline passed: `status()` turns it into TIMEOUT, which reports it."""
+    if int(req.status()) != 0:  # no longer WAITING
+        _forget(token, fut)
+        _finish(fut, req)
+    elif not fut.done():  # the loop's clock ran a little ahead of the request's
+        fut.get_loop().call_later(0.005, _expire, token, fut, req)
 
 
 async def wait(req: TransferReq) -> None:
     """Waits for `req` on the running loop; what ``await req`` does. Returns None when it
-    completed, raises its error otherwise."""
+    completed, raises its error otherwise. A request may be awaited by several tasks, or again
+    after a cancelled wait."""
     loop = asyncio.get_running_loop()
     _room_event(loop)
     fut: asyncio.Future[None] = loop.create_future()
-    token = next(_tokens)
-    with _lock:
-        _waiting[token] = (loop, fut, req)
-    if not req._report(token):  # settled already
-        with _lock:
-            _waiting.pop(token, None)
+    token = req._report(next(_tokens))
+    if token is None:  # settled already
         _finish(fut, req)
         return await fut
-    timer = loop.call_later(req._seconds_left() + 0.001, _expire, token)
+    with _lock:
+        _waiting.setdefault(token, []).append((loop, fut, req))
+    # It may have settled (and its token been drained) before this waiter was listed.
+    if int(req.status()) != 0:
+        _forget(token, fut)
+        _finish(fut, req)
+        return await fut
+    timer = loop.call_later(req._seconds_left() + 0.001, _expire, token, fut, req)
     try:
         return await fut
     finally:
         timer.cancel()
-        with _lock:
-            _waiting.pop(token, None)
+        _forget(token, fut)
 
 
 async def submit(

@@ -131,8 +131,9 @@ impl TransferReq {
         py.import("hixl.aio")?.call_method1("wait", (slf,))?.call_method0("__await__")
     }
     /// Internal (hixl.aio): queue `token` on the completion queue when the request settles.
-    /// False: it had settled already (do not wait for the token).
-    fn _report(&self, token: u64) -> PyResult<bool> {
+    /// Returns the token that will be queued (the first one asked for, when asked twice), or
+    /// None when it had settled already (do not wait for a token).
+    fn _report(&self, token: u64) -> PyResult<Option<u64>> {
         Ok(self.req.report_to(completions()?, token))
     }
     /// Internal (hixl.aio): seconds until the request's deadline (0 when it has passed).

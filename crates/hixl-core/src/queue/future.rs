@@ -53,6 +53,19 @@ struct Deadlines {
     changed: Condvar,
 }
 
+/// (heap entries, requests watched) of the deadline thread, for tests.
+#[cfg(test)]
+pub(super) fn watched_counts() -> (usize, usize) {
+    let d = deadlines();
+    let reqs = d.reqs.lock().unwrap().len();
+    (d.due.lock().unwrap().len(), reqs)
+}
+
+/// Forgets a settled request that an awaited future had the deadline thread watch.
+pub(super) fn forget(req: &Request) {
+    deadlines().forget(req as *const Request as u64);
+}
+
 fn deadlines() -> &'static Deadlines {
     static D: OnceLock<&'static Deadlines> = OnceLock::new();
     D.get_or_init(|| {
@@ -70,9 +83,21 @@ fn deadlines() -> &'static Deadlines {
 impl Deadlines {
     fn watch(&self, req: &Arc<Request>) {
         let key = Arc::as_ptr(req) as u64;
+        req.mark_watched();
         self.reqs.lock().unwrap().insert(key, Arc::downgrade(req));
         self.due.lock().unwrap().push(Reverse((req.deadline(), key)));
         self.changed.notify_one();
+    }
+
+    /// A watched request settled: forget it now rather than at its deadline; the heap is
+    /// rebuilt from what is still watched when it has grown to twice that.
+    fn forget(&self, key: u64) {
+        let mut reqs = self.reqs.lock().unwrap();
+        reqs.remove(&key);
+        let mut due = self.due.lock().unwrap();
+        if due.len() > 2 * reqs.len() + 64 {
+            due.retain(|Reverse((_, k))| reqs.contains_key(k));
+        }
     }
 
     fn run(&self) {
@@ -82,8 +107,9 @@ impl Deadlines {
             match due.peek().copied() {
                 Some(Reverse((at, key))) if at <= now => {
                     due.pop();
-                    let req = self.reqs.lock().unwrap().remove(&key).and_then(|w| w.upgrade());
+                    // Never both locks at once in this order: `forget` takes `reqs`, then `due`.
                     drop(due);
+                    let req = self.reqs.lock().unwrap().remove(&key).and_then(|w| w.upgrade());
                     if let Some(req) = req {
                         // Past its deadline, `status` settles it TIMEOUT, which wakes it.
                         req.status();

@@ -45,7 +45,9 @@ pub struct Request {
     /// When the submitting call had handed it to its backend (for telemetry).
     posted: OnceLock<Instant>,
     /// The task awaiting it (async Rust), woken when it settles.
-    waker: Mutex<Option<std::task::Waker>>,
+    wakers: Mutex<Vec<std::task::Waker>>,
+    /// Whether the deadline thread watches it (an awaited future asked).
+    watched: AtomicBool,
     has_waker: AtomicBool,
 }
 
@@ -86,7 +88,8 @@ impl Request {
             accounted: AtomicBool::new(false),
             ended: OnceLock::new(),
             posted: OnceLock::new(),
-            waker: Mutex::new(None),
+            wakers: Mutex::new(Vec::new()),
+            watched: AtomicBool::new(false),
             has_waker: AtomicBool::new(false),
         }
     }
@@ -202,6 +205,9 @@ impl Request {
             if self.has_waker.load(Ordering::SeqCst) {
                 self.wake();
             }
+            if self.watched.load(Ordering::SeqCst) {
+                super::future::forget(self);
+            }
         }
         won
     }
@@ -221,18 +227,29 @@ impl Request {
         Completion::new(self.clone())
     }
 
-    /// Sets the task to wake when it settles (the last one set wins).
+    /// Adds a task to wake when it settles (every future awaiting it is woken).
     pub(super) fn set_waker(&self, w: std::task::Waker) {
-        *self.waker.lock().unwrap() = Some(w);
+        {
+            let mut ws = self.wakers.lock().unwrap();
+            if !ws.iter().any(|x| x.will_wake(&w)) {
+                ws.push(w);
+            }
+        }
         self.has_waker.store(true, Ordering::SeqCst);
         // Pairs with the fence in `settle`: the caller's next status check sees the settle, or
         // the settle sees this waker.
         std::sync::atomic::fence(Ordering::SeqCst);
     }
 
-    /// Wakes the task awaiting it, if any.
+    /// The deadline thread watches it.
+    pub(super) fn mark_watched(&self) {
+        self.watched.store(true, Ordering::SeqCst);
+    }
+
+    /// Wakes every task awaiting it.
     pub(super) fn wake(&self) {
-        if let Some(w) = self.waker.lock().unwrap().take() {
+        let ws = std::mem::take(&mut *self.wakers.lock().unwrap());
+        for w in ws {
             w.wake();
         }
     }
@@ -254,17 +271,19 @@ impl Request {
         })
     }
 
-    /// Asks for `token` to be queued on `q` when the request settles (at most once per
-    /// request; a second call is ignored). Returns false when it has settled already: then the
-    /// token may or may not be queued, and the caller should not wait for it.
-    pub fn report_to(&self, q: &Arc<CompletionQueue>, token: u64) -> bool {
+    /// Asks for `token` to be queued on `q` when the request settles. A request reports one
+    /// token: a later call gets the token asked for first. Returns the token that will be
+    /// queued, or None when the request has settled already (then a token may or may not be
+    /// queued, and the caller should not wait for one).
+    pub fn report_to(&self, q: &Arc<CompletionQueue>, token: u64) -> Option<u64> {
         let _ = self.report.set((q.clone(), token));
+        let queued = self.report.get().map_or(token, |(_, t)| *t);
         // `settle` flips the state, fences, then reads `report`; this sets `report`, fences,
         // then reads the state. With a SeqCst fence between each side's write and read, at
         // least one of the two sees the other's write: the token is queued, or this returns
-        // false, or both.
+        // None, or both.
         std::sync::atomic::fence(Ordering::SeqCst);
-        self.state.load(Ordering::SeqCst) == TransferStatus::Waiting as u8
+        (self.state.load(Ordering::SeqCst) == TransferStatus::Waiting as u8).then_some(queued)
     }
 
     /// Records the end of one part. Returns true when it was the last one; the caller then

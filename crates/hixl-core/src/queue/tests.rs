@@ -153,8 +153,8 @@ fn settled_requests_report_their_token_once_and_wake_the_descriptor() {
     let q = Arc::new(CompletionQueue::new().unwrap());
     assert!(!readable(q.fd()));
     let (a, b) = (waiting(1), waiting(2));
-    assert!(a.report_to(&q, 101) && b.report_to(&q, 102));
-    b.report_to(&q, 999); // a second hook is ignored: 102 is reported, not 999
+    assert_eq!((a.report_to(&q, 101), b.report_to(&q, 102)), (Some(101), Some(102)));
+    assert_eq!(b.report_to(&q, 999), Some(102), "a second call gets the first token");
     b.settle(TransferStatus::Completed, None);
     a.settle(TransferStatus::Failed, Some(Error::failed("x")));
     a.settle(TransferStatus::Completed, None); // lost race: reported already
@@ -163,7 +163,7 @@ fn settled_requests_report_their_token_once_and_wake_the_descriptor() {
     assert!(!readable(q.fd()), "drained: nothing left to read");
     let late = waiting(3);
     late.settle(TransferStatus::Completed, None);
-    assert!(!late.report_to(&q, 103), "already settled: the caller must not wait");
+    assert_eq!(late.report_to(&q, 103), None, "already settled: the caller must not wait");
 }
 
 #[test]
@@ -174,7 +174,7 @@ fn a_hook_racing_the_settle_is_never_lost() {
         let r = waiting(round);
         let r2 = r.clone();
         let t = std::thread::spawn(move || r2.settle(TransferStatus::Completed, None));
-        let waiting_for_it = r.report_to(&q, round);
+        let waiting_for_it = r.report_to(&q, round).is_some();
         t.join().unwrap();
         let got = q.drain();
         assert!(got.len() <= 1);
@@ -233,4 +233,41 @@ fn an_awaited_request_wakes_on_settle_and_at_its_deadline() {
     let err = block_on(slow.completion()).unwrap_err();
     assert_eq!(err.status, Status::Timeout);
     assert!(t0.elapsed() >= Duration::from_millis(75) && t0.elapsed() < Duration::from_secs(2));
+}
+
+#[test]
+fn every_task_awaiting_one_request_is_woken() {
+    // Two tasks on two threads await the same request; settling it must wake both (one waker
+    // slot used to keep only the last task polled).
+    let r = waiting(9);
+    let (a, b) = (r.clone(), r.clone());
+    let ta = std::thread::spawn(move || block_on(a.completion()));
+    let tb = std::thread::spawn(move || block_on(b.completion()));
+    std::thread::sleep(Duration::from_millis(50)); // both are parked on it now
+    r.settle(TransferStatus::Completed, None);
+    assert!(ta.join().unwrap().is_ok() && tb.join().unwrap().is_ok());
+}
+
+#[test]
+fn settled_awaited_requests_do_not_stay_with_the_deadline_thread() {
+    for i in 0..3000 {
+        let r = Arc::new(Request::new(
+            i,
+            TransferOp::Write,
+            "p".into(),
+            8,
+            1,
+            1,
+            Duration::from_secs(3600),
+            vec![],
+            None,
+        ));
+        let r2 = r.clone();
+        let t = std::thread::spawn(move || r2.settle(TransferStatus::Completed, None));
+        block_on(r.completion()).unwrap();
+        t.join().unwrap();
+    }
+    let (due, watched) = super::future::watched_counts();
+    // Other tests of this process may have a request watched at this moment: a few at most.
+    assert!(watched <= 4 && due <= 2 * watched + 64, "due {due}, watched {watched}");
 }
