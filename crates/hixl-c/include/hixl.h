@@ -321,12 +321,16 @@ uint32_t hixl_request_wait(const struct HixlRequest *r, uint64_t timeout_ms, uin
 uint32_t hixl_request_result(const struct HixlRequest *r);
 
 // Asks for `token` to be queued on the process's completion queue when the request settles
-// (see `hixl_completion_fd`). Returns 1 when it will be, 0 when it has settled already (do
-// not wait for the token), or `HIXL_PARAM_INVALID` for NULL.
+// (see `hixl_completion_fd`). `*pending` becomes 1 when a token will be queued, and
+// `*queued` that token (a request reports one token: asked again, it keeps the first); 0
+// when the request has settled already (do not wait for a token).
 //
 // # Safety
-// `r` is NULL or a live request.
-uint32_t hixl_request_report(const struct HixlRequest *r, uint64_t token);
+// `r` is a live request; `pending` and `queued` are writable.
+uint32_t hixl_request_report(const struct HixlRequest *r,
+                             uint64_t token,
+                             uint32_t *pending,
+                             uint64_t *queued);
 
 // Frees a request (the transfer goes on). NULL is ignored.
 //
@@ -336,7 +340,7 @@ void hixl_request_free(struct HixlRequest *r);
 
 // The process's completion descriptor: readable (poll, epoll, an event loop) while tokens of
 // settled requests wait (`hixl_request_report`, `hixl_completion_take`). Owned by the
-// library; do not close it.
+// library; do not close it. -1 when none can be made (`hixl_last_error` says why).
 int32_t hixl_completion_fd(void);
 
 // Takes up to `cap` tokens of settled requests into `tokens`; `*n` gets how many. The

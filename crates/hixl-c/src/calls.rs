@@ -140,7 +140,12 @@ pub unsafe extern "C" fn hixl_engine_free(e: *mut HixlEngine) {
     if !e.is_null() {
         // SAFETY: from Box::into_raw in hixl_engine_new, freed once per the contract.
         let b = unsafe { Box::from_raw(e) };
-        let _ = guard(|| b.inner.finalize());
+        // The drop runs inside the guard too: no panic may cross.
+        let _ = guard(move || {
+            let res = b.inner.finalize();
+            drop(b);
+            res
+        });
     }
 }
 
@@ -535,18 +540,30 @@ pub unsafe extern "C" fn hixl_request_result(r: *const HixlRequest) -> u32 {
 }
 
 /// Asks for `token` to be queued on the process's completion queue when the request settles
-/// (see `hixl_completion_fd`). Returns 1 when it will be, 0 when it has settled already (do
-/// not wait for the token), or `HIXL_PARAM_INVALID` for NULL.
+/// (see `hixl_completion_fd`). `*pending` becomes 1 when a token will be queued, and
+/// `*queued` that token (a request reports one token: asked again, it keeps the first); 0
+/// when the request has settled already (do not wait for a token).
 ///
 /// # Safety
-/// `r` is NULL or a live request.
+/// `r` is a live request; `pending` and `queued` are writable.
 #[no_mangle]
-pub unsafe extern "C" fn hixl_request_report(r: *const HixlRequest, token: u64) -> u32 {
-    // SAFETY: the caller's contract.
-    match unsafe { request(r) } {
-        Ok(req) => u32::from(req.report_to(completions(), token)),
-        Err(_) => crate::HIXL_PARAM_INVALID,
-    }
+pub unsafe extern "C" fn hixl_request_report(
+    r: *const HixlRequest,
+    token: u64,
+    pending: *mut u32,
+    queued: *mut u64,
+) -> u32 {
+    guard(|| {
+        out(pending, "pending")?;
+        out(queued, "queued")?;
+        // SAFETY: the caller's contract.
+        unsafe {
+            let got = request(r)?.report_to(completions()?, token);
+            *pending = u32::from(got.is_some());
+            *queued = got.unwrap_or(0);
+        }
+        Ok(())
+    })
 }
 
 /// Frees a request (the transfer goes on). NULL is ignored.
@@ -557,23 +574,39 @@ pub unsafe extern "C" fn hixl_request_report(r: *const HixlRequest, token: u64) 
 pub unsafe extern "C" fn hixl_request_free(r: *mut HixlRequest) {
     if !r.is_null() {
         // SAFETY: from Box::into_raw, freed once per the contract.
-        drop(unsafe { Box::from_raw(r) });
+        let b = unsafe { Box::from_raw(r) };
+        let _ = guard(move || {
+            drop(b);
+            Ok(())
+        });
     }
 }
 
-fn completions() -> &'static std::sync::Arc<hixl_core::CompletionQueue> {
+/// The process's completion queue, made on first use (an error when no eventfd can be had).
+fn completions() -> Result<&'static std::sync::Arc<hixl_core::CompletionQueue>, Error> {
     static Q: std::sync::OnceLock<std::sync::Arc<hixl_core::CompletionQueue>> = std::sync::OnceLock::new();
-    Q.get_or_init(|| {
-        std::sync::Arc::new(hixl_core::CompletionQueue::new().expect("an eventfd for completions"))
-    })
+    if let Some(q) = Q.get() {
+        return Ok(q);
+    }
+    let q = std::sync::Arc::new(hixl_core::CompletionQueue::new()?);
+    Ok(Q.get_or_init(|| q))
 }
 
 /// The process's completion descriptor: readable (poll, epoll, an event loop) while tokens of
 /// settled requests wait (`hixl_request_report`, `hixl_completion_take`). Owned by the
-/// library; do not close it.
+/// library; do not close it. -1 when none can be made (`hixl_last_error` says why).
 #[no_mangle]
 pub extern "C" fn hixl_completion_fd() -> i32 {
-    completions().fd()
+    let mut fd = -1;
+    let rc = guard(|| {
+        fd = completions()?.fd();
+        Ok(())
+    });
+    if rc == crate::HIXL_SUCCESS {
+        fd
+    } else {
+        -1
+    }
 }
 
 /// Takes up to `cap` tokens of settled requests into `tokens`; `*n` gets how many. The
@@ -588,7 +621,7 @@ pub unsafe extern "C" fn hixl_completion_take(tokens: *mut u64, cap: usize, n: *
         if tokens.is_null() && cap > 0 {
             return Err(Error::param("tokens is NULL"));
         }
-        let got = completions().take(cap);
+        let got = completions()?.take(cap);
         if !got.is_empty() {
             // SAFETY: `tokens` is non-NULL (cap > 0 here) and writable for `cap` >= got.len().
             unsafe { std::ptr::copy_nonoverlapping(got.as_ptr(), tokens, got.len()) };
@@ -628,8 +661,14 @@ pub unsafe extern "C" fn hixl_send_notify(
     })
 }
 
-fn deliver(notes: Vec<NotifyDesc>, cb: HixlNotifyFn, ctx: *mut c_void) -> Result<(), Error> {
-    let Some(cb) = cb else { return Err(Error::param("callback is NULL")) };
+/// The callback, or PARAM_INVALID before any notification is taken from the engine.
+type NotifyCb = unsafe extern "C" fn(*mut c_void, *const c_char, *const c_char);
+
+fn callback(cb: HixlNotifyFn) -> Result<NotifyCb, Error> {
+    cb.ok_or_else(|| Error::param("callback is NULL"))
+}
+
+fn deliver(notes: Vec<NotifyDesc>, cb: NotifyCb, ctx: *mut c_void) -> Result<(), Error> {
     for n in notes {
         let name = CString::new(n.name.replace('\0', " ")).unwrap_or_default();
         let msg = CString::new(n.msg.replace('\0', " ")).unwrap_or_default();
@@ -646,7 +685,11 @@ fn deliver(notes: Vec<NotifyDesc>, cb: HixlNotifyFn, ctx: *mut c_void) -> Result
 #[no_mangle]
 pub unsafe extern "C" fn hixl_get_notifies(e: *const HixlEngine, cb: HixlNotifyFn, ctx: *mut c_void) -> u32 {
     // SAFETY: the caller's contract.
-    guard(|| deliver(unsafe { engine(e) }?.get_notifies()?, cb, ctx))
+    guard(|| {
+        let cb = callback(cb)?;
+        // SAFETY: the caller's contract.
+        deliver(unsafe { engine(e) }?.get_notifies()?, cb, ctx)
+    })
 }
 
 /// Waits up to `timeout_ms` until a notification named `name` (NULL: any) is pending, hands
@@ -665,6 +708,7 @@ pub unsafe extern "C" fn hixl_wait_notifies(
     guard(|| {
         // SAFETY: the caller's contract.
         unsafe {
+            let cb = callback(cb)?;
             let eng = engine(e)?;
             let name = if name.is_null() { None } else { Some(arg_str(name, "name")?) };
             let t = timeout(timeout_ms).unwrap_or(hixl_core::MAX_WAIT);

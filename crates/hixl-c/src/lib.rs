@@ -270,11 +270,19 @@ mod tests {
                 &mut req,
             );
             assert_eq!(rc, HIXL_SUCCESS);
-            let reported = hixl_request_report(req, 42);
+            let (mut pending, mut queued) = (0u32, 0u64);
+            assert_eq!(hixl_request_report(req, 42, &mut pending, &mut queued), HIXL_SUCCESS);
+            let (mut again, mut queued_again) = (0u32, 0u64);
+            assert_eq!(hixl_request_report(req, 43, &mut again, &mut queued_again), HIXL_SUCCESS);
             let mut state = 0;
             assert_eq!(hixl_request_wait(req, 5000, &mut state), HIXL_SUCCESS);
             assert_eq!(state, HIXL_REQ_COMPLETED);
-            assert_eq!(reported, 1, "a TCP round trip is still in flight right after the call");
+            assert_eq!(
+                (pending, queued),
+                (1, 42),
+                "a TCP round trip is still in flight right after the call"
+            );
+            assert_eq!(queued_again, 42, "asked twice, the request keeps its first token");
             {
                 let mut p = libc::pollfd { fd: hixl_completion_fd(), events: libc::POLLIN, revents: 0 };
                 assert_eq!(libc::poll(&mut p, 1, 5000), 1, "the descriptor became readable");
