@@ -211,3 +211,18 @@ fn names_are_unique_and_deltas_are_net() {
     assert!(r.changes_since(v1).is_none());
     assert!(r.changes_since(r.version() - 10).is_some());
 }
+
+#[test]
+fn holders_past_the_slots_are_forgotten_once_their_pins_are_released() {
+    let r = Arc::new(Registry::new());
+    let region = r.register(0x1000, 0x100, MemType::Host).unwrap();
+    let keep: Vec<Arc<Flag>> = (0..8).map(|_| new_flag()).collect();
+    let held: Vec<Pin> = keep.iter().map(|h| region.pin(&dyn_holder(h)).unwrap()).collect();
+    for _ in 0..1000 {
+        let h = new_flag();
+        let p = region.pin(&dyn_holder(&h)).unwrap();
+        assert!(!p.counted_in_slot(), "every slot is taken by a live holder");
+    }
+    assert!(region.pins.holders_listed() <= 8 + 1, "{}", region.pins.holders_listed());
+    drop(held);
+}
