@@ -120,3 +120,23 @@ def test_without_any_logging_configured_records_still_reach_stderr() -> None:
     r = run(script, HIXL_LOG_LEVEL="INFO")
     assert r.returncode == 0
     assert "INFO hixl.core.engine: engine initialized" in r.stderr, r.stderr
+
+
+def test_a_forked_child_gets_its_own_drain_thread() -> None:
+    script = """
+import logging, os, sys, hixl
+logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(process)d|%(message)s")
+hixl.set_log_level("INFO")
+pid = os.fork()
+if pid == 0:
+    e = hixl.Hixl(); e.initialize("127.0.0.1:0"); e.finalize()
+    import time; time.sleep(0.5)  # the child's own drain thread hands the records over
+    sys.stdout.flush()
+    os._exit(0)
+os.waitpid(pid, 0)
+print("child", pid, flush=True)
+"""
+    r = run(script)
+    assert r.returncode == 0, r.stderr
+    child = next(x.split()[1] for x in r.stdout.splitlines() if x.startswith("child "))
+    assert f"{child}|engine initialized" in r.stdout, r.stdout

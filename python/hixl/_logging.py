@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sys
 import threading
 
@@ -111,7 +112,19 @@ def set_log_level(level: str) -> None:
     sync_level()
 
 
+def _start_drainer() -> threading.Thread:
+    t = threading.Thread(target=_drain_forever, name="hixl-log", daemon=True)
+    t.start()
+    return t
+
+
+def _after_fork_in_child() -> None:
+    """Threads do not survive fork(): a child gets a drain thread of its own."""
+    global _drainer
+    _drainer = _start_drainer()
+
+
 sync_level()
-_drainer = threading.Thread(target=_drain_forever, name="hixl-log", daemon=True)
-_drainer.start()
+_drainer = _start_drainer()
 atexit.register(_at_exit)
+os.register_at_fork(after_in_child=_after_fork_in_child)
