@@ -162,8 +162,8 @@ async def submit(
 ) -> None:
     """Calls ``call(*args, **kw)`` (an engine's ``*_async`` method) and awaits the request.
     While the link's request queue is full (ResourceExhausted), waits on the loop for another
-    request to settle and tries again, for up to `room_timeout_ms` (default: the engine's
-    ``hixl.transfer_timeout_ms``, 10 s unless set), then raises that ResourceExhausted."""
+    request to settle and tries again, for up to `room_timeout_ms` (default 10,000 ms), then
+    raises that ResourceExhausted."""
     loop = asyncio.get_running_loop()
     room = _room_event(loop)
     deadline: float | None = None
