@@ -12,6 +12,7 @@ pub mod local;
 pub mod selfcopy;
 pub mod serve;
 pub mod server;
+pub mod shared_mem;
 pub mod shm;
 pub mod tcp;
 
