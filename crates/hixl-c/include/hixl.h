@@ -105,6 +105,10 @@ typedef struct HixlRemoteRegion {
   uint32_t writable;
 } HixlRemoteRegion;
 
+// Called once per notification by `hixl_get_notifies` / `hixl_wait_notifies`, with the
+// caller's `ctx`; `name` and `msg` are valid during the call only.
+typedef void (*HixlNotifyFn)(void *ctx, const char *name, const char *msg);
+
 // One descriptor of a batch: `len` bytes between `local_addr` and `remote_addr`.
 typedef struct HixlDesc {
   // Address in this process.
@@ -127,10 +131,6 @@ typedef struct HixlStrided {
   // Remote distance between elements (0: `stride`).
   uint64_t remote_stride;
 } HixlStrided;
-
-// Called once per notification by `hixl_get_notifies` / `hixl_wait_notifies`, with the
-// caller's `ctx`; `name` and `msg` are valid during the call only.
-typedef void (*HixlNotifyFn)(void *ctx, const char *name, const char *msg);
 
 #ifdef __cplusplus
 extern "C" {
@@ -236,6 +236,52 @@ uint32_t hixl_remote_region(const struct HixlEngine *e,
                             const char *remote,
                             const char *name,
                             struct HixlRemoteRegion *region);
+
+// Sends a notification to `remote`, after the transfers already submitted to it have ended.
+//
+// # Safety
+// `e` is live; `remote`, `name` and `msg` are strings.
+uint32_t hixl_send_notify(const struct HixlEngine *e,
+                          const char *remote,
+                          const char *name,
+                          const char *msg,
+                          uint64_t timeout_ms);
+
+// Hands every pending notification to `cb` (then forgets them). Does not block.
+//
+// # Safety
+// `e` is live; `cb` is a function that may be called with `ctx`.
+uint32_t hixl_get_notifies(const struct HixlEngine *e, HixlNotifyFn cb, void *ctx);
+
+// Waits up to `timeout_ms` until a notification named `name` (NULL: any) is pending, hands
+// those to `cb` and leaves the others; `HIXL_TIMEOUT` when none came.
+//
+// # Safety
+// `e` is live; `name` is NULL or a string; `cb` may be called with `ctx`.
+uint32_t hixl_wait_notifies(const struct HixlEngine *e,
+                            uint64_t timeout_ms,
+                            const char *name,
+                            HixlNotifyFn cb,
+                            void *ctx);
+
+// Per-peer stats as a JSON object (`{"peer": {"backend": ..., "bytes_write": ..., ...}}`)
+// into `buf` (`cap` bytes, NUL-terminated); `*len` gets its length. Too small:
+// `HIXL_RESOURCE_EXHAUSTED` with `*len` the length needed.
+//
+// # Safety
+// `e` is live; `buf` is writable for `cap` bytes; `len` is writable.
+uint32_t hixl_stats_json(const struct HixlEngine *e, char *buf, size_t cap, size_t *len);
+
+// The engine's Prometheus metrics (text format 0.0.4), peer labels capped at `max_peers`,
+// into `buf` like `hixl_stats_json`.
+//
+// # Safety
+// As `hixl_stats_json`.
+uint32_t hixl_metrics_text(const struct HixlEngine *e,
+                           size_t max_peers,
+                           char *buf,
+                           size_t cap,
+                           size_t *len);
 
 // Queues a batch of `n` descriptors (`op`: `HIXL_READ` or `HIXL_WRITE`) and returns at once
 // with `*req`, to free with `hixl_request_free`. `notify_name`/`notify_msg` (both NULL: none)
@@ -349,52 +395,6 @@ int32_t hixl_completion_fd(void);
 // # Safety
 // `tokens` is writable for `cap` values; `n` is writable.
 uint32_t hixl_completion_take(uint64_t *tokens, size_t cap, size_t *n);
-
-// Sends a notification to `remote`, after the transfers already submitted to it have ended.
-//
-// # Safety
-// `e` is live; `remote`, `name` and `msg` are strings.
-uint32_t hixl_send_notify(const struct HixlEngine *e,
-                          const char *remote,
-                          const char *name,
-                          const char *msg,
-                          uint64_t timeout_ms);
-
-// Hands every pending notification to `cb` (then forgets them). Does not block.
-//
-// # Safety
-// `e` is live; `cb` is a function that may be called with `ctx`.
-uint32_t hixl_get_notifies(const struct HixlEngine *e, HixlNotifyFn cb, void *ctx);
-
-// Waits up to `timeout_ms` until a notification named `name` (NULL: any) is pending, hands
-// those to `cb` and leaves the others; `HIXL_TIMEOUT` when none came.
-//
-// # Safety
-// `e` is live; `name` is NULL or a string; `cb` may be called with `ctx`.
-uint32_t hixl_wait_notifies(const struct HixlEngine *e,
-                            uint64_t timeout_ms,
-                            const char *name,
-                            HixlNotifyFn cb,
-                            void *ctx);
-
-// Per-peer stats as a JSON object (`{"peer": {"backend": ..., "bytes_write": ..., ...}}`)
-// into `buf` (`cap` bytes, NUL-terminated); `*len` gets its length. Too small:
-// `HIXL_RESOURCE_EXHAUSTED` with `*len` the length needed.
-//
-// # Safety
-// `e` is live; `buf` is writable for `cap` bytes; `len` is writable.
-uint32_t hixl_stats_json(const struct HixlEngine *e, char *buf, size_t cap, size_t *len);
-
-// The engine's Prometheus metrics (text format 0.0.4), peer labels capped at `max_peers`,
-// into `buf` like `hixl_stats_json`.
-//
-// # Safety
-// As `hixl_stats_json`.
-uint32_t hixl_metrics_text(const struct HixlEngine *e,
-                           size_t max_peers,
-                           char *buf,
-                           size_t cap,
-                           size_t *len);
 
 #ifdef __cplusplus
 }  // extern "C"

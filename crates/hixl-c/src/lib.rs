@@ -11,10 +11,14 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 #![allow(clippy::missing_safety_doc)] // each function's contract is in its doc comment
 
-mod calls;
+mod engine;
 mod json;
+mod notifies;
+mod transfers;
 
-pub use calls::*;
+pub use engine::*;
+pub use notifies::*;
+pub use transfers::*;
 
 use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
