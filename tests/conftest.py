@@ -21,7 +21,7 @@ import hixl
 PEER = Path(__file__).with_name("_peer.py")
 
 
-def _proc_state(pid: int) -> str:
+def proc_state(pid: int) -> str:
     """The state letter of /proc/PID/stat (R running, S sleeping, T stopped, ...)."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
@@ -89,7 +89,7 @@ class Peer:
         os.kill(self.proc.pid, signal.SIGSTOP)
         try:
             deadline = time.monotonic() + 5
-            while _proc_state(self.proc.pid) != "T":
+            while proc_state(self.proc.pid) != "T":
                 assert time.monotonic() < deadline, "the peer did not stop within 5 s"
                 time.sleep(0.001)
             yield

@@ -11,7 +11,7 @@ import weakref
 
 import numpy as np
 import pytest
-from conftest import random_bytes
+from conftest import proc_state, random_bytes
 
 import hixl
 
@@ -265,7 +265,7 @@ def test_a_failed_finalize_stays_failed_and_keeps_registered_memory_referenced()
         assert peer.stdout is not None and peer.stdout.readline().strip() == "LINKED"
         os.kill(peer.pid, signal.SIGSTOP)  # it can no longer confirm anything
         deadline = time.monotonic() + 5
-        while open(f"/proc/{peer.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        while proc_state(peer.pid) != "T":
             assert time.monotonic() < deadline
             time.sleep(0.001)
         held = sys.getrefcount(buf)

@@ -70,7 +70,7 @@ def test_scraped_metrics_match_what_moved(make_peer) -> None:
         assert value(s, "hixl_requests_in_flight", **lab) == 0
         assert value(s, "hixl_queue_slots_used", **lab) == 0
         assert value(s, "hixl_queue_slots", **lab) == 4096  # hixl.queue_depth
-        assert value(s, "hixl_heartbeats_missed_total", **lab) >= 0
+        value(s, "hixl_heartbeats_missed_total", **lab)  # present: value() fails when absent
         assert value(s, "hixl_request_duration_seconds_count", **lab) == 13
         assert value(s, "hixl_request_duration_seconds_bucket", le="+Inf", **lab) == 13
         assert value(s, "hixl_request_duration_seconds_sum", **lab) > 0
@@ -126,7 +126,9 @@ def test_a_request_reports_its_telemetry_once_it_ended(make_peer) -> None:
         assert t is not None
         assert (t["backend"], t["bytes"], t["descs"], t["retries"]) == ("shm", 16384, 4, 0)
         assert t["status"] == hixl.TransferStatus.COMPLETED and t["duration_us"] > 0
-        assert t["post_us"] >= 0  # may exceed duration_us: a same-host copy can end in the call
+        # post_us may exceed duration_us (a same-host copy can end inside the call), but it is
+        # microseconds of one call, not seconds or nanoseconds.
+        assert 0 < t["post_us"] < 1e6, t
         assert abs(t["start_unix_us"] / 1e6 - time.time()) < 60
         # A request still in flight has none yet.
         e2 = hixl.Hixl()

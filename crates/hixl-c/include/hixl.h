@@ -253,8 +253,9 @@ uint32_t hixl_send_notify(const struct HixlEngine *e,
 // `e` is live; `cb` is a function that may be called with `ctx`.
 uint32_t hixl_get_notifies(const struct HixlEngine *e, HixlNotifyFn cb, void *ctx);
 
-// Waits up to `timeout_ms` until a notification named `name` (NULL: any) is pending, hands
-// those to `cb` and leaves the others; `HIXL_TIMEOUT` when none came.
+// Waits up to `timeout_ms` (`HIXL_TIMEOUT_DEFAULT`: `hixl.transfer_timeout_ms`) until a
+// notification named `name` (NULL: any) is pending, hands those to `cb` and leaves the
+// others; `HIXL_TIMEOUT` when none came.
 //
 // # Safety
 // `e` is live; `name` is NULL or a string; `cb` may be called with `ctx`.

@@ -67,8 +67,9 @@ pub unsafe extern "C" fn hixl_get_notifies(e: *const HixlEngine, cb: HixlNotifyF
     })
 }
 
-/// Waits up to `timeout_ms` until a notification named `name` (NULL: any) is pending, hands
-/// those to `cb` and leaves the others; `HIXL_TIMEOUT` when none came.
+/// Waits up to `timeout_ms` (`HIXL_TIMEOUT_DEFAULT`: `hixl.transfer_timeout_ms`) until a
+/// notification named `name` (NULL: any) is pending, hands those to `cb` and leaves the
+/// others; `HIXL_TIMEOUT` when none came.
 ///
 /// # Safety
 /// `e` is live; `name` is NULL or a string; `cb` may be called with `ctx`.
@@ -86,7 +87,10 @@ pub unsafe extern "C" fn hixl_wait_notifies(
             let cb = callback(cb)?;
             let eng = engine(e)?;
             let name = if name.is_null() { None } else { Some(arg_str(name, "name")?) };
-            let t = timeout(timeout_ms).unwrap_or(hixl_core::MAX_WAIT);
+            let t = match timeout(timeout_ms) {
+                Some(t) => t,
+                None => eng.default_timeouts()?.0,
+            };
             deliver(eng.wait_notifies(t, name)?, cb, ctx)
         }
     })
