@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _lldd_sync import pattern
+from conftest import proc_state
 
 import hixl
 import hixl.llm_datadist as ld
@@ -350,6 +351,11 @@ def test_pull_from_a_frozen_prompt_fails_in_time() -> None:
                     t[:] = 0
                 os.kill(holder.pid, signal.SIGSTOP)
                 try:
+                    # The signal lands asynchronously: pull only once the holder is stopped.
+                    deadline = time.monotonic() + 5
+                    while proc_state(holder.pid) != "T":
+                        assert time.monotonic() < deadline, "the holder did not stop"
+                        time.sleep(0.001)
                     t0 = time.monotonic()
                     assert code(cm.pull_cache, key, local) == want, heartbeat_ms
                     assert time.monotonic() - t0 < 15
