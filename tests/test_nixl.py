@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import proc_state
 
 import hixl
 from hixl import nixl
@@ -169,6 +170,10 @@ def test_remove_agent_while_transfer_in_flight(procs, agents):
     me.make_connection(name)
     os.kill(peer.p.pid, signal.SIGSTOP)
     try:
+        stop_deadline = time.monotonic() + 5  # SIGSTOP lands asynchronously
+        while proc_state(peer.p.pid) != "T":
+            assert time.monotonic() < stop_deadline, "the peer did not stop"
+            time.sleep(0.001)
         h = me.initialize_xfer("WRITE", me.get_xfer_descs(src), remote, name, b"w")
         assert me.transfer(h) == "PROC"
         time.sleep(0.2)
