@@ -388,6 +388,28 @@ impl<T> WorkQueue<T> {
         }
     }
 
+    /// Pops like [`WorkQueue::pop_weighted`] but never waits: false when nothing was taken.
+    pub fn try_pop_weighted(
+        &self,
+        lane: Option<usize>,
+        out: &mut Vec<T>,
+        max: usize,
+        max_weight: u64,
+        weight: impl Fn(&T) -> u64,
+    ) -> bool {
+        let (before, mut taken) = (out.len(), 0u64);
+        while out.len() < max && taken < max_weight {
+            match self.pop_from(lane) {
+                Some(x) => {
+                    taken = taken.saturating_add(weight(&x));
+                    out.push(x);
+                }
+                None => break,
+            }
+        }
+        out.len() > before
+    }
+
     /// Closes the queue: workers drain what is left and then stop.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);

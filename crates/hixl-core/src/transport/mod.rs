@@ -9,6 +9,8 @@ pub mod handshake;
 pub mod io;
 pub mod liveness;
 pub mod local;
+pub(crate) mod nbio;
+pub mod reactor;
 pub mod selfcopy;
 pub mod serve;
 pub mod server;
