@@ -176,6 +176,7 @@ impl Engine {
                 max_pending: opts.max_pending_handshakes,
                 max_pending_per_source: opts.max_pending_per_source,
                 backends: backends.clone(),
+                reactor: reactor.clone(),
             });
             if opts.secret.is_none() && !addr.ip().is_loopback() {
                 warn_open_listener(&bound);

@@ -101,7 +101,8 @@ pub struct Options {
     /// `hixl.tcp.io_threads`: I/O workers of the engine (0: sized for the machine; see
     /// [`Options::io_workers`]).
     pub io_threads: usize,
-    /// `hixl.shm.threads`: copy threads per same-host link.
+    /// `hixl.shm.threads`: copy threads of the engine (0: sized for the machine; see
+    /// [`Options::shm_workers`]).
     pub shm_threads: usize,
     /// `hixl.strict_alignment`: strided bases and strides must be multiples of 64 bytes.
     pub strict_alignment: bool,
@@ -253,12 +254,15 @@ pub const SPECS: &[OptionSpec] = &[
             Ok(())
         },
     ),
-    spec("hixl.shm.threads", "2", "copy threads per same-host link (1..64)", |o, k, v| {
-        {
-            o.shm_threads = int(k, v, 1, 64)? as usize;
+    spec(
+        "hixl.shm.threads",
+        "0",
+        "copy threads of the engine, shared by every same-host link (0 = one per two cores, 2 to 8)",
+        |o, k, v| {
+            o.shm_threads = int(k, v, 0, 64)? as usize;
             Ok(())
-        }
-    }),
+        },
+    ),
     spec(
         "hixl.strict_alignment",
         "1",
@@ -352,6 +356,16 @@ impl Options {
     pub fn io_workers(&self) -> usize {
         if self.io_threads > 0 {
             return self.io_threads;
+        }
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+        (cores / 2).clamp(2, 8)
+    }
+
+    /// The number of same-host copy workers: `hixl.shm.threads`, or when 0 one per two cores,
+    /// at least 2 and at most 8.
+    pub fn shm_workers(&self) -> usize {
+        if self.shm_threads > 0 {
+            return self.shm_threads;
         }
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
         (cores / 2).clamp(2, 8)

@@ -91,11 +91,6 @@ impl FrameReader {
         let frame = wire::decode_payload(&h, payload).map_err(proto)?;
         Ok(Some(Received { header: h, frame, seq }))
     }
-
-    /// Whether part of a frame has been read.
-    pub(crate) fn mid_frame(&self) -> bool {
-        self.got > 0
-    }
 }
 
 /// A list of iovecs to move, with its position, and the buffers some of them point into
@@ -105,6 +100,8 @@ pub(crate) struct IoJob {
     iovs: Vec<libc::iovec>,
     start: usize,
     keep: Vec<Vec<u8>>,
+    /// What keeps the raw iovecs' memory valid (pins), dropped with the job.
+    held: Vec<Box<dyn Send>>,
     /// Bytes moved so far.
     pub(crate) moved: u64,
 }
@@ -127,6 +124,11 @@ impl IoJob {
         if len > 0 {
             self.iovs.push(libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len as usize });
         }
+    }
+
+    /// Keeps `x` (a pin of the memory the job points into) until the job is dropped.
+    pub(crate) fn hold(&mut self, x: Box<dyn Send>) {
+        self.held.push(x);
     }
 
     /// Bytes left to move.
@@ -306,9 +308,8 @@ mod tests {
         let mut r = FrameReader::default();
         let mut mac = FrameMac::default();
         // Byte by byte: nothing until the last byte.
-        for (i, byte) in frame.iter().enumerate() {
+        for byte in &frame {
             assert!(r.poll(a.as_raw_fd(), &mut mac).unwrap().is_none());
-            assert_eq!(r.mid_frame(), i > 0);
             assert_eq!(crate::transport::io::send_some(b.as_raw_fd(), &[*byte]).unwrap(), 1);
         }
         let got = r.poll(a.as_raw_fd(), &mut mac).unwrap().expect("a whole frame");
@@ -331,6 +332,7 @@ mod tests {
             // SAFETY: `src` and `dst` outlive the jobs.
             sent_done = sent_done || unsafe { out.flush(b.as_raw_fd(), &mut budget) }.unwrap() == Step::Done;
             let mut budget = 1 << 20;
+            // SAFETY: as above.
             recv_done = recv_done || unsafe { rj.recv(a.as_raw_fd(), &mut budget) }.unwrap() == Step::Done;
         }
         assert!(steps > 2, "the buffer is bigger than the socket's");

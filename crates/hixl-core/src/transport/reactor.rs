@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::SegQueue;
 
 use crate::error::{Error, Result};
+use crate::transport::pool::CopyPool;
 
 /// What a source waits for next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,6 +80,8 @@ pub struct Reactor {
     threads: Mutex<Vec<JoinHandle<()>>>,
     workers: usize,
     timers: (Mutex<Vec<TimerEntry>>, Condvar),
+    /// The same-host copy workers, started with the first same-host link.
+    copies: Mutex<Option<Arc<CopyPool>>>,
 }
 
 impl std::fmt::Debug for Reactor {
@@ -134,6 +137,7 @@ impl Reactor {
             threads: Mutex::new(Vec::new()),
             workers,
             timers: (Mutex::new(Vec::new()), Condvar::new()),
+            copies: Mutex::new(None),
         });
         for i in 0..=workers {
             let me = r.clone();
@@ -158,9 +162,18 @@ impl Reactor {
         Ok(r)
     }
 
-    /// How many I/O worker threads run.
-    pub fn workers(&self) -> usize {
-        self.workers
+    /// The engine's same-host copy workers (`workers` of them, started on first use).
+    pub(crate) fn copy_pool(&self, workers: usize) -> Result<Arc<CopyPool>> {
+        let mut c = self.copies.lock().unwrap();
+        if self.stopping.load(Ordering::Acquire) {
+            return Err(Error::failed("the engine is finalizing"));
+        }
+        if let Some(p) = &*c {
+            return Ok(p.clone());
+        }
+        let p = CopyPool::start(workers)?;
+        *c = Some(p.clone());
+        Ok(p)
     }
 
     /// Registers a source on `fd` (which it must keep open until it is removed), armed with
@@ -331,6 +344,10 @@ impl Reactor {
             }
         }
         self.entries.write().unwrap().clear();
+        let copies = self.copies.lock().unwrap().take();
+        if let Some(p) = copies {
+            p.stop();
+        }
     }
 }
 
