@@ -53,6 +53,15 @@ const RUNNING: u8 = 1;
 /// Running, and woken again meanwhile: runs once more before it is re-armed.
 const AGAIN: u8 = 2;
 
+/// Ticks due within this much of each other run in one wake-up of the timer (an idle engine
+/// with many links wakes about once per heartbeat interval, not once per link); a tick's
+/// slack is at most a tenth of its period.
+const TIMER_SLACK: Duration = Duration::from_millis(20);
+
+fn slack(period: Duration) -> Duration {
+    TIMER_SLACK.min(period / 10)
+}
+
 /// The token of the workers' wake-up eventfd.
 const WAKE: u64 = 0;
 
@@ -64,6 +73,8 @@ struct Entry {
 }
 
 struct TimerEntry {
+    /// Set when its tick returned false: removed at the next pass.
+    done: bool,
     next: Instant,
     period: Duration,
     tick: Weak<dyn Tick>,
@@ -223,7 +234,7 @@ impl Reactor {
     /// Calls `tick` every `period` from the timer thread until it returns false or is dropped.
     pub(crate) fn every(&self, period: Duration, tick: Weak<dyn Tick>) {
         let mut t = self.timers.0.lock().unwrap();
-        t.push(TimerEntry { next: Instant::now() + period, period, tick });
+        t.push(TimerEntry { done: false, next: Instant::now() + period, period, tick });
         self.timers.1.notify_all();
     }
 
@@ -290,7 +301,8 @@ impl Reactor {
     }
 
     fn timer_loop(&self) {
-        let mut due: Vec<(Arc<dyn Tick>, usize)> = Vec::new();
+        let mut due: Vec<Arc<dyn Tick>> = Vec::new();
+        let mut finished: Vec<Arc<dyn Tick>> = Vec::new();
         loop {
             {
                 let mut t = self.timers.0.lock().unwrap();
@@ -298,30 +310,37 @@ impl Reactor {
                     if self.stopping.load(Ordering::Acquire) {
                         return;
                     }
-                    t.retain(|e| e.tick.strong_count() > 0);
+                    for f in finished.drain(..) {
+                        let f = Arc::as_ptr(&f) as *const ();
+                        t.iter_mut()
+                            .filter(|e| e.tick.as_ptr() as *const () == f)
+                            .for_each(|e| e.done = true);
+                    }
+                    t.retain(|e| !e.done && e.tick.strong_count() > 0);
                     let now = Instant::now();
-                    let next = t.iter().map(|e| e.next).min();
-                    match next {
-                        Some(n) if n <= now => break,
-                        Some(n) => t = self.timers.1.wait_timeout(t, n - now).unwrap().0,
+                    // Each entry may run up to its slack early, so that ticks close together
+                    // share one wake-up.
+                    let wake = t.iter().map(|e| e.next.checked_sub(slack(e.period)).unwrap_or(e.next)).min();
+                    match wake {
+                        Some(w) if w <= now => break,
+                        Some(w) => t = self.timers.1.wait_timeout(t, w - now).unwrap().0,
                         None => t = self.timers.1.wait(t).unwrap(),
                     }
                 }
                 let now = Instant::now();
-                for (i, e) in t.iter_mut().enumerate() {
-                    if e.next <= now {
+                for e in t.iter_mut() {
+                    if e.next <= now + slack(e.period) {
                         e.next = now + e.period;
                         if let Some(tick) = e.tick.upgrade() {
-                            due.push((tick, i));
+                            due.push(tick);
                         }
                     }
                 }
             }
             let now = Instant::now();
-            for (tick, _) in due.drain(..) {
+            for tick in due.drain(..) {
                 if !tick.tick(now) {
-                    // Dropped at the next pass: a source that is done lets go of its Arc.
-                    drop(tick);
+                    finished.push(tick);
                 }
             }
         }

@@ -16,7 +16,6 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::auth::{FrameMac, Secret};
@@ -27,7 +26,7 @@ use crate::transport::backend::Backend;
 use crate::transport::io;
 use crate::transport::local::LocalListener;
 use crate::transport::nbio::Outbox;
-use crate::transport::reactor::{Interest, Reactor};
+use crate::transport::reactor::{Interest, Reactor, Source, Tick};
 use crate::transport::serve::serve;
 use crate::transport::served::{self, ServedRx};
 use crate::wire::{self, Frame};
@@ -210,10 +209,9 @@ pub struct Server {
     next: AtomicU64,
     pub(crate) live: Mutex<usize>,
     gone: Condvar,
-    threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The listener's reactor token (0: not registered).
+    accept_token: AtomicU64,
     pub(crate) acks: Condvar,
-    /// Rung when an update becomes due (or on stop); the publisher sleeps on it.
-    publish: (Mutex<bool>, Condvar),
 }
 
 /// Canonical text of a socket address: IPv4-mapped IPv6 written as IPv4.
@@ -228,7 +226,8 @@ pub fn addr_text(a: SocketAddr) -> String {
 }
 
 impl Server {
-    /// Starts serving `listener` (and the same-host proof socket) on background threads.
+    /// Starts serving `listener` on the engine's reactor (and the same-host proof socket on a
+    /// thread of its own).
     pub fn start(listener: TcpListener, ctx: Arc<ServerCtx>) -> Result<Arc<Server>> {
         let srv = Arc::new(Server {
             listener,
@@ -241,9 +240,8 @@ impl Server {
             next: AtomicU64::new(0),
             live: Mutex::new(0),
             gone: Condvar::new(),
-            threads: Mutex::new(Vec::new()),
+            accept_token: AtomicU64::new(0),
             acks: Condvar::new(),
-            publish: (Mutex::new(false), Condvar::new()),
         });
         let weak = Arc::downgrade(&srv);
         let local = LocalListener::start(Box::new(move |initiator: &str, target: &str| {
@@ -251,14 +249,13 @@ impl Server {
         }))?;
         crate::transport::selfcopy::announce(local.name(), &srv);
         *srv.local.lock().unwrap() = Some(local);
-        for (name, role) in [("hixl-accept", 0), ("hixl-publish", 1)] {
-            let s = srv.clone();
-            let h = std::thread::Builder::new()
-                .name(name.into())
-                .spawn(move || if role == 0 { s.accept_loop() } else { s.publisher() })
-                .map_err(|e| Error::failed(format!("cannot start thread {name}: {e}")))?;
-            srv.threads.lock().unwrap().push(h);
-        }
+        srv.listener.set_nonblocking(true).map_err(|e| Error::failed(format!("listener: {e}")))?;
+        let reactor = srv.ctx.reactor.clone();
+        let acceptor = Arc::new(Acceptor(srv.clone()));
+        let token = reactor.add(srv.listener.as_raw_fd(), acceptor, Interest::Read)?;
+        srv.accept_token.store(token, Ordering::Release);
+        let tick: Arc<dyn Tick> = srv.clone();
+        reactor.every(PUBLISH_CHECK, Arc::downgrade(&tick));
         Ok(srv)
     }
 
@@ -365,21 +362,24 @@ impl Server {
         self.pending.lock().unwrap().retain(|(i, _)| *i != id);
     }
 
-    fn accept_loop(self: Arc<Self>) {
+    /// Takes every connection waiting on the listener (run by the reactor when it is readable).
+    fn accept_ready(self: &Arc<Self>) -> Interest {
         loop {
+            if self.stopping.load(Ordering::Acquire) {
+                return Interest::Gone;
+            }
             let (sock, from) = match self.listener.accept() {
                 Ok(x) => x,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Interest::Read,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    if self.stopping.load(Ordering::Acquire) {
-                        break;
-                    }
+                    // Out of descriptors, say: try again at the next connection.
                     tracing::warn!(error = %e, "accept failed");
-                    std::thread::sleep(Duration::from_millis(10));
-                    continue;
+                    return Interest::Read;
                 }
             };
-            if self.stopping.load(Ordering::Acquire) {
-                break;
+            if sock.set_nonblocking(false).is_err() {
+                continue;
             }
             let (Ok(clone), Ok(wsock), Ok(local)) = (sock.try_clone(), sock.try_clone(), sock.local_addr())
             else {
@@ -480,30 +480,8 @@ impl Server {
         self.acks.notify_all();
     }
 
-    /// Sends due region updates; never blocks on one peer for long (a peer whose socket has no
-    /// room is retried, and disconnected once it has owed an update for `slow_peer_timeout`).
-    fn publisher(self: Arc<Self>) {
-        loop {
-            {
-                let mut rung = self.publish.0.lock().unwrap();
-                if !*rung && !self.stopping.load(Ordering::Acquire) {
-                    let backlog = self.served.lock().unwrap().values().any(|s| owes_update(s));
-                    let wait = if backlog { Duration::from_millis(10) } else { Duration::from_secs(3600) };
-                    rung = self.publish.1.wait_timeout(rung, wait).unwrap().0;
-                }
-                *rung = false;
-            }
-            if self.stopping.load(Ordering::Acquire) {
-                return;
-            }
-            let owing: Vec<Arc<Served>> =
-                self.served.lock().unwrap().values().filter(|s| owes_update(s)).cloned().collect();
-            for s in owing {
-                self.push_update(&s);
-            }
-        }
-    }
-
+    /// Has a peer's writer send a due update, or disconnects the peer once it has owed one
+    /// for `slow_peer_timeout`.
     fn push_update(&self, s: &Served) {
         let since = *s.due_since.lock().unwrap().get_or_insert_with(Instant::now);
         if since.elapsed() > self.ctx.slow_peer_timeout {
@@ -511,8 +489,10 @@ impl Server {
             s.abort("peer fell behind on region updates");
             return;
         }
-        // Its writer queues the update and sends what the socket takes.
-        self.ctx.reactor.schedule(s.writer_token.load(Ordering::Acquire));
+        let token = s.writer_token.load(Ordering::Acquire);
+        if token != 0 {
+            self.ctx.reactor.schedule(token);
+        }
     }
 
     /// Queues the current region table for every connected initiator (the publisher thread
@@ -532,10 +512,9 @@ impl Server {
             .collect();
         for s in &heads {
             s.due.fetch_max(version, Ordering::SeqCst);
-        }
-        {
-            *self.publish.0.lock().unwrap() = true;
-            self.publish.1.notify_all();
+            if owes_update(s) {
+                self.push_update(s);
+            }
         }
         let Some(wait) = wait else { return Ok(()) };
         let deadline = Instant::now() + wait;
@@ -570,14 +549,11 @@ impl Server {
     /// Stops accepting, closes every served stream and waits (bounded) for their threads.
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::Release);
+        let token = self.accept_token.swap(0, Ordering::AcqRel);
+        if token != 0 {
+            self.ctx.reactor.remove(token);
+        }
         io::shutdown(self.listener.as_raw_fd());
-        {
-            *self.publish.0.lock().unwrap() = true;
-            self.publish.1.notify_all();
-        }
-        for h in std::mem::take(&mut *self.threads.lock().unwrap()) {
-            let _ = h.join();
-        }
         if let Some(l) = self.local.lock().unwrap().take() {
             crate::transport::selfcopy::withdraw(l.name());
             l.stop();
@@ -591,6 +567,33 @@ impl Server {
             let left = deadline.saturating_duration_since(Instant::now());
             live = self.gone.wait_timeout(live, left).unwrap().0;
         }
+    }
+}
+
+/// How often the region-update backlog is checked for peers that fell behind.
+const PUBLISH_CHECK: Duration = Duration::from_millis(250);
+
+/// The listener, as the reactor runs it.
+struct Acceptor(Arc<Server>);
+
+impl Source for Acceptor {
+    fn run(&self, _events: u32) -> Interest {
+        self.0.accept_ready()
+    }
+}
+
+impl Tick for Server {
+    /// Retries the updates still owed, and disconnects peers that owe one for too long.
+    fn tick(&self, _now: Instant) -> bool {
+        if self.stopping.load(Ordering::Acquire) {
+            return false;
+        }
+        let owing: Vec<Arc<Served>> =
+            self.served.lock().unwrap().values().filter(|s| owes_update(s)).cloned().collect();
+        for s in owing {
+            self.push_update(&s);
+        }
+        true
     }
 }
 

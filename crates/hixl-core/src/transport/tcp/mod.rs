@@ -258,7 +258,9 @@ impl TcpLink {
                 }
             }
         }
-        if !every.is_zero() {
+        // A data path's liveness is its control channel's: they close together, and one
+        // heartbeat per peer keeps an idle engine with many peers idle.
+        if !every.is_zero() && !p.data_path {
             let tick: Arc<dyn crate::transport::reactor::Tick> = link.clone();
             link.reactor.every(every, Arc::downgrade(&tick));
         }
