@@ -243,7 +243,10 @@ def initiator_rows(n: int, idle: float) -> dict:
     time.sleep(idle)
     idle_cpu = (cpu_seconds() - c0) / (time.perf_counter() - w0) * 100
     w = hixl.TransferOp.WRITE
-    reqs = [e.transfer_async(eid, w, [hixl.TransferOpDesc(src.ctypes.data, addr, MIB)]) for eid, addr in peers]
+    reqs = [
+        e.transfer_async(eid, w, [hixl.TransferOpDesc(src.ctypes.data, addr, MIB)])
+        for eid, addr in peers
+    ]
     tel = []
     for r in reqs:
         r.wait()
@@ -281,7 +284,8 @@ def target_rows(m: int) -> dict:
     rss_before = rss_mib()
     t0 = time.perf_counter()
     procs = [
-        spawn("--host-initiators", str(min(PER_PROCESS, m - i)), e.local_engine) for i in range(0, m, PER_PROCESS)
+        spawn("--host-initiators", str(min(PER_PROCESS, m - i)), e.local_engine)
+        for i in range(0, m, PER_PROCESS)
     ]
     for p in procs:
         assert p.stdout is not None
@@ -314,7 +318,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--peers", default="1,16,64,256", help="comma-separated peer counts")
     ap.add_argument("--idle", type=float, default=2.0, help="seconds of idle CPU measurement")
-    ap.add_argument("--initiators", type=int, default=0, help="also run the target test with M initiators")
+    ap.add_argument(
+        "--initiators", type=int, default=0, help="also run the target test with M initiators"
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     ap.add_argument("--host-peers", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--host-initiators", nargs=2, help=argparse.SUPPRESS)
