@@ -9,6 +9,7 @@ pub mod handshake;
 pub mod io;
 pub mod liveness;
 pub mod local;
+pub mod rdma;
 pub mod selfcopy;
 pub mod serve;
 pub mod server;

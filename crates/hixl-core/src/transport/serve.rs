@@ -181,6 +181,8 @@ fn serve_frames(
 ) -> IoResult<()> {
     let ctx = &*srv.ctx;
     let fd = served.sock.as_raw_fd();
+    // What backends set up for this link's initiator (RDMA queue pairs): dropped with the link.
+    let mut accepted = crate::transport::backend::Accepted::new();
     loop {
         if served.due.load(Ordering::SeqCst) > served.sent.load(Ordering::Acquire) {
             served.send.lock().unwrap().send_update_if_due(served, ctx)?;
@@ -208,6 +210,17 @@ fn serve_frames(
                 send(served, &ack, h.tag)?;
             }
             Frame::Heartbeat => send(served, &Frame::HeartbeatAck, h.tag)?,
+            Frame::BackendOpen { backend, payload } => {
+                let head = served.link_head.load(Ordering::Acquire);
+                let ans = crate::transport::backend::answer_open(
+                    &ctx.backends,
+                    head,
+                    &backend,
+                    &payload,
+                    &mut accepted,
+                );
+                send(served, &ans, h.tag)?
+            }
             Frame::RegionsAck { version } => {
                 served.acked.fetch_max(version, Ordering::AcqRel);
                 let _g = srv.live.lock().unwrap();

@@ -55,6 +55,9 @@ impl TcpLink {
                     self.finish_part(p.part, res);
                 }
                 Frame::HeartbeatAck => {}
+                Frame::BackendOpened { status, message, payload } => {
+                    self.backend_opened(h.tag, status_of(status, message).map(|()| payload))
+                }
                 Frame::RegionsTable { version, regions } => self.install_table(version, regions, Some(h.tag)),
                 Frame::RegionsUpdate { version, regions } => {
                     // Waits for direct copies that use the old table, then confirms.

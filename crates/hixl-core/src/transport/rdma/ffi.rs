@@ -1,0 +1,801 @@
+//! The `verbs` provider: libibverbs.so.1 loaded at run time (`dlopen`), so that one build (and
+//! one prebuilt wheel) carries RDMA without a link-time dependency and still loads where
+//! rdma-core is missing (then the backend reports why and offers nothing).
+//!
+//! Most calls are exported functions of libibverbs, found with `dlsym`. Three are not:
+//! `ibv_post_send`, `ibv_poll_cq` and `ibv_req_notify_cq` are static inline functions of
+//! `<infiniband/verbs.h>` that call through the device context's operation table
+//! (`ctx->ops.post_send`, ...), the provider's fast path. They are called the same way here,
+//! which needs the C layouts of `struct ibv_context` (up to its `ops`), `ibv_send_wr`, `ibv_sge`,
+//! `ibv_wc`, `ibv_qp_attr` and the fields read from `ibv_qp`, `ibv_mr`, `ibv_cq` and
+//! `ibv_comp_channel`. They are defined below (rdma-core's ABI, stable since libibverbs 1.1) and
+//! checked against the installed header by `layout_matches_the_installed_header` (a C program
+//! compiled with the header prints the sizes and offsets).
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::os::fd::RawFd;
+
+use super::verbs::{
+    Channel, Cq, Ctx, Mr, Pd, PortAttr, PostError, Qp, QpCaps, QpCreated, QpTransition, SendWr, Verbs, Wc,
+    WrOp,
+};
+use crate::error::{Error, Result};
+
+/// The library's soname.
+pub const LIBRARY: &str = "libibverbs.so.1";
+
+/// `struct ibv_sge`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct IbvSge {
+    /// Start address.
+    pub addr: u64,
+    /// Length.
+    pub length: u32,
+    /// Local key.
+    pub lkey: u32,
+}
+
+/// `struct ibv_send_wr` with the `rdma` member of its `wr` union (the other members are
+/// padding here).
+#[repr(C)]
+pub struct IbvSendWr {
+    /// `wr_id`.
+    pub wr_id: u64,
+    /// `next`.
+    pub next: *mut IbvSendWr,
+    /// `sg_list`.
+    pub sg_list: *mut IbvSge,
+    /// `num_sge`.
+    pub num_sge: c_int,
+    /// `opcode` (`enum ibv_wr_opcode`).
+    pub opcode: c_uint,
+    /// `send_flags`.
+    pub send_flags: c_uint,
+    /// `imm_data` / `invalidate_rkey`.
+    pub imm_data: u32,
+    /// `wr.rdma.remote_addr`.
+    pub remote_addr: u64,
+    /// `wr.rdma.rkey`.
+    pub rkey: u32,
+    /// The rest of the `wr` union (its `atomic` member is 32 bytes).
+    pub wr_rest: [u32; 5],
+    /// `qp_type.xrc.remote_srqn`.
+    pub remote_srqn: u32,
+    /// The `bind_mw` / `tso` union (48 bytes, 8-aligned).
+    pub tail: [u64; 6],
+}
+
+/// `struct ibv_wc`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct IbvWc {
+    /// `wr_id`.
+    pub wr_id: u64,
+    /// `status`.
+    pub status: c_uint,
+    /// `opcode`.
+    pub opcode: c_uint,
+    /// `vendor_err`.
+    pub vendor_err: u32,
+    /// `byte_len`.
+    pub byte_len: u32,
+    /// `imm_data` / `invalidated_rkey`.
+    pub imm_data: u32,
+    /// `qp_num`.
+    pub qp_num: u32,
+    /// `src_qp`.
+    pub src_qp: u32,
+    /// `wc_flags`.
+    pub wc_flags: c_uint,
+    /// `pkey_index`.
+    pub pkey_index: u16,
+    /// `slid`.
+    pub slid: u16,
+    /// `sl`.
+    pub sl: u8,
+    /// `dlid_path_bits`.
+    pub dlid_path_bits: u8,
+}
+
+/// `struct ibv_qp_cap`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct IbvQpCap {
+    /// `max_send_wr`.
+    pub max_send_wr: u32,
+    /// `max_recv_wr`.
+    pub max_recv_wr: u32,
+    /// `max_send_sge`.
+    pub max_send_sge: u32,
+    /// `max_recv_sge`.
+    pub max_recv_sge: u32,
+    /// `max_inline_data`.
+    pub max_inline_data: u32,
+}
+
+/// `struct ibv_qp_init_attr`.
+#[repr(C)]
+pub struct IbvQpInitAttr {
+    /// `qp_context`.
+    pub qp_context: *mut c_void,
+    /// `send_cq`.
+    pub send_cq: *mut c_void,
+    /// `recv_cq`.
+    pub recv_cq: *mut c_void,
+    /// `srq`.
+    pub srq: *mut c_void,
+    /// `cap`.
+    pub cap: IbvQpCap,
+    /// `qp_type`.
+    pub qp_type: c_uint,
+    /// `sq_sig_all`.
+    pub sq_sig_all: c_int,
+}
+
+/// `struct ibv_global_route` (8-aligned: its `dgid` is `union ibv_gid`, which has two u64s).
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Default)]
+pub struct IbvGlobalRoute {
+    /// `dgid`.
+    pub dgid: [u8; 16],
+    /// `flow_label`.
+    pub flow_label: u32,
+    /// `sgid_index`.
+    pub sgid_index: u8,
+    /// `hop_limit`.
+    pub hop_limit: u8,
+    /// `traffic_class`.
+    pub traffic_class: u8,
+}
+
+/// `struct ibv_ah_attr`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct IbvAhAttr {
+    /// `grh`.
+    pub grh: IbvGlobalRoute,
+    /// `dlid`.
+    pub dlid: u16,
+    /// `sl`.
+    pub sl: u8,
+    /// `src_path_bits`.
+    pub src_path_bits: u8,
+    /// `static_rate`.
+    pub static_rate: u8,
+    /// `is_global`.
+    pub is_global: u8,
+    /// `port_num`.
+    pub port_num: u8,
+}
+
+/// `struct ibv_qp_attr`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct IbvQpAttr {
+    /// `qp_state`.
+    pub qp_state: c_uint,
+    /// `cur_qp_state`.
+    pub cur_qp_state: c_uint,
+    /// `path_mtu`.
+    pub path_mtu: c_uint,
+    /// `path_mig_state`.
+    pub path_mig_state: c_uint,
+    /// `qkey`.
+    pub qkey: u32,
+    /// `rq_psn`.
+    pub rq_psn: u32,
+    /// `sq_psn`.
+    pub sq_psn: u32,
+    /// `dest_qp_num`.
+    pub dest_qp_num: u32,
+    /// `qp_access_flags`.
+    pub qp_access_flags: c_uint,
+    /// `cap`.
+    pub cap: IbvQpCap,
+    /// `ah_attr`.
+    pub ah_attr: IbvAhAttr,
+    /// `alt_ah_attr`.
+    pub alt_ah_attr: IbvAhAttr,
+    /// `pkey_index`.
+    pub pkey_index: u16,
+    /// `alt_pkey_index`.
+    pub alt_pkey_index: u16,
+    /// `en_sqd_async_notify`.
+    pub en_sqd_async_notify: u8,
+    /// `sq_draining`.
+    pub sq_draining: u8,
+    /// `max_rd_atomic`.
+    pub max_rd_atomic: u8,
+    /// `max_dest_rd_atomic`.
+    pub max_dest_rd_atomic: u8,
+    /// `min_rnr_timer`.
+    pub min_rnr_timer: u8,
+    /// `port_num`.
+    pub port_num: u8,
+    /// `timeout`.
+    pub timeout: u8,
+    /// `retry_cnt`.
+    pub retry_cnt: u8,
+    /// `rnr_retry`.
+    pub rnr_retry: u8,
+    /// `alt_port_num`.
+    pub alt_port_num: u8,
+    /// `alt_timeout`.
+    pub alt_timeout: u8,
+    /// `rate_limit`.
+    pub rate_limit: u32,
+}
+
+/// Offsets into rdma-core structures that are read, not defined, here.
+pub mod offsets {
+    /// `offsetof(struct ibv_context, ops.poll_cq)`: `device`, then 11 pointers of `ops`.
+    pub const CTX_POLL_CQ: usize = 8 + 11 * 8;
+    /// `offsetof(struct ibv_context, ops.req_notify_cq)`.
+    pub const CTX_REQ_NOTIFY_CQ: usize = 8 + 12 * 8;
+    /// `offsetof(struct ibv_context, ops.post_send)`.
+    pub const CTX_POST_SEND: usize = 8 + 25 * 8;
+    /// `offsetof(struct ibv_qp, qp_num)`: context, qp_context, pd, send_cq, recv_cq, srq,
+    /// handle.
+    pub const QP_NUM: usize = 52;
+    /// `offsetof(struct ibv_mr, lkey)` and `rkey`.
+    pub const MR_LKEY: usize = 36;
+    /// `offsetof(struct ibv_mr, rkey)`.
+    pub const MR_RKEY: usize = 40;
+    /// `offsetof(struct ibv_comp_channel, fd)`.
+    pub const CHANNEL_FD: usize = 8;
+    /// `offsetof(struct ibv_port_attr, ...)`: state, active_mtu, gid_tbl_len, max_msg_sz, lid,
+    /// link_layer.
+    pub const PORT_STATE: usize = 0;
+    /// See [`PORT_STATE`].
+    pub const PORT_ACTIVE_MTU: usize = 8;
+    /// See [`PORT_STATE`].
+    pub const PORT_GID_TBL_LEN: usize = 12;
+    /// See [`PORT_STATE`].
+    pub const PORT_MAX_MSG_SZ: usize = 20;
+    /// See [`PORT_STATE`].
+    pub const PORT_LID: usize = 34;
+    /// See [`PORT_STATE`].
+    pub const PORT_LINK_LAYER: usize = 46;
+}
+
+const IBV_QPT_RC: c_uint = 2;
+const IBV_WR_RDMA_WRITE: c_uint = 0;
+const IBV_WR_RDMA_READ: c_uint = 4;
+const IBV_SEND_SIGNALED: c_uint = 2;
+const QPS_RESET: c_uint = 0;
+const QPS_INIT: c_uint = 1;
+const QPS_RTR: c_uint = 2;
+const QPS_RTS: c_uint = 3;
+const QPS_ERR: c_uint = 6;
+mod mask {
+    pub const STATE: i32 = 1;
+    pub const ACCESS_FLAGS: i32 = 1 << 3;
+    pub const PKEY_INDEX: i32 = 1 << 4;
+    pub const PORT: i32 = 1 << 5;
+    pub const AV: i32 = 1 << 7;
+    pub const PATH_MTU: i32 = 1 << 8;
+    pub const TIMEOUT: i32 = 1 << 9;
+    pub const RETRY_CNT: i32 = 1 << 10;
+    pub const RNR_RETRY: i32 = 1 << 11;
+    pub const RQ_PSN: i32 = 1 << 12;
+    pub const MAX_QP_RD_ATOMIC: i32 = 1 << 13;
+    pub const MIN_RNR_TIMER: i32 = 1 << 15;
+    pub const SQ_PSN: i32 = 1 << 16;
+    pub const MAX_DEST_RD_ATOMIC: i32 = 1 << 17;
+    pub const DEST_QPN: i32 = 1 << 20;
+}
+
+type PollCq = unsafe extern "C" fn(*mut c_void, c_int, *mut IbvWc) -> c_int;
+type ReqNotifyCq = unsafe extern "C" fn(*mut c_void, c_int) -> c_int;
+type PostSend = unsafe extern "C" fn(*mut c_void, *mut IbvSendWr, *mut *mut IbvSendWr) -> c_int;
+
+/// The exported functions, resolved once.
+struct Fns {
+    get_device_list: unsafe extern "C" fn(*mut c_int) -> *mut *mut c_void,
+    get_device_name: unsafe extern "C" fn(*mut c_void) -> *const c_char,
+    open_device: unsafe extern "C" fn(*mut c_void) -> *mut c_void,
+    close_device: unsafe extern "C" fn(*mut c_void) -> c_int,
+    query_port: unsafe extern "C" fn(*mut c_void, u8, *mut c_void) -> c_int,
+    query_gid: unsafe extern "C" fn(*mut c_void, u8, c_int, *mut [u8; 16]) -> c_int,
+    alloc_pd: unsafe extern "C" fn(*mut c_void) -> *mut c_void,
+    dealloc_pd: unsafe extern "C" fn(*mut c_void) -> c_int,
+    reg_mr: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int) -> *mut c_void,
+    dereg_mr: unsafe extern "C" fn(*mut c_void) -> c_int,
+    create_comp_channel: unsafe extern "C" fn(*mut c_void) -> *mut c_void,
+    destroy_comp_channel: unsafe extern "C" fn(*mut c_void) -> c_int,
+    create_cq: unsafe extern "C" fn(*mut c_void, c_int, *mut c_void, *mut c_void, c_int) -> *mut c_void,
+    destroy_cq: unsafe extern "C" fn(*mut c_void) -> c_int,
+    get_cq_event: unsafe extern "C" fn(*mut c_void, *mut *mut c_void, *mut *mut c_void) -> c_int,
+    ack_cq_events: unsafe extern "C" fn(*mut c_void, c_uint),
+    create_qp: unsafe extern "C" fn(*mut c_void, *mut IbvQpInitAttr) -> *mut c_void,
+    modify_qp: unsafe extern "C" fn(*mut c_void, *mut IbvQpAttr, c_int) -> c_int,
+    destroy_qp: unsafe extern "C" fn(*mut c_void) -> c_int,
+}
+
+/// libibverbs, loaded.
+pub struct LibVerbs {
+    f: Fns,
+    /// The device handles of the last `get_device_list`, by name (the list stays allocated:
+    /// `ibv_open_device` needs its entries).
+    devices: std::sync::Mutex<Vec<(String, u64)>>,
+}
+
+fn errno_err(call: &str) -> Error {
+    let e = std::io::Error::last_os_error();
+    Error::failed(format!("{call} failed: {e}"))
+}
+
+fn rc_err(call: &str, rc: c_int) -> Error {
+    // Verbs calls return the errno itself (positive) or -1 with errno set.
+    let e = if rc > 0 { std::io::Error::from_raw_os_error(rc) } else { std::io::Error::last_os_error() };
+    Error::failed(format!("{call} failed: {e}"))
+}
+
+fn ptr(h: u64) -> *mut c_void {
+    h as usize as *mut c_void
+}
+
+impl LibVerbs {
+    /// Loads `libibverbs.so.1`; UNSUPPORTED naming the loader's reason when it is not there.
+    pub fn load() -> Result<LibVerbs> {
+        Self::load_from(LIBRARY)
+    }
+
+    /// Loads the library `name` (a soname or a path).
+    pub fn load_from(name: &str) -> Result<LibVerbs> {
+        let c = CString::new(name).map_err(|_| Error::param(format!("library name {name:?} has a NUL")))?;
+        // SAFETY: dlopen with a NUL-terminated name; the handle is kept for the process's life
+        // (never dlclose'd: providers it loads register global state).
+        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        if h.is_null() {
+            // SAFETY: dlerror returns a NUL-terminated message (or NULL) owned by libc.
+            let why = unsafe { libc::dlerror() };
+            let why = if why.is_null() {
+                "unknown error".to_string()
+            } else {
+                // SAFETY: non-null, NUL-terminated, valid until the next dl* call.
+                unsafe { CStr::from_ptr(why) }.to_string_lossy().into_owned()
+            };
+            return Err(super::unsupported(format!(
+                "{name} cannot be loaded (rdma-core's libibverbs is not installed?): {why}"
+            )));
+        }
+        macro_rules! sym {
+            ($n:literal) => {{
+                // SAFETY: a symbol lookup in a handle we hold, with a NUL-terminated name.
+                let p = unsafe { libc::dlsym(h, concat!($n, "\0").as_ptr().cast()) };
+                if p.is_null() {
+                    return Err(super::unsupported(format!("{name} has no symbol {}", $n)));
+                }
+                // SAFETY: the symbol is the libibverbs function of that name, whose C signature
+                // the field's type spells (rdma-core's verbs.h).
+                unsafe { fn_ptr(p) }
+            }};
+        }
+        let f = Fns {
+            get_device_list: sym!("ibv_get_device_list"),
+            get_device_name: sym!("ibv_get_device_name"),
+            open_device: sym!("ibv_open_device"),
+            close_device: sym!("ibv_close_device"),
+            query_port: sym!("ibv_query_port"),
+            query_gid: sym!("ibv_query_gid"),
+            alloc_pd: sym!("ibv_alloc_pd"),
+            dealloc_pd: sym!("ibv_dealloc_pd"),
+            reg_mr: sym!("ibv_reg_mr"),
+            dereg_mr: sym!("ibv_dereg_mr"),
+            create_comp_channel: sym!("ibv_create_comp_channel"),
+            destroy_comp_channel: sym!("ibv_destroy_comp_channel"),
+            create_cq: sym!("ibv_create_cq"),
+            destroy_cq: sym!("ibv_destroy_cq"),
+            get_cq_event: sym!("ibv_get_cq_event"),
+            ack_cq_events: sym!("ibv_ack_cq_events"),
+            create_qp: sym!("ibv_create_qp"),
+            modify_qp: sym!("ibv_modify_qp"),
+            destroy_qp: sym!("ibv_destroy_qp"),
+        };
+        Ok(LibVerbs { f, devices: std::sync::Mutex::new(Vec::new()) })
+    }
+
+    /// The function at `offset` of the operation table of the context `obj` points to (`obj`'s
+    /// first field is its `struct ibv_context *`).
+    ///
+    /// # Safety
+    /// `obj` must be a live verbs object whose first field is its context.
+    unsafe fn op(obj: *mut c_void, offset: usize) -> *const c_void {
+        // SAFETY: the caller's contract: the first field is the context pointer, and the
+        // context's layout up to its ops table is `offsets::CTX_*` (checked against the header).
+        unsafe {
+            let ctx = *(obj as *const *const u8);
+            *(ctx.add(offset) as *const *const c_void)
+        }
+    }
+
+    fn modify(&self, qp: Qp, attr: &mut IbvQpAttr, m: i32) -> Result<()> {
+        // SAFETY: a live QP and a fully initialised attribute structure.
+        let rc = unsafe { (self.f.modify_qp)(ptr(qp.0), attr, m) };
+        if rc != 0 {
+            return Err(rc_err("ibv_modify_qp", rc));
+        }
+        Ok(())
+    }
+}
+
+impl Verbs for LibVerbs {
+    fn provider(&self) -> &'static str {
+        "verbs"
+    }
+
+    fn get_device_list(&self) -> Result<Vec<String>> {
+        let mut n: c_int = 0;
+        // SAFETY: writes the count into `n`; returns a NULL-terminated array or NULL.
+        let list = unsafe { (self.f.get_device_list)(&mut n) };
+        if list.is_null() {
+            // ENOSYS: the kernel has no RDMA support at all.
+            return Err(errno_err("ibv_get_device_list"));
+        }
+        let mut out = Vec::new();
+        let mut devs = self.devices.lock().unwrap();
+        devs.clear();
+        for i in 0..n.max(0) as usize {
+            // SAFETY: `list` holds `n` device pointers; each has a NUL-terminated name.
+            let (d, name) = unsafe {
+                let d = *list.add(i);
+                (d, CStr::from_ptr((self.f.get_device_name)(d)).to_string_lossy().into_owned())
+            };
+            devs.push((name.clone(), d as u64));
+            out.push(name);
+        }
+        // The list itself stays allocated (never ibv_free_device_list'd): contexts opened from
+        // it refer to its devices, and it is a few hundred bytes per call.
+        Ok(out)
+    }
+
+    fn open_device(&self, name: &str) -> Result<Ctx> {
+        let d = self.devices.lock().unwrap().iter().find(|(n, _)| n == name).map(|(_, d)| *d);
+        let d = d.ok_or_else(|| Error::param(format!("no RDMA device {name:?} (list the devices first)")))?;
+        // SAFETY: a device of the live list.
+        let c = unsafe { (self.f.open_device)(ptr(d)) };
+        if c.is_null() {
+            return Err(errno_err(&format!("ibv_open_device({name})")));
+        }
+        Ok(Ctx(c as u64))
+    }
+
+    fn close_device(&self, ctx: Ctx) {
+        // SAFETY: a context we opened, closed once.
+        unsafe { (self.f.close_device)(ptr(ctx.0)) };
+    }
+
+    fn query_port(&self, ctx: Ctx, port: u8) -> Result<PortAttr> {
+        // Larger than any version's struct ibv_port_attr, zeroed.
+        let mut buf = [0u64; 32];
+        // SAFETY: a live context and a writable buffer larger than the structure.
+        let rc = unsafe { (self.f.query_port)(ptr(ctx.0), port, buf.as_mut_ptr().cast()) };
+        if rc != 0 {
+            return Err(rc_err(&format!("ibv_query_port(port {port})"), rc));
+        }
+        let b: &[u8] = bytemuck_bytes(&buf);
+        let u32_at = |o: usize| u32::from_ne_bytes(b[o..o + 4].try_into().unwrap());
+        use offsets::*;
+        Ok(PortAttr {
+            state: u32_at(PORT_STATE),
+            active_mtu: u32_at(PORT_ACTIVE_MTU) as u8,
+            max_msg_sz: u32_at(PORT_MAX_MSG_SZ),
+            lid: u16::from_ne_bytes([b[PORT_LID], b[PORT_LID + 1]]),
+            link_layer: b[PORT_LINK_LAYER],
+            gid_tbl_len: u32_at(PORT_GID_TBL_LEN) as i32,
+        })
+    }
+
+    fn query_gid(&self, ctx: Ctx, port: u8, index: u8) -> Result<[u8; 16]> {
+        let mut gid = [0u8; 16];
+        // SAFETY: a live context and a 16-byte union ibv_gid.
+        let rc = unsafe { (self.f.query_gid)(ptr(ctx.0), port, index as c_int, &mut gid) };
+        if rc != 0 {
+            return Err(rc_err(&format!("ibv_query_gid(port {port}, index {index})"), rc));
+        }
+        Ok(gid)
+    }
+
+    fn alloc_pd(&self, ctx: Ctx) -> Result<Pd> {
+        // SAFETY: a live context.
+        let p = unsafe { (self.f.alloc_pd)(ptr(ctx.0)) };
+        if p.is_null() {
+            return Err(errno_err("ibv_alloc_pd"));
+        }
+        Ok(Pd(p as u64))
+    }
+
+    fn dealloc_pd(&self, pd: Pd) {
+        // SAFETY: a PD we allocated, freed once.
+        unsafe { (self.f.dealloc_pd)(ptr(pd.0)) };
+    }
+
+    unsafe fn reg_mr(&self, pd: Pd, addr: u64, len: u64, access: u32) -> Result<(Mr, u32, u32)> {
+        // SAFETY: the caller guarantees the range stays mapped until dereg_mr.
+        let m = unsafe {
+            (self.f.reg_mr)(ptr(pd.0), addr as usize as *mut c_void, len as usize, access as c_int)
+        };
+        if m.is_null() {
+            return Err(errno_err(&format!("ibv_reg_mr(0x{addr:x}+{len})")));
+        }
+        // SAFETY: a live struct ibv_mr; lkey and rkey at their offsets (checked against the header).
+        let (lkey, rkey) = unsafe {
+            let b = m as *const u8;
+            (*(b.add(offsets::MR_LKEY) as *const u32), *(b.add(offsets::MR_RKEY) as *const u32))
+        };
+        Ok((Mr(m as u64), lkey, rkey))
+    }
+
+    fn dereg_mr(&self, mr: Mr) -> Result<()> {
+        // SAFETY: an MR we registered, deregistered once.
+        let rc = unsafe { (self.f.dereg_mr)(ptr(mr.0)) };
+        if rc != 0 {
+            return Err(rc_err("ibv_dereg_mr", rc));
+        }
+        Ok(())
+    }
+
+    fn create_comp_channel(&self, ctx: Ctx) -> Result<(Channel, RawFd)> {
+        // SAFETY: a live context.
+        let c = unsafe { (self.f.create_comp_channel)(ptr(ctx.0)) };
+        if c.is_null() {
+            return Err(errno_err("ibv_create_comp_channel"));
+        }
+        // SAFETY: a live struct ibv_comp_channel; its fd at its offset.
+        let fd = unsafe { *((c as *const u8).add(offsets::CHANNEL_FD) as *const c_int) };
+        Ok((Channel(c as u64), fd))
+    }
+
+    fn destroy_comp_channel(&self, ch: Channel) {
+        // SAFETY: a channel we created, destroyed once (after its CQ).
+        unsafe { (self.f.destroy_comp_channel)(ptr(ch.0)) };
+    }
+
+    fn create_cq(&self, ctx: Ctx, cqe: u32, ch: Option<Channel>) -> Result<Cq> {
+        let ch = ch.map_or(std::ptr::null_mut(), |c| ptr(c.0));
+        // SAFETY: a live context and channel (or none); no CQ context; vector 0.
+        let c = unsafe { (self.f.create_cq)(ptr(ctx.0), cqe as c_int, std::ptr::null_mut(), ch, 0) };
+        if c.is_null() {
+            return Err(errno_err(&format!("ibv_create_cq({cqe})")));
+        }
+        Ok(Cq(c as u64))
+    }
+
+    fn destroy_cq(&self, cq: Cq) {
+        // SAFETY: a CQ we created, destroyed once (after its QPs).
+        unsafe { (self.f.destroy_cq)(ptr(cq.0)) };
+    }
+
+    fn req_notify_cq(&self, cq: Cq) -> Result<()> {
+        // SAFETY: a live CQ, whose first field is its context; the op has this signature.
+        let rc = unsafe {
+            let f: ReqNotifyCq = fn_ptr(Self::op(ptr(cq.0), offsets::CTX_REQ_NOTIFY_CQ));
+            f(ptr(cq.0), 0)
+        };
+        if rc != 0 {
+            return Err(rc_err("ibv_req_notify_cq", rc));
+        }
+        Ok(())
+    }
+
+    fn get_cq_event(&self, ch: Channel) -> Result<Cq> {
+        let mut cq: *mut c_void = std::ptr::null_mut();
+        let mut cq_ctx: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a live channel whose fd the caller found readable (so this does not block).
+        let rc = unsafe { (self.f.get_cq_event)(ptr(ch.0), &mut cq, &mut cq_ctx) };
+        if rc != 0 {
+            return Err(rc_err("ibv_get_cq_event", rc));
+        }
+        // SAFETY: the CQ the event was for; one event acknowledged.
+        unsafe { (self.f.ack_cq_events)(cq, 1) };
+        Ok(Cq(cq as u64))
+    }
+
+    fn poll_cq(&self, cq: Cq, out: &mut [Wc]) -> Result<usize> {
+        let mut raw = [IbvWc::default(); 64];
+        let n = out.len().min(raw.len());
+        // SAFETY: a live CQ whose first field is its context; `raw` holds `n` entries.
+        let got = unsafe {
+            let f: PollCq = fn_ptr(Self::op(ptr(cq.0), offsets::CTX_POLL_CQ));
+            f(ptr(cq.0), n as c_int, raw.as_mut_ptr())
+        };
+        if got < 0 {
+            return Err(rc_err("ibv_poll_cq", got));
+        }
+        for (o, r) in out.iter_mut().zip(&raw[..got as usize]) {
+            *o = Wc { wr_id: r.wr_id, status: r.status, vendor_err: r.vendor_err, qp_num: r.qp_num };
+        }
+        Ok(got as usize)
+    }
+
+    fn create_qp(&self, pd: Pd, cq: Cq, caps: QpCaps) -> Result<QpCreated> {
+        let mut init = IbvQpInitAttr {
+            qp_context: std::ptr::null_mut(),
+            send_cq: ptr(cq.0),
+            recv_cq: ptr(cq.0),
+            srq: std::ptr::null_mut(),
+            cap: IbvQpCap {
+                max_send_wr: caps.max_send_wr,
+                max_recv_wr: caps.max_recv_wr,
+                max_send_sge: caps.max_send_sge,
+                max_recv_sge: caps.max_recv_sge,
+                max_inline_data: 0,
+            },
+            qp_type: IBV_QPT_RC,
+            sq_sig_all: 0,
+        };
+        // SAFETY: a live PD and CQ; `init` is fully initialised (the call writes the caps back).
+        let q = unsafe { (self.f.create_qp)(ptr(pd.0), &mut init) };
+        if q.is_null() {
+            return Err(errno_err(&format!("ibv_create_qp({caps:?})")));
+        }
+        // SAFETY: a live struct ibv_qp; qp_num at its offset.
+        let qpn = unsafe { *((q as *const u8).add(offsets::QP_NUM) as *const u32) };
+        let got = QpCaps {
+            max_send_wr: init.cap.max_send_wr,
+            max_recv_wr: init.cap.max_recv_wr,
+            max_send_sge: init.cap.max_send_sge,
+            max_recv_sge: init.cap.max_recv_sge,
+        };
+        Ok(QpCreated { qp: Qp(q as u64), qpn, caps: got })
+    }
+
+    fn modify_qp(&self, qp: Qp, t: &QpTransition) -> Result<()> {
+        let mut a = IbvQpAttr::default();
+        match *t {
+            QpTransition::Init { port, access } => {
+                a.qp_state = QPS_INIT;
+                a.port_num = port;
+                a.qp_access_flags = access;
+                self.modify(qp, &mut a, mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS)
+            }
+            QpTransition::Rtr { remote, mtu, port, gid_index } => {
+                a.qp_state = QPS_RTR;
+                a.path_mtu = mtu as c_uint;
+                a.dest_qp_num = remote.qpn;
+                a.rq_psn = remote.psn;
+                a.min_rnr_timer = 12;
+                a.ah_attr = IbvAhAttr {
+                    grh: IbvGlobalRoute {
+                        dgid: remote.gid,
+                        sgid_index: gid_index,
+                        hop_limit: 64,
+                        ..Default::default()
+                    },
+                    dlid: remote.lid,
+                    is_global: 1,
+                    port_num: port,
+                    ..Default::default()
+                };
+                let m = mask::STATE
+                    | mask::AV
+                    | mask::PATH_MTU
+                    | mask::DEST_QPN
+                    | mask::RQ_PSN
+                    | mask::MAX_DEST_RD_ATOMIC
+                    | mask::MIN_RNR_TIMER;
+                // Outstanding RDMA READs the peer may have towards us: as many as the device
+                // allows, trying 16, then 4, then 1.
+                let mut last = Ok(());
+                for rd in [16u8, 4, 1] {
+                    a.max_dest_rd_atomic = rd;
+                    last = self.modify(qp, &mut a, m);
+                    if last.is_ok() {
+                        break;
+                    }
+                }
+                last
+            }
+            QpTransition::Rts { psn, timeout, retry_cnt } => {
+                a.qp_state = QPS_RTS;
+                a.sq_psn = psn;
+                a.timeout = timeout;
+                a.retry_cnt = retry_cnt;
+                a.rnr_retry = 7;
+                let m = mask::STATE
+                    | mask::TIMEOUT
+                    | mask::RETRY_CNT
+                    | mask::RNR_RETRY
+                    | mask::SQ_PSN
+                    | mask::MAX_QP_RD_ATOMIC;
+                let mut last = Ok(());
+                for rd in [16u8, 4, 1] {
+                    a.max_rd_atomic = rd;
+                    last = self.modify(qp, &mut a, m);
+                    if last.is_ok() {
+                        break;
+                    }
+                }
+                last
+            }
+            QpTransition::Err => {
+                a.qp_state = QPS_ERR;
+                self.modify(qp, &mut a, mask::STATE)
+            }
+            QpTransition::Reset => {
+                a.qp_state = QPS_RESET;
+                self.modify(qp, &mut a, mask::STATE)
+            }
+        }
+    }
+
+    fn destroy_qp(&self, qp: Qp) {
+        // SAFETY: a QP we created, destroyed once.
+        unsafe { (self.f.destroy_qp)(ptr(qp.0)) };
+    }
+
+    unsafe fn post_send(&self, qp: Qp, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let mut sges: Vec<IbvSge> = Vec::with_capacity(wrs.iter().map(|w| w.sges.len()).sum());
+        for w in wrs {
+            sges.extend(w.sges.iter().map(|s| IbvSge { addr: s.addr, length: s.length, lkey: s.lkey }));
+        }
+        let mut list: Vec<IbvSendWr> = Vec::with_capacity(wrs.len());
+        let mut at = 0usize;
+        for w in wrs {
+            list.push(IbvSendWr {
+                wr_id: w.wr_id,
+                next: std::ptr::null_mut(),
+                // SAFETY: `at` stays within `sges`, which is not reallocated from here on.
+                sg_list: unsafe { sges.as_mut_ptr().add(at) },
+                num_sge: w.sges.len() as c_int,
+                opcode: match w.op {
+                    WrOp::Write => IBV_WR_RDMA_WRITE,
+                    WrOp::Read => IBV_WR_RDMA_READ,
+                },
+                send_flags: if w.signaled { IBV_SEND_SIGNALED } else { 0 },
+                imm_data: 0,
+                remote_addr: w.remote_addr,
+                rkey: w.rkey,
+                wr_rest: [0; 5],
+                remote_srqn: 0,
+                tail: [0; 6],
+            });
+            at += w.sges.len();
+        }
+        let base = list.as_mut_ptr();
+        for i in 0..list.len() - 1 {
+            // SAFETY: both indices lie in `list`, which is not reallocated from here on.
+            list[i].next = unsafe { base.add(i + 1) };
+        }
+        let mut bad: *mut IbvSendWr = std::ptr::null_mut();
+        // SAFETY: a live QP whose first field is its context; a chained list of initialised
+        // requests whose SGEs the caller guarantees (registered, valid until completion).
+        let rc = unsafe {
+            let f: PostSend = fn_ptr(Self::op(ptr(qp.0), offsets::CTX_POST_SEND));
+            f(ptr(qp.0), base, &mut bad)
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        let bad_wr = if bad.is_null() {
+            0
+        } else {
+            // SAFETY: the provider points `bad` at an element of our list.
+            (unsafe { bad.offset_from(base) }).clamp(0, list.len() as isize) as usize
+        };
+        Err(PostError { bad_wr, errno: if rc > 0 { rc } else { libc::EINVAL } })
+    }
+}
+
+/// A function pointer of type `F` from an address.
+///
+/// # Safety
+/// `p` must be a function whose C signature `F` (an `unsafe extern "C" fn` type) spells.
+unsafe fn fn_ptr<F: Copy>(p: *const c_void) -> F {
+    assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*const c_void>());
+    // SAFETY: same size; the caller guarantees `p` is a function of type `F`.
+    unsafe { std::mem::transmute_copy(&p) }
+}
+
+fn bytemuck_bytes(b: &[u64; 32]) -> &[u8] {
+    // SAFETY: a u64 array viewed as its bytes (u8 has no alignment or validity requirements).
+    unsafe { std::slice::from_raw_parts(b.as_ptr().cast(), std::mem::size_of_val(b)) }
+}
+
+#[cfg(test)]
+mod tests;
