@@ -126,8 +126,14 @@ pub mod unstable {
     pub use crate::engine::{push_merged, split};
     /// The RDMA backend's verbs interface and its software provider (cross-process tests).
     pub mod rdma {
-        pub use crate::transport::rdma::soft::SoftVerbs;
+        pub use crate::transport::rdma::soft::{SoftVerbs, LATENCY_ENV};
         pub use crate::transport::rdma::verbs;
+        pub use crate::wire::rdma::QpAddr;
+
+        /// The provider `hixl.rdma.provider` names ("verbs" or "soft").
+        pub fn open_provider(name: &str) -> crate::Result<std::sync::Arc<dyn verbs::Verbs>> {
+            crate::transport::rdma::provider(crate::options::rdma::provider("provider", name)?)
+        }
     }
 }
 

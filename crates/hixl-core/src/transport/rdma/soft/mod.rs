@@ -23,6 +23,8 @@
 mod qp;
 mod responder;
 
+pub use responder::LATENCY_ENV;
+
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;

@@ -24,6 +24,17 @@ pub(super) const OP_READ: u8 = 2;
 const MAGIC: u32 = 0x5352_444d; // "SRDM"
 /// How long a responder waits for the rest of a request once it started (bytes of a WRITE).
 const DATA_WAIT: Duration = Duration::from_secs(10);
+/// Environment variable: microseconds the responder waits before it answers each request (a
+/// model of wire latency; tests use it to keep requests in flight). Unset: none.
+pub const LATENCY_ENV: &str = "HIXL_SOFT_RDMA_LATENCY_US";
+
+fn latency() -> Option<Duration> {
+    static L: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    *L.get_or_init(|| {
+        let us: u64 = std::env::var(LATENCY_ENV).ok()?.parse().ok()?;
+        (us > 0).then(|| Duration::from_micros(us.min(1_000_000)))
+    })
+}
 
 /// The first message on a connection: which QP it is for and who asks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -165,6 +176,9 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
             return;
         }
         let _ = conn.set_read_timeout(Some(DATA_WAIT));
+        if let Some(d) = latency() {
+            std::thread::sleep(d);
+        }
         let req = Request::decode(&rb);
         let Some(qp_access) = qp.responder_access() else { return };
         let (need, write) = match req.op {
@@ -193,6 +207,11 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
         if !*alive {
             drop(alive);
             refuse(Status::AccessError);
+            return;
+        }
+        if !write && !io::is_mapped(req.addr, req.len) {
+            drop(alive);
+            refuse(Status::OperationError);
             return;
         }
         let mut v = [iov(req.addr, req.len)];
