@@ -60,13 +60,13 @@ pub const COMPAT: &[CompatKey] = &[
     },
     CompatKey {
         key: "RdmaTrafficClass",
-        effect: "RDMA traffic class 0..=255: none, this build has no RDMA backend (checked, logged)",
+        effect: "RDMA traffic class 0..=255: not applied, the rdma backend sends with class 0 (checked, logged)",
         acts: false,
         check: |v| ints_in(v, 0, 255),
     },
     CompatKey {
         key: "RdmaServiceLevel",
-        effect: "RDMA service level 0..=7: none, this build has no RDMA backend (checked, logged)",
+        effect: "RDMA service level 0..=7: not applied, the rdma backend sends with level 0 (checked, logged)",
         acts: false,
         check: |v| ints_in(v, 0, 7),
     },

@@ -31,7 +31,7 @@ use crate::options::Options;
 use crate::transport::backend::{Backend, MemorySpan, OpenCtx, HOST_TO_HOST};
 use crate::transport::tcp::TcpLink;
 use crate::transport::DataPath;
-use crate::wire::rdma::{encode_rkey, QpAddr, RdmaOpen, MAX_QPN, MAX_QPS};
+use crate::wire::rdma::{decode_rkey, encode_rkey, QpAddr, RdmaOpen, MAX_QPN, MAX_QPS};
 use crate::wire::{Capability, Domain};
 pub use link::RdmaLink;
 use nic::{Nic, SQ_DEPTH};
@@ -190,7 +190,7 @@ impl Rdma {
 impl Drop for Rdma {
     fn drop(&mut self) {
         if let Ok(nic) = &self.nic {
-            nic.shutdown();
+            nic.stop_poller();
         }
     }
 }
@@ -238,9 +238,9 @@ impl Backend for Rdma {
         Ok(Some(encode_rkey(rkey)))
     }
 
-    fn deregister(&self, mem: &MemorySpan, _key: &[u8]) {
-        if let Ok(nic) = &self.nic {
-            nic.deregister(mem.addr);
+    fn deregister(&self, mem: &MemorySpan, key: &[u8]) {
+        if let (Ok(nic), Ok(rkey)) = (&self.nic, decode_rkey(key)) {
+            nic.deregister(mem.addr, rkey);
         }
     }
 

@@ -30,6 +30,10 @@ struct LocalMr {
     lkey: u32,
 }
 
+/// Registrations by (address, rkey): the same range may be registered twice for a moment
+/// (the engine then releases the second), so the address alone does not name one.
+type Mrs = BTreeMap<(u64, u32), LocalMr>;
+
 /// An open device and what the engine made on it.
 pub(super) struct Nic {
     pub(super) verbs: Arc<dyn Verbs>,
@@ -43,7 +47,7 @@ pub(super) struct Nic {
     pub(super) gid_index: u8,
     pub(super) gid: [u8; 16],
     pub(super) attr: PortAttr,
-    mrs: RwLock<BTreeMap<u64, LocalMr>>,
+    mrs: RwLock<Mrs>,
     links: Mutex<HashMap<u32, Weak<RdmaLink>>>,
     next_link: AtomicU32,
     /// Send-queue slots of the initiator QPs open now (at most `CQ_DEPTH`).
@@ -164,16 +168,13 @@ impl Nic {
         // SAFETY: the engine registers only memory it checked is mapped, and deregisters it
         // (this region's `deregister`) before the memory may be freed.
         let (mr, lkey, rkey) = unsafe { self.verbs.reg_mr(self.pd, addr, len, acc) }?;
-        let old = self.mrs.write().unwrap().insert(addr, LocalMr { len, mr, lkey });
-        if let Some(old) = old {
-            let _ = self.verbs.dereg_mr(old.mr);
-        }
+        self.mrs.write().unwrap().insert((addr, rkey), LocalMr { len, mr, lkey });
         Ok(rkey)
     }
 
-    /// Deregisters the region at `addr` (the NIC waits for operations still using it).
-    pub(super) fn deregister(&self, addr: u64) {
-        let m = self.mrs.write().unwrap().remove(&addr);
+    /// Deregisters the region at `addr` with `rkey` (the NIC waits for operations still using it).
+    pub(super) fn deregister(&self, addr: u64, rkey: u32) {
+        let m = self.mrs.write().unwrap().remove(&(addr, rkey));
         if let Some(m) = m {
             if let Err(e) = self.verbs.dereg_mr(m.mr) {
                 tracing::warn!(addr = %format_args!("0x{addr:x}"), "ibv_dereg_mr failed: {e}");
@@ -184,9 +185,13 @@ impl Nic {
     /// The lkey of the region holding `[addr, addr + len)`, and where that region ends.
     pub(super) fn lkey(&self, addr: u64, len: u64) -> Option<(u32, u64)> {
         let mrs = self.mrs.read().unwrap();
-        let (start, m) = mrs.range(..=addr).next_back()?;
-        let end = start + m.len;
-        (addr.checked_add(len)? <= end).then_some((m.lkey, end))
+        let want = addr.checked_add(len)?;
+        // Regions do not overlap (but for a range registered twice): the last few starting at
+        // or before `addr` are the only candidates.
+        mrs.range(..=(addr, u32::MAX)).rev().take(4).find_map(|(&(start, _), m)| {
+            let end = start + m.len;
+            (want <= end).then_some((m.lkey, end))
+        })
     }
 
     /// A link id for wr_ids, and the link registered for completions.
@@ -301,8 +306,9 @@ impl Nic {
         }
     }
 
-    /// Stops the poller and releases the device (after every link closed).
-    pub(super) fn shutdown(&self) {
+    /// Stops the poller (the engine is going away). The device is released when the last
+    /// holder (a link, a target's QPs) lets go of the `Nic`.
+    pub(super) fn stop_poller(&self) {
         self.stop.store(true, Ordering::Release);
         let one = 1u64.to_ne_bytes();
         // SAFETY: writes 8 bytes from a live buffer to our eventfd.
@@ -313,6 +319,13 @@ impl Nic {
                 let _ = h.join();
             }
         }
+    }
+}
+
+impl Drop for Nic {
+    /// Every QP is gone by now (links and target QPs hold the `Nic`): release the rest in the
+    /// order the verbs require.
+    fn drop(&mut self) {
         let mrs = std::mem::take(&mut *self.mrs.write().unwrap());
         for (_, m) in mrs {
             let _ = self.verbs.dereg_mr(m.mr);

@@ -334,6 +334,8 @@ fn refused_ranges_fail_before_the_nic_and_the_link_stays_usable() {
     let (ro, y) = (e.remote_region(&t.id, "ro").unwrap(), e.remote_region(&t.id, "y").unwrap());
     let mut src = vec![1u8; 8192];
     register(&e, &mut src);
+    // The same range again: the region and its memory registration stay as they were.
+    register(&e, &mut src);
     let err = e.put(&t.id, src.as_ptr() as u64, ro.addr, 4096, T).unwrap_err();
     assert_eq!(err.status, Status::ParamInvalid, "{err}");
     let err = e.put(&t.id, src.as_ptr() as u64, y.addr + y.len - 100, 4096, T).unwrap_err();
