@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the rdma backend's cross-process test suite (crates/hixl-core/tests/rdma.rs) against a
+# Runs the rdma backend's cross-process test suites (crates/hixl-core/tests/rdma.rs, rdma_verbs.rs) against a
 # real RDMA device instead of the software provider: a NIC, or an rxe/siw device on a kernel
 # that has them (rdma link add rxe0 type rxe netdev eth0). Never run so far: no machine hixl was
 # developed on has RDMA (see docs/RDMA.md, "What ran where").
@@ -16,4 +16,4 @@ echo "memlock limit: $(ulimit -l) (registrations pin memory: raise it if registe
 # The real provider's C layouts against the installed header (needs libibverbs-dev).
 HIXL_REQUIRE_IBVERBS_HEADER=1 cargo test -p hixl-core --release --lib transport::rdma::ffi
 # The cross-process suite on the device (its software-provider-only test says it skips).
-cargo test -p hixl-core --release --test rdma -- --test-threads=1 --nocapture
+cargo test -p hixl-core --release --test rdma --test rdma_verbs -- --test-threads=1 --nocapture
