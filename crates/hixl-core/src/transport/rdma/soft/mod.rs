@@ -460,3 +460,6 @@ impl Drop for SoftVerbs {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
