@@ -38,6 +38,7 @@ type PostSend = unsafe extern "C" fn(*mut c_void, *mut IbvSendWr, *mut *mut IbvS
 /// The exported functions, resolved once.
 struct Fns {
     get_device_list: unsafe extern "C" fn(*mut c_int) -> *mut *mut c_void,
+    free_device_list: unsafe extern "C" fn(*mut *mut c_void),
     get_device_name: unsafe extern "C" fn(*mut c_void) -> *const c_char,
     open_device: unsafe extern "C" fn(*mut c_void) -> *mut c_void,
     close_device: unsafe extern "C" fn(*mut c_void) -> c_int,
@@ -61,9 +62,9 @@ struct Fns {
 /// libibverbs, loaded.
 pub struct LibVerbs {
     f: Fns,
-    /// The device handles of the last `get_device_list`, by name (the list stays allocated:
-    /// `ibv_open_device` needs its entries).
-    devices: std::sync::Mutex<Vec<(String, u64)>>,
+    /// The last `ibv_get_device_list` (kept until the next: `ibv_open_device` needs its
+    /// entries; contexts opened from it stay valid after it is freed) and its devices by name.
+    devices: std::sync::Mutex<(u64, Vec<(String, u64)>)>,
 }
 
 fn errno_err(call: &str) -> Error {
@@ -120,6 +121,7 @@ impl LibVerbs {
         }
         let f = Fns {
             get_device_list: sym!("ibv_get_device_list"),
+            free_device_list: sym!("ibv_free_device_list"),
             get_device_name: sym!("ibv_get_device_name"),
             open_device: sym!("ibv_open_device"),
             close_device: sym!("ibv_close_device"),
@@ -139,7 +141,7 @@ impl LibVerbs {
             modify_qp: sym!("ibv_modify_qp"),
             destroy_qp: sym!("ibv_destroy_qp"),
         };
-        Ok(LibVerbs { f, devices: std::sync::Mutex::new(Vec::new()) })
+        Ok(LibVerbs { f, devices: std::sync::Mutex::new((0, Vec::new())) })
     }
 
     /// The function at `offset` of the operation table of the context `obj` points to (`obj`'s
@@ -180,8 +182,14 @@ impl Verbs for LibVerbs {
             return Err(errno_err("ibv_get_device_list"));
         }
         let mut out = Vec::new();
-        let mut devs = self.devices.lock().unwrap();
-        devs.clear();
+        let mut g = self.devices.lock().unwrap();
+        if g.0 != 0 {
+            // SAFETY: the previous list, from ibv_get_device_list, freed once; devices opened
+            // from it stay valid (ibv_free_device_list(3)).
+            unsafe { (self.f.free_device_list)(ptr(g.0).cast()) };
+        }
+        *g = (list as u64, Vec::new());
+        let devs = &mut g.1;
         for i in 0..n.max(0) as usize {
             // SAFETY: `list` holds `n` device pointers; each has a NUL-terminated name.
             let (d, name) = unsafe {
@@ -191,13 +199,12 @@ impl Verbs for LibVerbs {
             devs.push((name.clone(), d as u64));
             out.push(name);
         }
-        // The list itself stays allocated (never ibv_free_device_list'd): contexts opened from
-        // it refer to its devices, and it is a few hundred bytes per call.
         Ok(out)
     }
 
     fn open_device(&self, name: &str) -> Result<Ctx> {
-        let d = self.devices.lock().unwrap().iter().find(|(n, _)| n == name).map(|(_, d)| *d);
+        let g = self.devices.lock().unwrap();
+        let d = g.1.iter().find(|(n, _)| n == name).map(|(_, d)| *d);
         let d = d.ok_or_else(|| Error::param(format!("no RDMA device {name:?} (list the devices first)")))?;
         // SAFETY: a device of the live list.
         let c = unsafe { (self.f.open_device)(ptr(d)) };
