@@ -74,3 +74,22 @@ def test_forced_rdma_without_a_device_is_unsupported(make_peer):
         with pytest.raises(hixl.Unsupported) as exc:
             e.connect(peer.engine, timeout_ms=5000)
     assert "rdma" in str(exc.value), exc.value
+
+
+def test_auto_prefers_rdma_over_tcp_where_both_sides_have_a_device(make_peer):
+    # The target offers rdma and tcp only (no same-host path), so auto's order decides.
+    peer = make_peer(1 << 16, {"hixl.backends": "rdma,tcp", **SOFT})
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1", SOFT)  # hixl.backends=auto
+        e.connect(peer.engine, timeout_ms=5000)
+        st = e.stats()[peer.engine]
+        assert st["backend"] == "rdma", st
+        assert "shm: the peer does not offer it" in st["not_chosen"], st
+    # Without a device here (the default provider finds none), the same target gets tcp, and
+    # the reason rdma was passed over is reported.
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1")
+        e.connect(peer.engine, timeout_ms=5000)
+        st = e.stats()[peer.engine]
+        assert st["backend"] == "tcp", st
+        assert "rdma:" in st["not_chosen"], st
