@@ -157,6 +157,9 @@ pub struct Rdma {
     nic: std::result::Result<Arc<Nic>, String>,
     opts: RdmaOptions,
     provider: &'static str,
+    /// `hixl.backends` is `rdma` alone: a registration the NIC refuses fails (with other
+    /// backends it only leaves the region without an rdma key).
+    only: bool,
 }
 
 impl Rdma {
@@ -177,7 +180,8 @@ impl Rdma {
         if let Ok(n) = &nic {
             tracing::info!(provider = n.verbs.provider(), device = %n.device, port = n.port, "RDMA device opened");
         }
-        Rdma { nic, provider: o.provider.as_str(), opts: o }
+        let only = opts.backends.iter().all(|b| b == "rdma");
+        Rdma { nic, provider: o.provider.as_str(), opts: o, only }
     }
 
     fn nic(&self) -> std::result::Result<&Arc<Nic>, String> {
@@ -234,8 +238,10 @@ impl Backend for Rdma {
         if mem.domain != Domain::Host {
             return Ok(None);
         }
-        let rkey = nic.register(mem.addr, mem.len, mem.access)?;
-        Ok(Some(encode_rkey(rkey)))
+        match nic.register(mem.addr, mem.len, mem.access) {
+            Ok(rkey) => Ok(Some(encode_rkey(rkey))),
+            Err(e) => refused_registration(e, self.only),
+        }
     }
 
     fn deregister(&self, mem: &MemorySpan, key: &[u8]) {
@@ -314,6 +320,26 @@ impl Backend for Rdma {
     }
 }
 
+/// A registration the NIC refused (most often ENOMEM: the locked-memory limit). With other
+/// backends in `hixl.backends` the region is registered without an rdma key (transfers to it
+/// over rdma then fail naming that; the other backends are unaffected) and a WARN says why;
+/// with `rdma` alone the registration fails.
+fn refused_registration(e: Error, only: bool) -> Result<Option<Vec<u8>>> {
+    let hint = if e.message.contains("Cannot allocate memory") {
+        " (registrations pin memory: raise the locked-memory limit, ulimit -l / LimitMEMLOCK)"
+    } else {
+        ""
+    };
+    if only {
+        return Err(Error::new(e.status, format!("{}{hint}", e.message)));
+    }
+    tracing::warn!(
+        "the RDMA device refused a registration, so the region has no rdma key: {}{hint}",
+        e.message
+    );
+    Ok(None)
+}
+
 /// What `hixl info` reports about RDMA with the provider `hixl.rdma.provider` names ("verbs"
 /// or "soft"): "not loadable: ...", "no device ..." or "devices: NAME (port 1 active), ...".
 pub fn describe(provider_name: &str) -> Result<String> {
@@ -348,5 +374,20 @@ fn describe_with(p: Provider) -> String {
             }
             format!("devices: {}", usable.join(", "))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_registration_fails_only_when_rdma_is_the_one_backend() {
+        let enomem = || Error::failed("ibv_reg_mr(0x1000+4096) failed: Cannot allocate memory (os error 12)");
+        let e = refused_registration(enomem(), true).unwrap_err();
+        assert!(e.message.contains("ulimit -l") && e.message.contains("0x1000"), "{e}");
+        assert_eq!(refused_registration(enomem(), false).unwrap(), None, "left without an rdma key");
+        let e = refused_registration(Error::failed("ibv_reg_mr failed: Bad address"), true).unwrap_err();
+        assert!(!e.message.contains("ulimit"), "{e}");
     }
 }
