@@ -8,7 +8,8 @@
 //! place; a request whose region the peer deregisters mid-flight fails with PARAM_INVALID (the
 //! peer's NIC refuses it) while the requests its QP error flushed are re-posted on a fresh QP
 //! and complete; a peer killed with SIGKILL ends every pending request within its timeout; an
-//! idle link costs no CPU. The NIC's own checks are in `rdma_verbs.rs`.
+//! idle link costs no CPU; one completion thread serves every peer of an engine and stops with
+//! it. The NIC's own checks are in `rdma_verbs.rs`.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -22,6 +23,12 @@ use hixl_core::{
     TransferStatus,
 };
 use rdma_support::{commands, fill, hash, on_hardware, say, Peer, CHILD, T};
+
+/// The tests of this binary run one at a time: one of them counts the process's threads.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// `verbs` with a device when HIXL_RDMA_DEVICE is set (scripts/rdma_check.sh), else `soft`.
 fn provider_opts() -> Vec<(String, String)> {
@@ -123,6 +130,7 @@ fn register(e: &Engine, b: &mut [u8]) {
 
 #[test]
 fn rdma_moves_bytes_between_processes_and_notifies_after_them() {
+    let _serial = serial();
     let mut t = target(&[]);
     let e = engine("127.0.0.1", &[("hixl.rdma.qps", "3"), ("hixl.strict_alignment", "0")]);
     e.connect(&t.id, T).unwrap();
@@ -233,6 +241,7 @@ fn rdma_moves_bytes_between_processes_and_notifies_after_them() {
 
 #[test]
 fn refused_ranges_fail_before_the_nic_and_the_link_stays_usable() {
+    let _serial = serial();
     let mut t = target(&[]);
     let e = engine("127.0.0.1", &[]);
     e.connect(&t.id, T).unwrap();
@@ -255,6 +264,7 @@ fn refused_ranges_fail_before_the_nic_and_the_link_stays_usable() {
 
 #[test]
 fn a_region_deregistered_mid_flight_fails_its_request_and_the_flushed_ones_are_reposted() {
+    let _serial = serial();
     if on_hardware() {
         eprintln!("skipped on hardware: needs the software provider's latency ({LATENCY_ENV}) to keep requests in flight");
         return;
@@ -309,6 +319,7 @@ fn a_region_deregistered_mid_flight_fails_its_request_and_the_flushed_ones_are_r
 
 #[test]
 fn a_peer_killed_mid_transfer_ends_every_pending_request_within_its_timeout() {
+    let _serial = serial();
     let latency = if on_hardware() { "0" } else { "1000" };
     let mut t = target(&[(LATENCY_ENV, latency)]);
     let e = engine("127.0.0.1", &[("hixl.rdma.qps", "2")]);
@@ -350,4 +361,42 @@ fn a_peer_killed_mid_transfer_ends_every_pending_request_within_its_timeout() {
     let err = e.put(&t.id, src.as_ptr() as u64, x.addr, 4096, Duration::from_secs(2)).unwrap_err();
     assert!(matches!(err.status, Status::NotConnected | Status::Failed | Status::Timeout), "{err}");
     e.finalize().unwrap();
+}
+
+/// Names of this process's threads.
+fn thread_names() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|n| n.trim().to_string())
+        .collect()
+}
+
+#[test]
+fn one_completion_thread_serves_every_peer_of_an_engine() {
+    let _serial = serial();
+    let mut targets = [target(&[]), target(&[])];
+    let e = engine("127.0.0.1", &[("hixl.rdma.qps", "2")]);
+    let mut src = vec![0u8; 4 << 20];
+    fill(&mut src, 5);
+    register(&e, &mut src);
+    let mut reqs = Vec::new();
+    for t in &targets {
+        e.connect(&t.id, T).unwrap();
+        let y = e.remote_region(&t.id, "y").unwrap();
+        let d = [TransferOpDesc { local_addr: src.as_ptr() as u64, remote_addr: y.addr, len: y.len }];
+        reqs.push(e.transfer_async(&t.id, TransferOp::Write, &d, None, Some(T)).unwrap());
+    }
+    for r in &reqs {
+        assert_eq!(r.wait(None), TransferStatus::Completed, "{:?}", r.error());
+    }
+    let len = (1 << 20) as usize;
+    for t in &mut targets {
+        assert_eq!(t.peer.ask("HASH y"), format!("HASH {}", hash(&src[..len])));
+    }
+    let pollers = thread_names().iter().filter(|n| n.as_str() == "hixl-rdma-cq").count();
+    assert_eq!(pollers, 1, "threads: {:?}", thread_names());
+    e.finalize().unwrap();
+    let pollers = thread_names().iter().filter(|n| n.as_str() == "hixl-rdma-cq").count();
+    assert_eq!(pollers, 0, "finalize stops the completion thread");
 }
