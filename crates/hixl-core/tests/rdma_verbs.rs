@@ -77,9 +77,11 @@ impl Nic {
             mtu: ours.mtu.min(theirs.mtu),
             port: 1,
             gid_index: self.gid_index,
+            traffic_class: 0,
+            sl: 0,
         };
         self.v.modify_qp(qp, &rtr).unwrap();
-        self.v.modify_qp(qp, &QpTransition::Rts { psn: ours.psn, timeout: 14, retry_cnt: 3 }).unwrap();
+        self.v.modify_qp(qp, &QpTransition::Rts { psn: ours.psn, timeout: 16, retry_cnt: 7 }).unwrap();
     }
 
     /// Polls until `n` completions came (or T passed).

@@ -260,6 +260,14 @@ pub const SPECS: &[OptionSpec] = &[
         o.rdma.gid_index = int(k, v, 0, 255)? as u8;
         Ok(())
     }),
+    spec("hixl.rdma.traffic_class", "0", "rdma backend: the traffic class of its queue pairs' GRH (0..255; RoCE: DSCP << 2)", |o, k, v| {
+        o.rdma.traffic_class = int(k, v, 0, 255)? as u8;
+        Ok(())
+    }),
+    spec("hixl.rdma.service_level", "0", "rdma backend: the service level of its queue pairs (0..15)", |o, k, v| {
+        o.rdma.service_level = int(k, v, 0, 15)? as u8;
+        Ok(())
+    }),
     spec("hixl.rdma.qps", "2", "rdma backend: RC queue pairs per peer; large requests are split across them (1..64)", |o, k, v| {
         o.rdma.qps = int(k, v, 1, 64)? as usize;
         Ok(())
@@ -397,6 +405,13 @@ impl Options {
                 if spec?.key == "AutoConnect" {
                     o.auto_connect = compat::auto_connect_peers(v);
                 }
+                let Some(key) = compat::hixl_key(k) else { continue };
+                if let Some((_, _, first)) = given.iter().find(|(g, _, _)| g == key) {
+                    return Err(Error::param(format!(
+                        "options {first:?} and {k:?} set the same thing ({key}): give one of them"
+                    )));
+                }
+                given.push((key.to_string(), v.clone(), k.as_str()));
                 continue;
             }
             let (key, value) = canonical(k, v)?;
@@ -490,6 +505,11 @@ mod tests {
         );
         let e = Options::parse(&map(&[("hixl.rdma.device", "mlx5_0; rm")])).unwrap_err();
         assert!(e.message.contains("hixl.rdma.device"), "{e}");
+        let o = Options::parse(&map(&[("RdmaTrafficClass", "106"), ("RdmaServiceLevel", "3")])).unwrap();
+        assert_eq!((o.rdma.traffic_class, o.rdma.service_level), (106, 3), "HIXL's keys act");
+        let e =
+            Options::parse(&map(&[("RdmaTrafficClass", "1"), ("hixl.rdma.traffic_class", "2")])).unwrap_err();
+        assert!(e.message.contains("give one of them"), "{e}");
         let e = Options::parse(&map(&[("hixl.rdma.qps", "65")])).unwrap_err();
         assert!(e.message.contains("hixl.rdma.qps=\"65\""), "{e}");
         let e = Options::parse(&map(&[("hixl.queue_depth", "lots")])).unwrap_err();

@@ -34,11 +34,23 @@ pub struct RdmaOptions {
     pub gid_index: u8,
     /// `hixl.rdma.qps`: RC queue pairs per peer (a large request is split across them).
     pub qps: usize,
+    /// `hixl.rdma.traffic_class` (or HIXL's `RdmaTrafficClass`): the GRH traffic class.
+    pub traffic_class: u8,
+    /// `hixl.rdma.service_level` (or HIXL's `RdmaServiceLevel`): the service level.
+    pub service_level: u8,
 }
 
 impl RdmaOptions {
     pub(super) fn blank() -> RdmaOptions {
-        RdmaOptions { provider: Provider::Verbs, device: String::new(), port: 0, gid_index: 0, qps: 0 }
+        RdmaOptions {
+            provider: Provider::Verbs,
+            device: String::new(),
+            port: 0,
+            gid_index: 0,
+            qps: 0,
+            traffic_class: 0,
+            service_level: 0,
+        }
     }
 }
 

@@ -403,7 +403,7 @@ impl Verbs for LibVerbs {
                 a.qp_access_flags = access;
                 self.modify(qp, &mut a, mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS)
             }
-            QpTransition::Rtr { remote, mtu, port, gid_index } => {
+            QpTransition::Rtr { remote, mtu, port, gid_index, traffic_class, sl } => {
                 a.qp_state = QPS_RTR;
                 a.path_mtu = mtu as c_uint;
                 a.dest_qp_num = remote.qpn;
@@ -414,9 +414,11 @@ impl Verbs for LibVerbs {
                         dgid: remote.gid,
                         sgid_index: gid_index,
                         hop_limit: 64,
+                        traffic_class,
                         ..Default::default()
                     },
                     dlid: remote.lid,
+                    sl,
                     is_global: 1,
                     port_num: port,
                     ..Default::default()

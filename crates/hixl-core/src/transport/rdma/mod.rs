@@ -135,6 +135,8 @@ fn connect_qps(nic: &Nic, ours: &[Opened], theirs: &[QpAddr]) -> Result<()> {
             mtu: o.addr.mtu.min(t.mtu),
             port: nic.port,
             gid_index: nic.gid_index,
+            traffic_class: nic.traffic_class,
+            sl: nic.sl,
         };
         nic.verbs.modify_qp(o.created.qp, &rtr)?;
         let rts = QpTransition::Rts { psn: o.addr.psn, timeout: ACK_TIMEOUT, retry_cnt: RETRY_COUNT };
@@ -167,9 +169,7 @@ impl Rdma {
     /// offers nothing, registers nothing and cannot connect (the reason is kept).
     pub fn new(opts: &Options) -> Rdma {
         let o = opts.rdma.clone();
-        let nic = provider(o.provider)
-            .and_then(|v| Nic::open(v, &o.device, o.port, o.gid_index))
-            .map_err(|e| e.message);
+        let nic = provider(o.provider).and_then(|v| Nic::open(v, &o)).map_err(|e| e.message);
         if let Err(why) = &nic {
             if opts.backends.len() == 1 {
                 tracing::warn!(provider = o.provider.as_str(), "RDMA is not usable: {why}");

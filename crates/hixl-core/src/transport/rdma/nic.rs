@@ -45,6 +45,9 @@ pub(super) struct Nic {
     pub(super) cq: Cq,
     pub(super) port: u8,
     pub(super) gid_index: u8,
+    /// GRH traffic class and service level of every QP.
+    pub(super) traffic_class: u8,
+    pub(super) sl: u8,
     pub(super) gid: [u8; 16],
     pub(super) attr: PortAttr,
     mrs: RwLock<Mrs>,
@@ -60,7 +63,8 @@ pub(super) struct Nic {
 impl Nic {
     /// Opens `device` (empty: the first whose `port` is active), its PD, a completion channel
     /// and the CQ. Err says why RDMA cannot be used here.
-    pub(super) fn open(verbs: Arc<dyn Verbs>, device: &str, port: u8, gid_index: u8) -> Result<Arc<Nic>> {
+    pub(super) fn open(verbs: Arc<dyn Verbs>, o: &crate::options::rdma::RdmaOptions) -> Result<Arc<Nic>> {
+        let (device, port, gid_index) = (o.device.as_str(), o.port, o.gid_index);
         let names = verbs.get_device_list()?;
         if names.is_empty() {
             return Err(super::unsupported("no RDMA device is present (ibv_get_device_list found none)"));
@@ -87,7 +91,11 @@ impl Nic {
                 }
             };
             match Self::setup(&verbs, name, ctx, port, gid_index) {
-                Ok(nic) => return Ok(nic),
+                Ok(mut nic) => {
+                    let n = Arc::get_mut(&mut nic).expect("just made");
+                    (n.traffic_class, n.sl) = (o.traffic_class, o.service_level);
+                    return Ok(nic);
+                }
                 Err(e) => {
                     verbs.close_device(ctx);
                     why.push(format!("{name}: {}", e.message));
@@ -142,6 +150,8 @@ impl Nic {
             cq,
             port,
             gid_index,
+            traffic_class: 0,
+            sl: 0,
             gid,
             attr,
             mrs: RwLock::new(BTreeMap::new()),

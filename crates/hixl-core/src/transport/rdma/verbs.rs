@@ -137,6 +137,10 @@ pub enum QpTransition {
         port: u8,
         /// Our GID index (a GRH is used: RoCE needs one).
         gid_index: u8,
+        /// The GRH traffic class.
+        traffic_class: u8,
+        /// The service level.
+        sl: u8,
     },
     /// RTR -> RTS: our first PSN and the retry budget.
     Rts {

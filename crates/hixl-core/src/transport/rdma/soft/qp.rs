@@ -117,7 +117,7 @@ impl SoftQp {
                 s.access = acc;
                 s.state = State::Init;
             }
-            QpTransition::Rtr { remote, mtu, port, gid_index } => {
+            QpTransition::Rtr { remote, mtu, port, gid_index, .. } => {
                 if s.state != State::Init || port != 1 || gid_index != 0 || !(1..=5).contains(&mtu) {
                     return Err(bad(s.state));
                 }

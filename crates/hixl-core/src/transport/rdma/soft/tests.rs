@@ -35,8 +35,20 @@ impl Dev {
     }
 
     fn up(&self, q: Qp, ours: &QpAddr, theirs: &QpAddr) {
-        self.v.modify_qp(q, &QpTransition::Rtr { remote: *theirs, mtu: 5, port: 1, gid_index: 0 }).unwrap();
-        self.v.modify_qp(q, &QpTransition::Rts { psn: ours.psn, timeout: 8, retry_cnt: 1 }).unwrap();
+        self.v
+            .modify_qp(
+                q,
+                &QpTransition::Rtr {
+                    remote: *theirs,
+                    mtu: 5,
+                    port: 1,
+                    gid_index: 0,
+                    traffic_class: 0,
+                    sl: 0,
+                },
+            )
+            .unwrap();
+        self.v.modify_qp(q, &QpTransition::Rts { psn: ours.psn, timeout: 16, retry_cnt: 7 }).unwrap();
     }
 
     fn mr(&self, buf: &mut [u8], acc: u32) -> (u32, u32) {
@@ -94,7 +106,7 @@ fn the_state_machine_refuses_skipped_steps_and_posts_before_rts() {
     let caps = QpCaps { max_send_wr: 4, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1 };
     let q = d.v.create_qp(d.pd, d.cq, caps).unwrap();
     let remote = QpAddr { gid: d.gid, lid: 0, qpn: 5, psn: 1, mtu: 5 };
-    let rtr = QpTransition::Rtr { remote, mtu: 5, port: 1, gid_index: 0 };
+    let rtr = QpTransition::Rtr { remote, mtu: 5, port: 1, gid_index: 0, traffic_class: 0, sl: 0 };
     let e = d.v.modify_qp(q.qp, &rtr).unwrap_err();
     assert!(e.message.contains("Reset") && e.message.contains("EINVAL"), "{e}");
     let mut buf = [0u8; 8];
