@@ -26,6 +26,7 @@ __all__ = [
     "_completion_fd",
     "_drain_completions",
     "_host_identity",
+    "_rdma_info",
     "_log_take",
     "_raw_cma",
     "_raw_memcpy",
