@@ -390,4 +390,58 @@ mod tests {
         let e = refused_registration(Error::failed("ibv_reg_mr failed: Bad address"), true).unwrap_err();
         assert!(!e.message.contains("ulimit"), "{e}");
     }
+
+    fn soft_backend() -> Arc<dyn Backend> {
+        let kv = [("hixl.backends", "rdma"), ("hixl.rdma.provider", "soft")];
+        let map = kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Arc::new(Rdma::new(&Options::parse(&map).unwrap()))
+    }
+
+    fn opened(f: crate::wire::Frame) -> (u32, String, Vec<u8>) {
+        match f {
+            crate::wire::Frame::BackendOpened { status, message, payload } => (status, message, payload),
+            other => panic!("not an answer: {other:?}"),
+        }
+    }
+
+    /// The target's side of BackendOpen: hostile payloads are refused naming the problem,
+    /// only a control link may open, QPs are made per link (and retired only from it), and a
+    /// link cannot make more than its share.
+    #[test]
+    fn the_target_answers_backend_open_and_bounds_what_a_link_makes() {
+        use crate::transport::backend::{answer_open, Accepted};
+        let backends = vec![soft_backend()];
+        let mut link = Accepted::new();
+        let (status, msg, _) = opened(answer_open(&backends, true, "rdma", &[1, 2, 3], &mut link));
+        assert_eq!(Status::from_code(status), Status::ParamInvalid, "{msg}");
+        assert!(msg.contains("RDMA QP addresses"), "{msg}");
+        let q = |qpn| QpAddr { gid: [0xfe; 16], lid: 0, qpn, psn: 7, mtu: 5 };
+        let ask = RdmaOpen { retire: vec![], qps: vec![q(0x41), q(0x42)] }.encode();
+        let (status, msg, _) = opened(answer_open(&backends, false, "rdma", &ask, &mut link));
+        assert_eq!(Status::from_code(status), Status::ParamInvalid, "a data-path stream: {msg}");
+        let (status, _, _) = opened(answer_open(&backends, true, "gpu", &ask, &mut link));
+        assert_eq!(Status::from_code(status), Status::Unsupported);
+        let (status, msg, payload) = opened(answer_open(&backends, true, "rdma", &ask, &mut link));
+        assert_eq!(status, 0, "{msg}");
+        let ours = RdmaOpen::decode(&payload).unwrap();
+        assert_eq!(ours.qps.len(), 2, "one target QP per initiator QP");
+        let held = |link: &mut Accepted| {
+            let st = link[0].1.as_mut().unwrap().downcast_mut::<TargetQps>().unwrap();
+            st.qps.iter().map(|(_, n)| *n).collect::<Vec<u32>>()
+        };
+        assert_eq!(held(&mut link), ours.qps.iter().map(|a| a.qpn).collect::<Vec<_>>());
+        // A replacement retires one of this link's QPs; an unknown number is ignored.
+        let again = RdmaOpen { retire: vec![ours.qps[0].qpn, 0x7777], qps: vec![q(0x43)] }.encode();
+        let (status, msg, _) = opened(answer_open(&backends, true, "rdma", &again, &mut link));
+        assert_eq!(status, 0, "{msg}");
+        assert_eq!(held(&mut link).len(), 2);
+        assert!(!held(&mut link).contains(&ours.qps[0].qpn));
+        // At most MAX_TARGET_QPS per link.
+        let many =
+            RdmaOpen { retire: vec![], qps: (0..MAX_QPS as u32).map(|i| q(0x100 + i)).collect() }.encode();
+        assert_eq!(opened(answer_open(&backends, true, "rdma", &many, &mut link)).0, 0);
+        let (status, msg, _) = opened(answer_open(&backends, true, "rdma", &many, &mut link));
+        assert_eq!(Status::from_code(status), Status::ResourceExhausted, "{msg}");
+        assert_eq!(held(&mut link).len(), 2 + MAX_QPS);
+    }
 }
