@@ -9,7 +9,8 @@
 //! peer's NIC refuses it) while the requests its QP error flushed are re-posted on a fresh QP
 //! and complete; a peer killed with SIGKILL ends every pending request within its timeout; an
 //! idle link costs no CPU; one completion thread serves every peer of an engine and stops with
-//! it. The NIC's own checks are in `rdma_verbs.rs`.
+//! it; deregistering local memory that a transfer uses aborts the link, and nothing is read
+//! from that memory afterwards. The NIC's own checks are in `rdma_verbs.rs`.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -399,4 +400,47 @@ fn one_completion_thread_serves_every_peer_of_an_engine() {
     e.finalize().unwrap();
     let pollers = thread_names().iter().filter(|n| n.as_str() == "hixl-rdma-cq").count();
     assert_eq!(pollers, 0, "finalize stops the completion thread");
+}
+
+#[test]
+fn deregistering_local_memory_in_flight_aborts_the_link_and_nothing_touches_it_after() {
+    let _serial = serial();
+    if on_hardware() {
+        eprintln!("skipped on hardware: needs the software provider's latency ({LATENCY_ENV})");
+        return;
+    }
+    let mut t = target(&[(LATENCY_ENV, "2000")]);
+    let e = engine("127.0.0.1", &[("hixl.rdma.qps", "1"), ("hixl.deregister_timeout_ms", "200")]);
+    e.connect(&t.id, T).unwrap();
+    let x = e.remote_region(&t.id, "x").unwrap();
+    let mut src = vec![0u8; 1 << 20];
+    fill(&mut src, 77);
+    // SAFETY: `src` outlives the engine.
+    let h = unsafe {
+        e.register_mem(MemDesc { addr: src.as_ptr() as u64, len: src.len() as u64 }, MemType::Host)
+    }
+    .unwrap();
+    // 200 requests of 2 ms each at the target: in flight for 400 ms.
+    let descs: Vec<TransferOpDesc> = (0..200u64)
+        .map(|i| TransferOpDesc {
+            local_addr: src.as_ptr() as u64 + (i % 256) * 4096,
+            remote_addr: x.addr + i * 8192,
+            len: 4096,
+        })
+        .collect();
+    let req = e.transfer_async(&t.id, TransferOp::Write, &descs, None, Some(T)).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let started = Instant::now();
+    // Waits 200 ms for the transfer's pin, then aborts the link that holds it and waits again.
+    let res = e.deregister_mem(&h);
+    let took = started.elapsed();
+    assert!(res.is_ok(), "{res:?}");
+    assert!(took < Duration::from_secs(5), "deregistration took {took:?}");
+    assert_eq!(req.wait(None), TransferStatus::Failed, "the aborted transfer fails");
+    // Nothing reaches the target from that memory any more.
+    let before = t.peer.ask("HASH x");
+    src.fill(0xEE);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(t.peer.ask("HASH x"), before, "no write landed after deregistration returned");
+    e.finalize().unwrap();
 }
