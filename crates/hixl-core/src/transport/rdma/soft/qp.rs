@@ -285,10 +285,11 @@ impl SoftQp {
     }
 
     /// Local checks of the SGEs: every lkey names a region of this QP's PD that covers the SGE
-    /// and, for the destination of a READ, allows local writes. Returns read guards that keep
-    /// the regions registered while the bytes move.
-    fn local_regions(&self, wr: &SendWr) -> Option<Vec<(Arc<SoftMr>, bool)>> {
-        let mut out: Vec<(Arc<SoftMr>, bool)> = Vec::with_capacity(wr.sges.len());
+    /// and, for the destination of a READ, allows local writes. Returns the regions, each once
+    /// (the caller read-locks each of them once: a second read lock of one region could wait
+    /// behind a deregistration waiting for the first).
+    fn local_regions(&self, wr: &SendWr) -> Option<Vec<Arc<SoftMr>>> {
+        let mut out: Vec<Arc<SoftMr>> = Vec::with_capacity(wr.sges.len());
         for sge in &wr.sges {
             let mr = self.dev.mr(sge.lkey)?;
             if mr.pd != self.pd || !mr.covers(sge.addr, sge.length as u64) {
@@ -297,15 +298,16 @@ impl SoftQp {
             if wr.op == WrOp::Read && mr.access & access::LOCAL_WRITE == 0 {
                 return None;
             }
-            out.push((mr, true));
+            if !out.iter().any(|m| m.key == mr.key) {
+                out.push(mr);
+            }
         }
         Some(out)
     }
 
     fn execute(&self, wr: &SendWr) -> u32 {
         let Some(mrs) = self.local_regions(wr) else { return wc::LOC_PROT_ERR };
-        let guards: Vec<RwLockReadGuard<'_, bool>> =
-            mrs.iter().map(|(m, _)| m.busy.read().unwrap()).collect();
+        let guards: Vec<RwLockReadGuard<'_, bool>> = mrs.iter().map(|m| m.busy.read().unwrap()).collect();
         if guards.iter().any(|g| !**g) {
             return wc::LOC_PROT_ERR; // deregistered meanwhile
         }
