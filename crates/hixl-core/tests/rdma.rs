@@ -10,7 +10,8 @@
 //! and complete; a peer killed with SIGKILL ends every pending request within its timeout; an
 //! idle link costs no CPU; one completion thread serves every peer of an engine and stops with
 //! it; deregistering local memory that a transfer uses aborts the link, and nothing is read
-//! from that memory afterwards. The NIC's own checks are in `rdma_verbs.rs`.
+//! from that memory afterwards; an engine asking for data MACs passes rdma over for tcp. The
+//! NIC's own checks are in `rdma_verbs.rs`.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -67,7 +68,10 @@ fn child_target() {
     if std::env::var(CHILD).as_deref() != Ok("target") {
         return;
     }
-    let e = engine("127.0.0.1:0", &[]);
+    // Extra options for the target, "key=value;key=value".
+    let extra = std::env::var("HIXL_RDMA_CHILD_OPTS").unwrap_or_default();
+    let extra: Vec<(&str, &str)> = extra.split(';').filter_map(|kv| kv.split_once('=')).collect();
+    let e = engine("127.0.0.1:0", &extra);
     let mut bufs: HashMap<&str, Vec<u8>> = HashMap::new();
     let mut handles = HashMap::new();
     for (name, len, seed, writable) in REGIONS {
@@ -442,5 +446,28 @@ fn deregistering_local_memory_in_flight_aborts_the_link_and_nothing_touches_it_a
     src.fill(0xEE);
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(t.peer.ask("HASH x"), before, "no write landed after deregistration returned");
+    e.finalize().unwrap();
+}
+
+#[test]
+fn data_macs_are_not_given_up_for_rdma() {
+    let _serial = serial();
+    let secret = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+    let mut t = target(&[("HIXL_SECRET", secret), ("HIXL_RDMA_CHILD_OPTS", "hixl.backends=rdma,tcp")]);
+    let e = engine(
+        "127.0.0.1",
+        &[("hixl.backends", "rdma,tcp"), ("hixl.secret", secret), ("hixl.data_mac", "1")],
+    );
+    e.connect(&t.id, T).unwrap();
+    let snap = e.stats().unwrap().into_iter().find(|s| s.peer == t.id).unwrap();
+    assert_eq!(snap.backend, "tcp");
+    assert!(snap.not_chosen.contains("rdma: hixl.data_mac=1"), "{}", snap.not_chosen);
+    let y = e.remote_region(&t.id, "y").unwrap();
+    let mut src = vec![5u8; 4096];
+    register(&e, &mut src);
+    e.put(&t.id, src.as_ptr() as u64, y.addr, 4096, T).unwrap();
+    let mut want = expected("y");
+    want[..4096].fill(5);
+    assert_eq!(t.peer.ask("HASH y"), format!("HASH {}", hash(&want)));
     e.finalize().unwrap();
 }

@@ -257,6 +257,12 @@ impl Backend for Rdma {
         offer: &Capability,
     ) -> std::result::Result<Arc<dyn DataPath>, String> {
         let nic = self.nic()?;
+        if ctx.opts.data_mac {
+            // RDMA moves bytes NIC to NIC with no MAC: the promise of hixl.data_mac cannot hold.
+            return Err(
+                "hixl.data_mac=1 asks for a MAC on every transfer's bytes, and RDMA carries none".into()
+            );
+        }
         let ours = format!("{}/{}", self.provider, nic.attr.link_layer);
         if offer.param != ours {
             return Err(format!(
