@@ -27,6 +27,7 @@ impl Engine {
             heartbeat: r.opts.heartbeat,
             data_mac: r.opts.data_mac,
             data_path: false,
+            reactor: r.reactor.clone(),
         }
     }
 

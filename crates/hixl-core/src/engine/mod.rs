@@ -19,6 +19,7 @@ use crate::options::Options;
 use crate::queue::Request;
 use crate::registry::{Access, MemType, Region, Registry};
 use crate::transport::backend::{self, Backend, MemorySpan};
+use crate::transport::reactor::Reactor;
 use crate::transport::server::{Server, ServerCtx};
 use crate::transport::shm::{self, SharedMem};
 use crate::transport::tcp::TcpLink;
@@ -78,6 +79,8 @@ struct Running {
     unconfirmed: Mutex<HashMap<(u64, u64), Arc<Region>>>,
     /// Threads of `connect_async` calls; `finalize` waits for them (each ends by its deadline).
     connects: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// The I/O workers and timer that run every TCP stream of the engine.
+    reactor: Arc<Reactor>,
 }
 
 /// A transfer engine (one per process is typical). All methods take `&self` and are thread-safe.
@@ -142,6 +145,7 @@ impl Engine {
             return Err(Error::failed("the engine was finalized; create a new one"));
         }
         let registry = Arc::new(Registry::new());
+        let reactor = Reactor::start(opts.io_workers())?;
         let notifies = Arc::new(NotifyStore::new(opts.notify_limits));
         let pid = std::process::id();
         let host = shm::host_id();
@@ -172,11 +176,18 @@ impl Engine {
                 max_pending: opts.max_pending_handshakes,
                 max_pending_per_source: opts.max_pending_per_source,
                 backends: backends.clone(),
+                reactor: reactor.clone(),
             });
             if opts.secret.is_none() && !addr.ip().is_loopback() {
                 warn_open_listener(&bound);
             }
-            (bound, Some(Server::start(l, ctx)?))
+            match Server::start(l, ctx) {
+                Ok(s) => (bound, Some(s)),
+                Err(e) => {
+                    reactor.stop();
+                    return Err(e);
+                }
+            }
         };
         tracing::info!(engine = %local, "engine initialized");
         let auto_connect = opts.auto_connect.clone();
@@ -195,6 +206,7 @@ impl Engine {
             closed: AtomicBool::new(false),
             unconfirmed: Mutex::new(HashMap::new()),
             connects: Mutex::new(Vec::new()),
+            reactor,
         }));
         drop(st);
         // HIXL's AutoConnect: connect in the background; each result is the peer's connect
@@ -259,6 +271,7 @@ impl Engine {
         for region in &regions {
             run_deregister_hooks(&r, region);
         }
+        r.reactor.stop();
         let allocated = std::mem::take(&mut *r.allocated.lock().unwrap());
         if published.is_err() || cleared.is_err() {
             // A peer may still copy into it: leak rather than free memory under it.

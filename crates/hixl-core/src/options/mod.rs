@@ -99,7 +99,11 @@ pub struct Options {
     pub notify_limits: crate::notify::NotifyLimits,
     /// `hixl.backends`: the backends that may carry a link's data, in the order they are tried.
     pub backends: Vec<String>,
-    /// `hixl.shm.threads`: copy threads per same-host link.
+    /// `hixl.tcp.io_threads`: I/O workers of the engine (0: sized for the machine; see
+    /// [`Options::io_workers`]).
+    pub io_threads: usize,
+    /// `hixl.shm.threads`: copy threads of the engine (0: sized for the machine; see
+    /// [`Options::shm_workers`]).
     pub shm_threads: usize,
     /// `hixl.strict_alignment`: strided bases and strides must be multiples of 64 bytes.
     pub strict_alignment: bool,
@@ -272,12 +276,24 @@ pub const SPECS: &[OptionSpec] = &[
         o.rdma.qps = int(k, v, 1, 64)? as usize;
         Ok(())
     }),
-    spec("hixl.shm.threads", "2", "copy threads per same-host link (1..64)", |o, k, v| {
-        {
-            o.shm_threads = int(k, v, 1, 64)? as usize;
+    spec(
+        "hixl.tcp.io_threads",
+        "0",
+        "I/O worker threads that run every TCP stream of the engine (0 = one per two cores, 2 to 8)",
+        |o, k, v| {
+            o.io_threads = int(k, v, 0, 64)? as usize;
             Ok(())
-        }
-    }),
+        },
+    ),
+    spec(
+        "hixl.shm.threads",
+        "0",
+        "copy threads of the engine, shared by every same-host link (0 = one per two cores, 2 to 8)",
+        |o, k, v| {
+            o.shm_threads = int(k, v, 0, 64)? as usize;
+            Ok(())
+        },
+    ),
     spec(
         "hixl.strict_alignment",
         "1",
@@ -366,6 +382,26 @@ fn int(key: &str, v: &str, min: u64, max: u64) -> Result<u64> {
 
 impl Options {
     /// Every field empty; `default` fills them from [`SPECS`].
+    /// The number of I/O workers to start: `hixl.tcp.io_threads`, or when 0 one per two
+    /// cores, at least 2 and at most 8.
+    pub fn io_workers(&self) -> usize {
+        if self.io_threads > 0 {
+            return self.io_threads;
+        }
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+        (cores / 2).clamp(2, 8)
+    }
+
+    /// The number of same-host copy workers: `hixl.shm.threads`, or when 0 one per two cores,
+    /// at least 2 and at most 8.
+    pub fn shm_workers(&self) -> usize {
+        if self.shm_threads > 0 {
+            return self.shm_threads;
+        }
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+        (cores / 2).clamp(2, 8)
+    }
+
     fn blank() -> Options {
         Options {
             streams: 0,
@@ -383,6 +419,7 @@ impl Options {
             },
             backends: Vec::new(),
             shm_threads: 0,
+            io_threads: 0,
             strict_alignment: false,
             coalesce: Duration::ZERO,
             coalesce_max_ops: 0,

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crossbeam_queue::ArrayQueue;
+use crossbeam_queue::SegQueue;
 
 use crate::error::{Error, Result, Status};
 
@@ -206,15 +206,18 @@ pub struct Part {
     pub body: PartBody,
 }
 
-/// A bounded lock-free MPMC queue with reservations and a doorbell for sleeping workers.
+/// A bounded lock-free MPMC queue with reservations and a doorbell for sleeping workers. The
+/// reservation counter is the bound; the storage grows with use (an idle link with a deep
+/// queue costs almost nothing, which matters with hundreds of peers).
 ///
 /// Besides the shared queue that any worker drains, it may have per-worker *lanes*: the shares
 /// of one split request are pushed one per lane, so that every stream carries its share even
 /// when one worker could have popped them all before the others woke. One reservation counter
 /// bounds the items in the shared queue and the lanes together.
 pub struct WorkQueue<T> {
-    q: ArrayQueue<T>,
-    lanes: Vec<ArrayQueue<T>>,
+    q: SegQueue<T>,
+    lanes: Vec<SegQueue<T>>,
+    capacity: usize,
     reserved: AtomicUsize,
     closed: AtomicBool,
     sleepers: AtomicUsize,
@@ -234,8 +237,9 @@ impl<T> WorkQueue<T> {
     pub fn with_lanes(capacity: usize, lanes: usize) -> Self {
         let cap = capacity.max(1);
         WorkQueue {
-            q: ArrayQueue::new(cap),
-            lanes: (0..lanes).map(|_| ArrayQueue::new(cap)).collect(),
+            q: SegQueue::new(),
+            lanes: (0..lanes).map(|_| SegQueue::new()).collect(),
+            capacity: cap,
             reserved: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
@@ -254,7 +258,7 @@ impl<T> WorkQueue<T> {
 
     /// Capacity.
     pub fn capacity(&self) -> usize {
-        self.q.capacity()
+        self.capacity
     }
 
     /// Slots reserved now (queued or about to be).
@@ -269,7 +273,7 @@ impl<T> WorkQueue<T> {
 
     /// Reserves `n` slots; `RESOURCE_EXHAUSTED` at once when they are not free.
     pub fn reserve(&self, n: usize) -> Result<()> {
-        let cap = self.q.capacity();
+        let cap = self.capacity;
         let mut cur = self.reserved.load(Ordering::Relaxed);
         loop {
             if cur + n > cap {
@@ -295,9 +299,7 @@ impl<T> WorkQueue<T> {
 
     /// Pushes an item into a slot reserved earlier and rings the bell.
     pub fn push_reserved(&self, item: T) {
-        if self.q.push(item).is_err() {
-            unreachable!("a reserved slot is always free");
-        }
+        self.q.push(item);
         if self.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = self.bell.lock().unwrap();
             self.ring.notify_one();
@@ -307,9 +309,7 @@ impl<T> WorkQueue<T> {
     /// Pushes an item reserved earlier into one worker's lane and wakes the workers (all of
     /// them: the bell does not know which sleeper owns the lane).
     pub fn push_reserved_lane(&self, lane: usize, item: T) {
-        if self.lanes[lane].push(item).is_err() {
-            unreachable!("a reserved slot is always free");
-        }
+        self.lanes[lane].push(item);
         if self.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = self.bell.lock().unwrap();
             self.ring.notify_all();
@@ -386,6 +386,28 @@ impl<T> WorkQueue<T> {
                 return !self.closed.load(Ordering::Acquire);
             }
         }
+    }
+
+    /// Pops like [`WorkQueue::pop_weighted`] but never waits: false when nothing was taken.
+    pub fn try_pop_weighted(
+        &self,
+        lane: Option<usize>,
+        out: &mut Vec<T>,
+        max: usize,
+        max_weight: u64,
+        weight: impl Fn(&T) -> u64,
+    ) -> bool {
+        let (before, mut taken) = (out.len(), 0u64);
+        while out.len() < max && taken < max_weight {
+            match self.pop_from(lane) {
+                Some(x) => {
+                    taken = taken.saturating_add(weight(&x));
+                    out.push(x);
+                }
+                None => break,
+            }
+        }
+        out.len() > before
     }
 
     /// Closes the queue: workers drain what is left and then stop.

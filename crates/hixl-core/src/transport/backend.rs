@@ -251,8 +251,9 @@ impl Backend for Shm {
         offer: &Capability,
     ) -> std::result::Result<Arc<dyn DataPath>, String> {
         let proven = prove_same_host(ctx, control, &offer.param)?;
-        let link = ShmLink::new(control.clone(), proven, ctx.opts.shm_threads, ctx.opts.queue_depth)
-            .map_err(|e| e.message)?;
+        let pool = ctx.params.reactor.copy_pool(ctx.opts.shm_workers()).map_err(|e| e.message)?;
+        let link =
+            ShmLink::new(control.clone(), proven, pool, ctx.opts.queue_depth).map_err(|e| e.message)?;
         Ok(link)
     }
 }

@@ -5,96 +5,62 @@
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, RwLockReadGuard};
+use std::sync::RwLockReadGuard;
 use std::time::{Duration, Instant};
 
-use crate::auth::FrameMac;
 use crate::error::{Error, Result};
 use crate::registry::RemoteTable;
 use crate::transport::io;
-use crate::transport::liveness::{self, Liveness};
+use crate::transport::liveness;
+use crate::transport::reactor::Tick;
 use crate::transport::server::addr_text;
 use crate::transport::tcp::{Stream, TcpLink};
 use crate::transport::{DataPath, PeerInfo};
-use crate::wire::{self, Frame, RegionEntry};
+use crate::wire::{Frame, RegionEntry};
 
-impl TcpLink {
-    /// Probes the peer every `every` (a Heartbeat on each stream that is idle; zero: never) and
-    /// closes the link once the peer has made no progress for `liveness::MISSED` intervals.
-    ///
-    /// The same thread sends the region-table confirmations that a reader could not send at
-    /// once (a reader never waits for the send lock: see `confirm_table`).
-    pub(super) fn control(self: &Arc<Self>, every: Duration) {
-        let period = if every.is_zero() { Duration::from_secs(3600) } else { every };
-        let mut live = Liveness::new(period, Instant::now());
-        let mut probes_sent: u64 = 0;
-        let mut next_probe = Instant::now() + period;
-        loop {
-            {
-                // One wake-up per interval (an idle engine stays idle); close() and readers with
-                // a confirmation to send ring earlier.
-                let mut g = self.closing.0.lock().unwrap();
-                let left = next_probe.saturating_duration_since(Instant::now());
-                if !*g && !left.is_zero() && self.is_alive() {
-                    g = self.closing.1.wait_timeout(g, left).unwrap().0;
-                }
-                *g = false;
-            }
-            if !self.is_alive() {
-                return;
-            }
-            for s in &self.streams {
-                if s.ack_due.load(Ordering::Acquire) != 0 {
-                    let mut mac = s.send_lock.lock().unwrap();
-                    if self.send_ack_locked(s, &mut mac).is_err() {
-                        drop(mac);
-                        self.close(Error::not_connected(format!("stream to {} failed", self.peer)));
-                        return;
-                    }
-                }
-            }
-            let now = Instant::now();
-            if every.is_zero() || now < next_probe {
-                continue;
-            }
-            next_probe = now + period;
-            for s in &self.streams {
-                // Only on a stream nobody is writing to and whose send queue is empty, so the
-                // probe can never block this thread (a cut link leaves data queued; then the
-                // missing progress speaks for itself).
-                if let Ok(mut mac) = s.send_lock.try_lock() {
-                    let fd = s.sock.as_raw_fd();
-                    if io::queued_bytes(fd) == Some(0) {
-                        let mut probe = wire::encode(&Frame::Heartbeat, 0, 0);
-                        mac.seal(&mut probe);
-                        if io::send_bytes(fd, &probe).is_ok() {
-                            probes_sent += probe.len() as u64;
-                        }
-                    }
-                }
-            }
-            let mut progress: i128 = -(probes_sent as i128);
-            for s in &self.streams {
-                let Some((received, acked)) = liveness::tcp_progress(s.sock.as_raw_fd()) else { return };
-                progress += received as i128 + acked as i128;
-            }
-            let (missed, dead) = live.observe_counting(progress, now);
-            if missed {
-                self.done.stats().heartbeat_misses.fetch_add(1, Ordering::Relaxed);
-            }
-            if let Some(silent) = dead {
-                self.close(Error::not_connected(format!(
-                    "{} stopped answering: no progress for {} ms ({} heartbeats of {} ms missed)",
-                    self.peer,
-                    silent.as_millis(),
-                    liveness::MISSED,
-                    every.as_millis()
-                )));
-                return;
+impl Tick for TcpLink {
+    /// Every heartbeat interval (from the engine's timer): probes the peer on each stream that
+    /// has nothing queued to send, and closes the link once the peer has made no progress for
+    /// `liveness::MISSED` intervals.
+    fn tick(&self, now: Instant) -> bool {
+        if !self.alive() {
+            return false;
+        }
+        let mut beat = self.beat.lock().unwrap();
+        for s in &self.streams {
+            // Only where nothing is queued, so that a probe never waits behind data (a cut link
+            // leaves data queued; then the missing progress speaks for itself).
+            let idle = s.tx.try_lock().is_ok_and(|tx| tx.out.is_empty());
+            if idle && io::queued_bytes(s.sock.as_raw_fd()) == Some(0) {
+                beat.probes_sent += self.send_own(s, &Frame::Heartbeat, 0);
             }
         }
+        let mut progress: i128 = -(beat.probes_sent as i128);
+        for s in &self.streams {
+            let Some((received, acked)) = liveness::tcp_progress(s.sock.as_raw_fd()) else { return false };
+            progress += received as i128 + acked as i128;
+        }
+        let (missed, dead) = beat.live.observe_counting(progress, now);
+        if missed {
+            self.done.stats().heartbeat_misses.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(silent) = dead {
+            let every = beat.every;
+            drop(beat);
+            self.close(Error::not_connected(format!(
+                "{} stopped answering: no progress for {} ms ({} heartbeats of {} ms missed)",
+                self.peer,
+                silent.as_millis(),
+                liveness::MISSED,
+                every.as_millis()
+            )));
+            return false;
+        }
+        true
     }
+}
 
+impl TcpLink {
     /// Replaces the peer's region table unless ours is newer (waiting for direct copies that
     /// hold the old one) and wakes `refresh_table` / `wait_table_version` callers.
     pub(super) fn install_table(&self, version: u64, regions: Vec<RegionEntry>, answers: Option<u64>) {
@@ -162,38 +128,9 @@ impl TcpLink {
         Ok(())
     }
 
-    /// Confirms region-table `version` to the peer. A reader never waits for the send lock nor
-    /// on a full socket (the peer may be blocked sending to us, waiting for us to read): it
-    /// sends at once only when the lock is free and the socket's send queue is empty, and
-    /// otherwise leaves the confirmation to the control thread.
+    /// Confirms region-table `version` to the peer (queued on the stream; never waits).
     pub(super) fn confirm_table(&self, s: &Stream, version: u64) {
-        s.ack_due.fetch_max(version, Ordering::AcqRel);
-        if let Ok(mut mac) = s.send_lock.try_lock() {
-            if io::queued_bytes(s.sock.as_raw_fd()) == Some(0) {
-                if self.send_ack_locked(s, &mut mac).is_err() {
-                    drop(mac);
-                    self.close(Error::not_connected(format!("stream to {} failed", self.peer)));
-                }
-                return;
-            }
-        }
-        self.ring_control();
-    }
-
-    /// Sends the pending confirmation of stream `s`, if any; the caller holds its send lock.
-    fn send_ack_locked(&self, s: &Stream, mac: &mut FrameMac) -> std::io::Result<()> {
-        let version = s.ack_due.swap(0, Ordering::AcqRel);
-        if version == 0 {
-            return Ok(());
-        }
-        let mut ack = wire::encode(&Frame::RegionsAck { version }, 0, 0);
-        mac.seal(&mut ack);
-        io::send_bytes(s.sock.as_raw_fd(), &ack)
-    }
-
-    pub(super) fn ring_control(&self) {
-        *self.closing.0.lock().unwrap() = true;
-        self.closing.1.notify_all();
+        self.send_own(s, &Frame::RegionsAck { version }, 0);
     }
 
     /// Our descriptor of stream 0 (the same-host proof shows it to the peer).
@@ -233,14 +170,10 @@ impl TcpLink {
     /// on stream 0) and waits up to `timeout` for its answer's payload.
     pub fn open_backend(&self, backend: &str, payload: Vec<u8>, timeout: Duration) -> Result<Vec<u8>> {
         let tag = self.next_query.fetch_add(1, Ordering::Relaxed);
-        let s = &self.streams[0];
-        let mut frame = wire::encode(&Frame::BackendOpen { backend: backend.to_string(), payload }, tag, 0);
-        {
-            let mut mac = s.send_lock.lock().unwrap();
-            mac.seal(&mut frame);
-            io::send_bytes(s.sock.as_raw_fd(), &frame)
-                .map_err(|e| Error::not_connected(format!("stream to {} failed: {e}", self.peer)))?;
+        if !self.alive() {
+            return Err(self.close_reason());
         }
+        self.send_own(&self.streams[0], &Frame::BackendOpen { backend: backend.to_string(), payload }, tag);
         let deadline = Instant::now() + timeout;
         let mut g = self.tables.0.lock().unwrap();
         loop {
@@ -279,14 +212,10 @@ impl TcpLink {
         let tag = self.next_query.fetch_add(1, Ordering::Relaxed);
         // On the first stream: the one the peer sends its table updates on, so the answer
         // comes after every update sent before it.
-        let s = &self.streams[0];
-        let mut query = wire::encode(&Frame::RegionsQuery, tag, 0);
-        {
-            let mut mac = s.send_lock.lock().unwrap();
-            mac.seal(&mut query);
-            io::send_bytes(s.sock.as_raw_fd(), &query)
-                .map_err(|e| Error::not_connected(format!("stream to {} failed: {e}", self.peer)))?;
+        if !self.alive() {
+            return Err(self.close_reason());
         }
+        self.send_own(&self.streams[0], &Frame::RegionsQuery, tag);
         let deadline = Instant::now() + timeout;
         let mut n = self.tables.0.lock().unwrap();
         while *n < tag {

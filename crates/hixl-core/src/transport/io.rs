@@ -16,11 +16,6 @@ pub fn iov(addr: u64, len: u64) -> libc::iovec {
     libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len as usize }
 }
 
-/// An iovec over a byte slice (only read from).
-pub fn iov_of(b: &[u8]) -> libc::iovec {
-    iov(b.as_ptr() as u64, b.len() as u64)
-}
-
 /// Drops `n` bytes from the front of an iovec list, returning the index of the first iovec that
 /// still has bytes.
 fn advance(iovs: &mut [libc::iovec], mut start: usize, mut n: usize) -> usize {
@@ -40,33 +35,6 @@ fn advance(iovs: &mut [libc::iovec], mut start: usize, mut n: usize) -> usize {
         start += 1;
     }
     start
-}
-
-/// Sends every byte described by `iovs` (at most IOV_MAX per call, resuming partial sends),
-/// with MSG_NOSIGNAL so a closed peer is an error, never SIGPIPE.
-///
-/// # Safety
-/// Every iovec must describe readable memory that stays valid for the duration of the call.
-pub unsafe fn send_all(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Result<()> {
-    let mut start = advance(iovs, 0, 0);
-    while start < iovs.len() {
-        let n = (iovs.len() - start).min(IOV_MAX);
-        // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = iovs[start..].as_mut_ptr();
-        msg.msg_iovlen = n;
-        // SAFETY: the iovecs point at memory the caller guarantees readable (see above).
-        let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        start = advance(iovs, start, r as usize);
-    }
-    Ok(())
 }
 
 /// Receives exactly the bytes described by `iovs` (resuming partial reads); EOF is an error.
@@ -182,24 +150,6 @@ pub fn send_bytes_by(fd: RawFd, buf: &[u8], deadline: Instant) -> io::Result<()>
     while sent < buf.len() {
         wait_ready(fd, true, deadline)?;
         sent += send_some(fd, &buf[sent..])?;
-    }
-    Ok(())
-}
-
-/// Sends a whole byte buffer.
-pub fn send_bytes(fd: RawFd, buf: &[u8]) -> io::Result<()> {
-    let mut v = [iov_of(buf)];
-    // SAFETY: the iovec covers `buf`, which is borrowed for the call.
-    unsafe { send_all(fd, &mut v) }
-}
-
-/// Reads and throws away `n` bytes (the bulk of a refused frame), keeping the stream in sync.
-pub fn discard(fd: RawFd, mut n: u64) -> io::Result<()> {
-    let mut scratch = vec![0u8; 64 * 1024];
-    while n > 0 {
-        let k = n.min(scratch.len() as u64) as usize;
-        recv_exact(fd, &mut scratch[..k])?;
-        n -= k as u64;
     }
     Ok(())
 }

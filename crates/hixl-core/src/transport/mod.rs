@@ -9,18 +9,21 @@ pub mod handshake;
 pub mod io;
 pub mod liveness;
 pub mod local;
+pub(crate) mod nbio;
+pub mod pool;
 pub mod rdma;
+pub mod reactor;
 pub mod selfcopy;
 pub mod serve;
+pub(crate) mod served;
 pub mod server;
 pub mod shared_mem;
 pub mod shm;
 pub mod tcp;
 
-use std::sync::{Arc, Mutex};
-use std::thread::{JoinHandle, ThreadId};
+use std::sync::Arc;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::queue::Part;
 use crate::registry::RemoteTable;
 use crate::stats::PeerStats;
@@ -72,42 +75,5 @@ pub trait DataPath: crate::registry::Abort + Send + Sync {
     /// queues nothing (it copies on the caller's thread).
     fn queue_slots(&self) -> (usize, usize) {
         (0, 0)
-    }
-}
-
-/// The threads of a link: started by name, joined when the link closes, unless the closing
-/// thread is one of them (it then just returns and ends by itself).
-#[derive(Default)]
-pub(crate) struct Workers {
-    handles: Mutex<Vec<JoinHandle<()>>>,
-    ids: Mutex<Vec<ThreadId>>,
-}
-
-impl Workers {
-    /// Starts a named thread.
-    pub(crate) fn spawn(&self, name: String, f: impl FnOnce() + Send + 'static) -> Result<()> {
-        let h = std::thread::Builder::new()
-            .name(name.clone())
-            .spawn(f)
-            .map_err(|e| Error::failed(format!("cannot start thread {name}: {e}")))?;
-        self.ids.lock().unwrap().push(h.thread().id());
-        self.handles.lock().unwrap().push(h);
-        Ok(())
-    }
-
-    /// Whether the calling thread is one of these.
-    pub(crate) fn is_own(&self) -> bool {
-        self.ids.lock().unwrap().contains(&std::thread::current().id())
-    }
-
-    /// Joins every thread, unless called from one of them.
-    pub(crate) fn join_unless_own(&self) {
-        let me = std::thread::current().id();
-        if self.ids.lock().unwrap().contains(&me) {
-            return;
-        }
-        for h in std::mem::take(&mut *self.handles.lock().unwrap()) {
-            let _ = h.join();
-        }
     }
 }

@@ -1,20 +1,21 @@
 //! The target side: a listener that admits streams, and the publisher that sends region-table
-//! updates. Each admitted stream is served by its own thread (`serve`), which checks every
-//! remote range against this engine's registry. No application code runs here.
+//! updates. Each admitted stream's handshake runs on a thread of its own (`serve`); then the
+//! engine's I/O workers serve it (`served`), checking every remote range against this
+//! engine's registry. No application code runs here.
 //!
 //! Before a stream's handshake ends it costs at most its Hello buffer and one thread, under one
 //! deadline; such streams are capped in total and per source address (the oldest is closed to
 //! admit a new one), and a source address that fails authentication repeatedly is shut out for
 //! a while. API threads never send on a peer's socket: region updates are queued (as a version
-//! number: the newest table replaces every older one) and sent by the publisher thread, which
-//! disconnects a peer that has not taken an update within the deregistration timeout.
+//! number: the newest table replaces every older one) and sent by the stream's writer; the
+//! publisher thread disconnects a peer that has not taken an update within the deregistration
+//! timeout.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::auth::{FrameMac, Secret};
@@ -24,7 +25,10 @@ use crate::registry::{new_holder_id, Abort, Registry};
 use crate::transport::backend::Backend;
 use crate::transport::io;
 use crate::transport::local::LocalListener;
+use crate::transport::nbio::Outbox;
+use crate::transport::reactor::{Interest, Reactor, Source, Tick};
 use crate::transport::serve::serve;
+use crate::transport::served::{self, ServedRx};
 use crate::wire::{self, Frame};
 
 /// A source of connections for the pending-handshake caps: an IPv4 address, or an IPv6 /64
@@ -74,57 +78,46 @@ pub struct ServerCtx {
     pub max_pending_per_source: usize,
     /// The backends this engine offers (their capabilities go in Welcome), in its order.
     pub backends: Vec<Arc<dyn Backend>>,
+    /// The engine's I/O workers, which serve the streams after their handshake.
+    pub reactor: Arc<Reactor>,
 }
 
-/// The sending half of a served stream, behind one lock: frames never interleave.
+/// The sending half of a served stream, behind one lock: frames are sealed in the order they
+/// are queued, and that is the order they are sent in.
 pub(crate) struct SendState {
     /// Seals outgoing frames (on an authenticated stream).
     pub(crate) mac: FrameMac,
-    /// A region update the publisher started to send without blocking, and how much of it went.
-    outbox: Vec<u8>,
-    outbox_sent: usize,
-    outbox_version: u64,
+    /// What waits to be sent.
+    pub(crate) out: Outbox,
 }
 
 impl SendState {
     fn new() -> SendState {
-        SendState { mac: FrameMac::default(), outbox: Vec::new(), outbox_sent: 0, outbox_version: 0 }
+        SendState { mac: FrameMac::default(), out: Outbox::default() }
     }
 
-    /// Finishes a partly sent region update (blocking): only the stream's own thread does this,
-    /// before it sends a frame of its own.
-    pub(crate) fn finish_outbox(&mut self, s: &Served) -> std::io::Result<()> {
-        if self.outbox_sent < self.outbox.len() {
-            io::send_bytes(s.sock.as_raw_fd(), &self.outbox[self.outbox_sent..])?;
-            self.outbox_sent = self.outbox.len();
-        }
-        self.outbox_done(s);
-        Ok(())
+    /// Seals a frame and queues it.
+    pub(crate) fn queue_sealed(&mut self, b: &mut Vec<u8>) {
+        self.mac.seal(b);
+        self.out.push_frame(std::mem::take(b));
     }
 
-    fn outbox_done(&mut self, s: &Served) {
-        if !self.outbox.is_empty() && self.outbox_sent == self.outbox.len() {
-            s.sent.fetch_max(self.outbox_version, Ordering::AcqRel);
-            if s.sent.load(Ordering::Acquire) >= s.due.load(Ordering::Acquire) {
-                *s.due_since.lock().unwrap() = None;
-            }
-            self.outbox.clear();
-            self.outbox_sent = 0;
+    /// Everything queued went out: an update sent no longer counts as owed.
+    pub(crate) fn flushed(&mut self, s: &Served) {
+        if s.sent.load(Ordering::Acquire) >= s.due.load(Ordering::Acquire) {
+            *s.due_since.lock().unwrap() = None;
         }
     }
 
-    /// Puts the current table in the outbox when an update is due and none is under way.
-    fn queue_update(&mut self, s: &Served, ctx: &ServerCtx) {
+    /// Queues the newest region table (or the changes since what the peer has) when an update
+    /// is due: the changes since the version this peer has, or (when the journal no longer
+    /// reaches back that far) the whole table.
+    pub(crate) fn queue_update(&mut self, s: &Served, ctx: &ServerCtx) {
         let due = s.due.load(Ordering::Acquire);
-        if !self.outbox.is_empty()
-            || due <= s.sent.load(Ordering::Acquire)
-            || !s.welcomed.load(Ordering::Acquire)
-        {
+        let sent = s.sent.load(Ordering::Acquire);
+        if due <= sent || !s.welcomed.load(Ordering::Acquire) {
             return;
         }
-        // The changes since the version this peer has, or (when the journal no longer reaches
-        // back that far) the whole table.
-        let sent = s.sent.load(Ordering::Acquire);
         let (version, frame) = match ctx.registry.changes_since(sent) {
             Some(d) if d.version <= sent => {
                 s.sent.fetch_max(due, Ordering::AcqRel);
@@ -140,27 +133,10 @@ impl SendState {
             }
         };
         let mut frame = wire::encode(&frame, 0, 0);
-        self.mac.seal(&mut frame);
-        s.update_bytes.fetch_add(frame.len() as u64, Ordering::Relaxed);
-        self.outbox = frame;
-        self.outbox_sent = 0;
-        self.outbox_version = version;
-    }
-
-    /// Sends a due region update from the stream's own thread (blocking, like its other frames).
-    pub(crate) fn send_update_if_due(&mut self, s: &Served, ctx: &ServerCtx) -> std::io::Result<()> {
-        self.queue_update(s, ctx);
-        self.finish_outbox(s)
-    }
-
-    /// Sends as much of a due region update as the socket takes now, never blocking.
-    fn push_update(&mut self, s: &Served, ctx: &ServerCtx) -> std::io::Result<()> {
-        self.queue_update(s, ctx);
-        if self.outbox_sent < self.outbox.len() {
-            self.outbox_sent += io::send_some(s.sock.as_raw_fd(), &self.outbox[self.outbox_sent..])?;
-        }
-        self.outbox_done(s);
-        Ok(())
+        let before = self.out.bytes;
+        self.queue_sealed(&mut frame);
+        s.update_bytes.fetch_add(self.out.bytes - before, Ordering::Relaxed);
+        s.sent.fetch_max(version, Ordering::AcqRel);
     }
 }
 
@@ -168,7 +144,21 @@ impl SendState {
 pub(crate) struct Served {
     /// This stream as a holder of region pins.
     holder_id: u64,
+    /// Its key in `Server::served` (and the notification store's sender id).
+    pub(crate) id: u64,
     pub(crate) sock: TcpStream,
+    /// A second descriptor of the socket, on which the writer is registered (epoll holds one
+    /// registration per descriptor, and the reader has `sock`'s).
+    wsock: TcpStream,
+    /// The receiving side, held by the reader while it runs.
+    pub(crate) rx: Mutex<ServedRx>,
+    /// The reader stopped taking frames until the writer sends what is queued.
+    pub(crate) paused: AtomicBool,
+    /// The reactor tokens of the reader and the writer (0: not registered yet).
+    pub(crate) reader_token: AtomicU64,
+    pub(crate) writer_token: AtomicU64,
+    /// Set once the stream's end was handled.
+    finished: AtomicBool,
     /// The initiator's address and ours, as text (the four-tuple of the same-host proof).
     pub(crate) peer_addr: String,
     pub(crate) local_addr: String,
@@ -182,6 +172,9 @@ pub(crate) struct Served {
     pub(crate) link_head: AtomicBool,
     /// A data-path stream (Hello flag bit 1): it gets no region table at all.
     pub(crate) data_path: AtomicBool,
+    /// What backends set up for this link's initiator (`Backend::accept`: RDMA queue pairs),
+    /// dropped when the stream ends.
+    pub(crate) accepted: Mutex<crate::transport::backend::Accepted>,
     /// Highest region-table version the peer confirmed.
     pub(crate) acked: AtomicU64,
     /// Set when the serve thread is done with this stream.
@@ -191,7 +184,7 @@ pub(crate) struct Served {
     /// Newest version sent to it.
     pub(crate) sent: AtomicU64,
     /// Since when an update has been due and not sent.
-    due_since: Mutex<Option<Instant>>,
+    pub(crate) due_since: Mutex<Option<Instant>>,
     /// Bytes of region-table updates queued for this stream (counted for `stats`).
     pub(crate) update_bytes: AtomicU64,
 }
@@ -219,10 +212,9 @@ pub struct Server {
     next: AtomicU64,
     pub(crate) live: Mutex<usize>,
     gone: Condvar,
-    threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The listener's reactor token (0: not registered).
+    accept_token: AtomicU64,
     pub(crate) acks: Condvar,
-    /// Rung when an update becomes due (or on stop); the publisher sleeps on it.
-    publish: (Mutex<bool>, Condvar),
 }
 
 /// Canonical text of a socket address: IPv4-mapped IPv6 written as IPv4.
@@ -237,7 +229,8 @@ pub fn addr_text(a: SocketAddr) -> String {
 }
 
 impl Server {
-    /// Starts serving `listener` (and the same-host proof socket) on background threads.
+    /// Starts serving `listener` on the engine's reactor (and the same-host proof socket on a
+    /// thread of its own).
     pub fn start(listener: TcpListener, ctx: Arc<ServerCtx>) -> Result<Arc<Server>> {
         let srv = Arc::new(Server {
             listener,
@@ -250,9 +243,8 @@ impl Server {
             next: AtomicU64::new(0),
             live: Mutex::new(0),
             gone: Condvar::new(),
-            threads: Mutex::new(Vec::new()),
+            accept_token: AtomicU64::new(0),
             acks: Condvar::new(),
-            publish: (Mutex::new(false), Condvar::new()),
         });
         let weak = Arc::downgrade(&srv);
         let local = LocalListener::start(Box::new(move |initiator: &str, target: &str| {
@@ -260,14 +252,13 @@ impl Server {
         }))?;
         crate::transport::selfcopy::announce(local.name(), &srv);
         *srv.local.lock().unwrap() = Some(local);
-        for (name, role) in [("hixl-accept", 0), ("hixl-publish", 1)] {
-            let s = srv.clone();
-            let h = std::thread::Builder::new()
-                .name(name.into())
-                .spawn(move || if role == 0 { s.accept_loop() } else { s.publisher() })
-                .map_err(|e| Error::failed(format!("cannot start thread {name}: {e}")))?;
-            srv.threads.lock().unwrap().push(h);
-        }
+        srv.listener.set_nonblocking(true).map_err(|e| Error::failed(format!("listener: {e}")))?;
+        let reactor = srv.ctx.reactor.clone();
+        let acceptor = Arc::new(Acceptor(srv.clone()));
+        let token = reactor.add(srv.listener.as_raw_fd(), acceptor, Interest::Read)?;
+        srv.accept_token.store(token, Ordering::Release);
+        let tick: Arc<dyn Tick> = srv.clone();
+        reactor.every(PUBLISH_CHECK, Arc::downgrade(&tick));
         Ok(srv)
     }
 
@@ -374,27 +365,40 @@ impl Server {
         self.pending.lock().unwrap().retain(|(i, _)| *i != id);
     }
 
-    fn accept_loop(self: Arc<Self>) {
+    /// Takes every connection waiting on the listener (run by the reactor when it is readable).
+    fn accept_ready(self: &Arc<Self>) -> Interest {
         loop {
+            if self.stopping.load(Ordering::Acquire) {
+                return Interest::Gone;
+            }
             let (sock, from) = match self.listener.accept() {
                 Ok(x) => x,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Interest::Read,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    if self.stopping.load(Ordering::Acquire) {
-                        break;
-                    }
+                    // Out of descriptors, say: try again at the next connection.
                     tracing::warn!(error = %e, "accept failed");
-                    std::thread::sleep(Duration::from_millis(10));
-                    continue;
+                    return Interest::Read;
                 }
             };
-            if self.stopping.load(Ordering::Acquire) {
-                break;
+            if sock.set_nonblocking(false).is_err() {
+                continue;
             }
-            let (Ok(clone), Ok(local)) = (sock.try_clone(), sock.local_addr()) else { continue };
+            let (Ok(clone), Ok(wsock), Ok(local)) = (sock.try_clone(), sock.try_clone(), sock.local_addr())
+            else {
+                continue;
+            };
             let id = self.next.fetch_add(1, Ordering::Relaxed);
             let served = Arc::new(Served {
                 holder_id: new_holder_id(),
+                id,
                 sock: clone,
+                wsock,
+                rx: Mutex::new(ServedRx::new(FrameMac::default())),
+                paused: AtomicBool::new(false),
+                reader_token: AtomicU64::new(0),
+                writer_token: AtomicU64::new(0),
+                finished: AtomicBool::new(false),
                 peer_addr: addr_text(from),
                 local_addr: addr_text(local),
                 send: Mutex::new(SendState::new()),
@@ -408,23 +412,18 @@ impl Server {
                 due_since: Mutex::new(None),
                 update_bytes: AtomicU64::new(0),
                 data_path: AtomicBool::new(false),
+                accepted: Mutex::new(Vec::new()),
             });
             self.served.lock().unwrap().insert(id, served.clone());
             self.admit(id, from.ip());
             *self.live.lock().unwrap() += 1;
             let srv = self.clone();
-            let spawned = std::thread::Builder::new().name("hixl-serve".into()).spawn(move || {
+            // The handshake only: the I/O workers take the stream after it (`start_serving`).
+            let spawned = std::thread::Builder::new().name("hixl-handshake".into()).spawn(move || {
                 if let Err(e) = serve(&srv, id, from, &sock, &served) {
                     tracing::info!(from = %from, error = %e, "served stream ended");
+                    srv.end_stream(&served);
                 }
-                srv.handshake_over(id);
-                srv.served.lock().unwrap().remove(&id);
-                // Flag first, then the lock: a publisher that saw the stream running is already
-                // waiting and gets this wake-up.
-                served.ended.store(true, Ordering::Release);
-                *srv.live.lock().unwrap() -= 1;
-                srv.gone.notify_all();
-                srv.acks.notify_all();
             });
             if spawned.is_err() {
                 self.handshake_over(id);
@@ -434,30 +433,61 @@ impl Server {
         }
     }
 
-    /// Sends due region updates; never blocks on one peer for long (a peer whose socket has no
-    /// room is retried, and disconnected once it has owed an update for `slow_peer_timeout`).
-    fn publisher(self: Arc<Self>) {
-        loop {
-            {
-                let mut rung = self.publish.0.lock().unwrap();
-                if !*rung && !self.stopping.load(Ordering::Acquire) {
-                    let backlog = self.served.lock().unwrap().values().any(|s| owes_update(s));
-                    let wait = if backlog { Duration::from_millis(10) } else { Duration::from_secs(3600) };
-                    rung = self.publish.1.wait_timeout(rung, wait).unwrap().0;
-                }
-                *rung = false;
+    /// Hands a stream whose handshake ended to the I/O workers (`rx` opens its frames).
+    pub(crate) fn start_serving(self: &Arc<Self>, s: &Arc<Served>, rx: FrameMac) -> std::io::Result<()> {
+        s.sock.set_nonblocking(true)?;
+        *s.rx.lock().unwrap() = ServedRx::new(rx);
+        let reactor = &self.ctx.reactor;
+        let w = Arc::new(served::Writer { srv: self.clone(), served: s.clone() });
+        let r = Arc::new(served::Reader { srv: self.clone(), served: s.clone() });
+        let wt = reactor
+            .add(s.wsock.as_raw_fd(), w, Interest::Idle)
+            .map_err(|e| std::io::Error::other(e.message))?;
+        s.writer_token.store(wt, Ordering::Release);
+        let rt = match reactor.add(s.sock.as_raw_fd(), r, Interest::Read) {
+            Ok(t) => t,
+            Err(e) => {
+                reactor.remove(wt);
+                return Err(std::io::Error::other(e.message));
             }
-            if self.stopping.load(Ordering::Acquire) {
-                return;
-            }
-            let owing: Vec<Arc<Served>> =
-                self.served.lock().unwrap().values().filter(|s| owes_update(s)).cloned().collect();
-            for s in owing {
-                self.push_update(&s);
-            }
-        }
+        };
+        s.reader_token.store(rt, Ordering::Release);
+        // An update that became due during the handshake.
+        reactor.schedule(wt);
+        Ok(())
     }
 
+    /// A served stream ended (the first call does the work): it leaves the reactor and the
+    /// served set, and what it held (queued answers, pins) is let go.
+    pub(crate) fn end_stream(&self, s: &Served) {
+        if s.finished.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        io::shutdown(s.sock.as_raw_fd());
+        for t in [&s.reader_token, &s.writer_token] {
+            let t = t.load(Ordering::Acquire);
+            if t != 0 {
+                self.ctx.reactor.remove(t);
+            }
+        }
+        s.send.lock().unwrap().out.clear();
+        // Backends' per-link state (queue pairs) goes with the link.
+        drop(std::mem::take(&mut *s.accepted.lock().unwrap()));
+        if let Ok(mut rx) = s.rx.try_lock() {
+            rx.state = served::RxState::Frames;
+        }
+        self.handshake_over(s.id);
+        self.served.lock().unwrap().remove(&s.id);
+        // Flag first, then the lock: a publisher that saw the stream running is already
+        // waiting and gets this wake-up.
+        s.ended.store(true, Ordering::Release);
+        *self.live.lock().unwrap() -= 1;
+        self.gone.notify_all();
+        self.acks.notify_all();
+    }
+
+    /// Has a peer's writer send a due update, or disconnects the peer once it has owed one
+    /// for `slow_peer_timeout`.
     fn push_update(&self, s: &Served) {
         let since = *s.due_since.lock().unwrap().get_or_insert_with(Instant::now);
         if since.elapsed() > self.ctx.slow_peer_timeout {
@@ -465,10 +495,9 @@ impl Server {
             s.abort("peer fell behind on region updates");
             return;
         }
-        // Busy: its serve thread sends the update after its current frame.
-        let Ok(mut tx) = s.send.try_lock() else { return };
-        if tx.push_update(s, &self.ctx).is_err() {
-            s.abort("cannot send a region update");
+        let token = s.writer_token.load(Ordering::Acquire);
+        if token != 0 {
+            self.ctx.reactor.schedule(token);
         }
     }
 
@@ -489,10 +518,9 @@ impl Server {
             .collect();
         for s in &heads {
             s.due.fetch_max(version, Ordering::SeqCst);
-        }
-        {
-            *self.publish.0.lock().unwrap() = true;
-            self.publish.1.notify_all();
+            if owes_update(s) {
+                self.push_update(s);
+            }
         }
         let Some(wait) = wait else { return Ok(()) };
         let deadline = Instant::now() + wait;
@@ -527,14 +555,11 @@ impl Server {
     /// Stops accepting, closes every served stream and waits (bounded) for their threads.
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::Release);
+        let token = self.accept_token.swap(0, Ordering::AcqRel);
+        if token != 0 {
+            self.ctx.reactor.remove(token);
+        }
         io::shutdown(self.listener.as_raw_fd());
-        {
-            *self.publish.0.lock().unwrap() = true;
-            self.publish.1.notify_all();
-        }
-        for h in std::mem::take(&mut *self.threads.lock().unwrap()) {
-            let _ = h.join();
-        }
         if let Some(l) = self.local.lock().unwrap().take() {
             crate::transport::selfcopy::withdraw(l.name());
             l.stop();
@@ -551,8 +576,36 @@ impl Server {
     }
 }
 
+/// How often the region-update backlog is checked for peers that fell behind.
+const PUBLISH_CHECK: Duration = Duration::from_millis(250);
+
+/// The listener, as the reactor runs it.
+struct Acceptor(Arc<Server>);
+
+impl Source for Acceptor {
+    fn run(&self, _events: u32) -> Interest {
+        self.0.accept_ready()
+    }
+}
+
+impl Tick for Server {
+    /// Retries the updates still owed, and disconnects peers that owe one for too long.
+    fn tick(&self, _now: Instant) -> bool {
+        if self.stopping.load(Ordering::Acquire) {
+            return false;
+        }
+        let owing: Vec<Arc<Served>> =
+            self.served.lock().unwrap().values().filter(|s| owes_update(s)).cloned().collect();
+        for s in owing {
+            self.push_update(&s);
+        }
+        true
+    }
+}
+
 fn owes_update(s: &Served) -> bool {
     s.welcomed.load(Ordering::Acquire)
         && !s.ended.load(Ordering::Acquire)
-        && s.due.load(Ordering::Acquire) > s.sent.load(Ordering::Acquire)
+        && (s.due.load(Ordering::Acquire) > s.sent.load(Ordering::Acquire)
+            || s.due_since.lock().unwrap().is_some())
 }

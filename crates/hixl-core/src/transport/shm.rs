@@ -11,7 +11,7 @@
 //! `Server::publish_regions`).
 
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLockReadGuard};
 use std::time::Duration;
 
@@ -22,8 +22,9 @@ use crate::registry::{new_holder_id, Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::io::{iov, IOV_MAX};
 use crate::transport::local::{exited, get_fd, Proven};
+use crate::transport::pool::{CopyPool, Task};
 use crate::transport::tcp::TcpLink;
-use crate::transport::{DataPath, Workers};
+use crate::transport::DataPath;
 use crate::wire::RegionEntry;
 
 pub use super::shared_mem::SharedMem;
@@ -33,9 +34,6 @@ use super::shared_mem::REQUIRED_SEALS;
 /// Fixed, like the three below: above it a copy takes long enough that a hand-off costs
 /// nothing measurable; `hixl.shm.threads` is the knob for large copies.
 const INLINE_BYTES: u64 = 256 * 1024;
-/// How long a copy thread polls for the next request before it sleeps (see
-/// `WorkQueue::with_spin`): back-to-back requests then need no wake-up.
-const WORKER_SPIN: Duration = Duration::from_micros(100);
 /// How often a copy asks the peer's pidfd whether the process still lives (see `peer_exited`).
 const EXIT_CHECK_EVERY: Duration = Duration::from_millis(10);
 /// A worker stops taking parts once it holds this many bytes.
@@ -189,55 +187,46 @@ pub struct ShmLink {
     direct_ok: AtomicBool,
     /// The proven peer process.
     pidfd: OwnedFd,
-    workers: usize,
+    /// The engine's copy workers, shared by every same-host link.
+    pool: Arc<CopyPool>,
+    /// This link, as the pool's task (set at construction).
+    me: std::sync::Weak<ShmLink>,
     queue: WorkQueue<Part>,
-    next_lane: AtomicUsize,
     closed: AtomicBool,
     /// Settles the requests whose data this link copied.
     done: Completer,
     /// When the link was made, and (nanoseconds after that) when the peer was last seen alive.
     born: std::time::Instant,
     alive_at: std::sync::atomic::AtomicU64,
-    threads: Workers,
 }
 
 impl ShmLink {
-    /// Wraps a connected TCP link whose peer proved it is the process `proven`; starts
-    /// `workers` copy threads.
+    /// Wraps a connected TCP link whose peer proved it is the process `proven`; its copies
+    /// larger than a small request run on `pool`.
     pub fn new(
         tcp: Arc<TcpLink>,
         proven: Proven,
-        workers: usize,
+        pool: Arc<CopyPool>,
         queue_depth: usize,
     ) -> Result<Arc<ShmLink>> {
         let Proven { pid, pidfd, .. } = proven;
         tcp.set_label("shm");
         let done = Completer::new("shm", &tcp.peer_info().engine_id, tcp.stats());
-        let workers = workers.max(1);
-        let link = Arc::new(ShmLink {
+        Ok(Arc::new_cyclic(|me| ShmLink {
             holder_id: new_holder_id(),
             tcp,
             pid,
             maps: Mutex::new(std::collections::HashMap::new()),
             direct_ok: AtomicBool::new(true),
             pidfd,
-            workers,
-            queue: WorkQueue::with_lanes(queue_depth, workers).with_spin(WORKER_SPIN),
-            next_lane: AtomicUsize::new(0),
+            pool,
+            me: me.clone(),
+            queue: WorkQueue::new(queue_depth),
             closed: AtomicBool::new(false),
             done,
             born: std::time::Instant::now(),
             alive_at: std::sync::atomic::AtomicU64::new(0),
-            threads: Workers::default(),
-        });
-        for lane in 0..workers {
-            let l = link.clone();
-            if let Err(e) = link.threads.spawn(format!("hixl-shm{lane}"), move || l.worker(lane)) {
-                link.close(e.clone());
-                return Err(e);
-            }
-        }
-        Ok(link)
+        }))
     }
 
     /// Whether the peer process has exited, asked of its pidfd at most every
@@ -256,22 +245,6 @@ impl ShmLink {
         }
         self.alive_at.store(now, Ordering::Relaxed);
         false
-    }
-
-    fn worker(self: &Arc<Self>, lane: usize) {
-        let bytes = |p: &Part| p.body.bytes();
-        let mut batch = Vec::new();
-        while self.queue.pop_weighted(Some(lane), &mut batch, 64, BATCH_BYTES, bytes, Duration::from_secs(1))
-        {
-            for part in batch.drain(..) {
-                let res = if part.req.status() == TransferStatus::Waiting {
-                    self.execute(&part)
-                } else {
-                    Err(part.req.error().unwrap_or_else(|| Error::timeout("request ended before it ran")))
-                };
-                self.finish_part(part, res);
-            }
-        }
     }
 
     /// Copies one part, holding the peer's region table so that it cannot change meanwhile.
@@ -420,7 +393,7 @@ impl DataPath for ShmLink {
     }
 
     fn parallelism(&self) -> usize {
-        self.workers
+        self.pool.workers()
     }
 
     fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()> {
@@ -441,17 +414,17 @@ impl DataPath for ShmLink {
             }
         }
         self.queue.reserve(parts.len())?;
-        let start = self.next_lane.fetch_add(1, Ordering::Relaxed);
         let n = parts.len();
-        for (i, p) in parts.into_iter().enumerate() {
-            if n > 1 {
-                self.queue.push_reserved_lane((start + i) % self.workers, p);
-            } else {
-                self.queue.push_reserved(p);
-            }
+        for p in parts {
+            self.queue.push_reserved(p);
         }
         if self.queue.is_closed() {
             self.fail_queued();
+            return Ok(());
+        }
+        if let Some(me) = self.me.upgrade() {
+            let task: Arc<dyn Task> = me;
+            self.pool.push(&task, n);
         }
         Ok(())
     }
@@ -470,7 +443,6 @@ impl DataPath for ShmLink {
         self.tcp.close(why);
         self.fail_queued();
         self.maps.lock().unwrap().clear();
-        self.threads.join_unless_own();
     }
 
     fn stats(&self) -> Arc<PeerStats> {
@@ -479,6 +451,32 @@ impl DataPath for ShmLink {
 
     fn queue_slots(&self) -> (usize, usize) {
         (self.queue.in_use(), self.queue.capacity())
+    }
+}
+
+impl Task for ShmLink {
+    /// Copies one batch of queued parts (a few MiB at most, so that links take turns).
+    fn run_batch(&self) -> bool {
+        let mut taken = 0u64;
+        let mut batch = Vec::new();
+        while batch.len() < 64 && taken < BATCH_BYTES {
+            match self.queue.pop() {
+                Some(p) => {
+                    taken += p.body.bytes();
+                    batch.push(p);
+                }
+                None => break,
+            }
+        }
+        for part in batch {
+            let res = if part.req.status() == TransferStatus::Waiting {
+                self.execute(&part)
+            } else {
+                Err(part.req.error().unwrap_or_else(|| Error::timeout("request ended before it ran")))
+            };
+            self.finish_part(part, res);
+        }
+        !self.queue.is_empty()
     }
 }
 

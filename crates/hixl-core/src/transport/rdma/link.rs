@@ -19,7 +19,7 @@ use crate::queue::{Part, PartBody};
 use crate::registry::{new_holder_id, Abort};
 use crate::stats::PeerStats;
 use crate::transport::tcp::TcpLink;
-use crate::transport::{DataPath, Workers};
+use crate::transport::DataPath;
 use crate::wire::rdma::RdmaOpen;
 
 /// How long `close` lets flushed requests come back before it destroys the QPs.
@@ -50,7 +50,8 @@ pub struct RdmaLink {
     held: AtomicUsize,
     queue_depth: usize,
     timeout: Duration,
-    threads: Workers,
+    /// Threads replacing failed QPs (at most one per QP at a time), joined by `close`.
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 impl RdmaLink {
@@ -96,7 +97,7 @@ impl RdmaLink {
             held: AtomicUsize::new(0),
             queue_depth,
             timeout,
-            threads: Workers::default(),
+            threads: Mutex::new(Vec::new()),
         }
     }
 
@@ -186,7 +187,7 @@ impl RdmaLink {
             return;
         }
         let link = self.clone();
-        let spawned = self.threads.spawn(format!("hixl-rdma-fix{idx}"), move || {
+        let spawned = std::thread::Builder::new().name(format!("hixl-rdma-fix{idx}")).spawn(move || {
             if let Err(e) = link.replace_qp(idx) {
                 link.close(Error::not_connected(format!(
                     "cannot replace a failed QP to {}: {}",
@@ -196,8 +197,16 @@ impl RdmaLink {
             }
             link.repairing[idx].store(false, Ordering::Release);
         });
-        if let Err(e) = spawned {
-            self.close(e);
+        match spawned {
+            Ok(h) => {
+                let mut t = self.threads.lock().unwrap();
+                t.retain(|h| !h.is_finished());
+                t.push(h);
+            }
+            Err(e) => {
+                self.repairing[idx].store(false, Ordering::Release);
+                self.close(Error::failed(format!("cannot start a thread to replace a failed QP: {e}")));
+            }
         }
     }
 
@@ -217,7 +226,7 @@ impl RdmaLink {
             }
         };
         let o = fresh.pop().expect("one QP");
-        if let Err(e) = super::connect_qps(&self.nic, std::slice::from_ref(&o), &answer.qps) {
+        if let Err(e) = super::connect_qps(&self.nic, std::slice::from_ref(&o), &answer.qps, true) {
             self.nic.destroy_qp(o.created.qp, true);
             return Err(e);
         }
@@ -343,7 +352,14 @@ impl DataPath for RdmaLink {
             self.finish(done);
         }
         self.control.close(why);
-        self.threads.join_unless_own();
+        // Bounded: a replacement waits for the control channel, which is closed now.
+        let me = std::thread::current().id();
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap());
+        for h in threads {
+            if h.thread().id() != me {
+                let _ = h.join();
+            }
+        }
     }
 
     fn stats(&self) -> Arc<PeerStats> {

@@ -120,8 +120,9 @@ fn open_qps(nic: &Nic, n: usize, remote_access: u32) -> Result<Vec<Opened>> {
     Ok(out)
 }
 
-/// Moves our INIT QPs to RTR (towards the peer's QP of the same index) and RTS.
-fn connect_qps(nic: &Nic, ours: &[Opened], theirs: &[QpAddr]) -> Result<()> {
+/// Moves our INIT QPs to RTR (towards the peer's QP of the same index) and, for QPs that send
+/// (`send`: the initiator's), to RTS. A target's QPs only answer: RTR is enough.
+fn connect_qps(nic: &Nic, ours: &[Opened], theirs: &[QpAddr], send: bool) -> Result<()> {
     if ours.len() != theirs.len() {
         return Err(Error::not_connected(format!(
             "the peer answered with {} RDMA QP addresses for {} QPs",
@@ -139,6 +140,9 @@ fn connect_qps(nic: &Nic, ours: &[Opened], theirs: &[QpAddr]) -> Result<()> {
             sl: nic.sl,
         };
         nic.verbs.modify_qp(o.created.qp, &rtr)?;
+        if !send {
+            continue;
+        }
         let rts = QpTransition::Rts { psn: o.addr.psn, timeout: ACK_TIMEOUT, retry_cnt: RETRY_COUNT };
         nic.verbs.modify_qp(o.created.qp, &rts)?;
     }
@@ -273,7 +277,7 @@ impl Backend for Rdma {
         let qps = open_qps(nic, self.opts.qps, 0).map_err(|e| e.message)?;
         let open = RdmaOpen { retire: vec![], qps: qps.iter().map(|o| o.addr).collect() };
         let connected = exchange(control, &open, ctx.timeout).and_then(|answer| {
-            connect_qps(nic, &qps, &answer.qps)?;
+            connect_qps(nic, &qps, &answer.qps, true)?;
             Ok(answer)
         });
         let answer = match connected {
@@ -314,7 +318,7 @@ impl Backend for Rdma {
             ));
         }
         let ours = open_qps(nic, open.qps.len(), access::REMOTE_READ | access::REMOTE_WRITE)?;
-        if let Err(e) = connect_qps(nic, &ours, &open.qps) {
+        if let Err(e) = connect_qps(nic, &ours, &open.qps, false) {
             for o in ours {
                 nic.destroy_qp(o.created.qp, false);
             }

@@ -1,7 +1,8 @@
-//! The TCP link (initiator side): a pool of N streams to one peer. Each stream has a writer
-//! thread that drains the link's request queue in batches and a reader thread that never waits
-//! on its own writes (no bidirectional deadlock). Bytes go straight between the socket and
-//! registered memory with sendmsg/readv; nothing is staged.
+//! The TCP link (initiator side): a pool of N streams to one peer. Each stream's writer and
+//! reader are sources of the engine's reactor (see `reactor`): the writer drains the link's
+//! request queue in batches and the reader never waits on writes (no bidirectional deadlock);
+//! neither blocks, so a fixed set of I/O workers serves every peer. Bytes go straight between
+//! the socket and registered memory with sendmsg/recvmsg; nothing is staged.
 
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpStream};
@@ -13,17 +14,20 @@ use std::time::{Duration, Instant};
 use crate::auth::{self, FrameMac, Secret, MAC_LEN};
 use crate::complete::{Completer, Next};
 use crate::error::{Error, Result};
-use crate::queue::{Part, PartBody, Strided, TransferOp, TransferStatus, WorkQueue};
+use crate::queue::{Part, PartBody, WorkQueue};
 use crate::registry::{new_holder_id, Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::handshake::{self, connect_one};
-use crate::transport::io::{self, iov};
-use crate::transport::{DataPath, PeerInfo, Workers};
-use crate::wire::{self, Frame, Seg, StridedSeg};
+use crate::transport::io;
+use crate::transport::liveness::Liveness;
+use crate::transport::nbio::{FrameReader, IoJob, Outbox};
+use crate::transport::reactor::{Interest, Reactor};
+use crate::transport::{DataPath, PeerInfo};
 
 mod recv;
+mod send;
 
-/// Most parts a writer takes from the queue per wake-up. Fixed, like the three below: they
+/// Most parts a writer takes from the queue per batch. Fixed, like the constants below: they
 /// bound how much one writer takes at a time so that the other streams share the load, and
 /// they are not a user's concern; `hixl.tcp.coalesce_*` and `hixl.split_bytes` are the knobs
 /// for batching small requests and spreading large ones.
@@ -31,11 +35,13 @@ const BATCH_PARTS: usize = 64;
 /// A writer stops taking parts once it holds this many bytes, leaving the rest to the
 /// other streams' writers.
 const BATCH_BYTES: u64 = 256 * 1024;
-/// Requests up to this size may be sent by the calling thread (see `try_send_inline`).
+/// Requests up to this size are sent by the calling thread when it finds the writer idle
+/// (no hand-off to an I/O worker); larger ones are handed off, so the call returns at once.
 const INLINE_BYTES: u64 = 256 * 1024;
-/// How long a stream writer polls for the next request before it sleeps (see
-/// `WorkQueue::with_spin`).
-const WRITER_SPIN: Duration = Duration::from_micros(100);
+/// Bytes a writer sends per run before it lets the other sources of its worker have a turn.
+const WRITE_BUDGET: u64 = 4 << 20;
+/// Bytes a reader takes per run before it lets the other sources have a turn.
+const READ_BUDGET: u64 = 4 << 20;
 
 /// Connection parameters.
 #[derive(Clone, Debug)]
@@ -62,6 +68,8 @@ pub struct ConnectParams {
     pub data_mac: bool,
     /// These streams carry a data path, not a control channel (see `wire::FLAG_DATA_PATH`).
     pub data_path: bool,
+    /// The engine's I/O workers, which run the streams.
+    pub reactor: Arc<Reactor>,
 }
 
 pub(super) struct Pending {
@@ -69,19 +77,51 @@ pub(super) struct Pending {
     part: Part,
 }
 
-pub(super) struct Stream {
+/// The sending side of a stream: seals frames in the order they are queued.
+pub(super) struct Tx {
+    pub(super) mac: FrameMac,
+    pub(super) out: Outbox,
+}
+
+/// A READ response's bytes under way into local memory, then their data MAC.
+pub(super) struct RxBulk {
+    part: Part,
+    job: IoJob,
+    hasher: Option<blake3::Hasher>,
+    tag: [u8; MAC_LEN],
+    tag_got: usize,
+}
+
+/// The receiving side of a stream.
+pub(super) struct Rx {
+    pub(super) mac: FrameMac,
+    pub(super) frames: FrameReader,
+    pub(super) bulk: Option<RxBulk>,
+}
+
+pub(crate) struct Stream {
     /// Index of this stream, and of its lane in the link's queue.
     pub(super) lane: usize,
     pub(super) sock: TcpStream,
-    /// Held while frames are written, so that frames of two senders never interleave; seals
-    /// each frame (on an authenticated stream).
-    pub(super) send_lock: Mutex<FrameMac>,
-    /// Opens incoming frames; taken by the stream's reader thread.
-    pub(super) rx: Mutex<Option<FrameMac>>,
+    /// A second descriptor of the socket, on which the writer is registered (epoll holds one
+    /// registration per descriptor, and the reader has `sock`'s).
+    wsock: TcpStream,
+    /// Held while frames are sealed and sent (never across a wait).
+    pub(super) tx: Mutex<Tx>,
+    /// Held by the reader while it runs.
+    pub(super) rx: Mutex<Rx>,
     pub(super) pending: Mutex<VecDeque<Pending>>,
     pub(super) next_tag: AtomicU64,
-    /// A region-table version the reader still has to confirm (0: none).
-    pub(super) ack_due: AtomicU64,
+    /// The reactor tokens of the writer and the reader.
+    pub(super) writer_token: AtomicU64,
+    reader_token: AtomicU64,
+}
+
+/// Heartbeat state of a link (see `control`).
+pub(super) struct Beat {
+    pub(super) every: Duration,
+    pub(super) live: Liveness,
+    pub(super) probes_sent: u64,
 }
 
 /// A TCP link to one peer.
@@ -102,12 +142,12 @@ pub struct TcpLink {
     pub(super) reason: Mutex<Option<Error>>,
     /// Settles this link's requests (and counts them).
     pub(super) done: Completer,
-    pub(super) threads: Workers,
+    pub(super) reactor: Arc<Reactor>,
+    pub(super) beat: Mutex<Beat>,
     pub(super) coalesce: Duration,
     pub(super) coalesce_max_ops: usize,
     /// The highest tag of a RegionsQuery answered so far (`refresh_table` waits for its own),
     /// rung whenever a table is installed; and the tag of the next query.
-    /// for it to move.
     pub(super) tables: (Mutex<u64>, std::sync::Condvar),
     pub(super) next_query: AtomicU64,
     /// Answers to BackendOpen by tag (`open_backend` waits on `tables`' condvar for its own).
@@ -118,14 +158,11 @@ pub struct TcpLink {
     /// For a control channel: its data path's link, closed with it (a dead control channel
     /// must not leave data streams whose queued bytes could still land later).
     pub(super) data: std::sync::OnceLock<std::sync::Weak<TcpLink>>,
-    /// Wakes the control thread early: when the link closes, or a confirmation waits (it
-    /// sleeps a whole heartbeat interval otherwise).
-    pub(super) closing: (Mutex<bool>, std::sync::Condvar),
 }
 
 impl TcpLink {
     /// Connects `p.streams` streams to `peer`, performs the handshake on each and starts the
-    /// stream threads.
+    /// stream sources on the engine's reactor.
     pub fn connect(peer: &str, addr: SocketAddr, p: &ConnectParams) -> Result<Arc<TcpLink>> {
         Self::connect_counting(peer, addr, p, Arc::new(PeerStats::default()))
     }
@@ -167,217 +204,75 @@ impl TcpLink {
             }
         }
         let info = info.ok_or_else(|| Error::param("hixl.streams must be at least 1"))?;
+        let mut streams = Vec::with_capacity(socks.len());
+        for (lane, (sock, (tx, rx))) in socks.into_iter().zip(macs).enumerate() {
+            let wsock = sock.try_clone().and_then(|w| sock.set_nonblocking(true).map(|_| w));
+            let wsock = wsock.map_err(|e| Error::not_connected(format!("stream to {peer}: {e}")))?;
+            streams.push(Arc::new(Stream {
+                lane,
+                sock,
+                wsock,
+                tx: Mutex::new(Tx { mac: tx, out: Outbox::default() }),
+                rx: Mutex::new(Rx { mac: rx, frames: FrameReader::default(), bulk: None }),
+                pending: Mutex::new(VecDeque::new()),
+                next_tag: AtomicU64::new(1),
+                writer_token: AtomicU64::new(0),
+                reader_token: AtomicU64::new(0),
+            }));
+        }
+        let every = p.heartbeat;
         let link = Arc::new(TcpLink {
             holder_id: new_holder_id(),
             peer: peer.to_string(),
             table: RwLock::new(info.regions.clone()),
             table_version: AtomicU64::new(info.table_version),
             info,
-            queue: WorkQueue::with_lanes(p.queue_depth, socks.len()).with_spin(WRITER_SPIN),
+            queue: WorkQueue::with_lanes(p.queue_depth, streams.len()),
             next_lane: AtomicUsize::new(0),
-            streams: socks
-                .into_iter()
-                .zip(macs)
-                .enumerate()
-                .map(|(lane, (sock, (tx, rx)))| {
-                    Arc::new(Stream {
-                        lane,
-                        sock,
-                        send_lock: Mutex::new(tx),
-                        rx: Mutex::new(Some(rx)),
-                        pending: Mutex::new(VecDeque::new()),
-                        ack_due: AtomicU64::new(0),
-                        next_tag: AtomicU64::new(1),
-                    })
-                })
-                .collect(),
+            streams,
             alive: AtomicBool::new(true),
             reason: Mutex::new(None),
             done: Completer::new("tcp", peer, stats),
-            threads: Workers::default(),
+            reactor: p.reactor.clone(),
+            beat: Mutex::new(Beat { every, live: Liveness::new(every, Instant::now()), probes_sent: 0 }),
             coalesce: p.coalesce,
             coalesce_max_ops: p.coalesce_max_ops,
-            closing: (Mutex::new(false), std::sync::Condvar::new()),
             tables: (Mutex::new(0), std::sync::Condvar::new()),
             next_query: AtomicU64::new(1),
             opened: Mutex::new(Vec::new()),
             control: std::sync::OnceLock::new(),
             data: std::sync::OnceLock::new(),
         });
-        {
-            let (l, every) = (link.clone(), p.heartbeat);
-            if let Err(e) = link.threads.spawn("hixl-control".into(), move || l.control(every)) {
-                link.close(e.clone());
-                return Err(e);
-            }
-        }
-        for (i, s) in link.streams.iter().enumerate() {
-            for role in ["w", "r"] {
-                let (l, s) = (link.clone(), s.clone());
-                let f = move || if role == "w" { l.writer(&s) } else { l.reader(&s) };
-                if let Err(e) = link.threads.spawn(format!("hixl-tcp{role}{i}"), f) {
+        for s in &link.streams {
+            let w = Arc::new(send::Writer { link: link.clone(), stream: s.clone() });
+            let r = Arc::new(recv::Reader { link: link.clone(), stream: s.clone() });
+            let added = link
+                .reactor
+                .add(s.wsock.as_raw_fd(), w, Interest::Idle)
+                .and_then(|wt| Ok((wt, link.reactor.add(s.sock.as_raw_fd(), r, Interest::Read)?)));
+            match added {
+                Ok((wt, rt)) => {
+                    s.writer_token.store(wt, Ordering::Release);
+                    s.reader_token.store(rt, Ordering::Release);
+                }
+                Err(e) => {
                     link.close(e.clone());
                     return Err(e);
                 }
             }
         }
+        // A data path's liveness is its control channel's: they close together, and one
+        // heartbeat per peer keeps an idle engine with many peers idle.
+        if !every.is_zero() && !p.data_path {
+            let tick: Arc<dyn crate::transport::reactor::Tick> = link.clone();
+            link.reactor.every(every, Arc::downgrade(&tick));
+        }
         Ok(link)
     }
 
-    fn writer(self: &Arc<Self>, s: &Stream) {
-        let mut batch = Vec::with_capacity(BATCH_PARTS);
-        let bytes = |p: &Part| p.body.bytes();
-        let lane = Some(s.lane);
-        while self.queue.pop_weighted(
-            lane,
-            &mut batch,
-            BATCH_PARTS,
-            BATCH_BYTES,
-            bytes,
-            Duration::from_secs(1),
-        ) {
-            self.coalesce_more(lane, &mut batch, bytes);
-            // A request that already timed out is not sent any further.
-            for p in std::mem::take(&mut batch) {
-                if p.req.status() == TransferStatus::Waiting {
-                    batch.push(p);
-                } else {
-                    let err =
-                        p.req.error().unwrap_or_else(|| Error::timeout("request ended before it was sent"));
-                    self.finish_part(p, Err(err));
-                }
-            }
-            if batch.is_empty() {
-                continue;
-            }
-            if let Err(e) = self.send_batch(s, &mut batch) {
-                self.close(Error::not_connected(format!(
-                    "stream to {} failed while sending: {e}",
-                    self.peer
-                )));
-            }
-        }
-        self.fail_pending(s);
-    }
-
-    /// With `hixl.coalesce_us`, waits that long after the first small request for more, so
-    /// that they go out as one send; each still completes on its own.
-    fn coalesce_more(&self, lane: Option<usize>, batch: &mut Vec<Part>, bytes: impl Fn(&Part) -> u64 + Copy) {
-        if self.coalesce.is_zero() || batch.is_empty() {
-            return;
-        }
-        let until = Instant::now() + self.coalesce;
-        let max = self.coalesce_max_ops.max(1);
-        while batch.len() < max
-            && batch.iter().map(bytes).sum::<u64>() < BATCH_BYTES
-            && Instant::now() < until
-        {
-            let before = batch.len();
-            self.queue.pop_weighted(lane, batch, max, BATCH_BYTES, bytes, Duration::ZERO);
-            if batch.len() == before {
-                std::thread::yield_now();
-            }
-        }
-    }
-
-    fn send_batch(&self, s: &Stream, batch: &mut Vec<Part>) -> std::io::Result<()> {
-        let mut mac = s.send_lock.lock().unwrap();
-        self.send_locked(s, &mut mac, batch)
-    }
-
-    /// Small requests skip the queue when a stream is idle: the caller writes the frame itself,
-    /// which saves a thread wake-up on the latency path. Returns the part back otherwise.
-    fn try_send_inline(&self, part: Part) -> Option<Part> {
-        let small = part.body.bytes() <= INLINE_BYTES;
-        if !small || !self.queue.is_empty() || !self.coalesce.is_zero() {
-            return Some(part);
-        }
-        for s in &self.streams {
-            if let Ok(mut mac) = s.send_lock.try_lock() {
-                let mut batch = vec![part];
-                if let Err(e) = self.send_locked(s, &mut mac, &mut batch) {
-                    drop(mac);
-                    self.close(Error::not_connected(format!(
-                        "stream to {} failed while sending: {e}",
-                        self.peer
-                    )));
-                }
-                return None;
-            }
-        }
-        Some(part)
-    }
-
-    /// Sends a batch of parts on a stream whose send lock (`mac`) the caller holds: each part's
-    /// frame, sealed, then its bytes (for writes), then their data MAC (with `hixl.data_mac`).
-    fn send_locked(&self, s: &Stream, mac: &mut FrameMac, batch: &mut Vec<Part>) -> std::io::Result<()> {
-        let mut heads = Vec::with_capacity(batch.len());
-        // One slot per part, allocated up front so that iovecs may point into it.
-        let mut data_macs: Vec<[u8; MAC_LEN]> = vec![[0u8; MAC_LEN]; batch.len()];
-        for part in batch.iter() {
-            let tag = s.next_tag.fetch_add(1, Ordering::Relaxed);
-            let frame = match (&part.body, part.req.op) {
-                (PartBody::Data(segs), op) => {
-                    let remote = segs.iter().map(|p| Seg { addr: p.remote, len: p.len }).collect();
-                    match op {
-                        TransferOp::Write => Frame::Write { segs: remote },
-                        TransferOp::Read => Frame::Read { segs: remote },
-                    }
-                }
-                (PartBody::Strided(st), op) => {
-                    let seg =
-                        StridedSeg { addr: st.remote, count: st.count, size: st.size, stride: st.rstride };
-                    match op {
-                        TransferOp::Write => Frame::WriteStrided { seg },
-                        TransferOp::Read => Frame::ReadStrided { seg },
-                    }
-                }
-                (PartBody::Notify(n), _) => Frame::Notify { name: n.name.clone(), msg: n.msg.clone() },
-            };
-            let mut head = wire::encode(&frame, tag, 0);
-            let seq = mac.seal(&mut head);
-            heads.push((tag, head, mac.data_hasher(seq)));
-        }
-        // Headers and plain segments go as one vectored send; a strided write's elements are
-        // expanded IOV_MAX at a time where its header ends (never all at once).
-        let mut iovs = Vec::with_capacity(batch.len() * 2);
-        let mut strided_after: Vec<(usize, Strided)> = Vec::new();
-        for (i, (part, (_, head, hasher))) in batch.iter().zip(&mut heads).enumerate() {
-            iovs.push(io::iov_of(head));
-            let write = part.req.op == TransferOp::Write;
-            match &part.body {
-                PartBody::Data(segs) if write => iovs.extend(segs.iter().map(|p| iov(p.local, p.len))),
-                PartBody::Strided(st) if write => strided_after.push((iovs.len(), *st)),
-                _ => {}
-            }
-            if let Some(h) = hasher.as_mut().filter(|_| write && !matches!(part.body, PartBody::Notify(_))) {
-                // SAFETY: local segments lie in regions pinned by their requests.
-                unsafe { part.body.hash_local(h) };
-                data_macs[i] = auth::data_mac(h);
-                iovs.push(io::iov_of(&data_macs[i]));
-            }
-        }
-        {
-            let mut pend = s.pending.lock().unwrap();
-            for (part, (tag, _, _)) in batch.drain(..).zip(&heads) {
-                pend.push_back(Pending { tag: *tag, part });
-            }
-        }
-        let fd = s.sock.as_raw_fd();
-        let mut sent = 0;
-        for (pos, st) in strided_after {
-            // SAFETY: headers live in `heads` until we return; local segments lie in regions
-            // pinned by their requests until the parts complete.
-            unsafe { io::send_all(fd, &mut iovs[sent..pos])? };
-            sent = pos;
-            st.for_each_chunk(io::IOV_MAX, |c| {
-                let mut v: Vec<_> = c.iter().map(|p| iov(p.local, p.len)).collect();
-                // SAFETY: as above: pinned local memory.
-                unsafe { io::send_all(fd, &mut v) }
-            })?;
-        }
-        // SAFETY: as above.
-        unsafe { io::send_all(fd, &mut iovs[sent..]) }
+    /// Whether the link is open.
+    pub(super) fn alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
     }
 
     /// Records the end of one part; the last part settles the request or queues its notify.
@@ -393,6 +288,7 @@ impl TcpLink {
             Next::Notify(n) => {
                 // Into the slot reserved for it at submit, on any stream.
                 self.queue.push_reserved(n);
+                self.kick(None, 0);
                 self.fail_queued_if_closed();
             }
         }
@@ -409,21 +305,35 @@ impl TcpLink {
         }
     }
 
-    /// Closes this link without waiting for its threads: marks it dead (the first call only,
-    /// which returns true), resets its sockets and fails whatever is queued or in flight.
+    /// Closes this link: marks it dead (the first call only, which returns true), resets its
+    /// sockets, takes its streams off the reactor and fails whatever is queued or in flight.
+    /// Bounded: no source blocks, so the locks taken here are held only briefly. Never called
+    /// with a stream's `tx` or `rx` lock held.
     fn shut(&self, why: Error) -> bool {
         let first = self.alive.swap(false, Ordering::AcqRel);
         if first {
             tracing::info!(peer = %self.peer, reason = %why.message, "closing link");
             *self.reason.lock().unwrap() = Some(why);
             self.queue.close();
-            self.ring_control();
             for s in &self.streams {
                 io::abort(s.sock.as_raw_fd());
+                for t in [&s.writer_token, &s.reader_token] {
+                    let t = t.load(Ordering::Acquire);
+                    if t != 0 {
+                        self.reactor.remove(t);
+                    }
+                }
             }
         }
         self.fail_queued_if_closed();
+        let err = self.close_reason();
         for s in &self.streams {
+            // Bytes still queued point into memory of requests failed below: dropped first.
+            s.tx.lock().unwrap().out.clear();
+            let bulk = s.rx.lock().unwrap().bulk.take();
+            if let Some(b) = bulk {
+                self.finish_part(b.part, Err(err.clone()));
+            }
             self.fail_pending(s);
         }
         first
@@ -481,27 +391,24 @@ impl DataPath for TcpLink {
             extra_slots = 0;
         }
         self.queue.reserve(parts.len() + extra_slots)?;
-        let mut parts = parts.into_iter();
-        if parts.len() == 1 {
-            let part = parts.next().unwrap();
-            match self.try_send_inline(part) {
-                None => {
-                    self.queue.unreserve(1);
-                    return Ok(());
-                }
-                Some(p) => self.queue.push_reserved(p),
-            }
-        }
+        let n = self.streams.len();
         if parts.len() > 1 {
             // The shares of a split request: one per stream, so that all streams carry one.
             let start = self.next_lane.fetch_add(1, Ordering::Relaxed);
-            for (i, p) in parts.enumerate() {
-                self.queue.push_reserved_lane((start + i) % self.streams.len(), p);
+            let lanes: Vec<(usize, u64)> =
+                (0..parts.len()).map(|i| ((start + i) % n, parts[i].body.bytes())).collect();
+            for (i, p) in parts.into_iter().enumerate() {
+                self.queue.push_reserved_lane((start + i) % n, p);
+            }
+            for (lane, bytes) in lanes.into_iter().take(n) {
+                self.kick(Some(lane), bytes);
             }
         } else {
+            let bytes = parts.iter().map(|p| p.body.bytes()).sum();
             for p in parts {
                 self.queue.push_reserved(p);
             }
+            self.kick(None, bytes);
         }
         self.fail_queued_if_closed();
         Ok(())
@@ -518,21 +425,12 @@ impl DataPath for TcpLink {
 
     fn close(&self, why: Error) {
         let first = self.shut(why);
-        // A data path and its control channel live and die together. The other side is shut
-        // without waiting for its threads from here: when the caller is a thread of either
-        // side, joining the other side could wait for a thread that waits for us.
+        // A data path and its control channel live and die together.
         let partner =
             self.control.get().cloned().or_else(|| self.data.get().and_then(std::sync::Weak::upgrade));
         if first {
             if let Some(p) = &partner {
                 p.shut(self.close_reason());
-            }
-        }
-        let inside = self.threads.is_own() || partner.as_ref().is_some_and(|p| p.threads.is_own());
-        if !inside {
-            self.threads.join_unless_own();
-            if let Some(p) = &partner {
-                p.threads.join_unless_own();
             }
         }
     }

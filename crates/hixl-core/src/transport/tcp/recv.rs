@@ -1,171 +1,209 @@
-//! The receiving half of a TCP link: each stream's reader thread matches every answer to the
-//! request it belongs to (by tag and kind), reads READ bytes straight into registered memory,
-//! and installs the region tables the peer sends (on a control channel).
+//! The receiving half of a TCP link: each stream's reader is a reactor source that assembles
+//! the answers as they arrive, matches each to the request it belongs to (by tag and kind),
+//! reads READ bytes straight into registered memory across as many wake-ups as they take, and
+//! installs the region tables the peer sends (on a control channel).
 
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use super::{Pending, Stream, TcpLink};
+use super::{Pending, Rx, RxBulk, Stream, TcpLink, READ_BUDGET};
 use crate::auth::{self, MAC_LEN};
 use crate::error::{Error, Status};
-use crate::queue::{Part, PartBody, TransferOp};
-use crate::transport::io::{self, iov};
+use crate::queue::{PartBody, TransferOp};
+use crate::transport::io::Received;
+use crate::transport::nbio::{fill, IoJob, Step};
+use crate::transport::reactor::{Interest, Source};
 use crate::transport::DataPath;
 use crate::wire::{Frame, Kind};
 
-impl TcpLink {
-    pub(super) fn reader(self: &Arc<Self>, s: &Stream) {
-        let fd = s.sock.as_raw_fd();
-        let mut payload = Vec::new();
-        let mut rx = s.rx.lock().unwrap().take().unwrap_or_default();
-        loop {
-            let (h, f, seq) = match io::recv_frame(fd, &mut payload, &mut rx, None) {
-                Ok(r) => (r.header, r.frame, r.seq),
-                Err(e) => {
-                    self.close(Error::not_connected(format!("stream to {} failed: {e}", self.peer)));
-                    break;
-                }
-            };
-            let status_of = |status: u32, message: String| {
-                if status == 0 {
-                    Ok(())
-                } else {
-                    Err(Error::new(Status::from_code(status), format!("{} refused: {message}", self.peer)))
-                }
-            };
-            match f {
-                Frame::Ack { status, message } => match self.pop_pending(s, h.tag, Kind::Ack) {
-                    Some(p) => self.finish_part(p.part, status_of(status, message)),
-                    None => break,
-                },
-                Frame::ReadResp { status, message } => {
-                    let Some(p) = self.pop_pending(s, h.tag, Kind::ReadResp) else { break };
-                    let res = status_of(status, message);
-                    if res.is_ok() {
-                        if let Err(e) = self.recv_read_bulk(fd, &p.part, h.bulk_len, rx.data_hasher(seq)) {
-                            let err = Error::not_connected(format!(
-                                "stream to {} failed in a read: {e}",
-                                self.peer
-                            ));
-                            self.finish_part(p.part, Err(err.clone()));
-                            self.close(err);
-                            break;
-                        }
-                    }
-                    self.finish_part(p.part, res);
-                }
-                Frame::HeartbeatAck => {}
-                Frame::BackendOpened { status, message, payload } => {
-                    self.backend_opened(h.tag, status_of(status, message).map(|()| payload))
-                }
-                Frame::RegionsTable { version, regions } => self.install_table(version, regions, Some(h.tag)),
-                Frame::RegionsUpdate { version, regions } => {
-                    // Waits for direct copies that use the old table, then confirms.
-                    self.install_table(version, regions, None);
-                    self.confirm_table(s, version);
-                }
-                Frame::RegionsDelta { from, version, added, removed } => {
-                    if let Err(e) = self.apply_delta(from, version, added, &removed) {
-                        self.close(e);
-                        break;
-                    }
-                    self.confirm_table(s, version);
-                }
-                Frame::Error { status, message } => {
-                    self.close(Error::new(
-                        Status::from_code(status),
-                        format!("{} closed the link: {message}", self.peer),
-                    ));
-                    break;
-                }
-                other => {
-                    self.close(Error::not_connected(format!(
-                        "{} sent an unexpected {:?} frame",
-                        self.peer,
-                        other.kind()
-                    )));
-                    break;
-                }
+/// A stream's reader, as the reactor runs it.
+pub(super) struct Reader {
+    pub(super) link: Arc<TcpLink>,
+    pub(super) stream: Arc<Stream>,
+}
+
+impl Source for Reader {
+    fn run(&self, _events: u32) -> Interest {
+        let link = &self.link;
+        // Errors close the link after the stream's receive state is let go (closing fails
+        // the part it holds).
+        match link.read_some(&self.stream) {
+            Ok(i) => i,
+            Err(e) => {
+                link.close(e);
+                Interest::Gone
             }
         }
-        self.fail_pending(s);
+    }
+}
+
+impl TcpLink {
+    /// Handles what has arrived, up to a budget (then yields to other streams).
+    fn read_some(&self, s: &Stream) -> Result<Interest, Error> {
+        let fd = s.sock.as_raw_fd();
+        let mut budget = READ_BUDGET;
+        let mut rx = s.rx.lock().unwrap();
+        let broken = |e: std::io::Error| Error::not_connected(format!("stream to {} failed: {e}", self.peer));
+        loop {
+            if !self.alive() {
+                return Ok(Interest::Gone);
+            }
+            if rx.bulk.is_some() {
+                match self.recv_bulk(fd, &mut rx, &mut budget) {
+                    Ok(Step::Done) => {}
+                    Ok(Step::WouldBlock) => return Ok(Interest::Read),
+                    Err(e) => {
+                        let err =
+                            Error::not_connected(format!("stream to {} failed in a read: {e}", self.peer));
+                        if let Some(b) = rx.bulk.take() {
+                            self.finish_part(b.part, Err(err.clone()));
+                        }
+                        return Err(err);
+                    }
+                }
+            }
+            if budget == 0 {
+                return Ok(Interest::Read);
+            }
+            let Rx { frames, mac, .. } = &mut *rx;
+            let got = match frames.poll(fd, mac) {
+                Ok(Some(r)) => r,
+                Ok(None) => return Ok(Interest::Read),
+                Err(e) => return Err(broken(e)),
+            };
+            budget = budget.saturating_sub(4096);
+            self.handle(s, &mut rx, got)?;
+        }
     }
 
-    /// Receives a read response's bytes into the part's local segments, then checks their data
-    /// MAC when the stream has them.
-    fn recv_read_bulk(
-        &self,
-        fd: i32,
-        part: &Part,
-        bulk: u64,
-        hasher: Option<blake3::Hasher>,
-    ) -> std::io::Result<()> {
-        let want = part.body.bytes();
-        if want != bulk || matches!(part.body, PartBody::Notify(_)) {
-            return Err(std::io::Error::other(format!(
-                "read response carries {bulk} bytes, expected {want}"
-            )));
-        }
-        let recv = |segs: &[crate::queue::SegPair]| {
-            let mut iovs: Vec<_> = segs.iter().map(|p| iov(p.local, p.len)).collect();
-            // SAFETY: the local segments lie in regions pinned by the request until it completes.
-            unsafe { io::recv_all(fd, &mut iovs) }
+    /// Acts on one frame; a READ response with bytes leaves them to `recv_bulk`.
+    fn handle(&self, s: &Stream, rx: &mut Rx, got: Received) -> Result<(), Error> {
+        let Received { header: h, frame, seq } = got;
+        let status_of = |status: u32, message: String| {
+            if status == 0 {
+                Ok(())
+            } else {
+                Err(Error::new(Status::from_code(status), format!("{} refused: {message}", self.peer)))
+            }
         };
-        match &part.body {
-            PartBody::Data(segs) => recv(segs)?,
-            PartBody::Strided(st) => st.for_each_chunk(io::IOV_MAX, recv)?,
-            PartBody::Notify(_) => {}
-        }
-        if let Some(mut h) = hasher {
-            let mut tag = [0u8; MAC_LEN];
-            io::recv_exact(fd, &mut tag)?;
-            // SAFETY: as above: pinned local memory.
-            unsafe { part.body.hash_local(&mut h) };
-            if !auth::constant_eq(&auth::data_mac(&h), &tag) {
-                return Err(std::io::Error::other(
-                    "the bytes read do not match their data MAC (altered on the way)",
+        match frame {
+            Frame::Ack { status, message } => {
+                let p = self.pop_pending(s, h.tag, Kind::Ack)?;
+                self.finish_part(p.part, status_of(status, message));
+            }
+            Frame::ReadResp { status, message } => {
+                let p = self.pop_pending(s, h.tag, Kind::ReadResp)?;
+                let res = status_of(status, message);
+                if res.is_err() {
+                    self.finish_part(p.part, res);
+                    return Ok(());
+                }
+                let want = p.part.body.bytes();
+                if want != h.bulk_len || matches!(p.part.body, PartBody::Notify(_)) {
+                    let err = Error::not_connected(format!(
+                        "{}: read response carries {} bytes, expected {want}",
+                        self.peer, h.bulk_len
+                    ));
+                    self.finish_part(p.part, Err(err.clone()));
+                    return Err(err);
+                }
+                let mut job = IoJob::default();
+                match &p.part.body {
+                    PartBody::Data(segs) => segs.iter().for_each(|x| job.push_raw(x.local, x.len)),
+                    PartBody::Strided(st) => {
+                        (0..st.count).map(|i| st.seg(i)).for_each(|x| job.push_raw(x.local, x.len))
+                    }
+                    PartBody::Notify(_) => {}
+                }
+                let hasher = rx.mac.data_hasher(seq);
+                rx.bulk = Some(RxBulk { part: p.part, job, hasher, tag: [0u8; MAC_LEN], tag_got: 0 });
+            }
+            Frame::HeartbeatAck => {}
+            Frame::BackendOpened { status, message, payload } => {
+                self.backend_opened(h.tag, status_of(status, message).map(|()| payload))
+            }
+            Frame::RegionsTable { version, regions } => self.install_table(version, regions, Some(h.tag)),
+            Frame::RegionsUpdate { version, regions } => {
+                // Waits for direct copies that use the old table, then confirms.
+                self.install_table(version, regions, None);
+                self.confirm_table(s, version);
+            }
+            Frame::RegionsDelta { from, version, added, removed } => {
+                self.apply_delta(from, version, added, &removed)?;
+                self.confirm_table(s, version);
+            }
+            Frame::Error { status, message } => {
+                return Err(Error::new(
+                    Status::from_code(status),
+                    format!("{} closed the link: {message}", self.peer),
                 ));
+            }
+            other => {
+                return Err(Error::not_connected(format!(
+                    "{} sent an unexpected {:?} frame",
+                    self.peer,
+                    other.kind()
+                )));
             }
         }
         Ok(())
     }
 
+    /// Receives a READ response's bytes into the part's local segments, then checks their
+    /// data MAC when the stream has them; finishes the part when all arrived.
+    fn recv_bulk(&self, fd: i32, rx: &mut Rx, budget: &mut u64) -> std::io::Result<Step> {
+        let b = rx.bulk.as_mut().expect("a bulk under way");
+        // SAFETY: the local segments lie in regions pinned by the request until it completes,
+        // and it completes only after this job ends (or the link is shut, which takes this
+        // stream's receive lock first).
+        if unsafe { b.job.recv(fd, budget) }? == Step::WouldBlock {
+            return Ok(Step::WouldBlock);
+        }
+        if let Some(h) = &b.hasher {
+            if fill(fd, &mut b.tag, &mut b.tag_got)? == Step::WouldBlock {
+                return Ok(Step::WouldBlock);
+            }
+            let mut h = h.clone();
+            // SAFETY: as above: pinned local memory.
+            unsafe { b.part.body.hash_local(&mut h) };
+            if !auth::constant_eq(&auth::data_mac(&h), &b.tag) {
+                return Err(std::io::Error::other(
+                    "the bytes read do not match their data MAC (altered on the way)",
+                ));
+            }
+        }
+        let b = rx.bulk.take().expect("a bulk under way");
+        self.finish_part(b.part, Ok(()));
+        Ok(Step::Done)
+    }
+
     /// The request that an answer of kind `kind` with `tag` belongs to. Answers come in order
     /// and must match their request's kind (an Ack for a write or notify, a ReadResp for a
-    /// read); anything else closes the link without moving a byte.
-    fn pop_pending(&self, s: &Stream, tag: u64, kind: Kind) -> Option<Pending> {
+    /// read); anything else fails that request and closes the link without moving a byte.
+    fn pop_pending(&self, s: &Stream, tag: u64, kind: Kind) -> Result<Pending, Error> {
         let p = s.pending.lock().unwrap().pop_front();
         let expects = |p: &Pending| match (&p.part.body, p.part.req.op) {
             (PartBody::Notify(_), _) | (_, TransferOp::Write) => Kind::Ack,
             (_, TransferOp::Read) => Kind::ReadResp,
         };
-        match p {
-            Some(p) if p.tag == tag && expects(&p) != kind => {
-                let err = Error::not_connected(format!(
-                    "{} answered request {tag} with a {kind:?}, expected a {:?}; closing the link",
-                    self.peer,
-                    expects(&p)
-                ));
-                self.finish_part(p.part, Err(err.clone()));
-                self.close(err);
-                None
-            }
-            Some(p) if p.tag == tag => Some(p),
+        let err = match p {
+            Some(p) if p.tag == tag && expects(&p) == kind => return Ok(p),
             Some(p) => {
-                let err =
-                    Error::not_connected(format!("{} answered tag {tag}, expected {}", self.peer, p.tag));
+                let err = if p.tag == tag {
+                    Error::not_connected(format!(
+                        "{} answered request {tag} with a {kind:?}, expected a {:?}; closing the link",
+                        self.peer,
+                        expects(&p)
+                    ))
+                } else {
+                    Error::not_connected(format!("{} answered tag {tag}, expected {}", self.peer, p.tag))
+                };
                 self.finish_part(p.part, Err(err.clone()));
-                self.close(err);
-                None
+                err
             }
-            None => {
-                self.close(Error::not_connected(format!(
-                    "{} answered tag {tag} that was never sent",
-                    self.peer
-                )));
-                None
-            }
-        }
+            None => Error::not_connected(format!("{} answered tag {tag} that was never sent", self.peer)),
+        };
+        Err(err)
     }
 
     pub(super) fn fail_pending(&self, s: &Stream) {

@@ -22,6 +22,7 @@
 
 mod qp;
 mod responder;
+mod sockio;
 
 pub use responder::LATENCY_ENV;
 

@@ -9,9 +9,10 @@ use std::sync::{Arc, Condvar, Mutex, RwLockReadGuard};
 use std::time::Duration;
 
 use super::responder::{self, Hello, Request, Status};
+use super::sockio::{self, iov_of};
 use super::{Device, SoftCq, SoftMr, MAX_MSG};
 use crate::error::{Error, Result};
-use crate::transport::io::{self, iov, iov_of};
+use crate::transport::io::{self, iov};
 use crate::transport::rdma::verbs::{access, wc, PostError, QpCaps, QpTransition, SendWr, Wc, WrOp};
 use crate::wire::rdma::QpAddr;
 
@@ -331,7 +332,7 @@ impl SoftQp {
         }
         // SAFETY: the header lives on this frame; every SGE was checked to lie in a registered
         // region, held registered by `guards` for the whole operation.
-        if let Err(e) = unsafe { io::send_all(fd, &mut iovs) } {
+        if let Err(e) = unsafe { sockio::send_all(fd, &mut iovs) } {
             return self.io_failed(&e);
         }
         let mut answer = [0u8; 8];
@@ -378,7 +379,7 @@ impl SoftQp {
         };
         let c = responder::connect(&remote.gid, wait).ok()?;
         let hello = Hello { dst_qpn: remote.qpn, src_qpn: self.qpn, psn, src_gid: self.dev.gid };
-        io::send_bytes(c.as_raw_fd(), &hello.encode()).ok()?;
+        sockio::send_bytes(c.as_raw_fd(), &hello.encode()).ok()?;
         let c = Arc::new(c);
         let mut s = self.st.lock().unwrap();
         if s.state != State::Rts {

@@ -13,6 +13,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::sockio;
 use super::{socket_name, Device};
 use crate::transport::io::{self, iov};
 use crate::transport::rdma::verbs::access;
@@ -187,10 +188,10 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
             _ => return,
         };
         let refuse = |status: Status| {
-            if write && io::discard(fd, req.len).is_err() {
+            if write && sockio::discard(fd, req.len).is_err() {
                 return;
             }
-            let _ = io::send_bytes(fd, &[status as u8, 0, 0, 0, 0, 0, 0, 0]);
+            let _ = sockio::send_bytes(fd, &[status as u8, 0, 0, 0, 0, 0, 0, 0]);
             qp.fail_as_responder();
         };
         if qp_access & need == 0 {
@@ -225,23 +226,23 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
                 Ok(()) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
                     // Registered memory that the process unmapped since.
-                    if io::discard(fd, req.len - got).is_ok() {
-                        let _ = io::send_bytes(fd, &[Status::OperationError as u8, 0, 0, 0, 0, 0, 0, 0]);
+                    if sockio::discard(fd, req.len - got).is_ok() {
+                        let _ = sockio::send_bytes(fd, &[Status::OperationError as u8, 0, 0, 0, 0, 0, 0, 0]);
                     }
                     qp.fail_as_responder();
                     return;
                 }
                 Err(_) => return,
             }
-            if io::send_bytes(fd, &[0u8; 8]).is_err() {
+            if sockio::send_bytes(fd, &[0u8; 8]).is_err() {
                 return;
             }
         } else {
-            if io::send_bytes(fd, &[0u8; 8]).is_err() {
+            if sockio::send_bytes(fd, &[0u8; 8]).is_err() {
                 return;
             }
             // SAFETY: as above: a checked range of a region held registered by `alive`.
-            let r = unsafe { io::send_all(fd, &mut v) };
+            let r = unsafe { sockio::send_all(fd, &mut v) };
             drop(alive);
             if r.is_err() {
                 return;

@@ -1,0 +1,342 @@
+//! Non-blocking socket I/O for the I/O workers (see `reactor`): a frame assembled across as
+//! many reads as it takes, and vectored jobs (a frame's header and its bulk straight between
+//! the socket and registered memory) that move what the socket takes now and resume later.
+//! No protocol logic lives here beyond the frame layout.
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::RawFd;
+
+use crate::auth::{FrameMac, MAC_LEN};
+use crate::transport::io::{proto, Received, IOV_MAX};
+use crate::wire::{self, Header, HEADER_LEN};
+
+/// What one step of non-blocking I/O achieved.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// All of it moved.
+    Done,
+    /// The socket has no more to give (or no room) now.
+    WouldBlock,
+}
+
+fn would_block(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::WouldBlock
+}
+
+/// Reads into `buf[*got..]` without blocking; EOF is an error.
+pub(crate) fn fill(fd: RawFd, buf: &mut [u8], got: &mut usize) -> io::Result<Step> {
+    while *got < buf.len() {
+        // SAFETY: the pointer and length describe the unfilled rest of `buf`.
+        let r =
+            unsafe { libc::recv(fd, buf[*got..].as_mut_ptr().cast(), buf.len() - *got, libc::MSG_DONTWAIT) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            if would_block(&e) {
+                return Ok(Step::WouldBlock);
+            }
+            return Err(e);
+        }
+        if r == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the stream"));
+        }
+        *got += r as usize;
+    }
+    Ok(Step::Done)
+}
+
+/// Assembles one frame at a time: header, payload and (on a sealed stream) MAC, checked
+/// before decoding. The bulk after it is left on the socket for the caller.
+#[derive(Default)]
+pub(crate) struct FrameReader {
+    head: [u8; HEADER_LEN],
+    got: usize,
+    header: Option<Header>,
+    /// Payload then MAC.
+    rest: Vec<u8>,
+    rest_got: usize,
+}
+
+impl FrameReader {
+    /// Reads what has arrived; `Some` once a whole frame is in (the next call starts the next
+    /// frame). InvalidData for a malformed frame or a wrong MAC.
+    pub(crate) fn poll(&mut self, fd: RawFd, mac: &mut FrameMac) -> io::Result<Option<Received>> {
+        let h = match self.header {
+            Some(h) => h,
+            None => {
+                if fill(fd, &mut self.head, &mut self.got)? == Step::WouldBlock {
+                    return Ok(None);
+                }
+                let h = wire::decode_header(&self.head).map_err(proto)?;
+                let mac_len = if mac.sealed() { MAC_LEN } else { 0 };
+                self.rest.clear();
+                self.rest.resize(h.payload_len as usize + mac_len, 0);
+                self.rest_got = 0;
+                self.header = Some(h);
+                h
+            }
+        };
+        if fill(fd, &mut self.rest, &mut self.rest_got)? == Step::WouldBlock {
+            return Ok(None);
+        }
+        self.header = None;
+        self.got = 0;
+        let (payload, tag) = self.rest.split_at(h.payload_len as usize);
+        let seq = mac
+            .open(&[&self.head, payload], tag)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        let frame = wire::decode_payload(&h, payload).map_err(proto)?;
+        Ok(Some(Received { header: h, frame, seq }))
+    }
+}
+
+/// A list of iovecs to move, with its position, and the buffers some of them point into
+/// (frame headers, MACs), which it owns so that they live as long as it does.
+#[derive(Default)]
+pub(crate) struct IoJob {
+    iovs: Vec<libc::iovec>,
+    start: usize,
+    keep: Vec<Vec<u8>>,
+    /// What keeps the raw iovecs' memory valid (pins), dropped with the job.
+    held: Vec<Box<dyn Send>>,
+    /// Bytes moved so far.
+    pub(crate) moved: u64,
+}
+
+// SAFETY: the iovecs point into the job's own buffers or into registered memory that the
+// job's owner keeps pinned; the job is moved between threads, never shared.
+unsafe impl Send for IoJob {}
+
+impl IoJob {
+    /// Adds an owned buffer (sent as is).
+    pub(crate) fn push_owned(&mut self, b: Vec<u8>) {
+        if !b.is_empty() {
+            self.iovs.push(libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() });
+            self.keep.push(b);
+        }
+    }
+
+    /// Adds `len` bytes at `addr` (memory the owner keeps valid until the job ends).
+    pub(crate) fn push_raw(&mut self, addr: u64, len: u64) {
+        if len > 0 {
+            self.iovs.push(libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len as usize });
+        }
+    }
+
+    /// Keeps `x` (a pin of the memory the job points into) until the job is dropped.
+    pub(crate) fn hold(&mut self, x: Box<dyn Send>) {
+        self.held.push(x);
+    }
+
+    /// Bytes left to move.
+    pub(crate) fn left(&self) -> u64 {
+        self.iovs[self.start..].iter().map(|v| v.iov_len as u64).sum()
+    }
+
+    fn advance(&mut self, mut n: usize) {
+        self.moved += n as u64;
+        while n > 0 {
+            let v = &mut self.iovs[self.start];
+            if n >= v.iov_len {
+                n -= v.iov_len;
+                self.start += 1;
+            } else {
+                // SAFETY: n < iov_len: the new base stays inside the same buffer.
+                v.iov_base = unsafe { (v.iov_base as *mut u8).add(n) }.cast();
+                v.iov_len -= n;
+                n = 0;
+            }
+        }
+    }
+
+    /// Sends what the socket takes now, at most about `budget` bytes.
+    ///
+    /// # Safety
+    /// Every raw iovec must describe readable memory that stays valid during the call.
+    pub(crate) unsafe fn send(&mut self, fd: RawFd, budget: &mut u64) -> io::Result<Step> {
+        while self.start < self.iovs.len() {
+            if *budget == 0 {
+                return Ok(Step::WouldBlock);
+            }
+            // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = self.iovs[self.start..].as_mut_ptr();
+            msg.msg_iovlen = (self.iovs.len() - self.start).min(IOV_MAX);
+            // SAFETY: the iovecs describe readable memory (the caller's contract).
+            let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                if would_block(&e) {
+                    return Ok(Step::WouldBlock);
+                }
+                return Err(e);
+            }
+            *budget = budget.saturating_sub(r as u64);
+            self.advance(r as usize);
+        }
+        Ok(Step::Done)
+    }
+
+    /// Receives into the iovecs what has arrived, at most about `budget` bytes; EOF is an
+    /// error. After an error, `moved` says how many bytes of the stream were consumed.
+    ///
+    /// # Safety
+    /// Every raw iovec must describe writable memory that stays valid during the call.
+    pub(crate) unsafe fn recv(&mut self, fd: RawFd, budget: &mut u64) -> io::Result<Step> {
+        while self.start < self.iovs.len() {
+            if *budget == 0 {
+                return Ok(Step::WouldBlock);
+            }
+            // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = self.iovs[self.start..].as_mut_ptr();
+            msg.msg_iovlen = (self.iovs.len() - self.start).min(IOV_MAX);
+            // SAFETY: the iovecs describe writable memory (the caller's contract).
+            let r = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                if would_block(&e) {
+                    return Ok(Step::WouldBlock);
+                }
+                return Err(e);
+            }
+            if r == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the stream"));
+            }
+            *budget = budget.saturating_sub(r as u64);
+            self.advance(r as usize);
+        }
+        Ok(Step::Done)
+    }
+}
+
+/// Reads and drops up to `*left` bytes without blocking (the bulk of a refused frame).
+pub(crate) fn discard(fd: RawFd, left: &mut u64) -> io::Result<Step> {
+    let mut scratch = [0u8; 16 * 1024];
+    while *left > 0 {
+        let k = (*left).min(scratch.len() as u64) as usize;
+        let mut got = 0;
+        let step = fill(fd, &mut scratch[..k], &mut got)?;
+        *left -= got as u64;
+        if step == Step::WouldBlock {
+            return Ok(Step::WouldBlock);
+        }
+    }
+    Ok(Step::Done)
+}
+
+/// What one direction of a stream still has to send, in order: frames are sealed as they are
+/// queued, so the order here is the order of their sequence numbers.
+#[derive(Default)]
+pub(crate) struct Outbox {
+    jobs: VecDeque<IoJob>,
+    /// Bytes queued (not yet sent) in all.
+    pub(crate) bytes: u64,
+}
+
+impl Outbox {
+    /// Queues a sealed frame.
+    pub(crate) fn push_frame(&mut self, b: Vec<u8>) {
+        let mut j = IoJob::default();
+        j.push_owned(b);
+        self.push(j);
+    }
+
+    /// Queues a job.
+    pub(crate) fn push(&mut self, j: IoJob) {
+        self.bytes += j.left();
+        self.jobs.push_back(j);
+    }
+
+    /// Whether nothing is queued.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.jobs.is_empty()
+    }
+
+    /// Jobs queued.
+    pub(crate) fn len(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// Sends queued jobs until the socket is full, the budget is spent or nothing is left
+    /// (then `Done`).
+    ///
+    /// # Safety
+    /// As for [`IoJob::send`], for every queued job.
+    pub(crate) unsafe fn flush(&mut self, fd: RawFd, budget: &mut u64) -> io::Result<Step> {
+        while let Some(j) = self.jobs.front_mut() {
+            let before = j.left();
+            // SAFETY: the caller's contract.
+            let step = unsafe { j.send(fd, budget) }?;
+            self.bytes -= before - j.left();
+            if step == Step::WouldBlock {
+                return Ok(Step::WouldBlock);
+            }
+            self.jobs.pop_front();
+        }
+        Ok(Step::Done)
+    }
+
+    /// Drops everything queued (the stream is closing).
+    pub(crate) fn clear(&mut self) {
+        self.jobs.clear();
+        self.bytes = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn frames_arrive_across_many_reads_and_jobs_resume() {
+        let (a, b) = UnixStream::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        b.set_nonblocking(true).unwrap();
+        let frame = wire::encode(&wire::Frame::Notify { name: "n".into(), msg: "x".repeat(300) }, 9, 0);
+        let mut r = FrameReader::default();
+        let mut mac = FrameMac::default();
+        // Byte by byte: nothing until the last byte.
+        for byte in &frame {
+            assert!(r.poll(a.as_raw_fd(), &mut mac).unwrap().is_none());
+            assert_eq!(crate::transport::io::send_some(b.as_raw_fd(), &[*byte]).unwrap(), 1);
+        }
+        let got = r.poll(a.as_raw_fd(), &mut mac).unwrap().expect("a whole frame");
+        assert_eq!(got.header.tag, 9);
+        assert!(matches!(got.frame, wire::Frame::Notify { ref msg, .. } if msg.len() == 300));
+
+        // A job larger than the socket buffer goes out across several steps, in order.
+        let src: Vec<u8> = (0..4 << 20).map(|i| (i % 251) as u8).collect();
+        let mut out = Outbox::default();
+        let mut job = IoJob::default();
+        job.push_raw(src.as_ptr() as u64, src.len() as u64);
+        out.push(job);
+        let mut dst = vec![0u8; src.len()];
+        let mut rj = IoJob::default();
+        rj.push_raw(dst.as_mut_ptr() as u64, dst.len() as u64);
+        let (mut steps, mut sent_done, mut recv_done) = (0, false, false);
+        while !(sent_done && recv_done) {
+            steps += 1;
+            let mut budget = 1 << 20;
+            // SAFETY: `src` and `dst` outlive the jobs.
+            sent_done = sent_done || unsafe { out.flush(b.as_raw_fd(), &mut budget) }.unwrap() == Step::Done;
+            let mut budget = 1 << 20;
+            // SAFETY: as above.
+            recv_done = recv_done || unsafe { rj.recv(a.as_raw_fd(), &mut budget) }.unwrap() == Step::Done;
+        }
+        assert!(steps > 2, "the buffer is bigger than the socket's");
+        assert_eq!(out.bytes, 0);
+        assert!(src == dst);
+    }
+}

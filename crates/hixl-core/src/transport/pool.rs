@@ -1,0 +1,172 @@
+//! Copy workers shared by every same-host link of an engine (`hixl.shm.threads` of them): a
+//! link with queued copies puts itself on the pool's run queue (once per queued part, so that
+//! the shares of a split request run in parallel), and a worker copies one batch of it, then
+//! puts it back at the end of the queue if more is left, so links take turns.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::SegQueue;
+
+use crate::error::{Error, Result};
+
+/// How long an idle worker polls for the next task before it sleeps: back-to-back requests
+/// then need no wake-up.
+const SPIN: Duration = Duration::from_micros(100);
+
+/// A link with copies to run.
+pub(crate) trait Task: Send + Sync {
+    /// Runs one batch; returns whether more is queued.
+    fn run_batch(&self) -> bool;
+}
+
+/// The shared copy workers.
+pub struct CopyPool {
+    queue: SegQueue<Arc<dyn Task>>,
+    sleepers: AtomicUsize,
+    bell: (Mutex<()>, Condvar),
+    stopping: AtomicBool,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    workers: usize,
+}
+
+impl CopyPool {
+    /// Starts `workers` copy threads (at least one).
+    pub fn start(workers: usize) -> Result<Arc<CopyPool>> {
+        let workers = workers.max(1);
+        let pool = Arc::new(CopyPool {
+            queue: SegQueue::new(),
+            sleepers: AtomicUsize::new(0),
+            bell: (Mutex::new(()), Condvar::new()),
+            stopping: AtomicBool::new(false),
+            threads: Mutex::new(Vec::new()),
+            workers,
+        });
+        for i in 0..workers {
+            let p = pool.clone();
+            let name = format!("hixl-copy{i}");
+            match std::thread::Builder::new().name(name.clone()).spawn(move || p.worker()) {
+                Ok(h) => pool.threads.lock().unwrap().push(h),
+                Err(e) => {
+                    pool.stop();
+                    return Err(Error::failed(format!("cannot start thread {name}: {e}")));
+                }
+            }
+        }
+        Ok(pool)
+    }
+
+    /// How many copy threads run.
+    pub fn workers(&self) -> usize {
+        self.workers
+    }
+
+    /// Queues `task` to run `times` batches' worth (one per queued part).
+    pub(crate) fn push(&self, task: &Arc<dyn Task>, times: usize) {
+        for _ in 0..times {
+            self.queue.push(task.clone());
+        }
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            let _g = self.bell.0.lock().unwrap();
+            if times > 1 {
+                self.bell.1.notify_all();
+            } else {
+                self.bell.1.notify_one();
+            }
+        }
+    }
+
+    fn next(&self) -> Option<Arc<dyn Task>> {
+        if let Some(t) = self.queue.pop() {
+            return Some(t);
+        }
+        let until = Instant::now() + SPIN;
+        while Instant::now() < until && !self.stopping.load(Ordering::Acquire) {
+            if let Some(t) = self.queue.pop() {
+                return Some(t);
+            }
+            std::hint::spin_loop();
+            std::thread::yield_now();
+        }
+        let mut g = self.bell.0.lock().unwrap();
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        let t = loop {
+            if let Some(t) = self.queue.pop() {
+                break Some(t);
+            }
+            if self.stopping.load(Ordering::Acquire) {
+                break None;
+            }
+            g = self.bell.1.wait(g).unwrap();
+        };
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        t
+    }
+
+    fn worker(&self) {
+        while let Some(task) = self.next() {
+            if task.run_batch() {
+                self.queue.push(task);
+            }
+        }
+    }
+
+    /// Stops the workers after the batches under way (queued tasks are dropped: their links
+    /// fail what they queued when they close).
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::Release);
+        {
+            let _g = self.bell.0.lock().unwrap();
+            self.bell.1.notify_all();
+        }
+        let me = std::thread::current().id();
+        for h in std::mem::take(&mut *self.threads.lock().unwrap()) {
+            if h.thread().id() != me {
+                let _ = h.join();
+            }
+        }
+        while self.queue.pop().is_some() {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Countdown {
+        left: Mutex<u32>,
+        ran: AtomicUsize,
+    }
+
+    impl Task for Countdown {
+        fn run_batch(&self) -> bool {
+            let mut l = self.left.lock().unwrap();
+            if *l == 0 {
+                return false;
+            }
+            *l -= 1;
+            self.ran.fetch_add(1, Ordering::SeqCst);
+            *l > 0
+        }
+    }
+
+    #[test]
+    fn tasks_run_until_done_taking_turns() {
+        let pool = CopyPool::start(2).unwrap();
+        let tasks: Vec<Arc<Countdown>> =
+            (0..8).map(|_| Arc::new(Countdown { left: Mutex::new(50), ran: AtomicUsize::new(0) })).collect();
+        for t in &tasks {
+            let t: Arc<dyn Task> = t.clone();
+            pool.push(&t, 2);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while tasks.iter().any(|t| t.ran.load(Ordering::SeqCst) < 50) {
+            assert!(Instant::now() < deadline, "tasks did not finish");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(tasks.iter().all(|t| t.ran.load(Ordering::SeqCst) == 50));
+        pool.stop();
+    }
+}

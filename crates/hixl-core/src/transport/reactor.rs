@@ -1,0 +1,479 @@
+//! The I/O workers of an engine: every TCP stream of every link and every served stream is a
+//! [`Source`] registered here, and a fixed set of worker threads (`hixl.tcp.io_threads`) runs
+//! them when their socket is ready or when they are scheduled, so that threads do not grow
+//! with the number of peers. One timer thread drives every link's heartbeat.
+//!
+//! All workers wait on one epoll set. Every registration is one-shot: the kernel reports a
+//! socket to one worker, which runs its source and then re-arms it with the interest the
+//! source returned. A source therefore never runs on two threads at once; a wake-up that
+//! arrives while it runs (an event, or `schedule` from another thread) makes it run once
+//! more before it is re-armed. Sources never block: they read and write what the socket
+//! takes now and return.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::SegQueue;
+
+use crate::error::{Error, Result};
+use crate::transport::pool::CopyPool;
+
+/// What a source waits for next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Interest {
+    /// Bytes to read (or the peer closing).
+    Read,
+    /// Room to write.
+    Write,
+    /// Nothing from the socket: the source runs again only when scheduled.
+    Idle,
+    /// The source is done: it is removed.
+    Gone,
+}
+
+/// Something the workers run: one direction of one stream.
+pub(crate) trait Source: Send + Sync {
+    /// Does what can be done now without blocking (`events`: the epoll events that woke it,
+    /// 0 when it was scheduled) and says what to wait for next.
+    fn run(&self, events: u32) -> Interest;
+}
+
+/// Something the timer calls periodically; returns false to be dropped.
+pub(crate) trait Tick: Send + Sync {
+    /// Called every period; `now` is the timer's clock.
+    fn tick(&self, now: Instant) -> bool;
+}
+
+const IDLE: u8 = 0;
+const RUNNING: u8 = 1;
+/// Running, and woken again meanwhile: runs once more before it is re-armed.
+const AGAIN: u8 = 2;
+
+/// Ticks due within this much of each other run in one wake-up of the timer (an idle engine
+/// with many links wakes about once per heartbeat interval, not once per link); a tick's
+/// slack is at most a tenth of its period.
+const TIMER_SLACK: Duration = Duration::from_millis(20);
+
+fn slack(period: Duration) -> Duration {
+    TIMER_SLACK.min(period / 10)
+}
+
+/// The token of the workers' wake-up eventfd.
+const WAKE: u64 = 0;
+
+struct Entry {
+    fd: RawFd,
+    state: AtomicU8,
+    events: AtomicU32,
+    source: Arc<dyn Source>,
+}
+
+struct TimerEntry {
+    /// Set when its tick returned false: removed at the next pass.
+    done: bool,
+    next: Instant,
+    period: Duration,
+    tick: Weak<dyn Tick>,
+}
+
+/// An engine's I/O workers and its timer.
+pub struct Reactor {
+    epfd: OwnedFd,
+    wake: OwnedFd,
+    entries: RwLock<HashMap<u64, Arc<Entry>>>,
+    scheduled: SegQueue<u64>,
+    next_token: AtomicU64,
+    stopping: AtomicBool,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    workers: usize,
+    timers: (Mutex<Vec<TimerEntry>>, Condvar),
+    /// The same-host copy workers, started with the first same-host link.
+    copies: Mutex<Option<Arc<CopyPool>>>,
+}
+
+impl std::fmt::Debug for Reactor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reactor").field("workers", &self.workers).finish_non_exhaustive()
+    }
+}
+
+thread_local! {
+    static ON_REACTOR: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is a reactor's (an I/O worker or the timer): code that may run
+/// there schedules sources instead of running them inline, and never blocks.
+pub(crate) fn on_reactor_thread() -> bool {
+    ON_REACTOR.with(|c| c.get())
+}
+
+fn os_error(what: &str) -> Error {
+    Error::failed(format!("{what}: {}", std::io::Error::last_os_error()))
+}
+
+impl Reactor {
+    /// Starts `workers` I/O threads (at least one) and the timer thread.
+    pub fn start(workers: usize) -> Result<Arc<Reactor>> {
+        // SAFETY: plain system calls; the descriptors they return are owned below.
+        let epfd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if epfd < 0 {
+            return Err(os_error("epoll_create1"));
+        }
+        // SAFETY: `epfd` is a new descriptor nobody else owns.
+        let epfd = unsafe { OwnedFd::from_raw_fd(epfd) };
+        // SAFETY: as above.
+        let wake = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if wake < 0 {
+            return Err(os_error("eventfd"));
+        }
+        // SAFETY: `wake` is a new descriptor nobody else owns.
+        let wake = unsafe { OwnedFd::from_raw_fd(wake) };
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: WAKE };
+        // SAFETY: both descriptors are open; `ev` is a valid event.
+        if unsafe { libc::epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, wake.as_raw_fd(), &mut ev) } != 0 {
+            return Err(os_error("epoll_ctl(eventfd)"));
+        }
+        let workers = workers.max(1);
+        let r = Arc::new(Reactor {
+            epfd,
+            wake,
+            entries: RwLock::new(HashMap::new()),
+            scheduled: SegQueue::new(),
+            next_token: AtomicU64::new(WAKE + 1),
+            stopping: AtomicBool::new(false),
+            threads: Mutex::new(Vec::new()),
+            workers,
+            timers: (Mutex::new(Vec::new()), Condvar::new()),
+            copies: Mutex::new(None),
+        });
+        for i in 0..=workers {
+            let me = r.clone();
+            let (name, timer) =
+                if i == workers { ("hixl-timer".to_string(), true) } else { (format!("hixl-io{i}"), false) };
+            let started = std::thread::Builder::new().name(name.clone()).spawn(move || {
+                ON_REACTOR.with(|c| c.set(true));
+                if timer {
+                    me.timer_loop()
+                } else {
+                    me.worker_loop()
+                }
+            });
+            match started {
+                Ok(h) => r.threads.lock().unwrap().push(h),
+                Err(e) => {
+                    r.stop();
+                    return Err(Error::failed(format!("cannot start thread {name}: {e}")));
+                }
+            }
+        }
+        Ok(r)
+    }
+
+    /// The engine's same-host copy workers (`workers` of them, started on first use).
+    pub(crate) fn copy_pool(&self, workers: usize) -> Result<Arc<CopyPool>> {
+        let mut c = self.copies.lock().unwrap();
+        if self.stopping.load(Ordering::Acquire) {
+            return Err(Error::failed("the engine is finalizing"));
+        }
+        if let Some(p) = &*c {
+            return Ok(p.clone());
+        }
+        let p = CopyPool::start(workers)?;
+        *c = Some(p.clone());
+        Ok(p)
+    }
+
+    /// Registers a source on `fd` (which it must keep open until it is removed), armed with
+    /// `interest`; returns its token.
+    pub(crate) fn add(&self, fd: RawFd, source: Arc<dyn Source>, interest: Interest) -> Result<u64> {
+        let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+        let entry = Arc::new(Entry { fd, state: AtomicU8::new(IDLE), events: AtomicU32::new(0), source });
+        self.entries.write().unwrap().insert(token, entry);
+        let mut ev = libc::epoll_event { events: mask(interest), u64: token };
+        // SAFETY: `fd` is open (the caller's contract); `ev` is a valid event.
+        if unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } != 0 {
+            self.entries.write().unwrap().remove(&token);
+            return Err(os_error("epoll_ctl(add)"));
+        }
+        Ok(token)
+    }
+
+    /// Removes a source: it is not run again once a run under way returns.
+    pub(crate) fn remove(&self, token: u64) {
+        if let Some(e) = self.entries.write().unwrap().remove(&token) {
+            // SAFETY: the entry holds the source, which keeps `fd` open; deleting an fd that
+            // is not registered only fails.
+            unsafe {
+                libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, e.fd, std::ptr::null_mut())
+            };
+        }
+    }
+
+    /// Has a worker run the source soon (from any thread; never runs it here).
+    pub(crate) fn schedule(&self, token: u64) {
+        self.scheduled.push(token);
+        self.ring();
+    }
+
+    fn ring(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our eventfd.
+        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    /// Runs the source on the calling thread now, unless a worker is running it (which then
+    /// runs it once more). For the latency path: a small send needs no hand-off.
+    pub(crate) fn run_here(&self, token: u64) {
+        self.dispatch(token, 0);
+    }
+
+    /// Calls `tick` every `period` from the timer thread until it returns false or is dropped.
+    pub(crate) fn every(&self, period: Duration, tick: Weak<dyn Tick>) {
+        let mut t = self.timers.0.lock().unwrap();
+        t.push(TimerEntry { done: false, next: Instant::now() + period, period, tick });
+        self.timers.1.notify_all();
+    }
+
+    fn dispatch(&self, token: u64, events: u32) {
+        let Some(e) = self.entries.read().unwrap().get(&token).cloned() else { return };
+        e.events.fetch_or(events, Ordering::AcqRel);
+        loop {
+            match e.state.compare_exchange(IDLE, RUNNING, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(RUNNING) => {
+                    if e.state.compare_exchange(RUNNING, AGAIN, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                        return;
+                    }
+                }
+                Err(_) => return, // AGAIN: it runs once more anyway
+            }
+        }
+        loop {
+            let ev = e.events.swap(0, Ordering::AcqRel);
+            let interest = e.source.run(ev);
+            if interest == Interest::Gone {
+                self.remove(token);
+                e.state.store(IDLE, Ordering::Release);
+                return;
+            }
+            let mut ev = libc::epoll_event { events: mask(interest), u64: token };
+            // SAFETY: `e` holds the source, which keeps the fd open; MOD of an fd removed
+            // meanwhile fails with ENOENT, which is fine.
+            unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_MOD, e.fd, &mut ev) };
+            if e.state.compare_exchange(RUNNING, IDLE, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                return;
+            }
+            e.state.store(RUNNING, Ordering::Release);
+        }
+    }
+
+    fn worker_loop(&self) {
+        let mut evs = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
+        while !self.stopping.load(Ordering::Acquire) {
+            // SAFETY: `evs` has room for 64 events.
+            let n = unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), evs.as_mut_ptr(), 64, -1) };
+            if n < 0 {
+                continue; // EINTR
+            }
+            for ev in &evs[..n as usize] {
+                let (token, events) = (ev.u64, ev.events);
+                if token == WAKE {
+                    let mut v: u64 = 0;
+                    // SAFETY: reads 8 bytes into a live u64 (EAGAIN when another worker did).
+                    unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+                    if self.stopping.load(Ordering::Acquire) {
+                        // Pass the wake-up on: the next worker stops too.
+                        self.ring();
+                        return;
+                    }
+                    while let Some(t) = self.scheduled.pop() {
+                        self.dispatch(t, 0);
+                    }
+                } else {
+                    self.dispatch(token, events);
+                }
+            }
+        }
+    }
+
+    fn timer_loop(&self) {
+        let mut due: Vec<Arc<dyn Tick>> = Vec::new();
+        let mut finished: Vec<Arc<dyn Tick>> = Vec::new();
+        loop {
+            {
+                let mut t = self.timers.0.lock().unwrap();
+                loop {
+                    if self.stopping.load(Ordering::Acquire) {
+                        return;
+                    }
+                    for f in finished.drain(..) {
+                        let f = Arc::as_ptr(&f) as *const ();
+                        t.iter_mut()
+                            .filter(|e| e.tick.as_ptr() as *const () == f)
+                            .for_each(|e| e.done = true);
+                    }
+                    t.retain(|e| !e.done && e.tick.strong_count() > 0);
+                    let now = Instant::now();
+                    // Each entry may run up to its slack early, so that ticks close together
+                    // share one wake-up.
+                    let wake = t.iter().map(|e| e.next.checked_sub(slack(e.period)).unwrap_or(e.next)).min();
+                    match wake {
+                        Some(w) if w <= now => break,
+                        Some(w) => t = self.timers.1.wait_timeout(t, w - now).unwrap().0,
+                        None => t = self.timers.1.wait(t).unwrap(),
+                    }
+                }
+                let now = Instant::now();
+                for e in t.iter_mut() {
+                    if e.next <= now + slack(e.period) {
+                        e.next = now + e.period;
+                        if let Some(tick) = e.tick.upgrade() {
+                            due.push(tick);
+                        }
+                    }
+                }
+            }
+            let now = Instant::now();
+            for tick in due.drain(..) {
+                if !tick.tick(now) {
+                    finished.push(tick);
+                }
+            }
+        }
+    }
+
+    /// Stops every thread (bounded: workers never block in a source). Sources still
+    /// registered are not run again.
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::Release);
+        {
+            let _t = self.timers.0.lock().unwrap();
+            self.timers.1.notify_all();
+        }
+        self.ring();
+        let me = std::thread::current().id();
+        let handles = std::mem::take(&mut *self.threads.lock().unwrap());
+        for h in handles {
+            if h.thread().id() != me {
+                let _ = h.join();
+            }
+        }
+        self.entries.write().unwrap().clear();
+        let copies = self.copies.lock().unwrap().take();
+        if let Some(p) = copies {
+            p.stop();
+        }
+    }
+}
+
+fn mask(i: Interest) -> u32 {
+    let base = (libc::EPOLLONESHOT | libc::EPOLLRDHUP) as u32;
+    match i {
+        Interest::Read => base | libc::EPOLLIN as u32,
+        Interest::Write => base | libc::EPOLLOUT as u32,
+        Interest::Idle | Interest::Gone => base,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+    use std::sync::atomic::AtomicUsize;
+
+    struct Echo {
+        sock: UnixStream,
+        runs: AtomicUsize,
+        inside: AtomicUsize,
+        overlap: AtomicBool,
+    }
+
+    impl Source for Echo {
+        fn run(&self, _events: u32) -> Interest {
+            if self.inside.fetch_add(1, Ordering::SeqCst) != 0 {
+                self.overlap.store(true, Ordering::SeqCst);
+            }
+            self.runs.fetch_add(1, Ordering::SeqCst);
+            let mut buf = [0u8; 64];
+            let mut s = &self.sock;
+            loop {
+                match s.read(&mut buf) {
+                    Ok(0) => {
+                        self.inside.fetch_sub(1, Ordering::SeqCst);
+                        return Interest::Gone;
+                    }
+                    Ok(n) => {
+                        let _ = s.write_all(&buf[..n]);
+                    }
+                    Err(_) => break,
+                }
+            }
+            self.inside.fetch_sub(1, Ordering::SeqCst);
+            Interest::Read
+        }
+    }
+
+    #[test]
+    fn sources_run_on_readiness_and_schedule_never_concurrently() {
+        let r = Reactor::start(3).unwrap();
+        let (a, b) = UnixStream::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        let src = Arc::new(Echo {
+            sock: a,
+            runs: AtomicUsize::new(0),
+            inside: AtomicUsize::new(0),
+            overlap: AtomicBool::new(false),
+        });
+        let token = r.add(src.sock.as_raw_fd(), src.clone(), Interest::Read).unwrap();
+        let mut b2 = b.try_clone().unwrap();
+        b2.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        for i in 0..200u32 {
+            b2.write_all(&i.to_le_bytes()).unwrap();
+            for _ in 0..3 {
+                r.schedule(token);
+            }
+            r.run_here(token);
+            let mut got = [0u8; 4];
+            b2.read_exact(&mut got).unwrap();
+            assert_eq!(u32::from_le_bytes(got), i);
+        }
+        assert!(!src.overlap.load(Ordering::SeqCst), "a source ran on two threads at once");
+        // The peer closing ends the source: it is removed.
+        drop(b2);
+        drop(b);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while r.entries.read().unwrap().contains_key(&token) {
+            assert!(Instant::now() < deadline, "source not removed after EOF");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        r.stop();
+    }
+
+    struct Count(AtomicUsize);
+    impl Tick for Count {
+        fn tick(&self, _now: Instant) -> bool {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            true
+        }
+    }
+
+    #[test]
+    fn the_timer_ticks_every_period_and_forgets_dropped_ticks() {
+        let r = Reactor::start(1).unwrap();
+        let c = Arc::new(Count(AtomicUsize::new(0)));
+        let weak: Weak<dyn Tick> = Arc::downgrade(&(c.clone() as Arc<dyn Tick>));
+        r.every(Duration::from_millis(20), weak);
+        std::thread::sleep(Duration::from_millis(230));
+        let n = c.0.load(Ordering::SeqCst);
+        assert!((5..=12).contains(&n), "{n} ticks in 230 ms at 20 ms");
+        drop(c);
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(r.timers.0.lock().unwrap().is_empty());
+        r.stop();
+    }
+}

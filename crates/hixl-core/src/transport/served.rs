@@ -1,0 +1,438 @@
+//! A served stream after its handshake: its reader and writer are sources of the engine's
+//! reactor, so a fixed set of I/O workers serves every initiator. Every remote range is
+//! checked against this engine's registry before a byte is read into it or written from it;
+//! a refused frame is answered with PARAM_INVALID and its bulk is discarded, so the stream
+//! stays usable. WRITE bytes go from the socket straight into registered memory and READ
+//! bytes straight from it, across as many wake-ups as they take.
+
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::auth::{self, FrameMac, MAC_LEN};
+use crate::error::{Error, Result, Status};
+use crate::registry::{Abort, Pin, Registry};
+use crate::transport::io::{self, Received};
+use crate::transport::nbio::{self, fill, FrameReader, IoJob, Step};
+use crate::transport::reactor::{Interest, Source};
+use crate::transport::server::{Served, Server};
+use crate::wire::{self, Frame, Header, Seg, StridedSeg};
+
+/// Bytes a served reader takes per run before the other streams get a turn (many initiators
+/// writing at once share the target's workers fairly).
+const READ_BUDGET: u64 = 1 << 20;
+/// The reader stops taking frames while this many answers wait to be sent (an initiator
+/// that sends READs and never reads the answers holds them back, not the target's memory).
+const MAX_QUEUED_JOBS: usize = 256;
+/// Likewise, in bytes queued.
+const MAX_QUEUED_BYTES: u64 = 64 << 20;
+
+/// Where the receiving side of a served stream is.
+pub(crate) enum RxState {
+    /// Between frames (or inside a frame's header and payload).
+    Frames,
+    /// A WRITE's bytes under way into registered memory, then their data MAC.
+    Bulk(Box<WriteBulk>),
+    /// A refused frame's bytes being skipped; then `ack` answers it.
+    Discard { tag: u64, left: u64, ack: Frame },
+}
+
+/// A WRITE being received.
+pub(crate) struct WriteBulk {
+    tag: u64,
+    bulk: u64,
+    /// Keeps the regions the bytes go into registered until they are in.
+    _pins: Vec<Pin>,
+    job: IoJob,
+    ranges: OwnedRanges,
+    hasher: Option<blake3::Hasher>,
+    mac: [u8; MAC_LEN],
+    mac_got: usize,
+}
+
+/// The receiving side of a served stream.
+pub(crate) struct ServedRx {
+    pub(crate) mac: FrameMac,
+    pub(crate) frames: FrameReader,
+    pub(crate) state: RxState,
+}
+
+impl ServedRx {
+    pub(crate) fn new(mac: FrameMac) -> ServedRx {
+        ServedRx { mac, frames: FrameReader::default(), state: RxState::Frames }
+    }
+}
+
+/// A served stream's reader, as the reactor runs it.
+pub(crate) struct Reader {
+    pub(crate) srv: Arc<Server>,
+    pub(crate) served: Arc<Served>,
+}
+
+/// A served stream's writer, as the reactor runs it.
+pub(crate) struct Writer {
+    pub(crate) srv: Arc<Server>,
+    pub(crate) served: Arc<Served>,
+}
+
+impl Source for Reader {
+    fn run(&self, _events: u32) -> Interest {
+        let res = read_some(&self.srv, &self.served);
+        match res {
+            Ok(i) => i,
+            Err(e) => {
+                if e.kind() != std::io::ErrorKind::UnexpectedEof {
+                    tracing::info!(from = %self.served.peer_addr, error = %e, "served stream ended");
+                }
+                self.srv.end_stream(&self.served);
+                Interest::Gone
+            }
+        }
+    }
+}
+
+impl Source for Writer {
+    fn run(&self, _events: u32) -> Interest {
+        let s = &self.served;
+        match flush(&self.srv, s) {
+            Ok(Step::WouldBlock) => Interest::Write,
+            Ok(Step::Done) => {
+                if s.paused.load(Ordering::Acquire) && !backlogged(s) {
+                    s.paused.store(false, Ordering::Release);
+                    self.srv.ctx.reactor.schedule(s.reader_token.load(Ordering::Acquire));
+                }
+                Interest::Idle
+            }
+            Err(_) => {
+                // The reader sees the stream end and cleans up.
+                io::shutdown(s.sock.as_raw_fd());
+                Interest::Gone
+            }
+        }
+    }
+}
+
+/// Sends a due region update and whatever is queued, as far as the socket takes it now.
+fn flush(srv: &Server, s: &Served) -> std::io::Result<Step> {
+    let mut tx = s.send.lock().unwrap();
+    tx.queue_update(s, &srv.ctx);
+    let mut budget = u64::MAX;
+    // SAFETY: queued jobs point into their own buffers or into registered memory pinned by
+    // the pins they hold.
+    let step = unsafe { tx.out.flush(s.sock.as_raw_fd(), &mut budget) }?;
+    if step == Step::Done {
+        tx.flushed(s);
+    }
+    Ok(step)
+}
+
+fn backlogged(s: &Served) -> bool {
+    let tx = s.send.lock().unwrap();
+    tx.out.len() >= MAX_QUEUED_JOBS || tx.out.bytes >= MAX_QUEUED_BYTES
+}
+
+/// Queues an answer (sealed now, so queue order is sequence order) and sends what it can at
+/// once; the writer sends the rest when the socket has room.
+fn answer(srv: &Server, s: &Served, f: &Frame, tag: u64) -> std::io::Result<()> {
+    let mut b = wire::encode(f, tag, 0);
+    s.send.lock().unwrap().queue_sealed(&mut b);
+    send_now(srv, s)
+}
+
+fn send_now(srv: &Server, s: &Served) -> std::io::Result<()> {
+    if flush(srv, s)? == Step::WouldBlock {
+        srv.ctx.reactor.schedule(s.writer_token.load(Ordering::Acquire));
+    }
+    Ok(())
+}
+
+fn read_some(srv: &Server, s: &Arc<Served>) -> std::io::Result<Interest> {
+    let fd = s.sock.as_raw_fd();
+    let mut budget = READ_BUDGET;
+    let mut rx = s.rx.lock().unwrap();
+    loop {
+        match std::mem::replace(&mut rx.state, RxState::Frames) {
+            RxState::Frames => {}
+            RxState::Discard { tag, mut left, ack } => {
+                if nbio::discard(fd, &mut left)? == Step::WouldBlock {
+                    rx.state = RxState::Discard { tag, left, ack };
+                    return Ok(Interest::Read);
+                }
+                answer(srv, s, &ack, tag)?;
+            }
+            RxState::Bulk(mut w) => {
+                // SAFETY: every range was checked to lie inside a registered region, and those
+                // regions stay pinned (cannot be deregistered and freed) until `w.pins` drops.
+                let got = unsafe { w.job.recv(fd, &mut budget) };
+                match got {
+                    Ok(Step::WouldBlock) => {
+                        rx.state = RxState::Bulk(w);
+                        return Ok(Interest::Read);
+                    }
+                    Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
+                        // Registered memory unmapped or protected since: fail this request,
+                        // skip the rest of its bytes, keep the stream.
+                        let got = w.job.moved;
+                        let message = format!(
+                            "the target cannot write its registered memory after byte {got} of this \
+                             request (EFAULT: unmapped or write-protected since it was registered)"
+                        );
+                        let mac_len = if w.hasher.is_some() { MAC_LEN as u64 } else { 0 };
+                        let left = w.bulk.saturating_sub(got) + mac_len;
+                        let ack = Frame::Ack { status: Status::ParamInvalid.code(), message };
+                        rx.state = RxState::Discard { tag: w.tag, left, ack };
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                    Ok(Step::Done) => {}
+                }
+                if let Some(h) = w.hasher.clone() {
+                    let WriteBulk { mac, mac_got, .. } = &mut *w;
+                    if fill(fd, mac, mac_got)? == Step::WouldBlock {
+                        rx.state = RxState::Bulk(w);
+                        return Ok(Interest::Read);
+                    }
+                    let mut h = h;
+                    // SAFETY: as above: checked and pinned.
+                    unsafe { w.ranges.hash(&mut h) };
+                    if !auth::constant_eq(&auth::data_mac(&h), &w.mac) {
+                        let message = "the written bytes do not match their data MAC (altered on the way); \
+                                       closing the stream";
+                        let f = Frame::Ack { status: Status::Failed.code(), message: message.into() };
+                        let _ = answer(srv, s, &f, w.tag);
+                        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, message));
+                    }
+                }
+                let tag = w.tag;
+                drop(w);
+                answer(srv, s, &Frame::Ack { status: 0, message: String::new() }, tag)?;
+            }
+        }
+        if budget == 0 {
+            return Ok(Interest::Read);
+        }
+        if backlogged(s) {
+            s.paused.store(true, Ordering::Release);
+            srv.ctx.reactor.schedule(s.writer_token.load(Ordering::Acquire));
+            return Ok(Interest::Idle);
+        }
+        let ServedRx { frames, mac, .. } = &mut *rx;
+        let got = match frames.poll(fd, mac) {
+            Ok(Some(r)) => r,
+            Ok(None) => return Ok(Interest::Read),
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                let err = Frame::Error { status: Status::ParamInvalid.code(), message: e.to_string() };
+                let _ = answer(srv, s, &err, 0);
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
+        budget = budget.saturating_sub(4096);
+        let data_mac = rx.mac.data();
+        if let Some(next) = on_frame(srv, s, got, data_mac, &rx.mac)? {
+            rx.state = next;
+        }
+    }
+}
+
+/// Acts on one frame; returns the state that receives its bulk, if it has one.
+fn on_frame(
+    srv: &Server,
+    s: &Arc<Served>,
+    got: Received,
+    data_mac: bool,
+    rx_mac: &FrameMac,
+) -> std::io::Result<Option<RxState>> {
+    let ctx = &*srv.ctx;
+    let Received { header: h, frame, seq } = got;
+    match frame {
+        Frame::Write { segs } => {
+            return Ok(Some(start_write(ctx, s, &h, OwnedRanges::List(segs), data_mac, rx_mac, seq)))
+        }
+        Frame::WriteStrided { seg } => {
+            return Ok(Some(start_write(ctx, s, &h, OwnedRanges::Strided(seg), data_mac, rx_mac, seq)))
+        }
+        Frame::Read { segs } => serve_read(srv, s, &h, OwnedRanges::List(segs))?,
+        Frame::ReadStrided { seg } => serve_read(srv, s, &h, OwnedRanges::Strided(seg))?,
+        Frame::Notify { name, msg } => {
+            let ack = match ctx.notifies.push(s.id, name, msg) {
+                Ok(()) => Frame::Ack { status: 0, message: String::new() },
+                Err(e) => Frame::Ack { status: e.code(), message: e.message },
+            };
+            answer(srv, s, &ack, h.tag)?;
+        }
+        Frame::Heartbeat => answer(srv, s, &Frame::HeartbeatAck, h.tag)?,
+        Frame::BackendOpen { backend, payload } => {
+            let head = s.link_head.load(Ordering::Acquire);
+            let ans = crate::transport::backend::answer_open(
+                &ctx.backends,
+                head,
+                &backend,
+                &payload,
+                &mut s.accepted.lock().unwrap(),
+            );
+            answer(srv, s, &ans, h.tag)?
+        }
+        Frame::RegionsAck { version } => {
+            s.acked.fetch_max(version, Ordering::AcqRel);
+            let _g = srv.live.lock().unwrap();
+            srv.acks.notify_all();
+        }
+        Frame::RegionsQuery if s.data_path.load(Ordering::Acquire) => {
+            let message = "a data-path stream gets no region table: ask on the control channel";
+            let err = Frame::Error { status: Status::ParamInvalid.code(), message: message.into() };
+            let _ = answer(srv, s, &err, h.tag);
+            return Err(std::io::Error::other(message));
+        }
+        Frame::RegionsQuery => {
+            let (version, regions) = ctx.registry.table();
+            answer(srv, s, &Frame::RegionsTable { version, regions }, h.tag)?
+        }
+        Frame::Bye => {
+            let _ = answer(srv, s, &Frame::Ack { status: 0, message: String::new() }, h.tag);
+            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the initiator said goodbye"));
+        }
+        other => {
+            let message = format!("unexpected {:?} frame from an initiator", other.kind());
+            let err = Frame::Error { status: Status::ParamInvalid.code(), message: message.clone() };
+            let _ = answer(srv, s, &err, h.tag);
+            return Err(std::io::Error::other(message));
+        }
+    }
+    Ok(None)
+}
+
+/// Checks a WRITE's ranges and pins them: its bytes then go straight into them; a refused
+/// WRITE's bytes are skipped.
+fn start_write(
+    ctx: &crate::transport::server::ServerCtx,
+    s: &Arc<Served>,
+    h: &Header,
+    ranges: OwnedRanges,
+    data_mac: bool,
+    rx_mac: &FrameMac,
+    seq: u64,
+) -> RxState {
+    let mac_len = if data_mac { MAC_LEN as u64 } else { 0 };
+    match ranges.pin(&ctx.registry, s, true) {
+        Ok(pins) => {
+            let mut job = IoJob::default();
+            ranges.for_each(|addr, len| job.push_raw(addr, len));
+            RxState::Bulk(Box::new(WriteBulk {
+                tag: h.tag,
+                bulk: h.bulk_len,
+                _pins: pins,
+                job,
+                ranges,
+                hasher: rx_mac.data_hasher(seq),
+                mac: [0u8; MAC_LEN],
+                mac_got: 0,
+            }))
+        }
+        Err(e) => RxState::Discard {
+            tag: h.tag,
+            left: h.bulk_len + mac_len,
+            ack: Frame::Ack { status: e.code(), message: e.message },
+        },
+    }
+}
+
+fn serve_read(srv: &Server, s: &Arc<Served>, h: &Header, ranges: OwnedRanges) -> std::io::Result<()> {
+    let total = match &ranges {
+        OwnedRanges::List(segs) => wire::total_len(segs).ok(),
+        OwnedRanges::Strided(st) => st.bytes(),
+    };
+    let Some(total) = total else {
+        let resp = Frame::ReadResp { status: Status::ParamInvalid.code(), message: "ranges overflow".into() };
+        return answer(srv, s, &resp, h.tag);
+    };
+    let pins = match ranges.pin(&srv.ctx.registry, s, false) {
+        Ok(p) => p,
+        Err(e) => return answer(srv, s, &Frame::ReadResp { status: e.code(), message: e.message }, h.tag),
+    };
+    // Registered memory unmapped since: refuse before the reply promises its bytes. (A page
+    // made PROT_NONE is still mapped; sending from it fails mid-reply and closes the stream.)
+    if let Some(p) = pins.iter().find(|p| !io::is_mapped(p.region().addr, p.region().len)) {
+        let message = format!(
+            "the target's registered region 0x{:x}+{} is no longer mapped (unmapped since it was \
+             registered)",
+            p.region().addr,
+            p.region().len
+        );
+        drop(pins);
+        return answer(srv, s, &Frame::ReadResp { status: Status::ParamInvalid.code(), message }, h.tag);
+    }
+    {
+        let mut tx = s.send.lock().unwrap();
+        let mut head = wire::encode(&Frame::ReadResp { status: 0, message: String::new() }, h.tag, total);
+        let seq = tx.mac.seal(&mut head);
+        let mut job = IoJob::default();
+        job.push_owned(head);
+        ranges.for_each(|addr, len| job.push_raw(addr, len));
+        if let Some(mut hasher) = tx.mac.data_hasher(seq) {
+            // SAFETY: the ranges lie in registered regions pinned by `pins`.
+            unsafe { ranges.hash(&mut hasher) };
+            job.push_owned(auth::data_mac(&hasher).to_vec());
+        }
+        job.hold(Box::new(pins));
+        tx.out.push(job);
+    }
+    send_now(srv, s)
+}
+
+/// Checks every segment against the registry and pins the regions they fall in.
+fn check_and_pin(reg: &Registry, segs: &[Seg], holder: &Arc<dyn Abort>, write: bool) -> Result<Vec<Pin>> {
+    let mut pins: Vec<Pin> = Vec::new();
+    for s in segs {
+        if let Some(p) = pins.last() {
+            if p.region().contains(s.addr, s.len) {
+                continue;
+            }
+        }
+        let region = reg.lookup_for(s.addr, s.len, "remote", write)?;
+        if !pins.iter().any(|p| p.region().id == region.id) {
+            pins.push(region.pin(holder)?);
+        }
+    }
+    Ok(pins)
+}
+
+/// The target ranges of one data frame: a list of segments or one strided descriptor.
+pub(crate) enum OwnedRanges {
+    List(Vec<Seg>),
+    Strided(StridedSeg),
+}
+
+impl OwnedRanges {
+    /// Checks the ranges against the registry and pins their regions.
+    fn pin(&self, reg: &Registry, served: &Arc<Served>, write: bool) -> Result<Vec<Pin>> {
+        let holder: &Arc<dyn Abort> = &(served.clone() as Arc<dyn Abort>);
+        match self {
+            OwnedRanges::List(segs) => check_and_pin(reg, segs, holder, write),
+            OwnedRanges::Strided(st) => {
+                let span = st.span().ok_or_else(|| Error::param("strided range overflows"))?;
+                let region = reg.lookup_for(st.addr, span, "remote strided", write)?;
+                Ok(vec![region.pin(holder)?])
+            }
+        }
+    }
+
+    /// Calls `f` with every (address, length) of the ranges, in order.
+    fn for_each(&self, mut f: impl FnMut(u64, u64)) {
+        match self {
+            OwnedRanges::List(segs) => segs.iter().for_each(|s| f(s.addr, s.len)),
+            OwnedRanges::Strided(st) => (0..st.count).for_each(|k| f(st.addr + k * st.stride, st.size)),
+        }
+    }
+
+    /// Feeds the bytes of the ranges to a data-MAC hasher.
+    ///
+    /// # Safety
+    /// The ranges must lie in registered regions that stay pinned during the call.
+    unsafe fn hash(&self, h: &mut blake3::Hasher) {
+        self.for_each(|addr, len| {
+            // SAFETY: the caller guarantees the range is pinned, registered memory.
+            h.update(unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) });
+        });
+    }
+}
