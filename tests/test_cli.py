@@ -256,14 +256,30 @@ def test_bad_arguments_give_one_line_and_exit_2(args: list[str], names: str) -> 
     assert names in lines[0] and "error" in lines[0]
 
 
+def _loadable(lib: str) -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL(lib)
+        return True
+    except OSError:
+        return False
+
+
 def test_info_reports_transports_and_options() -> None:
     r = hixl("info", "--json")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["transports"]["tcp"]["available"] is True
     assert info["transports"]["shm"]["available"] is True, info["transports"]["shm"]
-    assert info["transports"]["rdma"]["available"] is False
-    assert "not built" in info["transports"]["rdma"]["detail"]
+    rdma = info["transports"]["rdma"]
+    # libibverbs is loaded at run time: without rdma-core the wheel still imports and runs, and
+    # says why RDMA is not there; with it but without a device (CI), it says that.
+    if _loadable("libibverbs.so.1"):
+        assert rdma["detail"].startswith(("no device", "devices:")), rdma
+    else:
+        assert rdma["available"] is False, rdma
+        assert rdma["detail"].startswith("not loadable") and "libibverbs.so.1" in rdma["detail"]
     keys = {o["key"] for o in info["options"]}
     assert {"hixl.tcp.streams", "hixl.backends", "hixl.shm.threads"} <= keys
     assert "/" in info["host_identity"]

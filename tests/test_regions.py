@@ -273,7 +273,7 @@ def test_device_domain_is_unsupported(engine, procs, tmp_path):
     ]:
         with pytest.raises(hixl.Unsupported) as e:
             register()
-        assert "device" in str(e.value) and "self, shm, tcp" in str(e.value), e.value
+        assert "device" in str(e.value) and "self, shm, rdma, tcp" in str(e.value), e.value
     assert engine.register(buf).mem_type == hixl.MemType.HOST, "nothing was left registered"
 
     # A target that advertises a region in the device domain: seen, never written or read.
@@ -333,7 +333,7 @@ def test_target_backends_limit_the_offer(make_peer):
     assert offered[default.engine] == ["self", "shm", "tcp"]
 
     with hixl.Hixl() as e:
-        e.initialize("127.0.0.1")  # hixl.backends defaults to self,shm,tcp
+        e.initialize("127.0.0.1")  # hixl.backends defaults to self,shm,rdma,tcp
         e.connect(tcp_only.engine, timeout_ms=5000)
         assert e.stats()[tcp_only.engine]["backend"] == "tcp"
         src = random_bytes(size, 9)

@@ -124,6 +124,23 @@ pub mod unstable {
     }
     /// How a batch is merged and cut into parts.
     pub use crate::engine::{push_merged, split};
+    /// The RDMA backend's verbs interface and its software provider (cross-process tests).
+    pub mod rdma {
+        pub use crate::transport::rdma::soft::{SoftVerbs, LATENCY_ENV};
+        pub use crate::transport::rdma::verbs;
+        pub use crate::wire::rdma::QpAddr;
+
+        /// The provider `hixl.rdma.provider` names ("verbs" or "soft").
+        pub fn open_provider(name: &str) -> crate::Result<std::sync::Arc<dyn verbs::Verbs>> {
+            crate::transport::rdma::provider(crate::options::rdma::provider("provider", name)?)
+        }
+    }
+}
+
+/// What RDMA looks like here with the provider `hixl.rdma.provider` names ("verbs" or "soft"):
+/// "not loadable: ..." (libibverbs missing), "no device ..." or "devices: ..." (for `hixl info`).
+pub fn rdma_info(provider: &str) -> Result<String> {
+    transport::rdma::describe(provider)
 }
 
 /// The longest wait any call honours: a longer timeout (`Duration::MAX` included) means this.

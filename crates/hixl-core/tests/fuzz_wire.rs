@@ -6,6 +6,7 @@
 use std::time::{Duration, Instant};
 
 use hixl_core::unstable::auth::{FrameMac, MAC_LEN};
+use hixl_core::unstable::wire::rdma::{QpAddr, RdmaOpen};
 use hixl_core::unstable::wire::{
     self, BackendKey, Capability, Domain, Frame, RegionEntry, Seg, StridedSeg, HEADER_LEN,
 };
@@ -78,6 +79,9 @@ fn seed_frames() -> Vec<Vec<u8>> {
         Frame::AuthResponse { proof: [3; 32] },
         Frame::Heartbeat,
         Frame::Bye,
+        Frame::BackendOpen { backend: "rdma".into(), payload: rdma_open().encode() },
+        Frame::BackendOpened { status: 0, message: String::new(), payload: rdma_open().encode() },
+        Frame::BackendOpened { status: 103900, message: "no device".into(), payload: vec![] },
     ];
     let mut out: Vec<Vec<u8>> = frames
         .iter()
@@ -96,6 +100,20 @@ fn seed_frames() -> Vec<Vec<u8>> {
     out
 }
 
+fn rdma_open() -> RdmaOpen {
+    let q = QpAddr { gid: [0xfe; 16], lid: 0, qpn: 0x11, psn: 0x123, mtu: 5 };
+    RdmaOpen { retire: vec![0x10], qps: vec![q, QpAddr { qpn: 0x12, ..q }] }
+}
+
+/// The rdma backend's payload inside a BackendOpen is peer input too: it must decode to
+/// itself or be refused, never panic.
+fn check_rdma_payload(b: &[u8]) {
+    if let Ok(o) = RdmaOpen::decode(b) {
+        assert_eq!(o.encode(), b, "accepted an rdma payload that does not re-encode to itself");
+    }
+    let _ = wire::rdma::decode_rkey(b);
+}
+
 fn check(buf: &[u8]) {
     // On a sealed stream, no mutated or random frame may pass the MAC check: the receiver's
     // opener (sequence 0, the key below) must refuse everything but the sealed original.
@@ -110,6 +128,9 @@ fn check(buf: &[u8]) {
     }
     if let Ok((h, f, used)) = wire::decode(buf) {
         assert!(used <= buf.len());
+        if let Frame::BackendOpen { payload, .. } | Frame::BackendOpened { payload, .. } = &f {
+            check_rdma_payload(payload);
+        }
         let again = wire::encode(&f, h.tag, h.bulk_len);
         assert_eq!(&again[..], &buf[..used], "accepted a frame that does not re-encode to itself: {f:?}");
     }
@@ -132,7 +153,7 @@ fn decoder_survives_hostile_input() {
                 1 => {
                     // A plausible header (magic, version, any kind) over random payload.
                     let mut b = seeds[0][..4].to_vec();
-                    b[3] = rng.below(24) as u8;
+                    b[3] = rng.below(26) as u8;
                     let n = rng.below(300) as usize;
                     b.extend_from_slice(&(n as u32).to_le_bytes());
                     b.extend_from_slice(&rng.bytes(16));

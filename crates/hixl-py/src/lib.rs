@@ -142,6 +142,15 @@ fn _host_identity() -> String {
     hixl_core::host_id()
 }
 
+/// Internal (`hixl info`): RDMA here with the provider `hixl.rdma.provider` names ("verbs":
+/// libibverbs loaded at run time; "soft"): "not loadable: ...", "no device ..." or
+/// "devices: ...". GIL released (opening devices can take a while).
+#[pyfunction]
+#[pyo3(signature = (provider = "verbs"))]
+fn _rdma_info(py: Python<'_>, provider: &str) -> PyResult<String> {
+    py.allow_threads(|| hixl_core::rdma_info(provider)).map_err(errors::to_py)
+}
+
 #[pymodule]
 fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", hixl_core::VERSION)?;
@@ -177,5 +186,6 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_raw_cma, m)?)?;
     m.add_function(wrap_pyfunction!(_raw_memcpy, m)?)?;
     m.add_function(wrap_pyfunction!(_host_identity, m)?)?;
+    m.add_function(wrap_pyfunction!(_rdma_info, m)?)?;
     Ok(())
 }

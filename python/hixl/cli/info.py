@@ -1,5 +1,6 @@
 """Show this hixl build and machine: version, which transports work here (and why one does
-not), the host identity same-host peers compare, and every engine option with its default.
+not: for RDMA, libibverbs not loadable, no device, or the devices found), the host identity
+same-host peers compare, and every engine option with its default.
 
 The same-host check is real: it starts a second process with an engine and connects to it
 with hixl.backends=shm, so the answer holds for peers started the same way.
@@ -14,6 +15,7 @@ import sys
 from typing import Any
 
 from .. import Hixl, HixlError, option_keys
+from .._hixl import _rdma_info
 from ._machine import describe
 
 NAME = "info"
@@ -75,9 +77,12 @@ def gather() -> dict[str, Any]:
             f"; kernel.yama.ptrace_scope={scope}: peers that are not this process's "
             "descendants may fall back to tcp"
         )
+    # libibverbs is loaded at run time: "not loadable: ..." (rdma-core missing), "no device
+    # ..." or "devices: NAME (port 1 active), ...".
+    rdma = _rdma_info("verbs")
     transports["rdma"] = {
-        "available": False,
-        "detail": "not built: this wheel has no RDMA verbs backend",
+        "available": rdma.startswith("devices:") and "active" in rdma,
+        "detail": rdma,
     }
     transports["device"] = {
         "available": False,

@@ -150,7 +150,7 @@ impl Engine {
         let pid = std::process::id();
         let host = shm::host_id();
         let backends: Vec<Arc<dyn Backend>> =
-            opts.backends.iter().filter_map(|n| backend::by_name(n)).collect();
+            opts.backends.iter().filter_map(|n| backend::by_name(n, &opts)).collect();
         let bare = local_engine.trim_start_matches('[').trim_end_matches(']');
         let (local, server) = if let Ok(ip) = bare.parse::<IpAddr>() {
             // Client only: an id that is unique per process.
@@ -348,7 +348,7 @@ impl Engine {
         name: &str,
     ) -> Result<MemHandle> {
         let r = self.running()?;
-        let span = MemorySpan { addr: desc.addr, len: desc.len, domain: mem_type, memfd: None };
+        let span = MemorySpan { addr: desc.addr, len: desc.len, domain: mem_type, memfd: None, access };
         let region = register_region(&r, span, access, name)?;
         Ok(MemHandle { id: region.id, addr: region.addr, len: region.len, mem_type })
     }
@@ -364,8 +364,13 @@ impl Engine {
     pub fn alloc_named(&self, size: u64, name: &str) -> Result<(MemHandle, Arc<SharedMem>)> {
         let r = self.running()?;
         let mem = Arc::new(SharedMem::new(size)?);
-        let span =
-            MemorySpan { addr: mem.addr(), len: mem.len(), domain: MemType::Host, memfd: Some(mem.fd()) };
+        let span = MemorySpan {
+            addr: mem.addr(),
+            len: mem.len(),
+            domain: MemType::Host,
+            memfd: Some(mem.fd()),
+            access: Access::ReadWrite,
+        };
         let region = register_region(&r, span, Access::ReadWrite, name)?;
         r.allocated.lock().unwrap().insert(mem.addr(), mem.clone());
         Ok((MemHandle { id: region.id, addr: region.addr, len: region.len, mem_type: MemType::Host }, mem))

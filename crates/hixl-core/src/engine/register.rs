@@ -78,7 +78,13 @@ pub(super) fn register_region(
 
 /// Runs the backends' deregistration hooks for a region that left the registry.
 pub(super) fn run_deregister_hooks(r: &Running, region: &Region) {
-    let span = MemorySpan { addr: region.addr, len: region.len, domain: region.mem_type, memfd: None };
+    let span = MemorySpan {
+        addr: region.addr,
+        len: region.len,
+        domain: region.mem_type,
+        memfd: None,
+        access: region.access,
+    };
     for k in &region.keys {
         if let Some(b) = r.backends.iter().find(|b| b.name() == k.backend) {
             b.deregister(&span, &k.key);

@@ -60,14 +60,14 @@ pub const COMPAT: &[CompatKey] = &[
     },
     CompatKey {
         key: "RdmaTrafficClass",
-        effect: "RDMA traffic class 0..=255: none, this build has no RDMA backend (checked, logged)",
-        acts: false,
+        effect: "RDMA traffic class 0..=255: sets `hixl.rdma.traffic_class` (the GRH traffic class of the rdma backend's queue pairs)",
+        acts: true,
         check: |v| ints_in(v, 0, 255),
     },
     CompatKey {
         key: "RdmaServiceLevel",
-        effect: "RDMA service level 0..=7: none, this build has no RDMA backend (checked, logged)",
-        acts: false,
+        effect: "RDMA service level 0..=7: sets `hixl.rdma.service_level` (the rdma backend's queue pairs' SL)",
+        acts: true,
         check: |v| ints_in(v, 0, 7),
     },
     CompatKey {
@@ -83,6 +83,15 @@ pub const COMPAT: &[CompatKey] = &[
         check: |v| if v.trim().is_empty() { Err("expected a non-empty value".into()) } else { Ok(()) },
     },
 ];
+
+/// The hixl option a HIXL key sets, for those that map onto one.
+pub(super) fn hixl_key(key: &str) -> Option<&'static str> {
+    match key {
+        "RdmaTrafficClass" => Some("hixl.rdma.traffic_class"),
+        "RdmaServiceLevel" => Some("hixl.rdma.service_level"),
+        _ => None,
+    }
+}
 
 /// The engine addresses listed in an `AutoConnect` value.
 pub fn auto_connect_peers(v: &str) -> Vec<String> {

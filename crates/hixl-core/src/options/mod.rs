@@ -8,6 +8,7 @@ use crate::auth::Secret;
 use crate::error::{Error, Result};
 
 pub mod compat;
+pub mod rdma;
 
 /// Environment variable that supplies the cluster secret when `hixl.secret` is not given.
 pub const SECRET_ENV: &str = "HIXL_SECRET";
@@ -123,6 +124,8 @@ pub struct Options {
     pub max_pending_per_source: usize,
     /// HIXL's `AutoConnect`: engines to connect to (in the background) once initialized.
     pub auto_connect: Vec<String>,
+    /// `hixl.rdma.*`: the `rdma` backend's settings.
+    pub rdma: rdma::RdmaOptions,
 }
 
 impl Default for Options {
@@ -167,7 +170,7 @@ pub const SPECS: &[OptionSpec] = &[
     spec(
         "hixl.backends",
         "auto",
-        "backends that may carry data, tried in this order: auto (= self,shm,tcp) or a list of self (same process), shm (same host), tcp",
+        "backends that may carry data, tried in this order: auto (= self,shm,rdma,tcp; rdma is offered only with a usable device) or a list of self (same process), shm (same host), rdma (RDMA verbs), tcp",
         |o, k, v| {
             o.backends = backends(k, v)?;
             Ok(())
@@ -244,6 +247,34 @@ pub const SPECS: &[OptionSpec] = &[
             o.notify_limits.total_bytes = int(k, v, 1, 1 << 40)? as usize;
             Ok(())
         }
+    }),
+    spec("hixl.rdma.provider", "verbs", "rdma backend: verbs (libibverbs, loaded at run time) or soft (a software RC NIC between processes of one host, for tests)", |o, k, v| {
+        o.rdma.provider = rdma::provider(k, v)?;
+        Ok(())
+    }),
+    spec("hixl.rdma.device", "", "rdma backend: the device (e.g. mlx5_0); empty: the first with an active port", |o, k, v| {
+        o.rdma.device = rdma::device(k, v)?;
+        Ok(())
+    }),
+    spec("hixl.rdma.port", "1", "rdma backend: the device port (1..255)", |o, k, v| {
+        o.rdma.port = int(k, v, 1, 255)? as u8;
+        Ok(())
+    }),
+    spec("hixl.rdma.gid_index", "0", "rdma backend: the GID table index (0..255; RoCE v2 usually needs the index of an IPv4-mapped GID, see show_gids)", |o, k, v| {
+        o.rdma.gid_index = int(k, v, 0, 255)? as u8;
+        Ok(())
+    }),
+    spec("hixl.rdma.traffic_class", "0", "rdma backend: the traffic class of its queue pairs' GRH (0..255; RoCE: DSCP << 2)", |o, k, v| {
+        o.rdma.traffic_class = int(k, v, 0, 255)? as u8;
+        Ok(())
+    }),
+    spec("hixl.rdma.service_level", "0", "rdma backend: the service level of its queue pairs (0..15)", |o, k, v| {
+        o.rdma.service_level = int(k, v, 0, 15)? as u8;
+        Ok(())
+    }),
+    spec("hixl.rdma.qps", "2", "rdma backend: RC queue pairs per peer; large requests are split across them (1..64)", |o, k, v| {
+        o.rdma.qps = int(k, v, 1, 64)? as usize;
+        Ok(())
     }),
     spec(
         "hixl.tcp.io_threads",
@@ -398,6 +429,7 @@ impl Options {
             max_pending_handshakes: 0,
             max_pending_per_source: 0,
             auto_connect: Vec::new(),
+            rdma: rdma::RdmaOptions::blank(),
         }
     }
 
@@ -410,6 +442,13 @@ impl Options {
                 if spec?.key == "AutoConnect" {
                     o.auto_connect = compat::auto_connect_peers(v);
                 }
+                let Some(key) = compat::hixl_key(k) else { continue };
+                if let Some((_, _, first)) = given.iter().find(|(g, _, _)| g == key) {
+                    return Err(Error::param(format!(
+                        "options {first:?} and {k:?} set the same thing ({key}): give one of them"
+                    )));
+                }
+                given.push((key.to_string(), v.clone(), k.as_str()));
                 continue;
             }
             let (key, value) = canonical(k, v)?;
@@ -459,7 +498,9 @@ mod tests {
     fn old_keys_keep_working_as_aliases() {
         let o = Options::parse(&map(&[("hixl.streams", "3"), ("hixl.shm_threads", "5")])).unwrap();
         assert_eq!((o.streams, o.shm_threads), (3, 5));
-        for (v, want) in [("auto", vec!["self", "shm", "tcp"]), ("shm", vec!["shm"]), ("TCP", vec!["tcp"])] {
+        for (v, want) in
+            [("auto", vec!["self", "shm", "rdma", "tcp"]), ("shm", vec!["shm"]), ("TCP", vec!["tcp"])]
+        {
             assert_eq!(Options::parse(&map(&[("hixl.transport", v)])).unwrap().backends, want);
         }
         let e = Options::parse(&map(&[("hixl.transport", "fast")])).unwrap_err();
@@ -478,7 +519,11 @@ mod tests {
         let o =
             Options::parse(&map(&[("hixl.tcp.streams", "4"), ("hixl.transfer_timeout_ms", "250")])).unwrap();
         assert_eq!(o.streams, 4);
-        assert_eq!(o.backends, ["self", "shm", "tcp"], "fastest first by default");
+        assert_eq!(o.backends, ["self", "shm", "rdma", "tcp"], "fastest first by default");
+        assert_eq!(
+            (o.rdma.provider, o.rdma.port, o.rdma.gid_index, o.rdma.qps),
+            (rdma::Provider::Verbs, 1, 0, 2)
+        );
         assert_eq!(o.transfer_timeout, Duration::from_millis(250));
     }
 
@@ -488,8 +533,22 @@ mod tests {
         assert!(e.message.contains("\"hixl.stream\"") && !e.message.contains("\"4\""), "{e}");
         let e = Options::parse(&map(&[("hixl.tcp.streams", "0")])).unwrap_err();
         assert!(e.message.contains("hixl.tcp.streams=\"0\""), "{e}");
-        let e = Options::parse(&map(&[("hixl.backends", "tcp,rdma")])).unwrap_err();
-        assert!(e.message.contains("\"tcp,rdma\"") && e.message.contains("shm, tcp"), "{e}");
+        let e = Options::parse(&map(&[("hixl.backends", "tcp,ib")])).unwrap_err();
+        assert!(e.message.contains("\"tcp,ib\"") && e.message.contains("shm, rdma, tcp"), "{e}");
+        let e = Options::parse(&map(&[("hixl.rdma.provider", "rxe")])).unwrap_err();
+        assert!(
+            e.message.contains("hixl.rdma.provider=\"rxe\"") && e.message.contains("verbs or soft"),
+            "{e}"
+        );
+        let e = Options::parse(&map(&[("hixl.rdma.device", "mlx5_0; rm")])).unwrap_err();
+        assert!(e.message.contains("hixl.rdma.device"), "{e}");
+        let o = Options::parse(&map(&[("RdmaTrafficClass", "106"), ("RdmaServiceLevel", "3")])).unwrap();
+        assert_eq!((o.rdma.traffic_class, o.rdma.service_level), (106, 3), "HIXL's keys act");
+        let e =
+            Options::parse(&map(&[("RdmaTrafficClass", "1"), ("hixl.rdma.traffic_class", "2")])).unwrap_err();
+        assert!(e.message.contains("give one of them"), "{e}");
+        let e = Options::parse(&map(&[("hixl.rdma.qps", "65")])).unwrap_err();
+        assert!(e.message.contains("hixl.rdma.qps=\"65\""), "{e}");
         let e = Options::parse(&map(&[("hixl.queue_depth", "lots")])).unwrap_err();
         assert!(e.message.contains("lots"), "{e}");
     }

@@ -10,13 +10,15 @@
 //! Adding a backend means one module implementing [`Backend`] (and [`DataPath`]), one line in
 //! [`by_name`] and its name in [`BUILT`]; nothing in the engine or the completer changes.
 
+use std::any::Any;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::error::Result;
+use crate::error::{Error, Result, Status};
 use crate::options::Options;
+use crate::registry::Access;
 use crate::transport::local::{self, Proven};
 use crate::transport::selfcopy::{self, SelfLink};
 use crate::transport::shm::ShmLink;
@@ -25,10 +27,11 @@ use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
 
 /// Names of the backends this build has, fastest first (the default of `hixl.backends`).
-pub const BUILT: &[&str] = &["self", "shm", "tcp"];
+/// `rdma` is offered (and tried) only where its device is usable; on one host `shm` goes first.
+pub const BUILT: &[&str] = &["self", "shm", "rdma", "tcp"];
 
 /// Host memory on both sides: the one pair today's backends serve.
-const HOST_TO_HOST: &[(Domain, Domain)] = &[(Domain::Host, Domain::Host)];
+pub(crate) const HOST_TO_HOST: &[(Domain, Domain)] = &[(Domain::Host, Domain::Host)];
 
 /// Memory being registered, as a registration hook sees it.
 #[derive(Clone, Copy, Debug)]
@@ -41,6 +44,8 @@ pub struct MemorySpan {
     pub domain: Domain,
     /// The sealed memfd the memory is a mapping of, when the engine allocated it.
     pub memfd: Option<RawFd>,
+    /// What peers may do with it (a backend whose device enforces access registers it so).
+    pub access: Access,
 }
 
 /// What a backend may use to open a data path.
@@ -97,13 +102,54 @@ pub trait Backend: Send + Sync {
         control: &Arc<TcpLink>,
         offer: &Capability,
     ) -> std::result::Result<Arc<dyn DataPath>, String>;
+
+    /// The target's side of a `connect` that needs one (`TcpLink::open_backend`): answers the
+    /// initiator's BackendOpen payload on a served control link. `state` is this backend's
+    /// state for that link, kept until the link ends (then dropped). The default refuses.
+    fn accept(&self, payload: &[u8], state: &mut Option<Box<dyn Any + Send>>) -> Result<Vec<u8>> {
+        let _ = (payload, state);
+        Err(Error::new(Status::Unsupported, format!("backend {} opens nothing on the target", self.name())))
+    }
 }
 
-/// The backend called `name`, if this build has it.
-pub fn by_name(name: &str) -> Option<Arc<dyn Backend>> {
+/// Per-link target state of the backends that `accept`ed (dropped when the link ends).
+pub(crate) type Accepted = Vec<(String, Option<Box<dyn Any + Send>>)>;
+
+/// Answers a BackendOpen frame on a served stream: only on a control link (never a data-path
+/// stream), only for a backend this engine has.
+pub(crate) fn answer_open(
+    backends: &[Arc<dyn Backend>],
+    control_link: bool,
+    backend: &str,
+    payload: &[u8],
+    accepted: &mut Accepted,
+) -> crate::wire::Frame {
+    let res = match backends.iter().find(|b| b.name() == backend) {
+        _ if !control_link => Err(Error::param("BackendOpen is answered on a control channel only")),
+        None => Err(Error::new(Status::Unsupported, format!("this engine has no backend {backend:?}"))),
+        Some(b) => {
+            let at = match accepted.iter().position(|(n, _)| n == backend) {
+                Some(i) => i,
+                None => {
+                    accepted.push((backend.to_string(), None));
+                    accepted.len() - 1
+                }
+            };
+            b.accept(payload, &mut accepted[at].1)
+        }
+    };
+    match res {
+        Ok(payload) => crate::wire::Frame::BackendOpened { status: 0, message: String::new(), payload },
+        Err(e) => crate::wire::Frame::BackendOpened { status: e.code(), message: e.message, payload: vec![] },
+    }
+}
+
+/// The backend called `name`, if this build has it, set up with the engine's options.
+pub fn by_name(name: &str, opts: &Options) -> Option<Arc<dyn Backend>> {
     match name {
         "self" => Some(Arc::new(SameProcess)),
         "shm" => Some(Arc::new(Shm)),
+        "rdma" => Some(Arc::new(crate::transport::rdma::Rdma::new(opts))),
         "tcp" => Some(Arc::new(Tcp)),
         _ => None,
     }

@@ -166,6 +166,45 @@ impl TcpLink {
         self.table.read().unwrap()
     }
 
+    /// Asks the peer's `backend` to open its side of a data path (BackendOpen with `payload`,
+    /// on stream 0) and waits up to `timeout` for its answer's payload.
+    pub fn open_backend(&self, backend: &str, payload: Vec<u8>, timeout: Duration) -> Result<Vec<u8>> {
+        let tag = self.next_query.fetch_add(1, Ordering::Relaxed);
+        if !self.alive() {
+            return Err(self.close_reason());
+        }
+        self.send_own(&self.streams[0], &Frame::BackendOpen { backend: backend.to_string(), payload }, tag);
+        let deadline = Instant::now() + timeout;
+        let mut g = self.tables.0.lock().unwrap();
+        loop {
+            let got = {
+                let mut o = self.opened.lock().unwrap();
+                o.iter().position(|(t, _)| *t == tag).map(|i| o.swap_remove(i).1)
+            };
+            if let Some(res) = got {
+                return res;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if !self.is_alive() || left.is_zero() {
+                return Err(Error::timeout(format!(
+                    "{} did not answer the {backend} BackendOpen in time",
+                    self.peer
+                )));
+            }
+            g = self.tables.1.wait_timeout(g, left.min(Duration::from_millis(50))).unwrap().0;
+        }
+    }
+
+    /// The reader's half of `open_backend`: records the answer to BackendOpen `tag`.
+    pub(super) fn backend_opened(&self, tag: u64, res: Result<Vec<u8>>) {
+        let _g = self.tables.0.lock().unwrap();
+        let mut o = self.opened.lock().unwrap();
+        if o.len() < 64 {
+            o.push((tag, res));
+        }
+        self.tables.1.notify_all();
+    }
+
     /// Asks the peer for its current region table and waits (up to `timeout`) until it is
     /// installed: for a range the peer registered so recently that its update is still on
     /// the way (it told us about the range through another channel).

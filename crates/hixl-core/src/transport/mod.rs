@@ -1,7 +1,7 @@
 //! Links to peers. Every link has one control channel (`control`: handshake, region tables,
 //! notifications, heartbeats), which runs over TCP, and one data path chosen by `backend`
-//! among the backends both sides offer (`self` in one process, `shm` on one host, `tcp`
-//! anywhere).
+//! among the backends both sides offer (`self` in one process, `shm` on one host, `rdma` with
+//! RDMA devices on both sides, `tcp` anywhere).
 
 pub mod backend;
 pub mod control;
@@ -11,6 +11,7 @@ pub mod liveness;
 pub mod local;
 pub(crate) mod nbio;
 pub mod pool;
+pub mod rdma;
 pub mod reactor;
 pub mod selfcopy;
 pub mod serve;

@@ -262,6 +262,17 @@ fn on_frame(
             answer(srv, s, &ack, h.tag)?;
         }
         Frame::Heartbeat => answer(srv, s, &Frame::HeartbeatAck, h.tag)?,
+        Frame::BackendOpen { backend, payload } => {
+            let head = s.link_head.load(Ordering::Acquire);
+            let ans = crate::transport::backend::answer_open(
+                &ctx.backends,
+                head,
+                &backend,
+                &payload,
+                &mut s.accepted.lock().unwrap(),
+            );
+            answer(srv, s, &ans, h.tag)?
+        }
         Frame::RegionsAck { version } => {
             s.acked.fetch_max(version, Ordering::AcqRel);
             let _g = srv.live.lock().unwrap();

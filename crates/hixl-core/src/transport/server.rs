@@ -172,6 +172,9 @@ pub(crate) struct Served {
     pub(crate) link_head: AtomicBool,
     /// A data-path stream (Hello flag bit 1): it gets no region table at all.
     pub(crate) data_path: AtomicBool,
+    /// What backends set up for this link's initiator (`Backend::accept`: RDMA queue pairs),
+    /// dropped when the stream ends.
+    pub(crate) accepted: Mutex<crate::transport::backend::Accepted>,
     /// Highest region-table version the peer confirmed.
     pub(crate) acked: AtomicU64,
     /// Set when the serve thread is done with this stream.
@@ -409,6 +412,7 @@ impl Server {
                 due_since: Mutex::new(None),
                 update_bytes: AtomicU64::new(0),
                 data_path: AtomicBool::new(false),
+                accepted: Mutex::new(Vec::new()),
             });
             self.served.lock().unwrap().insert(id, served.clone());
             self.admit(id, from.ip());
@@ -467,6 +471,8 @@ impl Server {
             }
         }
         s.send.lock().unwrap().out.clear();
+        // Backends' per-link state (queue pairs) goes with the link.
+        drop(std::mem::take(&mut *s.accepted.lock().unwrap()));
         if let Ok(mut rx) = s.rx.try_lock() {
             rx.state = served::RxState::Frames;
         }

@@ -131,6 +131,18 @@ pub fn decode_payload(h: &Header, payload: &[u8]) -> Result<Frame, WireError> {
                 Frame::ReadStrided { seg }
             }
         }
+        Kind::BackendOpen => {
+            let backend = r.backend_name("open backend")?;
+            Frame::BackendOpen { backend, payload: r.blob("open payload", MAX_BACKEND_PAYLOAD)? }
+        }
+        Kind::BackendOpened => {
+            let (status, message) = (r.u32("status")?, r.str("message", MAX_MSG)?);
+            let payload = r.blob("opened payload", MAX_BACKEND_PAYLOAD)?;
+            if status != 0 && !payload.is_empty() {
+                return Err(WireError::Invalid { field: "opened payload", value: payload.len() as u64 });
+            }
+            Frame::BackendOpened { status, message, payload }
+        }
     };
     if !r.b.is_empty() {
         return Err(WireError::Trailing(r.b.len()));
@@ -165,6 +177,14 @@ impl<'a> Reader<'a> {
     }
     pub(super) fn bytes32(&mut self, f: &'static str) -> Result<[u8; 32], WireError> {
         Ok(self.take(32, f)?.try_into().unwrap())
+    }
+    /// Length-prefixed (u32) bytes of at most `limit`.
+    pub(super) fn blob(&mut self, f: &'static str, limit: usize) -> Result<Vec<u8>, WireError> {
+        let n = self.u32(f)? as usize;
+        if n > limit {
+            return Err(WireError::TooLarge { field: f, value: n as u64, limit: limit as u64 });
+        }
+        Ok(self.take(n, f)?.to_vec())
     }
     pub(super) fn str(&mut self, f: &'static str, limit: usize) -> Result<String, WireError> {
         let n = self.u32(f)? as usize;

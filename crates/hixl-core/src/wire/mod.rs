@@ -14,6 +14,7 @@
 use std::fmt;
 
 mod decode;
+pub mod rdma;
 mod region;
 
 pub use decode::decode_payload;
@@ -54,6 +55,8 @@ pub const FLAG_DATA_PATH: u32 = 2;
 pub const KNOWN_FLAGS: u32 = FLAG_DATA_MAC | FLAG_DATA_PATH;
 /// Largest Hello payload: two names, the dialled address and the fixed fields.
 pub const MAX_HELLO: u32 = 4096;
+/// Largest payload a backend carries in BackendOpen / BackendOpened (its connection details).
+pub const MAX_BACKEND_PAYLOAD: usize = 64 << 10;
 
 /// The largest payload a frame of `kind` may declare; checked on the header, before any payload
 /// byte is read or any memory is set aside for it.
@@ -70,6 +73,8 @@ pub const fn max_payload(kind: Kind) -> u32 {
         Kind::WriteStrided | Kind::ReadStrided => 32,
         Kind::AuthChallenge => 68 + MAX_NAME as u32,
         Kind::AuthResponse => 32,
+        Kind::BackendOpen => 1 + MAX_BACKEND_NAME as u32 + 4 + MAX_BACKEND_PAYLOAD as u32,
+        Kind::BackendOpened => 4 + msg + 4 + MAX_BACKEND_PAYLOAD as u32,
     }
 }
 
@@ -165,6 +170,11 @@ pub enum Kind {
     AuthResponse = 19,
     /// Target -> initiator, unsolicited: the changes of the region table since a version.
     RegionsDelta = 20,
+    /// Initiator -> target on a control channel: open a backend's data path (its connection
+    /// details, e.g. RDMA queue-pair addresses).
+    BackendOpen = 21,
+    /// Answer to BackendOpen: a status and the target's connection details.
+    BackendOpened = 22,
 }
 
 impl Kind {
@@ -190,6 +200,8 @@ impl Kind {
             18 => Kind::AuthChallenge,
             19 => Kind::AuthResponse,
             20 => Kind::RegionsDelta,
+            21 => Kind::BackendOpen,
+            22 => Kind::BackendOpened,
             _ => return Err(WireError::BadKind(b)),
         })
     }
@@ -306,6 +318,10 @@ pub enum Frame {
     AuthChallenge { nonce: [u8; 32], proof: [u8; 32], engine_id: String },
     /// See [`Kind::AuthResponse`].
     AuthResponse { proof: [u8; 32] },
+    /// See [`Kind::BackendOpen`]: `payload` is meaningful to `backend` only.
+    BackendOpen { backend: String, payload: Vec<u8> },
+    /// See [`Kind::BackendOpened`]: `payload` is empty unless `status == 0`.
+    BackendOpened { status: u32, message: String, payload: Vec<u8> },
 }
 
 impl Frame {
@@ -332,6 +348,8 @@ impl Frame {
             Frame::ReadStrided { .. } => Kind::ReadStrided,
             Frame::AuthChallenge { .. } => Kind::AuthChallenge,
             Frame::AuthResponse { .. } => Kind::AuthResponse,
+            Frame::BackendOpen { .. } => Kind::BackendOpen,
+            Frame::BackendOpened { .. } => Kind::BackendOpened,
         }
     }
 
@@ -428,6 +446,18 @@ pub fn encode(frame: &Frame, tag: u64, read_bulk: u64) -> Vec<u8> {
             for v in [seg.addr, seg.count, seg.size, seg.stride] {
                 p.extend_from_slice(&v.to_le_bytes());
             }
+        }
+        Frame::BackendOpen { backend, payload } => {
+            p.push(backend.len() as u8);
+            p.extend_from_slice(backend.as_bytes());
+            p.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+            p.extend_from_slice(payload);
+        }
+        Frame::BackendOpened { status, message, payload } => {
+            p.extend_from_slice(&status.to_le_bytes());
+            put_str(&mut p, message);
+            p.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+            p.extend_from_slice(payload);
         }
         Frame::Heartbeat | Frame::HeartbeatAck | Frame::Bye | Frame::RegionsQuery => {}
     }

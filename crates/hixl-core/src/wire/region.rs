@@ -162,7 +162,7 @@ fn too_large(field: &'static str, value: usize, limit: usize) -> WireError {
 
 impl Reader<'_> {
     /// A backend name: 1..=MAX_BACKEND_NAME bytes of lowercase ASCII, digits, '_' or '-'.
-    fn backend_name(&mut self, field: &'static str) -> Result<String, WireError> {
+    pub(super) fn backend_name(&mut self, field: &'static str) -> Result<String, WireError> {
         let n = self.u8(field)? as usize;
         if n == 0 || n > MAX_BACKEND_NAME {
             return Err(WireError::Invalid { field, value: n as u64 });

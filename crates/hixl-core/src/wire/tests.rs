@@ -94,6 +94,14 @@ fn frame() -> impl Strategy<Value = Frame> {
         (1u64..1 << 40, 1u64..1 << 20, 1u64..1 << 12, 0u64..1 << 12).prop_map(|(addr, count, size, pad)| {
             Frame::ReadStrided { seg: StridedSeg { addr, count, size, stride: size + pad } }
         }),
+        (backend(), prop::collection::vec(any::<u8>(), 0..300))
+            .prop_map(|(backend, payload)| Frame::BackendOpen { backend, payload }),
+        (s, prop::collection::vec(any::<u8>(), 0..300)).prop_map(|(message, payload)| Frame::BackendOpened {
+            status: 0,
+            message,
+            payload
+        }),
+        (1u32.., s).prop_map(|(status, message)| Frame::BackendOpened { status, message, payload: vec![] }),
     ]
 }
 

@@ -150,6 +150,8 @@ pub struct TcpLink {
     /// rung whenever a table is installed; and the tag of the next query.
     pub(super) tables: (Mutex<u64>, std::sync::Condvar),
     pub(super) next_query: AtomicU64,
+    /// Answers to BackendOpen by tag (`open_backend` waits on `tables`' condvar for its own).
+    pub(super) opened: Mutex<Vec<(u64, Result<Vec<u8>>)>>,
     /// For a data path: the link's control channel, which sends the notifications after the
     /// data and lives and dies with it (unset: this link is a control channel).
     pub(super) control: std::sync::OnceLock<Arc<TcpLink>>,
@@ -237,6 +239,7 @@ impl TcpLink {
             coalesce_max_ops: p.coalesce_max_ops,
             tables: (Mutex::new(0), std::sync::Condvar::new()),
             next_query: AtomicU64::new(1),
+            opened: Mutex::new(Vec::new()),
             control: std::sync::OnceLock::new(),
             data: std::sync::OnceLock::new(),
         });

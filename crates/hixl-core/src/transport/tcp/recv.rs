@@ -119,6 +119,9 @@ impl TcpLink {
                 rx.bulk = Some(RxBulk { part: p.part, job, hasher, tag: [0u8; MAC_LEN], tag_got: 0 });
             }
             Frame::HeartbeatAck => {}
+            Frame::BackendOpened { status, message, payload } => {
+                self.backend_opened(h.tag, status_of(status, message).map(|()| payload))
+            }
             Frame::RegionsTable { version, regions } => self.install_table(version, regions, Some(h.tag)),
             Frame::RegionsUpdate { version, regions } => {
                 // Waits for direct copies that use the old table, then confirms.

@@ -1,0 +1,466 @@
+//! The software provider: a model of one RC-capable NIC per provider instance, reached by peers
+//! in other processes of this host over an abstract Unix socket named after its GID. It exists
+//! so that the `rdma` backend's whole logic runs, and is tested, where no RDMA device exists.
+//!
+//! What it models (docs/RDMA.md lists the same): the RC queue-pair state machine (RESET, INIT,
+//! RTR, RTS, ERR; invalid transitions and posts in the wrong state fail with EINVAL), send-queue
+//! depth (ENOMEM with `bad_wr`) counting unsignaled requests until a later signaled one
+//! completes, the SGE limit, asynchronous completion in posting order, completions generated
+//! for signaled requests and for every error, one event per `req_notify_cq` on the completion
+//! channel, CQ overrun, local checks (lkey, bounds, LOCAL_WRITE: LOC_PROT_ERR; message size:
+//! LOC_LEN_ERR), checks at the responder with no help from the target process's application
+//! (rkey, bounds, the region's and the QP's remote access: REM_ACCESS_ERR / REM_INV_REQ_ERR,
+//! after which both QPs are in ERR), PSN and QP-address checks when a connection starts, a
+//! peer that stops answering (RETRY_EXC_ERR after the QP's timeout and retry count), and on
+//! any error the flush of every outstanding request (WR_FLUSH_ERR). `dereg_mr` waits for the
+//! operations using the region. The responder's bytes go straight between the socket and the
+//! registered memory (readv / sendmsg), never through a buffer.
+//!
+//! What it does not model: the wire (it copies through the kernel, one request at a time per
+//! QP), a NIC that answers while its process is stopped (this one is a thread of the target
+//! process), memory pinning, atomics, sends and receives.
+
+mod qp;
+mod responder;
+mod sockio;
+
+pub use responder::LATENCY_ENV;
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use super::verbs::{
+    access, Channel, Cq, Ctx, Mr, Pd, PortAttr, PostError, Qp, QpCaps, QpCreated, QpTransition, SendWr,
+    Verbs, Wc, PORT_ACTIVE,
+};
+use crate::error::{Error, Result};
+use qp::SoftQp;
+
+/// The device name the provider reports.
+pub const DEVICE: &str = "soft0";
+/// Largest message of one work request (what `ibv_port_attr.max_msg_sz` says).
+pub const MAX_MSG: u32 = 1 << 30;
+/// Most send-queue entries and SGEs a QP may have.
+const MAX_QP_WR: u32 = 16384;
+const MAX_SGE: u32 = 30;
+/// `IBV_MTU_4096`.
+const MTU_4096: u8 = 5;
+
+/// The abstract socket a device with `gid` listens on.
+fn socket_name(gid: &[u8; 16]) -> String {
+    format!("hixl-softrdma-{}", gid.iter().map(|b| format!("{b:02x}")).collect::<String>())
+}
+
+/// A registered memory region.
+struct SoftMr {
+    addr: u64,
+    len: u64,
+    access: u32,
+    key: u32,
+    pd: u64,
+    /// Held (read) by every operation moving bytes of this region; `dereg_mr` takes it to write.
+    busy: RwLock<bool>,
+}
+
+impl SoftMr {
+    /// Whether `[addr, addr + len)` lies inside the region.
+    fn covers(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr && addr.checked_add(len).is_some_and(|end| end <= self.addr + self.len)
+    }
+}
+
+/// One soft NIC: its GID, its memory regions by key, its QPs by number, and the socket peers'
+/// requests arrive on.
+struct Device {
+    gid: [u8; 16],
+    mrs: RwLock<HashMap<u32, Arc<SoftMr>>>,
+    qps: Mutex<HashMap<u32, Arc<SoftQp>>>,
+    next_key: AtomicU32,
+    next_qpn: AtomicU32,
+    listener: std::os::unix::net::UnixListener,
+    stopping: AtomicBool,
+    /// Responder connections, shut down when the device closes.
+    conns: Mutex<Vec<Arc<UnixStream>>>,
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+impl Device {
+    fn open() -> Result<Arc<Device>> {
+        use std::os::linux::net::SocketAddrExt;
+        let mut gid = [0u8; 16];
+        gid[0] = 0xfe;
+        gid[1] = 0x80;
+        crate::auth::random_bytes(&mut gid[8..])?;
+        let name = socket_name(&gid);
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+            .map_err(|e| Error::failed(format!("soft RDMA socket {name}: {e}")))?;
+        let listener = std::os::unix::net::UnixListener::bind_addr(&addr)
+            .map_err(|e| Error::failed(format!("soft RDMA device cannot listen on {name}: {e}")))?;
+        let mut seed = [0u8; 4];
+        crate::auth::random_bytes(&mut seed)?;
+        let dev = Arc::new(Device {
+            gid,
+            mrs: RwLock::new(HashMap::new()),
+            qps: Mutex::new(HashMap::new()),
+            // Keys are an index and a random byte, like a NIC's; QPNs start at a random point.
+            next_key: AtomicU32::new(1 + (seed[0] as u32)),
+            next_qpn: AtomicU32::new(0x100 + (u16::from_le_bytes([seed[1], seed[2]]) as u32)),
+            listener,
+            stopping: AtomicBool::new(false),
+            conns: Mutex::new(Vec::new()),
+            threads: Mutex::new(Vec::new()),
+        });
+        let d = dev.clone();
+        let h = std::thread::Builder::new()
+            .name("hixl-softnic".into())
+            .spawn(move || responder::listen(&d))
+            .map_err(|e| Error::failed(format!("cannot start the soft NIC thread: {e}")))?;
+        dev.threads.lock().unwrap().push(h);
+        Ok(dev)
+    }
+
+    fn listener(&self) -> &std::os::unix::net::UnixListener {
+        &self.listener
+    }
+
+    fn mr(&self, key: u32) -> Option<Arc<SoftMr>> {
+        self.mrs.read().unwrap().get(&key).cloned()
+    }
+
+    fn close(&self) {
+        self.stopping.store(true, Ordering::Release);
+        crate::transport::io::shutdown(self.listener.as_raw_fd());
+        for c in std::mem::take(&mut *self.conns.lock().unwrap()) {
+            crate::transport::io::shutdown(c.as_raw_fd());
+        }
+        let qps: Vec<_> = self.qps.lock().unwrap().drain().map(|(_, q)| q).collect();
+        for q in qps {
+            q.destroy();
+        }
+        for h in std::mem::take(&mut *self.threads.lock().unwrap()) {
+            let _ = h.join();
+        }
+    }
+}
+
+/// A completion channel: an eventfd readable while events wait, and the CQs they are for.
+struct SoftChannel {
+    efd: OwnedFd,
+    events: Mutex<std::collections::VecDeque<u64>>,
+}
+
+impl SoftChannel {
+    fn new() -> Result<SoftChannel> {
+        // SAFETY: eventfd with constant flags returns a new descriptor or -1.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(Error::failed(format!("eventfd: {}", std::io::Error::last_os_error())));
+        }
+        // SAFETY: a fresh descriptor we own from here on.
+        Ok(SoftChannel { efd: unsafe { OwnedFd::from_raw_fd(fd) }, events: Mutex::new(Default::default()) })
+    }
+
+    fn notify(&self, cq: u64) {
+        let mut ev = self.events.lock().unwrap();
+        ev.push_back(cq);
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to our eventfd.
+        unsafe { libc::write(self.efd.as_raw_fd(), one.as_ptr().cast(), 8) };
+    }
+
+    fn take(&self) -> Option<u64> {
+        let mut ev = self.events.lock().unwrap();
+        let cq = ev.pop_front();
+        if ev.is_empty() {
+            let mut b = [0u8; 8];
+            // SAFETY: reads at most 8 bytes into a live buffer (resets the counter; EAGAIN is fine).
+            unsafe { libc::read(self.efd.as_raw_fd(), b.as_mut_ptr().cast(), 8) };
+        }
+        cq
+    }
+}
+
+/// A completion queue.
+struct SoftCq {
+    handle: u64,
+    entries: Mutex<(std::collections::VecDeque<Wc>, bool)>,
+    cap: usize,
+    channel: Option<Arc<SoftChannel>>,
+    armed: AtomicBool,
+}
+
+impl SoftCq {
+    /// Adds a completion; more than the CQ holds is an overrun (the CQ is then unusable, as on a
+    /// NIC, where it raises IBV_EVENT_CQ_ERR).
+    fn push(&self, wc: Wc) {
+        {
+            let mut e = self.entries.lock().unwrap();
+            if e.1 {
+                return;
+            }
+            if e.0.len() >= self.cap {
+                e.1 = true;
+            } else {
+                e.0.push_back(wc);
+            }
+        }
+        if self.armed.swap(false, Ordering::AcqRel) {
+            if let Some(ch) = &self.channel {
+                ch.notify(self.handle);
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct Objects {
+    next: u64,
+    ctx: Option<Arc<Device>>,
+    pds: std::collections::HashSet<u64>,
+    mrs: HashMap<u64, Arc<SoftMr>>,
+    chans: HashMap<u64, Arc<SoftChannel>>,
+    cqs: HashMap<u64, Arc<SoftCq>>,
+    qps: HashMap<u64, Arc<SoftQp>>,
+}
+
+impl Objects {
+    fn handle(&mut self) -> u64 {
+        self.next += 1;
+        self.next
+    }
+}
+
+/// The software provider (one device, `soft0`).
+#[derive(Default)]
+pub struct SoftVerbs {
+    objs: Mutex<Objects>,
+}
+
+fn no(what: &str, h: u64) -> Error {
+    Error::param(format!("soft verbs: no {what} with handle {h}"))
+}
+
+impl SoftVerbs {
+    /// A provider with no device open yet.
+    pub fn new() -> SoftVerbs {
+        SoftVerbs::default()
+    }
+
+    fn device(&self) -> Result<Arc<Device>> {
+        self.objs.lock().unwrap().ctx.clone().ok_or_else(|| Error::failed("soft verbs: no device is open"))
+    }
+
+    fn qp(&self, qp: Qp) -> Result<Arc<SoftQp>> {
+        self.objs.lock().unwrap().qps.get(&qp.0).cloned().ok_or_else(|| no("QP", qp.0))
+    }
+}
+
+impl Verbs for SoftVerbs {
+    fn provider(&self) -> &'static str {
+        "soft"
+    }
+
+    fn get_device_list(&self) -> Result<Vec<String>> {
+        Ok(vec![DEVICE.to_string()])
+    }
+
+    fn open_device(&self, name: &str) -> Result<Ctx> {
+        if name != DEVICE {
+            return Err(Error::param(format!("soft verbs: no device {name:?} (it has {DEVICE})")));
+        }
+        let mut o = self.objs.lock().unwrap();
+        if o.ctx.is_none() {
+            o.ctx = Some(Device::open()?);
+        }
+        Ok(Ctx(1))
+    }
+
+    fn close_device(&self, _ctx: Ctx) {
+        let dev = self.objs.lock().unwrap().ctx.take();
+        if let Some(d) = dev {
+            d.close();
+        }
+    }
+
+    fn query_port(&self, _ctx: Ctx, port: u8) -> Result<PortAttr> {
+        if port != 1 {
+            return Err(Error::param(format!("soft verbs: {DEVICE} has port 1 only, not {port}")));
+        }
+        Ok(PortAttr {
+            state: PORT_ACTIVE,
+            active_mtu: MTU_4096,
+            max_msg_sz: MAX_MSG,
+            lid: 0,
+            link_layer: 2,
+            gid_tbl_len: 1,
+        })
+    }
+
+    fn query_gid(&self, _ctx: Ctx, port: u8, index: u8) -> Result<[u8; 16]> {
+        if port != 1 || index != 0 {
+            return Err(Error::param(format!(
+                "soft verbs: {DEVICE} has GID index 0 on port 1 only, not {index} on port {port}"
+            )));
+        }
+        Ok(self.device()?.gid)
+    }
+
+    fn alloc_pd(&self, _ctx: Ctx) -> Result<Pd> {
+        let mut o = self.objs.lock().unwrap();
+        let h = o.handle();
+        o.pds.insert(h);
+        Ok(Pd(h))
+    }
+
+    fn dealloc_pd(&self, pd: Pd) {
+        self.objs.lock().unwrap().pds.remove(&pd.0);
+    }
+
+    unsafe fn reg_mr(&self, pd: Pd, addr: u64, len: u64, acc: u32) -> Result<(Mr, u32, u32)> {
+        let dev = self.device()?;
+        if len == 0 || addr.checked_add(len).is_none() {
+            return Err(Error::param(format!("soft verbs: cannot register 0x{addr:x}+{len}")));
+        }
+        if acc & access::REMOTE_WRITE != 0 && acc & access::LOCAL_WRITE == 0 {
+            // As ibv_reg_mr: remote write needs local write (EINVAL).
+            return Err(Error::param("soft verbs: REMOTE_WRITE without LOCAL_WRITE (EINVAL)"));
+        }
+        let mut o = self.objs.lock().unwrap();
+        if !o.pds.contains(&pd.0) {
+            return Err(no("PD", pd.0));
+        }
+        let idx = dev.next_key.fetch_add(1, Ordering::Relaxed);
+        let mut salt = [0u8; 1];
+        crate::auth::random_bytes(&mut salt)?;
+        let key = (idx << 8) | salt[0] as u32;
+        let mr = Arc::new(SoftMr { addr, len, access: acc, key, pd: pd.0, busy: RwLock::new(true) });
+        dev.mrs.write().unwrap().insert(key, mr.clone());
+        let h = o.handle();
+        o.mrs.insert(h, mr);
+        Ok((Mr(h), key, key))
+    }
+
+    fn dereg_mr(&self, mr: Mr) -> Result<()> {
+        let m = self.objs.lock().unwrap().mrs.remove(&mr.0).ok_or_else(|| no("MR", mr.0))?;
+        if let Ok(dev) = self.device() {
+            dev.mrs.write().unwrap().remove(&m.key);
+        }
+        // Waits for every operation that still moves bytes of the region.
+        *m.busy.write().unwrap() = false;
+        Ok(())
+    }
+
+    fn create_comp_channel(&self, _ctx: Ctx) -> Result<(Channel, RawFd)> {
+        let ch = Arc::new(SoftChannel::new()?);
+        let fd = ch.efd.as_raw_fd();
+        let mut o = self.objs.lock().unwrap();
+        let h = o.handle();
+        o.chans.insert(h, ch);
+        Ok((Channel(h), fd))
+    }
+
+    fn destroy_comp_channel(&self, ch: Channel) {
+        self.objs.lock().unwrap().chans.remove(&ch.0);
+    }
+
+    fn create_cq(&self, _ctx: Ctx, cqe: u32, ch: Option<Channel>) -> Result<Cq> {
+        let mut o = self.objs.lock().unwrap();
+        let channel = match ch {
+            Some(c) => Some(o.chans.get(&c.0).cloned().ok_or_else(|| no("completion channel", c.0))?),
+            None => None,
+        };
+        let h = o.handle();
+        let cq = SoftCq {
+            handle: h,
+            entries: Mutex::new((Default::default(), false)),
+            cap: cqe.max(1) as usize,
+            channel,
+            armed: AtomicBool::new(false),
+        };
+        o.cqs.insert(h, Arc::new(cq));
+        Ok(Cq(h))
+    }
+
+    fn destroy_cq(&self, cq: Cq) {
+        self.objs.lock().unwrap().cqs.remove(&cq.0);
+    }
+
+    fn req_notify_cq(&self, cq: Cq) -> Result<()> {
+        let c = self.objs.lock().unwrap().cqs.get(&cq.0).cloned().ok_or_else(|| no("CQ", cq.0))?;
+        c.armed.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn get_cq_event(&self, ch: Channel) -> Result<Cq> {
+        let c = self.objs.lock().unwrap().chans.get(&ch.0).cloned().ok_or_else(|| no("channel", ch.0))?;
+        c.take().map(Cq).ok_or_else(|| Error::failed("soft verbs: no CQ event is due (EAGAIN)"))
+    }
+
+    fn poll_cq(&self, cq: Cq, out: &mut [Wc]) -> Result<usize> {
+        let c = self.objs.lock().unwrap().cqs.get(&cq.0).cloned().ok_or_else(|| no("CQ", cq.0))?;
+        let mut e = c.entries.lock().unwrap();
+        if e.1 {
+            return Err(Error::failed(format!("soft verbs: CQ overrun (more than {} completions)", c.cap)));
+        }
+        let n = out.len().min(e.0.len());
+        for (slot, wc) in out.iter_mut().zip(e.0.drain(..n)) {
+            *slot = wc;
+        }
+        Ok(n)
+    }
+
+    fn create_qp(&self, pd: Pd, cq: Cq, caps: QpCaps) -> Result<QpCreated> {
+        let dev = self.device()?;
+        if caps.max_send_wr == 0 || caps.max_send_wr > MAX_QP_WR || caps.max_send_sge > MAX_SGE {
+            return Err(Error::param(format!(
+                "soft verbs: QP capabilities {caps:?} exceed the device's ({MAX_QP_WR} WRs, {MAX_SGE} SGEs)"
+            )));
+        }
+        let mut o = self.objs.lock().unwrap();
+        if !o.pds.contains(&pd.0) {
+            return Err(no("PD", pd.0));
+        }
+        let cq = o.cqs.get(&cq.0).cloned().ok_or_else(|| no("CQ", cq.0))?;
+        let qpn = dev.next_qpn.fetch_add(1, Ordering::Relaxed) & crate::wire::rdma::MAX_QPN;
+        let caps = QpCaps { max_send_sge: caps.max_send_sge.max(1), ..caps };
+        let q = SoftQp::new(qpn, pd.0, dev.clone(), cq, caps)?;
+        dev.qps.lock().unwrap().insert(qpn, q.clone());
+        let h = o.handle();
+        o.qps.insert(h, q);
+        Ok(QpCreated { qp: Qp(h), qpn, caps })
+    }
+
+    fn modify_qp(&self, qp: Qp, t: &QpTransition) -> Result<()> {
+        self.qp(qp)?.modify(t)
+    }
+
+    fn destroy_qp(&self, qp: Qp) {
+        let q = self.objs.lock().unwrap().qps.remove(&qp.0);
+        if let Some(q) = q {
+            if let Ok(dev) = self.device() {
+                dev.qps.lock().unwrap().remove(&q.qpn);
+            }
+            q.destroy();
+        }
+    }
+
+    unsafe fn post_send(&self, qp: Qp, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
+        let q = self.qp(qp).map_err(|_| PostError { bad_wr: 0, errno: libc::EINVAL })?;
+        q.post(wrs)
+    }
+}
+
+impl Drop for SoftVerbs {
+    fn drop(&mut self) {
+        let dev = self.objs.get_mut().unwrap().ctx.take();
+        if let Some(d) = dev {
+            d.close();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

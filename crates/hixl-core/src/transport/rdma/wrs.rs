@@ -1,0 +1,167 @@
+//! A part's segments as RDMA work requests: one request per contiguous remote range inside one
+//! remote region (at most the port's message size), carrying up to `MAX_SGE` local pieces, and
+//! local pieces that follow each other in one local region merged into one SGE. Every remote
+//! range is checked against the peer's table here (its region and rkey), every local one
+//! against this NIC's registrations (its lkey).
+
+use super::nic::{Nic, MAX_SGE};
+use super::verbs::{SendWr, Sge, WrOp};
+use crate::error::{Error, Result};
+use crate::queue::{Part, PartBody, SegPair, TransferOp};
+use crate::registry::RemoteTable;
+use crate::wire::rdma::decode_rkey;
+
+/// The work requests of one part (wr_id and signaled are set when they are posted).
+pub(super) fn build(nic: &Nic, table: &RemoteTable, part: &Part, max_msg: u64) -> Result<Vec<SendWr>> {
+    let op = match part.req.op {
+        TransferOp::Write => WrOp::Write,
+        TransferOp::Read => WrOp::Read,
+    };
+    let lookup = |addr: u64, len: u64| nic.lkey(addr, len);
+    let mut b = Builder { op, out: Vec::new(), max_msg };
+    match &part.body {
+        PartBody::Data(segs) => segs.iter().try_for_each(|s| b.seg(table, &lookup, *s))?,
+        PartBody::Strided(st) => {
+            st.for_each_chunk(1024, |c| c.iter().try_for_each(|s| b.seg(table, &lookup, *s)))?
+        }
+        PartBody::Notify(_) => return Err(Error::failed("a notification reached the RDMA data path")),
+    }
+    Ok(b.out)
+}
+
+struct Builder {
+    op: WrOp,
+    out: Vec<SendWr>,
+    max_msg: u64,
+}
+
+impl Builder {
+    /// Adds one segment, cut where its remote region, its local region or the message size
+    /// ends.
+    fn seg(
+        &mut self,
+        table: &RemoteTable,
+        lkey: &impl Fn(u64, u64) -> Option<(u32, u64)>,
+        s: SegPair,
+    ) -> Result<()> {
+        let (mut local, mut remote, mut left) = (s.local, s.remote, s.len);
+        while left > 0 {
+            let e = table.find(remote, 1).ok_or_else(|| {
+                Error::param(format!("remote range 0x{remote:x}+{left} is not registered at the peer"))
+            })?;
+            let rkey = match e.key("rdma").map(decode_rkey) {
+                Some(Ok(k)) => k,
+                _ => {
+                    return Err(Error::param(format!(
+                        "the peer's region 0x{:x}+{} has no RDMA key (registered while its rdma backend was off?)",
+                        e.addr, e.len
+                    )))
+                }
+            };
+            let (lk, lend) = lkey(local, 1).ok_or_else(|| {
+                Error::param(format!("local range 0x{local:x}+{left} is not registered with the RDMA device"))
+            })?;
+            let n = left.min(e.addr + e.len - remote).min(lend - local).min(self.max_msg);
+            self.piece(local, remote, n, lk, rkey);
+            local += n;
+            remote += n;
+            left -= n;
+        }
+        Ok(())
+    }
+
+    fn piece(&mut self, local: u64, remote: u64, len: u64, lkey: u32, rkey: u32) {
+        if let Some(w) = self.out.last_mut() {
+            let joins =
+                w.rkey == rkey && w.remote_addr + w.bytes() == remote && w.bytes() + len <= self.max_msg;
+            if joins {
+                let last = w.sges.last_mut().expect("a request has an SGE");
+                if last.lkey == lkey && last.addr + last.length as u64 == local {
+                    last.length += len as u32;
+                    return;
+                }
+                if w.sges.len() < MAX_SGE as usize {
+                    w.sges.push(Sge { addr: local, length: len as u32, lkey });
+                    return;
+                }
+            }
+        }
+        self.out.push(SendWr {
+            wr_id: 0,
+            op: self.op,
+            sges: vec![Sge { addr: local, length: len as u32, lkey }],
+            signaled: false,
+            remote_addr: remote,
+            rkey,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{BackendKey, RegionEntry};
+
+    fn table() -> RemoteTable {
+        let key = |k: u32| vec![BackendKey { backend: "rdma".into(), key: k.to_le_bytes().to_vec() }];
+        // Two adjacent remote regions, and one without an rdma key.
+        RemoteTable::new(vec![
+            RegionEntry { keys: key(11), ..RegionEntry::host(0x10000, 0x1000, 1) },
+            RegionEntry { keys: key(22), ..RegionEntry::host(0x11000, 0x1000, 2) },
+            RegionEntry::host(0x20000, 0x1000, 3),
+        ])
+    }
+
+    /// Local memory: one region [0x1000, 0x3000) with lkey 7.
+    fn lkey(addr: u64, len: u64) -> Option<(u32, u64)> {
+        (addr >= 0x1000 && addr + len <= 0x3000).then_some((7, 0x3000))
+    }
+
+    fn build(segs: &[(u64, u64, u64)], max_msg: u64) -> Result<Vec<SendWr>> {
+        let mut b = Builder { op: WrOp::Write, out: Vec::new(), max_msg };
+        for &(local, remote, len) in segs {
+            b.seg(&table(), &lkey, SegPair { local, remote, len })?;
+        }
+        Ok(b.out)
+    }
+
+    #[test]
+    fn contiguous_remote_ranges_chain_sges_and_adjacent_local_pieces_merge() {
+        // Remote contiguous, local scattered: one request with three SGEs.
+        let w =
+            build(&[(0x1000, 0x10000, 16), (0x1100, 0x10010, 16), (0x1200, 0x10020, 16)], 1 << 30).unwrap();
+        assert_eq!(w.len(), 1);
+        assert_eq!(w[0].sges.len(), 3);
+        assert_eq!((w[0].remote_addr, w[0].rkey, w[0].bytes()), (0x10000, 11, 48));
+        // Both contiguous: one SGE.
+        let w = build(&[(0x1000, 0x10000, 16), (0x1010, 0x10010, 16)], 1 << 30).unwrap();
+        assert_eq!((w.len(), w[0].sges.len(), w[0].sges[0].length), (1, 1, 32));
+        // A remote gap: two requests.
+        assert_eq!(build(&[(0x1000, 0x10000, 16), (0x1010, 0x10100, 16)], 1 << 30).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn requests_are_cut_at_remote_regions_the_message_size_and_the_sge_limit() {
+        // Crosses from region 1 (rkey 11) into the adjacent region 2 (rkey 22).
+        let w = build(&[(0x1000, 0x10F00, 0x200)], 1 << 30).unwrap();
+        assert_eq!(
+            w.iter().map(|w| (w.remote_addr, w.rkey, w.bytes())).collect::<Vec<_>>(),
+            [(0x10F00, 11, 0x100), (0x11000, 22, 0x100)]
+        );
+        let w = build(&[(0x1000, 0x10000, 0x1000)], 0x400).unwrap();
+        assert_eq!(w.len(), 4, "at most max_msg per request");
+        let segs: Vec<_> = (0..MAX_SGE as u64 + 1).map(|i| (0x1000 + i * 32, 0x10000 + i * 16, 16)).collect();
+        let w = build(&segs, 1 << 30).unwrap();
+        assert_eq!(w.iter().map(|w| w.sges.len()).collect::<Vec<_>>(), [MAX_SGE as usize, 1]);
+    }
+
+    #[test]
+    fn unregistered_or_keyless_ranges_are_refused_naming_them() {
+        let e = build(&[(0x1000, 0x30000, 8)], 1 << 30).unwrap_err();
+        assert!(e.message.contains("0x30000") && e.message.contains("not registered at the peer"), "{e}");
+        let e = build(&[(0x1000, 0x20000, 8)], 1 << 30).unwrap_err();
+        assert!(e.message.contains("no RDMA key"), "{e}");
+        let e = build(&[(0x9000, 0x10000, 8)], 1 << 30).unwrap_err();
+        assert!(e.message.contains("0x9000") && e.message.contains("RDMA device"), "{e}");
+    }
+}

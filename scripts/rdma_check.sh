@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Runs the rdma backend's cross-process test suites (crates/hixl-core/tests/rdma.rs, rdma_verbs.rs) against a
+# real RDMA device instead of the software provider: a NIC, or an rxe/siw device on a kernel
+# that has them (rdma link add rxe0 type rxe netdev eth0). Never run so far: no machine hixl was
+# developed on has RDMA (see docs/RDMA.md, "What ran where").
+#
+#   HIXL_RDMA_DEVICE=mlx5_0 [HIXL_RDMA_GID_INDEX=3] scripts/rdma_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${HIXL_RDMA_DEVICE:?set HIXL_RDMA_DEVICE to a device name (ibv_devices lists them)}"
+export HIXL_RDMA_DEVICE HIXL_RDMA_GID_INDEX="${HIXL_RDMA_GID_INDEX:-0}"
+if command -v ibv_devinfo >/dev/null; then
+  ibv_devinfo -d "$HIXL_RDMA_DEVICE" | sed -n '1,25p'
+fi
+echo "memlock limit: $(ulimit -l) (registrations pin memory: raise it if registering fails)"
+# The real provider's C layouts against the installed header (needs libibverbs-dev).
+HIXL_REQUIRE_IBVERBS_HEADER=1 cargo test -p hixl-core --release --lib transport::rdma::ffi
+# The cross-process suite on the device (its software-provider-only test says it skips).
+cargo test -p hixl-core --release --test rdma --test rdma_verbs -- --test-threads=1 --nocapture
