@@ -77,6 +77,7 @@ mod auth;
 #[cfg(feature = "baselines")]
 pub mod bench;
 mod complete;
+mod cuda;
 mod engine;
 mod error;
 pub mod log;
@@ -89,6 +90,7 @@ mod stats;
 mod transport;
 mod wire;
 
+pub use cuda::{info as cuda_info, CudaDevice, CudaInfo};
 pub use engine::{
     ConnectStatus, Engine, MemDesc, MemHandle, PeerSnapshot, RemoteRegion, StridedDesc, TransferOpDesc,
     TransferReq,

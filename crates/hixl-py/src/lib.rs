@@ -3,6 +3,7 @@
 
 mod buffer;
 mod descs;
+mod device;
 mod engine;
 mod errors;
 mod request;
@@ -171,6 +172,7 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(log_dropped, m)?)?;
     m.add_function(wrap_pyfunction!(_drain_completions, m)?)?;
     m.add_function(wrap_pyfunction!(status_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(device::cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_states, m)?)?;
     m.add_function(wrap_pyfunction!(_raw_tcp_sink, m)?)?;
     m.add_function(wrap_pyfunction!(_raw_tcp_send, m)?)?;
