@@ -332,10 +332,12 @@ def test_target_backends_limit_the_offer(make_peer):
         st.close()
         offered[p.engine] = [c.backend for c in welcome["capabilities"]]
     assert offered[tcp_only.engine] == ["tcp"]
-    assert offered[default.engine] == ["self", "shm", "tcp"]
+    # cuda_ipc is offered only where CUDA is found.
+    cuda = ["cuda_ipc"] if hixl._hixl.cuda_info()["available"] else []
+    assert offered[default.engine] == ["self", *cuda, "shm", "tcp"]
 
     with hixl.Hixl() as e:
-        e.initialize("127.0.0.1")  # hixl.backends defaults to self,shm,tcp
+        e.initialize("127.0.0.1")  # hixl.backends defaults to self,cuda_ipc,shm,tcp
         e.connect(tcp_only.engine, timeout_ms=5000)
         assert e.stats()[tcp_only.engine]["backend"] == "tcp"
         src = random_bytes(size, 9)

@@ -90,7 +90,7 @@ mod stats;
 mod transport;
 mod wire;
 
-pub use cuda::{info as cuda_info, CudaDevice, CudaInfo};
+pub use cuda::{info as cuda_info, CudaDevice, CudaInfo, DeviceBuffer};
 pub use engine::{
     ConnectStatus, Engine, MemDesc, MemHandle, PeerSnapshot, RemoteRegion, StridedDesc, TransferOpDesc,
     TransferReq,

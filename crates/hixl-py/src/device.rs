@@ -219,3 +219,83 @@ pub fn cuda_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("devices", devices)?;
     Ok(d)
 }
+
+/// Device memory allocated by hixl itself (`cuMemAlloc`), for tools and tests that have no
+/// torch or CuPy: `hixl.cuda_alloc(size, device=0, fill=0)` returns one. It implements the CUDA
+/// Array Interface (a 1-D uint8 array), so `Hixl.register` takes it and so do torch
+/// (`torch.as_tensor(buf, device="cuda")`) and CuPy. `read` and `write` copy synchronously
+/// between it and host bytes. Freed when the last reference goes (a registration keeps one).
+#[pyclass(frozen, module = "hixl._hixl")]
+pub struct DeviceBuffer {
+    buf: hixl_core::DeviceBuffer,
+}
+
+#[pymethods]
+impl DeviceBuffer {
+    /// Start address (a device pointer).
+    #[getter]
+    fn addr(&self) -> u64 {
+        self.buf.addr()
+    }
+
+    /// The CUDA device ordinal.
+    #[getter]
+    fn device(&self) -> u8 {
+        self.buf.ordinal()
+    }
+
+    /// Length in bytes.
+    fn __len__(&self) -> usize {
+        self.buf.len() as usize
+    }
+
+    /// The CUDA Array Interface (version 3) of a 1-D uint8 array over the whole buffer.
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("shape", (self.buf.len(),))?;
+        d.set_item("typestr", "|u1")?;
+        d.set_item("data", (self.buf.addr(), false))?;
+        d.set_item("strides", py.None())?;
+        d.set_item("version", 3)?;
+        Ok(d)
+    }
+
+    /// Copies `n` bytes from `offset` to host memory and returns them (GIL released).
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        offset: u64,
+        n: usize,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let mut out = vec![0u8; n];
+        py.allow_threads(|| self.buf.read_at(offset, &mut out)).map_err(errors::to_py)?;
+        Ok(pyo3::types::PyBytes::new(py, &out))
+    }
+
+    /// Copies `data` (any bytes-like object) to `offset` (GIL released while copying).
+    fn write(&self, py: Python<'_>, offset: u64, data: &[u8]) -> PyResult<()> {
+        let data = data.to_vec();
+        py.allow_threads(|| self.buf.write_at(offset, &data)).map_err(errors::to_py)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "DeviceBuffer(cuda:{}, addr=0x{:x}, len={})",
+            self.buf.ordinal(),
+            self.buf.addr(),
+            self.buf.len()
+        )
+    }
+}
+
+/// Allocates `size` bytes (at least 1) of memory on CUDA device `device`, every byte set to
+/// `fill`, as a `DeviceBuffer`. Raises `Unsupported` (saying CUDA was not found) without CUDA,
+/// `ParamInvalid` for a size of 0 or a device that does not exist, `ResourceExhausted` when the
+/// device is out of memory. The GIL is released while it allocates.
+#[pyfunction]
+#[pyo3(signature = (size, device = 0, fill = 0))]
+pub fn cuda_alloc(py: Python<'_>, size: u64, device: u8, fill: u8) -> PyResult<DeviceBuffer> {
+    let buf = py.allow_threads(|| hixl_core::DeviceBuffer::new(device, size, fill)).map_err(errors::to_py)?;
+    Ok(DeviceBuffer { buf })
+}

@@ -26,6 +26,7 @@ impl<V: Copy> HandleCache<V> {
     }
 
     /// How many allocations are open.
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.open.len()
     }

@@ -25,8 +25,6 @@ pub const SUCCESS: CuResult = 0;
 pub const ERROR_NO_DEVICE: CuResult = 100;
 /// `CUDA_ERROR_NOT_READY`: an event or stream has work pending.
 pub const ERROR_NOT_READY: CuResult = 600;
-/// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
-pub const ERROR_HOST_MEMORY_ALREADY_REGISTERED: CuResult = 712;
 
 /// `CU_POINTER_ATTRIBUTE_MEMORY_TYPE` (an unsigned int: `CU_MEMORYTYPE_*`).
 pub const POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
@@ -126,18 +124,17 @@ driver_table! {
     ipc_close_mem_handle = "cuIpcCloseMemHandle": fn(CuDevicePtr);
     stream_create = "cuStreamCreate": fn(*mut CuHandle, c_uint);
     stream_destroy = "cuStreamDestroy_v2": fn(CuHandle);
+    stream_synchronize = "cuStreamSynchronize": fn(CuHandle);
     memcpy_async = "cuMemcpyAsync": fn(CuDevicePtr, CuDevicePtr, usize, CuHandle);
     event_create = "cuEventCreate": fn(*mut CuHandle, c_uint);
     event_record = "cuEventRecord": fn(CuHandle, CuHandle);
     event_query = "cuEventQuery": fn(CuHandle);
-    event_synchronize = "cuEventSynchronize": fn(CuHandle);
     event_destroy = "cuEventDestroy_v2": fn(CuHandle);
     mem_host_register = "cuMemHostRegister_v2": fn(*mut c_void, usize, c_uint);
     mem_host_unregister = "cuMemHostUnregister": fn(*mut c_void);
-    mem_alloc_host = "cuMemAllocHost_v2": fn(*mut *mut c_void, usize);
-    mem_free_host = "cuMemFreeHost": fn(*mut c_void);
     mem_alloc = "cuMemAlloc_v2": fn(*mut CuDevicePtr, usize);
     mem_free = "cuMemFree_v2": fn(CuDevicePtr);
+    memset_d8 = "cuMemsetD8_v2": fn(CuDevicePtr, u8, usize);
 }
 
 /// The loaded driver with its device count, or why there is none.

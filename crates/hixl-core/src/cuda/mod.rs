@@ -6,15 +6,11 @@
 //! Without `libcuda.so.1` (or without a device) everything here answers `UNSUPPORTED` with a
 //! message that says CUDA was not found; nothing panics.
 
-// Used in full by the cuda_ipc backend (next commit).
-#[allow(dead_code)]
 pub(crate) mod cache;
-#[allow(dead_code)]
 pub(crate) mod driver;
-#[allow(dead_code)]
 pub(crate) mod key;
-#[allow(dead_code)]
 pub(crate) mod plan;
+pub(crate) mod runtime;
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
@@ -244,6 +240,102 @@ pub(crate) fn resolve(addr: u64, len: u64, domain: Domain) -> Result<DeviceRange
     Ok(DeviceRange { domain: Domain::Cuda(ordinal), alloc_base: base, alloc_len: size as u64, ipc_capable })
 }
 
+/// Device memory allocated with `cuMemAlloc` (for tools and tests that have no torch or CuPy:
+/// `hixl bench --mem cuda:N`, the GPU checks), freed on drop.
+pub struct DeviceBuffer {
+    ptr: u64,
+    len: u64,
+    ordinal: u8,
+}
+
+impl DeviceBuffer {
+    /// `len` bytes (at least 1) on device `ordinal`, filled with byte `fill`. UNSUPPORTED when
+    /// CUDA is not usable here.
+    pub fn new(ordinal: u8, len: u64, fill: u8) -> Result<DeviceBuffer> {
+        let d = driver()?;
+        if len == 0 {
+            return Err(Error::param("a device buffer of 0 bytes"));
+        }
+        let _ctx = CtxGuard::enter(d, ordinal)?;
+        let mut p: CuDevicePtr = 0;
+        // SAFETY: a valid out-parameter; the device's context is current.
+        check(d, unsafe { (d.mem_alloc)(&mut p, len as usize) }, "cuMemAlloc", Status::ResourceExhausted)?;
+        let b = DeviceBuffer { ptr: p, len, ordinal };
+        // SAFETY: our allocation of `len` bytes, set on the null stream, which is then waited
+        // for (the engine's streams do not wait for the null stream by themselves).
+        unsafe {
+            check(d, (d.memset_d8)(p, fill, len as usize), "cuMemsetD8", Status::Failed)?;
+            check(d, (d.stream_synchronize)(std::ptr::null_mut()), "cuStreamSynchronize", Status::Failed)?;
+        }
+        Ok(b)
+    }
+
+    /// Start address (a device pointer).
+    pub fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it is empty (never: a buffer has at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device.
+    pub fn ordinal(&self) -> u8 {
+        self.ordinal
+    }
+
+    /// Copies `data` to offset `at` (synchronously).
+    pub fn write_at(&self, at: u64, data: &[u8]) -> Result<()> {
+        self.check_range(at, data.len() as u64)?;
+        // The device pointer and the host slice are both UVA addresses: cuMemcpy finds the kinds.
+        self.sync_copy(self.ptr + at, data.as_ptr() as u64, data.len())
+    }
+
+    /// Copies `out.len()` bytes from offset `at` into `out` (synchronously).
+    pub fn read_at(&self, at: u64, out: &mut [u8]) -> Result<()> {
+        self.check_range(at, out.len() as u64)?;
+        self.sync_copy(out.as_mut_ptr() as u64, self.ptr + at, out.len())
+    }
+
+    fn check_range(&self, at: u64, n: u64) -> Result<()> {
+        match at.checked_add(n) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::param(format!(
+                "range {at}+{n} is outside the device buffer of {} bytes",
+                self.len
+            ))),
+        }
+    }
+
+    fn sync_copy(&self, dst: u64, src: u64, n: usize) -> Result<()> {
+        let d = driver()?;
+        let _ctx = CtxGuard::enter(d, self.ordinal)?;
+        // SAFETY: both ranges were checked (the buffer's) or are the caller's slice; the null
+        // stream with a synchronize after it makes the copy complete before we return.
+        unsafe {
+            check(d, (d.memcpy_async)(dst, src, n, std::ptr::null_mut()), "cuMemcpyAsync", Status::Failed)?;
+            check(d, (d.stream_synchronize)(std::ptr::null_mut()), "cuStreamSynchronize", Status::Failed)
+        }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if let Ok(d) = driver() {
+            if let Ok(_ctx) = CtxGuard::enter(d, self.ordinal) {
+                // SAFETY: our allocation, freed once.
+                unsafe { (d.mem_free)(self.ptr) };
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -257,6 +349,8 @@ mod tests {
         }
         assert!(i.reason.contains("CUDA was"), "{}", i.reason);
         let e = resolve(0x7000_0000_0000, 4096, Domain::Cuda(0)).unwrap_err();
+        assert_eq!(e.status, Status::Unsupported);
+        let e = DeviceBuffer::new(0, 4096, 0).err().expect("no CUDA here");
         assert_eq!(e.status, Status::Unsupported);
         assert!(e.message.contains("CUDA was"), "{}", e.message);
     }

@@ -100,6 +100,8 @@ pub struct Options {
     pub backends: Vec<String>,
     /// `hixl.shm.threads`: copy threads per same-host link.
     pub shm_threads: usize,
+    /// `hixl.cuda.streams`: CUDA streams an engine spreads device copies over.
+    pub cuda_streams: usize,
     /// `hixl.strict_alignment`: strided bases and strides must be multiples of 64 bytes.
     pub strict_alignment: bool,
     /// `hixl.tcp.coalesce_us`: a TCP writer waits this long for more small requests (0 = off).
@@ -163,7 +165,7 @@ pub const SPECS: &[OptionSpec] = &[
     spec(
         "hixl.backends",
         "auto",
-        "backends that may carry data, tried in this order: auto (= self,shm,tcp) or a list of self (same process), shm (same host), tcp",
+        "backends that may carry data, tried in this order: auto (= self,cuda_ipc,shm,tcp) or a list of self (same process), cuda_ipc (same host, CUDA memory too; offered only where CUDA is found), shm (same host), tcp",
         |o, k, v| {
             o.backends = backends(k, v)?;
             Ok(())
@@ -244,6 +246,12 @@ pub const SPECS: &[OptionSpec] = &[
     spec("hixl.shm.threads", "2", "copy threads per same-host link (1..64)", |o, k, v| {
         {
             o.shm_threads = int(k, v, 1, 64)? as usize;
+            Ok(())
+        }
+    }),
+    spec("hixl.cuda.streams", "4", "CUDA streams an engine spreads device copies over (1..64)", |o, k, v| {
+        {
+            o.cuda_streams = int(k, v, 1, 64)? as usize;
             Ok(())
         }
     }),
@@ -352,6 +360,7 @@ impl Options {
             },
             backends: Vec::new(),
             shm_threads: 0,
+            cuda_streams: 0,
             strict_alignment: false,
             coalesce: Duration::ZERO,
             coalesce_max_ops: 0,
@@ -422,7 +431,9 @@ mod tests {
     fn old_keys_keep_working_as_aliases() {
         let o = Options::parse(&map(&[("hixl.streams", "3"), ("hixl.shm_threads", "5")])).unwrap();
         assert_eq!((o.streams, o.shm_threads), (3, 5));
-        for (v, want) in [("auto", vec!["self", "shm", "tcp"]), ("shm", vec!["shm"]), ("TCP", vec!["tcp"])] {
+        for (v, want) in
+            [("auto", vec!["self", "cuda_ipc", "shm", "tcp"]), ("shm", vec!["shm"]), ("TCP", vec!["tcp"])]
+        {
             assert_eq!(Options::parse(&map(&[("hixl.transport", v)])).unwrap().backends, want);
         }
         let e = Options::parse(&map(&[("hixl.transport", "fast")])).unwrap_err();
@@ -441,8 +452,18 @@ mod tests {
         let o =
             Options::parse(&map(&[("hixl.tcp.streams", "4"), ("hixl.transfer_timeout_ms", "250")])).unwrap();
         assert_eq!(o.streams, 4);
-        assert_eq!(o.backends, ["self", "shm", "tcp"], "fastest first by default");
+        assert_eq!(o.backends, ["self", "cuda_ipc", "shm", "tcp"], "fastest first by default");
         assert_eq!(o.transfer_timeout, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn cuda_streams_default_to_four_and_are_bounded() {
+        assert_eq!(Options::default().cuda_streams, 4);
+        assert_eq!(Options::parse(&map(&[("hixl.cuda.streams", "16")])).unwrap().cuda_streams, 16);
+        for bad in ["0", "65", "x"] {
+            let e = Options::parse(&map(&[("hixl.cuda.streams", bad)])).unwrap_err();
+            assert!(e.message.contains("hixl.cuda.streams"), "{e}");
+        }
     }
 
     #[test]

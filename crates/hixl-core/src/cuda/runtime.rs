@@ -1,0 +1,268 @@
+//! The CUDA side of one engine: the device context its copies run in, a pool of
+//! `hixl.cuda.streams` streams, recycled events, and the ONE completion thread
+//! (`hixl-cuda-done`) that polls every in-flight copy's events and reports it. Links issue
+//! copies on the caller's thread and hand the events here; no thread per peer or per request.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::driver::{self, CuHandle, Driver};
+use super::{check, plan, primary_context, CtxGuard};
+use crate::error::{Error, Result, Status};
+use crate::queue::SegPair;
+
+/// Below this many bytes a copy is not cut across streams (one stream's copy engine is as fast).
+const MIN_SHARE: u64 = 1 << 20;
+/// How long the completion thread sleeps between polls while copies are in flight.
+const POLL: Duration = Duration::from_micros(20);
+
+/// What the completion thread calls when a copy's events have all fired (or one failed).
+pub(crate) type OnDone = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// A copy in flight: its events, who issued it, and what to call at the end.
+struct InFlight {
+    owner: u64,
+    events: Vec<usize>,
+    /// An error met while issuing: reported once the issued part has finished.
+    failed: Option<Error>,
+    on_done: OnDone,
+}
+
+/// State shared with the completion thread.
+struct Shared {
+    d: &'static Driver,
+    ctx: usize,
+    queue: Mutex<Vec<InFlight>>,
+    bell: Condvar,
+    stop: AtomicBool,
+    /// In-flight copies per owner (a link), for its close.
+    owners: Mutex<HashMap<u64, usize>>,
+    /// Events ready for reuse.
+    free_events: Mutex<Vec<usize>>,
+}
+
+/// One engine's CUDA copy machinery (see the module doc).
+pub(crate) struct Gpu {
+    shared: Arc<Shared>,
+    /// The device whose primary context runs the copies.
+    pub(crate) ordinal: u8,
+    streams: Vec<usize>,
+    next: AtomicUsize,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Gpu {
+    /// Creates `streams` non-blocking streams on device `ordinal` and starts the completion
+    /// thread.
+    pub(crate) fn new(ordinal: u8, streams: usize) -> Result<Arc<Gpu>> {
+        let d = super::driver()?;
+        let ctx = primary_context(d, ordinal)? as usize;
+        let _g = CtxGuard::enter(d, ordinal)?;
+        let mut made = Vec::with_capacity(streams.max(1));
+        for _ in 0..streams.max(1) {
+            let mut s: CuHandle = std::ptr::null_mut();
+            // SAFETY: a valid out-parameter; the device's context is current.
+            let rc = unsafe { (d.stream_create)(&mut s, driver::STREAM_NON_BLOCKING) };
+            if let Err(e) = check(d, rc, "cuStreamCreate", Status::Failed) {
+                for s in made {
+                    // SAFETY: streams made above, unused.
+                    unsafe { (d.stream_destroy)(s as CuHandle) };
+                }
+                return Err(e);
+            }
+            made.push(s as usize);
+        }
+        let shared = Arc::new(Shared {
+            d,
+            ctx,
+            queue: Mutex::new(Vec::new()),
+            bell: Condvar::new(),
+            stop: AtomicBool::new(false),
+            owners: Mutex::new(HashMap::new()),
+            free_events: Mutex::new(Vec::new()),
+        });
+        let s2 = shared.clone();
+        let h = std::thread::Builder::new()
+            .name("hixl-cuda-done".into())
+            .spawn(move || s2.run())
+            .map_err(|e| Error::failed(format!("cannot start thread hixl-cuda-done: {e}")))?;
+        Ok(Arc::new(Gpu {
+            shared,
+            ordinal,
+            streams: made,
+            next: AtomicUsize::new(0),
+            thread: Mutex::new(Some(h)),
+        }))
+    }
+
+    /// The driver.
+    pub(crate) fn driver(&self) -> &'static Driver {
+        self.shared.d
+    }
+
+    /// Issues the copies `segs` (`local` = destination, `remote` = source, both addresses of
+    /// this process: device pointers, IPC mappings or host memory), spread over the stream
+    /// pool, then hands them to the completion thread, which calls `on_done` once every copy
+    /// has finished. Must be called with this device's context current (`CtxGuard`).
+    pub(crate) fn copy(&self, owner: u64, segs: &[SegPair], on_done: OnDone) {
+        let d = self.shared.d;
+        let first = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut events = Vec::new();
+        let mut failed = None;
+        for (stream, share) in plan::spread(segs, self.streams.len(), first, MIN_SHARE) {
+            let s = self.streams[stream] as CuHandle;
+            for c in &share {
+                // SAFETY: both ranges are mapped in this process for the copy's life: the local
+                // one lies in a region pinned until the part is reported, the remote one in a
+                // peer allocation opened (or a peer mapping made) by the link, which is closed
+                // only after its copies ended.
+                let rc = unsafe { (d.memcpy_async)(c.local, c.remote, c.len as usize, s) };
+                if let Err(e) = check(d, rc, "cuMemcpyAsync", Status::Failed) {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            match self.shared.event() {
+                Ok(ev) => {
+                    // SAFETY: a live event and stream of this context.
+                    let rc = unsafe { (d.event_record)(ev as CuHandle, s) };
+                    match check(d, rc, "cuEventRecord", Status::Failed) {
+                        Ok(()) => events.push(ev),
+                        Err(e) => {
+                            self.shared.free_events.lock().unwrap().push(ev);
+                            // Without an event, wait for the stream here (bounded by the GPU).
+                            // SAFETY: a live stream of this context.
+                            unsafe { (d.stream_synchronize)(s) };
+                            failed.get_or_insert(e);
+                        }
+                    }
+                }
+                Err(e) => {
+                    // No event for this share: wait for its stream here instead.
+                    // SAFETY: a live stream of this context.
+                    unsafe { (d.stream_synchronize)(s) };
+                    failed.get_or_insert(e);
+                }
+            }
+            if failed.is_some() {
+                break;
+            }
+        }
+        *self.shared.owners.lock().unwrap().entry(owner).or_insert(0) += 1;
+        self.shared.queue.lock().unwrap().push(InFlight { owner, events, failed, on_done });
+        self.shared.bell.notify_one();
+    }
+
+    /// Copies issued by `owner` that have not been reported yet.
+    pub(crate) fn in_flight(&self, owner: u64) -> usize {
+        self.shared.owners.lock().unwrap().get(&owner).copied().unwrap_or(0)
+    }
+
+    /// Waits until `owner` has no copy in flight, at most `limit`; whether it has none.
+    pub(crate) fn drain(&self, owner: u64, limit: Duration) -> bool {
+        let end = Instant::now() + limit;
+        while self.in_flight(owner) > 0 {
+            if Instant::now() >= end {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.bell.notify_all();
+        if let Some(h) = self.thread.lock().unwrap().take() {
+            let _ = h.join();
+        }
+        let d = self.shared.d;
+        for s in &self.streams {
+            // SAFETY: our streams; the completion thread has reported every copy on them.
+            unsafe { (d.stream_destroy)(*s as CuHandle) };
+        }
+        for ev in self.shared.free_events.lock().unwrap().drain(..) {
+            // SAFETY: our events, no longer recorded on any stream.
+            unsafe { (d.event_destroy)(ev as CuHandle) };
+        }
+    }
+}
+
+impl Shared {
+    /// A free event, or a new one (timing disabled: the cheapest kind).
+    fn event(&self) -> Result<usize> {
+        if let Some(ev) = self.free_events.lock().unwrap().pop() {
+            return Ok(ev);
+        }
+        let mut ev: CuHandle = std::ptr::null_mut();
+        // SAFETY: a valid out-parameter; the caller made our context current.
+        let rc = unsafe { (self.d.event_create)(&mut ev, driver::EVENT_DISABLE_TIMING) };
+        check(self.d, rc, "cuEventCreate", Status::Failed)?;
+        Ok(ev as usize)
+    }
+
+    /// The completion thread: polls the events of every copy in flight, reports each copy when
+    /// all its events fired, sleeps on the bell when nothing is in flight.
+    fn run(self: Arc<Self>) {
+        // SAFETY: the retained primary context of our device; this thread's own.
+        unsafe { (self.d.ctx_set_current)(self.ctx as CuHandle) };
+        let mut work: Vec<InFlight> = Vec::new();
+        loop {
+            {
+                let mut q = self.queue.lock().unwrap();
+                if work.is_empty() && q.is_empty() {
+                    if self.stop.load(Ordering::Acquire) {
+                        return;
+                    }
+                    q = self.bell.wait_timeout(q, Duration::from_secs(1)).unwrap().0;
+                }
+                work.append(&mut q);
+            }
+            let mut i = 0;
+            while i < work.len() {
+                match self.poll(&work[i]) {
+                    None => i += 1,
+                    Some(res) => {
+                        let f = work.swap_remove(i);
+                        self.free_events.lock().unwrap().extend(&f.events);
+                        let res = match f.failed {
+                            Some(e) => Err(e),
+                            None => res,
+                        };
+                        (f.on_done)(res);
+                        let mut owners = self.owners.lock().unwrap();
+                        if let Some(n) = owners.get_mut(&f.owner) {
+                            *n -= 1;
+                            if *n == 0 {
+                                owners.remove(&f.owner);
+                            }
+                        }
+                    }
+                }
+            }
+            if !work.is_empty() {
+                std::thread::sleep(POLL);
+            }
+        }
+    }
+
+    /// None while an event of the copy is pending; else its result.
+    fn poll(&self, f: &InFlight) -> Option<Result<()>> {
+        for ev in &f.events {
+            // SAFETY: a live event recorded on one of our streams.
+            let rc = unsafe { (self.d.event_query)(*ev as CuHandle) };
+            if rc == driver::ERROR_NOT_READY {
+                return None;
+            }
+            if let Err(e) = check(self.d, rc, "a CUDA copy", Status::Failed) {
+                return Some(Err(e));
+            }
+        }
+        Some(Ok(()))
+    }
+}

@@ -1,0 +1,375 @@
+//! The `cuda_ipc` data path to one same-host peer. Parts between host memory on both sides go
+//! to an inner `ShmLink` (cross-memory attach, unchanged); every part that touches device
+//! memory is translated into copies between addresses of this process and issued on the
+//! engine's stream pool (`cuda::runtime::Gpu`), whose one completion thread reports it:
+//!
+//! - a peer's device region: its allocation opened once by IPC handle (`cuIpcOpenMemHandle`,
+//!   cached in `HandleCache`), plus the region's offset from the key;
+//! - a peer's host region, when this side's memory is on the device: the peer's memfd (only
+//!   `alloc`ed regions have one), mapped as `shm` maps it and pinned with `cuMemHostRegister`,
+//!   so the GPU copies straight into it. A peer host region without a memfd cannot be reached
+//!   from device memory (the documented exception: the GPU cannot reach another process's
+//!   pageable memory) and is refused with UNSUPPORTED.
+//!
+//! As for `shm`, there is no target-side check: every remote range is checked against the
+//! proven peer's table, under its read guard, before a copy is issued.
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::complete::Completer;
+use crate::cuda::cache::HandleCache;
+use crate::cuda::driver::{self, CuDevicePtr, IpcMemHandle};
+use crate::cuda::key::IpcKey;
+use crate::cuda::runtime::Gpu;
+use crate::cuda::{check, CtxGuard};
+use crate::error::{Error, Result, Status};
+use crate::queue::{Part, PartBody, SegPair, TransferOp};
+use crate::registry::{new_holder_id, Abort, RemoteTable};
+use crate::stats::PeerStats;
+use crate::transport::shm::{map_peer_region, memfd_key, PeerMapping, ShmLink};
+use crate::transport::tcp::TcpLink;
+use crate::transport::DataPath;
+use crate::wire::{Domain, RegionEntry};
+
+/// How long `close` waits for copies already on the GPU before it gives up on releasing
+/// the peer's mappings (they are then left open: a leak, never a use after free).
+const DRAIN: Duration = Duration::from_secs(10);
+
+/// A peer's memfd region mapped here and pinned for the GPU.
+struct PinnedPeerHost {
+    d: &'static driver::Driver,
+    map: PeerMapping,
+}
+
+impl Drop for PinnedPeerHost {
+    fn drop(&mut self) {
+        // SAFETY: exactly the range registered in `host_mapping`; its copies have ended. The
+        // mapping itself is unmapped after this, when `map` drops.
+        unsafe { (self.d.mem_host_unregister)(self.map.base as *mut std::ffi::c_void) };
+    }
+}
+
+/// The data path (see the module doc).
+pub(crate) struct CudaIpcLink {
+    holder_id: u64,
+    tcp: Arc<TcpLink>,
+    shm: Arc<ShmLink>,
+    gpu: Arc<Gpu>,
+    pid: i32,
+    pidfd: OwnedFd,
+    /// Peer allocations opened by IPC handle: their base address here.
+    opened: Mutex<HandleCache<CuDevicePtr>>,
+    /// Peer memfd regions mapped and pinned, by region id.
+    hosts: Mutex<HashMap<u64, Arc<PinnedPeerHost>>>,
+    done: Arc<Completer>,
+    closed: AtomicBool,
+}
+
+impl CudaIpcLink {
+    /// Wraps a proven same-host link (`shm` carries its host-to-host parts); `pidfd` is a
+    /// descriptor of the proven peer process (for its memfds).
+    pub(crate) fn new(
+        tcp: Arc<TcpLink>,
+        shm: Arc<ShmLink>,
+        gpu: Arc<Gpu>,
+        pid: i32,
+        pidfd: OwnedFd,
+    ) -> Arc<Self> {
+        let done = Arc::new(Completer::new("cuda_ipc", &tcp.peer_info().engine_id, tcp.stats()));
+        Arc::new(CudaIpcLink {
+            holder_id: new_holder_id(),
+            tcp,
+            shm,
+            gpu,
+            pid,
+            pidfd,
+            opened: Mutex::new(HandleCache::new()),
+            hosts: Mutex::new(HashMap::new()),
+            done,
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    fn reason(&self) -> Error {
+        let why = self.tcp.close_reason();
+        Error::new(why.status, format!("the cuda_ipc link to pid {} is closed: {}", self.pid, why.message))
+    }
+
+    /// Whether a segment is host memory on both sides (then `shm` carries it). A range missing
+    /// from the table counts as host: `shm` refuses it with the usual error.
+    fn host_pair(&self, table: &RemoteTable, s: &SegPair) -> bool {
+        table.find(s.remote, s.len).is_none_or(|e| e.domain == Domain::Host)
+            && !is_device_ptr(&self.gpu, s.local)
+    }
+
+    /// Sorts one part: host-to-host goes to `host`, the rest to `dev`. A data part with both
+    /// kinds of segments becomes two parts of its request.
+    fn route(&self, table: &RemoteTable, p: Part, host: &mut Vec<Part>, dev: &mut Vec<Part>) {
+        let (hs, ds): (Vec<SegPair>, Vec<SegPair>) = match &p.body {
+            PartBody::Data(segs) => segs.iter().partition(|s| self.host_pair(table, s)),
+            PartBody::Strided(st) if self.host_pair(table, &st.seg(0)) => return host.push(p),
+            _ => return dev.push(p),
+        };
+        match (hs.is_empty(), ds.is_empty()) {
+            (_, true) => host.push(p),
+            (true, false) => dev.push(p),
+            (false, false) => {
+                p.req.add_parts(1);
+                host.push(Part { req: p.req.clone(), body: PartBody::Data(hs) });
+                dev.push(Part { req: p.req, body: PartBody::Data(ds) });
+            }
+        }
+    }
+
+    /// The copies of one part as (destination, source) pairs of this process's addresses,
+    /// every remote range checked against the peer's table.
+    fn translate(
+        &self,
+        table: &RemoteTable,
+        op: TransferOp,
+        segs: &[SegPair],
+        out: &mut Vec<SegPair>,
+    ) -> Result<()> {
+        for s in segs {
+            let e = match table.find(s.remote, s.len) {
+                None => {
+                    return Err(Error::param(format!(
+                        "remote range 0x{:x}+{} is no longer registered at the peer",
+                        s.remote, s.len
+                    )))
+                }
+                Some(e) if op == TransferOp::Write && !e.writable => {
+                    return Err(crate::registry::read_only(s.remote, s.len))
+                }
+                Some(e) => e,
+            };
+            let here = match e.domain {
+                Domain::Host => self.host_mapping(e)? + (s.remote - e.addr),
+                _ => self.device_mapping(e)? + (s.remote - e.addr),
+            };
+            out.push(match op {
+                TransferOp::Write => SegPair { local: here, remote: s.local, len: s.len },
+                TransferOp::Read => SegPair { local: s.local, remote: here, len: s.len },
+            });
+        }
+        Ok(())
+    }
+
+    /// Where the peer's device region `e` starts in this process (its allocation opened once).
+    fn device_mapping(&self, e: &RegionEntry) -> Result<u64> {
+        let key = e.key("cuda_ipc").ok_or_else(|| {
+            Error::new(
+                Status::Unsupported,
+                format!(
+                    "the peer's device region 0x{:x}+{} has no cuda_ipc key (memory a legacy IPC handle cannot export, \
+                     e.g. a VMM or pool allocation)",
+                    e.addr, e.len
+                ),
+            )
+        })?;
+        let k = IpcKey::decode(key, e.len).map_err(Error::param)?;
+        let d = self.gpu.driver();
+        let mut opened = self.opened.lock().unwrap();
+        let base = opened
+            .get_or_open(&k.handle, k.alloc_len, e.id, || {
+                let mut p: CuDevicePtr = 0;
+                let h = IpcMemHandle { reserved: k.handle };
+                // SAFETY: a valid out-parameter; the handle is opened in our device's context
+                // (current: the caller holds a CtxGuard); a bad handle is refused by the driver.
+                let rc =
+                    unsafe { (d.ipc_open_mem_handle)(&mut p, h, driver::IPC_MEM_LAZY_ENABLE_PEER_ACCESS) };
+                d.check(rc, "cuIpcOpenMemHandle").map(|_| p)
+            })
+            .map_err(|m| {
+                Error::new(Status::Unsupported, format!("cannot open the peer's device memory: {m}"))
+            })?;
+        Ok(base + k.offset)
+    }
+
+    /// Where the peer's host region `e` starts in this process: its memfd mapped and pinned.
+    fn host_mapping(&self, e: &RegionEntry) -> Result<u64> {
+        let mut hosts = self.hosts.lock().unwrap();
+        if let Some(h) = hosts.get(&e.id).filter(|h| h.map.len >= e.len) {
+            return Ok(h.map.base);
+        }
+        let fd = memfd_key(e).ok_or_else(|| {
+            Error::new(
+                Status::Unsupported,
+                format!(
+                    "device memory here cannot reach the peer's host region 0x{:x}+{}: only host memory the peer \
+                     allocated with alloc (a memfd) can be mapped for the GPU",
+                    e.addr, e.len
+                ),
+            )
+        })?;
+        let map = map_peer_region(&self.pidfd, e, fd).map_err(|err| {
+            Error::new(Status::Unsupported, format!("cannot map the peer's memfd region: {err}"))
+        })?;
+        let d = self.gpu.driver();
+        // SAFETY: a fresh shared mapping of `map.len` bytes that we own until unregistered.
+        let rc = unsafe {
+            (d.mem_host_register)(
+                map.base as *mut std::ffi::c_void,
+                map.len as usize,
+                driver::MEMHOSTREGISTER_PORTABLE,
+            )
+        };
+        check(d, rc, "cuMemHostRegister", Status::Unsupported)?;
+        let h = Arc::new(PinnedPeerHost { d, map });
+        hosts.insert(e.id, h.clone());
+        Ok(h.map.base)
+    }
+
+    /// Closes the peer's allocations and mappings whose regions left its table.
+    fn forget_stale(&self, table: &RemoteTable) {
+        let d = self.gpu.driver();
+        let live: std::collections::HashSet<u64> = table.regions().map(|r| r.id).collect();
+        self.opened.lock().unwrap().retain(
+            |id| live.contains(&id),
+            // SAFETY: an allocation opened by this link; no copy of this link is in flight
+            // (the caller checked), so nothing uses it.
+            |p| unsafe {
+                (d.ipc_close_mem_handle)(p);
+            },
+        );
+        self.hosts.lock().unwrap().retain(|id, _| live.contains(id));
+    }
+
+    /// Issues one device part; its end is reported by the engine's completion thread. The
+    /// caller holds the peer's table (`table`) and our device's context.
+    fn issue(&self, part: Part, table: &RemoteTable) {
+        let op = part.req.op;
+        let mut copies = Vec::new();
+        let res = match &part.body {
+            PartBody::Data(segs) => self.translate(table, op, segs, &mut copies),
+            PartBody::Strided(st) => st.for_each_chunk(1024, |c| self.translate(table, op, c, &mut copies)),
+            PartBody::Notify(_) => Err(Error::failed("a notification reached the copy path")),
+        };
+        if let Err(e) = res {
+            self.tcp.finish_elsewhere(&self.done, part, Err(e));
+            return;
+        }
+        let (tcp, done) = (self.tcp.clone(), self.done.clone());
+        self.gpu.copy(self.holder_id, &copies, Box::new(move |res| tcp.finish_elsewhere(&done, part, res)));
+    }
+}
+
+/// Whether `addr` is device memory (CUDA knows it as such); plain host memory is not.
+fn is_device_ptr(gpu: &Gpu, addr: u64) -> bool {
+    let d = gpu.driver();
+    let mut kind: std::ffi::c_uint = 0;
+    // SAFETY: an unsigned-int attribute written to a valid out-parameter; an address CUDA does
+    // not know is an error, not a fault.
+    let rc = unsafe {
+        (d.pointer_get_attribute)(
+            (&mut kind as *mut std::ffi::c_uint).cast(),
+            driver::POINTER_ATTRIBUTE_MEMORY_TYPE,
+            addr,
+        )
+    };
+    rc == driver::SUCCESS && kind == driver::MEMORYTYPE_DEVICE
+}
+
+/// The `DataPath` of a link is used as `Arc<dyn DataPath>`; `issue` needs the `Arc`.
+pub(crate) struct CudaIpcPath(pub(crate) Arc<CudaIpcLink>);
+
+impl DataPath for CudaIpcPath {
+    fn backend(&self) -> &'static str {
+        "cuda_ipc"
+    }
+
+    fn parallelism(&self) -> usize {
+        self.0.shm.parallelism()
+    }
+
+    fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()> {
+        let l = &self.0;
+        if !self.is_alive() {
+            return Err(l.reason());
+        }
+        if parts.iter().all(|p| matches!(p.body, PartBody::Notify(_))) {
+            return l.tcp.submit(parts, extra_slots);
+        }
+        let (mut host, mut dev) = (Vec::new(), Vec::new());
+        {
+            let table = l.tcp.table();
+            for p in parts {
+                l.route(&table, p, &mut host, &mut dev);
+            }
+        }
+        // Host parts first: when `shm` refuses them (queue full, closed), nothing has been
+        // issued yet and the engine fails the whole request.
+        if !host.is_empty() {
+            l.shm.submit(host, extra_slots)?;
+        }
+        if dev.is_empty() {
+            return Ok(());
+        }
+        let ctx = CtxGuard::enter(l.gpu.driver(), l.gpu.ordinal);
+        let table = l.tcp.table();
+        if ctx.is_ok() && l.gpu.in_flight(l.holder_id) == 0 {
+            l.forget_stale(&table);
+        }
+        for p in dev {
+            match &ctx {
+                Ok(_) if self.is_alive() => l.issue(p, &table),
+                Ok(_) => l.tcp.finish_elsewhere(&l.done, p, Err(l.reason())),
+                Err(e) => l.tcp.finish_elsewhere(&l.done, p, Err(e.clone())),
+            }
+        }
+        Ok(())
+    }
+
+    fn is_alive(&self) -> bool {
+        !self.0.closed.load(Ordering::Acquire) && self.0.shm.is_alive()
+    }
+
+    fn dead_reason(&self) -> Option<String> {
+        self.0.shm.dead_reason()
+    }
+
+    fn close(&self, why: Error) {
+        let l = &self.0;
+        l.closed.store(true, Ordering::Release);
+        l.shm.close(why);
+        // Copies already on the GPU cannot be cancelled: wait for them before the peer's
+        // memory is released here.
+        if l.gpu.drain(l.holder_id, DRAIN) {
+            if let Ok(_ctx) = CtxGuard::enter(l.gpu.driver(), l.gpu.ordinal) {
+                let d = l.gpu.driver();
+                // SAFETY: allocations this link opened; none of its copies is in flight.
+                l.opened.lock().unwrap().clear(|p| unsafe {
+                    (d.ipc_close_mem_handle)(p);
+                });
+            }
+            l.hosts.lock().unwrap().clear();
+        } else {
+            tracing::warn!(
+                pid = l.pid,
+                "cuda_ipc copies still running after {DRAIN:?}: the peer's mappings stay open"
+            );
+        }
+    }
+
+    fn stats(&self) -> Arc<PeerStats> {
+        self.0.tcp.stats()
+    }
+
+    fn queue_slots(&self) -> (usize, usize) {
+        self.0.shm.queue_slots()
+    }
+}
+
+impl Abort for CudaIpcPath {
+    fn abort(&self, why: &str) {
+        self.close(Error::failed(why.to_string()));
+    }
+
+    fn holder_id(&self) -> u64 {
+        self.0.holder_id
+    }
+}
