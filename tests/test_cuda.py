@@ -361,3 +361,30 @@ def test_torch_cuda_tensors_register_as_device_memory() -> None:
         assert h2.addr == t.data_ptr() + 4096 and h2.len == 4096
         with pytest.raises(hixl.ParamInvalid, match="contiguous"):
             e.register(t.view(64, 64).t())
+
+
+@needs_gpu
+def test_info_lists_the_gpus_and_a_working_cuda_ipc_path() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "hixl", "info", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["cuda"]["available"] and info["cuda"]["devices"], info["cuda"]
+    assert info["cuda"]["devices"][0]["ordinal"] == 0 and info["cuda"]["devices"][0]["name"]
+    assert info["transports"]["cuda_ipc"]["available"], info["transports"]["cuda_ipc"]
+
+
+@needs_gpu
+def test_bench_with_device_memory_on_both_sides_moves_bytes_over_cuda_ipc() -> None:
+    argv = ["bench", "--mem", "cuda:0", "--transport", "cuda_ipc", "--block-sizes", "1M"]
+    argv += ["--op", "write", "--iterations", "32", "--json", "-"]
+    r = subprocess.run(
+        [sys.executable, "-m", "hixl", *argv], capture_output=True, text=True, timeout=180
+    )
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    assert rows and all(row["transport"] == "cuda_ipc" for row in rows), rows

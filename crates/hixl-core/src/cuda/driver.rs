@@ -150,6 +150,17 @@ impl Driver {
         }
     }
 
+    /// Whether the library loads here, without initialising CUDA (`cuInit` is left for the
+    /// first use that needs a device: a process that only moves host memory must not have
+    /// initialised CUDA, or its forked children could not use it). Err: why not.
+    pub fn loadable() -> Result<(), String> {
+        static OPENED: OnceLock<Result<(), String>> = OnceLock::new();
+        if let Some(Ok(_)) = LOADED.get() {
+            return Ok(());
+        }
+        OPENED.get_or_init(|| open(LIBRARY).map(|_| ())).clone()
+    }
+
     /// How many devices the driver sees (0 when CUDA is not usable).
     pub fn device_count() -> i32 {
         match LOADED.get_or_init(|| load(LIBRARY)) {
@@ -257,6 +268,10 @@ mod tests {
             Err(e) => {
                 assert!(e.contains("CUDA was"), "{e}");
                 assert_eq!(Driver::device_count(), 0);
+                // Without the library, the check that does not initialise CUDA agrees.
+                if e.starts_with("CUDA was not found") {
+                    assert_eq!(Driver::loadable().unwrap_err(), e);
+                }
             }
         }
     }

@@ -164,6 +164,42 @@ pub(crate) fn primary_context(d: &'static Driver, ordinal: u8) -> Result<CuHandl
     Ok(ctx)
 }
 
+/// Allocations of other processes opened here by IPC handle, with how many users each has: a
+/// handle can be opened only once per process, and several links (a reconnect, two engines)
+/// may need the same one.
+static IPC_OPEN: std::sync::Mutex<Vec<([u8; 64], CuDevicePtr, usize)>> = std::sync::Mutex::new(Vec::new());
+
+/// Opens (or takes one more use of) the allocation of a peer's IPC handle: its base address
+/// here. The caller has a context current; `ipc_release` gives the use back.
+pub(crate) fn ipc_open(d: &'static Driver, handle: &[u8; 64]) -> std::result::Result<CuDevicePtr, String> {
+    let mut open = IPC_OPEN.lock().unwrap();
+    if let Some(e) = open.iter_mut().find(|e| e.0 == *handle) {
+        e.2 += 1;
+        return Ok(e.1);
+    }
+    let mut p: CuDevicePtr = 0;
+    let h = driver::IpcMemHandle { reserved: *handle };
+    // SAFETY: a valid out-parameter; a context is current (caller's contract); a bad or
+    // foreign handle is refused by the driver with an error code.
+    let rc = unsafe { (d.ipc_open_mem_handle)(&mut p, h, driver::IPC_MEM_LAZY_ENABLE_PEER_ACCESS) };
+    d.check(rc, "cuIpcOpenMemHandle")?;
+    open.push((*handle, p, 1));
+    Ok(p)
+}
+
+/// Gives back one use of an opened allocation; the last closes it (no copy may use it then).
+pub(crate) fn ipc_release(d: &'static Driver, handle: &[u8; 64]) {
+    let mut open = IPC_OPEN.lock().unwrap();
+    if let Some(i) = open.iter().position(|e| e.0 == *handle) {
+        open[i].2 -= 1;
+        if open[i].2 == 0 {
+            let (_, p, _) = open.swap_remove(i);
+            // SAFETY: opened by `ipc_open`; its last user is done with it.
+            unsafe { (d.ipc_close_mem_handle)(p) };
+        }
+    }
+}
+
 /// A device range checked for registration: its device and the allocation it lies in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct DeviceRange {

@@ -182,6 +182,7 @@ impl Drop for Gpu {
             let _ = h.join();
         }
         let d = self.shared.d;
+        let _ctx = CtxGuard::enter(d, self.ordinal);
         for s in &self.streams {
             // SAFETY: our streams; the completion thread has reported every copy on them.
             unsafe { (d.stream_destroy)(*s as CuHandle) };
@@ -264,5 +265,44 @@ impl Shared {
             }
         }
         Some(Ok(()))
+    }
+}
+
+/// An engine's `Gpu`, made on the first copy that needs it, not at connect: an engine on a GPU
+/// machine that only ever moves host memory creates no CUDA context, stream or thread. Its
+/// device is the one of the first device region registered (else `cuda:0`).
+#[derive(Default)]
+pub(crate) struct GpuSlot {
+    gpu: Mutex<Option<Arc<Gpu>>>,
+    home: Mutex<Option<u8>>,
+    has_device: AtomicBool,
+}
+
+impl GpuSlot {
+    /// Notes that this engine registered memory of device `ordinal`.
+    pub(crate) fn note_device(&self, ordinal: u8) {
+        self.home.lock().unwrap().get_or_insert(ordinal);
+        self.has_device.store(true, Ordering::Release);
+    }
+
+    /// Whether this engine has registered device memory (else every local address is host).
+    pub(crate) fn has_device(&self) -> bool {
+        self.has_device.load(Ordering::Acquire)
+    }
+
+    /// The `Gpu`, made now (with `streams` streams) if it was not yet.
+    pub(crate) fn get(&self, streams: usize) -> Result<Arc<Gpu>> {
+        let mut g = self.gpu.lock().unwrap();
+        if let Some(g) = &*g {
+            return Ok(g.clone());
+        }
+        let made = Gpu::new(self.home.lock().unwrap().unwrap_or(0), streams)?;
+        *g = Some(made.clone());
+        Ok(made)
+    }
+
+    /// The `Gpu`, if it was made.
+    pub(crate) fn current(&self) -> Option<Arc<Gpu>> {
+        self.gpu.lock().unwrap().clone()
     }
 }

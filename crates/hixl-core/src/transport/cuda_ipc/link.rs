@@ -17,15 +17,15 @@
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use crate::complete::Completer;
 use crate::cuda::cache::HandleCache;
-use crate::cuda::driver::{self, CuDevicePtr, IpcMemHandle};
+use crate::cuda::driver::{self, CuDevicePtr};
 use crate::cuda::key::IpcKey;
-use crate::cuda::runtime::Gpu;
-use crate::cuda::{check, CtxGuard};
+use crate::cuda::runtime::{Gpu, GpuSlot};
+use crate::cuda::{check, ipc_open, ipc_release, CtxGuard};
 use crate::error::{Error, Result, Status};
 use crate::queue::{Part, PartBody, SegPair, TransferOp};
 use crate::registry::{new_holder_id, Abort, RemoteTable};
@@ -42,11 +42,13 @@ const DRAIN: Duration = Duration::from_secs(10);
 /// A peer's memfd region mapped here and pinned for the GPU.
 struct PinnedPeerHost {
     d: &'static driver::Driver,
+    ordinal: u8,
     map: PeerMapping,
 }
 
 impl Drop for PinnedPeerHost {
     fn drop(&mut self) {
+        let _ctx = CtxGuard::enter(self.d, self.ordinal);
         // SAFETY: exactly the range registered in `host_mapping`; its copies have ended. The
         // mapping itself is unmapped after this, when `map` drops.
         unsafe { (self.d.mem_host_unregister)(self.map.base as *mut std::ffi::c_void) };
@@ -58,15 +60,20 @@ pub(crate) struct CudaIpcLink {
     holder_id: u64,
     tcp: Arc<TcpLink>,
     shm: Arc<ShmLink>,
-    gpu: Arc<Gpu>,
+    /// The engine's `Gpu`, made on the first device copy.
+    slot: Arc<GpuSlot>,
+    streams: usize,
     pid: i32,
     pidfd: OwnedFd,
-    /// Peer allocations opened by IPC handle: their base address here.
-    opened: Mutex<HandleCache<CuDevicePtr>>,
+    /// Peer allocations opened by IPC handle: (handle, base address here).
+    opened: Mutex<HandleCache<([u8; 64], CuDevicePtr)>>,
     /// Peer memfd regions mapped and pinned, by region id.
     hosts: Mutex<HashMap<u64, Arc<PinnedPeerHost>>>,
     done: Arc<Completer>,
     closed: AtomicBool,
+    /// Held (shared) while a submit issues copies, taken (exclusive) by `close` before it
+    /// waits for them: no copy can be issued after `close` started waiting.
+    issuing: RwLock<()>,
 }
 
 impl CudaIpcLink {
@@ -75,7 +82,8 @@ impl CudaIpcLink {
     pub(crate) fn new(
         tcp: Arc<TcpLink>,
         shm: Arc<ShmLink>,
-        gpu: Arc<Gpu>,
+        slot: Arc<GpuSlot>,
+        streams: usize,
         pid: i32,
         pidfd: OwnedFd,
     ) -> Arc<Self> {
@@ -84,13 +92,15 @@ impl CudaIpcLink {
             holder_id: new_holder_id(),
             tcp,
             shm,
-            gpu,
+            slot,
+            streams,
             pid,
             pidfd,
             opened: Mutex::new(HandleCache::new()),
             hosts: Mutex::new(HashMap::new()),
             done,
             closed: AtomicBool::new(false),
+            issuing: RwLock::new(()),
         })
     }
 
@@ -103,7 +113,7 @@ impl CudaIpcLink {
     /// from the table counts as host: `shm` refuses it with the usual error.
     fn host_pair(&self, table: &RemoteTable, s: &SegPair) -> bool {
         table.find(s.remote, s.len).is_none_or(|e| e.domain == Domain::Host)
-            && !is_device_ptr(&self.gpu, s.local)
+            && !(self.slot.has_device() && is_device_ptr(s.local))
     }
 
     /// Sorts one part: host-to-host goes to `host`, the rest to `dev`. A data part with both
@@ -129,6 +139,7 @@ impl CudaIpcLink {
     /// every remote range checked against the peer's table.
     fn translate(
         &self,
+        gpu: &Gpu,
         table: &RemoteTable,
         op: TransferOp,
         segs: &[SegPair],
@@ -148,8 +159,8 @@ impl CudaIpcLink {
                 Some(e) => e,
             };
             let here = match e.domain {
-                Domain::Host => self.host_mapping(e)? + (s.remote - e.addr),
-                _ => self.device_mapping(e)? + (s.remote - e.addr),
+                Domain::Host => self.host_mapping(gpu, e)? + (s.remote - e.addr),
+                _ => self.device_mapping(gpu, e)? + (s.remote - e.addr),
             };
             out.push(match op {
                 TransferOp::Write => SegPair { local: here, remote: s.local, len: s.len },
@@ -160,7 +171,7 @@ impl CudaIpcLink {
     }
 
     /// Where the peer's device region `e` starts in this process (its allocation opened once).
-    fn device_mapping(&self, e: &RegionEntry) -> Result<u64> {
+    fn device_mapping(&self, gpu: &Gpu, e: &RegionEntry) -> Result<u64> {
         let key = e.key("cuda_ipc").ok_or_else(|| {
             Error::new(
                 Status::Unsupported,
@@ -172,18 +183,11 @@ impl CudaIpcLink {
             )
         })?;
         let k = IpcKey::decode(key, e.len).map_err(Error::param)?;
-        let d = self.gpu.driver();
+        let d = gpu.driver();
         let mut opened = self.opened.lock().unwrap();
-        let base = opened
-            .get_or_open(&k.handle, k.alloc_len, e.id, || {
-                let mut p: CuDevicePtr = 0;
-                let h = IpcMemHandle { reserved: k.handle };
-                // SAFETY: a valid out-parameter; the handle is opened in our device's context
-                // (current: the caller holds a CtxGuard); a bad handle is refused by the driver.
-                let rc =
-                    unsafe { (d.ipc_open_mem_handle)(&mut p, h, driver::IPC_MEM_LAZY_ENABLE_PEER_ACCESS) };
-                d.check(rc, "cuIpcOpenMemHandle").map(|_| p)
-            })
+        // Opened in our device's context (the caller holds a CtxGuard).
+        let (_, base) = opened
+            .get_or_open(&k.handle, k.alloc_len, e.id, || ipc_open(d, &k.handle).map(|p| (k.handle, p)))
             .map_err(|m| {
                 Error::new(Status::Unsupported, format!("cannot open the peer's device memory: {m}"))
             })?;
@@ -191,9 +195,17 @@ impl CudaIpcLink {
     }
 
     /// Where the peer's host region `e` starts in this process: its memfd mapped and pinned.
-    fn host_mapping(&self, e: &RegionEntry) -> Result<u64> {
+    fn host_mapping(&self, gpu: &Gpu, e: &RegionEntry) -> Result<u64> {
         let mut hosts = self.hosts.lock().unwrap();
-        if let Some(h) = hosts.get(&e.id).filter(|h| h.map.len >= e.len) {
+        if let Some(h) = hosts.get(&e.id) {
+            if h.map.len < e.len {
+                // Region ids are never reused: a peer that grows one contradicts itself. The
+                // old mapping may be in use, so it stays, and the copy is refused.
+                return Err(Error::param(format!(
+                    "the peer's region {} grew from {} to {} bytes under the same id",
+                    e.id, h.map.len, e.len
+                )));
+            }
             return Ok(h.map.base);
         }
         let fd = memfd_key(e).ok_or_else(|| {
@@ -209,7 +221,7 @@ impl CudaIpcLink {
         let map = map_peer_region(&self.pidfd, e, fd).map_err(|err| {
             Error::new(Status::Unsupported, format!("cannot map the peer's memfd region: {err}"))
         })?;
-        let d = self.gpu.driver();
+        let d = gpu.driver();
         // SAFETY: a fresh shared mapping of `map.len` bytes that we own until unregistered.
         let rc = unsafe {
             (d.mem_host_register)(
@@ -219,34 +231,30 @@ impl CudaIpcLink {
             )
         };
         check(d, rc, "cuMemHostRegister", Status::Unsupported)?;
-        let h = Arc::new(PinnedPeerHost { d, map });
+        let h = Arc::new(PinnedPeerHost { d, ordinal: gpu.ordinal, map });
         hosts.insert(e.id, h.clone());
         Ok(h.map.base)
     }
 
     /// Closes the peer's allocations and mappings whose regions left its table.
-    fn forget_stale(&self, table: &RemoteTable) {
-        let d = self.gpu.driver();
+    fn forget_stale(&self, gpu: &Gpu, table: &RemoteTable) {
+        let d = gpu.driver();
         let live: std::collections::HashSet<u64> = table.regions().map(|r| r.id).collect();
-        self.opened.lock().unwrap().retain(
-            |id| live.contains(&id),
-            // SAFETY: an allocation opened by this link; no copy of this link is in flight
-            // (the caller checked), so nothing uses it.
-            |p| unsafe {
-                (d.ipc_close_mem_handle)(p);
-            },
-        );
+        // No copy of this link is in flight (the caller checked), so nothing of ours uses them.
+        self.opened.lock().unwrap().retain(|id| live.contains(&id), |(h, _)| ipc_release(d, &h));
         self.hosts.lock().unwrap().retain(|id, _| live.contains(id));
     }
 
     /// Issues one device part; its end is reported by the engine's completion thread. The
     /// caller holds the peer's table (`table`) and our device's context.
-    fn issue(&self, part: Part, table: &RemoteTable) {
+    fn issue(&self, gpu: &Gpu, part: Part, table: &RemoteTable) {
         let op = part.req.op;
         let mut copies = Vec::new();
         let res = match &part.body {
-            PartBody::Data(segs) => self.translate(table, op, segs, &mut copies),
-            PartBody::Strided(st) => st.for_each_chunk(1024, |c| self.translate(table, op, c, &mut copies)),
+            PartBody::Data(segs) => self.translate(gpu, table, op, segs, &mut copies),
+            PartBody::Strided(st) => {
+                st.for_each_chunk(1024, |c| self.translate(gpu, table, op, c, &mut copies))
+            }
             PartBody::Notify(_) => Err(Error::failed("a notification reached the copy path")),
         };
         if let Err(e) = res {
@@ -254,13 +262,13 @@ impl CudaIpcLink {
             return;
         }
         let (tcp, done) = (self.tcp.clone(), self.done.clone());
-        self.gpu.copy(self.holder_id, &copies, Box::new(move |res| tcp.finish_elsewhere(&done, part, res)));
+        gpu.copy(self.holder_id, &copies, Box::new(move |res| tcp.finish_elsewhere(&done, part, res)));
     }
 }
 
 /// Whether `addr` is device memory (CUDA knows it as such); plain host memory is not.
-fn is_device_ptr(gpu: &Gpu, addr: u64) -> bool {
-    let d = gpu.driver();
+fn is_device_ptr(addr: u64) -> bool {
+    let Ok(d) = crate::cuda::driver() else { return false };
     let mut kind: std::ffi::c_uint = 0;
     // SAFETY: an unsigned-int attribute written to a valid out-parameter; an address CUDA does
     // not know is an error, not a fault.
@@ -309,14 +317,21 @@ impl DataPath for CudaIpcPath {
         if dev.is_empty() {
             return Ok(());
         }
-        let ctx = CtxGuard::enter(l.gpu.driver(), l.gpu.ordinal);
+        let _issuing = l.issuing.read().unwrap();
+        // The engine's Gpu (made on the first device copy) and its device's context.
+        let ready = l.slot.get(l.streams).and_then(|gpu| {
+            let ctx = CtxGuard::enter(gpu.driver(), gpu.ordinal)?;
+            Ok((gpu, ctx))
+        });
         let table = l.tcp.table();
-        if ctx.is_ok() && l.gpu.in_flight(l.holder_id) == 0 {
-            l.forget_stale(&table);
+        if let Ok((gpu, _)) = &ready {
+            if gpu.in_flight(l.holder_id) == 0 {
+                l.forget_stale(gpu, &table);
+            }
         }
         for p in dev {
-            match &ctx {
-                Ok(_) if self.is_alive() => l.issue(p, &table),
+            match &ready {
+                Ok((gpu, _)) if self.is_alive() => l.issue(gpu, p, &table),
                 Ok(_) => l.tcp.finish_elsewhere(&l.done, p, Err(l.reason())),
                 Err(e) => l.tcp.finish_elsewhere(&l.done, p, Err(e.clone())),
             }
@@ -336,15 +351,16 @@ impl DataPath for CudaIpcPath {
         let l = &self.0;
         l.closed.store(true, Ordering::Release);
         l.shm.close(why);
+        // A submit that saw the link open finishes issuing first; later ones see it closed.
+        drop(l.issuing.write().unwrap());
         // Copies already on the GPU cannot be cancelled: wait for them before the peer's
-        // memory is released here.
-        if l.gpu.drain(l.holder_id, DRAIN) {
-            if let Ok(_ctx) = CtxGuard::enter(l.gpu.driver(), l.gpu.ordinal) {
-                let d = l.gpu.driver();
-                // SAFETY: allocations this link opened; none of its copies is in flight.
-                l.opened.lock().unwrap().clear(|p| unsafe {
-                    (d.ipc_close_mem_handle)(p);
-                });
+        // memory is released here. Without a Gpu nothing was opened or issued.
+        let Some(gpu) = l.slot.current() else { return };
+        if gpu.drain(l.holder_id, DRAIN) {
+            let d = gpu.driver();
+            if let Ok(_ctx) = CtxGuard::enter(d, gpu.ordinal) {
+                // Allocations this link opened; none of its copies is in flight.
+                l.opened.lock().unwrap().clear(|(h, _)| ipc_release(d, &h));
             }
             l.hosts.lock().unwrap().clear();
         } else {

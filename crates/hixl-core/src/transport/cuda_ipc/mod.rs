@@ -7,11 +7,11 @@
 
 mod link;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use crate::cuda::driver::{Driver, IpcMemHandle};
 use crate::cuda::key::IpcKey;
-use crate::cuda::runtime::Gpu;
+use crate::cuda::runtime::GpuSlot;
 use crate::cuda::{check, CtxGuard};
 use crate::error::{Result, Status};
 use crate::transport::backend::{prove_same_host, with_local_socket, Backend, MemorySpan, OpenCtx};
@@ -28,24 +28,11 @@ const PAIRS: &[(Domain, Domain)] = &[
     (Domain::Host, Domain::Cuda(0)),
 ];
 
-/// The backend (one per engine): its `Gpu` (streams, completion thread) is made at the first
-/// connect, on the device of the first device region registered (else `cuda:0`).
+/// The backend (one per engine); its `Gpu` (streams, completion thread) is made on the first
+/// device copy of any of its links.
 #[derive(Default)]
 pub(crate) struct CudaIpc {
-    gpu: Mutex<Option<Arc<Gpu>>>,
-    home: Mutex<Option<u8>>,
-}
-
-impl CudaIpc {
-    fn gpu(&self, streams: usize) -> Result<Arc<Gpu>> {
-        let mut g = self.gpu.lock().unwrap();
-        if let Some(g) = &*g {
-            return Ok(g.clone());
-        }
-        let made = Gpu::new(self.home.lock().unwrap().unwrap_or(0), streams)?;
-        *g = Some(made.clone());
-        Ok(made)
-    }
+    slot: Arc<GpuSlot>,
 }
 
 impl Backend for CudaIpc {
@@ -58,7 +45,8 @@ impl Backend for CudaIpc {
     }
 
     fn capability(&self, local_socket: &str) -> Option<Capability> {
-        Driver::get().ok()?;
+        // Only whether CUDA is installed: initialising it is left to the first device use.
+        Driver::loadable().ok()?;
         with_local_socket(self, local_socket)
     }
 
@@ -68,7 +56,7 @@ impl Backend for CudaIpc {
         }
         let r = crate::cuda::resolve(mem.addr, mem.len, mem.domain)?;
         let Domain::Cuda(ordinal) = r.domain else { return Ok(None) };
-        self.home.lock().unwrap().get_or_insert(ordinal);
+        self.slot.note_device(ordinal);
         if !r.ipc_capable {
             tracing::info!(
                 addr = mem.addr,
@@ -93,13 +81,19 @@ impl Backend for CudaIpc {
         control: &Arc<TcpLink>,
         offer: &Capability,
     ) -> std::result::Result<Arc<dyn DataPath>, String> {
-        Driver::get()?;
-        let gpu = self.gpu(ctx.opts.cuda_streams).map_err(|e| e.message)?;
+        Driver::loadable()?;
         let proven = prove_same_host(ctx, control, &offer.param)?;
         let (pid, pidfd) =
             (proven.pid, proven.pidfd.try_clone().map_err(|e| format!("dup of the pidfd: {e}"))?);
         let shm = ShmLink::new(control.clone(), proven, ctx.opts.shm_threads, ctx.opts.queue_depth)
             .map_err(|e| e.message)?;
-        Ok(Arc::new(link::CudaIpcPath(link::CudaIpcLink::new(control.clone(), shm, gpu, pid, pidfd))))
+        Ok(Arc::new(link::CudaIpcPath(link::CudaIpcLink::new(
+            control.clone(),
+            shm,
+            self.slot.clone(),
+            ctx.opts.cuda_streams,
+            pid,
+            pidfd,
+        ))))
     }
 }
