@@ -122,7 +122,7 @@ def test_remote_region_asks_the_peer_once_on_a_miss(engine, procs):
     def queries() -> int:
         return json.loads(h.proc.cmd("frames")).count(w.REGIONS_QUERY)
 
-    assert [r.name for r in engine.remote_regions(h.engine)] == ["host", "dev"]
+    assert [r.name for r in engine.remote_regions(h.engine)] == ["host", "dev", "gpu"]
     assert engine.remote_region(h.engine, "host").addr == h.buf
     assert queries() == 0, "a name in the local copy needs no question"
     assert h.proc.cmd("add_region", "late") == "OK"
@@ -284,6 +284,12 @@ def test_device_domain_is_unsupported(engine, procs, tmp_path):
     dev = engine.remote_region(h.engine, "dev")
     assert (dev.addr, dev.mem_type, dev.writable) == (h.buf + h.len // 4, hixl.MemType.DEVICE, True)
     assert engine.remote_region(h.engine, "host").mem_type == hixl.MemType.HOST
+    assert (dev.domain, engine.remote_region(h.engine, "host").domain) == ("device", "host")
+    # cuda:3 travels in the table as domain byte 0x83, and is refused the same way.
+    gpu = engine.remote_region(h.engine, "gpu")
+    assert (gpu.mem_type, gpu.domain) == (hixl.MemType.DEVICE, "cuda:3")
+    with pytest.raises(hixl.Unsupported, match="cuda:3 memory there"):
+        engine.transfer_sync(h.engine, W, [(buf.ctypes.data, gpu.addr, 4096)])
     src = hixl.aligned_empty(4096)  # 64-byte aligned, as strided descriptors require
     src[:] = random_bytes(4096, 5)
     engine.register(src)

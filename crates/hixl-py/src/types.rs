@@ -169,6 +169,8 @@ pub struct RemoteRegion {
     /// Whether this engine may WRITE it (False: the peer registered it read-only).
     #[pyo3(get)]
     pub writable: bool,
+    /// Its memory domain, as the peer's table says ("host", "cuda:N").
+    pub domain: hixl_core::Domain,
 }
 
 impl From<hixl_core::RemoteRegion> for RemoteRegion {
@@ -179,12 +181,19 @@ impl From<hixl_core::RemoteRegion> for RemoteRegion {
             name: r.name,
             mem_type: r.mem_type.into(),
             writable: r.writable,
+            domain: r.mem_type,
         }
     }
 }
 
 #[pymethods]
 impl RemoteRegion {
+    /// The memory domain: "host", or "cuda:N" for memory of the peer's CUDA device N.
+    #[getter]
+    fn domain(&self) -> String {
+        self.domain.to_string()
+    }
+
     /// Same as `len`.
     #[getter]
     fn length(&self) -> u64 {
