@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -44,6 +45,64 @@ class FakeDeviceArray:
         }
 
 
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [
+        ("dl_tensor", _DLTensor),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+    ]
+
+
+class FakeDLPackCuda:
+    """A real DLPack producer (the legacy unversioned "dltensor" capsule) that says its memory
+    is on kDLCUDA device `device_id`. The pointer is not device memory: only the driver can
+    tell. float32, C-contiguous unless `strides` (in elements) says otherwise."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], device_id: int = 0, strides: Any = None):
+        self.shape = (ctypes.c_int64 * len(shape))(*shape)
+        self.strides = (ctypes.c_int64 * len(shape))(*strides) if strides else None
+        t = _DLTensor(
+            ptr,
+            _DLDevice(2, device_id),  # kDLCUDA
+            len(shape),
+            _DLDataType(2, 32, 1),  # float32
+            self.shape,
+            self.strides,
+            0,
+        )
+        self.managed = _DLManagedTensor(t, None, None)
+        self.device_id = device_id
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, self.device_id)
+
+    def __dlpack__(self, stream: Any = None) -> Any:
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype = ctypes.py_object
+        new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        return new(ctypes.addressof(self.managed), b"dltensor", None)
+
+
 @no_gpu
 def test_registering_device_memory_without_cuda_is_unsupported_and_names_the_library() -> None:
     with Hixl() as e:
@@ -52,6 +111,7 @@ def test_registering_device_memory_without_cuda_is_unsupported_and_names_the_lib
             lambda: e.register(FakeDeviceArray(0x7F00_0000_0000, (256, 4))),
             lambda: e.register(FakeDeviceArray(0x7F00_0000_0000, (16,), "|u1"), access="r"),
             lambda: e.register_mem(MemDesc(0x7F00_0000_0000, 4096), MemType.DEVICE),
+            lambda: e.register(FakeDLPackCuda(0x7F00_0000_0000, (16, 16), device_id=1)),
         ):
             with pytest.raises(hixl.Unsupported) as ei:
                 call()
@@ -71,6 +131,9 @@ def test_bad_device_arrays_are_refused_before_the_driver_is_asked() -> None:
             e.register(FakeDeviceArray(0x7F00_0000_0000, (4, 8), "<f4", strides=(4, 16)))
         with pytest.raises(hixl.ParamInvalid, match="item size"):
             e.register(FakeDeviceArray(0x7F00_0000_0000, (4,), "<f"))
+        # DLPack strides count elements: (1, 4) for shape (4, 8) is a transposed view.
+        with pytest.raises(hixl.ParamInvalid, match=r"DLPack tensor of shape \[4, 8\]"):
+            e.register(FakeDLPackCuda(0x7F00_0000_0000, (4, 8), strides=(1, 4)))
 
 
 def test_a_read_only_device_array_needs_access_r() -> None:
