@@ -282,7 +282,7 @@ fn is_device_ptr(addr: u64) -> bool {
     rc == driver::SUCCESS && kind == driver::MEMORYTYPE_DEVICE
 }
 
-/// The `DataPath` of a link is used as `Arc<dyn DataPath>`; `issue` needs the `Arc`.
+/// The `DataPath` of a `CudaIpcLink` (the engine holds it as `Arc<dyn DataPath>`).
 pub(crate) struct CudaIpcPath(pub(crate) Arc<CudaIpcLink>);
 
 impl DataPath for CudaIpcPath {
