@@ -221,6 +221,16 @@ pub(crate) fn resolve(addr: u64, len: u64, domain: Domain) -> Result<DeviceRange
     if addr == 0 || len == 0 || addr.checked_add(len).is_none() {
         return Err(Error::param(format!("device range 0x{addr:x}+{len} is empty, null or wraps around")));
     }
+    // Pointer queries need a current context (any: addresses are unified); a thread without
+    // one (no torch on it) gets the named device's, or cuda:0's, for the checks.
+    let mut current: CuHandle = std::ptr::null_mut();
+    // SAFETY: a valid out-parameter.
+    unsafe { (d.ctx_get_current)(&mut current) };
+    let _probe = match (current.is_null(), domain) {
+        (true, Domain::Cuda(n)) => Some(CtxGuard::enter(d, n)?),
+        (true, _) => Some(CtxGuard::enter(d, 0)?),
+        _ => None,
+    };
     let attr_u32 = |a: c_int, what: &str| -> Result<c_uint> {
         let mut v: c_uint = 0;
         // SAFETY: this attribute's value is an unsigned int written to a valid out-parameter.

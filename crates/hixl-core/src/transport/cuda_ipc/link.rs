@@ -104,6 +104,14 @@ impl CudaIpcLink {
         })
     }
 
+    /// The engine's Gpu (made on the first device copy), with its device's context current
+    /// on this thread until the guard drops.
+    fn ready(&self) -> Result<(Arc<Gpu>, CtxGuard)> {
+        let gpu = self.slot.get(self.streams)?;
+        let ctx = CtxGuard::enter(gpu.driver(), gpu.ordinal)?;
+        Ok((gpu, ctx))
+    }
+
     fn reason(&self) -> Error {
         let why = self.tcp.close_reason();
         Error::new(why.status, format!("the cuda_ipc link to pid {} is closed: {}", self.pid, why.message))
@@ -302,6 +310,13 @@ impl DataPath for CudaIpcPath {
         if parts.iter().all(|p| matches!(p.body, PartBody::Notify(_))) {
             return l.tcp.submit(parts, extra_slots);
         }
+        // With device memory registered here, sorting the parts asks the driver about local
+        // addresses, which needs a current context: the engine's Gpu and its device's. Failing
+        // here fails the request before anything was issued.
+        let mut ready = None;
+        if l.slot.has_device() {
+            ready = Some(l.ready()?);
+        }
         let (mut host, mut dev) = (Vec::new(), Vec::new());
         {
             let table = l.tcp.table();
@@ -318,11 +333,11 @@ impl DataPath for CudaIpcPath {
             return Ok(());
         }
         let _issuing = l.issuing.read().unwrap();
-        // The engine's Gpu (made on the first device copy) and its device's context.
-        let ready = l.slot.get(l.streams).and_then(|gpu| {
-            let ctx = CtxGuard::enter(gpu.driver(), gpu.ordinal)?;
-            Ok((gpu, ctx))
-        });
+        // Host memory here, device memory there: the Gpu is needed now.
+        let ready = match ready {
+            Some(r) => Ok(r),
+            None => l.ready(),
+        };
         let table = l.tcp.table();
         if let Ok((gpu, _)) = &ready {
             if gpu.in_flight(l.holder_id) == 0 {
