@@ -8,6 +8,7 @@
 
 pub(crate) mod cache;
 pub(crate) mod driver;
+pub(crate) mod hold;
 pub(crate) mod key;
 pub(crate) mod plan;
 pub(crate) mod runtime;

@@ -10,6 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::driver::{self, CuHandle, Driver};
+use super::hold::{Held, TryHold};
 use super::{check, plan, primary_context, CtxGuard};
 use crate::error::{Error, Result, Status};
 use crate::queue::SegPair;
@@ -18,6 +19,24 @@ use crate::queue::SegPair;
 const MIN_SHARE: u64 = 1 << 20;
 /// How long the completion thread sleeps between polls while copies are in flight.
 const POLL: Duration = Duration::from_micros(20);
+/// Bound on the waits of `copy` (the completion thread answers at once; a copy ends on the GPU).
+const HOLD_WAIT: Duration = Duration::from_secs(60);
+
+/// Waits (at most `HOLD_WAIT`) for the completion thread's answer to a hold request.
+fn wait_answer(a: &Answer) -> bool {
+    let end = Instant::now() + HOLD_WAIT;
+    let mut got = a.0.lock().unwrap();
+    loop {
+        if let Some(ok) = *got {
+            return ok;
+        }
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        got = a.1.wait_timeout(got, left).unwrap().0;
+    }
+}
 
 /// What the completion thread calls when a copy's events have all fired (or one failed).
 pub(crate) type OnDone = Box<dyn FnOnce(Result<()>) + Send>;
@@ -29,6 +48,22 @@ struct InFlight {
     /// An error met while issuing: reported once the issued part has finished.
     failed: Option<Error>,
     on_done: OnDone,
+    /// Set once it was reported.
+    finished: Arc<AtomicBool>,
+    /// The owner's table guard for the completion thread to take (see `hold`), when it does
+    /// not hold one yet, and where to answer whether it could.
+    hold: Option<(TryHold, Arc<Answer>)>,
+}
+
+/// The completion thread's answer to a hold request: whether it keeps the guard.
+type Answer = (Mutex<Option<bool>>, Condvar);
+
+/// One owner's (link's) copies in flight, and whether the completion thread keeps its table
+/// guard (it does from the first copy it could take it for until the last one ended).
+#[derive(Default)]
+struct Owner {
+    in_flight: usize,
+    held: bool,
 }
 
 /// State shared with the completion thread.
@@ -38,8 +73,8 @@ struct Shared {
     queue: Mutex<Vec<InFlight>>,
     bell: Condvar,
     stop: AtomicBool,
-    /// In-flight copies per owner (a link), for its close.
-    owners: Mutex<HashMap<u64, usize>>,
+    /// In-flight copies per owner (a link), for its close and its table guard.
+    owners: Mutex<HashMap<u64, Owner>>,
     /// Events ready for reuse.
     free_events: Mutex<Vec<usize>>,
 }
@@ -106,8 +141,11 @@ impl Gpu {
     /// Issues the copies `segs` (`local` = destination, `remote` = source, both addresses of
     /// this process: device pointers, IPC mappings or host memory), spread over the stream
     /// pool, then hands them to the completion thread, which calls `on_done` once every copy
-    /// has finished. Must be called with this device's context current (`CtxGuard`).
-    pub(crate) fn copy(&self, owner: u64, segs: &[SegPair], on_done: OnDone) {
+    /// has finished. Must be called with this device's context current (`CtxGuard`), and
+    /// with the owner's table guard held, which `hold` takes again: when the call returns, the
+    /// completion thread keeps that guard until the owner's last copy ended, or (when it could
+    /// not take it without waiting) these copies have ended already.
+    pub(crate) fn copy(&self, owner: u64, segs: &[SegPair], on_done: OnDone, hold: TryHold) {
         let d = self.shared.d;
         let first = self.next.fetch_add(1, Ordering::Relaxed);
         let mut events = Vec::new();
@@ -151,14 +189,44 @@ impl Gpu {
                 break;
             }
         }
-        *self.shared.owners.lock().unwrap().entry(owner).or_insert(0) += 1;
-        self.shared.queue.lock().unwrap().push(InFlight { owner, events, failed, on_done });
+        let finished = Arc::new(AtomicBool::new(false));
+        let held = {
+            let mut owners = self.shared.owners.lock().unwrap();
+            let o = owners.entry(owner).or_default();
+            o.in_flight += 1;
+            // While this copy counts, the completion thread cannot let go of a guard it keeps.
+            o.held
+        };
+        let answer = (!held).then(|| Arc::new((Mutex::new(None), Condvar::new())));
+        let f = InFlight {
+            owner,
+            events,
+            failed,
+            on_done,
+            finished: finished.clone(),
+            hold: answer.clone().map(|a| (hold, a)),
+        };
+        self.shared.queue.lock().unwrap().push(f);
         self.shared.bell.notify_one();
+        let Some(answer) = answer else { return };
+        if wait_answer(&answer) {
+            return;
+        }
+        // The guard could not be kept (a table update is waiting for it): these copies end
+        // before the caller lets go of its own guard.
+        let end = Instant::now() + HOLD_WAIT;
+        while !finished.load(Ordering::Acquire) {
+            if Instant::now() >= end {
+                tracing::warn!("a CUDA copy did not end within {HOLD_WAIT:?}");
+                return;
+            }
+            std::thread::sleep(POLL);
+        }
     }
 
     /// Copies issued by `owner` that have not been reported yet.
     pub(crate) fn in_flight(&self, owner: u64) -> usize {
-        self.shared.owners.lock().unwrap().get(&owner).copied().unwrap_or(0)
+        self.shared.owners.lock().unwrap().get(&owner).map_or(0, |o| o.in_flight)
     }
 
     /// Waits until `owner` has no copy in flight, at most `limit`; whether it has none.
@@ -213,8 +281,10 @@ impl Shared {
         // SAFETY: the retained primary context of our device; this thread's own.
         unsafe { (self.d.ctx_set_current)(self.ctx as CuHandle) };
         let mut work: Vec<InFlight> = Vec::new();
+        // The table guards kept, by owner (made, kept and dropped on this thread only).
+        let mut kept: HashMap<u64, Held> = HashMap::new();
         loop {
-            {
+            let fresh = {
                 let mut q = self.queue.lock().unwrap();
                 if work.is_empty() && q.is_empty() {
                     if self.stop.load(Ordering::Acquire) {
@@ -222,7 +292,19 @@ impl Shared {
                     }
                     q = self.bell.wait_timeout(q, Duration::from_secs(1)).unwrap().0;
                 }
-                work.append(&mut q);
+                std::mem::take(&mut *q)
+            };
+            for mut f in fresh {
+                if let Some((try_hold, answer)) = f.hold.take() {
+                    let ok =
+                        kept.contains_key(&f.owner) || try_hold().map(|g| kept.insert(f.owner, g)).is_some();
+                    if ok {
+                        self.owners.lock().unwrap().entry(f.owner).or_default().held = true;
+                    }
+                    *answer.0.lock().unwrap() = Some(ok);
+                    answer.1.notify_all();
+                }
+                work.push(f);
             }
             let mut i = 0;
             while i < work.len() {
@@ -236,11 +318,14 @@ impl Shared {
                             None => res,
                         };
                         (f.on_done)(res);
+                        f.finished.store(true, Ordering::Release);
                         let mut owners = self.owners.lock().unwrap();
-                        if let Some(n) = owners.get_mut(&f.owner) {
-                            *n -= 1;
-                            if *n == 0 {
+                        if let Some(o) = owners.get_mut(&f.owner) {
+                            o.in_flight -= 1;
+                            if o.in_flight == 0 {
+                                // The owner's last copy ended: table updates may go on.
                                 owners.remove(&f.owner);
+                                kept.remove(&f.owner);
                             }
                         }
                     }

@@ -23,6 +23,7 @@ use std::time::Duration;
 use crate::complete::Completer;
 use crate::cuda::cache::HandleCache;
 use crate::cuda::driver::{self, CuDevicePtr};
+use crate::cuda::hold::try_hold;
 use crate::cuda::key::IpcKey;
 use crate::cuda::runtime::{Gpu, GpuSlot};
 use crate::cuda::{check, ipc_open, ipc_release, CtxGuard};
@@ -270,7 +271,11 @@ impl CudaIpcLink {
             return;
         }
         let (tcp, done) = (self.tcp.clone(), self.done.clone());
-        gpu.copy(self.holder_id, &copies, Box::new(move |res| tcp.finish_elsewhere(&done, part, res)));
+        let on_done = Box::new(move |res| tcp.finish_elsewhere(&done, part, res));
+        // The copies end after this call, and the peer must not free their memory before:
+        // the completion thread keeps the peer's table read-locked until they ended (see
+        // `cuda::hold`), as this call does now.
+        gpu.copy(self.holder_id, &copies, on_done, try_hold(self.tcp.clone(), TcpLink::try_table));
     }
 }
 
