@@ -9,6 +9,7 @@ that only host memory may reach), then prints one JSON line
 answered by one line:
   fill REGION SEED       random bytes (numpy default_rng(SEED)) into the region   -> OK
   save REGION PATH       the region's bytes into PATH                            -> OK
+  deregister REGION      deregister it (waits for same-host peers to confirm)   -> OK | ERR msg
   exit                   finalize and exit                                       -> OK
 """
 
@@ -28,7 +29,7 @@ def main() -> None:
     e = hixl.Hixl()
     e.initialize("127.0.0.1:0", options)
     dev = hixl.cuda_alloc(size, 0)
-    e.register(dev, name="dev")
+    handles = {"dev": e.register(dev, name="dev")}
     pinnable = e.alloc(size, name="pinnable")[:size]
     plain = np.zeros(size, np.uint8)
     e.register(plain, name="plain")
@@ -51,6 +52,12 @@ def main() -> None:
             raw = dev.read(0, size) if args[0] == "dev" else host[args[0]].tobytes()
             with open(args[1], "wb") as f:
                 f.write(raw)
+        elif cmd == "deregister":
+            try:
+                e.deregister_mem(handles.pop(args[0]))
+            except hixl.HixlError as x:
+                print(f"ERR {x}", flush=True)
+                continue
         elif cmd == "exit":
             e.finalize()
             print("OK", flush=True)

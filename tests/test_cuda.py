@@ -370,6 +370,27 @@ def test_deregistration_while_copies_are_in_flight_ends_every_request(peer: Cuda
 
 
 @needs_gpu
+def test_the_owner_deregisters_device_memory_while_a_peer_writes_into_it(peer: CudaPeer) -> None:
+    n = peer.size
+    with Hixl() as e:
+        e.initialize("127.0.0.1")
+        src = hixl.cuda_alloc(n, 0)
+        e.register(src)
+        e.connect(peer.engine, timeout_ms=10_000)
+        reqs = [
+            e.transfer_async(peer.engine, W, [(src.addr, peer.addr["dev"], n)]) for _ in range(64)
+        ]
+        # The owner's deregistration waits for this engine's confirmation, which waits for the
+        # copies already on the GPU; it neither hangs nor fails.
+        assert peer.cmd("deregister dev") == "OK"
+        for r in reqs:
+            assert r.wait(30_000) in (hixl.TransferStatus.COMPLETED, hixl.TransferStatus.FAILED)
+        # The region is gone for new transfers.
+        with pytest.raises(hixl.ParamInvalid):
+            e.transfer_sync(peer.engine, W, [(src.addr, peer.addr["dev"], n)])
+
+
+@needs_gpu
 def test_device_memory_over_tcp_is_unsupported_until_staging_is_built(tmp_path: Path) -> None:
     p = CudaPeer(1 << 20)
     try:
