@@ -379,8 +379,11 @@ impl Options {
         let mut given: Vec<(String, String, &str)> = Vec::new();
         for (k, v) in map {
             if let Some(spec) = compat::check(k, v) {
-                if spec?.key == "AutoConnect" {
-                    o.auto_connect = compat::auto_connect_peers(v);
+                match spec?.key {
+                    "AutoConnect" => o.auto_connect = compat::auto_connect_peers(v),
+                    // Checked to be 1..=64; `hixl.cuda.streams`, applied below, wins.
+                    "stream_count" => o.cuda_streams = v.trim().parse().unwrap_or(o.cuda_streams),
+                    _ => {}
                 }
                 continue;
             }
@@ -463,7 +466,13 @@ mod tests {
         for bad in ["0", "65", "x"] {
             let e = Options::parse(&map(&[("hixl.cuda.streams", bad)])).unwrap_err();
             assert!(e.message.contains("hixl.cuda.streams"), "{e}");
+            let e = Options::parse(&map(&[("stream_count", bad)])).unwrap_err();
+            assert!(e.message.contains("stream_count"), "{e}");
         }
+        // HIXL's stream_count is the same pool; hixl's own key wins when both are given.
+        assert_eq!(Options::parse(&map(&[("stream_count", "8")])).unwrap().cuda_streams, 8);
+        let both = map(&[("stream_count", "8"), ("hixl.cuda.streams", "2")]);
+        assert_eq!(Options::parse(&both).unwrap().cuda_streams, 2);
     }
 
     #[test]
