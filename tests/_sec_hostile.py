@@ -175,6 +175,7 @@ class Hostile:
         self.regions = [
             w.Region(self.buf_addr, q, 1, name="host"),
             w.Region(self.buf_addr + q, q, 2, domain=w.DEVICE, name="dev"),
+            w.Region(self.buf_addr + 3 * q, q, 4, domain=w.CUDA + 3, name="gpu"),
         ]
 
     def add_region(self, name: str) -> None:

@@ -53,7 +53,8 @@ HEADER = struct.Struct("<2sBBIQQ")
 
 # v4 region tables and capabilities.
 HOST, DEVICE = 0, 1  # memory domains
-DOMAINS = (HOST, DEVICE)
+CUDA = 0x80  # cuda:N is CUDA + N, N <= 127
+DOMAINS = (HOST, DEVICE, *range(CUDA, CUDA + 128))
 REGION_WRITABLE = 1  # region-entry flag bit 0; the other bits must be 0
 MAX_REGIONS = 1 << 16  # entries in one list, ids in one delta's removed list
 MAX_REGION_NAME = 255

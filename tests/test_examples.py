@@ -146,7 +146,8 @@ def test_target_and_initiator(run, backends: str) -> None:
     target.succeeds(*TARGET_LINES)
     backend = next(line.split()[1] for line in out if line.startswith("backend "))
     # auto: the same-host backend, or TCP where this process may not attach to the target
-    assert backend.rstrip(":") in (("shm", "tcp") if backends == "auto" else ("tcp",)), out
+    allowed = ("cuda_ipc", "shm", "tcp") if backends == "auto" else ("tcp",)
+    assert backend.rstrip(":") in allowed, out
 
 
 def test_target_and_initiator_started_together(run) -> None:

@@ -122,7 +122,7 @@ def test_remote_region_asks_the_peer_once_on_a_miss(engine, procs):
     def queries() -> int:
         return json.loads(h.proc.cmd("frames")).count(w.REGIONS_QUERY)
 
-    assert [r.name for r in engine.remote_regions(h.engine)] == ["host", "dev"]
+    assert [r.name for r in engine.remote_regions(h.engine)] == ["host", "dev", "gpu"]
     assert engine.remote_region(h.engine, "host").addr == h.buf
     assert queries() == 0, "a name in the local copy needs no question"
     assert h.proc.cmd("add_region", "late") == "OK"
@@ -271,9 +271,11 @@ def test_device_domain_is_unsupported(engine, procs, tmp_path):
         lambda: engine.register(buf, mem_type=hixl.MemType.DEVICE),
         lambda: engine.register_mem(hixl.MemDesc(buf.ctypes.data, 4096), hixl.MemType.DEVICE),
     ]:
-        with pytest.raises(hixl.Unsupported) as e:
+        # Host memory is not device memory: without CUDA the driver cannot even be asked.
+        cuda = hixl._hixl.cuda_info()["available"]
+        with pytest.raises(hixl.ParamInvalid if cuda else hixl.Unsupported) as e:
             register()
-        assert "device" in str(e.value) and "self, shm, rdma, tcp" in str(e.value), e.value
+        assert ("not memory CUDA knows" if cuda else "CUDA was not found") in str(e.value), e.value
     assert engine.register(buf).mem_type == hixl.MemType.HOST, "nothing was left registered"
 
     # A target that advertises a region in the device domain: seen, never written or read.
@@ -282,6 +284,12 @@ def test_device_domain_is_unsupported(engine, procs, tmp_path):
     dev = engine.remote_region(h.engine, "dev")
     assert (dev.addr, dev.mem_type, dev.writable) == (h.buf + h.len // 4, hixl.MemType.DEVICE, True)
     assert engine.remote_region(h.engine, "host").mem_type == hixl.MemType.HOST
+    assert (dev.domain, engine.remote_region(h.engine, "host").domain) == ("device", "host")
+    # cuda:3 travels in the table as domain byte 0x83, and is refused the same way.
+    gpu = engine.remote_region(h.engine, "gpu")
+    assert (gpu.mem_type, gpu.domain) == (hixl.MemType.DEVICE, "cuda:3")
+    with pytest.raises(hixl.Unsupported, match="cuda:3 memory there"):
+        engine.transfer_sync(h.engine, W, [(buf.ctypes.data, gpu.addr, 4096)])
     src = hixl.aligned_empty(4096)  # 64-byte aligned, as strided descriptors require
     src[:] = random_bytes(4096, 5)
     engine.register(src)
@@ -330,10 +338,12 @@ def test_target_backends_limit_the_offer(make_peer):
         st.close()
         offered[p.engine] = [c.backend for c in welcome["capabilities"]]
     assert offered[tcp_only.engine] == ["tcp"]
-    assert offered[default.engine] == ["self", "shm", "tcp"]
+    # cuda_ipc is offered only where CUDA is found.
+    cuda = ["cuda_ipc"] if hixl._hixl.cuda_info()["available"] else []
+    assert offered[default.engine] == ["self", *cuda, "shm", "tcp"]
 
     with hixl.Hixl() as e:
-        e.initialize("127.0.0.1")  # hixl.backends defaults to self,shm,rdma,tcp
+        e.initialize("127.0.0.1")  # hixl.backends defaults to self,cuda_ipc,shm,rdma,tcp
         e.connect(tcp_only.engine, timeout_ms=5000)
         assert e.stats()[tcp_only.engine]["backend"] == "tcp"
         src = random_bytes(size, 9)

@@ -24,6 +24,7 @@ from ._errors import (
 )
 from ._hixl import (
     AsyncConnectStatus,
+    DeviceBuffer,
     Hixl,
     MemDesc,
     MemHandle,
@@ -37,6 +38,8 @@ from ._hixl import (
     TransferReq,
     TransferStatus,
     __version__,
+    cuda_alloc,
+    cuda_info,
     get_log_level,
     hixl_option_keys,
     log_dropped,
@@ -132,4 +135,7 @@ __all__ = [
     "transfer_states",
     "hixl_option_keys",
     "set_log_level",
+    "DeviceBuffer",
+    "cuda_alloc",
+    "cuda_info",
 ]

@@ -9,8 +9,10 @@
 //!   `unsafe` (the caller promises the memory stays valid); [`Engine::register_static`] and
 //!   [`Engine::alloc`] are the safe ways.
 //! - It **connects** to peers. A link picks the first backend of `hixl.backends` that can
-//!   serve the peer: `self` (same process, memcpy), `shm` (same host, cross-memory attach),
-//!   `tcp` (anywhere). Each side holds a copy of the other's region table.
+//!   serve the peer: `self` (same process, memcpy), `cuda_ipc` (same host, CUDA device memory
+//!   too, where CUDA is installed), `shm` (same host, cross-memory attach), `tcp` (anywhere).
+//! - Device memory is the domain `MemType::Cuda(n)`; the CUDA driver is loaded at run time, and
+//!   without it registering device memory is `UNSUPPORTED` ([`cuda_info`] says why). Each side holds a copy of the other's region table.
 //! - It **transfers**: a batch of [`TransferOpDesc`] (local address, remote address, length)
 //!   is one request, READ (remote to local) or WRITE (local to remote), checked against both
 //!   tables, queued, and carried without the peer's application doing anything.
@@ -77,6 +79,7 @@ mod auth;
 #[cfg(feature = "baselines")]
 pub mod bench;
 mod complete;
+mod cuda;
 mod engine;
 mod error;
 pub mod log;
@@ -89,6 +92,7 @@ mod stats;
 mod transport;
 mod wire;
 
+pub use cuda::{info as cuda_info, CudaDevice, CudaInfo, DeviceBuffer};
 pub use engine::{
     ConnectStatus, Engine, MemDesc, MemHandle, PeerSnapshot, RemoteRegion, StridedDesc, TransferOpDesc,
     TransferReq,

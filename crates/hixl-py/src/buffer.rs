@@ -1,5 +1,5 @@
 //! Keeping Python objects alive while their memory is registered: buffer-protocol exports
-//! (numpy, bytearray, memoryview, mmap) and torch CPU tensors.
+//! (numpy, bytearray, memoryview, mmap), torch CPU tensors, and device memory (`device.rs`).
 
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -33,11 +33,25 @@ impl Drop for BufferView {
     }
 }
 
-/// Finds the memory of `obj`: `(addr, len, keepalive, read_only)`. `writable`: the memory must
-/// be writable (a read-write registration: peers and local READs write into it); otherwise a
-/// read-only buffer (`bytes`, a read-only numpy array) is accepted too, and `read_only` says
-/// that it is one.
-pub fn export(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<(u64, u64, KeepAlive, bool)> {
+/// The memory of an object, as `export` finds it.
+pub struct Exported {
+    /// Start address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// What keeps it alive while registered.
+    pub keep: KeepAlive,
+    /// Whether the object says nothing may write it.
+    pub read_only: bool,
+    /// Host memory, or the device memory it says it is (`Device`: the engine finds which).
+    pub domain: hixl_core::Domain,
+}
+
+/// Finds the memory of `obj`. `writable`: the memory must be writable (a read-write
+/// registration: peers and local READs write into it); otherwise a read-only buffer (`bytes`,
+/// a read-only numpy array) is accepted too, and `read_only` says that it is one. Device memory
+/// (CUDA Array Interface, torch CUDA tensors, DLPack kDLCUDA) is found by `device::export`.
+pub fn export(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<Exported> {
     let py = obj.py();
     // SAFETY: Py_buffer is a plain C struct; zeroed is the documented initial state.
     let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
@@ -46,24 +60,33 @@ pub fn export(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<(u64, u64, Kee
     let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) };
     if rc == 0 {
         let (addr, len, read_only) = (view.buf as u64, view.len as u64, view.readonly != 0);
-        return Ok((addr, len, KeepAlive::Buffer(BufferView(view)), read_only));
+        let keep = KeepAlive::Buffer(BufferView(view));
+        return Ok(Exported { addr, len, keep, read_only, domain: hixl_core::Domain::Host });
     }
     let buf_err = PyErr::take(py);
-    if obj.hasattr("data_ptr")? && obj.hasattr("untyped_storage")? {
-        let device: String = obj.getattr("device")?.getattr("type")?.extract()?;
-        if device != "cpu" {
-            return Err(errors::to_py(hixl_core::Error::new(
-                hixl_core::Status::Unsupported,
-                format!("tensor on device {device:?}: only CPU tensors can be registered as HOST memory"),
-            )));
+    if let Some(dev) = crate::device::export(obj)? {
+        if writable && dev.read_only {
+            return Err(errors::param(
+                "the device array is read-only: register it with access=\"r\"".to_string(),
+            ));
         }
+        return Ok(dev);
+    }
+    if obj.hasattr("data_ptr")? && obj.hasattr("untyped_storage")? {
         if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
             return Err(errors::param("tensor is not contiguous: call .contiguous() first"));
         }
         let addr: u64 = obj.call_method0("data_ptr")?.extract()?;
         let numel: u64 = obj.call_method0("numel")?.extract()?;
         let esize: u64 = obj.call_method0("element_size")?.extract()?;
-        return Ok((addr, numel * esize, KeepAlive::Object(obj.clone().unbind()), false));
+        let keep = KeepAlive::Object(obj.clone().unbind());
+        return Ok(Exported {
+            addr,
+            len: numel * esize,
+            keep,
+            read_only: false,
+            domain: hixl_core::Domain::Host,
+        });
     }
     let why = buf_err.map(|e| e.to_string()).unwrap_or_default();
     let tname = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
@@ -74,7 +97,7 @@ pub fn export(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<(u64, u64, Kee
         )));
     }
     Err(errors::param(format!(
-        "object of type {tname} is not a writable C-contiguous buffer or a torch CPU tensor ({why})"
+        "object of type {tname} is not a writable C-contiguous buffer, a torch tensor or CUDA device memory ({why})"
     )))
 }
 

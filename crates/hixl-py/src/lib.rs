@@ -3,6 +3,7 @@
 
 mod buffer;
 mod descs;
+mod device;
 mod engine;
 mod errors;
 mod request;
@@ -180,6 +181,9 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(log_dropped, m)?)?;
     m.add_function(wrap_pyfunction!(_drain_completions, m)?)?;
     m.add_function(wrap_pyfunction!(status_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(device::cuda_info, m)?)?;
+    m.add_function(wrap_pyfunction!(device::cuda_alloc, m)?)?;
+    m.add_class::<device::DeviceBuffer>()?;
     m.add_function(wrap_pyfunction!(transfer_states, m)?)?;
     m.add_function(wrap_pyfunction!(_raw_tcp_sink, m)?)?;
     m.add_function(wrap_pyfunction!(_raw_tcp_send, m)?)?;

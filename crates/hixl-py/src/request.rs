@@ -23,7 +23,8 @@ pub(crate) fn ms(name: &str, v: Option<f64>) -> PyResult<Option<Duration>> {
 }
 
 /// A region registered on this engine, as `Hixl.register_mem`, `Hixl.register` return it; pass
-/// it to `Hixl.deregister_mem`. Read-only attributes: `addr`, `len`, `id`, `mem_type`, `name`.
+/// it to `Hixl.deregister_mem`. Read-only attributes: `addr`, `len`, `id`, `mem_type`, `name`,
+/// `domain`.
 #[pyclass(frozen, module = "hixl._hixl")]
 pub struct MemHandle {
     /// Start address of the region in this process.
@@ -41,10 +42,18 @@ pub struct MemHandle {
     /// The name it was registered under ("": none).
     #[pyo3(get)]
     pub(crate) name: String,
+    /// The memory domain ("host", "cuda:N").
+    pub(crate) domain: hixl_core::Domain,
 }
 
 #[pymethods]
 impl MemHandle {
+    /// The memory domain: "host", or "cuda:N" for memory of CUDA device N.
+    #[getter]
+    fn domain(&self) -> String {
+        self.domain.to_string()
+    }
+
     fn __repr__(&self) -> String {
         match self.name.as_str() {
             "" => format!("MemHandle(id={}, addr=0x{:x}, length={})", self.id, self.addr, self.len),

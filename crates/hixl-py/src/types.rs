@@ -23,7 +23,8 @@ pub fn uint(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
 }
 
 /// Where memory lives: `MemType.HOST` (this process's memory, the default) or `MemType.DEVICE`
-/// (accelerator memory; no backend serves it yet, so registering it raises `Unsupported`).
+/// (CUDA device memory: the engine finds the device, `MemHandle.domain` says "cuda:N"; without
+/// CUDA, registering it raises `Unsupported` saying CUDA was not found).
 #[pyclass(eq, eq_int, frozen, hash, module = "hixl._hixl")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 #[allow(clippy::upper_case_acronyms)]
@@ -45,7 +46,7 @@ impl From<hixl_core::MemType> for MemType {
     fn from(m: hixl_core::MemType) -> Self {
         match m {
             hixl_core::MemType::Host => MemType::HOST,
-            hixl_core::MemType::Device => MemType::DEVICE,
+            hixl_core::MemType::Device | hixl_core::MemType::Cuda(_) => MemType::DEVICE,
         }
     }
 }
@@ -168,6 +169,8 @@ pub struct RemoteRegion {
     /// Whether this engine may WRITE it (False: the peer registered it read-only).
     #[pyo3(get)]
     pub writable: bool,
+    /// Its memory domain, as the peer's table says ("host", "cuda:N").
+    pub domain: hixl_core::Domain,
 }
 
 impl From<hixl_core::RemoteRegion> for RemoteRegion {
@@ -178,12 +181,19 @@ impl From<hixl_core::RemoteRegion> for RemoteRegion {
             name: r.name,
             mem_type: r.mem_type.into(),
             writable: r.writable,
+            domain: r.mem_type,
         }
     }
 }
 
 #[pymethods]
 impl RemoteRegion {
+    /// The memory domain: "host", or "cuda:N" for memory of the peer's CUDA device N.
+    #[getter]
+    fn domain(&self) -> String {
+        self.domain.to_string()
+    }
+
     /// Same as `len`.
     #[getter]
     fn length(&self) -> u64 {

@@ -54,6 +54,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="auto|shm|tcp, comma-separated for one line each (default auto; --quick: auto,tcp)",
     )
     g.add_argument(
+        "--mem",
+        default="host",
+        type=_mem_pair,
+        metavar="MEM[,TARGET_MEM]",
+        help="memory of the initiator's and the target's buffers: host (default), cuda or "
+        "cuda:N; one value for both sides, or two (e.g. cuda:0,host). CUDA memory needs a GPU "
+        "on that side and moves over cuda_ipc (same host)",
+    )
+    g.add_argument(
         "--block-sizes",
         type=parse_size_list,
         default=None,
@@ -197,10 +206,30 @@ def _op_list(text: str) -> list[str]:
 
 def _transport_list(text: str) -> list[str]:
     ts = [t.strip().lower() for t in text.split(",")]
-    bad = [t for t in ts if t not in ("auto", "shm", "tcp")]
+    bad = [t for t in ts if t not in ("auto", "cuda_ipc", "shm", "tcp")]
     if bad:
-        raise argparse.ArgumentTypeError(f"{bad[0]!r}: transports are auto, shm and tcp")
+        raise argparse.ArgumentTypeError(f"{bad[0]!r}: transports are auto, cuda_ipc, shm and tcp")
     return list(dict.fromkeys(ts))
+
+
+def parse_mem(text: str) -> str:
+    """'host', or 'cuda:N' for 'cuda' / 'cuda:N' (N a device ordinal, 0..127)."""
+    t = text.strip().lower()
+    if t == "host":
+        return t
+    if t == "cuda":
+        return "cuda:0"
+    n = t.removeprefix("cuda:")
+    if n != t and n.isdigit() and int(n) <= 127:
+        return f"cuda:{int(n)}"
+    raise argparse.ArgumentTypeError(f"{text!r}: memory is host, cuda or cuda:N (0 <= N <= 127)")
+
+
+def _mem_pair(text: str) -> tuple[str, str]:
+    parts = [parse_mem(x) for x in text.split(",")]
+    if len(parts) > 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: at most two memories (initiator,target)")
+    return (parts[0], parts[-1])
 
 
 def options_of(args: argparse.Namespace, p: argparse.ArgumentParser) -> dict[str, str]:

@@ -14,11 +14,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .. import Hixl, aligned_empty
-from .._hixl import _raw_tcp_sink
+from .._hixl import _raw_tcp_sink, cuda_alloc
 from ._machine import host_hash
 from ._sizes import human
 
@@ -44,16 +45,27 @@ class Cell:
         return cls(int(words[1]) / 1e9, int(words[2]), int(words[3]), int(words[4]), int(words[5]))
 
 
-def serve(listen: str, mem_bytes: int, options: dict[str, str], until_stdin_closes: bool) -> int:
-    """Serves until stdin closes (when started by a local bench) or SIGINT/SIGTERM."""
+def serve(
+    listen: str,
+    mem_bytes: int,
+    options: dict[str, str],
+    until_stdin_closes: bool,
+    mem: str = "host",
+) -> int:
+    """Serves until stdin closes (when started by a local bench) or SIGINT/SIGTERM. `mem`:
+    "host", or "cuda:N" for a data buffer in that device's memory."""
     # Never the cell's length: initiators tell the two regions apart by it.
     mem_bytes = max(mem_bytes, 2 * CELL_BYTES)
     e = Hixl()
     e.initialize(listen, options)
     cell = aligned_empty(CELL_BYTES // 8, np.uint64)
     cell[:] = 0
-    data = aligned_empty(mem_bytes, np.uint8, alignment=2 << 20)
-    data[:] = 1  # touch every page before anything is timed
+    data: Any
+    if mem == "host":
+        data = aligned_empty(mem_bytes, np.uint8, alignment=2 << 20)
+        data[:] = 1  # touch every page before anything is timed
+    else:
+        data = cuda_alloc(mem_bytes, int(mem[5:]), fill=1)
     e.register(cell)
     e.register(data)
     host = listen.rsplit(":", 1)[0]

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from .. import Hixl, HixlError, StridedDesc, TransferOp, TransferStatus, aligned_empty
-from .._hixl import _raw_cma, _raw_memcpy, _raw_tcp_send
+from .._hixl import _raw_cma, _raw_memcpy, _raw_tcp_send, cuda_alloc, cuda_info
 from . import _report
 from ._bench_plan import OPS, Plan, add_arguments, make_plan, options_of, plan_meta
 from ._machine import describe, host_hash
@@ -53,6 +53,7 @@ __all__ = ["HELP", "NAME", "add_arguments", "run"]
 
 def run(args: argparse.Namespace) -> int:
     p: argparse.ArgumentParser = args.parser
+    _check_mem(args, p)
     if args.role == "target":
         if args.remote:
             p.error("--remote is for --role initiator")
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
             args.target_mem or (256 << 20),
             options_of(args, p),
             args.until_stdin_closes,
+            mem=args.mem[1],
         )
     if args.role == "initiator" and not args.remote:
         p.error("--role initiator needs --remote IP:PORT")
@@ -75,9 +77,9 @@ def run(args: argparse.Namespace) -> int:
     target = None
     remote = args.remote
     if args.role == "local":
-        target, remote = _start_target(plan)
+        target, remote = _start_target(plan, args.mem[1])
     try:
-        rows = Sweep(plan, remote).run()
+        rows = Sweep(plan, remote, args.mem[0]).run()
     finally:
         if target is not None:
             _stop_target(target)
@@ -87,6 +89,18 @@ def run(args: argparse.Namespace) -> int:
     for r in failed:
         print(f"hixl bench: check FAILED: {r['check']}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _check_mem(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """--mem cuda:N needs CUDA on the side that has it (this process, for the sides it runs):
+    Unsupported, with the reason, before anything starts."""
+    here = {"target": [args.mem[1]], "initiator": [args.mem[0]]}.get(args.role, list(args.mem))
+    if any(m != "host" for m in here):
+        info = cuda_info()
+        if not info["available"]:
+            p.error(f"--mem {','.join(args.mem)}: Unsupported: CUDA not found: {info['reason']}")
+        if args.check:
+            p.error("--check compares bytes on the host: use it with --mem host")
 
 
 def _check_options(plan: Plan, p: argparse.ArgumentParser) -> None:
@@ -100,7 +114,7 @@ def _check_options(plan: Plan, p: argparse.ArgumentParser) -> None:
         probe.finalize()
 
 
-def _start_target(plan: Plan) -> tuple[subprocess.Popen[str], str]:
+def _start_target(plan: Plan, mem: str) -> tuple[subprocess.Popen[str], str]:
     cmd = [
         sys.executable,
         "-m",
@@ -113,6 +127,8 @@ def _start_target(plan: Plan) -> tuple[subprocess.Popen[str], str]:
         "--target-mem",
         str(plan.remote_bytes),
         "--until-stdin-closes",
+        "--mem",
+        mem,
     ]
     for k, v in plan.options.items():
         cmd += ["--option", f"{k}={v}"]
@@ -146,7 +162,7 @@ def _local_ip_towards(remote: str) -> str:
 class Sweep:
     """One initiator process: an engine per transport, local slots, the rows."""
 
-    def __init__(self, plan: Plan, remote: str) -> None:
+    def __init__(self, plan: Plan, remote: str, mem: str = "host") -> None:
         self.plan = plan
         self.remote = remote
         self.rng = np.random.default_rng(plan.seed)
@@ -157,6 +173,12 @@ class Sweep:
         )
         self.local[:] = 3
         self.lbase = self.local.ctypes.data
+        self.cbase = self.lbase  # the cell is read into host memory whatever --mem says
+        # --mem cuda:N: the slots are device memory (the scratch and cell areas stay above).
+        self.dev = None
+        if mem != "host":
+            self.dev = cuda_alloc(plan.slot_bytes * plan.slots, int(mem[5:]), fill=3)
+            self.lbase = self.dev.addr
         self.scratch_off = plan.slot_bytes * plan.slots
         self.cell_off = self.scratch_off + plan.slot_bytes
         self.corrupt = os.environ.get(CORRUPT_ENV, "") not in ("", "0")
@@ -186,7 +208,7 @@ class Sweep:
             raise HixlError(f"request {req.id} did not complete within its timeout")
 
     def cell(self, e: Hixl) -> Cell:
-        e.get(self.remote, self.lbase + self.cell_off, self.cell_addr, 64, self.plan.timeout_ms)
+        e.get(self.remote, self.cbase + self.cell_off, self.cell_addr, 64, self.plan.timeout_ms)
         return Cell.decode(self.local[self.cell_off : self.cell_off + 64].view(np.uint64))
 
     # -- the sweep -----------------------------------------------------------------------
@@ -196,6 +218,8 @@ class Sweep:
         local_ip = _local_ip_towards(self.remote)
         e.initialize(local_ip, {**self.plan.options, "hixl.backends": transport})
         e.register(self.local)
+        if self.dev is not None:
+            e.register(self.dev)
         e.connect(self.remote, timeout_ms=self.plan.timeout_ms)
         mems = e.remote_mems(self.remote)
         cells = [m for m in mems if m.len == CELL_BYTES]

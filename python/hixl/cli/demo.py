@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="hixl.backends of the push (default auto)",
     )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the model and its KV cache live (default cpu; cuda is not built yet)",
+    )
     p.add_argument("--layers", type=_int_in(1, 64), default=6, help="model layers (default 6)")
     p.add_argument("--heads", type=_int_in(1, 64), default=8, help="attention heads (default 8)")
     p.add_argument(
@@ -190,6 +196,16 @@ def _result(proc: subprocess.Popen[str], who: str, timeout_s: float) -> dict[str
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device == "cuda":
+        from .._hixl import cuda_info
+
+        info = cuda_info()
+        why = (
+            "the demo's model runs in numpy; a CUDA port of it is not built"
+            if info["available"]
+            else f"CUDA not found: {info['reason']}"
+        )
+        args.parser.error(f"--device cuda: Unsupported: {why}")
     if args.worker:
         return _worker(args)
     model = _model(args)

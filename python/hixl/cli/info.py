@@ -1,5 +1,6 @@
-"""Show this hixl build and machine: version, which transports work here (and why one does
-not: for RDMA, libibverbs not loadable, no device, or the devices found), the host identity
+"""Show this hixl build and machine: version, the GPUs CUDA sees (or why CUDA was not found),
+which transports and device paths work here (and why one does not: for RDMA, libibverbs not
+loadable, no device, or the devices found), the host identity
 same-host peers compare, and every engine option with its default.
 
 The same-host check is real: it starts a second process with an engine and connects to it
@@ -16,6 +17,7 @@ from typing import Any
 
 from .. import Hixl, HixlError, option_keys
 from .._hixl import _rdma_info
+from .._hixl import cuda_info
 from ._machine import describe
 
 NAME = "info"
@@ -84,12 +86,19 @@ def gather() -> dict[str, Any]:
         "available": rdma.startswith("devices:") and "active" in rdma,
         "detail": rdma,
     }
-    transports["device"] = {
+    cuda = cuda_info()
+    if cuda["available"]:
+        ok, why = _probe("cuda_ipc")
+        transports["cuda_ipc"] = {"available": ok, "detail": why}
+    else:
+        transports["cuda_ipc"] = {"available": False, "detail": f"CUDA not found: {cuda['reason']}"}
+    transports["cuda_staging"] = {
         "available": False,
-        "detail": "not built: MemType.DEVICE raises Unsupported (no GPU/NPU backend in this wheel)",
+        "detail": "not built: device memory between hosts (staging over TCP) raises Unsupported",
     }
     return {
         **describe(),
+        "cuda": cuda,
         "transports": transports,
         "options": [{"key": k, "default": d, "meaning": m} for k, d, m in option_keys()],
     }
@@ -103,10 +112,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"hixl {info['hixl_version']}")
     for k in ("host_identity", "cpu", "cores", "mem_gib", "kernel", "python"):
         print(f"  {k:14} {info[k]}")
+    cuda = info["cuda"]
+    if cuda["available"]:
+        v = cuda["driver_version"]
+        print(f"CUDA driver {v // 1000}.{v % 1000 // 10}, {len(cuda['devices'])} GPU(s):")
+        for g in cuda["devices"]:
+            cc = ".".join(str(x) for x in g["compute_capability"])
+            print(
+                f"  cuda:{g['ordinal']:<3} {g['name']}  {g['total_mem'] / 2**30:.1f} GiB  "
+                f"pci {g['pci_bus_id']}  sm {cc}"
+            )
+    else:
+        print(f"CUDA not found: {cuda['reason']}")
     print("transports:")
     for name, t in info["transports"].items():
         mark = "yes" if t["available"] else "no "
-        print(f"  {name:7} {mark}  {t['detail']}")
+        print(f"  {name:12} {mark}  {t['detail']}")
     print("options (key, default, meaning):")
     w = max(len(o["key"]) for o in info["options"])
     for o in info["options"]:

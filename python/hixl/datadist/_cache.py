@@ -126,10 +126,11 @@ def as_array(obj: Any) -> np.ndarray:
     if isinstance(obj, np.ndarray):
         arr = obj
     elif hasattr(obj, "data_ptr") and hasattr(obj, "device"):
-        from .._errors import Unsupported
-
         if getattr(obj.device, "type", "cpu") != "cpu":
-            raise Unsupported(f"tensor on device {obj.device}: only host (CPU) caches exist yet")
+            raise ParamInvalid(
+                f"tensor on device {obj.device}: allocate_cache(..., mem_type='device') "
+                "registers device memory"
+            )
         arr = obj.detach().numpy() if hasattr(obj, "detach") else obj.numpy()
     else:
         try:
@@ -145,7 +146,52 @@ def as_array(obj: Any) -> np.ndarray:
     return arr
 
 
-def describe(name: str, arr: np.ndarray, layer_axis: int, block_axis: int | None) -> CacheInfo:
+@dataclass(frozen=True)
+class DeviceArray:
+    """What the KV layer needs of a device array (torch CUDA tensor, CuPy array, anything with
+    the CUDA Array Interface): its shape, dtype and memory. ``obj`` is what gets registered."""
+
+    obj: Any
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    addr: int
+    nbytes: int
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def as_device_array(obj: Any) -> DeviceArray:
+    """`obj` as a C-contiguous device array, read from its `__cuda_array_interface__` (no
+    torch or CuPy import)."""
+    try:
+        cai = obj.__cuda_array_interface__
+    except (AttributeError, RuntimeError) as exc:
+        raise ParamInvalid(
+            f"mem_type='device' needs a CUDA array (torch CUDA tensor, CuPy array, "
+            f"hixl.cuda_alloc, or anything with __cuda_array_interface__); got "
+            f"{type(obj).__name__} ({exc})"
+        ) from exc
+    shape = tuple(int(x) for x in cai["shape"])
+    dtype = np.dtype(cai["typestr"])
+    strides = cai.get("strides")
+    if strides is not None:
+        want, expect = [], dtype.itemsize
+        for n in reversed(shape):
+            want.append(expect)
+            expect *= n
+        if any(n != 1 and s != w for n, s, w in zip(shape, strides, reversed(want), strict=True)):
+            raise ParamInvalid(f"device cache of shape {shape} is not C-contiguous")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes == 0:
+        raise ParamInvalid("cache array is empty (0 bytes)")
+    return DeviceArray(obj, shape, dtype, int(cai["data"][0]), nbytes)
+
+
+def describe(
+    name: str, arr: np.ndarray | DeviceArray, layer_axis: int, block_axis: int | None
+) -> CacheInfo:
     nd = arr.ndim
     if not -nd <= layer_axis < nd:
         raise ParamInvalid(f"layer_axis={layer_axis} is out of range for shape {arr.shape}")
@@ -159,7 +205,7 @@ def describe(name: str, arr: np.ndarray, layer_axis: int, block_axis: int | None
         name,
         tuple(int(x) for x in arr.shape),
         arr.dtype.str,
-        int(arr.ctypes.data),
+        arr.addr if isinstance(arr, DeviceArray) else int(arr.ctypes.data),
         int(arr.nbytes),
         layer_axis,
         block_axis,

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import Failed, HixlError, NotConnected, ParamInvalid, Timeout, Unsupported
+from .._errors import Failed, HixlError, NotConnected, ParamInvalid, Timeout
 from .._hixl import Hixl, MemType, NotifyDesc
-from ._cache import Cache, CacheInfo, as_array, describe
+from ._cache import Cache, CacheInfo, DeviceArray, as_array, as_device_array, describe
 from ._directory import Directory, DirectoryReader, PeerDirectory
 from ._discovery import Config as DiscoveryConfig
 from ._discovery import Discovery, Member
@@ -326,12 +326,11 @@ class Context:
         self, obj: Any, mem_type: Any, name: str | None, layer_axis: int, block_axis: int | None
     ) -> Cache:
         if mem_type in ("device", MemType.DEVICE):
-            raise Unsupported(
-                "mem_type='device': no device (GPU/NPU) backend in this build; use host memory"
-            )
-        if mem_type not in ("host", MemType.HOST):
+            arr: Any = as_device_array(obj)
+        elif mem_type in ("host", MemType.HOST):
+            arr = as_array(obj)
+        else:
             raise ParamInvalid(f"mem_type={mem_type!r} must be 'host' or 'device'")
-        arr = as_array(obj)
         with self.lock:
             if name is None:
                 while str(self.counter) in self.caches:
@@ -343,7 +342,7 @@ class Context:
             if name in self.caches:
                 raise ParamInvalid(f"a cache named {name!r} already exists on rank {self.rank}")
             info = describe(name, arr, layer_axis, block_axis)
-            handle = self.engine.register(arr)
+            handle = self.engine.register(arr.obj if isinstance(arr, DeviceArray) else arr)
             cache = Cache(info, arr, handle)
             self.caches[name] = cache
         try:
@@ -497,7 +496,10 @@ def allocate_cache(
 ) -> Cache:
     """Registers `obj` (numpy array, torch CPU tensor or writable buffer; zero copy) as a KV
     cache that linked peers can address by `name` (default: allocation order "0", "1", ...).
-    `layer_axis` is the axis of layers, `block_axis` that of blocks for paged transfers."""
+    With `mem_type="device"`, `obj` is device memory instead (a torch CUDA tensor, a CuPy
+    array, a `hixl.cuda_alloc` buffer: anything with `__cuda_array_interface__`); without CUDA
+    that raises Unsupported. `layer_axis` is the axis of layers, `block_axis` that of blocks
+    for paged transfers."""
     return context().allocate(obj, mem_type, name, layer_axis, block_axis)
 
 

@@ -350,7 +350,7 @@ impl Engine {
         let r = self.running()?;
         let span = MemorySpan { addr: desc.addr, len: desc.len, domain: mem_type, memfd: None, access };
         let region = register_region(&r, span, access, name)?;
-        Ok(MemHandle { id: region.id, addr: region.addr, len: region.len, mem_type })
+        Ok(MemHandle { id: region.id, addr: region.addr, len: region.len, mem_type: region.mem_type })
     }
 
     /// Allocates `size` bytes of shared memory (memfd, 2 MiB aligned, size rounded up to 2 MiB)

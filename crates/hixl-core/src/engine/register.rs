@@ -13,17 +13,22 @@ use crate::wire::{BackendKey, Domain};
 /// UNSUPPORTED; a failed registration releases the keys already made.
 pub(super) fn register_region(
     r: &Running,
-    span: MemorySpan,
+    mut span: MemorySpan,
     access: Access,
     name: &str,
 ) -> Result<Arc<Region>> {
-    if !r.backends.iter().any(|b| b.domains().iter().any(|(local, _)| *local == span.domain)) {
+    if span.domain.is_device() {
+        // Device memory is checked by the driver (UNSUPPORTED when CUDA is not found here) and
+        // takes the domain of the device that holds it (`device` becomes `cuda:N`).
+        span.domain = crate::cuda::resolve(span.addr, span.len, span.domain)?.domain;
+    }
+    if !r.backends.iter().any(|b| b.domains().iter().any(|(local, _)| local.same_kind(span.domain))) {
         return Err(Error::new(
             Status::Unsupported,
             format!(
                 "memory domain {} (MemType.{}) is served by no backend of hixl.backends={} (this build has: {})",
-                span.domain.as_str(),
-                span.domain.as_str().to_uppercase(),
+                span.domain,
+                if span.domain.is_device() { "DEVICE" } else { "HOST" },
                 r.opts.backends.join(","),
                 backend::BUILT.join(", ")
             ),

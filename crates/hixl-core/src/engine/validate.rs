@@ -13,17 +13,21 @@ use crate::wire::{Domain, MAX_DESCS};
 
 /// Whether the peer's data path moves data between these two memory domains.
 pub(super) fn check_domains(conn: &PeerConn, remote: &str, local: Domain, theirs: Domain) -> Result<()> {
-    if conn.domains.contains(&(local, theirs)) {
+    if conn.domains.iter().any(|(l, t)| l.same_kind(local) && t.same_kind(theirs)) {
         return Ok(());
     }
     Err(Error::new(
         Status::Unsupported,
         format!(
-            "the {} backend chosen for {remote} does not move data between {} memory here and {} \
-             memory there",
+            "the {} backend chosen for {remote} does not move data between {local} memory here and \
+             {theirs} memory there{}",
             conn.link.backend(),
-            local.as_str(),
-            theirs.as_str()
+            if local.is_device() || theirs.is_device() {
+                " (device memory moves only over cuda_ipc, between processes of one host; staging \
+                 device memory over TCP is not built)"
+            } else {
+                ""
+            }
         ),
     ))
 }

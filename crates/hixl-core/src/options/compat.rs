@@ -54,8 +54,8 @@ pub const COMPAT: &[CompatKey] = &[
     },
     CompatKey {
         key: "stream_count",
-        effect: "the seeds' copy-stream pool: none here until device memory lands (checked 1..=64, logged)",
-        acts: false,
+        effect: "the seeds' copy-stream pool: sets `hixl.cuda.streams` (1..=64), which wins when both are given",
+        acts: true,
         check: |v| ints_in(v, 1, 64),
     },
     CompatKey {

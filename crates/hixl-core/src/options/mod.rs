@@ -105,6 +105,8 @@ pub struct Options {
     /// `hixl.shm.threads`: copy threads of the engine (0: sized for the machine; see
     /// [`Options::shm_workers`]).
     pub shm_threads: usize,
+    /// `hixl.cuda.streams`: CUDA streams an engine spreads device copies over.
+    pub cuda_streams: usize,
     /// `hixl.strict_alignment`: strided bases and strides must be multiples of 64 bytes.
     pub strict_alignment: bool,
     /// `hixl.tcp.coalesce_us`: a TCP writer waits this long for more small requests (0 = off).
@@ -170,7 +172,7 @@ pub const SPECS: &[OptionSpec] = &[
     spec(
         "hixl.backends",
         "auto",
-        "backends that may carry data, tried in this order: auto (= self,shm,rdma,tcp; rdma is offered only with a usable device) or a list of self (same process), shm (same host), rdma (RDMA verbs), tcp",
+        "backends that may carry data, tried in this order: auto (= self,cuda_ipc,shm,rdma,tcp; cuda_ipc is offered only where CUDA is found, rdma only with a usable device) or a list of self (same process), cuda_ipc (same host, CUDA memory too), shm (same host), rdma (RDMA verbs), tcp",
         |o, k, v| {
             o.backends = backends(k, v)?;
             Ok(())
@@ -294,6 +296,12 @@ pub const SPECS: &[OptionSpec] = &[
             Ok(())
         },
     ),
+    spec("hixl.cuda.streams", "4", "CUDA streams an engine spreads device copies over (1..64)", |o, k, v| {
+        {
+            o.cuda_streams = int(k, v, 1, 64)? as usize;
+            Ok(())
+        }
+    }),
     spec(
         "hixl.strict_alignment",
         "1",
@@ -420,6 +428,7 @@ impl Options {
             backends: Vec::new(),
             shm_threads: 0,
             io_threads: 0,
+            cuda_streams: 0,
             strict_alignment: false,
             coalesce: Duration::ZERO,
             coalesce_max_ops: 0,
@@ -439,8 +448,11 @@ impl Options {
         let mut given: Vec<(String, String, &str)> = Vec::new();
         for (k, v) in map {
             if let Some(spec) = compat::check(k, v) {
-                if spec?.key == "AutoConnect" {
-                    o.auto_connect = compat::auto_connect_peers(v);
+                match spec?.key {
+                    "AutoConnect" => o.auto_connect = compat::auto_connect_peers(v),
+                    // Checked to be 1..=64; `hixl.cuda.streams`, applied below, wins.
+                    "stream_count" => o.cuda_streams = v.trim().parse().unwrap_or(o.cuda_streams),
+                    _ => {}
                 }
                 let Some(key) = compat::hixl_key(k) else { continue };
                 if let Some((_, _, first)) = given.iter().find(|(g, _, _)| g == key) {
@@ -498,9 +510,11 @@ mod tests {
     fn old_keys_keep_working_as_aliases() {
         let o = Options::parse(&map(&[("hixl.streams", "3"), ("hixl.shm_threads", "5")])).unwrap();
         assert_eq!((o.streams, o.shm_threads), (3, 5));
-        for (v, want) in
-            [("auto", vec!["self", "shm", "rdma", "tcp"]), ("shm", vec!["shm"]), ("TCP", vec!["tcp"])]
-        {
+        for (v, want) in [
+            ("auto", vec!["self", "cuda_ipc", "shm", "rdma", "tcp"]),
+            ("shm", vec!["shm"]),
+            ("TCP", vec!["tcp"]),
+        ] {
             assert_eq!(Options::parse(&map(&[("hixl.transport", v)])).unwrap().backends, want);
         }
         let e = Options::parse(&map(&[("hixl.transport", "fast")])).unwrap_err();
@@ -519,12 +533,28 @@ mod tests {
         let o =
             Options::parse(&map(&[("hixl.tcp.streams", "4"), ("hixl.transfer_timeout_ms", "250")])).unwrap();
         assert_eq!(o.streams, 4);
-        assert_eq!(o.backends, ["self", "shm", "rdma", "tcp"], "fastest first by default");
+        assert_eq!(o.backends, ["self", "cuda_ipc", "shm", "rdma", "tcp"], "fastest first by default");
         assert_eq!(
             (o.rdma.provider, o.rdma.port, o.rdma.gid_index, o.rdma.qps),
             (rdma::Provider::Verbs, 1, 0, 2)
         );
         assert_eq!(o.transfer_timeout, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn cuda_streams_default_to_four_and_are_bounded() {
+        assert_eq!(Options::default().cuda_streams, 4);
+        assert_eq!(Options::parse(&map(&[("hixl.cuda.streams", "16")])).unwrap().cuda_streams, 16);
+        for bad in ["0", "65", "x"] {
+            let e = Options::parse(&map(&[("hixl.cuda.streams", bad)])).unwrap_err();
+            assert!(e.message.contains("hixl.cuda.streams"), "{e}");
+            let e = Options::parse(&map(&[("stream_count", bad)])).unwrap_err();
+            assert!(e.message.contains("stream_count"), "{e}");
+        }
+        // HIXL's stream_count is the same pool; hixl's own key wins when both are given.
+        assert_eq!(Options::parse(&map(&[("stream_count", "8")])).unwrap().cuda_streams, 8);
+        let both = map(&[("stream_count", "8"), ("hixl.cuda.streams", "2")]);
+        assert_eq!(Options::parse(&both).unwrap().cuda_streams, 2);
     }
 
     #[test]

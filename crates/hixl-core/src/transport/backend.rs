@@ -28,7 +28,7 @@ use crate::wire::{Capability, Domain};
 
 /// Names of the backends this build has, fastest first (the default of `hixl.backends`).
 /// `rdma` is offered (and tried) only where its device is usable; on one host `shm` goes first.
-pub const BUILT: &[&str] = &["self", "shm", "rdma", "tcp"];
+pub const BUILT: &[&str] = &["self", "cuda_ipc", "shm", "rdma", "tcp"];
 
 /// Host memory on both sides: the one pair today's backends serve.
 pub(crate) const HOST_TO_HOST: &[(Domain, Domain)] = &[(Domain::Host, Domain::Host)];
@@ -148,6 +148,7 @@ pub(crate) fn answer_open(
 pub fn by_name(name: &str, opts: &Options) -> Option<Arc<dyn Backend>> {
     match name {
         "self" => Some(Arc::new(SameProcess)),
+        "cuda_ipc" => Some(Arc::new(super::cuda_ipc::CudaIpc::default())),
         "shm" => Some(Arc::new(Shm)),
         "rdma" => Some(Arc::new(crate::transport::rdma::Rdma::new(opts))),
         "tcp" => Some(Arc::new(Tcp)),
@@ -156,7 +157,7 @@ pub fn by_name(name: &str, opts: &Options) -> Option<Arc<dyn Backend>> {
 }
 
 /// The capability of a backend that needs the same-host socket, if this engine has one.
-fn with_local_socket(b: &dyn Backend, local_socket: &str) -> Option<Capability> {
+pub(crate) fn with_local_socket(b: &dyn Backend, local_socket: &str) -> Option<Capability> {
     (!local_socket.is_empty()).then(|| Capability {
         backend: b.name().into(),
         domains: b.domains().to_vec(),
@@ -262,7 +263,11 @@ impl Backend for Shm {
 /// socket, that they hold the two ends of this very link; then we wait for a region table at
 /// least as new as the one the peer will make us confirm. Err says why direct copies cannot
 /// be used.
-fn prove_same_host(ctx: &OpenCtx<'_>, tcp: &TcpLink, socket: &str) -> std::result::Result<Proven, String> {
+pub(crate) fn prove_same_host(
+    ctx: &OpenCtx<'_>,
+    tcp: &TcpLink,
+    socket: &str,
+) -> std::result::Result<Proven, String> {
     let host = &tcp.handshake().host;
     if host != ctx.host {
         return Err(format!("the peer says it runs on another host ({host})"));

@@ -205,6 +205,12 @@ impl TcpLink {
         self.tables.1.notify_all();
     }
 
+    /// The table's read guard when it can be had without waiting (None: a writer holds or
+    /// waits for it); for guards kept past one call (`cuda::hold`).
+    pub fn try_table(&self) -> Option<RwLockReadGuard<'_, RemoteTable>> {
+        self.table.try_read().ok()
+    }
+
     /// Asks the peer for its current region table and waits (up to `timeout`) until it is
     /// installed: for a range the peer registered so recently that its update is still on
     /// the way (it told us about the range through another channel).

@@ -5,6 +5,7 @@
 
 pub mod backend;
 pub mod control;
+pub mod cuda_ipc;
 pub mod handshake;
 pub mod io;
 pub mod liveness;

@@ -118,9 +118,9 @@ pub unsafe fn cma(pid: i32, op: TransferOp, segs: &[SegPair]) -> Result<()> {
 }
 
 /// A peer's engine-allocated region mapped into this process.
-struct PeerMapping {
-    base: u64,
-    len: u64,
+pub(crate) struct PeerMapping {
+    pub(crate) base: u64,
+    pub(crate) len: u64,
 }
 
 impl Drop for PeerMapping {
@@ -131,7 +131,7 @@ impl Drop for PeerMapping {
 }
 
 /// The owner's memfd descriptor of a region it allocated: the `shm` backend's registration key.
-fn memfd_key(e: &RegionEntry) -> Option<i32> {
+pub(crate) fn memfd_key(e: &RegionEntry) -> Option<i32> {
     let fd = i32::from_le_bytes(e.key("shm")?.try_into().ok()?);
     (fd >= 0).then_some(fd)
 }
@@ -139,7 +139,7 @@ fn memfd_key(e: &RegionEntry) -> Option<i32> {
 /// Maps a same-host peer's memfd region. The descriptor is taken from the proven process itself
 /// (`pidfd_getfd`: the very object it holds, never a path reopened), and mapped only when it is
 /// a memfd sealed against shrinking and growing, at least as long as the region.
-fn map_peer_region(pidfd: &OwnedFd, e: &RegionEntry, fd: i32) -> std::io::Result<PeerMapping> {
+pub(crate) fn map_peer_region(pidfd: &OwnedFd, e: &RegionEntry, fd: i32) -> std::io::Result<PeerMapping> {
     use std::os::fd::AsRawFd;
     let f = std::fs::File::from(get_fd(pidfd, fd)?);
     // SAFETY: F_GET_SEALS takes no argument; it fails (EINVAL) on anything but a memfd/shmem file.

@@ -21,33 +21,101 @@ pub const MAX_DOMAIN_PAIRS: usize = 16;
 /// Region-entry flag: peers may write the region.
 const FLAG_WRITABLE: u8 = 1;
 
-/// Where memory lives, as the wire spells it: one byte per domain.
+/// Where memory lives, as the wire spells it: one byte per domain (0 host, 1 device, 0x80 + N
+/// for `cuda:N`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Domain {
     /// Host (CPU) memory.
-    Host = 0,
-    /// Accelerator memory.
-    Device = 1,
+    Host,
+    /// Accelerator memory whose device is not named: registration resolves it to the device
+    /// the pointer belongs to (`cuda:N`), so tables carry it only from engines that never
+    /// resolve it.
+    Device,
+    /// Memory of CUDA device N (the ordinal as the owner's process numbers its devices),
+    /// N <= [`Domain::MAX_CUDA_ORDINAL`].
+    Cuda(u8),
 }
 
+/// Wire byte of `cuda:0`; `cuda:N` is this plus N.
+const CUDA_BASE: u8 = 0x80;
+
 impl Domain {
-    /// Every domain this version knows.
-    pub const ALL: [Domain; 2] = [Domain::Host, Domain::Device];
+    /// A few domains, one of each kind (for tests and documentation).
+    pub const ALL: [Domain; 3] = [Domain::Host, Domain::Device, Domain::Cuda(0)];
+    /// Highest CUDA device ordinal a domain can name.
+    pub const MAX_CUDA_ORDINAL: u8 = 0x7f;
 
     /// The domain of wire code `b`.
     pub fn from_u8(b: u8) -> Result<Domain, WireError> {
         match b {
             0 => Ok(Domain::Host),
             1 => Ok(Domain::Device),
+            CUDA_BASE..=u8::MAX => Ok(Domain::Cuda(b - CUDA_BASE)),
             _ => Err(WireError::Invalid { field: "memory domain", value: b as u64 }),
         }
     }
 
-    /// Its name in messages ("host", "device").
+    /// Its wire code.
+    pub fn to_u8(self) -> u8 {
+        match self {
+            Domain::Host => 0,
+            Domain::Device => 1,
+            Domain::Cuda(n) => CUDA_BASE | (n & Self::MAX_CUDA_ORDINAL),
+        }
+    }
+
+    /// Its kind's name in messages ("host", "device", "cuda").
     pub fn as_str(self) -> &'static str {
         match self {
             Domain::Host => "host",
             Domain::Device => "device",
+            Domain::Cuda(_) => "cuda",
+        }
+    }
+
+    /// Whether this is device memory (any accelerator, named or not).
+    pub fn is_device(self) -> bool {
+        !matches!(self, Domain::Host)
+    }
+
+    /// Whether two domains are of one kind: every `cuda:N` is of the kind `cuda` (a backend's
+    /// domain pairs name kinds; the ordinal says which device of the owner holds the memory).
+    pub fn same_kind(self, other: Domain) -> bool {
+        std::mem::discriminant(&self) == std::mem::discriminant(&other)
+    }
+
+    /// Parses "host", "device", "cuda" (device 0) or "cuda:N"; Err names the value.
+    pub fn parse(s: &str) -> Result<Domain, String> {
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "host" | "cpu" => return Ok(Domain::Host),
+            "device" => return Ok(Domain::Device),
+            "cuda" => return Ok(Domain::Cuda(0)),
+            _ => {}
+        }
+        let bad = || {
+            format!(
+                "memory domain {s:?} is not one of host, device, cuda, cuda:N (0 <= N <= {})",
+                Self::MAX_CUDA_ORDINAL
+            )
+        };
+        let n = t.strip_prefix("cuda:").ok_or_else(bad)?;
+        if n.is_empty() || !n.bytes().all(|c| c.is_ascii_digit()) {
+            return Err(bad());
+        }
+        match n.parse::<u32>() {
+            Ok(v) if v <= Self::MAX_CUDA_ORDINAL as u32 => Ok(Domain::Cuda(v as u8)),
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl std::fmt::Display for Domain {
+    /// "host", "device" or "cuda:N" (what [`Domain::parse`] reads back).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Domain::Cuda(n) => write!(f, "cuda:{n}"),
+            d => f.write_str(d.as_str()),
         }
     }
 }
@@ -121,7 +189,7 @@ pub(super) fn put_regions(p: &mut Vec<u8>, regions: &[RegionEntry]) {
         p.extend_from_slice(&r.len.to_le_bytes());
         p.extend_from_slice(&r.id.to_le_bytes());
         p.push(if r.writable { FLAG_WRITABLE } else { 0 });
-        p.push(r.domain as u8);
+        p.push(r.domain.to_u8());
         p.extend_from_slice(&(r.name.len() as u16).to_le_bytes());
         p.extend_from_slice(r.name.as_bytes());
         p.push(r.keys.len() as u8);
@@ -148,8 +216,8 @@ pub(super) fn put_capabilities(p: &mut Vec<u8>, caps: &[Capability]) {
         p.extend_from_slice(c.backend.as_bytes());
         p.push(c.domains.len() as u8);
         for (l, r) in &c.domains {
-            p.push(*l as u8);
-            p.push(*r as u8);
+            p.push(l.to_u8());
+            p.push(r.to_u8());
         }
         p.extend_from_slice(&(c.param.len() as u32).to_le_bytes());
         p.extend_from_slice(c.param.as_bytes());
@@ -250,5 +318,32 @@ impl Reader<'_> {
             v.push(Capability { backend, domains, param });
         }
         Ok(v)
+    }
+}
+
+#[cfg(test)]
+mod domain_tests {
+    use super::Domain;
+
+    #[test]
+    fn domains_parse_print_and_encode() {
+        assert_eq!(Domain::parse("host"), Ok(Domain::Host));
+        assert_eq!(Domain::parse(" CUDA "), Ok(Domain::Cuda(0)));
+        assert_eq!(Domain::parse("cuda:7"), Ok(Domain::Cuda(7)));
+        assert_eq!(Domain::parse("cuda:127"), Ok(Domain::Cuda(127)));
+        assert_eq!(Domain::parse("device"), Ok(Domain::Device));
+        for bad in ["cuda:128", "cuda:", "cuda:-1", "cuda:1x", "gpu", "cuda:+1", ""] {
+            let e = Domain::parse(bad).unwrap_err();
+            assert!(e.contains(&format!("{bad:?}")), "{e}");
+        }
+        for d in [Domain::Host, Domain::Device, Domain::Cuda(0), Domain::Cuda(5), Domain::Cuda(127)] {
+            assert_eq!(Domain::from_u8(d.to_u8()), Ok(d));
+            assert_eq!(Domain::parse(&d.to_string()), Ok(d));
+        }
+        assert_eq!(Domain::Cuda(3).to_u8(), 0x83);
+        assert!(Domain::from_u8(2).is_err() && Domain::from_u8(0x7f).is_err());
+        assert!(Domain::Cuda(1).same_kind(Domain::Cuda(6)));
+        assert!(!Domain::Cuda(1).same_kind(Domain::Device) && !Domain::Host.same_kind(Domain::Cuda(0)));
+        assert!(Domain::Cuda(2).is_device() && Domain::Device.is_device() && !Domain::Host.is_device());
     }
 }

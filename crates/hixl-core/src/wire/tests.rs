@@ -8,7 +8,11 @@ fn seg() -> impl Strategy<Value = Seg> {
 }
 
 fn domain() -> impl Strategy<Value = Domain> + Clone {
-    prop_oneof![Just(Domain::Host), Just(Domain::Device)]
+    prop_oneof![
+        Just(Domain::Host),
+        Just(Domain::Device),
+        (0u8..=Domain::MAX_CUDA_ORDINAL).prop_map(Domain::Cuda)
+    ]
 }
 
 fn backend() -> impl Strategy<Value = String> + Clone {

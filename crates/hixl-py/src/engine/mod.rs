@@ -57,7 +57,7 @@ impl Hixl {
         &self,
         py: Python<'_>,
         desc: MemDesc,
-        mem_type: MemType,
+        domain: hixl_core::Domain,
         access: hixl_core::Access,
         name: Option<String>,
     ) -> PyResult<MemHandle> {
@@ -69,10 +69,17 @@ impl Hixl {
                 // SAFETY: the contract of a raw range passes to the Python caller, as the
                 // method's documentation says (like NIXL's register_memory); `register(obj)`
                 // meets it by keeping the object alive until deregistration.
-                unsafe { e.register_named(d, mem_type.into(), access, &name) }
+                unsafe { e.register_named(d, domain, access, &name) }
             })
             .map_err(to_py)?;
-        Ok(MemHandle { addr: h.addr, len: h.len, id: h.id, mem_type, name })
+        Ok(MemHandle {
+            addr: h.addr,
+            len: h.len,
+            id: h.id,
+            mem_type: h.mem_type.into(),
+            name,
+            domain: h.mem_type,
+        })
     }
 
     /// Wraps a request for Python and remembers it for the no-argument status query.
@@ -266,7 +273,7 @@ impl Hixl {
         name: Option<String>,
     ) -> PyResult<MemHandle> {
         let access = hixl_core::Access::parse(access).map_err(to_py)?;
-        self.register_access(py, desc, mem_type, access, name)
+        self.register_access(py, desc, mem_type.into(), access, name)
     }
 
     /// Registers the memory of a Python object, keeps the object alive until the region is
@@ -300,13 +307,16 @@ impl Hixl {
         name: Option<String>,
     ) -> PyResult<MemHandle> {
         let access = hixl_core::Access::parse(access).map_err(to_py)?;
-        let (addr, len, keep, read_only) = buffer::export(obj, access == hixl_core::Access::ReadWrite)?;
+        let buffer::Exported { addr, len, keep, read_only, domain } =
+            buffer::export(obj, access == hixl_core::Access::ReadWrite)?;
+        // Device memory registers as such whatever `mem_type` says; host memory as `mem_type`.
+        let domain = if domain.is_device() { domain } else { mem_type.into() };
         if len == 0 {
             return Err(errors::param("cannot register an empty buffer (length=0)"));
         }
         // Memory Python promised not to change: nothing hixl does may write it.
         let access = if read_only { hixl_core::Access::Immutable } else { access };
-        let h = self.register_access(py, MemDesc { addr, len }, mem_type, access, name)?;
+        let h = self.register_access(py, MemDesc { addr, len }, domain, access, name)?;
         self.keep.lock().unwrap().entry((addr, len)).or_insert(keep);
         Ok(h)
     }
@@ -364,7 +374,7 @@ impl Hixl {
             id: handle.id,
             addr: handle.addr,
             len: handle.len,
-            mem_type: handle.mem_type.into(),
+            mem_type: handle.domain,
         };
         py.allow_threads(|| e.deregister_mem(&core)).map_err(to_py)?;
         let released = self.keep.lock().unwrap().remove(&(handle.addr, handle.len));

@@ -1,0 +1,404 @@
+//! CUDA device memory: the driver loaded at run time (`driver`), what a process's GPUs are
+//! (`info`), and the checks a device range passes before it is registered (`resolve`). The
+//! pure pieces that need no GPU (the IPC key, the open-handle cache, stream and chunk
+//! planning) are in their own modules and unit-tested on any machine.
+//!
+//! Without `libcuda.so.1` (or without a device) everything here answers `UNSUPPORTED` with a
+//! message that says CUDA was not found; nothing panics.
+
+pub(crate) mod cache;
+pub(crate) mod driver;
+pub(crate) mod hold;
+pub(crate) mod key;
+pub(crate) mod plan;
+pub(crate) mod runtime;
+
+use std::ffi::{c_char, c_int, c_uint, c_void};
+
+use crate::error::{Error, Result, Status};
+use crate::wire::Domain;
+use driver::{CuDevicePtr, CuHandle, Driver};
+
+/// One GPU as the driver describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaDevice {
+    /// Its ordinal in this process (`cuda:N`; after `CUDA_VISIBLE_DEVICES`).
+    pub ordinal: u8,
+    /// Its name ("NVIDIA H100 80GB HBM3").
+    pub name: String,
+    /// Its memory in bytes.
+    pub total_mem: u64,
+    /// Its PCI address ("0000:3b:00.0").
+    pub pci_bus_id: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Whether it shares one virtual address space with the host (needed by hixl).
+    pub unified_addressing: bool,
+}
+
+/// What this process can do with CUDA.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaInfo {
+    /// Whether the driver loaded and sees at least one device.
+    pub available: bool,
+    /// Why not, when it is not ("CUDA was not found: ...").
+    pub reason: String,
+    /// The driver's version (e.g. 12040 for 12.4), 0 when unavailable.
+    pub driver_version: i32,
+    /// The devices.
+    pub devices: Vec<CudaDevice>,
+}
+
+/// The loaded driver, or `UNSUPPORTED` saying why CUDA cannot be used.
+pub(crate) fn driver() -> Result<&'static Driver> {
+    Driver::get().map_err(|why| Error::new(Status::Unsupported, why))
+}
+
+/// A driver call's result as an [`Error`] with `status`.
+pub(crate) fn check(d: &Driver, rc: driver::CuResult, what: &str, status: Status) -> Result<()> {
+    d.check(rc, what).map_err(|m| Error::new(status, m))
+}
+
+/// Asks the driver about this process's GPUs. Never fails: without CUDA it says why.
+pub fn info() -> CudaInfo {
+    let d = match Driver::get() {
+        Ok(d) => d,
+        Err(reason) => return CudaInfo { available: false, reason, driver_version: 0, devices: vec![] },
+    };
+    let mut version: c_int = 0;
+    // SAFETY: a valid out-parameter.
+    unsafe { (d.driver_get_version)(&mut version) };
+    let devices = (0..Driver::device_count().min(Domain::MAX_CUDA_ORDINAL as i32 + 1))
+        .filter_map(|i| describe(d, i).ok())
+        .collect();
+    CudaInfo { available: true, reason: String::new(), driver_version: version, devices }
+}
+
+fn describe(d: &Driver, ordinal: i32) -> std::result::Result<CudaDevice, String> {
+    let mut dev = 0;
+    // SAFETY: valid out-parameter; the ordinal is below the device count.
+    d.check(unsafe { (d.device_get)(&mut dev, ordinal) }, "cuDeviceGet")?;
+    let mut name = [0 as c_char; 256];
+    // SAFETY: the buffer holds 256 bytes and the driver writes at most that many, NUL included.
+    d.check(unsafe { (d.device_get_name)(name.as_mut_ptr(), 255, dev) }, "cuDeviceGetName")?;
+    // SAFETY: NUL-terminated by the driver (and the last byte is never written).
+    let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+    let attr = |a: c_int| {
+        let mut v: c_int = 0;
+        // SAFETY: valid out-parameter, a known attribute, a valid device.
+        let rc = unsafe { (d.device_get_attribute)(&mut v, a, dev) };
+        if rc == driver::SUCCESS {
+            v
+        } else {
+            -1
+        }
+    };
+    let mut total: usize = 0;
+    // SAFETY: valid out-parameter and device.
+    unsafe { (d.device_total_mem)(&mut total, dev) };
+    Ok(CudaDevice {
+        ordinal: ordinal as u8,
+        name,
+        total_mem: total as u64,
+        pci_bus_id: format!(
+            "{:04x}:{:02x}:{:02x}.0",
+            attr(driver::ATTR_PCI_DOMAIN_ID),
+            attr(driver::ATTR_PCI_BUS_ID),
+            attr(driver::ATTR_PCI_DEVICE_ID)
+        ),
+        compute_capability: (attr(driver::ATTR_CC_MAJOR), attr(driver::ATTR_CC_MINOR)),
+        unified_addressing: attr(driver::ATTR_UNIFIED_ADDRESSING) == 1,
+    })
+}
+
+/// Makes the primary context of one device current on this thread, and puts back the
+/// caller's context when dropped (a Python thread's current device is torch's business).
+pub(crate) struct CtxGuard {
+    d: &'static Driver,
+    previous: CuHandle,
+}
+
+impl CtxGuard {
+    /// The primary context of device `ordinal`, current until the guard drops.
+    pub(crate) fn enter(d: &'static Driver, ordinal: u8) -> Result<CtxGuard> {
+        let ctx = primary_context(d, ordinal)?;
+        let mut previous: CuHandle = std::ptr::null_mut();
+        // SAFETY: a valid out-parameter.
+        check(d, unsafe { (d.ctx_get_current)(&mut previous) }, "cuCtxGetCurrent", Status::Failed)?;
+        // SAFETY: `ctx` is a retained primary context (never released: it lives as long as
+        // the process, like the runtime's).
+        check(d, unsafe { (d.ctx_set_current)(ctx) }, "cuCtxSetCurrent", Status::Failed)?;
+        Ok(CtxGuard { d, previous })
+    }
+}
+
+impl Drop for CtxGuard {
+    fn drop(&mut self) {
+        // SAFETY: `previous` was current on this thread (or null, which unsets) a moment ago.
+        unsafe { (self.d.ctx_set_current)(self.previous) };
+    }
+}
+
+/// The retained primary context of device `ordinal` (retained once per process and device,
+/// and kept: the primary context is shared with the CUDA runtime, torch and CuPy).
+pub(crate) fn primary_context(d: &'static Driver, ordinal: u8) -> Result<CuHandle> {
+    use std::sync::Mutex;
+    /// Retained contexts, by ordinal (as addresses: the handles are plain pointers).
+    static CTX: Mutex<Vec<(u8, usize)>> = Mutex::new(Vec::new());
+    let mut all = CTX.lock().unwrap();
+    if let Some((_, c)) = all.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(*c as CuHandle);
+    }
+    if ordinal as i32 >= Driver::device_count() {
+        return Err(Error::param(format!(
+            "cuda:{ordinal} does not exist: this process sees {} CUDA device(s)",
+            Driver::device_count()
+        )));
+    }
+    let mut dev = 0;
+    // SAFETY: valid out-parameter; ordinal below the device count.
+    check(d, unsafe { (d.device_get)(&mut dev, ordinal as c_int) }, "cuDeviceGet", Status::Failed)?;
+    let mut ctx: CuHandle = std::ptr::null_mut();
+    // SAFETY: valid out-parameter and device.
+    check(d, unsafe { (d.primary_ctx_retain)(&mut ctx, dev) }, "cuDevicePrimaryCtxRetain", Status::Failed)?;
+    all.push((ordinal, ctx as usize));
+    Ok(ctx)
+}
+
+/// Allocations of other processes opened here by IPC handle, with how many users each has: a
+/// handle can be opened only once per process, and several links (a reconnect, two engines)
+/// may need the same one.
+static IPC_OPEN: std::sync::Mutex<Vec<([u8; 64], CuDevicePtr, usize)>> = std::sync::Mutex::new(Vec::new());
+
+/// Opens (or takes one more use of) the allocation of a peer's IPC handle: its base address
+/// here. The caller has a context current; `ipc_release` gives the use back.
+pub(crate) fn ipc_open(d: &'static Driver, handle: &[u8; 64]) -> std::result::Result<CuDevicePtr, String> {
+    let mut open = IPC_OPEN.lock().unwrap();
+    if let Some(e) = open.iter_mut().find(|e| e.0 == *handle) {
+        e.2 += 1;
+        return Ok(e.1);
+    }
+    let mut p: CuDevicePtr = 0;
+    let h = driver::IpcMemHandle { reserved: *handle };
+    // SAFETY: a valid out-parameter; a context is current (caller's contract); a bad or
+    // foreign handle is refused by the driver with an error code.
+    let rc = unsafe { (d.ipc_open_mem_handle)(&mut p, h, driver::IPC_MEM_LAZY_ENABLE_PEER_ACCESS) };
+    d.check(rc, "cuIpcOpenMemHandle")?;
+    open.push((*handle, p, 1));
+    Ok(p)
+}
+
+/// Gives back one use of an opened allocation; the last closes it (no copy may use it then).
+pub(crate) fn ipc_release(d: &'static Driver, handle: &[u8; 64]) {
+    let mut open = IPC_OPEN.lock().unwrap();
+    if let Some(i) = open.iter().position(|e| e.0 == *handle) {
+        open[i].2 -= 1;
+        if open[i].2 == 0 {
+            let (_, p, _) = open.swap_remove(i);
+            // SAFETY: opened by `ipc_open`; its last user is done with it.
+            unsafe { (d.ipc_close_mem_handle)(p) };
+        }
+    }
+}
+
+/// A device range checked for registration: its device and the allocation it lies in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DeviceRange {
+    /// `cuda:N` of the device that holds it.
+    pub domain: Domain,
+    /// Start of the allocation (`cuMemGetAddressRange`).
+    pub alloc_base: u64,
+    /// Length of the allocation.
+    pub alloc_len: u64,
+    /// Whether a legacy IPC handle can export it (false for VMM / pool allocations).
+    pub ipc_capable: bool,
+}
+
+/// Checks `[addr, addr+len)` as device memory of `domain` (`Device`: whichever device holds
+/// it; `Cuda(n)`: that one): it must be device memory (not host, not managed), lie in one
+/// allocation, and belong to the named device. UNSUPPORTED when CUDA is not usable here.
+pub(crate) fn resolve(addr: u64, len: u64, domain: Domain) -> Result<DeviceRange> {
+    let d = driver()?;
+    if addr == 0 || len == 0 || addr.checked_add(len).is_none() {
+        return Err(Error::param(format!("device range 0x{addr:x}+{len} is empty, null or wraps around")));
+    }
+    // Pointer queries need a current context (any: addresses are unified); a thread without
+    // one (no torch on it) gets the named device's, or cuda:0's, for the checks.
+    let mut current: CuHandle = std::ptr::null_mut();
+    // SAFETY: a valid out-parameter.
+    unsafe { (d.ctx_get_current)(&mut current) };
+    let _probe = match (current.is_null(), domain) {
+        (true, Domain::Cuda(n)) => Some(CtxGuard::enter(d, n)?),
+        (true, _) => Some(CtxGuard::enter(d, 0)?),
+        _ => None,
+    };
+    let attr_u32 = |a: c_int, what: &str| -> Result<c_uint> {
+        let mut v: c_uint = 0;
+        // SAFETY: this attribute's value is an unsigned int written to a valid out-parameter.
+        let rc = unsafe { (d.pointer_get_attribute)((&mut v as *mut c_uint).cast::<c_void>(), a, addr) };
+        check(d, rc, what, Status::ParamInvalid).map(|_| v)
+    };
+    let kind = attr_u32(driver::POINTER_ATTRIBUTE_MEMORY_TYPE, "cuPointerGetAttribute(MEMORY_TYPE)")
+        .map_err(|e| {
+            Error::param(format!(
+                "0x{addr:x} is not memory CUDA knows (register host memory as host): {}",
+                e.message
+            ))
+        })?;
+    if kind != driver::MEMORYTYPE_DEVICE {
+        return Err(Error::param(format!(
+            "0x{addr:x} is CUDA {} memory, not device memory: register it as host memory",
+            if kind == driver::MEMORYTYPE_HOST { "pinned host" } else { "non-device" }
+        )));
+    }
+    if attr_u32(driver::POINTER_ATTRIBUTE_IS_MANAGED, "cuPointerGetAttribute(IS_MANAGED)")? != 0 {
+        return Err(Error::new(
+            Status::Unsupported,
+            format!("0x{addr:x} is CUDA managed (unified) memory, which hixl cannot export; use cudaMalloc'd memory"),
+        ));
+    }
+    let ordinal =
+        attr_u32(driver::POINTER_ATTRIBUTE_DEVICE_ORDINAL, "cuPointerGetAttribute(DEVICE_ORDINAL)")?;
+    let ordinal = u8::try_from(ordinal).ok().filter(|o| *o <= Domain::MAX_CUDA_ORDINAL).ok_or_else(|| {
+        Error::new(Status::Unsupported, format!("device ordinal {ordinal} is above cuda:127"))
+    })?;
+    if let Domain::Cuda(n) = domain {
+        if n != ordinal {
+            return Err(Error::param(format!(
+                "0x{addr:x} lies on cuda:{ordinal}, not on the cuda:{n} it was registered as"
+            )));
+        }
+    }
+    let _ctx = CtxGuard::enter(d, ordinal)?;
+    let (mut base, mut size): (CuDevicePtr, usize) = (0, 0);
+    // SAFETY: valid out-parameters; the context of the pointer's device is current.
+    let rc = unsafe { (d.mem_get_address_range)(&mut base, &mut size, addr) };
+    check(d, rc, "cuMemGetAddressRange", Status::ParamInvalid)?;
+    let end = base.saturating_add(size as u64);
+    if addr + len > end {
+        return Err(Error::param(format!(
+            "device range 0x{addr:x}+{len} runs past the end of its CUDA allocation (0x{base:x}+{size}) by {} bytes",
+            addr + len - end
+        )));
+    }
+    let ipc_capable = attr_u32(driver::POINTER_ATTRIBUTE_IS_LEGACY_IPC_CAPABLE, "IS_LEGACY_CUDA_IPC_CAPABLE")
+        .map(|v| v != 0)
+        .unwrap_or(true);
+    Ok(DeviceRange { domain: Domain::Cuda(ordinal), alloc_base: base, alloc_len: size as u64, ipc_capable })
+}
+
+/// Device memory allocated with `cuMemAlloc` (for tools and tests that have no torch or CuPy:
+/// `hixl bench --mem cuda:N`, the GPU checks), freed on drop.
+pub struct DeviceBuffer {
+    ptr: u64,
+    len: u64,
+    ordinal: u8,
+}
+
+impl DeviceBuffer {
+    /// `len` bytes (at least 1) on device `ordinal`, filled with byte `fill`. UNSUPPORTED when
+    /// CUDA is not usable here.
+    pub fn new(ordinal: u8, len: u64, fill: u8) -> Result<DeviceBuffer> {
+        let d = driver()?;
+        if len == 0 {
+            return Err(Error::param("a device buffer of 0 bytes"));
+        }
+        let _ctx = CtxGuard::enter(d, ordinal)?;
+        let mut p: CuDevicePtr = 0;
+        // SAFETY: a valid out-parameter; the device's context is current.
+        check(d, unsafe { (d.mem_alloc)(&mut p, len as usize) }, "cuMemAlloc", Status::ResourceExhausted)?;
+        let b = DeviceBuffer { ptr: p, len, ordinal };
+        // SAFETY: our allocation of `len` bytes, set on the null stream, which is then waited
+        // for (the engine's streams do not wait for the null stream by themselves).
+        unsafe {
+            check(d, (d.memset_d8)(p, fill, len as usize), "cuMemsetD8", Status::Failed)?;
+            check(d, (d.stream_synchronize)(std::ptr::null_mut()), "cuStreamSynchronize", Status::Failed)?;
+        }
+        Ok(b)
+    }
+
+    /// Start address (a device pointer).
+    pub fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it is empty (never: a buffer has at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device.
+    pub fn ordinal(&self) -> u8 {
+        self.ordinal
+    }
+
+    /// Copies `data` to offset `at` (synchronously).
+    pub fn write_at(&self, at: u64, data: &[u8]) -> Result<()> {
+        self.check_range(at, data.len() as u64)?;
+        // The device pointer and the host slice are both UVA addresses: cuMemcpy finds the kinds.
+        self.sync_copy(self.ptr + at, data.as_ptr() as u64, data.len())
+    }
+
+    /// Copies `out.len()` bytes from offset `at` into `out` (synchronously).
+    pub fn read_at(&self, at: u64, out: &mut [u8]) -> Result<()> {
+        self.check_range(at, out.len() as u64)?;
+        self.sync_copy(out.as_mut_ptr() as u64, self.ptr + at, out.len())
+    }
+
+    fn check_range(&self, at: u64, n: u64) -> Result<()> {
+        match at.checked_add(n) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::param(format!(
+                "range {at}+{n} is outside the device buffer of {} bytes",
+                self.len
+            ))),
+        }
+    }
+
+    fn sync_copy(&self, dst: u64, src: u64, n: usize) -> Result<()> {
+        let d = driver()?;
+        let _ctx = CtxGuard::enter(d, self.ordinal)?;
+        // SAFETY: both ranges were checked (the buffer's) or are the caller's slice; the null
+        // stream with a synchronize after it makes the copy complete before we return.
+        unsafe {
+            check(d, (d.memcpy_async)(dst, src, n, std::ptr::null_mut()), "cuMemcpyAsync", Status::Failed)?;
+            check(d, (d.stream_synchronize)(std::ptr::null_mut()), "cuStreamSynchronize", Status::Failed)
+        }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if let Ok(d) = driver() {
+            if let Ok(_ctx) = CtxGuard::enter(d, self.ordinal) {
+                // SAFETY: our allocation, freed once.
+                unsafe { (d.mem_free)(self.ptr) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_cuda_info_and_resolve_say_why() {
+        let i = info();
+        if i.available {
+            assert!(!i.devices.is_empty());
+            return;
+        }
+        assert!(i.reason.contains("CUDA was"), "{}", i.reason);
+        let e = resolve(0x7000_0000_0000, 4096, Domain::Cuda(0)).unwrap_err();
+        assert_eq!(e.status, Status::Unsupported);
+        let e = DeviceBuffer::new(0, 4096, 0).err().expect("no CUDA here");
+        assert_eq!(e.status, Status::Unsupported);
+        assert!(e.message.contains("CUDA was"), "{}", e.message);
+    }
+}

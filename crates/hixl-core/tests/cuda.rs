@@ -1,0 +1,37 @@
+//! CUDA device memory through the public API. On a machine without CUDA, registering device
+//! memory must be UNSUPPORTED with a message that says CUDA was not found (and never panic);
+//! the tests that need a GPU are `#[ignore]`d and run with `HIXL_TEST_CUDA=1 cargo test -- --ignored`.
+
+use hixl_core::{Engine, MemDesc, MemType, Status};
+
+fn engine() -> Engine {
+    let e = Engine::new();
+    e.initialize("127.0.0.1:0", &Default::default()).unwrap();
+    e
+}
+
+#[test]
+fn device_memory_without_cuda_is_unsupported_and_says_so() {
+    let info = hixl_core::cuda_info();
+    if info.available {
+        eprintln!("skipped: this machine has CUDA ({} device(s))", info.devices.len());
+        return;
+    }
+    assert!(info.reason.contains("CUDA was"), "{}", info.reason);
+    let e = engine();
+    for domain in [MemType::Device, MemType::Cuda(0), MemType::Cuda(3)] {
+        // Any address: the driver is asked before the address is looked at.
+        let err =
+            unsafe { e.register_mem(MemDesc { addr: 0x7f00_0000_0000, len: 1 << 20 }, domain) }.unwrap_err();
+        assert_eq!(err.status, Status::Unsupported, "{err}");
+        assert!(
+            err.message.contains("CUDA was not found") || err.message.contains("CUDA was found"),
+            "{err}"
+        );
+        assert!(err.message.contains("libcuda.so.1"), "{err}");
+    }
+    // Host memory is untouched by any of this.
+    let h = e.register_static(Box::leak(vec![0u8; 4096].into_boxed_slice()), "host").unwrap();
+    assert_eq!(h.mem_type, MemType::Host);
+    e.finalize().unwrap();
+}
