@@ -24,6 +24,22 @@ fn would_block(e: &io::Error) -> bool {
     e.kind() == io::ErrorKind::WouldBlock
 }
 
+/// How long a job in the middle of its bytes waits for the socket before it gives the worker
+/// back. A large transfer then streams in one run (the way a blocking call would) instead of
+/// going back to epoll every time the socket buffer fills or drains: on a busy machine the
+/// peer often takes milliseconds to drain it, and returning each time cost a third of a single
+/// 128 MiB READ's bandwidth here. A stalled peer costs the worker at most this per run, and
+/// the run's budget bounds how long one stream keeps a worker.
+const MID_JOB_WAIT_MS: libc::c_int = 100;
+
+/// Waits up to `MID_JOB_WAIT_MS` for `fd` to be ready (writable with `write`).
+fn brief_wait(fd: RawFd, write: bool) -> bool {
+    let events = if write { libc::POLLOUT } else { libc::POLLIN };
+    let mut p = libc::pollfd { fd, events, revents: 0 };
+    // SAFETY: one valid pollfd.
+    unsafe { libc::poll(&mut p, 1, MID_JOB_WAIT_MS) > 0 }
+}
+
 /// Reads into `buf[*got..]` without blocking; EOF is an error.
 pub(crate) fn fill(fd: RawFd, buf: &mut [u8], got: &mut usize) -> io::Result<Step> {
     while *got < buf.len() {
@@ -173,6 +189,9 @@ impl IoJob {
                     continue;
                 }
                 if would_block(&e) {
+                    if self.moved > 0 && brief_wait(fd, true) {
+                        continue;
+                    }
                     return Ok(Step::WouldBlock);
                 }
                 return Err(e);
@@ -205,6 +224,9 @@ impl IoJob {
                     continue;
                 }
                 if would_block(&e) {
+                    if self.moved > 0 && brief_wait(fd, false) {
+                        continue;
+                    }
                     return Ok(Step::WouldBlock);
                 }
                 return Err(e);

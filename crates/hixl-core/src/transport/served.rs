@@ -20,7 +20,7 @@ use crate::wire::{self, Frame, Header, Seg, StridedSeg};
 
 /// Bytes a served reader takes per run before the other streams get a turn (many initiators
 /// writing at once share the target's workers fairly).
-const READ_BUDGET: u64 = 1 << 20;
+const READ_BUDGET: u64 = 16 << 20;
 /// The reader stops taking frames while this many answers wait to be sent (an initiator
 /// that sends READs and never reads the answers holds them back, not the target's memory).
 const MAX_QUEUED_JOBS: usize = 256;

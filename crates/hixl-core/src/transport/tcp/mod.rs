@@ -39,9 +39,9 @@ const BATCH_BYTES: u64 = 256 * 1024;
 /// (no hand-off to an I/O worker); larger ones are handed off, so the call returns at once.
 const INLINE_BYTES: u64 = 256 * 1024;
 /// Bytes a writer sends per run before it lets the other sources of its worker have a turn.
-const WRITE_BUDGET: u64 = 4 << 20;
+const WRITE_BUDGET: u64 = 16 << 20;
 /// Bytes a reader takes per run before it lets the other sources have a turn.
-const READ_BUDGET: u64 = 4 << 20;
+const READ_BUDGET: u64 = 16 << 20;
 
 /// Connection parameters.
 #[derive(Clone, Debug)]
