@@ -277,7 +277,10 @@ def initiator_rows(n: int, idle: float) -> dict:
 
 def target_rows(m: int) -> dict:
     e = hixl.Hixl()
-    e.initialize("127.0.0.1:0", TCP)
+    # Every initiator comes from 127.0.0.1: lift the per-source cap on handshakes under way
+    # (which guards against floods from one address) so that 32 processes may connect at once.
+    caps = {"hixl.max_pending_per_source": "4096", "hixl.max_pending_handshakes": "4096"}
+    e.initialize("127.0.0.1:0", {**TCP, **caps})
     dst = np.zeros(MIB, np.uint8)
     e.register(dst)
     hixl_before, _ = threads()

@@ -161,17 +161,25 @@ impl TcpLink {
     }
 
     /// Queues a small frame of the link's own (a confirmation, probe or query) on stream `s`
-    /// and has its writer send it.
+    /// and sends it at once when nothing is queued before it (no worker wake-up: an idle
+    /// engine's heartbeats cost one send each); otherwise its writer sends it.
     pub(crate) fn send_own(&self, s: &Stream, f: &Frame, tag: u64) -> u64 {
         let mut b = wire::encode(f, tag, 0);
-        let len = {
+        let (len, sent) = {
             let mut tx = s.tx.lock().unwrap();
             tx.mac.seal(&mut b);
             let len = b.len() as u64;
+            let alone = tx.out.is_empty();
             tx.out.push_frame(b);
-            len
+            let mut budget = len;
+            // SAFETY: the outbox holds only this frame, in its own buffer.
+            let sent = alone
+                && matches!(unsafe { tx.out.flush(s.sock.as_raw_fd(), &mut budget) }, Ok(Step::Done));
+            (len, sent)
         };
-        self.reactor.schedule(s.writer_token.load(std::sync::atomic::Ordering::Acquire));
+        if !sent {
+            self.reactor.schedule(s.writer_token.load(std::sync::atomic::Ordering::Acquire));
+        }
         len
     }
 }
