@@ -173,8 +173,8 @@ impl TcpLink {
             tx.out.push_frame(b);
             let mut budget = len;
             // SAFETY: the outbox holds only this frame, in its own buffer.
-            let sent = alone
-                && matches!(unsafe { tx.out.flush(s.sock.as_raw_fd(), &mut budget) }, Ok(Step::Done));
+            let sent =
+                alone && matches!(unsafe { tx.out.flush(s.sock.as_raw_fd(), &mut budget) }, Ok(Step::Done));
             (len, sent)
         };
         if !sent {
