@@ -338,8 +338,8 @@ def main() -> None:
     raise_fd_limit()
     rows = []
     print(
-        f"{'peers':>5} {'threads':>7} {'proc thr':>8} {'RSS MiB':>8} {'idle CPU%':>9} {'connect ms':>10} "
-        f"{'burst GB/s':>10} {'raw GB/s':>8} {'x raw':>6} {'spread':>6} {'raw spr':>7}"
+        f"{'peers':>5} {'threads':>7} {'proc thr':>8} {'RSS MiB':>8} {'idle CPU%':>9} "
+        f"{'connect ms':>10} {'burst GB/s':>10} {'raw GB/s':>8} {'x raw':>6} {'spread':>6} {'raw spr':>7}"
     )
     for n in [int(x) for x in a.peers.split(",")]:
         r = initiator_rows(n, a.idle)
@@ -355,7 +355,8 @@ def main() -> None:
         t = target_rows(a.initiators)
         rows.append(t)
         print(
-            f"target with {t['initiators']} idle initiators: {t['target_hixl_threads']} hixl threads, "
+            f"target with {t['initiators']} idle initiators: "
+            f"{t['target_hixl_threads']} hixl threads, "
             f"+{t['target_rss_added_MiB']:.0f} MiB RSS; a new initiator connected and put 4 KiB in "
             f"{t['newcomer_connect_put_ms']:.1f} ms"
         )

@@ -16,8 +16,7 @@ import sys
 from typing import Any
 
 from .. import Hixl, HixlError, option_keys
-from .._hixl import _rdma_info
-from .._hixl import cuda_info
+from .._hixl import _rdma_info, cuda_info
 from ._machine import describe
 
 NAME = "info"
