@@ -339,7 +339,8 @@ def main() -> None:
     rows = []
     print(
         f"{'peers':>5} {'threads':>7} {'proc thr':>8} {'RSS MiB':>8} {'idle CPU%':>9} "
-        f"{'connect ms':>10} {'burst GB/s':>10} {'raw GB/s':>8} {'x raw':>6} {'spread':>6} {'raw spr':>7}"
+        f"{'connect ms':>10} {'burst GB/s':>10} {'raw GB/s':>8} {'x raw':>6} "
+        f"{'spread':>6} {'raw spr':>7}"
     )
     for n in [int(x) for x in a.peers.split(",")]:
         r = initiator_rows(n, a.idle)
