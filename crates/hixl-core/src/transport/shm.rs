@@ -438,9 +438,11 @@ impl DataPath for ShmLink {
     }
 
     fn close(&self, why: Error) {
+        // The control link first: it records why, so that a caller that sees this link closed
+        // gets that reason.
+        self.tcp.close(why);
         self.closed.store(true, Ordering::Release);
         self.queue.close();
-        self.tcp.close(why);
         self.fail_queued();
         self.maps.lock().unwrap().clear();
     }

@@ -310,10 +310,18 @@ impl TcpLink {
     /// Bounded: no source blocks, so the locks taken here are held only briefly. Never called
     /// with a stream's `tx` or `rx` lock held.
     fn shut(&self, why: Error) -> bool {
-        let first = self.alive.swap(false, Ordering::AcqRel);
+        // The reason is set under its lock before the link reads as closed: a caller that sees
+        // it closed always finds why (FAILED after finalize, not a generic NOT_CONNECTED).
+        let first = {
+            let mut reason = self.reason.lock().unwrap();
+            let first = self.alive.swap(false, Ordering::AcqRel);
+            if first {
+                tracing::info!(peer = %self.peer, reason = %why.message, "closing link");
+                *reason = Some(why);
+            }
+            first
+        };
         if first {
-            tracing::info!(peer = %self.peer, reason = %why.message, "closing link");
-            *self.reason.lock().unwrap() = Some(why);
             self.queue.close();
             for s in &self.streams {
                 io::abort(s.sock.as_raw_fd());
