@@ -347,19 +347,9 @@ impl<T> WorkQueue<T> {
         weight: impl Fn(&T) -> u64,
         idle: Duration,
     ) -> bool {
-        let mut taken = 0u64;
         let mut spun = false;
         loop {
-            while out.len() < max && taken < max_weight {
-                match self.pop_from(lane) {
-                    Some(x) => {
-                        taken = taken.saturating_add(weight(&x));
-                        out.push(x);
-                    }
-                    None => break,
-                }
-            }
-            if !out.is_empty() {
+            if self.try_pop_weighted(lane, out, max, max_weight, &weight) || !out.is_empty() {
                 return true;
             }
             if self.closed.load(Ordering::Acquire) {

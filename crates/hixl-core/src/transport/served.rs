@@ -13,7 +13,7 @@ use crate::auth::{self, FrameMac, MAC_LEN};
 use crate::error::{Error, Result, Status};
 use crate::registry::{Abort, Pin, Registry};
 use crate::transport::io::{self, Received};
-use crate::transport::nbio::{self, fill, FrameReader, IoJob, Step};
+use crate::transport::nbio::{self, fill, FrameReader, IoJob, Outbox, Step};
 use crate::transport::reactor::{Interest, Source};
 use crate::transport::server::{Served, Server};
 use crate::wire::{self, Frame, Header, Seg, StridedSeg};
@@ -26,6 +26,64 @@ const READ_BUDGET: u64 = 16 << 20;
 const MAX_QUEUED_JOBS: usize = 256;
 /// Likewise, in bytes queued.
 const MAX_QUEUED_BYTES: u64 = 64 << 20;
+
+/// The sending half of a served stream, behind one lock: frames are sealed in the order they
+/// are queued, and that is the order they are sent in.
+pub(crate) struct SendState {
+    /// Seals outgoing frames (on an authenticated stream).
+    pub(crate) mac: FrameMac,
+    /// What waits to be sent.
+    pub(crate) out: Outbox,
+}
+
+impl SendState {
+    pub(crate) fn new() -> SendState {
+        SendState { mac: FrameMac::default(), out: Outbox::default() }
+    }
+
+    /// Seals a frame and queues it.
+    pub(crate) fn queue_sealed(&mut self, b: &mut Vec<u8>) {
+        self.mac.seal(b);
+        self.out.push_frame(std::mem::take(b));
+    }
+
+    /// Everything queued went out: an update sent no longer counts as owed.
+    pub(crate) fn flushed(&mut self, s: &Served) {
+        if s.sent.load(Ordering::Acquire) >= s.due.load(Ordering::Acquire) {
+            *s.due_since.lock().unwrap() = None;
+        }
+    }
+
+    /// Queues the newest region table (or the changes since what the peer has) when an update
+    /// is due: the changes since the version this peer has, or (when the journal no longer
+    /// reaches back that far) the whole table.
+    pub(crate) fn queue_update(&mut self, s: &Served, ctx: &crate::transport::server::ServerCtx) {
+        let due = s.due.load(Ordering::Acquire);
+        let sent = s.sent.load(Ordering::Acquire);
+        if due <= sent || !s.welcomed.load(Ordering::Acquire) {
+            return;
+        }
+        let (version, frame) = match ctx.registry.changes_since(sent) {
+            Some(d) if d.version <= sent => {
+                s.sent.fetch_max(due, Ordering::AcqRel);
+                return;
+            }
+            Some(d) => (
+                d.version,
+                Frame::RegionsDelta { from: sent, version: d.version, added: d.added, removed: d.removed },
+            ),
+            None => {
+                let (version, regions) = ctx.registry.table();
+                (version, Frame::RegionsUpdate { version, regions })
+            }
+        };
+        let mut frame = wire::encode(&frame, 0, 0);
+        let before = self.out.bytes;
+        self.queue_sealed(&mut frame);
+        s.update_bytes.fetch_add(self.out.bytes - before, Ordering::Relaxed);
+        s.sent.fetch_max(version, Ordering::AcqRel);
+    }
+}
 
 /// Where the receiving side of a served stream is.
 pub(crate) enum RxState {

@@ -25,11 +25,9 @@ use crate::registry::{new_holder_id, Abort, Registry};
 use crate::transport::backend::Backend;
 use crate::transport::io;
 use crate::transport::local::LocalListener;
-use crate::transport::nbio::Outbox;
 use crate::transport::reactor::{Interest, Reactor, Source, Tick};
 use crate::transport::serve::serve;
-use crate::transport::served::{self, ServedRx};
-use crate::wire::{self, Frame};
+use crate::transport::served::{self, SendState, ServedRx};
 
 /// A source of connections for the pending-handshake caps: an IPv4 address, or an IPv6 /64
 /// (one host usually holds a whole /64).
@@ -80,64 +78,6 @@ pub struct ServerCtx {
     pub backends: Vec<Arc<dyn Backend>>,
     /// The engine's I/O workers, which serve the streams after their handshake.
     pub reactor: Arc<Reactor>,
-}
-
-/// The sending half of a served stream, behind one lock: frames are sealed in the order they
-/// are queued, and that is the order they are sent in.
-pub(crate) struct SendState {
-    /// Seals outgoing frames (on an authenticated stream).
-    pub(crate) mac: FrameMac,
-    /// What waits to be sent.
-    pub(crate) out: Outbox,
-}
-
-impl SendState {
-    fn new() -> SendState {
-        SendState { mac: FrameMac::default(), out: Outbox::default() }
-    }
-
-    /// Seals a frame and queues it.
-    pub(crate) fn queue_sealed(&mut self, b: &mut Vec<u8>) {
-        self.mac.seal(b);
-        self.out.push_frame(std::mem::take(b));
-    }
-
-    /// Everything queued went out: an update sent no longer counts as owed.
-    pub(crate) fn flushed(&mut self, s: &Served) {
-        if s.sent.load(Ordering::Acquire) >= s.due.load(Ordering::Acquire) {
-            *s.due_since.lock().unwrap() = None;
-        }
-    }
-
-    /// Queues the newest region table (or the changes since what the peer has) when an update
-    /// is due: the changes since the version this peer has, or (when the journal no longer
-    /// reaches back that far) the whole table.
-    pub(crate) fn queue_update(&mut self, s: &Served, ctx: &ServerCtx) {
-        let due = s.due.load(Ordering::Acquire);
-        let sent = s.sent.load(Ordering::Acquire);
-        if due <= sent || !s.welcomed.load(Ordering::Acquire) {
-            return;
-        }
-        let (version, frame) = match ctx.registry.changes_since(sent) {
-            Some(d) if d.version <= sent => {
-                s.sent.fetch_max(due, Ordering::AcqRel);
-                return;
-            }
-            Some(d) => (
-                d.version,
-                Frame::RegionsDelta { from: sent, version: d.version, added: d.added, removed: d.removed },
-            ),
-            None => {
-                let (version, regions) = ctx.registry.table();
-                (version, Frame::RegionsUpdate { version, regions })
-            }
-        };
-        let mut frame = wire::encode(&frame, 0, 0);
-        let before = self.out.bytes;
-        self.queue_sealed(&mut frame);
-        s.update_bytes.fetch_add(self.out.bytes - before, Ordering::Relaxed);
-        s.sent.fetch_max(version, Ordering::AcqRel);
-    }
 }
 
 /// One accepted stream.
