@@ -25,6 +25,7 @@ use crate::registry::{new_holder_id, Abort, Registry};
 use crate::transport::backend::Backend;
 use crate::transport::io;
 use crate::transport::local::LocalListener;
+use crate::transport::nbio;
 use crate::transport::reactor::{Interest, Reactor, Source, Tick};
 use crate::transport::serve::serve;
 use crate::transport::served::{self, SendState, ServedRx};
@@ -195,7 +196,7 @@ impl Server {
         srv.listener.set_nonblocking(true).map_err(|e| Error::failed(format!("listener: {e}")))?;
         let reactor = srv.ctx.reactor.clone();
         let acceptor = Arc::new(Acceptor(srv.clone()));
-        let token = reactor.add(srv.listener.as_raw_fd(), acceptor, Interest::Read)?;
+        let token = reactor.add(srv.listener.as_raw_fd(), acceptor, Interest::Read, reactor.next_shard())?;
         srv.accept_token.store(token, Ordering::Release);
         let tick: Arc<dyn Tick> = srv.clone();
         reactor.every(PUBLISH_CHECK, Arc::downgrade(&tick));
@@ -375,16 +376,17 @@ impl Server {
 
     /// Hands a stream whose handshake ended to the I/O workers (`rx` opens its frames).
     pub(crate) fn start_serving(self: &Arc<Self>, s: &Arc<Served>, rx: FrameMac) -> std::io::Result<()> {
-        s.sock.set_nonblocking(true)?;
+        nbio::prepare(&s.sock)?;
         *s.rx.lock().unwrap() = ServedRx::new(rx);
         let reactor = &self.ctx.reactor;
         let w = Arc::new(served::Writer { srv: self.clone(), served: s.clone() });
         let r = Arc::new(served::Reader { srv: self.clone(), served: s.clone() });
+        let shard = reactor.next_shard();
         let wt = reactor
-            .add(s.wsock.as_raw_fd(), w, Interest::Idle)
+            .add(s.wsock.as_raw_fd(), w, Interest::Idle, shard)
             .map_err(|e| std::io::Error::other(e.message))?;
         s.writer_token.store(wt, Ordering::Release);
-        let rt = match reactor.add(s.sock.as_raw_fd(), r, Interest::Read) {
+        let rt = match reactor.add(s.sock.as_raw_fd(), r, Interest::Read, shard) {
             Ok(t) => t,
             Err(e) => {
                 reactor.remove(wt);

@@ -20,7 +20,7 @@ use crate::stats::PeerStats;
 use crate::transport::handshake::{self, connect_one};
 use crate::transport::io;
 use crate::transport::liveness::Liveness;
-use crate::transport::nbio::{FrameReader, IoJob, Outbox};
+use crate::transport::nbio::{self, FrameReader, IoJob, Outbox};
 use crate::transport::reactor::{Interest, Reactor};
 use crate::transport::{DataPath, PeerInfo};
 
@@ -206,7 +206,7 @@ impl TcpLink {
         let info = info.ok_or_else(|| Error::param("hixl.streams must be at least 1"))?;
         let mut streams = Vec::with_capacity(socks.len());
         for (lane, (sock, (tx, rx))) in socks.into_iter().zip(macs).enumerate() {
-            let wsock = sock.try_clone().and_then(|w| sock.set_nonblocking(true).map(|_| w));
+            let wsock = sock.try_clone().and_then(|w| nbio::prepare(&sock).map(|_| w));
             let wsock = wsock.map_err(|e| Error::not_connected(format!("stream to {peer}: {e}")))?;
             streams.push(Arc::new(Stream {
                 lane,
@@ -246,10 +246,12 @@ impl TcpLink {
         for s in &link.streams {
             let w = Arc::new(send::Writer { link: link.clone(), stream: s.clone() });
             let r = Arc::new(recv::Reader { link: link.clone(), stream: s.clone() });
+            // Both directions of a stream on one worker; the link's streams on different ones.
+            let shard = link.reactor.next_shard();
             let added = link
                 .reactor
-                .add(s.wsock.as_raw_fd(), w, Interest::Idle)
-                .and_then(|wt| Ok((wt, link.reactor.add(s.sock.as_raw_fd(), r, Interest::Read)?)));
+                .add(s.wsock.as_raw_fd(), w, Interest::Idle, shard)
+                .and_then(|wt| Ok((wt, link.reactor.add(s.sock.as_raw_fd(), r, Interest::Read, shard)?)));
             match added {
                 Ok((wt, rt)) => {
                     s.writer_token.store(wt, Ordering::Release);
