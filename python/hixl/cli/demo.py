@@ -15,6 +15,7 @@ model: identical -> exit 0; different -> exit 1 naming the first mismatch.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -40,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
-        help="where the model and its KV cache live (default cpu; cuda is not built yet)",
+        help="where the KV cache lives (default cpu; cuda: torch CUDA tensors on cuda:0, moved "
+        "GPU to GPU; the model itself computes in numpy)",
     )
     p.add_argument("--layers", type=_int_in(1, 64), default=6, help="model layers (default 6)")
     p.add_argument("--heads", type=_int_in(1, 64), default=8, help="attention heads (default 8)")
@@ -95,10 +97,15 @@ def _worker(a: argparse.Namespace) -> int:
     opts = {"hixl.backends": a.transport}
     cfg = hixl.TransferConfig(max_concurrent=4, timeout_ms=a.timeout_ms)
     cache_arr = model.layout(a.prompt_len - 1).array()
+    # --device cuda: the registered cache is a torch CUDA tensor; the numpy model works on
+    # cache_arr, and each layer crosses between the two at the layer's boundary.
+    dev = _device_cache(cache_arr) if a.device == "cuda" else None
+    kv: Any = cache_arr if dev is None else dev
+    mem = "host" if dev is None else "device"
     out: dict[str, Any] = {}
     if a.worker == "decode":
         me = hixl.init(cluster_id=1, role="decoder", listen="127.0.0.1:0", options=opts)
-        cache = hixl.allocate_cache(cache_arr, name="kv")
+        cache = hixl.allocate_cache(kv, mem_type=mem, name="kv")
         syncer = hixl.LayerSynchronizer(model.L)
         task = hixl.receive_cache_async(0, cache, syncer, cfg)
         print(f"READY {me.address}", flush=True)
@@ -108,6 +115,8 @@ def _worker(a: argparse.Namespace) -> int:
 
         def layer_wait(k: int) -> None:
             syncer.wait_layer(k, timeout_ms=a.timeout_ms)
+            if dev is not None:
+                cache_arr[k] = dev[k].cpu().numpy()
             used[k] = time.monotonic()
             if corrupt and k == 0:  # test hook: proves a wrong KV layer is caught
                 cache_arr[0] = 0
@@ -121,11 +130,19 @@ def _worker(a: argparse.Namespace) -> int:
         hixl.init(
             cluster_id=0, role="prompt", listen="127.0.0.1:0", options=opts, peers={1: a.peer}
         )
-        cache = hixl.allocate_cache(cache_arr, name="kv")
+        cache = hixl.allocate_cache(kv, mem_type=mem, name="kv")
         syncer = hixl.LayerSynchronizer(model.L)
         start = time.monotonic()
         task = hixl.transfer_cache_async(1, cache, syncer, mode="push", transfer_config=cfg)
-        model.prefill(prompt, cache_arr, syncer.layer_ready)
+
+        def layer_ready(k: int) -> None:
+            if dev is not None:
+                torch = _torch()
+                dev[k].copy_(torch.from_numpy(cache_arr[k]))
+                torch.cuda.synchronize()  # hixl's copies do not wait for torch's stream
+            syncer.layer_ready(k)
+
+        model.prefill(prompt, cache_arr, layer_ready)
         computed_end = time.monotonic()
         res = task.wait(a.timeout_ms)
         from ..datadist._context import context
@@ -143,6 +160,32 @@ def _worker(a: argparse.Namespace) -> int:
     hixl.finalize()
     print(json.dumps(out), flush=True)
     return 0
+
+
+def _torch() -> Any:
+    return importlib.import_module("torch")  # optional dependency (--device cuda)
+
+
+def _device_cache(like: Any) -> Any:
+    """A zeroed torch CUDA tensor of `like`'s shape and dtype on cuda:0."""
+    torch = _torch()
+    return torch.zeros(like.shape, dtype=torch.from_numpy(like[:0]).dtype, device="cuda:0")
+
+
+def _cuda_missing() -> str | None:
+    """Why `--device cuda` cannot run here (naming the missing piece), or None."""
+    from .._hixl import cuda_info
+
+    info = cuda_info()
+    if not info["available"]:
+        return f"CUDA not found: {info['reason']}"
+    try:
+        torch = _torch()
+    except ImportError:
+        return "torch is not installed (the KV cache on the GPU is a torch CUDA tensor)"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device (a CPU-only build of torch?)"
+    return None
 
 
 def _spawn(a: argparse.Namespace, role: str, peer: str | None = None) -> subprocess.Popen[str]:
@@ -169,6 +212,8 @@ def _spawn(a: argparse.Namespace, role: str, peer: str | None = None) -> subproc
         str(a.seed),
         "--timeout-ms",
         str(a.timeout_ms),
+        "--device",
+        a.device,
     ]
     if peer:
         cmd += ["--peer", peer]
@@ -197,15 +242,9 @@ def _result(proc: subprocess.Popen[str], who: str, timeout_s: float) -> dict[str
 
 def run(args: argparse.Namespace) -> int:
     if args.device == "cuda":
-        from .._hixl import cuda_info
-
-        info = cuda_info()
-        why = (
-            "the demo's model runs in numpy; a CUDA port of it is not built"
-            if info["available"]
-            else f"CUDA not found: {info['reason']}"
-        )
-        args.parser.error(f"--device cuda: Unsupported: {why}")
+        why = _cuda_missing()
+        if why is not None:
+            args.parser.error(f"--device cuda: Unsupported: {why}")
     if args.worker:
         return _worker(args)
     model = _model(args)
@@ -256,6 +295,7 @@ def _report(
     )
     doc = {
         "transport": pre["backend"],
+        "device": a.device,
         "layers": a.layers,
         "heads": a.heads,
         "head_dim": a.head_dim,
@@ -279,7 +319,7 @@ def _report(
         print(
             f"hixl demo: {a.layers} layers, {a.heads} heads x {a.head_dim} (head row stride "
             f"{layout.head_stride} B), prompt {a.prompt_len} tokens, {a.tokens} new tokens, "
-            f"transport {pre['backend']}"
+            f"transport {pre['backend']}, KV cache on {'cuda:0' if a.device == 'cuda' else 'cpu'}"
         )
         print("ms since prefill started; prefill: computed, submitted, acked (saw its write")
         print("complete); decode: arrived (saw the layer), used (ran the layer on it)")

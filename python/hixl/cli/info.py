@@ -92,8 +92,13 @@ def gather() -> dict[str, Any]:
     else:
         transports["cuda_ipc"] = {"available": False, "detail": f"CUDA not found: {cuda['reason']}"}
     transports["cuda_staging"] = {
-        "available": False,
-        "detail": "not built: device memory between hosts (staging over TCP) raises Unsupported",
+        "available": bool(cuda["available"]) and transports["tcp"]["available"],
+        "detail": (
+            "device memory over tcp through pinned host buffers (hixl.cuda.stage_chunk, "
+            "hixl.cuda.stage_depth)"
+            if cuda["available"]
+            else f"CUDA not found: {cuda['reason']}"
+        ),
     }
     return {
         **describe(),

@@ -61,6 +61,9 @@ pub const IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
 /// `CU_MEMHOSTREGISTER_PORTABLE`: pinned for every context.
 pub const MEMHOSTREGISTER_PORTABLE: c_uint = 1;
 
+/// `CU_MEMHOSTALLOC_PORTABLE`: pinned host memory usable from every context.
+pub const MEMHOSTALLOC_PORTABLE: c_uint = 1;
+
 /// `CUipcMemHandle`: 64 opaque bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -135,6 +138,9 @@ driver_table! {
     mem_alloc = "cuMemAlloc_v2": fn(*mut CuDevicePtr, usize);
     mem_free = "cuMemFree_v2": fn(CuDevicePtr);
     memset_d8 = "cuMemsetD8_v2": fn(CuDevicePtr, u8, usize);
+    mem_host_alloc = "cuMemHostAlloc": fn(*mut *mut c_void, usize, c_uint);
+    mem_free_host = "cuMemFreeHost": fn(*mut c_void);
+    event_synchronize = "cuEventSynchronize": fn(CuHandle);
 }
 
 /// The loaded driver with its device count, or why there is none.

@@ -12,6 +12,7 @@ pub(crate) mod hold;
 pub(crate) mod key;
 pub(crate) mod plan;
 pub(crate) mod runtime;
+pub(crate) mod stage_plan;
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 

@@ -81,6 +81,8 @@ struct Running {
     connects: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// The I/O workers and timer that run every TCP stream of the engine.
     reactor: Arc<Reactor>,
+    /// Runs requests that stage device memory over `tcp` (threads made at the first one).
+    stager: crate::transport::cuda_stage::Stager,
 }
 
 /// A transfer engine (one per process is typical). All methods take `&self` and are thread-safe.
@@ -191,6 +193,7 @@ impl Engine {
         };
         tracing::info!(engine = %local, "engine initialized");
         let auto_connect = opts.auto_connect.clone();
+        let stager = crate::transport::cuda_stage::Stager::new(opts.stage_chunk, opts.stage_depth);
         *st = Some(Arc::new(Running {
             local_engine: local,
             host,
@@ -207,6 +210,7 @@ impl Engine {
             unconfirmed: Mutex::new(HashMap::new()),
             connects: Mutex::new(Vec::new()),
             reactor,
+            stager,
         }));
         drop(st);
         // HIXL's AutoConnect: connect in the background; each result is the peer's connect
@@ -475,3 +479,6 @@ fn warn_open_listener(bound: &str) {
         );
     });
 }
+
+#[cfg(test)]
+mod stage_tests;

@@ -46,14 +46,19 @@ impl Engine {
             check_notify(n)?;
         }
         let write = op == TransferOp::Write;
+        let mut device = false;
         let (segs, pins, bytes) =
-            with_fresh_table(&r, &conn, |miss| validate(&r, &conn, remote, descs, write, miss))?;
-        let parts = split(segs, bytes, conn.link.parallelism(), r.opts.split_bytes);
+            with_fresh_table(&r, &conn, |miss| validate(&r, &conn, remote, descs, write, miss, &mut device))?;
+        let staged = device && staged(&conn);
+        let parts =
+            if staged { vec![segs] } else { split(segs, bytes, conn.link.parallelism(), r.opts.split_bytes) };
         let bodies = parts.into_iter().map(PartBody::Data).collect();
-        self.submit(&r, &conn, remote, op, bodies, bytes, descs.len(), pins, notify, timeout)
+        self.submit(&r, &conn, remote, op, (bodies, staged), bytes, descs.len(), pins, notify, timeout)
     }
 
-    /// Makes the request for validated parts and queues them on the peer's link.
+    /// Makes the request for validated parts and queues them on the peer's link; `staged`:
+    /// they touch device memory over `tcp`, and the engine's stager carries them as one part
+    /// (`transport::cuda_stage`).
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -61,7 +66,7 @@ impl Engine {
         conn: &PeerConn,
         remote: &str,
         op: TransferOp,
-        bodies: Vec<PartBody>,
+        (bodies, staged): (Vec<PartBody>, bool),
         bytes: u64,
         descs: usize,
         pins: Vec<Pin>,
@@ -71,7 +76,8 @@ impl Engine {
         let timeout = timeout.unwrap_or(r.opts.transfer_timeout);
         let id = r.next_req.fetch_add(1, Ordering::Relaxed);
         let extra = usize::from(notify.is_some());
-        let n = bodies.len();
+        let n = if staged { 1 } else { bodies.len() };
+        let device = crate::transport::cuda_stage::device_of(&pins);
         let first = match bodies.first() {
             Some(PartBody::Data(segs)) => segs.first().map(|s| (s.local, s.remote)),
             Some(PartBody::Strided(st)) => Some((st.local, st.remote)),
@@ -80,10 +86,15 @@ impl Engine {
         let (local, remote_addr) = first.unwrap_or((0, 0));
         let req = Request::new(id, op, remote.to_string(), bytes, descs, n, timeout, pins, notify);
         let req = Arc::new(req.with_first_addrs(local, remote_addr));
-        let parts: Vec<Part> = bodies.into_iter().map(|body| Part { req: req.clone(), body }).collect();
         let stats = conn.link.stats();
         stats.in_flight.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = conn.link.submit(parts, extra) {
+        let submitted = if staged {
+            r.stager.submit(conn.link.clone(), req.clone(), bodies, device)
+        } else {
+            let parts: Vec<Part> = bodies.into_iter().map(|body| Part { req: req.clone(), body }).collect();
+            conn.link.submit(parts, extra)
+        };
+        if let Err(e) = submitted {
             // Refused before any backend took it: not counted as an operation, no longer in
             // flight (unless a part reached the completer, which counted it).
             if req.account(conn.link.backend()) {
@@ -190,12 +201,13 @@ impl Engine {
             check_notify(n)?;
         }
         let write = op == TransferOp::Write;
-        let (st, pins) = with_fresh_table(&r, &conn, |miss| {
+        let (st, pins, device) = with_fresh_table(&r, &conn, |miss| {
             validate_strided(&r, &conn, remote, (local_base, remote_base), d, write, miss)
         })?;
-        let shares = if st.bytes() >= r.opts.split_bytes { conn.link.parallelism() } else { 1 };
+        let staged = device && staged(&conn);
+        let shares = if st.bytes() >= r.opts.split_bytes && !staged { conn.link.parallelism() } else { 1 };
         let bodies: Vec<PartBody> = st.split(shares).into_iter().map(PartBody::Strided).collect();
-        self.submit(&r, &conn, remote, op, bodies, st.bytes(), 1, pins, notify, timeout)
+        self.submit(&r, &conn, remote, op, (bodies, staged), st.bytes(), 1, pins, notify, timeout)
     }
 
     /// Status of a request (WAITING turns into TIMEOUT past its deadline).
@@ -322,4 +334,10 @@ fn remember(conn: &PeerConn, req: &Arc<Request>) {
         recent.retain(|w| w.upgrade().is_some_and(|q| q.status() == TransferStatus::Waiting));
     }
     recent.push(Arc::downgrade(req));
+}
+
+/// Whether the peer's data path moves device memory by staging it (`tcp`); the others that
+/// serve device memory (`cuda_ipc`) copy it directly.
+fn staged(conn: &PeerConn) -> bool {
+    conn.link.backend() == "tcp"
 }

@@ -23,8 +23,8 @@ pub(super) fn check_domains(conn: &PeerConn, remote: &str, local: Domain, theirs
              {theirs} memory there{}",
             conn.link.backend(),
             if local.is_device() || theirs.is_device() {
-                " (device memory moves only over cuda_ipc, between processes of one host; staging \
-                 device memory over TCP is not built)"
+                " (device memory moves over cuda_ipc between processes of one host, and over tcp \
+                 through pinned host buffers)"
             } else {
                 ""
             }
@@ -61,6 +61,7 @@ pub(super) fn validate(
     descs: &[TransferOpDesc],
     write: bool,
     remote_miss: &mut bool,
+    device: &mut bool,
 ) -> Result<(Vec<SegPair>, Vec<Pin>, u64)> {
     let table = conn.control.table();
     let holder: Arc<dyn Abort> = conn.link.clone();
@@ -110,6 +111,7 @@ pub(super) fn validate(
             Some(e) => {
                 check_domains(conn, remote, local, e.domain)
                     .map_err(|e| e.context(&format!("descriptor {i}")))?;
+                *device |= local.is_device() || e.domain.is_device();
                 e.id
             }
         };
@@ -134,7 +136,7 @@ pub(super) fn validate_strided(
     d: &StridedDesc,
     write: bool,
     remote_miss: &mut bool,
-) -> Result<(Strided, Vec<Pin>)> {
+) -> Result<(Strided, Vec<Pin>, bool)> {
     let rstride = d.remote_stride.unwrap_or(d.stride);
     if d.count == 0 {
         return Err(Error::param("count=0: a strided descriptor needs at least one element"));
@@ -182,7 +184,7 @@ pub(super) fn validate_strided(
     }
     let holder: Arc<dyn Abort> = conn.link.clone();
     let pin = region.pin(&holder)?;
-    match conn.control.table().find(remote_base, rspan) {
+    let remote_device = match conn.control.table().find(remote_base, rspan) {
         None => {
             *remote_miss = true;
             return Err(Error::param(format!(
@@ -190,8 +192,11 @@ pub(super) fn validate_strided(
         )));
         }
         Some(e) if write && !e.writable => return Err(read_only(remote_base, rspan)),
-        Some(e) => check_domains(conn, remote, region.mem_type, e.domain)?,
-    }
+        Some(e) => {
+            check_domains(conn, remote, region.mem_type, e.domain)?;
+            e.domain.is_device()
+        }
+    };
     let st = Strided {
         local: local_base,
         remote: remote_base,
@@ -200,7 +205,7 @@ pub(super) fn validate_strided(
         lstride: d.stride,
         rstride,
     };
-    Ok((st, vec![pin]))
+    Ok((st, vec![pin], region.mem_type.is_device() || remote_device))
 }
 
 /// A READ into a local region registered immutable: nothing hixl does writes into it.

@@ -107,6 +107,11 @@ pub struct Options {
     pub shm_threads: usize,
     /// `hixl.cuda.streams`: CUDA streams an engine spreads device copies over.
     pub cuda_streams: usize,
+    /// `hixl.cuda.stage_chunk`: bytes of one pinned bounce slot when device memory is staged
+    /// over TCP.
+    pub stage_chunk: u64,
+    /// `hixl.cuda.stage_depth`: bounce slots (chunks under way) per staged request.
+    pub stage_depth: usize,
     /// `hixl.strict_alignment`: strided bases and strides must be multiples of 64 bytes.
     pub strict_alignment: bool,
     /// `hixl.tcp.coalesce_us`: a TCP writer waits this long for more small requests (0 = off).
@@ -303,6 +308,24 @@ pub const SPECS: &[OptionSpec] = &[
         }
     }),
     spec(
+        "hixl.cuda.stage_chunk",
+        "4194304",
+        "bytes of one pinned bounce slot when device memory is staged over TCP (65536..67108864)",
+        |o, k, v| {
+            o.stage_chunk = int(k, v, 64 << 10, crate::transport::cuda_stage::target::MAX_FRAME)?;
+            Ok(())
+        },
+    ),
+    spec(
+        "hixl.cuda.stage_depth",
+        "4",
+        "bounce slots (chunks under way) per request when device memory is staged over TCP (2..16)",
+        |o, k, v| {
+            o.stage_depth = int(k, v, 2, 16)? as usize;
+            Ok(())
+        },
+    ),
+    spec(
         "hixl.strict_alignment",
         "1",
         "1: strided bases and strides must be multiples of 64 bytes; 0: any",
@@ -429,6 +452,8 @@ impl Options {
             shm_threads: 0,
             io_threads: 0,
             cuda_streams: 0,
+            stage_chunk: 0,
+            stage_depth: 0,
             strict_alignment: false,
             coalesce: Duration::ZERO,
             coalesce_max_ops: 0,

@@ -295,6 +295,12 @@ impl Request {
         self.parts_left.fetch_sub(1, Ordering::AcqRel) == 1
     }
 
+    /// Parts not reported yet: 0 once every backend that carried one stopped touching its
+    /// memory (a request settled by its deadline may still have parts under way).
+    pub(crate) fn parts_outstanding(&self) -> usize {
+        self.parts_left.load(Ordering::Acquire)
+    }
+
     /// Adds parts (the notify sent after the data).
     pub fn add_parts(&self, n: usize) {
         self.parts_left.fetch_add(n, Ordering::AcqRel);

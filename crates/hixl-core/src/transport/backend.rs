@@ -195,7 +195,8 @@ impl Backend for SameProcess {
 }
 
 /// Any host: TCP streams of its own (`hixl.tcp.streams` of them), apart from the control
-/// channel's; bytes go straight between sockets and registered memory.
+/// channel's; bytes go straight between sockets and registered host memory, and device memory
+/// through pinned bounce buffers (`cuda_stage`).
 struct Tcp;
 
 impl Backend for Tcp {
@@ -204,7 +205,7 @@ impl Backend for Tcp {
     }
 
     fn domains(&self) -> &'static [(Domain, Domain)] {
-        HOST_TO_HOST
+        super::cuda_stage::TCP_PAIRS
     }
 
     fn connect(

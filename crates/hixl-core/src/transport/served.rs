@@ -12,6 +12,7 @@ use std::sync::Arc;
 use crate::auth::{self, FrameMac, MAC_LEN};
 use crate::error::{Error, Result, Status};
 use crate::registry::{Abort, Pin, Registry};
+use crate::transport::cuda_stage;
 use crate::transport::io::{self, Received};
 use crate::transport::nbio::{self, fill, FrameReader, IoJob, Outbox, Step};
 use crate::transport::reactor::{Interest, Source};
@@ -93,6 +94,8 @@ pub(crate) enum RxState {
     Bulk(Box<WriteBulk>),
     /// A refused frame's bytes being skipped; then `ack` answers it.
     Discard { tag: u64, left: u64, ack: Frame },
+    /// A WRITE into device memory, received into a pinned buffer (see `cuda_stage::target`).
+    Staged(Box<cuda_stage::target::StagedWrite>),
 }
 
 /// A WRITE being received.
@@ -217,6 +220,18 @@ fn read_some(srv: &Server, s: &Arc<Served>) -> std::io::Result<Interest> {
                     return Ok(Interest::Read);
                 }
                 answer(srv, s, &ack, tag)?;
+            }
+            RxState::Staged(mut w) => {
+                if w.recv(fd, &mut budget)? == Step::WouldBlock {
+                    rx.state = RxState::Staged(w);
+                    return Ok(Interest::Read);
+                }
+                let tag = w.tag;
+                let (ack, close) = w.finish();
+                answer(srv, s, &ack, tag)?;
+                if let Some(e) = close {
+                    return Err(e);
+                }
             }
             RxState::Bulk(mut w) => {
                 // SAFETY: every range was checked to lie inside a registered region, and those
@@ -373,6 +388,17 @@ fn start_write(
 ) -> RxState {
     let mac_len = if data_mac { MAC_LEN as u64 } else { 0 };
     match ranges.pin(&ctx.registry, s, true) {
+        Ok(pins) if cuda_stage::target::touches_device(&pins) => {
+            let list = ranges.list();
+            match cuda_stage::target::start_write(h.tag, h.bulk_len, pins, list, rx_mac.data_hasher(seq)) {
+                Ok(w) => RxState::Staged(Box::new(w)),
+                Err(e) => RxState::Discard {
+                    tag: h.tag,
+                    left: h.bulk_len + mac_len,
+                    ack: Frame::Ack { status: e.code(), message: e.message },
+                },
+            }
+        }
         Ok(pins) => {
             let mut job = IoJob::default();
             ranges.for_each(|addr, len| job.push_raw(addr, len));
@@ -408,9 +434,21 @@ fn serve_read(srv: &Server, s: &Arc<Served>, h: &Header, ranges: OwnedRanges) ->
         Ok(p) => p,
         Err(e) => return answer(srv, s, &Frame::ReadResp { status: e.code(), message: e.message }, h.tag),
     };
+    // Device memory: its bytes are copied into a pinned buffer and sent from there.
+    let (ranges, staged) = if cuda_stage::target::touches_device(&pins) {
+        match cuda_stage::target::stage_read(&pins, &ranges.list(), total) {
+            Ok((addr, lease)) => (OwnedRanges::List(vec![Seg { addr, len: total }]), Some(lease)),
+            Err(e) => {
+                return answer(srv, s, &Frame::ReadResp { status: e.code(), message: e.message }, h.tag)
+            }
+        }
+    } else {
+        (ranges, None)
+    };
     // Registered memory unmapped since: refuse before the reply promises its bytes. (A page
     // made PROT_NONE is still mapped; sending from it fails mid-reply and closes the stream.)
-    if let Some(p) = pins.iter().find(|p| !io::is_mapped(p.region().addr, p.region().len)) {
+    let host = staged.is_none();
+    if let Some(p) = pins.iter().find(|p| host && !io::is_mapped(p.region().addr, p.region().len)) {
         let message = format!(
             "the target's registered region 0x{:x}+{} is no longer mapped (unmapped since it was \
              registered)",
@@ -433,6 +471,9 @@ fn serve_read(srv: &Server, s: &Arc<Served>, h: &Header, ranges: OwnedRanges) ->
             job.push_owned(auth::data_mac(&hasher).to_vec());
         }
         job.hold(Box::new(pins));
+        if let Some(lease) = staged {
+            job.hold(Box::new(lease));
+        }
         tx.out.push(job);
     }
     send_now(srv, s)
@@ -473,6 +514,13 @@ impl OwnedRanges {
                 Ok(vec![region.pin(holder)?])
             }
         }
+    }
+
+    /// Every (address, length) of the ranges, in order.
+    fn list(&self) -> Vec<(u64, u64)> {
+        let mut v = Vec::new();
+        self.for_each(|a, n| v.push((a, n)));
+        v
     }
 
     /// Calls `f` with every (address, length) of the ranges, in order.

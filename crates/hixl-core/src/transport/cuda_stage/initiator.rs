@@ -1,0 +1,287 @@
+//! The initiator's side of staging: the engine's [`Stager`] runs requests over `tcp` that
+//! touch device memory, chunk by chunk, as ordinary host transfers on the link.
+//!
+//! Each chunk is a *child* request of one part whose local side is a pinned slot (or, when
+//! only the peer's memory is on a device, the caller's host memory). Children are counted as
+//! accounted from birth, so the link's completer settles them without counting them in the
+//! peer's stats; the caller's request is counted once, when the stager finishes its one part
+//! after the last chunk's copy ended. A slot is used again only when its child's part was
+//! reported by the link (its bytes left the socket or the link closed), and the caller's part
+//! is finished only after every child and every copy ended, so the caller's regions stay
+//! pinned for as long as anything touches them.
+
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::{unsupported_here, CopyStream, PinnedBuf};
+use crate::complete::{Completer, Next};
+use crate::cuda::stage_plan::{chunks, Act, Chunk, Flow, Pipeline};
+use crate::error::{Error, Result};
+use crate::queue::{Part, PartBody, Request, SegPair, TransferOp, TransferStatus};
+use crate::transport::DataPath;
+use crate::wire::MAX_DESCS;
+
+/// Worker threads of an engine's stager (`hixl-stage<i>`), made at the first staged request:
+/// each runs one request at a time with its own ring per device, so this many staged
+/// requests overlap. Fixed: the pipeline inside a request is what keeps the link busy.
+const WORKERS: usize = 2;
+
+/// One staged request.
+struct Job {
+    link: Arc<dyn DataPath>,
+    req: Arc<Request>,
+    segs: Vec<SegPair>,
+    /// The device of the local memory; None: local memory is host memory (the peer stages).
+    device: Option<u8>,
+}
+
+/// The engine's staging workers and their settings.
+pub(crate) struct Stager {
+    chunk: u64,
+    depth: usize,
+    tx: Mutex<Option<Sender<Job>>>,
+    rx: Arc<Mutex<Receiver<Job>>>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Stager {
+    /// A stager with slots of `chunk` bytes, `depth` per request (no thread yet).
+    pub(crate) fn new(chunk: u64, depth: usize) -> Stager {
+        let (tx, rx) = channel();
+        Stager {
+            chunk: chunk.max(1),
+            depth: depth.max(1),
+            tx: Mutex::new(Some(tx)),
+            rx: Arc::new(Mutex::new(rx)),
+            workers: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Takes a request (one part outstanding) whose `bodies` touch device memory; `device`:
+    /// the device of its local memory, if that is device memory. UNSUPPORTED (and nothing
+    /// queued) when CUDA is needed here and not found.
+    pub(crate) fn submit(
+        &self,
+        link: Arc<dyn DataPath>,
+        req: Arc<Request>,
+        bodies: Vec<PartBody>,
+        device: Option<u8>,
+    ) -> Result<()> {
+        if device.is_some() {
+            if let Some(e) = unsupported_here("staging device memory over TCP") {
+                return Err(e);
+            }
+        }
+        let mut segs = Vec::new();
+        for b in bodies {
+            match b {
+                PartBody::Data(s) => segs.extend(s),
+                PartBody::Strided(st) => {
+                    let _ = st.for_each_chunk(4096, |c| {
+                        segs.extend_from_slice(c);
+                        Ok::<(), ()>(())
+                    });
+                }
+                PartBody::Notify(_) => {}
+            }
+        }
+        self.start()?;
+        let tx = self.tx.lock().unwrap();
+        let tx = tx.as_ref().ok_or_else(|| Error::not_connected("the engine is finalizing"))?;
+        tx.send(Job { link, req, segs, device }).map_err(|_| Error::not_connected("the stager has stopped"))
+    }
+
+    fn start(&self) -> Result<()> {
+        let mut w = self.workers.lock().unwrap();
+        while w.len() < WORKERS {
+            let (rx, chunk, depth) = (self.rx.clone(), self.chunk, self.depth);
+            let h = std::thread::Builder::new()
+                .name(format!("hixl-stage{}", w.len()))
+                .spawn(move || work(&rx, chunk, depth))
+                .map_err(|e| Error::failed(format!("cannot start a staging thread: {e}")))?;
+            w.push(h);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Stager {
+    fn drop(&mut self) {
+        self.tx.lock().unwrap().take();
+        let me = std::thread::current().id();
+        for h in self.workers.lock().unwrap().drain(..) {
+            if h.thread().id() != me {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+/// A worker's bounce slots and copy stream on one device.
+struct Ring {
+    buf: PinnedBuf,
+    stream: CopyStream,
+    chunk: u64,
+    depth: usize,
+}
+
+impl Ring {
+    fn slot(&self, k: usize) -> u64 {
+        self.buf.addr() + (k % self.depth) as u64 * self.chunk
+    }
+}
+
+fn work(rx: &Mutex<Receiver<Job>>, chunk: u64, depth: usize) {
+    let mut rings: Vec<Ring> = Vec::new();
+    loop {
+        let job = match rx.lock().unwrap().recv() {
+            Ok(j) => j,
+            Err(_) => return,
+        };
+        let res = run(&mut rings, &job, chunk, depth);
+        finish(&job, res);
+    }
+}
+
+/// The ring of `ordinal`, made on first use.
+fn ring(rings: &mut Vec<Ring>, ordinal: u8, chunk: u64, depth: usize) -> Result<&Ring> {
+    if let Some(i) = rings.iter().position(|r| r.stream.ordinal() == ordinal) {
+        return Ok(&rings[i]);
+    }
+    let buf = PinnedBuf::new(chunk * depth as u64)?;
+    let stream = CopyStream::new(ordinal, depth)?;
+    rings.push(Ring { buf, stream, chunk, depth });
+    Ok(rings.last().expect("just pushed"))
+}
+
+/// Runs one staged request's pipeline; Err: the first failure. Returns only after every copy
+/// and every child transfer it started has ended.
+fn run(rings: &mut Vec<Ring>, job: &Job, chunk: u64, depth: usize) -> Result<()> {
+    let plan = chunks(&job.segs, chunk, MAX_DESCS);
+    let flow = match (job.device, job.req.op) {
+        (None, _) => Flow::NetOnly,
+        (Some(_), TransferOp::Write) => Flow::CopyThenNet,
+        (Some(_), TransferOp::Read) => Flow::NetThenCopy,
+    };
+    let ring = match job.device {
+        Some(o) => Some(ring(rings, o, chunk, depth)?),
+        None => None,
+    };
+    let _ctx = ring.map(|r| r.stream.enter()).transpose()?;
+    let mut pipe = Pipeline::new(plan.len(), depth, flow);
+    let mut children: Vec<Option<Arc<Request>>> = vec![None; plan.len()];
+    let mut failed: Option<Error> = None;
+    loop {
+        if job.req.status() != TransferStatus::Waiting {
+            failed = Some(job.req.error().unwrap_or_else(|| Error::timeout("the request ended")));
+            break;
+        }
+        let act = pipe.next();
+        let step = match act {
+            Act::Done => break,
+            Act::Copy(k) => copy(ring, &plan[k], k, job.req.op),
+            Act::WaitCopy(k) => ring.map_or(Ok(()), |r| r.stream.wait(k % r.depth)),
+            Act::Net(k) => {
+                let segs = match ring {
+                    Some(r) => plan[k].net_segs(r.slot(k)),
+                    None => plan[k].direct_segs(),
+                };
+                send(job, &plan[k], segs).map(|c| children[k] = Some(c))
+            }
+            Act::WaitNet(k) => wait_child(children[k].as_ref().expect("sent before waited for")),
+        };
+        match step {
+            Ok(()) => pipe.did(act),
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    // Nothing may still touch the slots or the caller's memory when this returns.
+    if let Some(r) = ring {
+        if let Err(e) = r.stream.sync() {
+            failed.get_or_insert(e);
+        }
+    }
+    drain(&children);
+    failed.map_or(Ok(()), Err)
+}
+
+/// Issues the copies of chunk `k` between the caller's device memory and its slot, then
+/// records the slot's event.
+fn copy(ring: Option<&Ring>, c: &Chunk, k: usize, op: TransferOp) -> Result<()> {
+    let Some(r) = ring else { return Ok(()) };
+    let slot = r.slot(k);
+    for (local, off, len) in c.copies() {
+        let (dst, src) = match op {
+            TransferOp::Write => (slot + off, local),
+            TransferOp::Read => (local, slot + off),
+        };
+        // SAFETY: `local` lies in a region the caller's request keeps pinned until `finish`,
+        // which runs after the stream is synchronised; the slot range lies inside the ring's
+        // buffer (offsets below `chunk`), which this worker owns and reuses only after the
+        // copy's event and the chunk's transfer ended. The context is current (`run`).
+        unsafe { r.stream.copy(dst, src, len)? };
+    }
+    r.stream.record(k % r.depth)
+}
+
+/// Hands one chunk to the link as a child request.
+fn send(job: &Job, c: &Chunk, segs: Vec<SegPair>) -> Result<Arc<Request>> {
+    let req = &job.req;
+    let left = req.deadline().saturating_duration_since(Instant::now());
+    let child = Arc::new(Request::new(
+        req.id,
+        req.op,
+        req.peer.clone(),
+        c.bytes,
+        c.pieces.len(),
+        1,
+        left,
+        Vec::new(),
+        None,
+    ));
+    // Counted with the caller's request, not on its own.
+    child.account(job.link.backend());
+    job.link.submit(vec![Part { req: child.clone(), body: PartBody::Data(segs) }], 0)?;
+    Ok(child)
+}
+
+fn wait_child(child: &Request) -> Result<()> {
+    match child.wait(None) {
+        TransferStatus::Completed => Ok(()),
+        _ => Err(child.error().unwrap_or_else(|| Error::timeout("a staged chunk did not finish in time"))),
+    }
+}
+
+/// Waits until the link reported every child's part (a child settled by its deadline may
+/// still be on the wire, reading from or writing into memory the caller or the ring owns).
+/// The link reports every part it took, at the latest when it closes.
+fn drain(children: &[Option<Arc<Request>>]) {
+    let start = Instant::now();
+    let mut warned = false;
+    for c in children.iter().flatten() {
+        while c.parts_outstanding() > 0 {
+            if !warned && start.elapsed() > Duration::from_secs(10) {
+                warned = true;
+                tracing::warn!(peer = %c.peer, "a staged chunk is still on its link after 10 s; waiting for it");
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// Finishes the caller's one part: settles it, or sends the notification after the data.
+fn finish(job: &Job, res: Result<()>) {
+    let done = Completer::new(job.link.backend(), &job.req.peer, job.link.stats());
+    let part = Part { req: job.req.clone(), body: PartBody::Data(Vec::new()) };
+    if let Next::Notify(n) = done.finish(part, res) {
+        let req = n.req.clone();
+        if let Err(e) = job.link.submit(vec![n], 0) {
+            done.abandon(&req, e);
+        }
+    }
+}
