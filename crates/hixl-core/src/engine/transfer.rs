@@ -104,6 +104,9 @@ impl Engine {
             req.release_pins();
             return Err(e);
         }
+        if let Some(h) = conn.link.clone().wait_help() {
+            req.set_help(h);
+        }
         req.mark_posted();
         remember(conn, &req);
         Ok(req)

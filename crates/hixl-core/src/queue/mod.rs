@@ -18,7 +18,7 @@ mod future;
 mod request;
 pub use completion::CompletionQueue;
 pub use future::Completion;
-pub use request::{Request, Telemetry};
+pub use request::{Request, Telemetry, WaitHelp};
 
 /// Direction of a transfer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

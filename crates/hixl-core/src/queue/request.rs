@@ -2,12 +2,21 @@
 //! and the completion queue it reports to when an event loop awaits it.
 
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::{Completion, CompletionQueue, NotifyDesc, TransferOp, TransferStatus, SPIN};
 use crate::error::{Error, Result};
 use crate::registry::Pin;
+
+/// What a request's data path offers a thread that waits for the request: to do the work
+/// that ends it on that thread (TCP reads the answer to a small request on the waiting thread
+/// instead of waking a worker and handing the answer over).
+pub trait WaitHelp: Send + Sync {
+    /// Works toward ending `req` on the calling thread, returning when it ended, when `until`
+    /// passed, or when there is nothing to do here (the waiter then waits as usual).
+    fn help(&self, req: &Request, until: Instant);
+}
 
 /// A user transfer in flight.
 pub struct Request {
@@ -49,6 +58,8 @@ pub struct Request {
     /// Whether the deadline thread watches it (an awaited future asked).
     watched: AtomicBool,
     has_waker: AtomicBool,
+    /// Its data path's offer to waiting threads (set once, when it is submitted).
+    help: OnceLock<Weak<dyn WaitHelp>>,
 }
 
 impl Request {
@@ -91,7 +102,13 @@ impl Request {
             wakers: Mutex::new(Vec::new()),
             watched: AtomicBool::new(false),
             has_waker: AtomicBool::new(false),
+            help: OnceLock::new(),
         }
+    }
+
+    /// Lets threads that wait for this request do its path's work (see [`WaitHelp`]).
+    pub fn set_help(&self, help: Weak<dyn WaitHelp>) {
+        let _ = self.help.set(help);
     }
 
     /// The same request, naming `(local, remote)` as the addresses of its first segment.
@@ -145,6 +162,11 @@ impl Request {
         let until = timeout
             .and_then(|t| Instant::now().checked_add(t))
             .map_or(self.deadline, |u| self.deadline.min(u));
+        if let Some(h) = self.help.get().and_then(Weak::upgrade) {
+            if self.status() == TransferStatus::Waiting {
+                h.help(self, until);
+            }
+        }
         // Short spin (yielding, so the threads that complete us can run) before parking:
         // small transfers finish in tens of microseconds and a wake-up costs about as much.
         let spin_until = Instant::now() + SPIN;

@@ -73,6 +73,10 @@ pub trait DataPath: crate::registry::Abort + Send + Sync {
     fn close(&self, why: crate::error::Error);
     /// Per-peer counters.
     fn stats(&self) -> Arc<PeerStats>;
+    /// What it offers threads that wait for its requests (see [`crate::queue::WaitHelp`]).
+    fn wait_help(self: Arc<Self>) -> Option<std::sync::Weak<dyn crate::queue::WaitHelp>> {
+        None
+    }
     /// Request-queue slots in use and in all (`hixl.queue_depth`); (0, 0) for a path that
     /// queues nothing (it copies on the caller's thread).
     fn queue_slots(&self) -> (usize, usize) {

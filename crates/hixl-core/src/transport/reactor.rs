@@ -286,8 +286,12 @@ impl Reactor {
         self.timers.1.notify_all();
     }
 
+    fn entry(&self, token: u64) -> Option<Arc<Entry>> {
+        self.entries.read().unwrap().get(&token).cloned()
+    }
+
     fn dispatch(&self, token: u64, events: u32) {
-        let Some(e) = self.entries.read().unwrap().get(&token).cloned() else { return };
+        let Some(e) = self.entry(token) else { return };
         e.events.fetch_or(events, Ordering::AcqRel);
         loop {
             match e.state.compare_exchange(IDLE, RUNNING, Ordering::AcqRel, Ordering::Acquire) {
@@ -300,24 +304,63 @@ impl Reactor {
                 Err(_) => return, // AGAIN: it runs once more anyway
             }
         }
+        self.run_claimed(token, &e, None);
+    }
+
+    /// Runs a source this thread holds (RUNNING) until no wake-up arrived during a run, then
+    /// re-arms it with the interest the last run returned (`done`: a run already made).
+    fn run_claimed(&self, token: u64, e: &Entry, mut done: Option<Interest>) {
         loop {
-            let ev = e.events.swap(0, Ordering::AcqRel);
-            let interest = e.source.run(ev);
+            let interest = done.take().unwrap_or_else(|| e.source.run(e.events.swap(0, Ordering::AcqRel)));
             if interest == Interest::Gone {
                 self.remove(token);
                 e.state.store(IDLE, Ordering::Release);
                 return;
             }
-            let mut ev = libc::epoll_event { events: mask(interest), u64: token };
-            // SAFETY: `e` holds the source, which keeps the fd open; MOD of an fd removed
-            // meanwhile fails with ENOENT, which is fine.
-            unsafe {
-                libc::epoll_ctl(self.shards[e.shard].epfd.as_raw_fd(), libc::EPOLL_CTL_MOD, e.fd, &mut ev)
-            };
+            self.arm(e, token, interest);
             if e.state.compare_exchange(RUNNING, IDLE, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 return;
             }
             e.state.store(RUNNING, Ordering::Release);
+        }
+    }
+
+    fn arm(&self, e: &Entry, token: u64, interest: Interest) {
+        let mut ev = libc::epoll_event { events: mask(interest), u64: token };
+        // SAFETY: `e` holds the source, which keeps the fd open; MOD of an fd removed
+        // meanwhile fails with ENOENT, which is fine.
+        unsafe { libc::epoll_ctl(self.shards[e.shard].epfd.as_raw_fd(), libc::EPOLL_CTL_MOD, e.fd, &mut ev) };
+    }
+
+    /// Runs the source on the calling thread over and over: after each run, `more` (given
+    /// what the run returned) says how long to wait for the source's socket to become
+    /// readable before the next run (zero: yield the processor once), or `None` to hand the
+    /// source back to its worker. Its
+    /// worker is not woken for it meanwhile. This is how a thread waiting for the answer to
+    /// its own small request reads that answer itself: no worker wake-up, no hand-off.
+    /// False, with nothing run, when another thread runs the source now.
+    pub(crate) fn drive_here(&self, token: u64, mut more: impl FnMut(Interest) -> Option<Duration>) -> bool {
+        let Some(e) = self.entry(token) else { return false };
+        if e.state.compare_exchange(IDLE, RUNNING, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            return false;
+        }
+        self.arm(&e, token, Interest::Idle);
+        loop {
+            let interest = e.source.run(e.events.swap(0, Ordering::AcqRel));
+            let wait = if interest == Interest::Gone { None } else { more(interest) };
+            let Some(wait) = wait else {
+                self.run_claimed(token, &e, Some(interest));
+                return true;
+            };
+            if wait.is_zero() {
+                std::thread::yield_now();
+                continue;
+            }
+            let events = libc::POLLIN | libc::POLLRDHUP;
+            let mut p = libc::pollfd { fd: e.fd, events, revents: 0 };
+            let ms = wait.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+            // SAFETY: one valid pollfd; the entry keeps the fd open.
+            unsafe { libc::poll(&mut p, 1, ms) };
         }
     }
 

@@ -14,14 +14,14 @@ use std::time::{Duration, Instant};
 use crate::auth::{self, FrameMac, Secret, MAC_LEN};
 use crate::complete::{Completer, Next};
 use crate::error::{Error, Result};
-use crate::queue::{Part, PartBody, WorkQueue};
+use crate::queue::{Part, PartBody, Request, TransferStatus, WaitHelp, WorkQueue};
 use crate::registry::{new_holder_id, Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::handshake::{self, connect_one};
 use crate::transport::io;
 use crate::transport::liveness::Liveness;
 use crate::transport::nbio::{self, FrameReader, IoJob, Outbox};
-use crate::transport::reactor::{Interest, Reactor};
+use crate::transport::reactor::{self, Interest, Reactor};
 use crate::transport::{DataPath, PeerInfo};
 
 mod recv;
@@ -38,6 +38,9 @@ const BATCH_BYTES: u64 = 256 * 1024;
 /// Requests up to this size are sent by the calling thread when it finds the writer idle
 /// (no hand-off to an I/O worker); larger ones are handed off, so the call returns at once.
 const INLINE_BYTES: u64 = 256 * 1024;
+/// How long a thread reading its own answer waits on the socket before it looks at its
+/// request again (a request can end without a byte arriving: closed link, deadline).
+const WAIT_SLICE: Duration = Duration::from_millis(20);
 /// Bytes a writer sends per run before it lets the other sources of its worker have a turn.
 const WRITE_BUDGET: u64 = 16 << 20;
 /// Bytes a reader takes per run before it lets the other sources have a turn.
@@ -451,6 +454,38 @@ impl DataPath for TcpLink {
 
     fn queue_slots(&self) -> (usize, usize) {
         (self.queue.in_use(), self.queue.capacity())
+    }
+
+    fn wait_help(self: Arc<Self>) -> Option<std::sync::Weak<dyn WaitHelp>> {
+        let me: Arc<dyn WaitHelp> = self;
+        Some(Arc::downgrade(&me))
+    }
+}
+
+/// A small request whose writer ran on the submitting thread has its answer read there as
+/// well: the waiting thread sleeps on the stream's socket and runs its reader, so no I/O worker
+/// wakes up and nothing is handed over (one wake-up per request on this side instead of two).
+/// Anything else, or a stream whose reader another thread runs, waits as usual.
+impl WaitHelp for TcpLink {
+    fn help(&self, req: &Request, until: Instant) {
+        if req.bytes > INLINE_BYTES || !self.coalesce.is_zero() || reactor::on_reactor_thread() {
+            return;
+        }
+        let carries = |s: &&Arc<Stream>| {
+            s.pending.lock().unwrap().iter().any(|p| std::ptr::eq(Arc::as_ptr(&p.part.req), req))
+        };
+        let Some(s) = self.streams.iter().find(carries) else { return };
+        let token = s.reader_token.load(Ordering::Acquire);
+        // As `Request::wait` does: spin briefly (the answer often arrives within it), then sleep.
+        let spin_until = Instant::now() + crate::queue::SPIN;
+        self.reactor.drive_here(token, |_| {
+            let now = Instant::now();
+            let left = until.saturating_duration_since(now);
+            if req.status() != TransferStatus::Waiting || left.is_zero() {
+                return None;
+            }
+            Some(if now < spin_until { Duration::ZERO } else { left.min(WAIT_SLICE) })
+        });
     }
 }
 
