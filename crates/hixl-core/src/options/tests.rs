@@ -1,0 +1,72 @@
+//! Unit tests of option parsing.
+use super::*;
+
+#[test]
+fn old_keys_keep_working_as_aliases() {
+    let o = Options::parse(&map(&[("hixl.streams", "3"), ("hixl.shm_threads", "5")])).unwrap();
+    assert_eq!((o.streams, o.shm_threads), (3, 5));
+    for (v, want) in
+        [("auto", vec!["self", "cuda_ipc", "shm", "rdma", "tcp"]), ("shm", vec!["shm"]), ("TCP", vec!["tcp"])]
+    {
+        assert_eq!(Options::parse(&map(&[("hixl.transport", v)])).unwrap().backends, want);
+    }
+    let e = Options::parse(&map(&[("hixl.transport", "fast")])).unwrap_err();
+    assert!(e.message.contains("\"fast\""), "{e}");
+    let e = Options::parse(&map(&[("hixl.streams", "3"), ("hixl.tcp.streams", "4")])).unwrap_err();
+    assert!(e.message.contains("give one of them"), "{e}");
+}
+
+fn map(kv: &[(&str, &str)]) -> HashMap<String, String> {
+    kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+#[test]
+fn defaults_and_overrides() {
+    assert_eq!(Options::parse(&map(&[])).unwrap(), Options::default());
+    let o = Options::parse(&map(&[("hixl.tcp.streams", "4"), ("hixl.transfer_timeout_ms", "250")])).unwrap();
+    assert_eq!(o.streams, 4);
+    assert_eq!(o.backends, ["self", "cuda_ipc", "shm", "rdma", "tcp"], "fastest first by default");
+    assert_eq!(
+        (o.rdma.provider, o.rdma.port, o.rdma.gid_index, o.rdma.qps),
+        (rdma::Provider::Verbs, 1, 0, 2)
+    );
+    assert_eq!(o.transfer_timeout, Duration::from_millis(250));
+}
+
+#[test]
+fn cuda_streams_default_to_four_and_are_bounded() {
+    assert_eq!(Options::default().cuda_streams, 4);
+    assert_eq!(Options::parse(&map(&[("hixl.cuda.streams", "16")])).unwrap().cuda_streams, 16);
+    for bad in ["0", "65", "x"] {
+        let e = Options::parse(&map(&[("hixl.cuda.streams", bad)])).unwrap_err();
+        assert!(e.message.contains("hixl.cuda.streams"), "{e}");
+        let e = Options::parse(&map(&[("stream_count", bad)])).unwrap_err();
+        assert!(e.message.contains("stream_count"), "{e}");
+    }
+    // HIXL's stream_count is the same pool; hixl's own key wins when both are given.
+    assert_eq!(Options::parse(&map(&[("stream_count", "8")])).unwrap().cuda_streams, 8);
+    let both = map(&[("stream_count", "8"), ("hixl.cuda.streams", "2")]);
+    assert_eq!(Options::parse(&both).unwrap().cuda_streams, 2);
+}
+
+#[test]
+fn bad_keys_and_values_name_themselves() {
+    let e = Options::parse(&map(&[("hixl.stream", "4")])).unwrap_err();
+    assert!(e.message.contains("\"hixl.stream\"") && !e.message.contains("\"4\""), "{e}");
+    let e = Options::parse(&map(&[("hixl.tcp.streams", "0")])).unwrap_err();
+    assert!(e.message.contains("hixl.tcp.streams=\"0\""), "{e}");
+    let e = Options::parse(&map(&[("hixl.backends", "tcp,ib")])).unwrap_err();
+    assert!(e.message.contains("\"tcp,ib\"") && e.message.contains("shm, rdma, tcp"), "{e}");
+    let e = Options::parse(&map(&[("hixl.rdma.provider", "rxe")])).unwrap_err();
+    assert!(e.message.contains("hixl.rdma.provider=\"rxe\"") && e.message.contains("verbs or soft"), "{e}");
+    let e = Options::parse(&map(&[("hixl.rdma.device", "mlx5_0; rm")])).unwrap_err();
+    assert!(e.message.contains("hixl.rdma.device"), "{e}");
+    let o = Options::parse(&map(&[("RdmaTrafficClass", "106"), ("RdmaServiceLevel", "3")])).unwrap();
+    assert_eq!((o.rdma.traffic_class, o.rdma.service_level), (106, 3), "HIXL's keys act");
+    let e = Options::parse(&map(&[("RdmaTrafficClass", "1"), ("hixl.rdma.traffic_class", "2")])).unwrap_err();
+    assert!(e.message.contains("give one of them"), "{e}");
+    let e = Options::parse(&map(&[("hixl.rdma.qps", "65")])).unwrap_err();
+    assert!(e.message.contains("hixl.rdma.qps=\"65\""), "{e}");
+    let e = Options::parse(&map(&[("hixl.queue_depth", "lots")])).unwrap_err();
+    assert!(e.message.contains("lots"), "{e}");
+}
