@@ -47,9 +47,9 @@ pub(crate) fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::T
                     return Err(errors::param(format!("descs[{i}] must have 3 fields, got {}", item.len()?)));
                 }
                 out.push(hixl_core::TransferOpDesc {
-                    local_addr: types::uint(&format!("descs[{i}].local_addr"), &item.get_item(0)?)?,
-                    remote_addr: types::uint(&format!("descs[{i}].remote_addr"), &item.get_item(1)?)?,
-                    len: types::uint(&format!("descs[{i}].length"), &item.get_item(2)?)?,
+                    local_addr: types::uint_named(|| format!("descs[{i}].local_addr"), &item.get_item(0)?)?,
+                    remote_addr: types::uint_named(|| format!("descs[{i}].remote_addr"), &item.get_item(1)?)?,
+                    len: types::uint_named(|| format!("descs[{i}].length"), &item.get_item(2)?)?,
                 });
             } else {
                 let t = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();

@@ -98,6 +98,11 @@ pub(crate) fn wait_req(
     req: &hixl_core::TransferReq,
     timeout: Option<Duration>,
 ) -> PyResult<TransferStatus> {
+    // Already ended (a same-host copy made on the submitting thread): no second GIL release.
+    let now = req.status();
+    if now != hixl_core::TransferStatus::Waiting {
+        return Ok(now.into());
+    }
     let until = timeout.map(|t| Instant::now() + t);
     loop {
         let slice = match until {

@@ -7,6 +7,17 @@ use crate::errors;
 
 /// Reads a non-negative integer argument, naming it in the error.
 pub fn uint(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
+    uint_named(|| name.to_string(), v)
+}
+
+/// [`uint`], with the name made only for an error message (per-descriptor names in a hot loop
+/// cost an allocation each otherwise).
+pub fn uint_named(name: impl Fn() -> String, v: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if v.is_instance_of::<PyInt>() {
+        if let Ok(x) = v.extract::<u64>() {
+            return Ok(x);
+        }
+    }
     // Python ints, and integer scalars that say they are one (numpy's, via __index__).
     let v = if v.is_instance_of::<PyInt>() {
         v.clone()
@@ -14,11 +25,14 @@ pub fn uint(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
         i
     } else {
         let t = v.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-        return Err(errors::param(format!("{name} must be an int, got {t} {v}")));
+        return Err(errors::param(format!("{} must be an int, got {t} {v}", name())));
     };
     match v.extract::<u64>() {
         Ok(x) => Ok(x),
-        Err(_) => Err(errors::param(format!("{name}={v} is out of range: expected 0 <= {name} < 2**64"))),
+        Err(_) => {
+            let name = name();
+            Err(errors::param(format!("{name}={v} is out of range: expected 0 <= {name} < 2**64")))
+        }
     }
 }
 

@@ -121,7 +121,7 @@ impl Engine {
     fn running(&self) -> Result<Arc<Running>> {
         let r = self.state.lock().unwrap().clone();
         match r {
-            Some(r) if r.pid != std::process::id() => Err(Error::failed(format!(
+            Some(r) if r.pid != current_pid() => Err(Error::failed(format!(
                 "this engine was initialized in process {}; its threads do not survive fork() \
                  (this is process {}): create a new engine in the child",
                 r.pid,
@@ -482,3 +482,27 @@ fn warn_open_listener(bound: &str) {
 
 #[cfg(test)]
 mod stage_tests;
+
+/// This process's id, without a system call on every transfer (`getpid` was a tenth of a
+/// same-host 4 KiB transfer): cached, and forgotten in the child of a `fork()` by an atfork
+/// handler, so that an engine used across a fork is still caught.
+fn current_pid() -> u32 {
+    use std::sync::atomic::AtomicU32;
+    static PID: AtomicU32 = AtomicU32::new(0);
+    static HANDLER: std::sync::Once = std::sync::Once::new();
+    extern "C" fn forget_in_child() {
+        PID.store(0, Ordering::Relaxed);
+    }
+    HANDLER.call_once(|| {
+        // SAFETY: registers a handler that only stores to an atomic (async-signal-safe).
+        unsafe { libc::pthread_atfork(None, None, Some(forget_in_child)) };
+    });
+    match PID.load(Ordering::Relaxed) {
+        0 => {
+            let pid = std::process::id();
+            PID.store(pid, Ordering::Relaxed);
+            pid
+        }
+        pid => pid,
+    }
+}
