@@ -6,8 +6,10 @@ thread's context switches, with a real target process."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
+import pytest
 from conftest import random_bytes
 
 import hixl
@@ -57,3 +59,32 @@ def test_small_sync_requests_do_not_wake_the_io_workers(make_peer) -> None:
         assert woke < n // 4, f"I/O workers woke {woke} times for {2 * n} requests"
     finally:
         e.finalize()
+
+
+def test_busy_poll_mode_moves_bytes_and_stops_spinning_when_idle(make_peer) -> None:
+    peer = make_peer(1 << 20, {"hixl.tcp.busy_poll_us": "2000"})
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp", "hixl.tcp.busy_poll_us": "2000"})
+    try:
+        src = random_bytes(1 << 20, 11)
+        e.register(src)
+        e.connect(peer.engine, timeout_ms=10_000)
+        for i in range(200):
+            off = (i % 256) * 4096
+            e.transfer_sync(
+                peer.engine, hixl.TransferOp.WRITE, [(src.ctypes.data + off, peer.addr + off, 4096)]
+            )
+        assert np.array_equal(peer.read(0, 200 * 4096), src[: 200 * 4096])
+        # The workers poll for 2 ms after activity, then sleep: an idle second costs next to
+        # nothing (a heartbeat and its 2 ms of polling at most).
+        t0, c0 = time.perf_counter(), sum(os.times()[:2])
+        time.sleep(1.0)
+        used = (sum(os.times()[:2]) - c0) / (time.perf_counter() - t0)
+        assert used < 0.05, f"an idle busy-poll engine used {used:.0%} of a core"
+    finally:
+        e.finalize()
+
+
+def test_busy_poll_option_is_bounded() -> None:
+    with pytest.raises(hixl.ParamInvalid, match="hixl.tcp.busy_poll_us"):
+        hixl.Hixl().initialize("127.0.0.1", {"hixl.tcp.busy_poll_us": "20000"})

@@ -147,7 +147,7 @@ impl Engine {
             return Err(Error::failed("the engine was finalized; create a new one"));
         }
         let registry = Arc::new(Registry::new());
-        let reactor = Reactor::start(opts.io_workers())?;
+        let reactor = Reactor::start(opts.io_workers(), opts.busy_poll)?;
         let notifies = Arc::new(NotifyStore::new(opts.notify_limits));
         let pid = std::process::id();
         let host = shm::host_id();

@@ -102,6 +102,9 @@ pub struct Options {
     /// `hixl.tcp.io_threads`: I/O workers of the engine (0: sized for the machine; see
     /// [`Options::io_workers`]).
     pub io_threads: usize,
+    /// `hixl.tcp.busy_poll_us`: how long an I/O worker, and a thread waiting for its own
+    /// small request, keep polling after activity before they sleep (0: the default spin).
+    pub busy_poll: Duration,
     /// `hixl.shm.threads`: copy threads of the engine (0: sized for the machine; see
     /// [`Options::shm_workers`]).
     pub shm_threads: usize,
@@ -293,6 +296,15 @@ pub const SPECS: &[OptionSpec] = &[
         },
     ),
     spec(
+        "hixl.tcp.busy_poll_us",
+        "0",
+        "low-latency mode: I/O workers, and a thread waiting for its small request, poll this many microseconds after activity before sleeping (0..10000; 0 = off)",
+        |o, k, v| {
+            o.busy_poll = Duration::from_micros(int(k, v, 0, 10_000)?);
+            Ok(())
+        },
+    ),
+    spec(
         "hixl.shm.threads",
         "0",
         "copy threads of the engine, shared by every same-host link (0 = one per two cores, 2 to 8)",
@@ -451,6 +463,7 @@ impl Options {
             backends: Vec::new(),
             shm_threads: 0,
             io_threads: 0,
+            busy_poll: Duration::ZERO,
             cuda_streams: 0,
             stage_chunk: 0,
             stage_depth: 0,

@@ -135,6 +135,8 @@ pub struct Reactor {
     timers: (Mutex<Vec<TimerEntry>>, Condvar),
     /// The origin of the timer's grid (see [`Reactor::every`]).
     epoch: Instant,
+    /// `hixl.tcp.busy_poll_us`: how long a worker keeps polling after activity.
+    busy_poll: Duration,
     /// The same-host copy workers, started with the first same-host link.
     copies: Mutex<Option<Arc<CopyPool>>>,
 }
@@ -160,8 +162,10 @@ fn os_error(what: &str) -> Error {
 }
 
 impl Reactor {
-    /// Starts `workers` I/O threads (at least one) and the timer thread.
-    pub fn start(workers: usize) -> Result<Arc<Reactor>> {
+    /// Starts `workers` I/O threads (at least one) and the timer thread; each worker keeps
+    /// polling its sockets for `busy_poll` after activity before it sleeps (low-latency mode;
+    /// zero: it sleeps at once).
+    pub fn start(workers: usize, busy_poll: Duration) -> Result<Arc<Reactor>> {
         let workers = workers.max(1);
         let r = Arc::new(Reactor {
             shards: (0..workers).map(|_| Shard::new()).collect::<Result<_>>()?,
@@ -172,6 +176,7 @@ impl Reactor {
             threads: Mutex::new(Vec::new()),
             timers: (Mutex::new(Vec::new()), Condvar::new()),
             epoch: Instant::now(),
+            busy_poll,
             copies: Mutex::new(None),
         });
         for i in 0..=workers {
@@ -364,14 +369,31 @@ impl Reactor {
         }
     }
 
+    /// How long a waiting thread spins before it sleeps (`hixl.tcp.busy_poll_us`, or zero).
+    pub(crate) fn busy_poll(&self) -> Duration {
+        self.busy_poll
+    }
+
     fn worker_loop(&self, shard: usize) {
         let me = &self.shards[shard];
         let mut evs = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
+        // Low-latency mode: after activity, poll without sleeping (yielding the processor
+        // between polls) until `busy_poll` passes with nothing to do.
+        let mut active_until: Option<Instant> = None;
         while !self.stopping.load(Ordering::Acquire) {
+            let spin = active_until.is_some_and(|t| Instant::now() < t);
+            let timeout = if spin { 0 } else { -1 };
             // SAFETY: `evs` has room for 64 events.
-            let n = unsafe { libc::epoll_wait(me.epfd.as_raw_fd(), evs.as_mut_ptr(), 64, -1) };
+            let n = unsafe { libc::epoll_wait(me.epfd.as_raw_fd(), evs.as_mut_ptr(), 64, timeout) };
             if n < 0 {
                 continue; // EINTR
+            }
+            if n == 0 {
+                std::thread::yield_now();
+                continue;
+            }
+            if !self.busy_poll.is_zero() {
+                active_until = Some(Instant::now() + self.busy_poll);
             }
             for ev in &evs[..n as usize] {
                 let (token, events) = (ev.u64, ev.events);
@@ -513,7 +535,7 @@ mod tests {
 
     #[test]
     fn sources_run_on_readiness_and_schedule_never_concurrently() {
-        let r = Reactor::start(3).unwrap();
+        let r = Reactor::start(3, Duration::ZERO).unwrap();
         let (a, b) = UnixStream::pair().unwrap();
         a.set_nonblocking(true).unwrap();
         let src = Arc::new(Echo {
@@ -557,7 +579,7 @@ mod tests {
 
     #[test]
     fn the_timer_ticks_every_period_and_forgets_dropped_ticks() {
-        let r = Reactor::start(1).unwrap();
+        let r = Reactor::start(1, Duration::ZERO).unwrap();
         let c = Arc::new(Count(AtomicUsize::new(0)));
         let weak: Weak<dyn Tick> = Arc::downgrade(&(c.clone() as Arc<dyn Tick>));
         r.every(Duration::from_millis(20), weak);

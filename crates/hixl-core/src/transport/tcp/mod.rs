@@ -476,8 +476,9 @@ impl WaitHelp for TcpLink {
         };
         let Some(s) = self.streams.iter().find(carries) else { return };
         let token = s.reader_token.load(Ordering::Acquire);
-        // As `Request::wait` does: spin briefly (the answer often arrives within it), then sleep.
-        let spin_until = Instant::now() + crate::queue::SPIN;
+        // As `Request::wait` does: spin briefly (the answer often arrives within it; longer in
+        // low-latency mode, `hixl.tcp.busy_poll_us`), then sleep.
+        let spin_until = Instant::now() + crate::queue::SPIN.max(self.reactor.busy_poll());
         self.reactor.drive_here(token, |_| {
             let now = Instant::now();
             let left = until.saturating_duration_since(now);
