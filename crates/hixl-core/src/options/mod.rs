@@ -103,7 +103,7 @@ pub struct Options {
     /// [`Options::io_workers`]).
     pub io_threads: usize,
     /// `hixl.tcp.busy_poll_us`: how long an I/O worker, and a thread waiting for its own
-    /// small request, keep polling after activity before they sleep (0: the default spin).
+    /// small request, keep polling after activity before they sleep.
     pub busy_poll: Duration,
     /// `hixl.shm.threads`: copy threads of the engine (0: sized for the machine; see
     /// [`Options::shm_workers`]).
@@ -297,8 +297,8 @@ pub const SPECS: &[OptionSpec] = &[
     ),
     spec(
         "hixl.tcp.busy_poll_us",
-        "0",
-        "low-latency mode: I/O workers, and a thread waiting for its small request, poll this many microseconds after activity before sleeping (0..10000; 0 = off)",
+        "50",
+        "I/O workers, and a thread waiting for its small request, poll this many microseconds after activity before sleeping (0..10000; 0 = sleep at once)",
         |o, k, v| {
             o.busy_poll = Duration::from_micros(int(k, v, 0, 10_000)?);
             Ok(())

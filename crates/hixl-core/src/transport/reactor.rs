@@ -75,7 +75,18 @@ struct Entry {
     shard: usize,
     state: AtomicU8,
     events: AtomicU32,
+    /// The interest its epoll registration is armed with ([`armed_code`]), or `FIRED` once an
+    /// event used the one-shot registration up: a run that ends with the interest still armed
+    /// (a writer run inline that finds nothing more to send) needs no `epoll_ctl`.
+    armed: AtomicU8,
     source: Arc<dyn Source>,
+}
+
+/// `Entry::armed` once an event has disarmed the registration.
+const FIRED: u8 = u8::MAX;
+
+fn armed_code(i: Interest) -> u8 {
+    i as u8
 }
 
 struct TimerEntry {
@@ -233,8 +244,14 @@ impl Reactor {
     ) -> Result<u64> {
         let shard = shard % self.shards.len();
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
-        let entry =
-            Arc::new(Entry { fd, shard, state: AtomicU8::new(IDLE), events: AtomicU32::new(0), source });
+        let entry = Arc::new(Entry {
+            fd,
+            shard,
+            state: AtomicU8::new(IDLE),
+            events: AtomicU32::new(0),
+            armed: AtomicU8::new(armed_code(interest)),
+            source,
+        });
         self.entries.write().unwrap().insert(token, entry);
         let mut ev = libc::epoll_event { events: mask(interest), u64: token };
         let epfd = self.shards[shard].epfd.as_raw_fd();
@@ -297,6 +314,10 @@ impl Reactor {
 
     fn dispatch(&self, token: u64, events: u32) {
         let Some(e) = self.entry(token) else { return };
+        if events != 0 {
+            // The one-shot registration is used up.
+            e.armed.store(FIRED, Ordering::Release);
+        }
         e.events.fetch_or(events, Ordering::AcqRel);
         loop {
             match e.state.compare_exchange(IDLE, RUNNING, Ordering::AcqRel, Ordering::Acquire) {
@@ -331,6 +352,12 @@ impl Reactor {
     }
 
     fn arm(&self, e: &Entry, token: u64, interest: Interest) {
+        // Still armed with it (no event used it up since): nothing to change. An event that
+        // fires after this check finds the source RUNNING and makes it run once more, and
+        // that run re-arms.
+        if e.armed.swap(armed_code(interest), Ordering::AcqRel) == armed_code(interest) {
+            return;
+        }
         let mut ev = libc::epoll_event { events: mask(interest), u64: token };
         // SAFETY: `e` holds the source, which keeps the fd open; MOD of an fd removed
         // meanwhile fails with ENOENT, which is fine.

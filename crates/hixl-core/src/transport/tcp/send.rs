@@ -148,12 +148,25 @@ impl TcpLink {
 
     /// Has a writer send what was queued: on this thread when the request is small (and
     /// coalescing is off), else on an I/O worker. `lane`: the writer of that stream.
+    ///
+    /// A small request sent from this thread goes out on the same stream as this thread's
+    /// earlier ones (threads are dealt to the streams in turn), so that one thread's
+    /// request-answer exchanges keep one worker on the peer busy (and its cache warm) instead
+    /// of alternating between them; larger ones take the streams in turn.
     pub(super) fn kick(&self, lane: Option<usize>, bytes: u64) {
         let n = self.streams.len();
-        let k = lane.unwrap_or_else(|| self.next_lane.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n);
+        let inline = bytes <= INLINE_BYTES
+            && self.coalesce.is_zero()
+            && !crate::transport::reactor::on_reactor_thread();
+        let k = lane.unwrap_or_else(|| {
+            if inline {
+                thread_lane() % n
+            } else {
+                self.next_lane.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n
+            }
+        });
         let token = self.streams[k].writer_token.load(std::sync::atomic::Ordering::Acquire);
-        if bytes <= INLINE_BYTES && self.coalesce.is_zero() && !crate::transport::reactor::on_reactor_thread()
-        {
+        if inline {
             self.reactor.run_here(token);
         } else {
             self.reactor.schedule(token);
@@ -182,4 +195,14 @@ impl TcpLink {
         }
         len
     }
+}
+
+/// This thread's place among the threads that sent small requests (dealt in turn).
+fn thread_lane() -> usize {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static LANE: usize = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    LANE.with(|l| *l)
 }
