@@ -9,11 +9,14 @@
 //! the peer's thread that feeds it, and a transfer's bytes stay in the cache of the core that
 //! copies them out. With one set shared by all workers, the two streams of a 128 MiB READ
 //! moved between workers from one transfer to the next and ran at 0.7x of a thread per
-//! stream here. Every registration is one-shot: the kernel reports a socket to its worker,
-//! which runs its source and then re-arms it with the interest the source returned. A source therefore never runs on two threads at once; a wake-up that
-//! arrives while it runs (an event, or `schedule` from another thread) makes it run once
-//! more before it is re-armed. Sources never block: they read and write what the socket
-//! takes now and return.
+//! stream here.
+//!
+//! Every registration is one-shot: the kernel reports a socket to its worker, which runs its
+//! source and then re-arms it with the interest the source returned. A source therefore never
+//! runs on two threads at once; a wake-up that arrives while it runs (an event, or `schedule`
+//! from another thread) makes it run once more before it is re-armed. Sources do not wait
+//! between transfers: they read and write what the socket takes now and return; only in the
+//! middle of a transfer's bytes does a job wait for its socket, at most 100 ms (see `nbio`).
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -367,10 +370,10 @@ impl Reactor {
     /// Runs the source on the calling thread over and over: after each run, `more` (given
     /// what the run returned) says how long to wait for the source's socket to become
     /// readable before the next run (zero: yield the processor once), or `None` to hand the
-    /// source back to its worker. Its
-    /// worker is not woken for it meanwhile. This is how a thread waiting for the answer to
-    /// its own small request reads that answer itself: no worker wake-up, no hand-off.
-    /// False, with nothing run, when another thread runs the source now.
+    /// source back to its worker. Its worker is not woken for it meanwhile (its registration
+    /// is disarmed). This is how a thread waiting for the answer to its own small request
+    /// reads that answer itself: no worker wake-up, no hand-off. False, with nothing run, when
+    /// another thread runs the source now.
     pub(crate) fn drive_here(&self, token: u64, mut more: impl FnMut(Interest) -> Option<Duration>) -> bool {
         let Some(e) = self.entry(token) else { return false };
         if e.state.compare_exchange(IDLE, RUNNING, Ordering::AcqRel, Ordering::Acquire).is_err() {
