@@ -1,0 +1,95 @@
+//! Unit tests of the reactor: sources never run concurrently, EOF removes them, the timer ticks.
+use super::*;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+
+struct Echo {
+    sock: UnixStream,
+    runs: AtomicUsize,
+    inside: AtomicUsize,
+    overlap: AtomicBool,
+}
+
+impl Source for Echo {
+    fn run(&self, _events: u32) -> Interest {
+        if self.inside.fetch_add(1, Ordering::SeqCst) != 0 {
+            self.overlap.store(true, Ordering::SeqCst);
+        }
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        let mut buf = [0u8; 64];
+        let mut s = &self.sock;
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => {
+                    self.inside.fetch_sub(1, Ordering::SeqCst);
+                    return Interest::Gone;
+                }
+                Ok(n) => {
+                    let _ = s.write_all(&buf[..n]);
+                }
+                Err(_) => break,
+            }
+        }
+        self.inside.fetch_sub(1, Ordering::SeqCst);
+        Interest::Read
+    }
+}
+
+#[test]
+fn sources_run_on_readiness_and_schedule_never_concurrently() {
+    let r = Reactor::start(3, Duration::ZERO).unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    a.set_nonblocking(true).unwrap();
+    let src = Arc::new(Echo {
+        sock: a,
+        runs: AtomicUsize::new(0),
+        inside: AtomicUsize::new(0),
+        overlap: AtomicBool::new(false),
+    });
+    let token = r.add(src.sock.as_raw_fd(), src.clone(), Interest::Read, r.next_shard()).unwrap();
+    let mut b2 = b.try_clone().unwrap();
+    b2.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    for i in 0..200u32 {
+        b2.write_all(&i.to_le_bytes()).unwrap();
+        for _ in 0..3 {
+            r.schedule(token);
+        }
+        r.run_here(token);
+        let mut got = [0u8; 4];
+        b2.read_exact(&mut got).unwrap();
+        assert_eq!(u32::from_le_bytes(got), i);
+    }
+    assert!(!src.overlap.load(Ordering::SeqCst), "a source ran on two threads at once");
+    // The peer closing ends the source: it is removed.
+    drop(b2);
+    drop(b);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while r.entries.read().unwrap().contains_key(&token) {
+        assert!(Instant::now() < deadline, "source not removed after EOF");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    r.stop();
+}
+
+struct Count(AtomicUsize);
+impl Tick for Count {
+    fn tick(&self, _now: Instant) -> bool {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        true
+    }
+}
+
+#[test]
+fn the_timer_ticks_every_period_and_forgets_dropped_ticks() {
+    let r = Reactor::start(1, Duration::ZERO).unwrap();
+    let c = Arc::new(Count(AtomicUsize::new(0)));
+    let weak: Weak<dyn Tick> = Arc::downgrade(&(c.clone() as Arc<dyn Tick>));
+    r.every(Duration::from_millis(20), weak);
+    std::thread::sleep(Duration::from_millis(230));
+    let n = c.0.load(Ordering::SeqCst);
+    assert!((5..=12).contains(&n), "{n} ticks in 230 ms at 20 ms");
+    drop(c);
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(r.timers.0.lock().unwrap().is_empty());
+    r.stop();
+}
