@@ -2,7 +2,7 @@
 
 use std::ffi::c_char;
 
-use hixl_core::{Error, StridedDesc, TransferReq};
+use hixl_core::{Error, StridedDesc, TransferReq, Waiting};
 
 use crate::engine::{descs, engine, notify, op, HixlDesc, HixlEngine, HixlRequest, HixlStrided};
 use crate::{arg_str, guard, out, timeout, HIXL_READ, HIXL_WRITE};
@@ -59,8 +59,14 @@ pub unsafe extern "C" fn hixl_transfer_sync(
         unsafe {
             let eng = engine(e)?;
             let d = descs(descs_, n)?;
-            let r =
-                eng.transfer_async(arg_str(remote, "remote")?, op(op_)?, &d, None, timeout(timeout_ms))?;
+            let r = eng.submit_transfer(
+                arg_str(remote, "remote")?,
+                op(op_)?,
+                &d,
+                None,
+                timeout(timeout_ms),
+                Waiting::Now,
+            )?;
             r.wait(None);
             r.result()
         }
@@ -126,14 +132,14 @@ pub unsafe extern "C" fn hixl_transfer_strided(
             let s = *desc;
             let rs = (s.remote_stride != 0).then_some(s.remote_stride);
             let d = StridedDesc { count: s.count, size: s.size, stride: s.stride, remote_stride: rs };
-            let r = engine(e)?.strided_async(
+            let r = engine(e)?.submit_strided(
                 arg_str(remote, "remote")?,
                 op(op_)?,
-                local_base,
-                remote_base,
+                (local_base, remote_base),
                 &d,
                 None,
                 timeout(timeout_ms),
+                Waiting::Now,
             )?;
             r.wait(None);
             r.result()

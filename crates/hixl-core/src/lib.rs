@@ -95,7 +95,7 @@ mod wire;
 pub use cuda::{info as cuda_info, CudaDevice, CudaInfo, DeviceBuffer};
 pub use engine::{
     ConnectStatus, Engine, MemDesc, MemHandle, PeerSnapshot, RemoteRegion, StridedDesc, TransferOpDesc,
-    TransferReq,
+    TransferReq, Waiting,
 };
 pub use error::{Error, Result, Status};
 pub use options::compat::{CompatKey, COMPAT as HIXL_OPTIONS};

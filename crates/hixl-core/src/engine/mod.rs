@@ -35,6 +35,7 @@ mod validate;
 use register::{register_region, run_deregister_hooks};
 pub use types::{
     ConnectStatus, MemDesc, MemHandle, PeerSnapshot, RemoteRegion, StridedDesc, TransferOpDesc, TransferReq,
+    Waiting,
 };
 use validate::with_fresh_table;
 pub use validate::{push_merged, split};

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::types::{PeerSnapshot, StridedDesc, TransferOpDesc, TransferReq};
+use super::types::{PeerSnapshot, StridedDesc, TransferOpDesc, TransferReq, Waiting};
 use super::validate::{split, validate, validate_strided, with_fresh_table};
 use super::{Engine, PeerConn, PeerSlot, Running};
 use crate::error::{Error, Result, Status};
@@ -20,7 +20,7 @@ impl Engine {
         descs: &[TransferOpDesc],
         timeout: Duration,
     ) -> Result<()> {
-        let req = self.transfer_async(remote, op, descs, None, Some(timeout))?;
+        let req = self.submit_transfer(remote, op, descs, None, Some(timeout), Waiting::Now)?;
         req.wait(None);
         req.result()
     }
@@ -35,6 +35,20 @@ impl Engine {
         descs: &[TransferOpDesc],
         notify: Option<NotifyDesc>,
         timeout: Option<Duration>,
+    ) -> Result<TransferReq> {
+        self.submit_transfer(remote, op, descs, notify, timeout, Waiting::Later)
+    }
+
+    /// `transfer_async`, saying when the caller will wait for the request (see [`Waiting`]):
+    /// a synchronous call built on this passes `Waiting::Now`.
+    pub fn submit_transfer(
+        &self,
+        remote: &str,
+        op: TransferOp,
+        descs: &[TransferOpDesc],
+        notify: Option<NotifyDesc>,
+        timeout: Option<Duration>,
+        waiting: Waiting,
     ) -> Result<TransferReq> {
         let timeout = timeout.map(crate::capped);
         let r = self.running()?;
@@ -53,12 +67,11 @@ impl Engine {
         let parts =
             if staged { vec![segs] } else { split(segs, bytes, conn.link.parallelism(), r.opts.split_bytes) };
         let bodies = parts.into_iter().map(PartBody::Data).collect();
-        self.submit(&r, &conn, remote, op, (bodies, staged), bytes, descs.len(), pins, notify, timeout)
+        let batch = Batch { bodies, staged, waiting };
+        self.submit(&r, &conn, remote, op, batch, bytes, descs.len(), pins, notify, timeout)
     }
 
-    /// Makes the request for validated parts and queues them on the peer's link; `staged`:
-    /// they touch device memory over `tcp`, and the engine's stager carries them as one part
-    /// (`transport::cuda_stage`).
+    /// Makes the request for a validated batch and queues its parts on the peer's link.
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -66,7 +79,7 @@ impl Engine {
         conn: &PeerConn,
         remote: &str,
         op: TransferOp,
-        (bodies, staged): (Vec<PartBody>, bool),
+        Batch { bodies, staged, waiting }: Batch,
         bytes: u64,
         descs: usize,
         pins: Vec<Pin>,
@@ -85,7 +98,7 @@ impl Engine {
         };
         let (local, remote_addr) = first.unwrap_or((0, 0));
         let req = Request::new(id, op, remote.to_string(), bytes, descs, n, timeout, pins, notify);
-        let req = Arc::new(req.with_first_addrs(local, remote_addr));
+        let req = Arc::new(req.with_first_addrs(local, remote_addr).waited(waiting == Waiting::Now));
         let stats = conn.link.stats();
         stats.in_flight.fetch_add(1, Ordering::Relaxed);
         let submitted = if staged {
@@ -179,7 +192,8 @@ impl Engine {
         d: &StridedDesc,
         timeout: Duration,
     ) -> Result<()> {
-        let req = self.strided_async(remote, op, local_base, remote_base, d, None, Some(timeout))?;
+        let bases = (local_base, remote_base);
+        let req = self.submit_strided(remote, op, bases, d, None, Some(timeout), Waiting::Now)?;
         req.wait(None);
         req.result()
     }
@@ -197,6 +211,22 @@ impl Engine {
         notify: Option<NotifyDesc>,
         timeout: Option<Duration>,
     ) -> Result<TransferReq> {
+        self.submit_strided(remote, op, (local_base, remote_base), d, notify, timeout, Waiting::Later)
+    }
+
+    /// `strided_async` with the bases as one pair, saying when the caller will wait for the
+    /// request (see [`Waiting`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn submit_strided(
+        &self,
+        remote: &str,
+        op: TransferOp,
+        (local_base, remote_base): (u64, u64),
+        d: &StridedDesc,
+        notify: Option<NotifyDesc>,
+        timeout: Option<Duration>,
+        waiting: Waiting,
+    ) -> Result<TransferReq> {
         let timeout = timeout.map(crate::capped);
         let r = self.running()?;
         let conn = Self::conn(&r, remote)?;
@@ -210,7 +240,8 @@ impl Engine {
         let staged = device && staged(&conn);
         let shares = if st.bytes() >= r.opts.split_bytes && !staged { conn.link.parallelism() } else { 1 };
         let bodies: Vec<PartBody> = st.split(shares).into_iter().map(PartBody::Strided).collect();
-        self.submit(&r, &conn, remote, op, (bodies, staged), st.bytes(), 1, pins, notify, timeout)
+        let batch = Batch { bodies, staged, waiting };
+        self.submit(&r, &conn, remote, op, batch, st.bytes(), 1, pins, notify, timeout)
     }
 
     /// Status of a request (WAITING turns into TIMEOUT past its deadline).
@@ -316,6 +347,15 @@ impl Engine {
     pub fn registered_count(&self) -> Result<usize> {
         Ok(self.running()?.registry.len())
     }
+}
+
+/// A validated batch on its way to the link.
+struct Batch {
+    bodies: Vec<PartBody>,
+    /// The parts touch device memory over `tcp`: the engine's stager carries them as one part
+    /// (`transport::cuda_stage`).
+    staged: bool,
+    waiting: Waiting,
 }
 
 fn check_notify(n: &NotifyDesc) -> Result<()> {

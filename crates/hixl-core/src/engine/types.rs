@@ -40,6 +40,19 @@ pub struct TransferOpDesc {
     pub len: u64,
 }
 
+/// When the caller of a submitting call will wait for its request. A data path may run a small
+/// request on the calling thread while submitting it when the caller waits `Now` (nothing
+/// would overlap anyway, and no thread is woken); `Later`, it hands the request to its workers,
+/// so that the call returns at once and the caller's next requests overlap this one (a thread
+/// that waits for it then may still lend a hand).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Waiting {
+    /// The caller waits for the request right after submitting it (`transfer_sync`).
+    Now,
+    /// The caller goes on and waits, polls or awaits later (`transfer_async`).
+    Later,
+}
+
 /// A strided descriptor: `count` elements of `size` bytes; element i sits at
 /// `base + i * stride` locally and at `remote_base + i * remote_stride` (default: `stride`)
 /// at the peer, so a layout can be re-packed on the way.

@@ -230,6 +230,10 @@ pub fn push_merged(segs: &mut Vec<SegPair>, d: &TransferOpDesc) {
 /// the boundaries), never more than `MAX_DESCS` segments per part.
 pub fn split(segs: Vec<SegPair>, bytes: u64, streams: usize, split_bytes: u64) -> Vec<Vec<SegPair>> {
     let shares = if bytes >= split_bytes && streams > 1 { streams as u64 } else { 1 };
+    if shares == 1 && !segs.is_empty() && segs.len() <= MAX_DESCS {
+        // The common small batch: one part, as it is (no copy of the segment list).
+        return vec![segs];
+    }
     let per = bytes.div_ceil(shares).max(1);
     let mut parts = Vec::new();
     let mut cur: Vec<SegPair> = Vec::new();

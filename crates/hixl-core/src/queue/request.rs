@@ -42,6 +42,9 @@ pub struct Request {
     pub carries_notify: bool,
     /// Local and remote address of its first segment (for the DEBUG log); 0: none.
     pub first_addrs: (u64, u64),
+    /// Whether its submitter waits for it right away (`Waiting::Now`): a path may then run a
+    /// small request on the submitting thread.
+    pub waited_at_once: bool,
     sleep: Mutex<()>,
     wake: Condvar,
     sleepers: AtomicUsize,
@@ -91,6 +94,7 @@ impl Request {
             pins: Mutex::new(pins),
             carries_notify: notify_after.is_some(),
             first_addrs: (0, 0),
+            waited_at_once: false,
             notify_after: Mutex::new(notify_after),
             sleep: Mutex::new(()),
             wake: Condvar::new(),
@@ -114,6 +118,12 @@ impl Request {
     /// The same request, naming `(local, remote)` as the addresses of its first segment.
     pub fn with_first_addrs(mut self, local: u64, remote: u64) -> Self {
         self.first_addrs = (local, remote);
+        self
+    }
+
+    /// The same request, saying whether its submitter waits for it right away.
+    pub fn waited(mut self, at_once: bool) -> Self {
+        self.waited_at_once = at_once;
         self
     }
 

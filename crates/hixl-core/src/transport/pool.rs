@@ -13,7 +13,9 @@ use crossbeam_queue::SegQueue;
 use crate::error::{Error, Result};
 
 /// How long an idle worker polls for the next task before it sleeps: back-to-back requests
-/// then need no wake-up.
+/// then need no wake-up. One worker at a time polls; the others sleep at once, so that idle
+/// workers never take the cores of the threads that submit (on a 2-core machine two pollers
+/// more than doubled what a small asynchronous request cost its submitter).
 const SPIN: Duration = Duration::from_micros(100);
 
 /// A link with copies to run.
@@ -26,6 +28,8 @@ pub(crate) trait Task: Send + Sync {
 pub struct CopyPool {
     queue: SegQueue<Arc<dyn Task>>,
     sleepers: AtomicUsize,
+    /// Whether a worker is polling the queue (at most one is).
+    polling: AtomicBool,
     bell: (Mutex<()>, Condvar),
     stopping: AtomicBool,
     threads: Mutex<Vec<JoinHandle<()>>>,
@@ -39,6 +43,7 @@ impl CopyPool {
         let pool = Arc::new(CopyPool {
             queue: SegQueue::new(),
             sleepers: AtomicUsize::new(0),
+            polling: AtomicBool::new(false),
             bell: (Mutex::new(()), Condvar::new()),
             stopping: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
@@ -63,12 +68,21 @@ impl CopyPool {
         self.workers
     }
 
-    /// Queues `task` to run `times` batches' worth (one per queued part).
-    pub(crate) fn push(&self, task: &Arc<dyn Task>, times: usize) {
+    /// Queues `task` to run `times` batches' worth (one per queued part). `small`: the parts
+    /// are small copies, which a worker that is awake (polling, or copying and about to look
+    /// again) takes soon enough: waking a second worker would cost the submitter more than the
+    /// copy (and a thread that waits for the request helps, `ShmLink`'s `WaitHelp`).
+    pub(crate) fn push(&self, task: &Arc<dyn Task>, times: usize, small: bool) {
         for _ in 0..times {
             self.queue.push(task.clone());
         }
-        if self.sleepers.load(Ordering::SeqCst) > 0 {
+        let sleepers = self.sleepers.load(Ordering::SeqCst);
+        // A worker that is about to sleep counts as awake here; it looks at the queue again
+        // after it counted itself a sleeper, so the task cannot be missed.
+        if sleepers == 0 || (small && times == 1 && sleepers < self.workers) {
+            return;
+        }
+        {
             let _g = self.bell.0.lock().unwrap();
             if times > 1 {
                 self.bell.1.notify_all();
@@ -82,13 +96,21 @@ impl CopyPool {
         if let Some(t) = self.queue.pop() {
             return Some(t);
         }
-        let until = Instant::now() + SPIN;
-        while Instant::now() < until && !self.stopping.load(Ordering::Acquire) {
-            if let Some(t) = self.queue.pop() {
-                return Some(t);
+        if self.polling.compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            let until = Instant::now() + SPIN;
+            let mut found = None;
+            while Instant::now() < until && !self.stopping.load(Ordering::Acquire) {
+                if let Some(t) = self.queue.pop() {
+                    found = Some(t);
+                    break;
+                }
+                std::hint::spin_loop();
+                std::thread::yield_now();
             }
-            std::hint::spin_loop();
-            std::thread::yield_now();
+            self.polling.store(false, Ordering::SeqCst);
+            if found.is_some() {
+                return found;
+            }
         }
         let mut g = self.bell.0.lock().unwrap();
         self.sleepers.fetch_add(1, Ordering::SeqCst);
@@ -159,7 +181,7 @@ mod tests {
             (0..8).map(|_| Arc::new(Countdown { left: Mutex::new(50), ran: AtomicUsize::new(0) })).collect();
         for t in &tasks {
             let t: Arc<dyn Task> = t.clone();
-            pool.push(&t, 2);
+            pool.push(&t, 2, false);
         }
         let deadline = Instant::now() + Duration::from_secs(10);
         while tasks.iter().any(|t| t.ran.load(Ordering::SeqCst) < 50) {

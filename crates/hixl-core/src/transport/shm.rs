@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use crate::complete::Completer;
 use crate::error::{Error, Result, Status};
-use crate::queue::{Part, PartBody, SegPair, TransferOp, TransferStatus, WorkQueue};
+use crate::queue::{Part, PartBody, Request, SegPair, TransferOp, TransferStatus, WaitHelp, WorkQueue};
 use crate::registry::{new_holder_id, Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::io::{iov, IOV_MAX};
@@ -379,6 +379,16 @@ impl ShmLink {
         self.tcp.finish_elsewhere(&self.done, part, res);
     }
 
+    /// Copies one queued part (unless its request already ended) and settles it.
+    fn run_part(&self, part: Part) {
+        let res = if part.req.status() == TransferStatus::Waiting {
+            self.execute(&part)
+        } else {
+            Err(part.req.error().unwrap_or_else(|| Error::timeout("request ended before it ran")))
+        };
+        self.finish_part(part, res);
+    }
+
     fn fail_queued(&self) {
         let err = self.reason();
         while let Some(p) = self.queue.pop() {
@@ -403,18 +413,19 @@ impl DataPath for ShmLink {
         if parts.iter().all(|p| matches!(p.body, PartBody::Notify(_))) {
             return self.tcp.submit(parts, extra_slots);
         }
-        if parts.len() == 1 {
-            let small =
-                !matches!(parts[0].body, PartBody::Notify(_)) && parts[0].body.bytes() <= INLINE_BYTES;
-            if small {
-                let part = parts.into_iter().next().unwrap();
-                let res = self.execute(&part);
-                self.finish_part(part, res);
-                return Ok(());
-            }
+        // A one-part request whose caller waits for it at once is copied here: a hand-off to a
+        // worker would only add a wake-up. Otherwise the workers copy, so that the parts of a
+        // split request run in parallel and the caller's next requests overlap this one (and a
+        // thread that waits for it helps: `WaitHelp`).
+        if parts.len() == 1 && parts[0].req.waited_at_once && !matches!(parts[0].body, PartBody::Notify(_)) {
+            let part = parts.into_iter().next().unwrap();
+            let res = self.execute(&part);
+            self.finish_part(part, res);
+            return Ok(());
         }
         self.queue.reserve(parts.len())?;
         let n = parts.len();
+        let small = parts.iter().all(|p| p.body.bytes() <= INLINE_BYTES);
         for p in parts {
             self.queue.push_reserved(p);
         }
@@ -424,7 +435,7 @@ impl DataPath for ShmLink {
         }
         if let Some(me) = self.me.upgrade() {
             let task: Arc<dyn Task> = me;
-            self.pool.push(&task, n);
+            self.pool.push(&task, n, small);
         }
         Ok(())
     }
@@ -454,6 +465,28 @@ impl DataPath for ShmLink {
     fn queue_slots(&self) -> (usize, usize) {
         (self.queue.in_use(), self.queue.capacity())
     }
+
+    fn wait_help(self: Arc<Self>) -> Option<std::sync::Weak<dyn WaitHelp>> {
+        let me: Arc<dyn WaitHelp> = self;
+        Some(Arc::downgrade(&me))
+    }
+}
+
+/// A thread that waits for a small request copies queued parts itself (its own among them)
+/// rather than sleep until a worker did: one request submitted and then waited for costs no
+/// hand-off when no worker is free, and a waiter never idles while copies are queued.
+impl WaitHelp for ShmLink {
+    fn help(&self, req: &Request, until: std::time::Instant) {
+        if req.bytes > INLINE_BYTES && !req.waited_at_once {
+            return;
+        }
+        while req.status() == TransferStatus::Waiting && std::time::Instant::now() < until {
+            match self.queue.pop() {
+                Some(part) => self.run_part(part),
+                None => return,
+            }
+        }
+    }
 }
 
 impl Task for ShmLink {
@@ -471,12 +504,7 @@ impl Task for ShmLink {
             }
         }
         for part in batch {
-            let res = if part.req.status() == TransferStatus::Waiting {
-                self.execute(&part)
-            } else {
-                Err(part.req.error().unwrap_or_else(|| Error::timeout("request ended before it ran")))
-            };
-            self.finish_part(part, res);
+            self.run_part(part);
         }
         !self.queue.is_empty()
     }

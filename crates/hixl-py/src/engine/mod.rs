@@ -8,7 +8,7 @@ use std::time::Instant;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use hixl_core::Engine;
+use hixl_core::{Engine, Waiting};
 
 use crate::buffer::{self, KeepAlive};
 use crate::descs::parse_descs;
@@ -47,8 +47,30 @@ pub struct Hixl {
 const MAX_UNREPORTED: usize = 65536;
 
 fn finish_sync(py: Python<'_>, req: &hixl_core::TransferReq) -> PyResult<()> {
+    if req.status() == hixl_core::TransferStatus::Waiting {
+        // A first slice has passed in `submit_released`.
+        py.check_signals()?;
+    }
     wait_req(py, req, None)?;
     req.result().map_err(to_py)
+}
+
+/// Runs `submit` with the GIL released. A caller that waits at once (`Waiting::Now`) also waits
+/// its first slice there, so that a request that ends within it costs one GIL release, not two
+/// (`finish_sync` then finds it ended).
+fn submit_released(
+    py: Python<'_>,
+    waiting: Waiting,
+    submit: impl FnOnce() -> hixl_core::Result<hixl_core::TransferReq> + Send,
+) -> PyResult<hixl_core::TransferReq> {
+    py.allow_threads(|| {
+        let req = submit()?;
+        if waiting == Waiting::Now {
+            req.wait(Some(SLICE));
+        }
+        Ok(req)
+    })
+    .map_err(to_py)
 }
 
 impl Hixl {
@@ -108,6 +130,7 @@ impl Hixl {
         remote_addr: &Bound<'_, PyAny>,
         length: &Bound<'_, PyAny>,
         timeout_ms: Option<f64>,
+        waiting: Waiting,
     ) -> PyResult<hixl_core::TransferReq> {
         let d = [hixl_core::TransferOpDesc {
             local_addr: types::uint("local_addr", local_addr)?,
@@ -116,7 +139,7 @@ impl Hixl {
         }];
         let t = ms("timeout_ms", timeout_ms)?;
         let e = self.engine.clone();
-        py.allow_threads(|| e.transfer_async(remote, op.into(), &d, None, t)).map_err(to_py)
+        submit_released(py, waiting, || e.submit_transfer(remote, op.into(), &d, None, t, waiting))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -130,6 +153,7 @@ impl Hixl {
         desc: StridedDesc,
         notify: Option<NotifyDesc>,
         timeout_ms: Option<f64>,
+        waiting: Waiting,
     ) -> PyResult<hixl_core::TransferReq> {
         let lb = types::uint("local_base", local_base)?;
         let rb = types::uint("remote_base", remote_base)?;
@@ -137,7 +161,7 @@ impl Hixl {
         let e = self.engine.clone();
         let d: hixl_core::StridedDesc = desc.into();
         let n = notify.map(Into::into);
-        py.allow_threads(|| e.strided_async(remote, op.into(), lb, rb, &d, n, t)).map_err(to_py)
+        submit_released(py, waiting, || e.submit_strided(remote, op.into(), (lb, rb), &d, n, t, waiting))
     }
 }
 

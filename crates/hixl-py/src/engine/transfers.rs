@@ -42,7 +42,9 @@ impl Hixl {
         let t = ms("timeout_ms", timeout_ms)?;
         let d = parse_descs(descs)?;
         let e = self.engine.clone();
-        let req = py.allow_threads(|| e.transfer_async(remote, op.into(), &d, None, t)).map_err(to_py)?;
+        let req = submit_released(py, Waiting::Now, || {
+            e.submit_transfer(remote, op.into(), &d, None, t, Waiting::Now)
+        })?;
         finish_sync(py, &req)
     }
 
@@ -108,7 +110,16 @@ impl Hixl {
         length: &Bound<'_, PyAny>,
         timeout_ms: Option<f64>,
     ) -> PyResult<()> {
-        let req = self.one(py, remote, TransferOp::WRITE, local_addr, remote_addr, length, timeout_ms)?;
+        let req = self.one(
+            py,
+            remote,
+            TransferOp::WRITE,
+            local_addr,
+            remote_addr,
+            length,
+            timeout_ms,
+            Waiting::Now,
+        )?;
         finish_sync(py, &req)
     }
 
@@ -135,7 +146,16 @@ impl Hixl {
         length: &Bound<'_, PyAny>,
         timeout_ms: Option<f64>,
     ) -> PyResult<()> {
-        let req = self.one(py, remote, TransferOp::READ, local_addr, remote_addr, length, timeout_ms)?;
+        let req = self.one(
+            py,
+            remote,
+            TransferOp::READ,
+            local_addr,
+            remote_addr,
+            length,
+            timeout_ms,
+            Waiting::Now,
+        )?;
         finish_sync(py, &req)
     }
 
@@ -158,7 +178,16 @@ impl Hixl {
         user_data: Option<Py<PyAny>>,
         timeout_ms: Option<f64>,
     ) -> PyResult<Py<TransferReq>> {
-        let req = self.one(py, remote, TransferOp::WRITE, local_addr, remote_addr, length, timeout_ms)?;
+        let req = self.one(
+            py,
+            remote,
+            TransferOp::WRITE,
+            local_addr,
+            remote_addr,
+            length,
+            timeout_ms,
+            Waiting::Later,
+        )?;
         self.track(py, req, user_data)
     }
 
@@ -181,7 +210,16 @@ impl Hixl {
         user_data: Option<Py<PyAny>>,
         timeout_ms: Option<f64>,
     ) -> PyResult<Py<TransferReq>> {
-        let req = self.one(py, remote, TransferOp::READ, local_addr, remote_addr, length, timeout_ms)?;
+        let req = self.one(
+            py,
+            remote,
+            TransferOp::READ,
+            local_addr,
+            remote_addr,
+            length,
+            timeout_ms,
+            Waiting::Later,
+        )?;
         self.track(py, req, user_data)
     }
 
@@ -212,8 +250,17 @@ impl Hixl {
         desc: StridedDesc,
         timeout_ms: Option<f64>,
     ) -> PyResult<()> {
-        let req =
-            self.strided(py, remote, TransferOp::WRITE, local_base, remote_base, desc, None, timeout_ms)?;
+        let req = self.strided(
+            py,
+            remote,
+            TransferOp::WRITE,
+            local_base,
+            remote_base,
+            desc,
+            None,
+            timeout_ms,
+            Waiting::Now,
+        )?;
         finish_sync(py, &req)
     }
 
@@ -236,8 +283,17 @@ impl Hixl {
         desc: StridedDesc,
         timeout_ms: Option<f64>,
     ) -> PyResult<()> {
-        let req =
-            self.strided(py, remote, TransferOp::READ, local_base, remote_base, desc, None, timeout_ms)?;
+        let req = self.strided(
+            py,
+            remote,
+            TransferOp::READ,
+            local_base,
+            remote_base,
+            desc,
+            None,
+            timeout_ms,
+            Waiting::Now,
+        )?;
         finish_sync(py, &req)
     }
 
@@ -263,8 +319,17 @@ impl Hixl {
         notify: Option<NotifyDesc>,
         timeout_ms: Option<f64>,
     ) -> PyResult<Py<TransferReq>> {
-        let req =
-            self.strided(py, remote, TransferOp::WRITE, local_base, remote_base, desc, notify, timeout_ms)?;
+        let req = self.strided(
+            py,
+            remote,
+            TransferOp::WRITE,
+            local_base,
+            remote_base,
+            desc,
+            notify,
+            timeout_ms,
+            Waiting::Later,
+        )?;
         self.track(py, req, user_data)
     }
 
@@ -290,8 +355,17 @@ impl Hixl {
         notify: Option<NotifyDesc>,
         timeout_ms: Option<f64>,
     ) -> PyResult<Py<TransferReq>> {
-        let req =
-            self.strided(py, remote, TransferOp::READ, local_base, remote_base, desc, notify, timeout_ms)?;
+        let req = self.strided(
+            py,
+            remote,
+            TransferOp::READ,
+            local_base,
+            remote_base,
+            desc,
+            notify,
+            timeout_ms,
+            Waiting::Later,
+        )?;
         self.track(py, req, user_data)
     }
 
