@@ -13,7 +13,7 @@ state, and sorts the samples (self time) into stages by symbol:
 - request: making, submitting, completing and dropping the request (stats, settle);
 - wait: waiting for the request (spinning, sleeping, waking);
 - system call: the copy's own system calls, kernel and libc (process_vm_writev/readv, or
-  sendmsg/recvmsg and epoll for tcp);
+  sendmsg/recvmsg and epoll for tcp); memcpy when the target's memory is engine-allocated;
 - alloc: malloc and free; clock: reading the clock; other: the rest.
 
 Prints microseconds per transfer for each stage (the stage's share of the samples times the
@@ -59,7 +59,8 @@ STAGES: list[tuple[str, str]] = [
     ("bindings", r"^_hixl::|pyo3|parse_descs|uint_named|__pymethod|trampoline"),
 ]
 KERNEL_OR_LIBC_IO = re.compile(
-    r"process_vm|sendmsg|recvmsg|epoll|^__libc_send|^__libc_recv|syscall|entry_SYSCALL"
+    r"process_vm|sendmsg|recvmsg|epoll|^__libc_send|^__libc_recv|syscall|entry_SYSCALL|"
+    r"memmove|memcpy"
 )
 
 
@@ -74,12 +75,18 @@ def classify(dso: str, sym: str) -> str:
     return "other"
 
 
-def serve() -> None:
+def serve(mem: str) -> None:
     e = hixl.Hixl()
     e.initialize("127.0.0.1:0")
-    buf = np.ones(1 << 22, np.uint8)
-    e.register(buf)
-    print(json.dumps({"engine": e.local_engine, "addr": buf.ctypes.data}), flush=True)
+    if mem == "alloc":
+        buf = e.alloc(1 << 22)  # engine-allocated: a same-host peer copies through a mapping
+    else:
+        buf = np.ones(1 << 22, np.uint8)
+        e.register(buf)
+    print(
+        json.dumps({"engine": e.local_engine, "addr": buf.ctypes.data, "pid": os.getpid()}),
+        flush=True,
+    )
     sys.stdin.read()
     e.finalize()
 
@@ -92,12 +99,25 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=4096, help="bytes per transfer (<= 4 MiB)")
     ap.add_argument("--op", choices=["write", "read"], default="write")
     ap.add_argument("--seconds", type=float, default=4.0, help="how long perf samples")
+    ap.add_argument(
+        "--side",
+        choices=["initiator", "target"],
+        default="initiator",
+        help="sample the calling thread (default) or every thread of the target process",
+    )
+    ap.add_argument(
+        "--target-mem",
+        choices=["registered", "alloc"],
+        default="registered",
+        help="the target's buffer: numpy memory it registered (same host: cross-memory attach), "
+        "or engine-allocated (`Hixl.alloc`; same host: copied through a mapping)",
+    )
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve:
-        return serve()
+        return serve(a.target_mem)
     target = subprocess.Popen(
-        [sys.executable, __file__, "--serve"],
+        [sys.executable, __file__, "--serve", "--target-mem", a.target_mem],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -129,22 +149,9 @@ def main() -> None:
     th = threading.Thread(target=loop)
     th.start()
     time.sleep(0.5)
-    tid = th.native_id
+    who = ["-t", str(th.native_id)] if a.side == "initiator" else ["-p", str(info["pid"])]
     subprocess.run(
-        [
-            "perf",
-            "record",
-            "-q",
-            "-F",
-            "9999",
-            "-t",
-            str(tid),
-            "-o",
-            data,
-            "--",
-            "sleep",
-            str(a.seconds),
-        ],
+        ["perf", "record", "-q", "-F", "9999", *who, "-o", data, "--", "sleep", str(a.seconds)],
         check=True,
         stderr=subprocess.DEVNULL,
     )
@@ -185,6 +192,8 @@ def main() -> None:
         f"hixl {hixl.__version__}: {a.backend} {a.op} of {a.size} bytes, "
         f"{per_us:.2f} us per transfer_sync"
     )
+    if a.side == "target":
+        print("  (target process: all of its threads; us = share x time per transfer)")
     print(f"  {'stage':12s} {'share':>6s} {'us':>6s}")
     for stage, pct in sorted(shares.items(), key=lambda kv: -kv[1]):
         print(f"  {stage:12s} {pct / total * 100:5.1f}% {pct / total * per_us:6.2f}")

@@ -40,9 +40,8 @@ pub(crate) fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::T
         let mut out = Vec::with_capacity(descs.len()?);
         for (i, item) in descs.try_iter()?.enumerate() {
             let item = item?;
-            if let Ok(d) = item.downcast::<types::TransferOpDesc>() {
-                out.push((*d.get()).into());
-            } else if item.is_instance_of::<PyTuple>() || item.is_instance_of::<PyList>() {
+            // Tuples first: a type-flag test, where the class test looks up the class object.
+            if item.is_instance_of::<PyTuple>() || item.is_instance_of::<PyList>() {
                 if item.len()? != 3 {
                     return Err(errors::param(format!("descs[{i}] must have 3 fields, got {}", item.len()?)));
                 }
@@ -51,6 +50,8 @@ pub(crate) fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::T
                     remote_addr: types::uint_named(|| format!("descs[{i}].remote_addr"), &item.get_item(1)?)?,
                     len: types::uint_named(|| format!("descs[{i}].length"), &item.get_item(2)?)?,
                 });
+            } else if let Ok(d) = item.downcast::<types::TransferOpDesc>() {
+                out.push((*d.get()).into());
             } else {
                 let t = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
                 return Err(errors::param(format!(

@@ -169,6 +169,11 @@ impl Request {
     /// Blocks until the request leaves WAITING, the request's deadline passes, or `timeout`
     /// (if any) expires, whichever is first; returns the status then.
     pub fn wait(&self, timeout: Option<Duration>) -> TransferStatus {
+        // Ended already (copied on the submitting thread): no clock, no helper.
+        let s = TransferStatus::from_u8(self.state.load(Ordering::Acquire));
+        if s != TransferStatus::Waiting {
+            return s;
+        }
         let until = timeout
             .and_then(|t| Instant::now().checked_add(t))
             .map_or(self.deadline, |u| self.deadline.min(u));
@@ -252,6 +257,11 @@ impl Request {
             let _ = self.ended.set((backend, Instant::now()));
         }
         first
+    }
+
+    /// When its I/O ended, as `account` recorded it.
+    pub(crate) fn ended_at(&self) -> Option<Instant> {
+        self.ended.get().map(|(_, t)| *t)
     }
 
     /// A future that resolves when the request settles (see [`Completion`]).
