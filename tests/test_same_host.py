@@ -142,3 +142,36 @@ def test_alloc_gives_aligned_shared_memory_that_transfers_and_outlives_deregistr
             e.alloc(0)
     after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert after == before, "nothing left in /dev/shm"
+
+
+def test_async_small_requests_finish_without_anyone_waiting_and_overlap_safely(make_peer):
+    """Asynchronous same-host requests are copied by the engine's copy workers, not by the
+    submitting thread: they must complete when nobody waits for them (only `status()` is
+    polled), including bursts after the workers went to sleep, and requests in flight
+    together must each land their own bytes. A thread that waits copies queued parts itself;
+    both paths run here."""
+    size, n = 16 * 1024, 48
+    peer = make_peer(n * size)
+    src = np.random.default_rng(7).integers(0, 256, n * size, dtype=np.uint8)
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1", {"hixl.backends": "shm"})
+        e.register(src)
+        e.connect(peer.engine, timeout_ms=5000)
+        for burst in range(3):
+            time.sleep(0.05)  # longer than the workers poll: the next burst must wake one
+            lo = burst * (n // 3)
+            reqs = [
+                e.transfer_async(
+                    peer.engine, W, [(src.ctypes.data + i * size, peer.addr + i * size, size)]
+                )
+                for i in range(lo, lo + n // 3)
+            ]
+            deadline = time.monotonic() + 10
+            if burst == 1:
+                for r in reqs:  # waiters: they copy queued parts themselves
+                    assert r.wait(10_000) == hixl.TransferStatus.COMPLETED
+            while any(r.status() == hixl.TransferStatus.WAITING for r in reqs):
+                assert time.monotonic() < deadline, "async requests did not finish without a waiter"
+                time.sleep(0.0005)
+            assert all(r.status() == hixl.TransferStatus.COMPLETED for r in reqs)
+    assert np.array_equal(peer.read(), src), "every block landed once, at its place"

@@ -191,4 +191,34 @@ mod tests {
         assert!(tasks.iter().all(|t| t.ran.load(Ordering::SeqCst) == 50));
         pool.stop();
     }
+
+    /// Small tasks wake nobody while a worker is awake; they must still all run, whether they
+    /// arrive back to back (a worker polls), while one runs, or after every worker slept.
+    #[test]
+    fn small_tasks_are_never_left_behind() {
+        let pool = CopyPool::start(3).unwrap();
+        let task = Arc::new(Countdown { left: Mutex::new(0), ran: AtomicUsize::new(0) });
+        let mut pushed = 0u32;
+        for round in 0..200u32 {
+            *task.left.lock().unwrap() += 1;
+            pushed += 1;
+            let t: Arc<dyn Task> = task.clone();
+            pool.push(&t, 1, true);
+            match round % 4 {
+                0 => std::thread::sleep(SPIN * 3), // every worker asleep before the next
+                1 => std::thread::sleep(SPIN / 4),
+                _ => {}
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while task.ran.load(Ordering::SeqCst) < pushed as usize {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {pushed} small tasks ran",
+                task.ran.load(Ordering::SeqCst)
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        pool.stop();
+    }
 }
