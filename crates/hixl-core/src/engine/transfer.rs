@@ -117,8 +117,12 @@ impl Engine {
             req.release_pins();
             return Err(e);
         }
-        if let Some(h) = conn.link.clone().wait_help() {
-            req.set_help(h);
+        // A request that ended while it was submitted (a same-host copy on this thread) needs
+        // no helper.
+        if !req.has_ended() {
+            if let Some(h) = conn.link.clone().wait_help() {
+                req.set_help(h);
+            }
         }
         req.mark_posted();
         remember(conn, &req);

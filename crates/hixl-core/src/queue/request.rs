@@ -121,6 +121,12 @@ impl Request {
         self
     }
 
+    /// Whether it has left WAITING (no clock read: a deadline that passed unobserved does not
+    /// count here).
+    pub(crate) fn has_ended(&self) -> bool {
+        TransferStatus::from_u8(self.state.load(Ordering::Acquire)) != TransferStatus::Waiting
+    }
+
     /// The same request, saying whether its submitter waits for it right away.
     pub fn waited(mut self, at_once: bool) -> Self {
         self.waited_at_once = at_once;
@@ -170,9 +176,8 @@ impl Request {
     /// (if any) expires, whichever is first; returns the status then.
     pub fn wait(&self, timeout: Option<Duration>) -> TransferStatus {
         // Ended already (copied on the submitting thread): no clock, no helper.
-        let s = TransferStatus::from_u8(self.state.load(Ordering::Acquire));
-        if s != TransferStatus::Waiting {
-            return s;
+        if self.has_ended() {
+            return TransferStatus::from_u8(self.state.load(Ordering::Acquire));
         }
         let until = timeout
             .and_then(|t| Instant::now().checked_add(t))
