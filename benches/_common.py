@@ -73,6 +73,19 @@ def start_target(script: str, size: int) -> tuple[subprocess.Popen, list[str]]:
     return proc, fields
 
 
+def start_json_target(script: str) -> tuple[subprocess.Popen, dict]:
+    """Starts `script --serve` (a flag, no size) and returns it with the JSON object its first
+    line holds."""
+    proc = subprocess.Popen(
+        [sys.executable, script, "--serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    return proc, json.loads(proc.stdout.readline())
+
+
 def stop_target(proc: subprocess.Popen) -> None:
     assert proc.stdin is not None
     proc.stdin.close()

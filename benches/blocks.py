@@ -24,13 +24,13 @@ import ctypes
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
+from _common import start_json_target  # noqa: E402
 
 import hixl  # noqa: E402
 from hixl import _hixl  # noqa: E402
@@ -74,14 +74,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.serve:
         return serve()
-    target = subprocess.Popen(
-        [sys.executable, __file__, "--serve"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert target.stdout is not None and target.stdin is not None
-    info = json.loads(target.stdout.readline())
+    target, info = start_json_target(__file__)
+    assert target.stdin is not None
     peer, raddr, pid = info["engine"], info["addr"], info["pid"]
     src = np.random.default_rng(1).integers(0, 256, WINDOW, dtype=np.uint8)
     e = hixl.Hixl()

@@ -20,7 +20,6 @@ import ctypes
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -30,6 +29,7 @@ import time
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
+from _common import start_json_target  # noqa: E402
 
 import hixl  # noqa: E402
 
@@ -144,14 +144,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.serve:
         return serve()
-    target = subprocess.Popen(
-        [sys.executable, __file__, "--serve"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert target.stdout is not None and target.stdin is not None
-    info = json.loads(target.stdout.readline())
+    target, info = start_json_target(__file__)
+    assert target.stdin is not None
     rows: dict[str, dict] = {}
     W, R = hixl.TransferOp.WRITE, hixl.TransferOp.READ
     src = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
