@@ -42,8 +42,8 @@ pub struct Request {
     pub carries_notify: bool,
     /// Local and remote address of its first segment (for the DEBUG log); 0: none.
     pub first_addrs: (u64, u64),
-    /// Whether its submitter waits for it right away (`Waiting::Now`): a path may then run a
-    /// small request on the submitting thread.
+    /// Whether its submitter waits for it right away (`Waiting::Now`): a path may then run it
+    /// on the submitting thread.
     pub waited_at_once: bool,
     sleep: Mutex<()>,
     wake: Condvar,

@@ -18,6 +18,15 @@ use crate::error::{Error, Result};
 /// more than doubled what a small asynchronous request cost its submitter).
 const SPIN: Duration = Duration::from_micros(100);
 
+/// Held while a worker copies a long batch (see [`CopyPool::long_batch`]).
+pub(crate) struct LongBatch<'a>(&'a AtomicUsize);
+
+impl Drop for LongBatch<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// A link with copies to run.
 pub(crate) trait Task: Send + Sync {
     /// Runs one batch; returns whether more is queued.
@@ -30,6 +39,8 @@ pub struct CopyPool {
     sleepers: AtomicUsize,
     /// Whether a worker is polling the queue (at most one is).
     polling: AtomicBool,
+    /// Workers copying a long batch (see [`CopyPool::long_batch`]).
+    long: AtomicUsize,
     bell: (Mutex<()>, Condvar),
     stopping: AtomicBool,
     threads: Mutex<Vec<JoinHandle<()>>>,
@@ -44,6 +55,7 @@ impl CopyPool {
             queue: SegQueue::new(),
             sleepers: AtomicUsize::new(0),
             polling: AtomicBool::new(false),
+            long: AtomicUsize::new(0),
             bell: (Mutex::new(()), Condvar::new()),
             stopping: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
@@ -69,17 +81,20 @@ impl CopyPool {
     }
 
     /// Queues `task` to run `times` batches' worth (one per queued part). `small`: the parts
-    /// are small copies, which a worker that is awake (polling, or copying and about to look
-    /// again) takes soon enough: waking a second worker would cost the submitter more than the
-    /// copy (and a thread that waits for the request helps, `ShmLink`'s `WaitHelp`).
+    /// are small copies, which a worker that is awake and not in a long batch (polling, or
+    /// copying small parts and about to look again) takes soon enough: waking a second worker
+    /// would cost the submitter more than the copy (and a thread that waits for the request
+    /// helps, `ShmLink`'s `WaitHelp`).
     pub(crate) fn push(&self, task: &Arc<dyn Task>, times: usize, small: bool) {
         for _ in 0..times {
             self.queue.push(task.clone());
         }
         let sleepers = self.sleepers.load(Ordering::SeqCst);
         // A worker that is about to sleep counts as awake here; it looks at the queue again
-        // after it counted itself a sleeper, so the task cannot be missed.
-        if sleepers == 0 || (small && times == 1 && sleepers < self.workers) {
+        // after it counted itself a sleeper, so the task cannot be missed. A worker that starts
+        // a long batch just after this look delays the task by that batch at most.
+        let free = self.workers.saturating_sub(sleepers + self.long.load(Ordering::SeqCst));
+        if sleepers == 0 || (small && times == 1 && free > 0) {
             return;
         }
         {
@@ -90,6 +105,13 @@ impl CopyPool {
                 self.bell.1.notify_one();
             }
         }
+    }
+
+    /// Marks the calling worker as copying a long batch until the guard drops: small tasks
+    /// pushed meanwhile wake another worker rather than wait for this one.
+    pub(crate) fn long_batch(&self) -> LongBatch<'_> {
+        self.long.fetch_add(1, Ordering::SeqCst);
+        LongBatch(&self.long)
     }
 
     fn next(&self) -> Option<Arc<dyn Task>> {
@@ -129,8 +151,11 @@ impl CopyPool {
 
     fn worker(&self) {
         while let Some(task) = self.next() {
-            if task.run_batch() {
-                self.queue.push(task);
+            // A panic (a bug) loses that batch, not the worker: the others' counts stay true.
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task.run_batch())) {
+                Ok(true) => self.queue.push(task),
+                Ok(false) => {}
+                Err(_) => tracing::error!("a same-host copy batch panicked; its parts are lost"),
             }
         }
     }

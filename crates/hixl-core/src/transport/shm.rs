@@ -30,10 +30,15 @@ use crate::wire::RegionEntry;
 pub use super::shared_mem::SharedMem;
 use super::shared_mem::REQUIRED_SEALS;
 
-/// Requests up to this size are copied by the calling thread (no hand-off, no wake-up).
-/// Fixed, like the three below: above it a copy takes long enough that a hand-off costs
-/// nothing measurable; `hixl.shm.threads` is the knob for large copies.
+/// A part of up to this size is small: a copy worker busy with it looks at the run queue again
+/// within microseconds, so another small part need not wake a second worker. Fixed, like the
+/// ones below; `hixl.shm.threads` is the knob for large copies.
 const INLINE_BYTES: u64 = 256 * 1024;
+/// The largest part a calling or waiting thread copies itself (a synchronous request of one
+/// part on the calling thread, queued parts by a waiter): about a millisecond here, so that a
+/// waiter's timeout and Ctrl-C (checked every 50 ms from Python) are never held up by a copy
+/// much longer than that. Larger parts go to the copy workers while the caller sleeps.
+const HELP_BYTES: u64 = 8 << 20;
 /// How often a copy asks the peer's pidfd whether the process still lives (see `peer_exited`).
 const EXIT_CHECK_EVERY: Duration = Duration::from_millis(10);
 /// A worker stops taking parts once it holds this many bytes.
@@ -379,6 +384,20 @@ impl ShmLink {
         self.tcp.finish_elsewhere(&self.done, part, res);
     }
 
+    /// Puts a part a waiter popped but will not copy back in the queue (at its end) for the
+    /// workers; copies it here after all if its slot was taken meanwhile or the link closed.
+    fn requeue(&self, part: Part) {
+        if self.queue.reserve(1).is_err() || self.queue.is_closed() {
+            self.run_part(part);
+            return;
+        }
+        self.queue.push_reserved(part);
+        if let Some(me) = self.me.upgrade() {
+            let task: Arc<dyn Task> = me;
+            self.pool.push(&task, 1, false);
+        }
+    }
+
     /// Copies one queued part (unless its request already ended) and settles it.
     fn run_part(&self, part: Part) {
         let res = if part.req.status() == TransferStatus::Waiting {
@@ -413,11 +432,12 @@ impl DataPath for ShmLink {
         if parts.iter().all(|p| matches!(p.body, PartBody::Notify(_))) {
             return self.tcp.submit(parts, extra_slots);
         }
-        // A one-part request whose caller waits for it at once is copied here: a hand-off to a
-        // worker would only add a wake-up. Otherwise the workers copy, so that the parts of a
+        // A one-part request (up to HELP_BYTES) whose caller waits for it at once is copied
+        // here: a hand-off to a worker would only add a wake-up. Otherwise the workers copy, so that the parts of a
         // split request run in parallel and the caller's next requests overlap this one (and a
         // thread that waits for it helps: `WaitHelp`).
-        if parts.len() == 1 && parts[0].req.waited_at_once && !matches!(parts[0].body, PartBody::Notify(_)) {
+        let one = parts.len() == 1 && !matches!(parts[0].body, PartBody::Notify(_));
+        if one && parts[0].req.waited_at_once && parts[0].body.bytes() <= HELP_BYTES {
             let part = parts.into_iter().next().unwrap();
             let res = self.execute(&part);
             self.finish_part(part, res);
@@ -480,10 +500,13 @@ impl DataPath for ShmLink {
 impl WaitHelp for ShmLink {
     fn help(&self, req: &Request, until: std::time::Instant) {
         while req.status() == TransferStatus::Waiting && std::time::Instant::now() < until {
-            match self.queue.pop() {
-                Some(part) => self.run_part(part),
-                None => return,
+            let Some(part) = self.queue.pop() else { return };
+            if part.body.bytes() > HELP_BYTES {
+                // Too long to copy here (see HELP_BYTES): back to the workers, and wait.
+                self.requeue(part);
+                return;
             }
+            self.run_part(part);
         }
     }
 }
@@ -502,6 +525,8 @@ impl Task for ShmLink {
                 None => break,
             }
         }
+        // A long batch holds this worker for a while: small parts pushed meanwhile wake another.
+        let _long = (taken > INLINE_BYTES).then(|| self.pool.long_batch());
         for part in batch {
             self.run_part(part);
         }
