@@ -175,3 +175,41 @@ def test_async_small_requests_finish_without_anyone_waiting_and_overlap_safely(m
                 time.sleep(0.0005)
             assert all(r.status() == hixl.TransferStatus.COMPLETED for r in reqs)
     assert np.array_equal(peer.read(), src), "every block landed once, at its place"
+
+
+def test_a_waiter_copies_small_queued_parts_but_leaves_big_ones_to_the_workers(make_peer):
+    """With one copy worker busy on a big part, a thread waiting for a small request copies it
+    itself (it finishes long before the big copies), and a waiter never takes on another
+    request's big part: its own short timeout still returns on time."""
+    big, small = 256 << 20, 4096
+    peer = make_peer(big + small)
+    src = np.random.default_rng(3).integers(0, 256, big + small, dtype=np.uint8)
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1", {"hixl.backends": "shm", "hixl.shm.threads": "1"})
+        e.register(src)
+        e.connect(peer.engine, timeout_ms=5000)
+        whole = [(src.ctypes.data, peer.addr, big)]
+        # Warm the pages up, so that the timed copies below are memory-bound, not page faults.
+        e.transfer_sync(peer.engine, W, whole, 30_000)
+        t0 = time.monotonic()
+        first = e.transfer_async(peer.engine, W, whole, timeout_ms=30_000)  # the worker's
+        second = e.transfer_async(peer.engine, W, whole, timeout_ms=30_000)  # queued, big
+        tail = [(src.ctypes.data + big, peer.addr + big, small)]
+        last = e.transfer_async(peer.engine, W, tail, timeout_ms=30_000)  # queued after it
+        t1 = time.monotonic()
+        # The waiter pops the big queued part first: it must hand it back, not copy it.
+        assert last.wait(1) in (hixl.TransferStatus.WAITING, hixl.TransferStatus.COMPLETED)
+        waited = time.monotonic() - t1
+        assert last.wait(30_000) == hixl.TransferStatus.COMPLETED
+        # Copied by this waiting thread: done while the worker is still on the first big part.
+        assert first.status() == hixl.TransferStatus.WAITING, (
+            "the small request waited for the big ones"
+        )
+        for r in (first, second):
+            assert r.wait(30_000) == hixl.TransferStatus.COMPLETED
+        both = time.monotonic() - t0
+    # Two 256 MiB copies take tens of milliseconds here; the 1 ms wait must not have done one.
+    assert waited < both / 3, (
+        f"a 1 ms wait took {waited * 1e3:.1f} ms (two big copies: {both * 1e3:.1f} ms)"
+    )
+    assert np.array_equal(peer.read(big, small), src[big:]), "the small request's bytes"
