@@ -42,10 +42,9 @@ pub struct TransferOpDesc {
 
 /// When the caller of a submitting call will wait for its request. A data path may run the
 /// request on the calling thread while submitting it when the caller waits `Now` (nothing
-/// would overlap anyway, and no thread is woken; same-host: one part of up to 8 MiB); `Later`,
-/// it hands the request to its workers,
-/// so that the call returns at once and the caller's next requests overlap this one (a thread
-/// that waits for it then may still lend a hand).
+/// would overlap anyway, and no thread is woken; same-host: one part of up to 8 MiB). With
+/// `Later` it hands the request to its workers, so that the call returns at once and the
+/// caller's next requests overlap this one (a thread that waits for it may still lend a hand).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Waiting {
     /// The caller waits for the request right after submitting it (`transfer_sync`).

@@ -392,6 +392,11 @@ impl ShmLink {
             return;
         }
         self.queue.push_reserved(part);
+        if self.queue.is_closed() {
+            // Closed meanwhile: `close` may have drained the queue before this push.
+            self.fail_queued();
+            return;
+        }
         if let Some(me) = self.me.upgrade() {
             let task: Arc<dyn Task> = me;
             self.pool.push(&task, 1, false);
@@ -433,9 +438,9 @@ impl DataPath for ShmLink {
             return self.tcp.submit(parts, extra_slots);
         }
         // A one-part request (up to HELP_BYTES) whose caller waits for it at once is copied
-        // here: a hand-off to a worker would only add a wake-up. Otherwise the workers copy, so that the parts of a
-        // split request run in parallel and the caller's next requests overlap this one (and a
-        // thread that waits for it helps: `WaitHelp`).
+        // here: a hand-off to a worker would only add a wake-up. Otherwise the workers copy,
+        // so that the parts of a split request run in parallel and the caller's next requests
+        // overlap this one (and a thread that waits for it helps: `WaitHelp`).
         let one = parts.len() == 1 && !matches!(parts[0].body, PartBody::Notify(_));
         if one && parts[0].req.waited_at_once && parts[0].body.bytes() <= HELP_BYTES {
             let part = parts.into_iter().next().unwrap();
