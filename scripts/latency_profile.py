@@ -3,9 +3,10 @@
     python scripts/latency_profile.py                  # same host, 4 KiB WRITE
     python scripts/latency_profile.py --backend tcp --size 16384 --op read
 
-Starts a target process, runs `transfer_sync` in a loop in this process, samples this
-process with `perf record` (Linux perf must be installed) for a few seconds of the steady
-state, and sorts the samples (self time) into stages by symbol:
+Starts a target process, runs `transfer_sync` in a loop in this process, samples the calling
+thread (or, with `--side target`, every thread of the target) with `perf record` (Linux perf
+must be installed; the samples stay in /tmp/hixl-latency-profile.data for `perf report`) for a
+few seconds of the steady state, and sorts the samples (self time) into stages by symbol:
 
 - python: the interpreter running the caller's loop, and the call into the extension;
 - bindings: hixl's PyO3 layer (argument and descriptor parsing, GIL release);
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -116,6 +118,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.serve:
         return serve(a.target_mem)
+    if shutil.which("perf") is None:
+        sys.exit("perf is not installed (Debian: apt-get install linux-perf)")
     target = subprocess.Popen(
         [sys.executable, __file__, "--serve", "--target-mem", a.target_mem],
         stdin=subprocess.PIPE,
