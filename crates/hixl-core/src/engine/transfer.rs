@@ -118,14 +118,17 @@ impl Engine {
             return Err(e);
         }
         // A request that ended while it was submitted (a same-host copy on this thread) needs
-        // no helper.
-        if !req.has_ended() {
+        // no helper, and a later notification need not wait for it.
+        let ended = req.has_ended();
+        if !ended {
             if let Some(h) = conn.link.clone().wait_help() {
                 req.set_help(h);
             }
         }
         req.mark_posted();
-        remember(conn, &req);
+        if !ended {
+            remember(conn, &req);
+        }
         Ok(req)
     }
 
