@@ -55,6 +55,9 @@ fn finish_sync(py: Python<'_>, req: &hixl_core::TransferReq) -> PyResult<()> {
     req.result().map_err(to_py)
 }
 
+/// One range's `(local_addr, remote_addr, length)` arguments, as Python passed them.
+type Range3<'a, 'py> = (&'a Bound<'py, PyAny>, &'a Bound<'py, PyAny>, &'a Bound<'py, PyAny>);
+
 /// Runs `submit` with the GIL released. A caller that waits at once (`Waiting::Now`) also waits
 /// its first slice there, so that a request that ends within it costs one GIL release, not two
 /// (`finish_sync` then finds it ended).
@@ -126,9 +129,7 @@ impl Hixl {
         py: Python<'_>,
         remote: &str,
         op: TransferOp,
-        local_addr: &Bound<'_, PyAny>,
-        remote_addr: &Bound<'_, PyAny>,
-        length: &Bound<'_, PyAny>,
+        (local_addr, remote_addr, length): Range3<'_, '_>,
         timeout_ms: Option<f64>,
         waiting: Waiting,
     ) -> PyResult<hixl_core::TransferReq> {

@@ -114,9 +114,7 @@ impl Hixl {
             py,
             remote,
             TransferOp::WRITE,
-            local_addr,
-            remote_addr,
-            length,
+            (local_addr, remote_addr, length),
             timeout_ms,
             Waiting::Now,
         )?;
@@ -150,9 +148,7 @@ impl Hixl {
             py,
             remote,
             TransferOp::READ,
-            local_addr,
-            remote_addr,
-            length,
+            (local_addr, remote_addr, length),
             timeout_ms,
             Waiting::Now,
         )?;
@@ -182,9 +178,7 @@ impl Hixl {
             py,
             remote,
             TransferOp::WRITE,
-            local_addr,
-            remote_addr,
-            length,
+            (local_addr, remote_addr, length),
             timeout_ms,
             Waiting::Later,
         )?;
@@ -214,9 +208,7 @@ impl Hixl {
             py,
             remote,
             TransferOp::READ,
-            local_addr,
-            remote_addr,
-            length,
+            (local_addr, remote_addr, length),
             timeout_ms,
             Waiting::Later,
         )?;
