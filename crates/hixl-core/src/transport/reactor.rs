@@ -39,6 +39,9 @@ pub(crate) enum Interest {
     Write,
     /// Nothing from the socket: the source runs again only when scheduled.
     Idle,
+    /// Bytes to read, some of which it already holds (it stopped to let other sources run):
+    /// it runs again soon whether or not the socket becomes readable.
+    Again,
     /// The source is done: it is removed.
     Gone,
 }
@@ -89,7 +92,10 @@ struct Entry {
 const FIRED: u8 = u8::MAX;
 
 fn armed_code(i: Interest) -> u8 {
-    i as u8
+    match i {
+        Interest::Again => Interest::Read as u8,
+        i => i as u8,
+    }
 }
 
 struct TimerEntry {
@@ -347,6 +353,11 @@ impl Reactor {
                 return;
             }
             self.arm(e, token, interest);
+            if interest == Interest::Again {
+                let s = &self.shards[e.shard];
+                s.scheduled.push(token);
+                s.ring();
+            }
             if e.state.compare_exchange(RUNNING, IDLE, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 return;
             }
@@ -387,6 +398,9 @@ impl Reactor {
                 self.run_claimed(token, &e, Some(interest));
                 return true;
             };
+            if interest == Interest::Again {
+                continue;
+            }
             if wait.is_zero() {
                 std::thread::yield_now();
                 continue;
@@ -519,7 +533,7 @@ impl Reactor {
 fn mask(i: Interest) -> u32 {
     let base = (libc::EPOLLONESHOT | libc::EPOLLRDHUP) as u32;
     match i {
-        Interest::Read => base | libc::EPOLLIN as u32,
+        Interest::Read | Interest::Again => base | libc::EPOLLIN as u32,
         Interest::Write => base | libc::EPOLLOUT as u32,
         Interest::Idle | Interest::Gone => base,
     }

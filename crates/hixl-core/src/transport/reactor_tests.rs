@@ -93,3 +93,60 @@ fn the_timer_ticks_every_period_and_forgets_dropped_ticks() {
     assert!(r.timers.0.lock().unwrap().is_empty());
     r.stop();
 }
+
+/// Holds work of its own (like bytes a reader read ahead) and does one piece per run.
+struct Backlog {
+    _sock: UnixStream,
+    left: AtomicUsize,
+}
+
+impl Source for Backlog {
+    fn run(&self, _events: u32) -> Interest {
+        match self.left.load(Ordering::SeqCst) {
+            0 => Interest::Read,
+            n => {
+                self.left.store(n - 1, Ordering::SeqCst);
+                if n > 1 {
+                    Interest::Again
+                } else {
+                    Interest::Read
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_source_that_stops_with_work_in_hand_runs_again_without_its_socket() {
+    let r = Reactor::start(2, Duration::ZERO).unwrap();
+    let (a, _b) = UnixStream::pair().unwrap();
+    let src = Arc::new(Backlog { _sock: a, left: AtomicUsize::new(0) });
+    let fd = src._sock.as_raw_fd();
+    let token = r.add(fd, src.clone(), Interest::Read, r.next_shard()).unwrap();
+    let drained = |src: &Backlog| {
+        let until = Instant::now() + Duration::from_secs(5);
+        while src.left.load(Ordering::SeqCst) > 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        src.left.load(Ordering::SeqCst) == 0
+    };
+    // Scheduled once: the workers run it until its work is done; the socket stays silent.
+    src.left.store(50, Ordering::SeqCst);
+    r.schedule(token);
+    assert!(drained(&src), "{} pieces left behind", src.left.load(Ordering::SeqCst));
+    // A waiter driving it hands it back mid-way: the workers finish the rest.
+    src.left.store(50, Ordering::SeqCst);
+    let mut runs = 0;
+    assert!(r.drive_here(token, |_| {
+        runs += 1;
+        (runs < 10).then_some(Duration::from_secs(1))
+    }));
+    assert!(drained(&src), "{} pieces left behind", src.left.load(Ordering::SeqCst));
+    // While the waiter drives it, `Again` runs it at once instead of waiting a second for the
+    // socket.
+    src.left.store(20, Ordering::SeqCst);
+    let t0 = Instant::now();
+    assert!(r.drive_here(token, |_| (src.left.load(Ordering::SeqCst) > 0).then_some(Duration::from_secs(1))));
+    assert!(t0.elapsed() < Duration::from_millis(500), "waited for the socket: {:?}", t0.elapsed());
+    r.stop();
+}

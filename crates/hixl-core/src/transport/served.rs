@@ -14,7 +14,7 @@ use crate::error::{Error, Result, Status};
 use crate::registry::{Abort, Pin, Registry};
 use crate::transport::cuda_stage;
 use crate::transport::io::{self, Received};
-use crate::transport::nbio::{self, fill, FrameReader, IoJob, Outbox, Step};
+use crate::transport::nbio::{FrameReader, IoJob, Outbox, Step};
 use crate::transport::reactor::{Interest, Source};
 use crate::transport::server::{Served, Server};
 use crate::wire::{self, Frame, Header, Seg, StridedSeg};
@@ -208,21 +208,27 @@ fn send_now(srv: &Server, s: &Served) -> std::io::Result<()> {
 }
 
 fn read_some(srv: &Server, s: &Arc<Served>) -> std::io::Result<Interest> {
+    let mut rx = s.rx.lock().unwrap();
+    rx.frames.begin_run();
+    let i = read_frames(srv, s, &mut rx)?;
+    Ok(if i == Interest::Read && rx.frames.has_buffered() { Interest::Again } else { i })
+}
+
+fn read_frames(srv: &Server, s: &Arc<Served>, rx: &mut ServedRx) -> std::io::Result<Interest> {
     let fd = s.sock.as_raw_fd();
     let mut budget = READ_BUDGET;
-    let mut rx = s.rx.lock().unwrap();
     loop {
         match std::mem::replace(&mut rx.state, RxState::Frames) {
             RxState::Frames => {}
             RxState::Discard { tag, mut left, ack } => {
-                if nbio::discard(fd, &mut left)? == Step::WouldBlock {
+                if rx.frames.discard(fd, &mut left)? == Step::WouldBlock {
                     rx.state = RxState::Discard { tag, left, ack };
                     return Ok(Interest::Read);
                 }
                 answer(srv, s, &ack, tag)?;
             }
             RxState::Staged(mut w) => {
-                if w.recv(fd, &mut budget)? == Step::WouldBlock {
+                if w.recv(fd, &mut rx.frames, &mut budget)? == Step::WouldBlock {
                     rx.state = RxState::Staged(w);
                     return Ok(Interest::Read);
                 }
@@ -236,7 +242,7 @@ fn read_some(srv: &Server, s: &Arc<Served>) -> std::io::Result<Interest> {
             RxState::Bulk(mut w) => {
                 // SAFETY: every range was checked to lie inside a registered region, and those
                 // regions stay pinned (cannot be deregistered and freed) until `w.pins` drops.
-                let got = unsafe { w.job.recv(fd, &mut budget) };
+                let got = unsafe { rx.frames.recv_job(fd, &mut w.job, &mut budget) };
                 match got {
                     Ok(Step::WouldBlock) => {
                         rx.state = RxState::Bulk(w);
@@ -261,7 +267,7 @@ fn read_some(srv: &Server, s: &Arc<Served>) -> std::io::Result<Interest> {
                 }
                 if let Some(h) = w.hasher.clone() {
                     let WriteBulk { mac, mac_got, .. } = &mut *w;
-                    if fill(fd, mac, mac_got)? == Step::WouldBlock {
+                    if rx.frames.fill(fd, mac, mac_got)? == Step::WouldBlock {
                         rx.state = RxState::Bulk(w);
                         return Ok(Interest::Read);
                     }
@@ -289,7 +295,7 @@ fn read_some(srv: &Server, s: &Arc<Served>) -> std::io::Result<Interest> {
             srv.ctx.reactor.schedule(s.writer_token.load(Ordering::Acquire));
             return Ok(Interest::Idle);
         }
-        let ServedRx { frames, mac, .. } = &mut *rx;
+        let ServedRx { frames, mac, .. } = rx;
         let got = match frames.poll(fd, mac) {
             Ok(Some(r)) => r,
             Ok(None) => return Ok(Interest::Read),

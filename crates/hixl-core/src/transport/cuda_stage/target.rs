@@ -21,7 +21,7 @@ use super::{CopyStream, PinnedBuf};
 use crate::auth::{self, MAC_LEN};
 use crate::error::{Error, Result, Status};
 use crate::registry::Pin;
-use crate::transport::nbio::{fill, IoJob, Step};
+use crate::transport::nbio::{FrameReader, IoJob, Step};
 use crate::wire::Frame;
 
 /// The most bytes one frame into or out of device memory may carry at a target (the largest
@@ -142,15 +142,21 @@ pub(crate) fn start_write(
 }
 
 impl StagedWrite {
-    /// Receives what has arrived (bytes, then their data MAC), at most about `budget` bytes.
-    pub(crate) fn recv(&mut self, fd: RawFd, budget: &mut u64) -> std::io::Result<Step> {
+    /// Receives what has arrived (bytes, then their data MAC) through the stream's frame
+    /// reader (which hands out what it read ahead first), at most about `budget` bytes.
+    pub(crate) fn recv(
+        &mut self,
+        fd: RawFd,
+        frames: &mut FrameReader,
+        budget: &mut u64,
+    ) -> std::io::Result<Step> {
         // SAFETY: the job points into the lease's buffer, which holds `bulk` bytes and lives
         // as long as this value.
-        if unsafe { self.job.recv(fd, budget) }? == Step::WouldBlock {
+        if unsafe { frames.recv_job(fd, &mut self.job, budget) }? == Step::WouldBlock {
             return Ok(Step::WouldBlock);
         }
         if self.hasher.is_some() {
-            return fill(fd, &mut self.mac, &mut self.mac_got);
+            return frames.fill(fd, &mut self.mac, &mut self.mac_got);
         }
         Ok(Step::Done)
     }

@@ -11,7 +11,7 @@ use crate::auth::{self, MAC_LEN};
 use crate::error::{Error, Status};
 use crate::queue::{PartBody, TransferOp};
 use crate::transport::io::Received;
-use crate::transport::nbio::{fill, IoJob, Step};
+use crate::transport::nbio::{IoJob, Step};
 use crate::transport::reactor::{Interest, Source};
 use crate::transport::DataPath;
 use crate::wire::{Frame, Kind};
@@ -40,16 +40,22 @@ impl Source for Reader {
 impl TcpLink {
     /// Handles what has arrived, up to a budget (then yields to other streams).
     fn read_some(&self, s: &Stream) -> Result<Interest, Error> {
+        let mut rx = s.rx.lock().unwrap();
+        rx.frames.begin_run();
+        let i = self.read_frames(s, &mut rx)?;
+        Ok(if i == Interest::Read && rx.frames.has_buffered() { Interest::Again } else { i })
+    }
+
+    fn read_frames(&self, s: &Stream, rx: &mut Rx) -> Result<Interest, Error> {
         let fd = s.sock.as_raw_fd();
         let mut budget = READ_BUDGET;
-        let mut rx = s.rx.lock().unwrap();
         let broken = |e: std::io::Error| Error::not_connected(format!("stream to {} failed: {e}", self.peer));
         loop {
             if !self.alive() {
                 return Ok(Interest::Gone);
             }
             if rx.bulk.is_some() {
-                match self.recv_bulk(fd, &mut rx, &mut budget) {
+                match self.recv_bulk(fd, rx, &mut budget) {
                     Ok(Step::Done) => {}
                     Ok(Step::WouldBlock) => return Ok(Interest::Read),
                     Err(e) => {
@@ -72,7 +78,7 @@ impl TcpLink {
                 Err(e) => return Err(broken(e)),
             };
             budget = budget.saturating_sub(4096);
-            self.handle(s, &mut rx, got)?;
+            self.handle(s, rx, got)?;
         }
     }
 
@@ -152,15 +158,16 @@ impl TcpLink {
     /// Receives a READ response's bytes into the part's local segments, then checks their
     /// data MAC when the stream has them; finishes the part when all arrived.
     fn recv_bulk(&self, fd: i32, rx: &mut Rx, budget: &mut u64) -> std::io::Result<Step> {
-        let b = rx.bulk.as_mut().expect("a bulk under way");
+        let Rx { bulk, frames, .. } = rx;
+        let b = bulk.as_mut().expect("a bulk under way");
         // SAFETY: the local segments lie in regions pinned by the request until it completes,
         // and it completes only after this job ends (or the link is shut, which takes this
         // stream's receive lock first).
-        if unsafe { b.job.recv(fd, budget) }? == Step::WouldBlock {
+        if unsafe { frames.recv_job(fd, &mut b.job, budget) }? == Step::WouldBlock {
             return Ok(Step::WouldBlock);
         }
         if let Some(h) = &b.hasher {
-            if fill(fd, &mut b.tag, &mut b.tag_got)? == Step::WouldBlock {
+            if frames.fill(fd, &mut b.tag, &mut b.tag_got)? == Step::WouldBlock {
                 return Ok(Step::WouldBlock);
             }
             let mut h = h.clone();

@@ -1,0 +1,142 @@
+//! Tests of `nbio`: frames, jobs and the read-ahead over real socket pairs.
+use super::*;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+
+#[test]
+fn frames_arrive_across_many_reads_and_jobs_resume() {
+    let (a, b) = UnixStream::pair().unwrap();
+    a.set_nonblocking(true).unwrap();
+    b.set_nonblocking(true).unwrap();
+    let frame = wire::encode(&wire::Frame::Notify { name: "n".into(), msg: "x".repeat(300) }, 9, 0);
+    let mut r = FrameReader::default();
+    let mut mac = FrameMac::default();
+    // Byte by byte: nothing until the last byte.
+    for byte in &frame {
+        r.begin_run();
+        assert!(r.poll(a.as_raw_fd(), &mut mac).unwrap().is_none());
+        assert_eq!(crate::transport::io::send_some(b.as_raw_fd(), &[*byte]).unwrap(), 1);
+    }
+    r.begin_run();
+    let got = r.poll(a.as_raw_fd(), &mut mac).unwrap().expect("a whole frame");
+    assert_eq!(got.header.tag, 9);
+    assert!(matches!(got.frame, wire::Frame::Notify { ref msg, .. } if msg.len() == 300));
+
+    // A job larger than the socket buffer goes out across several steps, in order.
+    let src: Vec<u8> = (0..4 << 20).map(|i| (i % 251) as u8).collect();
+    let mut out = Outbox::default();
+    let mut job = IoJob::default();
+    job.push_raw(src.as_ptr() as u64, src.len() as u64);
+    out.push(job);
+    let mut dst = vec![0u8; src.len()];
+    let mut rj = IoJob::default();
+    rj.push_raw(dst.as_mut_ptr() as u64, dst.len() as u64);
+    let (mut steps, mut sent_done, mut recv_done) = (0, false, false);
+    while !(sent_done && recv_done) {
+        steps += 1;
+        let mut budget = 1 << 20;
+        // SAFETY: `src` and `dst` outlive the jobs.
+        sent_done = sent_done || unsafe { out.flush(b.as_raw_fd(), &mut budget) }.unwrap() == Step::Done;
+        let mut budget = 1 << 20;
+        // SAFETY: as above.
+        recv_done = recv_done || unsafe { rj.recv(a.as_raw_fd(), &mut budget) }.unwrap() == Step::Done;
+    }
+    assert!(steps > 2, "the buffer is bigger than the socket's");
+    assert_eq!(out.bytes, 0);
+    assert!(src == dst);
+}
+
+#[test]
+fn bytes_read_ahead_go_to_whoever_reads_next() {
+    let (a, b) = UnixStream::pair().unwrap();
+    a.set_nonblocking(true).unwrap();
+    let note = |tag| wire::encode(&wire::Frame::Notify { name: "n".into(), msg: "m".into() }, tag, 0);
+    // Frame, 5000 bulk bytes, frame, 300 bytes to drop, frame: all in the socket at once.
+    let bulk: Vec<u8> = (0..5000).map(|i| (i % 241) as u8).collect();
+    let mut all = note(1);
+    all.extend_from_slice(&bulk);
+    all.extend(note(2));
+    all.extend(std::iter::repeat_n(7u8, 300));
+    all.extend(note(3));
+    assert_eq!(crate::transport::io::send_some(b.as_raw_fd(), &all).unwrap(), all.len());
+    let (fd, mut mac, mut r) = (a.as_raw_fd(), FrameMac::default(), FrameReader::default());
+    r.begin_run();
+    assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 1);
+    assert!(r.has_buffered(), "one read took the bulk after the first frame too");
+    let mut dst = vec![0u8; bulk.len()];
+    let mut job = IoJob::default();
+    job.push_raw(dst.as_mut_ptr() as u64, 1000);
+    job.push_raw(dst.as_mut_ptr() as u64 + 1000, 4000);
+    let mut budget = u64::MAX;
+    // SAFETY: `dst` outlives the job.
+    assert_eq!(unsafe { r.recv_job(fd, &mut job, &mut budget) }.unwrap(), Step::Done);
+    assert!(dst == bulk);
+    assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 2);
+    let mut left = 300;
+    assert_eq!(r.discard(fd, &mut left).unwrap(), Step::Done);
+    assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 3);
+    assert!(!r.has_buffered());
+    // The socket was found empty in this run: what arrives now waits for the next run
+    // (the re-armed registration reports it) instead of costing a read here.
+    assert_eq!(crate::transport::io::send_some(b.as_raw_fd(), &note(4)).unwrap(), note(4).len());
+    assert!(r.poll(fd, &mut mac).unwrap().is_none());
+    r.begin_run();
+    assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 4);
+    // A bulk larger than the read-ahead: the first part from the buffer, the rest straight
+    // from the socket.
+    let big: Vec<u8> = (0..3 * READ_AHEAD).map(|i| (i % 253) as u8).collect();
+    let mut all = note(5);
+    all.extend_from_slice(&big);
+    assert_eq!(crate::transport::io::send_some(b.as_raw_fd(), &all).unwrap(), all.len());
+    r.begin_run();
+    assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 5);
+    let mut dst = vec![0u8; big.len()];
+    let mut job = IoJob::default();
+    job.push_raw(dst.as_mut_ptr() as u64, dst.len() as u64);
+    // SAFETY: `dst` outlives the job.
+    assert_eq!(unsafe { r.recv_job(fd, &mut job, &mut budget) }.unwrap(), Step::Done);
+    assert!(dst == big);
+    // EOF is an error, also when the reader looks through its buffer first.
+    drop(b);
+    r.begin_run();
+    assert!(matches!(r.poll(fd, &mut mac), Err(e) if e.kind() == io::ErrorKind::UnexpectedEof));
+}
+
+#[test]
+fn bytes_read_ahead_into_memory_that_refuses_them_fail_with_efault() {
+    let (a, b) = UnixStream::pair().unwrap();
+    a.set_nonblocking(true).unwrap();
+    let note = |tag| wire::encode(&wire::Frame::Notify { name: "n".into(), msg: "m".into() }, tag, 0);
+    let mut all = note(1);
+    all.extend(std::iter::repeat_n(9u8, 100));
+    all.extend(note(2));
+    assert_eq!(crate::transport::io::send_some(b.as_raw_fd(), &all).unwrap(), all.len());
+    // SAFETY: a fresh anonymous page that nothing else uses, unmapped below.
+    let page = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(page, libc::MAP_FAILED);
+    let (fd, mut mac, mut r) = (a.as_raw_fd(), FrameMac::default(), FrameReader::default());
+    r.begin_run();
+    assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 1);
+    let mut job = IoJob::default();
+    job.push_raw(page as u64, 100);
+    let mut budget = u64::MAX;
+    // SAFETY: the kernel checks the page; the test expects it to refuse the bytes.
+    let err = unsafe { r.recv_job(fd, &mut job, &mut budget) }.unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EFAULT));
+    assert_eq!(job.moved, 0);
+    // The refused bytes are still there to be skipped; the stream goes on.
+    let mut left = 100;
+    assert_eq!(r.discard(fd, &mut left).unwrap(), Step::Done);
+    assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 2);
+    // SAFETY: the page mapped above.
+    unsafe { libc::munmap(page, 4096) };
+}
