@@ -487,7 +487,7 @@ mod stage_tests;
 /// This process's id, without a system call on every transfer (`getpid` was a tenth of a
 /// same-host 4 KiB transfer): cached, and forgotten in the child of a `fork()` by an atfork
 /// handler, so that an engine used across a fork is still caught.
-pub(crate) fn current_pid() -> u32 {
+fn current_pid() -> u32 {
     use std::sync::atomic::AtomicU32;
     static PID: AtomicU32 = AtomicU32::new(0);
     static HANDLER: std::sync::Once = std::sync::Once::new();

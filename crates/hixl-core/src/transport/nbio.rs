@@ -75,19 +75,13 @@ pub(crate) fn fill(fd: RawFd, buf: &mut [u8], got: &mut usize) -> io::Result<Ste
 /// bulk goes straight from the socket into its memory.
 pub(crate) const READ_AHEAD: usize = 8 * 1024;
 
-/// Whether this process may copy into its own memory with `process_vm_writev` (how bytes
-/// read ahead reach registered memory, see [`FrameReader::copy_into`]); probed once.
-fn self_copy_works() -> bool {
-    static WORKS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *WORKS.get_or_init(|| {
-        let (mut from, mut to) = (1u8, 0u8);
-        let src = libc::iovec { iov_base: (&mut from as *mut u8).cast(), iov_len: 1 };
-        let dst = libc::iovec { iov_base: (&mut to as *mut u8).cast(), iov_len: 1 };
-        let pid = crate::engine::current_pid() as libc::pid_t;
-        // SAFETY: both iovecs describe one live local byte.
-        let r = unsafe { libc::process_vm_writev(pid, &src, 1, &dst, 1, 0) };
-        r == 1 && to == 1
-    })
+/// `/dev/zero`, opened once: reading it into memory is how a reader checks that the memory
+/// it copies bytes read ahead into is still writable (see [`FrameReader::copy_into`]); None
+/// where it cannot be opened (then nothing past a frame is read ahead).
+fn zero_source() -> Option<RawFd> {
+    static ZERO: std::sync::OnceLock<Option<std::fs::File>> = std::sync::OnceLock::new();
+    use std::os::fd::AsRawFd;
+    ZERO.get_or_init(|| std::fs::File::open("/dev/zero").ok()).as_ref().map(|f| f.as_raw_fd())
 }
 
 /// Assembles one frame at a time: header, payload and (on a sealed stream) MAC, checked
@@ -135,9 +129,8 @@ impl FrameReader {
     }
 
     /// One read into the (empty) read-ahead buffer: up to [`READ_AHEAD`] bytes, or only the
-    /// `need` bytes the caller misses where this process cannot copy into its own memory with
-    /// `process_vm_writev` (see [`FrameReader::copy_into`]; a sandbox may refuse it): then no
-    /// bulk byte is ever read ahead.
+    /// `need` bytes the caller misses where `/dev/zero` cannot be opened (a sandbox): then no
+    /// bulk byte is ever read ahead (see [`FrameReader::copy_into`]).
     fn refill(&mut self, fd: RawFd, need: usize) -> io::Result<Step> {
         debug_assert!(!self.has_buffered());
         if self.drained {
@@ -146,7 +139,7 @@ impl FrameReader {
         if self.ahead.is_empty() {
             self.ahead = vec![0; READ_AHEAD];
         }
-        let ask = if self_copy_works() { READ_AHEAD } else { need.min(READ_AHEAD) };
+        let ask = if zero_source().is_some() { READ_AHEAD } else { need.min(READ_AHEAD) };
         (self.lo, self.hi) = (0, 0);
         loop {
             // SAFETY: the pointer and length describe (a prefix of) `ahead`, which is ours.
@@ -218,15 +211,21 @@ impl FrameReader {
         unsafe { job.recv(fd, budget) }
     }
 
-    /// Copies bytes read ahead into the job's next iovecs with `process_vm_writev` on this
-    /// process, not `memcpy`: registered memory that its owner unmapped or write-protected
-    /// since then must fail the request with EFAULT, as a `recvmsg` into it does, instead of
-    /// crashing the process. Returns how many bytes moved; EFAULT (with those that did moved)
-    /// when the memory refused them.
+    /// Copies bytes read ahead into the job's next iovecs. Registered memory that its owner
+    /// unmapped or write-protected since must fail the request with EFAULT, as a `recvmsg`
+    /// into it does, not crash the process: so the kernel first writes zeros there (one
+    /// `readv` of `/dev/zero`, which fails with EFAULT on memory it may not write; a third of
+    /// what a `process_vm_writev` on this process costs here), then the bytes are copied. An
+    /// owner that unmaps the memory between the two, while a transfer into it is under way,
+    /// is not caught. Returns how many bytes moved; EFAULT (with those that did moved) when
+    /// the memory refused them.
     ///
     /// # Safety
     /// As for [`IoJob::recv`].
     unsafe fn copy_into(&mut self, job: &mut IoJob) -> io::Result<usize> {
+        let Some(zero) = zero_source() else {
+            return Err(io::Error::other("bytes were read ahead without a way to check their memory"));
+        };
         let mut want = self.hi - self.lo;
         let mut dst = Vec::with_capacity(8);
         for v in job.iovs[job.start..].iter().take(IOV_MAX) {
@@ -238,21 +237,29 @@ impl FrameReader {
             want -= len;
         }
         let k: usize = dst.iter().map(|v| v.iov_len).sum();
-        let src = libc::iovec { iov_base: self.ahead[self.lo..].as_mut_ptr().cast(), iov_len: k };
-        let pid = crate::engine::current_pid() as libc::pid_t;
-        // SAFETY: `src` lies in our buffer; `dst` describes the job's memory, writable by the
-        // caller's contract; the kernel checks both and fails with EFAULT, never faults us.
-        let r = unsafe { libc::process_vm_writev(pid, &src, 1, dst.as_ptr(), dst.len() as libc::c_ulong, 0) };
+        // SAFETY: `dst` describes the job's memory, writable by the caller's contract; the
+        // kernel checks it and fails with EFAULT where it is not, never faults us.
+        let r = unsafe { libc::readv(zero, dst.as_ptr(), dst.len() as libc::c_int) };
         if r < 0 {
             return Err(io::Error::last_os_error());
         }
-        let r = r as usize;
-        self.lo += r;
-        job.advance(r);
-        if r < k {
+        let ok = r as usize; // bytes the kernel could write: copy those, then fail if short
+        let mut from = self.lo;
+        let mut left = ok;
+        for v in &dst {
+            let n = v.iov_len.min(left);
+            // SAFETY: the kernel just wrote these `n` bytes of the job's memory; the source is
+            // our buffer, which cannot overlap it.
+            unsafe { std::ptr::copy_nonoverlapping(self.ahead[from..].as_ptr(), v.iov_base.cast::<u8>(), n) };
+            from += n;
+            left -= n;
+        }
+        self.lo += ok;
+        job.advance(ok);
+        if ok < k {
             return Err(io::Error::from_raw_os_error(libc::EFAULT));
         }
-        Ok(r)
+        Ok(ok)
     }
 
     /// Reads and drops up to `*left` bytes without blocking (the bulk of a refused frame),
