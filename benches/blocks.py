@@ -4,8 +4,9 @@ Python with 1 and 4 requests in flight, each beside two baselines measured in th
     python benches/blocks.py                       # 4 KiB to 1 MiB, 5 rounds
     python benches/blocks.py --sizes 16K,256K --rounds 3 --json out.json
 
-- hixl: `transfer_sync` one block at a time (depth 1), or 4 `transfer_async` then 4 `wait`
-  (depth 4), with `hixl.backends=shm`.
+- hixl: `transfer_sync` one block at a time (depth 1), 4 `transfer_async` then 4 `wait`
+  (depth 4), or one `transfer_sync` of 4 blocks (batch 4: one call, one request, what a caller
+  that has several blocks ready pays), with `hixl.backends=shm`.
 - rust pvw: one `process_vm_writev`/`readv` per block in a Rust loop (`hixl._hixl._raw_cma`),
   the floor for one system call per block (timed call by call in Rust, one block);
 - ctypes pvw: the same call made from Python through ctypes, what a Python program that copies
@@ -102,12 +103,14 @@ def main() -> None:
             n = max(64, (a.mib << 20) // size)
             offs = [0] * n
             descs = [[(base + o, raddr + o, size)] for o in offs]
+            quads = [[(base, raddr, size)] * 4 for _ in range(0, n, 4)]
             arr = np.array([(base, raddr, size)], np.uint64)
             iovs = [(Iovec(base + o, size), Iovec(raddr + o, size)) for o in offs]
             refs = [(ctypes.byref(lo), ctypes.byref(ro)) for lo, ro in iovs]
             for op, raw_fn, name in ((W, pvw, "write"), (R, pvr, "read")):
                 samples: dict[str, list[float]] = {
-                    k: [] for k in ("hixl_depth1", "hixl_depth4", "rust_pvw", "ctypes_pvw")
+                    k: []
+                    for k in ("hixl_depth1", "hixl_depth4", "hixl_batch4", "rust_pvw", "ctypes_pvw")
                 }
 
                 def depth1() -> None:
@@ -121,12 +124,21 @@ def main() -> None:
                             q.wait()
                             q.result()
 
+                def batch4() -> None:
+                    for d in quads:  # noqa: B023
+                        e.transfer_sync(peer, op, d)  # noqa: B023
+
                 def ctypes_loop() -> None:
                     for lp, rp in refs:  # noqa: B023
                         if raw_fn(pid, lp, 1, rp, 1, 0) != size:  # noqa: B023
                             raise OSError(ctypes.get_errno(), "process_vm_writev/readv")
 
-                loops = {"hixl_depth1": depth1, "hixl_depth4": depth4, "ctypes_pvw": ctypes_loop}
+                loops = {
+                    "hixl_depth1": depth1,
+                    "hixl_depth4": depth4,
+                    "hixl_batch4": batch4,
+                    "ctypes_pvw": ctypes_loop,
+                }
                 for k in loops:
                     loops[k]()  # warm-up
                 for _ in range(a.rounds):
@@ -142,17 +154,19 @@ def main() -> None:
                     rows[f"{name}_{size}_{k}"] = {"GBps": v}
                 rows[f"{name}_{size}_ratios"] = {
                     f"{h}_x_{b}": gbps[h] / gbps[b]
-                    for h in ("hixl_depth1", "hixl_depth4")
+                    for h in ("hixl_depth1", "hixl_depth4", "hixl_batch4")
                     for b in ("rust_pvw", "ctypes_pvw")
                 }
                 g = {k: f"{v:6.2f}" for k, v in gbps.items()}
                 x = rows[f"{name}_{size}_ratios"]
                 print(
                     f"{name:5s} {size >> 10:5d} KiB  GB/s: depth1 {g['hixl_depth1']} "
-                    f"depth4 {g['hixl_depth4']} rust pvw {g['rust_pvw']} "
-                    f"ctypes pvw {g['ctypes_pvw']}  x rust: {x['hixl_depth1_x_rust_pvw']:.2f} / "
-                    f"{x['hixl_depth4_x_rust_pvw']:.2f}  x ctypes: "
-                    f"{x['hixl_depth1_x_ctypes_pvw']:.2f} / {x['hixl_depth4_x_ctypes_pvw']:.2f}",
+                    f"depth4 {g['hixl_depth4']} batch4 {g['hixl_batch4']} rust pvw "
+                    f"{g['rust_pvw']} ctypes pvw {g['ctypes_pvw']}  x rust: "
+                    f"{x['hixl_depth1_x_rust_pvw']:.2f} / {x['hixl_depth4_x_rust_pvw']:.2f} / "
+                    f"{x['hixl_batch4_x_rust_pvw']:.2f}  x ctypes: "
+                    f"{x['hixl_depth1_x_ctypes_pvw']:.2f} / {x['hixl_depth4_x_ctypes_pvw']:.2f} / "
+                    f"{x['hixl_batch4_x_ctypes_pvw']:.2f}",
                     flush=True,
                 )
     finally:
