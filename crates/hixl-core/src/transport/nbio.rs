@@ -71,8 +71,9 @@ pub(crate) fn fill(fd: RawFd, buf: &mut [u8], got: &mut usize) -> io::Result<Ste
 /// small request's header, descriptors and bytes then come in one system call instead of
 /// three, and a read that returns less than this says the socket is empty, which saves the
 /// read that would only report EAGAIN. Bulk bytes that arrive with a frame (at most this many
-/// per frame) reach their memory by one `process_vm_writev` on this process; the rest of a
-/// bulk goes straight from the socket into its memory.
+/// per frame) are copied into their memory once the kernel has checked that it may write
+/// there (see [`FrameReader::copy_into`]); the rest of a bulk goes straight from the socket
+/// into its memory.
 pub(crate) const READ_AHEAD: usize = 8 * 1024;
 
 /// `/dev/zero`, opened once: reading it into memory is how a reader checks that the memory
@@ -226,16 +227,22 @@ impl FrameReader {
         let Some(zero) = zero_source() else {
             return Err(io::Error::other("bytes were read ahead without a way to check their memory"));
         };
+        // At most this many iovecs per call (the caller calls again for the rest): no
+        // allocation on the path of every small WRITE.
+        const PER_CALL: usize = 32;
         let mut want = self.hi - self.lo;
-        let mut dst = Vec::with_capacity(8);
-        for v in job.iovs[job.start..].iter().take(IOV_MAX) {
+        let mut slots = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; PER_CALL];
+        let mut used = 0;
+        for v in job.iovs[job.start..].iter().take(PER_CALL) {
             if want == 0 {
                 break;
             }
             let len = v.iov_len.min(want);
-            dst.push(libc::iovec { iov_base: v.iov_base, iov_len: len });
+            slots[used] = libc::iovec { iov_base: v.iov_base, iov_len: len };
+            used += 1;
             want -= len;
         }
+        let dst = &slots[..used];
         let k: usize = dst.iter().map(|v| v.iov_len).sum();
         // SAFETY: `dst` describes the job's memory, writable by the caller's contract; the
         // kernel checks it and fails with EFAULT where it is not, never faults us.
@@ -246,7 +253,7 @@ impl FrameReader {
         let ok = r as usize; // bytes the kernel could write: copy those, then fail if short
         let mut from = self.lo;
         let mut left = ok;
-        for v in &dst {
+        for v in dst {
             let n = v.iov_len.min(left);
             // SAFETY: the kernel just wrote these `n` bytes of the job's memory; the source is
             // our buffer, which cannot overlap it.

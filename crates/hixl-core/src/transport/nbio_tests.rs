@@ -96,6 +96,20 @@ fn bytes_read_ahead_go_to_whoever_reads_next() {
     // SAFETY: `dst` outlives the job.
     assert_eq!(unsafe { r.recv_job(fd, &mut job, &mut budget) }.unwrap(), Step::Done);
     assert!(dst == big);
+    // Many small iovecs (more than one copy call takes), as a strided WRITE has.
+    let small: Vec<u8> = (0..3000).map(|i| (i % 239) as u8).collect();
+    let mut all = note(6);
+    all.extend_from_slice(&small);
+    assert_eq!(crate::transport::io::send_some(b.as_raw_fd(), &all).unwrap(), all.len());
+    r.begin_run();
+    assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 6);
+    let mut dst = vec![0u8; 2 * small.len()];
+    let mut job = IoJob::default();
+    (0..60).for_each(|i| job.push_raw(dst.as_mut_ptr() as u64 + i * 100, 50));
+    // SAFETY: `dst` outlives the job.
+    assert_eq!(unsafe { r.recv_job(fd, &mut job, &mut budget) }.unwrap(), Step::Done);
+    let got: Vec<u8> = dst.chunks(100).flat_map(|c| c[..50].to_vec()).collect();
+    assert!(got == small && dst.chunks(100).all(|c| c[50..].iter().all(|&x| x == 0)));
     // EOF is an error, also when the reader looks through its buffer first.
     drop(b);
     r.begin_run();
