@@ -1,5 +1,8 @@
 //! Tests of `nbio`: frames, jobs and the read-ahead over real socket pairs.
+use super::reader::{writable_prefix, zero_source, READ_AHEAD};
 use super::*;
+use crate::auth::FrameMac;
+use crate::wire;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 
@@ -72,8 +75,8 @@ fn bytes_read_ahead_go_to_whoever_reads_next() {
     assert_eq!(unsafe { r.recv_job(fd, &mut job, &mut budget) }.unwrap(), Step::Done);
     assert!(dst == bulk);
     assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 2);
-    let mut left = 300;
-    assert_eq!(r.discard(fd, &mut left).unwrap(), Step::Done);
+    let (mut left, mut budget) = (300, u64::MAX);
+    assert_eq!(r.discard(fd, &mut left, &mut budget).unwrap(), Step::Done);
     assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 3);
     assert!(!r.has_buffered());
     // The socket was found empty in this run: what arrives now waits for the next run
@@ -148,9 +151,62 @@ fn bytes_read_ahead_into_memory_that_refuses_them_fail_with_efault() {
     assert_eq!(err.raw_os_error(), Some(libc::EFAULT));
     assert_eq!(job.moved, 0);
     // The refused bytes are still there to be skipped; the stream goes on.
-    let mut left = 100;
-    assert_eq!(r.discard(fd, &mut left).unwrap(), Step::Done);
+    let (mut left, mut budget) = (100, u64::MAX);
+    assert_eq!(r.discard(fd, &mut left, &mut budget).unwrap(), Step::Done);
     assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 2);
     // SAFETY: the page mapped above.
     unsafe { libc::munmap(page, 4096) };
+}
+
+#[test]
+fn a_refused_bulk_is_skipped_within_the_budget_of_a_run() {
+    let (a, b) = UnixStream::pair().unwrap();
+    a.set_nonblocking(true).unwrap();
+    let note = wire::encode(&wire::Frame::Notify { name: "n".into(), msg: "m".into() }, 1, 0);
+    let mut all = note;
+    all.extend(std::iter::repeat_n(5u8, 40_000));
+    assert_eq!(crate::transport::io::send_some(b.as_raw_fd(), &all).unwrap(), all.len());
+    let (fd, mut mac, mut r) = (a.as_raw_fd(), FrameMac::default(), FrameReader::default());
+    r.begin_run();
+    assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 1);
+    let mut left = 40_000;
+    let mut budget = 10_000;
+    assert_eq!(r.discard(fd, &mut left, &mut budget).unwrap(), Step::WouldBlock);
+    assert_eq!((left, budget), (30_000, 0), "no more than the budget in one run");
+    r.begin_run();
+    let mut budget = u64::MAX;
+    assert_eq!(r.discard(fd, &mut left, &mut budget).unwrap(), Step::Done);
+    assert_eq!(left, 0);
+}
+
+#[test]
+fn the_writable_prefix_stops_at_memory_that_refuses_writes() {
+    // SAFETY: two fresh anonymous pages; the second is made PROT_NONE, both unmapped below.
+    let page = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            8192,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(page, libc::MAP_FAILED);
+    // SAFETY: the second page of the mapping above.
+    assert_eq!(unsafe { libc::mprotect(page.cast::<u8>().add(4096).cast(), 4096, libc::PROT_NONE) }, 0);
+    // SAFETY: the first page is ours and writable.
+    unsafe { std::ptr::write_bytes(page.cast::<u8>(), 7, 4096) };
+    let zero = zero_source().expect("/dev/zero");
+    let dst = [
+        libc::iovec { iov_base: page.cast::<u8>().wrapping_add(100).cast(), iov_len: 1000 },
+        libc::iovec { iov_base: page.cast::<u8>().wrapping_add(3000).cast(), iov_len: 2000 },
+    ];
+    // SAFETY: the kernel checks the ranges; the test expects it to stop at the second page.
+    assert_eq!(unsafe { writable_prefix(zero, &dst) }, 1000 + 1096);
+    // SAFETY: the first page is readable.
+    let first = unsafe { std::slice::from_raw_parts(page.cast::<u8>(), 4096) };
+    assert!(first[100..1100].iter().all(|&x| x == 0) && first[..100].iter().all(|&x| x == 7));
+    // SAFETY: the mapping above.
+    unsafe { libc::munmap(page, 8192) };
 }

@@ -448,7 +448,15 @@ impl Reactor {
                     if self.stopping.load(Ordering::Acquire) {
                         return;
                     }
-                    while let Some(t) = me.scheduled.pop() {
+                    // Only what was queued before this pass: a source that asks to run
+                    // again (`Interest::Again`) queues itself and rings again, so it waits
+                    // for the next `epoll_wait` like every other ready source instead of
+                    // holding this worker.
+                    for _ in 0..me.scheduled.len() {
+                        let Some(t) = me.scheduled.pop() else { break };
+                        if self.stopping.load(Ordering::Acquire) {
+                            return;
+                        }
                         self.dispatch(t, 0);
                     }
                 } else {

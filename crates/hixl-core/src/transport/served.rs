@@ -221,7 +221,7 @@ fn read_frames(srv: &Server, s: &Arc<Served>, rx: &mut ServedRx) -> std::io::Res
         match std::mem::replace(&mut rx.state, RxState::Frames) {
             RxState::Frames => {}
             RxState::Discard { tag, mut left, ack } => {
-                if rx.frames.discard(fd, &mut left)? == Step::WouldBlock {
+                if rx.frames.discard(fd, &mut left, &mut budget)? == Step::WouldBlock {
                     rx.state = RxState::Discard { tag, left, ack };
                     return Ok(Interest::Read);
                 }
@@ -400,7 +400,7 @@ fn start_write(
                 Ok(w) => RxState::Staged(Box::new(w)),
                 Err(e) => RxState::Discard {
                     tag: h.tag,
-                    left: h.bulk_len + mac_len,
+                    left: h.bulk_len.saturating_add(mac_len),
                     ack: Frame::Ack { status: e.code(), message: e.message },
                 },
             }
@@ -421,7 +421,7 @@ fn start_write(
         }
         Err(e) => RxState::Discard {
             tag: h.tag,
-            left: h.bulk_len + mac_len,
+            left: h.bulk_len.saturating_add(mac_len),
             ack: Frame::Ack { status: e.code(), message: e.message },
         },
     }
