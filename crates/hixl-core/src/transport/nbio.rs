@@ -41,26 +41,36 @@ pub(crate) fn prepare(sock: &std::net::TcpStream) -> io::Result<()> {
     sock.set_write_timeout(Some(MID_JOB_WAIT))
 }
 
-/// Reads into `buf[*got..]` without blocking; EOF is an error.
-pub(crate) fn fill(fd: RawFd, buf: &mut [u8], got: &mut usize) -> io::Result<Step> {
-    while *got < buf.len() {
-        // SAFETY: the pointer and length describe the unfilled rest of `buf`.
-        let r =
-            unsafe { libc::recv(fd, buf[*got..].as_mut_ptr().cast(), buf.len() - *got, libc::MSG_DONTWAIT) };
+/// One `recv` into `buf` without blocking: how many bytes came (at least one), or None when
+/// the socket has nothing now; EOF is an error.
+fn recv_some(fd: RawFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
+    loop {
+        // SAFETY: the pointer and length describe `buf`.
+        let r = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
         if r < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
                 continue;
             }
             if would_block(&e) {
-                return Ok(Step::WouldBlock);
+                return Ok(None);
             }
             return Err(e);
         }
         if r == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the stream"));
         }
-        *got += r as usize;
+        return Ok(Some(r as usize));
+    }
+}
+
+/// Reads into `buf[*got..]` without blocking; EOF is an error.
+pub(crate) fn fill(fd: RawFd, buf: &mut [u8], got: &mut usize) -> io::Result<Step> {
+    while *got < buf.len() {
+        match recv_some(fd, &mut buf[*got..])? {
+            Some(n) => *got += n,
+            None => return Ok(Step::WouldBlock),
+        }
     }
     Ok(Step::Done)
 }

@@ -4,9 +4,10 @@
 use std::io;
 use std::os::fd::RawFd;
 
-use super::{discard, fill, would_block, IoJob, Step};
+use super::{discard, fill, recv_some, IoJob, Step};
 use crate::auth::{FrameMac, MAC_LEN};
 use crate::transport::io::{proto, Received};
+use crate::transport::reactor::Interest;
 use crate::wire::{self, Header, HEADER_LEN};
 
 /// How many bytes a stream's reader asks the socket for when it looks for the next frame. A
@@ -110,6 +111,16 @@ impl FrameReader {
         self.lo < self.hi
     }
 
+    /// What a reader run that ends with `next` asks of the reactor: to wait for its socket,
+    /// unless bytes read ahead are still here (then `Again`: run again without it).
+    pub(crate) fn end_run(&self, next: Interest) -> Interest {
+        if next == Interest::Read && self.has_buffered() {
+            Interest::Again
+        } else {
+            next
+        }
+    }
+
     /// Copies bytes read ahead into `dst`; returns how many.
     fn take(&mut self, dst: &mut [u8]) -> usize {
         let k = (self.hi - self.lo).min(dst.len());
@@ -131,26 +142,16 @@ impl FrameReader {
         }
         let ask = if zero_source().is_some() { READ_AHEAD } else { need.min(READ_AHEAD) };
         (self.lo, self.hi) = (0, 0);
-        loop {
-            // SAFETY: the pointer and length describe (a prefix of) `ahead`, which is ours.
-            let r = unsafe { libc::recv(fd, self.ahead.as_mut_ptr().cast(), ask, libc::MSG_DONTWAIT) };
-            if r < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                if would_block(&e) {
-                    self.drained = true;
-                    return Ok(Step::WouldBlock);
-                }
-                return Err(e);
+        match recv_some(fd, &mut self.ahead[..ask])? {
+            Some(n) => {
+                self.hi = n;
+                self.drained = n < ask;
+                Ok(Step::Done)
             }
-            if r == 0 {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the stream"));
+            None => {
+                self.drained = true;
+                Ok(Step::WouldBlock)
             }
-            self.hi = r as usize;
-            self.drained = self.hi < ask;
-            return Ok(Step::Done);
         }
     }
 
@@ -269,16 +270,11 @@ impl FrameReader {
         }
         let mut now = (*left).min(*budget);
         let before = now;
-        let step = discard(fd, &mut now)?;
+        discard(fd, &mut now)?;
         *left -= before - now;
         *budget -= before - now;
-        Ok(if *left == 0 {
-            Step::Done
-        } else if step == Step::Done {
-            Step::WouldBlock
-        } else {
-            step
-        })
+        // Not all of it: the socket ran dry or the budget is spent.
+        Ok(if *left == 0 { Step::Done } else { Step::WouldBlock })
     }
 
     /// Reads what has arrived; `Some` once a whole frame is in (the next call starts the next

@@ -137,6 +137,12 @@ impl Shard {
         Ok(Shard { epfd, wake, scheduled: SegQueue::new() })
     }
 
+    /// Queues `token` for this shard's worker and wakes it.
+    fn schedule(&self, token: u64) {
+        self.scheduled.push(token);
+        self.ring();
+    }
+
     fn ring(&self) {
         let one: u64 = 1;
         // SAFETY: writes 8 bytes from a live u64 to our eventfd.
@@ -291,9 +297,7 @@ impl Reactor {
     /// Has a worker run the source soon (from any thread; never runs it here).
     pub(crate) fn schedule(&self, token: u64) {
         let Some(shard) = self.entries.read().unwrap().get(&token).map(|e| e.shard) else { return };
-        let s = &self.shards[shard];
-        s.scheduled.push(token);
-        s.ring();
+        self.shards[shard].schedule(token);
     }
 
     /// Runs the source on the calling thread now, unless a worker is running it (which then
@@ -354,9 +358,7 @@ impl Reactor {
             }
             self.arm(e, token, interest);
             if interest == Interest::Again {
-                let s = &self.shards[e.shard];
-                s.scheduled.push(token);
-                s.ring();
+                self.shards[e.shard].schedule(token);
             }
             if e.state.compare_exchange(RUNNING, IDLE, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 return;

@@ -10,6 +10,17 @@ struct Echo {
     overlap: AtomicBool,
 }
 
+impl Echo {
+    fn new(sock: UnixStream) -> Arc<Echo> {
+        Arc::new(Echo {
+            sock,
+            runs: AtomicUsize::new(0),
+            inside: AtomicUsize::new(0),
+            overlap: AtomicBool::new(false),
+        })
+    }
+}
+
 impl Source for Echo {
     fn run(&self, _events: u32) -> Interest {
         if self.inside.fetch_add(1, Ordering::SeqCst) != 0 {
@@ -40,12 +51,7 @@ fn sources_run_on_readiness_and_schedule_never_concurrently() {
     let r = Reactor::start(3, Duration::ZERO).unwrap();
     let (a, b) = UnixStream::pair().unwrap();
     a.set_nonblocking(true).unwrap();
-    let src = Arc::new(Echo {
-        sock: a,
-        runs: AtomicUsize::new(0),
-        inside: AtomicUsize::new(0),
-        overlap: AtomicBool::new(false),
-    });
+    let src = Echo::new(a);
     let token = r.add(src.sock.as_raw_fd(), src.clone(), Interest::Read, r.next_shard()).unwrap();
     let mut b2 = b.try_clone().unwrap();
     b2.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -161,12 +167,7 @@ fn a_source_that_always_asks_again_does_not_starve_its_worker() {
     r.schedule(g);
     let (b, c) = UnixStream::pair().unwrap();
     b.set_nonblocking(true).unwrap();
-    let echo = Arc::new(Echo {
-        sock: b,
-        runs: AtomicUsize::new(0),
-        inside: AtomicUsize::new(0),
-        overlap: AtomicBool::new(false),
-    });
+    let echo = Echo::new(b);
     r.add(echo.sock.as_raw_fd(), echo.clone(), Interest::Read, 0).unwrap();
     let mut c = c;
     c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();

@@ -210,8 +210,8 @@ fn send_now(srv: &Server, s: &Served) -> std::io::Result<()> {
 fn read_some(srv: &Server, s: &Arc<Served>) -> std::io::Result<Interest> {
     let mut rx = s.rx.lock().unwrap();
     rx.frames.begin_run();
-    let i = read_frames(srv, s, &mut rx)?;
-    Ok(if i == Interest::Read && rx.frames.has_buffered() { Interest::Again } else { i })
+    let next = read_frames(srv, s, &mut rx)?;
+    Ok(rx.frames.end_run(next))
 }
 
 fn read_frames(srv: &Server, s: &Arc<Served>, rx: &mut ServedRx) -> std::io::Result<Interest> {

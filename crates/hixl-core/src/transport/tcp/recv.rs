@@ -42,8 +42,8 @@ impl TcpLink {
     fn read_some(&self, s: &Stream) -> Result<Interest, Error> {
         let mut rx = s.rx.lock().unwrap();
         rx.frames.begin_run();
-        let i = self.read_frames(s, &mut rx)?;
-        Ok(if i == Interest::Read && rx.frames.has_buffered() { Interest::Again } else { i })
+        let next = self.read_frames(s, &mut rx)?;
+        Ok(rx.frames.end_run(next))
     }
 
     fn read_frames(&self, s: &Stream, rx: &mut Rx) -> Result<Interest, Error> {
