@@ -20,6 +20,8 @@ import urllib.request
 from collections import defaultdict
 from typing import Any
 
+from .._redact import scrub
+
 NAME = "stats"
 HELP = "watch a running engine's metrics endpoint (peers, bytes, rates, in flight, errors)"
 
@@ -111,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             now = scrape(args.url, args.timeout)
         except OSError as exc:
-            print(f"hixl stats: cannot read {args.url}: {exc}", file=sys.stderr)
+            print(scrub(f"hixl stats: cannot read {args.url}: {exc}", args.url), file=sys.stderr)
             return 1
         t_now = time.monotonic()
         print(table(now, before, t_now - t_before), flush=True)
