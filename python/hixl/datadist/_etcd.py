@@ -206,14 +206,31 @@ class EtcdClient:
         self.call("kv/put", {"key": b64(key), "value": b64(value), "lease": str(lease)})
 
     def get(self, key: bytes) -> bytes | None:
+        got = self.get_leased(key)
+        return got[0] if got is not None else None
+
+    def get_leased(self, key: bytes) -> tuple[bytes, int] | None:
+        """The key's value and the lease it is attached to (0: none), or None if absent."""
         kvs = self.call("kv/range", {"key": b64(key)}).get("kvs", [])
-        return unb64(kvs[0].get("value", "")) if kvs else None
+        return (unb64(kvs[0].get("value", "")), int(kvs[0].get("lease", 0))) if kvs else None
 
     def range_prefix(self, prefix: bytes) -> tuple[dict[bytes, bytes], int]:
         """Every key under `prefix` with its value, and the store's revision."""
+        kvs, rev = self.range_leased(prefix)
+        return {k: v for k, (v, _) in kvs.items()}, rev
+
+    def range_leased(self, prefix: bytes) -> tuple[dict[bytes, tuple[bytes, int]], int]:
+        """Every key under `prefix` with its value and lease (0: none), and the revision."""
         out = self.call("kv/range", {"key": b64(prefix), "range_end": b64(prefix_end(prefix))})
-        kvs = {unb64(kv["key"]): unb64(kv.get("value", "")) for kv in out.get("kvs", [])}
+        kvs = {
+            unb64(kv["key"]): (unb64(kv.get("value", "")), int(kv.get("lease", 0)))
+            for kv in out.get("kvs", [])
+        }
         return kvs, int(out["header"]["revision"])
+
+    def lease_ttl(self, lease: int) -> int:
+        """The seconds the lease has left; -1 when it does not exist (expired or revoked)."""
+        return int(self.call("lease/timetolive", {"ID": str(lease)}).get("TTL", -1))
 
     def watch(self, prefix: bytes, start_revision: int, idle_s: float) -> Watch:
         """A watch of every key under `prefix` from `start_revision` on."""
@@ -231,7 +248,8 @@ class EtcdClient:
 
 
 class Watch:
-    """An open watch stream; iterate for lists of events (type, key, value, mod revision)."""
+    """An open watch stream; iterate for lists of events (type, key, value, mod revision,
+    lease: 0 when the key is attached to none)."""
 
     def __init__(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
         self.conn, self.resp = conn, resp
@@ -246,7 +264,7 @@ class Watch:
                 pass
         self.conn.close()
 
-    def batches(self) -> Iterator[tuple[list[tuple[str, bytes, bytes, int]], int]]:
+    def batches(self) -> Iterator[tuple[list[tuple[str, bytes, bytes, int, int]], int]]:
         """Yields (events, header revision) per message; raises EtcdError when the stream
         ends or etcd cancels it (a compacted start revision: the caller reads again), and
         socket.timeout when nothing came for the idle time given to watch()."""
@@ -277,6 +295,7 @@ class Watch:
                         unb64(kv.get("key", "")),
                         unb64(kv.get("value", "")),
                         int(kv.get("mod_revision", 0)),
+                        int(kv.get("lease", 0)),
                     )
                 )
             yield events, int(res.get("header", {}).get("revision", 0))
