@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 from test_netns import _why_no_netns, sh
@@ -173,8 +173,10 @@ class Rank:
         url: str,
         env: dict[str, str] | None = None,
         defer: bool = False,
+        stderr: IO[bytes] | None = None,
     ) -> None:
-        """In host `i`'s namespace, or on 127.0.0.1 in this one when `hosts` is None."""
+        """In host `i`'s namespace, or on 127.0.0.1 in this one when `hosts` is None; its
+        stderr (its log) goes to `stderr` when given."""
         ip = hosts.ips[i] if hosts else "127.0.0.1"
         env = {
             **os.environ,
@@ -193,6 +195,7 @@ class Rank:
             [*prefix, sys.executable, WORKER],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=stderr,
             text=True,
             env=env,
         )
@@ -422,6 +425,7 @@ def test_etcd_auth_and_a_rank_published_twice(etcd_local: Etcd) -> None:
         "hixl.discovery.user": "root",
         "hixl.discovery.password": "rootpw",
         "hixl.discovery.ttl_s": str(TTL),
+        "hixl.secret": SECRET,  # the workers' (with a secret, ranks check each other's entries)
     }
     hixl.init(cluster_id=5, role="prompt", discovery=url, options=opts)
     try:

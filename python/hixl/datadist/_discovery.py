@@ -12,6 +12,11 @@ If etcd goes away later, both threads keep retrying and nothing else changes: li
 up, the view stays as it was. When etcd answers again, the lease is renewed (or, if it
 expired meanwhile, this rank publishes itself again) and the view is read afresh.
 
+etcd is not trusted to hold only what ranks wrote (``_entries``): an entry not attached to a
+lease, or naming another rank, is ignored, and with a cluster secret so is one whose MAC does
+not verify; each is logged once, and the rank stays in the view as it was (until its own
+lease ends). A rank whose own key holds anything but its own entry writes it back.
+
 Options (``hixl.init(options=...)``, next to the engine's; or the environment variable in
 brackets): ``hixl.discovery.ttl_s`` (HIXL_DISCOVERY_TTL_S, default 10),
 ``hixl.discovery.advertise`` (HIXL_DISCOVERY_ADVERTISE: the "ip:port" to publish when the
@@ -23,19 +28,23 @@ default 3).
 
 from __future__ import annotations
 
-import json
+import collections
 import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from .._errors import NotConnected, ParamInvalid
+from .._redact import redact_url
+from ._entries import EntryKey, Member, Refused, cluster_secret, open_entry, seal
 from ._etcd import EtcdClient, EtcdError, Tls
+
+__all__ = ["Config", "Discovery", "Member", "advertised", "from_init", "parse"]
 
 log = logging.getLogger("hixl.discovery")
 
@@ -53,47 +62,8 @@ OPTIONS = {
 
 
 @dataclass
-class Member:
-    """A rank as published in etcd."""
-
-    rank: int
-    role: str
-    address: str
-    device_id: int = 0
-    caches: tuple[str, ...] = ()
-    host: str = ""
-    pid: int = 0
-
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "rank": self.rank,
-                "role": self.role,
-                "address": self.address,
-                "device_id": self.device_id,
-                "caches": list(self.caches),
-                "host": self.host,
-                "pid": self.pid,
-            },
-            separators=(",", ":"),
-        ).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> Member:
-        d = json.loads(raw)
-        return cls(
-            int(d["rank"]),
-            str(d["role"]),
-            str(d["address"]),
-            int(d.get("device_id", 0)),
-            tuple(str(c) for c in d.get("caches", [])),
-            str(d.get("host", "")),
-            int(d.get("pid", 0)),
-        )
-
-
-@dataclass
 class Config:
+    #: the discovery URL as it may be shown: a password in it is replaced by ***
     url: str
     endpoints: list[tuple[str, int]]
     prefix: str
@@ -101,8 +71,10 @@ class Config:
     advertise: str | None
     tls: Tls | None
     user: str | None
-    password: str | None
+    password: str | None = field(repr=False)
     timeout_s: float
+    #: the cluster secret (the engine's): entries are MACed and checked under a key from it
+    secret: str | None = field(default=None, repr=False)
 
 
 def split_options(options: Mapping[str, str] | None) -> tuple[dict[str, str], dict[str, str]]:
@@ -122,19 +94,26 @@ def split_options(options: Mapping[str, str] | None) -> tuple[dict[str, str], di
     return engine, disc
 
 
-def parse(url: str, given: Mapping[str, str], env: Mapping[str, str]) -> Config:
+def parse(
+    url: str, given: Mapping[str, str], env: Mapping[str, str], secret: str | None = None
+) -> Config:
     """The discovery configuration from the URL ("etcd://h1:2379,h2:2379/prefix", or etcds://
-    for TLS), the options given and the environment (HIXL_DISCOVERY_<NAME>)."""
+    for TLS), the options given and the environment (HIXL_DISCOVERY_<NAME>). Errors show the
+    URL with its password replaced by ***."""
 
     def opt(name: str) -> str:
         if name in given:
             return given[name]
         return env.get("HIXL_DISCOVERY_" + name.upper(), OPTIONS[name])
 
-    u = urlsplit(url)
+    shown = redact_url(url)
+    try:
+        u = urlsplit(url)
+    except ValueError as exc:
+        raise ParamInvalid(f"discovery={shown!r} is not a URL ({exc})") from None
     if u.scheme not in ("etcd", "etcds"):
         raise ParamInvalid(
-            f"discovery={url!r}: only etcd://host:port[,host:port...]/prefix (or etcds:// for "
+            f"discovery={shown!r}: only etcd://host:port[,host:port...]/prefix (or etcds:// for "
             "TLS) is supported"
         )
     endpoints = []
@@ -144,10 +123,10 @@ def parse(url: str, given: Mapping[str, str], env: Mapping[str, str]) -> Config:
             host, port = part, "2379"
         host = host.strip("[]")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ParamInvalid(f"discovery={url!r}: {part!r} is not host:port")
+            raise ParamInvalid(f"discovery={shown!r}: {part!r} is not host:port")
         endpoints.append((host, int(port)))
     if not endpoints:
-        raise ParamInvalid(f"discovery={url!r} names no etcd endpoint (etcd://host:2379/prefix)")
+        raise ParamInvalid(f"discovery={shown!r} names no etcd endpoint (etcd://host:2379/prefix)")
     prefix = "/" + u.path.strip("/") if u.path.strip("/") else "/hixl"
     user, password = opt("user") or None, opt("password") or None
     if "@" in u.netloc:
@@ -168,8 +147,9 @@ def parse(url: str, given: Mapping[str, str], env: Mapping[str, str]) -> Config:
     if u.scheme == "etcds" or opt("ca") or opt("cert"):
         tls = Tls(opt("ca") or None, opt("cert") or None, opt("key") or None)
     return Config(
-        url, endpoints, prefix, ttl, opt("advertise") or None, tls, user, password, timeout_s
-    )
+        shown, endpoints, prefix, ttl, opt("advertise") or None, tls, user, password, timeout_s,
+        secret,
+    )  # fmt: skip
 
 
 def advertised(listen: str, cfg: Config) -> str:
@@ -220,6 +200,15 @@ class Discovery:
         self.etcd_ok = True
         self.wake = threading.Event()  # update() or close(): the lease thread has work
         self.dirty = False  # this rank's entry changed since it was last published
+        self.entry_key = EntryKey(cfg.secret) if cfg.secret else None
+        #: the values this rank wrote under its key lately (the watch may still show older)
+        self.mine: collections.deque[bytes] = collections.deque(maxlen=8)
+        #: keys whose refused entry was logged (once, until a good entry shows up there)
+        self.refused: set[bytes] = set()
+        #: ranks of the view whose key now holds a refused entry: rank -> the lease of the
+        #: entry the view keeps, checked every keepalive (the rank leaves when it is gone)
+        self.contested: dict[int, int] = {}
+        self.leases: dict[int, int] = {}  # rank -> the lease of its entry in the view
 
     def check(self) -> None:
         """Raises NotConnected, with what to do, when etcd does not answer."""
@@ -239,6 +228,19 @@ class Discovery:
     def key(self, rank: int) -> bytes:
         return self.dir + str(rank).encode()
 
+    def _entry(self, lease: int) -> bytes:
+        """This rank's entry, attached to `lease` (MACed with a secret); remembered as its
+        own before it is written, so that the watch knows it when it comes back."""
+        assert self.me is not None
+        with self.lock:
+            value = seal(self.entry_key, self.key(self.me.rank), lease, self.me)
+            self.mine.append(value)
+        return value
+
+    def _is_mine(self, value: bytes, lease: int) -> bool:
+        with self.lock:
+            return lease == self.lease and value in self.mine
+
     def start(self, me: Member, deadline: float) -> None:
         """Publishes this rank (waiting until `deadline` for an earlier process of the same
         rank whose lease has not expired yet), reads the view and starts both threads."""
@@ -248,7 +250,9 @@ class Discovery:
             if granted != self.cfg.ttl_s:
                 log.info("etcd granted a lease of %d s (asked %d s)", granted, self.cfg.ttl_s)
             while True:
-                ok, other = self.client.create(self.key(me.rank), me.to_json(), self.lease)
+                ok, other = self.client.create(
+                    self.key(me.rank), self._entry(self.lease), self.lease
+                )
                 if ok:
                     break
                 if time.monotonic() >= deadline:
@@ -258,7 +262,7 @@ class Discovery:
                         "another process has this rank (a dead one's entry expires after its TTL)"
                     )
                 time.sleep(0.2)
-            view, rev = self.client.range_prefix(self.dir)
+            view, rev = self.client.range_leased(self.dir)
         except BaseException as exc:
             if self.lease:  # do not leave the entry behind for a TTL
                 try:
@@ -287,9 +291,9 @@ class Discovery:
             self.dirty = True
         self.wake.set()
 
-    def _republish(self) -> None:
-        log.warning("discovery: the entry of rank %d is gone from etcd; publishing again",
-                    self.me.rank if self.me else -1)  # fmt: skip
+    def _republish(self, why: str = "is gone from etcd") -> None:
+        log.warning("discovery: the entry of rank %d %s; publishing it again",
+                    self.me.rank if self.me else -1, why)  # fmt: skip
         with self.lock:
             self.dirty = True
         self.wake.set()
@@ -316,18 +320,31 @@ class Discovery:
         if m is not None:
             return m
         try:
-            raw = self.client.get(self.key(rank))
+            got = self.client.get_leased(self.key(rank))
         except EtcdError:
-            return None
-        if raw is None:
-            return None
-        try:
-            m = Member.from_json(raw)
-        except (ValueError, KeyError, TypeError):
             return None
         # not put into the view: the watch does that, in order (this read may be older
         # than a DELETE the watch has applied meanwhile)
-        return m if m.rank == rank else None
+        return None if got is None else self._open(self.key(rank), rank, *got)
+
+    def _open(self, key: bytes, rank: int, value: bytes, lease: int) -> Member | None:
+        """The member an entry stands for, or None (logged once per key) if refused."""
+        try:
+            m = open_entry(self.entry_key, key, rank, value, lease)
+        except Refused as why:
+            with self.lock:
+                first = key not in self.refused
+                self.refused.add(key)
+            if first:
+                log.warning(
+                    "discovery: ignoring the entry under %r: %s",
+                    key.decode("ascii", "replace"),
+                    why,
+                )
+            return None
+        with self.lock:
+            self.refused.discard(key)
+        return m
 
     def view(self) -> list[Member]:
         with self.lock:
@@ -339,30 +356,35 @@ class Discovery:
         tail = key[len(self.dir) :]
         return int(tail) if key.startswith(self.dir) and tail.isdigit() else None
 
-    def _apply(self, kind: str, key: bytes, value: bytes) -> None:
+    def _apply(self, kind: str, key: bytes, value: bytes, lease: int = 0) -> None:
         rank = self._rank_of(key)
         if rank is None:
             return
         if self.me is not None and rank == self.me.rank:
-            if kind == "DELETE" and not self.stop.is_set():
+            if self.stop.is_set():
+                return
+            if kind == "DELETE":
                 self._republish()  # someone removed this rank's entry: put it back
+            elif not self._is_mine(value, lease):
+                self._republish(f"under {key.decode('ascii', 'replace')!r} is not its own")
             return
         if kind == "DELETE":
             with self.lock:
                 old = self.members.pop(rank, None)
+                self.contested.pop(rank, None)
+                self.leases.pop(rank, None)
             if old is not None:
                 log.info("discovery: rank %d (%s) left", rank, old.address)
                 self.on_leave(old)
             return
-        try:
-            m = Member.from_json(value)
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("discovery: ignoring malformed entry %r: %s", key, exc)
-            return
-        if m.rank != rank:
-            log.warning("discovery: ignoring entry %r that claims rank %d", key, m.rank)
-            return
+        m = self._open(key, rank, value, lease)
         with self.lock:
+            if m is None:  # the view keeps what it had, as long as that entry's lease lives
+                if rank in self.leases:
+                    self.contested[rank] = self.leases[rank]
+                return
+            self.contested.pop(rank, None)
+            self.leases[rank] = lease
             old = self.members.get(rank)
             self.members[rank] = m
         if old is None or old.address != m.address:
@@ -371,7 +393,7 @@ class Discovery:
             log.info("discovery: rank %d (%s, %s) joined", rank, m.role, m.address)
             self.on_join(m)
 
-    def _replace(self, view: dict[bytes, bytes]) -> None:
+    def _replace(self, view: dict[bytes, tuple[bytes, int]]) -> None:
         """Makes the view what etcd holds now (after a start or a broken watch)."""
         present = {self._rank_of(k) for k in view}
         if self.me is not None and self.me.rank not in present and self.threads:
@@ -380,15 +402,15 @@ class Discovery:
             gone = [r for r in self.members if r not in present]
         for r in gone:
             self._apply("DELETE", self.key(r), b"")
-        for k, v in view.items():
-            self._apply("PUT", k, v)
+        for k, (v, lease) in view.items():
+            self._apply("PUT", k, v, lease)
 
     def _watch_loop(self, rev: int) -> None:
         idle = max(2.0, float(self.cfg.ttl_s))
         while not self.stop.is_set():
             try:
                 if rev == 0:  # (re)read everything first
-                    view, at = self.client.range_prefix(self.dir)
+                    view, at = self.client.range_leased(self.dir)
                     self._replace(view)
                     rev = at + 1
                 self.watch = self.client.watch(self.dir, rev, idle)
@@ -396,8 +418,8 @@ class Discovery:
                     self.watch.close()
                     return
                 for events, _ in self.watch.batches():
-                    for kind, key, value, mod in events:
-                        self._apply(kind, key, value)
+                    for kind, key, value, mod, lease in events:
+                        self._apply(kind, key, value, lease)
                         rev = max(rev, mod + 1)
             except TimeoutError:
                 pass  # quiet: open the watch again from where it was
@@ -416,7 +438,8 @@ class Discovery:
 
     def _keepalive_loop(self) -> None:
         """Refreshes the lease every ttl/3 (every 0.5 s while etcd is away) and publishes
-        this rank's entry again when update() changed it or the lease was lost."""
+        this rank's entry again when update() changed it, the lease was lost or its key holds
+        another value; ends the ranks kept over a refused entry whose lease is gone."""
         every = max(0.5, self.cfg.ttl_s / 3)
         due = time.monotonic() + every
         while True:
@@ -425,13 +448,13 @@ class Discovery:
             if self.stop.is_set():
                 return
             assert self.me is not None
+            key = self.key(self.me.rank)
             try:
                 with self.lock:
                     dirty, self.dirty = self.dirty, False
-                    entry = self.me.to_json()
                 if dirty:
                     try:
-                        self.client.put(self.key(self.me.rank), entry, self.lease)
+                        self.client.put(key, self._entry(self.lease), self.lease)
                     except EtcdError:
                         with self.lock:
                             self.dirty = True  # again, once etcd answers
@@ -443,8 +466,15 @@ class Discovery:
                     log.warning(
                         "discovery: the lease of rank %d is gone; publishing again", self.me.rank
                     )
-                    self.lease, _ = self.client.grant(self.cfg.ttl_s)
-                    self.client.put(self.key(self.me.rank), entry, self.lease)
+                    lease, _ = self.client.grant(self.cfg.ttl_s)
+                    with self.lock:
+                        self.lease = lease
+                    self.client.put(key, self._entry(lease), lease)
+                else:  # a PUT the watch missed (it was away) must not stand either
+                    got = self.client.get_leased(key)
+                    if got is not None and not self._is_mine(*got):
+                        self._republish(f"under {key.decode('ascii', 'replace')!r} is not its own")
+                self._end_contested()
                 self._etcd_back()
                 due = time.monotonic() + every
             except EtcdError as exc:
@@ -452,6 +482,24 @@ class Discovery:
                     return
                 self._etcd_lost(exc)
                 due = time.monotonic() + 0.5
+
+    def _end_contested(self) -> None:
+        """Ranks kept in the view over a refused entry leave once their own lease is gone
+        (their real entry, attached to it, would have been deleted with it)."""
+        with self.lock:
+            contested = dict(self.contested)
+        for rank, lease in contested.items():
+            if self.client.lease_ttl(lease) > 0:
+                continue
+            with self.lock:
+                if self.contested.get(rank) != lease:
+                    continue  # a good entry came meanwhile
+            log.warning(
+                "discovery: rank %d left: its lease ended, and its key holds an entry that "
+                "was refused",
+                rank,
+            )
+            self._apply("DELETE", self.key(rank), b"")
 
     def _etcd_lost(self, exc: BaseException) -> None:
         if self.etcd_ok:
@@ -484,4 +532,4 @@ def from_init(
                 "(or HIXL_DISCOVERY)"
             )
         return None, engine_opts
-    return parse(url, disc_opts, env), engine_opts
+    return parse(url, disc_opts, env, cluster_secret(engine_opts, env)), engine_opts

@@ -1,0 +1,234 @@
+"""Attacks on etcd discovery by whoever may write etcd (docs/RELIABILITY.md, "etcd trust
+model"), against a real etcd server and real rank processes (tests/_kv_worker.py): a forged
+entry re-pointing rank 1 at an attacker's address, with and without a cluster secret, and an
+etcd password given in the discovery URL, which must never be shown.
+
+Needs `etcd` (Debian: etcd-server); skips with the reason otherwise (`.ci/run` installs it)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_discovery import SECRET, TTL, Etcd, Rank, alloc, digest, etcd_local, free_port
+
+import hixl
+from hixl.datadist._context import context
+from hixl.datadist._etcd import EtcdClient, b64, unb64
+
+__all__ = ["etcd_local"]  # a fixture of test_discovery.py, used here
+
+
+class Attacker:
+    """The address a forger points rank 1 at: a TCP listener that counts who dials it."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.dialled = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.dialled += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def attacker() -> Iterator[Attacker]:
+    a = Attacker()
+    yield a
+    a.close()
+
+
+def forge(c: EtcdClient, key: bytes, value: bytes, lease: int) -> None:
+    """What anyone with etcd write access can do: put any value under a rank's key."""
+    body = {"key": b64(key), "value": b64(value)}
+    if lease:
+        body["lease"] = str(lease)
+    c.call("kv/put", body)
+
+
+def read(c: EtcdClient, key: bytes) -> tuple[bytes, int] | None:
+    """The key's value and its lease (0: none), as etcd has them; None when absent."""
+    kvs = c.call("kv/range", {"key": b64(key)}).get("kvs", [])
+    return (unb64(kvs[0].get("value", "")), int(kvs[0].get("lease", 0))) if kvs else None
+
+
+def wait_republished(c: EtcdClient, key: bytes, real: bytes, lease: int, bound_s: float) -> float:
+    """Waits until `key` holds the real rank's entry again, attached to its lease; the time it
+    took (fails after `bound_s`)."""
+    t0, address = time.monotonic(), json.loads(real)["address"]
+    while True:
+        got = read(c, key)
+        if got is not None and got[1] == lease and json.loads(got[0])["address"] == address:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < bound_s, (
+            f"rank 1 did not write its entry back within {bound_s} s: {key!r} holds {got}"
+        )
+        time.sleep(0.02)
+
+
+def rank1_address(r0: Rank) -> str | None:
+    return next((a for rank, _, a in r0.ok("ranks")["ranks"] if rank == 1), None)
+
+
+def test_forged_entry_is_ignored_with_a_secret(
+    etcd_local: Etcd, attacker: Attacker, tmp_path: Path
+) -> None:
+    """With a cluster secret, entries re-pointing rank 1 at an attacker (no lease; the
+    attacker's own lease; rank 1's real lease, read from etcd) are ignored and logged once
+    each; rank 0's pushes keep reaching the real rank 1 (bytes compared), nobody dials the
+    attacker, and the secret is nowhere in etcd or the log."""
+    url = f"{etcd_local.url}/forge-a"
+    key = b"/forge-a/ranks/1"
+    log0 = tmp_path / "rank0.log"
+    r1 = Rank(None, 0, 1, "decoder", url)
+    with log0.open("wb") as err:
+        r0 = Rank(None, 0, 0, "prompt", url, stderr=err)
+    try:
+        r0.wait_ranks([1], 10)
+        alloc(r0, "kv", 1)
+        alloc(r1, "kv", None)
+        r0.ok("push", ranks=[1], name="kv")  # linked to the real rank 1
+        assert digest(r1, "kv") == digest(r0, "kv")
+
+        c = EtcdClient([("127.0.0.1", etcd_local.port)])
+        got = read(c, key)
+        assert got is not None and got[1] != 0, got
+        real, real_lease = got
+        entry = json.loads(real)
+        forged = json.dumps({**entry, "address": attacker.address}).encode()
+        own_lease, _ = c.grant(60)
+        refusal = "ignoring the entry under '/forge-a/ranks/1'"
+        for n, lease in enumerate((0, own_lease, real_lease), start=1):
+            forge(c, key, forged, lease)
+            deadline = time.monotonic() + 10
+            while log0.read_text().count(refusal) < n:  # rank 0 has seen it
+                assert rank1_address(r0) != attacker.address, (
+                    f"a forged entry (lease {lease}) re-pointed rank 1 at the attacker"
+                )
+                assert time.monotonic() < deadline, log0.read_text()[-2000:]
+                time.sleep(0.02)
+            assert rank1_address(r0) == r1.address
+            wait_republished(c, key, real, real_lease, TTL)
+            alloc(r0, f"kv{n}", 10 + n)  # new bytes, pushed after the forgery
+            alloc(r1, f"kv{n}", None)
+            r0.ok("push", ranks=[1], name=f"kv{n}")
+            assert digest(r1, f"kv{n}") == digest(r0, f"kv{n}")
+        assert attacker.dialled == 0
+        assert "mac" in entry, entry  # the real entry is MACed (never with the secret itself)
+        text = log0.read_text()
+        assert text.count(refusal) == 3, text  # once per forgery, never per read
+        view, _ = c.range_prefix(b"/forge-a/")
+        assert all(SECRET.encode() not in v for v in view.values()), view
+        assert SECRET not in text
+    finally:
+        r0.close()
+        r1.close()
+
+
+def test_forged_entry_without_a_secret_is_written_back(
+    etcd_local: Etcd, attacker: Attacker
+) -> None:
+    """Without a secret entries cannot be authenticated, but the real rank 1 writes its own
+    entry back within the TTL after a forged one (attached to the attacker's own lease, or to
+    none), and rank 0's next push reaches it."""
+    url = f"{etcd_local.url}/forge-b"
+    key = b"/forge-b/ranks/1"
+    no_secret = {"HIXL_SECRET": ""}
+    r1 = Rank(None, 0, 1, "decoder", url, env=no_secret)
+    r0 = Rank(None, 0, 0, "prompt", url, env=no_secret)
+    try:
+        r0.wait_ranks([1], 10)
+        c = EtcdClient([("127.0.0.1", etcd_local.port)])
+        got = read(c, key)
+        assert got is not None and got[1] != 0, got
+        real, real_lease = got
+        forged = json.dumps({**json.loads(real), "address": attacker.address}).encode()
+        own_lease, _ = c.grant(60)
+        for n, lease in enumerate((own_lease, 0), start=1):
+            forge(c, key, forged, lease)
+            took = wait_republished(c, key, real, real_lease, TTL)
+            print(f"etcd: rank 1 wrote its entry back {took * 1000:.0f} ms after a forgery")
+            deadline = time.monotonic() + 10
+            while rank1_address(r0) != r1.address:
+                assert time.monotonic() < deadline, r0.ok("ranks")
+                time.sleep(0.02)
+            alloc(r0, f"kv{n}", 20 + n)
+            alloc(r1, f"kv{n}", None)
+            r0.ok("push", ranks=[1], name=f"kv{n}")
+            assert digest(r1, f"kv{n}") == digest(r0, f"kv{n}")
+    finally:
+        r0.close()
+        r1.close()
+
+
+def test_etcd_password_in_the_url_is_never_shown(
+    etcd_local: Etcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A password in etcd://user:PASSWORD@... is in no error (etcd down, a bad endpoint, a
+    wrong password), no log line (etcd lost while running, finalize) and no repr or stats."""
+    caplog.set_level(logging.DEBUG, logger="hixl")
+    pw = "pw-" + secrets.token_hex(8)
+    shown: list[str] = []
+
+    def refused(exc: type[Exception], url: str) -> None:
+        with pytest.raises(exc) as err:
+            hixl.init(cluster_id=0, discovery=url)
+        shown.append(str(err.value))
+        assert "root:***@" in str(err.value), str(err.value)
+
+    down = free_port("127.0.0.1")  # nothing listens there
+    refused(hixl.NotConnected, f"etcd://root:{pw}@127.0.0.1:{down}/red")
+    refused(hixl.ParamInvalid, f"etcd://root:{pw}@127.0.0.1:99999/red")
+    refused(hixl.ParamInvalid, f"consul://root:{pw}@127.0.0.1:{down}/red")
+
+    e = etcd_local
+    admin = EtcdClient([("127.0.0.1", e.port)])
+    admin.call("auth/user/add", {"name": "root", "password": pw})
+    admin.call("auth/user/grant", {"user": "root", "role": "root"})
+    admin.call("auth/enable", {})
+    with pytest.raises(hixl.NotConnected, match="authentication failed") as err:
+        hixl.init(cluster_id=0, discovery=f"etcd://root:{pw}x@127.0.0.1:{e.port}/red")
+    shown.append(str(err.value))
+
+    ttl = {"hixl.discovery.ttl_s": str(TTL)}
+    hixl.init(cluster_id=3, discovery=f"etcd://root:{pw}@127.0.0.1:{e.port}/red", options=ttl)
+    try:
+        d = context().discovery
+        assert d is not None
+        shown += [
+            repr(d.cfg),
+            str(d.cfg.url),
+            repr(d),
+            repr(d.client),
+            str(context().engine.stats()),
+        ]
+        e.kill()  # the lease thread finds etcd away and logs it, naming etcd
+        deadline = time.monotonic() + 3 * TTL
+        while "is away" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text[-2000:]
+            time.sleep(0.05)
+    finally:
+        hixl.finalize()  # cannot revoke: logged, naming etcd
+    shown.append(caplog.text)
+    assert "127.0.0.1" in caplog.text, caplog.text
+    leaked = [s for s in shown if pw in s]
+    assert not leaked, leaked
