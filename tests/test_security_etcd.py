@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -20,6 +22,7 @@ import pytest
 from test_discovery import SECRET, TTL, Etcd, Rank, alloc, digest, etcd_local, free_port
 
 import hixl
+from hixl.datadist import LLM_NOT_LINKED
 from hixl.datadist._context import context
 from hixl.datadist._etcd import EtcdClient, b64, unb64
 
@@ -175,6 +178,38 @@ def test_forged_entry_without_a_secret_is_written_back(
             alloc(r1, f"kv{n}", None)
             r0.ok("push", ranks=[1], name=f"kv{n}")
             assert digest(r1, f"kv{n}") == digest(r0, f"kv{n}")
+    finally:
+        r0.close()
+        r1.close()
+
+
+def test_forged_entry_cannot_keep_a_dead_rank_alive(etcd_local: Etcd, attacker: Attacker) -> None:
+    """A forged entry put over a rank's key just after the rank died detaches the key from
+    the dead rank's lease, so etcd would never delete it: rank 0 still drops rank 1 once that
+    lease has ended (within the TTL and one keepalive period), and never uses the forgery."""
+    url = f"{etcd_local.url}/forge-d"
+    key = b"/forge-d/ranks/1"
+    r1 = Rank(None, 0, 1, "decoder", url)
+    r0 = Rank(None, 0, 0, "prompt", url)
+    try:
+        r0.wait_ranks([1], 10)
+        alloc(r0, "kv", 4)
+        alloc(r1, "kv", None)
+        r0.ok("push", ranks=[1], name="kv")  # linked
+        c = EtcdClient([("127.0.0.1", etcd_local.port)])
+        got = read(c, key)
+        assert got is not None, key
+        forged = json.dumps({**json.loads(got[0]), "address": attacker.address}).encode()
+        t0 = time.monotonic()
+        os.kill(r1.proc.pid, signal.SIGKILL)
+        forge(c, key, forged, 0)
+        gone = r0.wait_ranks([], TTL + 5) - t0
+        print(f"etcd: a dead rank under a forged entry left the view {gone:.2f} s after SIGKILL")
+        assert gone <= TTL + 2, f"rank 1 left {gone:.2f} s after it died (TTL {TTL} s)"
+        assert read(c, key) == (forged, 0)  # etcd still holds the forgery: rank 0 chose
+        out = r0.call("push", ranks=[1], name="kv")
+        assert not out["ok"] and out["status_code"] == LLM_NOT_LINKED, out
+        assert attacker.dialled == 0
     finally:
         r0.close()
         r1.close()
