@@ -13,6 +13,8 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -267,3 +269,18 @@ def test_etcd_password_in_the_url_is_never_shown(
     assert "127.0.0.1" in caplog.text, caplog.text
     leaked = [s for s in shown if pw in s]
     assert not leaked, leaked
+
+
+def test_stats_url_password_is_never_shown() -> None:
+    """`hixl stats --url` with a password in the URL: the error names the URL, masked."""
+    pw = "pw-" + secrets.token_hex(8)
+    url = f"http://admin:{pw}@127.0.0.1:{free_port('127.0.0.1')}/metrics"
+    out = subprocess.run(
+        [sys.executable, "-m", "hixl", "stats", "--url", url, "--timeout", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, out
+    assert "admin:***@127.0.0.1" in out.stderr, out.stderr
+    assert pw not in out.stdout + out.stderr, out
