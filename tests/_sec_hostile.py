@@ -22,7 +22,7 @@ Modes:
       whose shm/self param names its local socket; v3: its local socket; v2: its pid and
       probe) and a region table of one writable region [LO, HI) of the victim's memory. Data
       frames are refused (Ack/ReadResp FAILED), so nothing arrives by TCP.
-  memfd KIND [PATH]
+  memfd KIND [PATH [UID]]
       A real same-host endpoint: it answers the same-host proof truthfully (v3 and later: on
       an abstract Unix socket, named in Welcome by the param of the shm and self capabilities
       in v4, by local_socket in v3; v2: pid and probe in Welcome) and serves data frames into
@@ -30,7 +30,8 @@ Modes:
       (a memfd named "hixl" without seals), sealed (sealed against shrink and grow), regular
       (the regular file PATH), or swap (fd number N alternates, in a tight loop, between a
       sealed memfd and an O_PATH descriptor of the root-only file PATH; the process drops to
-      uid 65534 after opening both).
+      uid UID, an optional third argument, default 65534, "keep" stays root, after opening
+      both and before it binds its Unix socket, so that the kernel records UID for it).
   bystander
       A real same-host endpoint whose abstract Unix listener was created by a forked child (the
       bystander) before any TCP connection: the child binds and listens, hands the listener to
@@ -112,12 +113,6 @@ class Hostile:
         kind = self.args[0]
         self.host = w.host_id()
         self.v2_identity = (os.getpid(), ctypes.addressof(self.probe), self.probe.value)
-        if w.VERSION >= 3:
-            self.local_name = f"hixl-hostile-{os.urandom(8).hex()}"
-            self.usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.usock.bind("\0" + self.local_name)
-            self.usock.listen(16)
-            threading.Thread(target=self.local_loop, daemon=True).start()
         if kind == "unsealed":
             fd = os.memfd_create("hixl", os.MFD_CLOEXEC)
             os.ftruncate(fd, LEN)
@@ -134,10 +129,18 @@ class Hostile:
             opath = os.open(self.args[1], os.O_PATH)  # a leaked descriptor of a root-only file
             os.dup2(fd, SWAP_FD)
             fd = SWAP_FD
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
+            uid = self.args[2] if len(self.args) > 2 else "65534"
+            if uid != "keep":  # dropped before the Unix socket is bound: the kernel records uid
+                os.setgroups([])
+                os.setgid(int(uid))
+                os.setuid(int(uid))
             threading.Thread(target=self.swap_loop, args=(self.memfd, opath), daemon=True).start()
+        if w.VERSION >= 3:
+            self.local_name = f"hixl-hostile-{os.urandom(8).hex()}"
+            self.usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.usock.bind("\0" + self.local_name)
+            self.usock.listen(16)
+            threading.Thread(target=self.local_loop, daemon=True).start()
         self.regions = [w.Region(self.buf_addr, LEN, 1, keys=(w.shm_key(fd),))]
 
     def setup_bystander(self) -> None:

@@ -384,39 +384,51 @@ def test_unsealed_memfd_refused(procs: Callable[..., Proc], tmp_path: Path) -> N
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the race is against a root initiator")
 def test_memfd_swap_race_as_root(procs: Callable[..., Proc], tmp_path: Path) -> None:
-    """An unprivileged same-host target (uid 65534) swaps its region's descriptor, in a tight
-    loop, between a sealed memfd and an O_PATH descriptor of a root-only file. A root
+    """A same-host target swaps its region's descriptor, in a tight loop, between a sealed
+    memfd and an O_PATH descriptor of a root-only file; it binds its Unix socket after it
+    drops to its uid. Run as uid 65534, a root initiator takes no direct path to it at all
+    (exec after proof: only to a root peer) and the put goes by TCP. Run as root, the root
     initiator connects and puts again and again for 3 s (a fresh link each time, since a link
-    maps a region once): the root-only file never changes."""
+    maps a region once), over `shm`, mapping the memfd on some links: the root-only file never
+    changes."""
     secret_file = tmp_path / "root-only.bin"
     content = np.random.default_rng(4).integers(0, 256, 64 * 1024, dtype=np.uint8).tobytes()
     secret_file.write_bytes(content)
     os.chmod(secret_file, 0o600)
-    h = Hostile(procs, "memfd", "swap", secret_file)
-    with open(f"/proc/{h.pid}/status") as f:
-        uid = next(line.split()[1] for line in f if line.startswith("Uid:"))
-    assert uid == "65534", "the hostile target must run unprivileged"
     data = np.full(4096, 0xEE, np.uint8)
-    attempts = mapped = 0
-    with hixl.Hixl() as a:
-        a.initialize("127.0.0.1", opts({"hixl.transport": "auto", "hixl.heartbeat_ms": "0"}))
-        a.register(data)
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline:
-            attempts += 1
-            try:
-                a.connect(h.engine, timeout_ms=3000)
-                a.put(h.engine, data.ctypes.data, h.buf, 4096, timeout_ms=3000)
-                mapped += a.stats()[h.engine]["direct_parts"] > 0
-            except hixl.HixlError:
-                pass
-            with contextlib.suppress(hixl.HixlError):
-                a.disconnect(h.engine)
-            if secret_file.read_bytes() != content:
-                break
-    print(f"{attempts} links, {mapped} of them mapped the (sealed memfd) descriptor")
-    assert secret_file.read_bytes() == content, f"the root-only file was written ({attempts} tries)"
-    assert attempts >= 10
+    for uid in ("65534", "keep"):
+        h = Hostile(procs, "memfd", "swap", secret_file, uid)
+        with open(f"/proc/{h.pid}/status") as f:
+            now = next(line.split()[1] for line in f if line.startswith("Uid:"))
+        assert now == ("0" if uid == "keep" else uid), f"the hostile target runs as {now}"
+        attempts = mapped = 0
+        backends: set[str] = set()
+        with hixl.Hixl() as a:
+            a.initialize("127.0.0.1", opts({"hixl.transport": "auto", "hixl.heartbeat_ms": "0"}))
+            a.register(data)
+            deadline = time.monotonic() + (3 if uid == "keep" else 0.5)
+            while time.monotonic() < deadline:
+                attempts += 1
+                try:
+                    a.connect(h.engine, timeout_ms=3000)
+                    a.put(h.engine, data.ctypes.data, h.buf, 4096, timeout_ms=3000)
+                    st = a.stats()[h.engine]
+                    backends.add(st["backend"])
+                    mapped += st["direct_parts"] > 0
+                except hixl.HixlError:
+                    pass
+                with contextlib.suppress(hixl.HixlError):
+                    a.disconnect(h.engine)
+                if secret_file.read_bytes() != content:
+                    break
+        print(f"uid {uid}: {attempts} links over {backends}, {mapped} mapped the sealed memfd")
+        assert secret_file.read_bytes() == content, f"the root-only file was written ({uid})"
+        assert attempts >= 3
+        if uid == "keep":
+            assert backends == {"shm"} and mapped > 0, "the race must reach the direct path"
+            assert attempts >= 10
+        else:
+            assert backends == {"tcp"} and mapped == 0, "no direct path to a non-root peer"
 
 
 def test_shrink_cannot_sigbus(procs: Callable[..., Proc]) -> None:

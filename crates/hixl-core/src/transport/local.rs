@@ -10,6 +10,8 @@
 //!   needs the same permission as cross-memory attach) and checks its ends against its own.
 //!   The process is named by a pidfd from the kernel (SO_PEERPIDFD, or SO_PEERCRED's pid),
 //!   checked to be alive, to run as the user that created the socket, and to hold the stream.
+//! - Before sending the request, the initiator asks `exec_rule` whether the direct path may be
+//!   used with that process at all (a process that may override ptrace checks: only with root).
 //!
 //! Nothing a peer claims (host name, addresses, pids) is trusted on its own.
 
@@ -23,6 +25,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::transport::exec_rule::{self, uids_of};
 
 /// The first words of a request line (with the protocol version).
 const REQUEST: &str = "HIXL-LOCAL 3";
@@ -237,6 +240,13 @@ pub fn prove(
     conn.set_read_timeout(Some(left)).map_err(|e| e.to_string())?;
     conn.set_write_timeout(Some(left)).map_err(|e| e.to_string())?;
     let (pidfd, uid) = peer_process(conn.as_raw_fd())?;
+    let pid = pid_of(&pidfd)?;
+    let uids = uids_of(pid)?;
+    // Exec after proof: a process that may override ptrace checks copies directly only to root
+    // (see `exec_rule`). Asked before the request, so that a refused peer never waits for us.
+    if let Some(why) = exec_rule::refusal(exec_rule::ptrace_override(), pid, uid, uids) {
+        return Err(why);
+    }
     send_with_fd(&conn, &format!("{REQUEST} {initiator} {target}\n"), stream)
         .map_err(|e| format!("same-host proof request: {e}"))?;
     let mut buf = Vec::new();
@@ -254,8 +264,7 @@ pub fn prove(
         ["NO", ..] => return Err(format!("the same-host proof was refused: {}", line.trim())),
         _ => return Err(format!("malformed same-host proof answer {line:?}")),
     };
-    let pid = pid_of(&pidfd)?;
-    if euid_of(pid)? != uid {
+    if uids[1] != uid {
         return Err(format!("pid {pid} no longer runs as the user who created its socket"));
     }
     // Take the process's own descriptor of the stream: this needs ptrace permission over it
@@ -389,17 +398,6 @@ fn pid_of(pidfd: &OwnedFd) -> std::result::Result<i32, String> {
         return Err("the peer process exited or lives in another pid namespace".into());
     }
     Ok(pid)
-}
-
-/// The effective uid of process `pid`.
-fn euid_of(pid: i32) -> std::result::Result<u32, String> {
-    let status =
-        std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| format!("pid {pid}: {e}"))?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|v| v.split_whitespace().nth(1)?.parse().ok())
-        .ok_or_else(|| format!("pid {pid}: no Uid line"))
 }
 
 /// Without pidfd_getfd: whether descriptor `fd` of process `pid` is the TCP socket whose local

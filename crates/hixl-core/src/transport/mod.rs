@@ -7,6 +7,7 @@ pub mod backend;
 pub mod control;
 pub mod cuda_ipc;
 pub(crate) mod cuda_stage;
+pub mod exec_rule;
 pub mod handshake;
 pub mod io;
 pub mod liveness;

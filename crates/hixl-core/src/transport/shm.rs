@@ -4,7 +4,8 @@
 //!
 //! Trust model: CMA needs ptrace permission over the peer (same user, or CAP_SYS_PTRACE), which
 //! already allows reading and writing all of its memory. The peer is the process that proved it
-//! accepted this link's stream (`local::prove`), never one named by a claim. There is no
+//! accepted this link's stream (`local::prove`), never one named by a claim, and one whose
+//! later exec cannot turn our copies into access it lacks (`exec_rule`). There is no
 //! target-side check on this path, so the initiator checks every remote range against the
 //! table that process sent, while it holds that table's read guard; the target publishes
 //! changes and waits for the acknowledgement before memory is freed (see
@@ -63,9 +64,12 @@ fn cma_error(pid: i32, e: std::io::Error) -> Error {
     match e.raw_os_error() {
         Some(libc::EFAULT) => Error::param(format!("a range is not accessible in pid {pid} (EFAULT): {e}")),
         Some(libc::ESRCH) => Error::not_connected(format!("peer process {pid} is gone (ESRCH)")),
-        Some(libc::EPERM) => {
-            Error::new(Status::Unsupported, format!("not permitted to access pid {pid} (EPERM): {e}"))
-        }
+        Some(libc::EPERM) => Error::new(
+            Status::Unsupported,
+            format!(
+                "not permitted to access pid {pid} (EPERM; did it exec a program of more privilege?): {e}"
+            ),
+        ),
         _ => Error::failed(format!("cross-memory attach to pid {pid} failed: {e}")),
     }
 }
