@@ -41,7 +41,7 @@ MiB = 1 << 20
 # How much the target's peak resident memory may grow over one test: its own buffers, the
 # Python side, page-cache noise. Today's code grows by 128 MiB per strided frame and by
 # 16 MiB per pre-sized header.
-BOUND = 24 * MiB
+BOUND = 8 * MiB
 
 
 class Target:
