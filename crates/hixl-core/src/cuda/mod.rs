@@ -169,8 +169,10 @@ pub(crate) fn primary_context(d: &'static Driver, ordinal: u8) -> Result<CuHandl
 /// Allocations of other processes opened here by IPC handle, with their length as the driver
 /// reports it and how many users each has: a handle can be opened only once per process, and
 /// several links (a reconnect, two engines) may need the same one.
-static IPC_OPEN: std::sync::Mutex<Vec<([u8; 64], CuDevicePtr, u64, usize)>> =
-    std::sync::Mutex::new(Vec::new());
+static IPC_OPEN: std::sync::Mutex<Vec<OpenedIpc>> = std::sync::Mutex::new(Vec::new());
+
+/// One opened allocation: (handle, base address here, length the driver reports, users).
+type OpenedIpc = ([u8; 64], CuDevicePtr, u64, usize);
 
 /// Opens (or takes one more use of) the allocation of a peer's IPC handle: its base address
 /// here and its length as the driver reports it (`cuMemGetAddressRange`; the length in the
