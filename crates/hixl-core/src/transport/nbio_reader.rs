@@ -6,7 +6,7 @@ use std::os::fd::RawFd;
 
 use super::{discard, fill, recv_some, IoJob, Step};
 use crate::auth::{FrameMac, MAC_LEN};
-use crate::transport::io::{proto, Received};
+use crate::transport::io::{proto, Received, PAYLOAD_START};
 use crate::transport::reactor::Interest;
 use crate::wire::{self, Header, HEADER_LEN};
 
@@ -18,10 +18,6 @@ use crate::wire::{self, Header, HEADER_LEN};
 /// there (see [`FrameReader::copy_into`]); the rest of a bulk goes straight from the socket
 /// into its memory.
 pub(crate) const READ_AHEAD: usize = 8 * 1024;
-
-/// The payload buffer a frame starts with; it doubles as bytes arrive, up to what the header
-/// declares, so a header whose payload never comes costs at most this.
-const PAYLOAD_START: usize = 64 * 1024;
 
 /// Most iovecs one copy out of the read-ahead buffer covers (kept on the stack).
 const COPY_IOVS: usize = 32;

@@ -289,7 +289,11 @@ fn a_header_is_checked_before_its_payload_is_set_aside() {
     crate::transport::io::send_some(b.as_raw_fd(), &frame[..wire::HEADER_LEN + 100]).unwrap();
     r.begin_run();
     assert!(r.poll(fd, &mut mac).unwrap().is_none());
-    assert!(r.payload_capacity() <= 64 * 1024, "{} set aside for 100 bytes", r.payload_capacity());
+    assert!(
+        r.payload_capacity() <= crate::transport::io::PAYLOAD_START,
+        "{} set aside for 100 bytes",
+        r.payload_capacity()
+    );
     let mut off = wire::HEADER_LEN + 100;
     let got = loop {
         off += crate::transport::io::send_some(b.as_raw_fd(), &frame[off..]).unwrap();
@@ -297,7 +301,10 @@ fn a_header_is_checked_before_its_payload_is_set_aside() {
         if let Some(g) = r.poll(fd, &mut mac).unwrap() {
             break g;
         }
-        assert!(r.payload_capacity() <= 2 * off + 64 * 1024, "at most twice what arrived");
+        assert!(
+            r.payload_capacity() <= 2 * off + crate::transport::io::PAYLOAD_START,
+            "at most twice what arrived"
+        );
     };
     assert!(matches!(got.frame, wire::Frame::Read { ref segs } if segs.len() == wire::MAX_DESCS));
 }
