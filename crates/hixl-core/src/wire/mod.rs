@@ -14,12 +14,14 @@
 use std::fmt;
 
 mod decode;
+mod direction;
 pub mod rdma;
 mod region;
 mod strided;
 
 pub use decode::decode_payload;
 use decode::Reader;
+pub use direction::{after_handshake, TO_INITIATOR, TO_TARGET};
 pub use strided::StridedRanges;
 
 use region::{put_capabilities, put_ids, put_regions};
@@ -65,46 +67,6 @@ pub const KNOWN_FLAGS: u32 = FLAG_DATA_MAC | FLAG_DATA_PATH;
 pub const MAX_HELLO: u32 = 4096;
 /// Largest payload a backend carries in BackendOpen / BackendOpened (its connection details).
 pub const MAX_BACKEND_PAYLOAD: usize = 64 << 10;
-
-/// The kinds an initiator sends on a stream after its handshake (docs/PROTOCOL.md, direction
-/// I→T or both, less the handshake's Hello and AuthResponse).
-pub const TO_TARGET: &[Kind] = &[
-    Kind::Write,
-    Kind::Read,
-    Kind::WriteStrided,
-    Kind::ReadStrided,
-    Kind::Notify,
-    Kind::Heartbeat,
-    Kind::Bye,
-    Kind::RegionsQuery,
-    Kind::RegionsAck,
-    Kind::BackendOpen,
-    Kind::Error,
-];
-/// The kinds a target sends on a stream after the handshake (direction T→I or both, less the
-/// handshake's Welcome and AuthChallenge).
-pub const TO_INITIATOR: &[Kind] = &[
-    Kind::ReadResp,
-    Kind::Ack,
-    Kind::HeartbeatAck,
-    Kind::Error,
-    Kind::RegionsTable,
-    Kind::RegionsUpdate,
-    Kind::RegionsDelta,
-    Kind::BackendOpened,
-];
-
-/// Refuses a header, after the handshake, of a kind its direction never carries
-/// (`to_target`: it came from an initiator); checked before any memory is set aside for its
-/// payload.
-pub fn after_handshake(h: &Header, to_target: bool) -> Result<(), WireError> {
-    let allowed = if to_target { TO_TARGET } else { TO_INITIATOR };
-    if allowed.contains(&h.kind) {
-        Ok(())
-    } else {
-        Err(WireError::Direction { kind: h.kind, to_target })
-    }
-}
 
 /// The largest payload a frame of `kind` may declare; checked on the header, before any payload
 /// byte is read or any memory is set aside for it.
