@@ -35,12 +35,9 @@ impl OwnedRanges {
             OwnedRanges::Strided(st) => {
                 st.check_elems().map_err(|e| {
                     Error::param(format!(
-                        "{e}: a strided frame (count={}, size={}, stride={}) names at most {} separate \
-                         elements (MAX_STRIDED_ELEMS); split it into several frames",
-                        st.count,
-                        st.size,
-                        st.stride,
-                        wire::MAX_STRIDED_ELEMS
+                        "{e} (count={}, size={}, stride={}): a strided frame names at most \
+                         MAX_STRIDED_ELEMS separate elements; split it into several frames",
+                        st.count, st.size, st.stride
                     ))
                 })?;
                 let span = st.span().ok_or_else(|| Error::param("strided range overflows"))?;
