@@ -114,6 +114,24 @@ fn check_rdma_payload(b: &[u8]) {
     let _ = wire::rdma::decode_rkey(b);
 }
 
+/// A decoded strided descriptor walks lazily into ranges that cover exactly its bytes, in
+/// order, inside its span, no more of them than `pieces()` (walked only when few).
+fn check_strided_walk(seg: &StridedSeg) {
+    let r = seg.ranges().expect("a decoded strided descriptor walks");
+    assert_eq!(r.remaining(), seg.pieces());
+    let _ = seg.check_elems();
+    if seg.pieces() > 4096 {
+        return;
+    }
+    let (end, mut at, mut bytes) = (seg.addr + seg.span().unwrap(), seg.addr, 0u64);
+    for (a, n) in r {
+        assert!(a >= at && a + n <= end, "range 0x{a:x}+{n} outside or out of order: {seg:?}");
+        at = a + n;
+        bytes += n;
+    }
+    assert_eq!(Some(bytes), seg.bytes(), "{seg:?}");
+}
+
 fn check(buf: &[u8]) {
     // On a sealed stream, no mutated or random frame may pass the MAC check: the receiver's
     // opener (sequence 0, the key below) must refuse everything but the sealed original.
@@ -130,6 +148,9 @@ fn check(buf: &[u8]) {
         assert!(used <= buf.len());
         if let Frame::BackendOpen { payload, .. } | Frame::BackendOpened { payload, .. } = &f {
             check_rdma_payload(payload);
+        }
+        if let Frame::WriteStrided { seg } | Frame::ReadStrided { seg } = &f {
+            check_strided_walk(seg);
         }
         let again = wire::encode(&f, h.tag, h.bulk_len);
         assert_eq!(&again[..], &buf[..used], "accepted a frame that does not re-encode to itself: {f:?}");

@@ -66,11 +66,38 @@ impl IpcKey {
         }
         Ok(IpcKey { ordinal, handle, offset, alloc_len })
     }
+
+    /// Checks a region of `region_len` bytes at this key's offset against the allocation the
+    /// driver opened for its handle (`opened_len` bytes from the opened address on, from
+    /// `cuMemGetAddressRange`): the key's `alloc_len` is the peer's claim, the driver's length
+    /// is what a copy may touch.
+    pub(crate) fn check_opened(&self, region_len: u64, opened_len: u64) -> Result<(), String> {
+        match self.offset.checked_add(region_len) {
+            Some(end) if end <= opened_len => Ok(()),
+            _ => Err(format!(
+                "cuda_ipc key places a region of {region_len} bytes at offset {} of an allocation it says \
+                 holds {} bytes, but the driver opened {opened_len} bytes for its handle",
+                self.offset, self.alloc_len
+            )),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_region_must_fit_in_what_the_driver_opened() {
+        // Not run on a GPU: the bounds only (the driver's length is an argument here).
+        let k = IpcKey { ordinal: 0, handle: [0; 64], offset: 4096, alloc_len: 1 << 30 };
+        assert!(k.check_opened(4096, 8192).is_ok(), "exactly to the end");
+        let e = k.check_opened(4097, 8192).unwrap_err();
+        assert!(e.contains("4097 bytes at offset 4096") && e.contains("driver opened 8192"), "{e}");
+        assert!(e.contains(&(1u64 << 30).to_string()), "names the claimed length: {e}");
+        let far = IpcKey { offset: u64::MAX, ..k };
+        assert!(far.check_opened(1, u64::MAX).is_err(), "no overflow");
+    }
 
     fn sample() -> IpcKey {
         let mut handle = [0u8; 64];

@@ -166,18 +166,26 @@ pub(crate) fn primary_context(d: &'static Driver, ordinal: u8) -> Result<CuHandl
     Ok(ctx)
 }
 
-/// Allocations of other processes opened here by IPC handle, with how many users each has: a
-/// handle can be opened only once per process, and several links (a reconnect, two engines)
-/// may need the same one.
-static IPC_OPEN: std::sync::Mutex<Vec<([u8; 64], CuDevicePtr, usize)>> = std::sync::Mutex::new(Vec::new());
+/// Allocations of other processes opened here by IPC handle, with their length as the driver
+/// reports it and how many users each has: a handle can be opened only once per process, and
+/// several links (a reconnect, two engines) may need the same one.
+static IPC_OPEN: std::sync::Mutex<Vec<OpenedIpc>> = std::sync::Mutex::new(Vec::new());
+
+/// One opened allocation: (handle, base address here, length the driver reports, users).
+type OpenedIpc = ([u8; 64], CuDevicePtr, u64, usize);
 
 /// Opens (or takes one more use of) the allocation of a peer's IPC handle: its base address
-/// here. The caller has a context current; `ipc_release` gives the use back.
-pub(crate) fn ipc_open(d: &'static Driver, handle: &[u8; 64]) -> std::result::Result<CuDevicePtr, String> {
+/// here and its length as the driver reports it (`cuMemGetAddressRange`; the length in the
+/// peer's key is only the peer's word). The caller has a context current; `ipc_release` gives
+/// the use back.
+pub(crate) fn ipc_open(
+    d: &'static Driver,
+    handle: &[u8; 64],
+) -> std::result::Result<(CuDevicePtr, u64), String> {
     let mut open = IPC_OPEN.lock().unwrap();
     if let Some(e) = open.iter_mut().find(|e| e.0 == *handle) {
-        e.2 += 1;
-        return Ok(e.1);
+        e.3 += 1;
+        return Ok((e.1, e.2));
     }
     let mut p: CuDevicePtr = 0;
     let h = driver::IpcMemHandle { reserved: *handle };
@@ -185,17 +193,29 @@ pub(crate) fn ipc_open(d: &'static Driver, handle: &[u8; 64]) -> std::result::Re
     // foreign handle is refused by the driver with an error code.
     let rc = unsafe { (d.ipc_open_mem_handle)(&mut p, h, driver::IPC_MEM_LAZY_ENABLE_PEER_ACCESS) };
     d.check(rc, "cuIpcOpenMemHandle")?;
-    open.push((*handle, p, 1));
-    Ok(p)
+    let (mut base, mut size): (CuDevicePtr, usize) = (0, 0);
+    // SAFETY: valid out-parameters; `p` was just mapped in the current context.
+    let rc = unsafe { (d.mem_get_address_range)(&mut base, &mut size, p) };
+    let len = match d.check(rc, "cuMemGetAddressRange") {
+        // The mapping from `p` on: what a key's offset and length must fit in.
+        Ok(()) => (base + size as u64).saturating_sub(p),
+        Err(m) => {
+            // SAFETY: opened just above, used by nothing yet.
+            unsafe { (d.ipc_close_mem_handle)(p) };
+            return Err(m);
+        }
+    };
+    open.push((*handle, p, len, 1));
+    Ok((p, len))
 }
 
 /// Gives back one use of an opened allocation; the last closes it (no copy may use it then).
 pub(crate) fn ipc_release(d: &'static Driver, handle: &[u8; 64]) {
     let mut open = IPC_OPEN.lock().unwrap();
     if let Some(i) = open.iter().position(|e| e.0 == *handle) {
-        open[i].2 -= 1;
-        if open[i].2 == 0 {
-            let (_, p, _) = open.swap_remove(i);
+        open[i].3 -= 1;
+        if open[i].3 == 0 {
+            let (_, p, _, _) = open.swap_remove(i);
             // SAFETY: opened by `ipc_open`; its last user is done with it.
             unsafe { (d.ipc_close_mem_handle)(p) };
         }

@@ -180,6 +180,7 @@ impl Engine {
                 max_pending_per_source: opts.max_pending_per_source,
                 backends: backends.clone(),
                 reactor: reactor.clone(),
+                stage_budget: Default::default(),
             });
             if opts.secret.is_none() && !addr.ip().is_loopback() {
                 warn_open_listener(&bound);

@@ -246,6 +246,9 @@ impl Engine {
         })?;
         let staged = device && staged(&conn);
         let shares = if st.bytes() >= r.opts.split_bytes && !staged { conn.link.parallelism() } else { 1 };
+        // One frame names at most MAX_STRIDED_ELEMS separate elements at the target: more
+        // are sent as more parts (each its own frame), never refused.
+        let shares = if staged { 1 } else { shares.max(st.frames_needed()) };
         let bodies: Vec<PartBody> = st.split(shares).into_iter().map(PartBody::Strided).collect();
         let batch = Batch { bodies, staged, waiting };
         self.submit(&r, &conn, remote, op, batch, st.bytes(), 1, pins, notify, timeout)

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::SegQueue;
 
 use crate::error::{Error, Result, Status};
+use crate::wire::StridedRanges;
 
 mod completion;
 mod future;
@@ -122,12 +123,22 @@ impl Strided {
         }
     }
 
-    /// Calls `f` with the segments of elements, at most `chunk` at a time, reusing one buffer.
+    /// Whether the elements touch on both sides (both strides equal the size): then they are
+    /// one contiguous segment pair.
+    pub fn contiguous(&self) -> bool {
+        self.lstride == self.size && self.rstride == self.size
+    }
+
+    /// Calls `f` with the segments of elements, at most `chunk` at a time, reusing one buffer;
+    /// elements that touch on both sides come as one segment.
     pub fn for_each_chunk<E>(
         &self,
         chunk: usize,
         mut f: impl FnMut(&[SegPair]) -> std::result::Result<(), E>,
     ) -> std::result::Result<(), E> {
+        if self.contiguous() {
+            return f(&[SegPair { local: self.local, remote: self.remote, len: self.bytes() }]);
+        }
         let mut buf = Vec::with_capacity(chunk.min(self.count as usize));
         let mut i = 0;
         while i < self.count {
@@ -138,6 +149,19 @@ impl Strided {
             i += n;
         }
         Ok(())
+    }
+
+    /// The local side's contiguous ranges, walked lazily (see [`StridedRanges`]).
+    pub fn local_ranges(&self) -> StridedRanges {
+        StridedRanges::new(self.local, self.count, self.size, self.lstride)
+            .expect("a validated strided descriptor lies in one registered region")
+    }
+
+    /// How many frames' worth of elements it is on the wire: one strided frame names at most
+    /// [`crate::wire::MAX_STRIDED_ELEMS`] elements that are not contiguous at the target.
+    pub fn frames_needed(&self) -> usize {
+        let pieces = StridedRanges::pieces(self.count, self.size, self.rstride);
+        usize::try_from(pieces.div_ceil(crate::wire::MAX_STRIDED_ELEMS)).unwrap_or(usize::MAX).max(1)
     }
 
     /// Cuts into at most `parts` strided pieces of about equal element counts.

@@ -23,6 +23,26 @@ fn strided_expands_in_chunks_and_splits_evenly() {
 }
 
 #[test]
+fn touching_strided_elements_are_one_segment_and_wide_ones_need_more_frames() {
+    let cap = crate::wire::MAX_STRIDED_ELEMS;
+    let s = Strided { local: 0, remote: 1 << 20, count: 3 * cap, size: 8, lstride: 8, rstride: 8 };
+    let mut n = 0;
+    s.for_each_chunk(4, |c| {
+        assert_eq!(c, [SegPair { local: 0, remote: 1 << 20, len: 24 * cap }]);
+        n += 1;
+        Ok::<(), ()>(())
+    })
+    .unwrap();
+    assert_eq!((n, s.frames_needed()), (1, 1), "one range, one frame");
+    let wide = Strided { rstride: 64, ..s };
+    assert_eq!(wide.frames_needed(), 3, "separate at the target: split by the cap");
+    assert!(wide.split(wide.frames_needed()).iter().all(|p| p.count <= cap));
+    let gappy_here = Strided { lstride: 64, ..s };
+    assert_eq!(gappy_here.frames_needed(), 1, "touching at the target: one frame");
+    assert_eq!(gappy_here.local_ranges().remaining(), 3 * cap, "walked lazily here");
+}
+
+#[test]
 fn full_queue_refuses_at_once() {
     let q = WorkQueue::<u32>::new(4);
     q.reserve(3).unwrap();

@@ -11,6 +11,10 @@ use crate::wire::{self, Frame, Header, Kind, HEADER_LEN};
 /// Most iovecs the kernel accepts in one call.
 pub const IOV_MAX: usize = 1024;
 
+/// The payload buffer a frame's reader starts with; it doubles as the bytes arrive, up to what
+/// the header declares, so a header whose payload never comes costs at most this.
+pub const PAYLOAD_START: usize = 64 * 1024;
+
 /// An iovec for `len` bytes at `addr`.
 pub fn iov(addr: u64, len: u64) -> libc::iovec {
     libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len as usize }
@@ -190,9 +194,14 @@ pub fn recv_frame(
             ));
         }
     }
+    // Grown as the bytes arrive, never sized from the header alone.
     payload.clear();
-    payload.resize(h.payload_len as usize, 0);
-    read(payload)?;
+    let want = h.payload_len as usize;
+    while payload.len() < want {
+        let got = payload.len();
+        payload.resize(want.min((got * 2).max(PAYLOAD_START)), 0);
+        read(&mut payload[got..])?;
+    }
     // A refusal during the handshake comes unsealed (the target has no keys it trusts yet).
     if handshake.is_some() && h.kind == Kind::Error {
         let frame = wire::decode_payload(&h, payload).map_err(proto)?;
@@ -290,4 +299,26 @@ pub fn send_some(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
         sent += r as usize;
     }
     Ok(sent)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    #[test]
+    fn a_handshake_frame_is_not_sized_from_its_header() {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let h = Header { kind: Kind::Welcome, payload_len: wire::MAX_TABLE_PAYLOAD, tag: 0, bulk_len: 0 };
+        send_some(b.as_raw_fd(), &wire::encode_header(&h)).unwrap();
+        send_some(b.as_raw_fd(), &[0u8; 100]).unwrap();
+        let mut payload = Vec::new();
+        let deadline = Instant::now() + std::time::Duration::from_millis(200);
+        let allowed = [Kind::Welcome];
+        let e = recv_frame(a.as_raw_fd(), &mut payload, &mut FrameMac::default(), Some((deadline, &allowed)))
+            .err()
+            .expect("the payload never comes");
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(payload.capacity() <= PAYLOAD_START, "{} set aside for 100 bytes", payload.capacity());
+    }
 }

@@ -8,6 +8,7 @@ use std::io;
 use std::os::fd::RawFd;
 
 use crate::transport::io::IOV_MAX;
+use crate::wire::StridedRanges;
 
 /// What one step of non-blocking I/O achieved.
 #[derive(Debug, PartialEq, Eq)]
@@ -81,15 +82,30 @@ pub(crate) use reader::FrameReader;
 
 /// A list of iovecs to move, with its position, and the buffers some of them point into
 /// (frame headers, MACs), which it owns so that they live as long as it does.
+///
+/// Strided ranges are never expanded into iovecs all at once (a peer names the count): they
+/// wait in `later`, in order with what was pushed after them, and [`IoJob::refill`] takes
+/// iovecs from them into the window as the window drains, at most [`IOV_MAX`] at a time.
 #[derive(Default)]
 pub(crate) struct IoJob {
+    /// The window: what the next system call moves, from `start` on.
     iovs: Vec<libc::iovec>,
     start: usize,
+    /// What follows the window, walked into it lazily.
+    later: VecDeque<Later>,
+    /// Bytes pushed in all.
+    total: u64,
     keep: Vec<Vec<u8>>,
     /// What keeps the raw iovecs' memory valid (pins), dropped with the job.
     held: Vec<Box<dyn Send>>,
     /// Bytes moved so far.
     pub(crate) moved: u64,
+}
+
+/// A piece of a job behind its window.
+enum Later {
+    Iov(libc::iovec),
+    Strided(StridedRanges),
 }
 
 // SAFETY: the iovecs point into the job's own buffers or into registered memory that the
@@ -100,7 +116,7 @@ impl IoJob {
     /// Adds an owned buffer (sent as is).
     pub(crate) fn push_owned(&mut self, b: Vec<u8>) {
         if !b.is_empty() {
-            self.iovs.push(libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() });
+            self.push_iov(libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() });
             self.keep.push(b);
         }
     }
@@ -108,7 +124,27 @@ impl IoJob {
     /// Adds `len` bytes at `addr` (memory the owner keeps valid until the job ends).
     pub(crate) fn push_raw(&mut self, addr: u64, len: u64) {
         if len > 0 {
-            self.iovs.push(libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len as usize });
+            self.push_iov(libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len as usize });
+        }
+    }
+
+    /// Adds the ranges of a strided range (memory the owner keeps valid until the job ends),
+    /// walked into iovecs only as the job gets to them.
+    pub(crate) fn push_strided(&mut self, ranges: StridedRanges) {
+        let bytes: u64 = match ranges.clone().next() {
+            Some((_, len)) => len.saturating_mul(ranges.remaining()),
+            None => return,
+        };
+        self.total += bytes;
+        self.later.push_back(Later::Strided(ranges));
+    }
+
+    fn push_iov(&mut self, v: libc::iovec) {
+        self.total += v.iov_len as u64;
+        if self.later.is_empty() {
+            self.iovs.push(v);
+        } else {
+            self.later.push_back(Later::Iov(v));
         }
     }
 
@@ -119,7 +155,45 @@ impl IoJob {
 
     /// Bytes left to move.
     pub(crate) fn left(&self) -> u64 {
-        self.iovs[self.start..].iter().map(|v| v.iov_len as u64).sum()
+        self.total - self.moved
+    }
+
+    /// Whether every byte moved.
+    pub(crate) fn is_done(&self) -> bool {
+        self.start == self.iovs.len() && self.later.is_empty()
+    }
+
+    /// Tops the window up from what waits behind it (when fewer than half of [`IOV_MAX`]
+    /// iovecs are left in it), so that it holds at most [`IOV_MAX`] iovecs of strided ranges;
+    /// returns what is left of it.
+    pub(crate) fn refill(&mut self) -> &[libc::iovec] {
+        if !self.later.is_empty() && self.iovs.len() - self.start < IOV_MAX / 2 {
+            self.iovs.drain(..self.start);
+            self.start = 0;
+            while self.iovs.len() < IOV_MAX {
+                let Some(next) = self.later.front_mut() else { break };
+                match next {
+                    Later::Iov(v) => {
+                        self.iovs.push(*v);
+                        self.later.pop_front();
+                    }
+                    Later::Strided(r) => {
+                        let room = IOV_MAX - self.iovs.len();
+                        self.iovs.extend(r.by_ref().take(room).map(|(a, n)| crate::transport::io::iov(a, n)));
+                        if r.remaining() == 0 {
+                            self.later.pop_front();
+                        }
+                    }
+                }
+            }
+        }
+        &self.iovs[self.start..]
+    }
+
+    /// How many iovecs the window holds now (a bound the tests check).
+    #[cfg(test)]
+    pub(crate) fn in_hand(&self) -> usize {
+        self.iovs.len()
     }
 
     fn advance(&mut self, mut n: usize) {
@@ -147,7 +221,7 @@ impl IoJob {
     unsafe fn wait_and_move(&mut self, fd: RawFd, budget: &mut u64, write: bool) -> io::Result<bool> {
         let mut capped = Vec::new();
         let mut room = *budget;
-        for v in self.iovs[self.start..].iter().take(IOV_MAX) {
+        for v in self.refill().iter().take(IOV_MAX) {
             if room == 0 {
                 break;
             }
@@ -189,7 +263,7 @@ impl IoJob {
     /// # Safety
     /// Every raw iovec must describe readable memory that stays valid during the call.
     pub(crate) unsafe fn send(&mut self, fd: RawFd, budget: &mut u64) -> io::Result<Step> {
-        while self.start < self.iovs.len() {
+        while !self.refill().is_empty() {
             if *budget == 0 {
                 return Ok(Step::WouldBlock);
             }
@@ -225,7 +299,7 @@ impl IoJob {
     /// # Safety
     /// Every raw iovec must describe writable memory that stays valid during the call.
     pub(crate) unsafe fn recv(&mut self, fd: RawFd, budget: &mut u64) -> io::Result<Step> {
-        while self.start < self.iovs.len() {
+        while !self.refill().is_empty() {
             if *budget == 0 {
                 return Ok(Step::WouldBlock);
             }

@@ -6,7 +6,7 @@ use std::os::fd::RawFd;
 
 use super::{discard, fill, recv_some, IoJob, Step};
 use crate::auth::{FrameMac, MAC_LEN};
-use crate::transport::io::{proto, Received};
+use crate::transport::io::{proto, Received, PAYLOAD_START};
 use crate::transport::reactor::Interest;
 use crate::wire::{self, Header, HEADER_LEN};
 
@@ -84,9 +84,13 @@ pub(crate) struct FrameReader {
     head: [u8; HEADER_LEN],
     got: usize,
     header: Option<Header>,
-    /// Payload then MAC.
+    /// Payload then MAC: `rest_want` bytes, received into `rest` (grown as they arrive).
     rest: Vec<u8>,
     rest_got: usize,
+    rest_want: usize,
+    /// After the handshake: which direction this reader's frames travel (true: from an
+    /// initiator to a target), whose kinds alone are accepted; None: any kind.
+    to_target: Option<bool>,
     /// Bytes read from the socket but not yet handed out: `ahead[lo..hi]` (allocated on first
     /// use).
     ahead: Vec<u8>,
@@ -99,6 +103,12 @@ pub(crate) struct FrameReader {
 }
 
 impl FrameReader {
+    /// A reader of a stream after its handshake that accepts only the kinds of one direction
+    /// (`to_target`: a served stream, reading what an initiator sends), checked on the header.
+    pub(crate) fn after_handshake(to_target: bool) -> FrameReader {
+        FrameReader { to_target: Some(to_target), ..FrameReader::default() }
+    }
+
     /// Starts a run of the stream's reader (every wake-up, whatever woke it): whether the
     /// socket is empty is known only from this run's reads.
     pub(crate) fn begin_run(&mut self) {
@@ -119,6 +129,12 @@ impl FrameReader {
         } else {
             next
         }
+    }
+
+    /// Bytes set aside for the payload of the frame under way (what the tests bound).
+    #[cfg(test)]
+    pub(crate) fn payload_capacity(&self) -> usize {
+        self.rest.capacity()
     }
 
     /// Copies bytes read ahead into `dst`; returns how many.
@@ -187,12 +203,12 @@ impl FrameReader {
         budget: &mut u64,
     ) -> io::Result<Step> {
         let took = self.has_buffered();
-        while self.has_buffered() && job.start < job.iovs.len() {
+        while self.has_buffered() && !job.is_done() {
             // SAFETY: the caller's contract.
             let k = unsafe { self.copy_into(job) }?;
             *budget = budget.saturating_sub(k as u64);
         }
-        if job.start == job.iovs.len() {
+        if job.is_done() {
             return Ok(Step::Done);
         }
         if self.drained && !took {
@@ -222,7 +238,7 @@ impl FrameReader {
         let mut want = self.hi - self.lo;
         let mut slots = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; COPY_IOVS];
         let mut used = 0;
-        for v in job.iovs[job.start..].iter().take(COPY_IOVS) {
+        for v in job.refill().iter().take(COPY_IOVS) {
             if want == 0 {
                 break;
             }
@@ -290,19 +306,31 @@ impl FrameReader {
                     return Ok(None);
                 }
                 let h = wire::decode_header(&self.head).map_err(proto)?;
+                if let Some(to_target) = self.to_target {
+                    wire::after_handshake(&h, to_target).map_err(proto)?;
+                }
                 let mac_len = if mac.sealed() { MAC_LEN } else { 0 };
+                self.rest_want = h.payload_len as usize + mac_len;
                 self.rest.clear();
-                self.rest.resize(h.payload_len as usize + mac_len, 0);
+                self.rest.resize(self.rest_want.min(PAYLOAD_START), 0);
                 self.rest_got = 0;
                 self.header = Some(h);
                 h
             }
         };
-        let (mut rest, mut rest_got) = (std::mem::take(&mut self.rest), self.rest_got);
-        let step = self.fill(fd, &mut rest, &mut rest_got);
-        (self.rest, self.rest_got) = (rest, rest_got);
-        if step? == Step::WouldBlock {
-            return Ok(None);
+        loop {
+            let (mut rest, mut rest_got) = (std::mem::take(&mut self.rest), self.rest_got);
+            let step = self.fill(fd, &mut rest, &mut rest_got);
+            (self.rest, self.rest_got) = (rest, rest_got);
+            if step? == Step::WouldBlock {
+                return Ok(None);
+            }
+            if self.rest.len() == self.rest_want {
+                break;
+            }
+            // All that was set aside arrived: twice as much for the rest.
+            let grown = (self.rest.len() * 2).min(self.rest_want);
+            self.rest.resize(grown, 0);
         }
         self.header = None;
         self.got = 0;

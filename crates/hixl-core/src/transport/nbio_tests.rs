@@ -210,3 +210,101 @@ fn the_writable_prefix_stops_at_memory_that_refuses_writes() {
     // SAFETY: the mapping above.
     unsafe { libc::munmap(page, 8192) };
 }
+
+#[test]
+fn a_strided_job_walks_its_ranges_lazily_with_a_bounded_window() {
+    use crate::transport::io::IOV_MAX;
+    use crate::wire::StridedRanges;
+    let (a, b) = UnixStream::pair().unwrap();
+    a.set_nonblocking(true).unwrap();
+    b.set_nonblocking(true).unwrap();
+    // 5000 elements of 3 bytes, 8 apart, between a head and a tail: more iovecs than IOV_MAX.
+    let (count, size, stride) = (5000u64, 3u64, 8u64);
+    let src: Vec<u8> = (0..count * stride).map(|i| (i % 251) as u8).collect();
+    let mut job = IoJob::default();
+    job.push_owned(b"head".to_vec());
+    job.push_strided(StridedRanges::new(src.as_ptr() as u64, count, size, stride).unwrap());
+    job.push_raw(src.as_ptr() as u64, 5);
+    assert_eq!(job.left(), 4 + count * size + 5);
+    assert_eq!(job.in_hand(), 1, "nothing of the strided range is expanded when it is pushed");
+    let mut dst = vec![0u8; (count * stride) as usize];
+    let mut head_tail = [0u8; 9];
+    let mut rj = IoJob::default();
+    rj.push_raw(head_tail.as_mut_ptr() as u64, 4);
+    rj.push_strided(StridedRanges::new(dst.as_mut_ptr() as u64, count, size, stride).unwrap());
+    rj.push_raw(head_tail.as_mut_ptr() as u64 + 4, 5);
+    let (mut sent, mut got) = (false, false);
+    while !(sent && got) {
+        let mut budget = 4096;
+        // SAFETY: `src`, `dst` and `head_tail` outlive the jobs.
+        sent = sent || unsafe { job.send(b.as_raw_fd(), &mut budget) }.unwrap() == Step::Done;
+        let mut budget = 4096;
+        // SAFETY: as above.
+        got = got || unsafe { rj.recv(a.as_raw_fd(), &mut budget) }.unwrap() == Step::Done;
+        assert!(job.in_hand() <= IOV_MAX + 1 && rj.in_hand() <= IOV_MAX + 1, "bounded window");
+    }
+    assert_eq!((job.left(), rj.left()), (0, 0));
+    assert_eq!(&head_tail[..4], b"head");
+    assert_eq!(&head_tail[4..], &src[..5]);
+    for k in 0..count as usize {
+        let at = k * stride as usize;
+        assert_eq!(&dst[at..at + size as usize], &src[at..at + size as usize], "element {k}");
+        assert!(dst[at + size as usize..at + stride as usize].iter().all(|&x| x == 0), "gap {k}");
+    }
+    // Touching elements are one iovec, however many there are.
+    let mut one = IoJob::default();
+    one.push_strided(StridedRanges::new(src.as_ptr() as u64, src.len() as u64, 1, 1).unwrap());
+    assert_eq!((one.refill().len(), one.left()), (1, src.len() as u64));
+}
+
+#[test]
+fn a_header_is_checked_before_its_payload_is_set_aside() {
+    let (a, b) = UnixStream::pair().unwrap();
+    a.set_nonblocking(true).unwrap();
+    b.set_nonblocking(true).unwrap();
+    let (fd, mut mac) = (a.as_raw_fd(), FrameMac::default());
+    // A kind that never travels to a target, declaring 16 MiB: refused on its header.
+    let mut r = FrameReader::after_handshake(true);
+    let h =
+        wire::Header { kind: wire::Kind::Welcome, payload_len: wire::MAX_TABLE_PAYLOAD, tag: 0, bulk_len: 0 };
+    crate::transport::io::send_some(b.as_raw_fd(), &wire::encode_header(&h)).unwrap();
+    r.begin_run();
+    let e = r.poll(fd, &mut mac).err().expect("refused");
+    assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+    assert!(e.to_string().contains("unexpected Welcome frame from an initiator"), "{e}");
+    assert_eq!(r.payload_capacity(), 0, "nothing set aside for it");
+    // An initiator's reader refuses what only initiators send.
+    let (c, d) = UnixStream::pair().unwrap();
+    c.set_nonblocking(true).unwrap();
+    let mut r = FrameReader::after_handshake(false);
+    let h = wire::Header { kind: wire::Kind::Write, payload_len: 20, tag: 0, bulk_len: 0 };
+    crate::transport::io::send_some(d.as_raw_fd(), &wire::encode_header(&h)).unwrap();
+    r.begin_run();
+    assert!(r.poll(c.as_raw_fd(), &mut mac).is_err());
+
+    // An allowed kind: its buffer grows with the bytes that came, not with the header.
+    let segs = (0..wire::MAX_DESCS as u64).map(|i| wire::Seg { addr: 0x1000 + 64 * i, len: 1 }).collect();
+    let frame = wire::encode(&wire::Frame::Read { segs }, 4, 0);
+    let mut r = FrameReader::after_handshake(true);
+    crate::transport::io::send_some(b.as_raw_fd(), &frame[..wire::HEADER_LEN + 100]).unwrap();
+    r.begin_run();
+    assert!(r.poll(fd, &mut mac).unwrap().is_none());
+    assert!(
+        r.payload_capacity() <= crate::transport::io::PAYLOAD_START,
+        "{} set aside for 100 bytes",
+        r.payload_capacity()
+    );
+    let mut off = wire::HEADER_LEN + 100;
+    let got = loop {
+        off += crate::transport::io::send_some(b.as_raw_fd(), &frame[off..]).unwrap();
+        r.begin_run();
+        if let Some(g) = r.poll(fd, &mut mac).unwrap() {
+            break g;
+        }
+        assert!(
+            r.payload_capacity() <= 2 * off + crate::transport::io::PAYLOAD_START,
+            "at most twice what arrived"
+        );
+    };
+    assert!(matches!(got.frame, wire::Frame::Read { ref segs } if segs.len() == wire::MAX_DESCS));
+}

@@ -10,14 +10,15 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::auth::{self, FrameMac, MAC_LEN};
-use crate::error::{Error, Result, Status};
-use crate::registry::{Abort, Pin, Registry};
+use crate::error::Status;
+use crate::registry::{Abort, Pin};
 use crate::transport::cuda_stage;
 use crate::transport::io::{self, Received};
 use crate::transport::nbio::{FrameReader, IoJob, Outbox, Step};
+use crate::transport::ranges::OwnedRanges;
 use crate::transport::reactor::{Interest, Source};
 use crate::transport::server::{Served, Server};
-use crate::wire::{self, Frame, Header, Seg, StridedSeg};
+use crate::wire::{self, Frame, Header, Seg};
 
 /// Bytes a served reader takes per run before the other streams get a turn (many initiators
 /// writing at once share the target's workers fairly).
@@ -120,7 +121,7 @@ pub(crate) struct ServedRx {
 
 impl ServedRx {
     pub(crate) fn new(mac: FrameMac) -> ServedRx {
-        ServedRx { mac, frames: FrameReader::default(), state: RxState::Frames }
+        ServedRx { mac, frames: FrameReader::after_handshake(true), state: RxState::Frames }
     }
 }
 
@@ -393,10 +394,13 @@ fn start_write(
     seq: u64,
 ) -> RxState {
     let mac_len = if data_mac { MAC_LEN as u64 } else { 0 };
-    match ranges.pin(&ctx.registry, s, true) {
+    let holder: Arc<dyn Abort> = s.clone();
+    match ranges.pin(&ctx.registry, &holder, true) {
         Ok(pins) if cuda_stage::target::touches_device(&pins) => {
-            let list = ranges.list();
-            match cuda_stage::target::start_write(h.tag, h.bulk_len, pins, list, rx_mac.data_hasher(seq)) {
+            let peer = cuda_stage::budget::peer_key(&s.peer_addr);
+            let lender = cuda_stage::target::Lender { budget: &ctx.stage_budget, peer };
+            let hasher = rx_mac.data_hasher(seq);
+            match cuda_stage::target::start_write(h.tag, h.bulk_len, pins, ranges, hasher, &lender) {
                 Ok(w) => RxState::Staged(Box::new(w)),
                 Err(e) => RxState::Discard {
                     tag: h.tag,
@@ -407,7 +411,7 @@ fn start_write(
         }
         Ok(pins) => {
             let mut job = IoJob::default();
-            ranges.for_each(|addr, len| job.push_raw(addr, len));
+            ranges.push_into(&mut job);
             RxState::Bulk(Box::new(WriteBulk {
                 tag: h.tag,
                 bulk: h.bulk_len,
@@ -428,21 +432,20 @@ fn start_write(
 }
 
 fn serve_read(srv: &Server, s: &Arc<Served>, h: &Header, ranges: OwnedRanges) -> std::io::Result<()> {
-    let total = match &ranges {
-        OwnedRanges::List(segs) => wire::total_len(segs).ok(),
-        OwnedRanges::Strided(st) => st.bytes(),
-    };
-    let Some(total) = total else {
+    let Some(total) = ranges.bytes() else {
         let resp = Frame::ReadResp { status: Status::ParamInvalid.code(), message: "ranges overflow".into() };
         return answer(srv, s, &resp, h.tag);
     };
-    let pins = match ranges.pin(&srv.ctx.registry, s, false) {
+    let holder: Arc<dyn Abort> = s.clone();
+    let pins = match ranges.pin(&srv.ctx.registry, &holder, false) {
         Ok(p) => p,
         Err(e) => return answer(srv, s, &Frame::ReadResp { status: e.code(), message: e.message }, h.tag),
     };
     // Device memory: its bytes are copied into a pinned buffer and sent from there.
     let (ranges, staged) = if cuda_stage::target::touches_device(&pins) {
-        match cuda_stage::target::stage_read(&pins, &ranges.list(), total) {
+        let peer = cuda_stage::budget::peer_key(&s.peer_addr);
+        let lender = cuda_stage::target::Lender { budget: &srv.ctx.stage_budget, peer };
+        match cuda_stage::target::stage_read(&pins, &ranges, total, &lender) {
             Ok((addr, lease)) => (OwnedRanges::List(vec![Seg { addr, len: total }]), Some(lease)),
             Err(e) => {
                 return answer(srv, s, &Frame::ReadResp { status: e.code(), message: e.message }, h.tag)
@@ -470,7 +473,7 @@ fn serve_read(srv: &Server, s: &Arc<Served>, h: &Header, ranges: OwnedRanges) ->
         let seq = tx.mac.seal(&mut head);
         let mut job = IoJob::default();
         job.push_owned(head);
-        ranges.for_each(|addr, len| job.push_raw(addr, len));
+        ranges.push_into(&mut job);
         if let Some(mut hasher) = tx.mac.data_hasher(seq) {
             // SAFETY: the ranges lie in registered regions pinned by `pins`.
             unsafe { ranges.hash(&mut hasher) };
@@ -483,68 +486,4 @@ fn serve_read(srv: &Server, s: &Arc<Served>, h: &Header, ranges: OwnedRanges) ->
         tx.out.push(job);
     }
     send_now(srv, s)
-}
-
-/// Checks every segment against the registry and pins the regions they fall in.
-fn check_and_pin(reg: &Registry, segs: &[Seg], holder: &Arc<dyn Abort>, write: bool) -> Result<Vec<Pin>> {
-    let mut pins: Vec<Pin> = Vec::new();
-    for s in segs {
-        if let Some(p) = pins.last() {
-            if p.region().contains(s.addr, s.len) {
-                continue;
-            }
-        }
-        let region = reg.lookup_for(s.addr, s.len, "remote", write)?;
-        if !pins.iter().any(|p| p.region().id == region.id) {
-            pins.push(region.pin(holder)?);
-        }
-    }
-    Ok(pins)
-}
-
-/// The target ranges of one data frame: a list of segments or one strided descriptor.
-pub(crate) enum OwnedRanges {
-    List(Vec<Seg>),
-    Strided(StridedSeg),
-}
-
-impl OwnedRanges {
-    /// Checks the ranges against the registry and pins their regions.
-    fn pin(&self, reg: &Registry, served: &Arc<Served>, write: bool) -> Result<Vec<Pin>> {
-        let holder: &Arc<dyn Abort> = &(served.clone() as Arc<dyn Abort>);
-        match self {
-            OwnedRanges::List(segs) => check_and_pin(reg, segs, holder, write),
-            OwnedRanges::Strided(st) => {
-                let span = st.span().ok_or_else(|| Error::param("strided range overflows"))?;
-                let region = reg.lookup_for(st.addr, span, "remote strided", write)?;
-                Ok(vec![region.pin(holder)?])
-            }
-        }
-    }
-
-    /// Every (address, length) of the ranges, in order.
-    fn list(&self) -> Vec<(u64, u64)> {
-        let mut v = Vec::new();
-        self.for_each(|a, n| v.push((a, n)));
-        v
-    }
-
-    /// Calls `f` with every (address, length) of the ranges, in order.
-    fn for_each(&self, mut f: impl FnMut(u64, u64)) {
-        match self {
-            OwnedRanges::List(segs) => segs.iter().for_each(|s| f(s.addr, s.len)),
-            OwnedRanges::Strided(st) => (0..st.count).for_each(|k| f(st.addr + k * st.stride, st.size)),
-        }
-    }
-
-    /// Feeds the bytes of the ranges to a data-MAC hasher.
-    ///
-    /// # Safety
-    /// The ranges must lie in registered regions that stay pinned during the call.
-    unsafe fn hash(&self, h: &mut blake3::Hasher) {
-        self.for_each(|addr, len| {
-            // SAFETY: the caller guarantees the range is pinned, registered memory.
-            h.update(unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) });
-        });
-    }
 }

@@ -79,6 +79,8 @@ pub struct ServerCtx {
     pub backends: Vec<Arc<dyn Backend>>,
     /// The engine's I/O workers, which serve the streams after their handshake.
     pub reactor: Arc<Reactor>,
+    /// The pinned staging memory its served streams may hold at once (device frames).
+    pub(crate) stage_budget: Arc<crate::transport::cuda_stage::budget::StageBudget>,
 }
 
 /// One accepted stream.

@@ -14,11 +14,15 @@
 use std::fmt;
 
 mod decode;
+mod direction;
 pub mod rdma;
 mod region;
+mod strided;
 
 pub use decode::decode_payload;
 use decode::Reader;
+pub use direction::{after_handshake, TO_INITIATOR, TO_TARGET};
+pub use strided::StridedRanges;
 
 use region::{put_capabilities, put_ids, put_regions};
 pub use region::{
@@ -34,6 +38,12 @@ pub const VERSION: u8 = 4;
 pub const HEADER_LEN: usize = 24;
 /// Most descriptors in one data frame.
 pub const MAX_DESCS: usize = 1 << 16;
+/// Most elements of one strided frame whose elements are not contiguous (stride > size): a
+/// target walks no more separate ranges for one frame than for the largest list frame. A
+/// frame over it is refused (PARAM_INVALID) and the stream goes on; initiators split larger
+/// strided transfers into several frames. Contiguous elements (stride == size) are one range
+/// and have no such cap.
+pub const MAX_STRIDED_ELEMS: u64 = MAX_DESCS as u64;
 /// Largest payload (descriptor table, strings) of any frame.
 pub const MAX_PAYLOAD: u32 = 4 << 20;
 /// Longest engine id / notify name in bytes.
@@ -98,6 +108,9 @@ pub enum WireError {
     Invalid { field: &'static str, value: u64 },
     /// A string is not UTF-8.
     Utf8 { field: &'static str },
+    /// A frame of a kind this direction never carries after the handshake (see
+    /// [`after_handshake`]); `to_target`: it came from an initiator.
+    Direction { kind: Kind, to_target: bool },
 }
 
 impl fmt::Display for WireError {
@@ -119,6 +132,15 @@ impl fmt::Display for WireError {
             WireError::Trailing(n) => write!(f, "{n} unexpected trailing bytes in frame"),
             WireError::Invalid { field, value } => write!(f, "invalid {field}={value}"),
             WireError::Utf8 { field } => write!(f, "{field} is not valid UTF-8"),
+            WireError::Direction { kind, to_target } => {
+                let (from, to) =
+                    if *to_target { ("an initiator", "a target") } else { ("a target", "an initiator") };
+                write!(
+                    f,
+                    "unexpected {kind:?} frame from {from}: after the handshake {to} accepts only {:?}",
+                    if *to_target { TO_TARGET } else { TO_INITIATOR }
+                )
+            }
         }
     }
 }

@@ -66,8 +66,9 @@ pub(crate) struct CudaIpcLink {
     streams: usize,
     pid: i32,
     pidfd: OwnedFd,
-    /// Peer allocations opened by IPC handle: (handle, base address here).
-    opened: Mutex<HandleCache<([u8; 64], CuDevicePtr)>>,
+    /// Peer allocations opened by IPC handle: (handle, base address here, bytes the driver
+    /// mapped from there).
+    opened: Mutex<HandleCache<([u8; 64], CuDevicePtr, u64)>>,
     /// Peer memfd regions mapped and pinned, by region id.
     hosts: Mutex<HashMap<u64, Arc<PinnedPeerHost>>>,
     done: Arc<Completer>,
@@ -195,11 +196,15 @@ impl CudaIpcLink {
         let d = gpu.driver();
         let mut opened = self.opened.lock().unwrap();
         // Opened in our device's context (the caller holds a CtxGuard).
-        let (_, base) = opened
-            .get_or_open(&k.handle, k.alloc_len, e.id, || ipc_open(d, &k.handle).map(|p| (k.handle, p)))
+        let (_, base, len) = opened
+            .get_or_open(&k.handle, k.alloc_len, e.id, || {
+                ipc_open(d, &k.handle).map(|(p, len)| (k.handle, p, len))
+            })
             .map_err(|m| {
                 Error::new(Status::Unsupported, format!("cannot open the peer's device memory: {m}"))
             })?;
+        // The key's allocation length is the peer's word; the driver's is the truth.
+        k.check_opened(e.len, len).map_err(Error::param)?;
         Ok(base + k.offset)
     }
 
@@ -250,7 +255,7 @@ impl CudaIpcLink {
         let d = gpu.driver();
         let live: std::collections::HashSet<u64> = table.regions().map(|r| r.id).collect();
         // No copy of this link is in flight (the caller checked), so nothing of ours uses them.
-        self.opened.lock().unwrap().retain(|id| live.contains(&id), |(h, _)| ipc_release(d, &h));
+        self.opened.lock().unwrap().retain(|id| live.contains(&id), |(h, _, _)| ipc_release(d, &h));
         self.hosts.lock().unwrap().retain(|id, _| live.contains(id));
     }
 
@@ -380,7 +385,7 @@ impl DataPath for CudaIpcPath {
             let d = gpu.driver();
             if let Ok(_ctx) = CtxGuard::enter(d, gpu.ordinal) {
                 // Allocations this link opened; none of its copies is in flight.
-                l.opened.lock().unwrap().clear(|(h, _)| ipc_release(d, &h));
+                l.opened.lock().unwrap().clear(|(h, _, _)| ipc_release(d, &h));
             }
             l.hosts.lock().unwrap().clear();
         } else {

@@ -15,13 +15,15 @@
 //! wait in the socket for that copy.
 
 use std::os::fd::RawFd;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
+use super::budget::{StageBudget, Ticket};
 use super::{CopyStream, PinnedBuf};
 use crate::auth::{self, MAC_LEN};
 use crate::error::{Error, Result, Status};
 use crate::registry::Pin;
 use crate::transport::nbio::{FrameReader, IoJob, Step};
+use crate::transport::ranges::OwnedRanges;
 use crate::wire::Frame;
 
 /// The most bytes one frame into or out of device memory may carry at a target (the largest
@@ -40,41 +42,73 @@ pub(crate) fn touches_device(pins: &[Pin]) -> bool {
 pub(crate) struct Lease {
     buf: Option<PinnedBuf>,
     stream: Option<CopyStream>,
+    /// Its bytes in the engine's and the peer's staging budget, given back with it.
+    _ticket: Ticket,
+}
+
+/// Whose budget a frame's lease counts against: the engine's, for the stream's peer.
+pub(crate) struct Lender<'a> {
+    /// The engine's budget.
+    pub(crate) budget: &'a Arc<StageBudget>,
+    /// The peer (see [`super::budget::peer_key`]).
+    pub(crate) peer: &'a str,
 }
 
 static IDLE: Mutex<Vec<(PinnedBuf, CopyStream)>> = Mutex::new(Vec::new());
 
 impl Lease {
-    /// At least `len` bytes with a stream of device `ordinal`.
-    fn take(ordinal: u8, len: u64) -> Result<Lease> {
-        {
+    /// At least `len` bytes with a stream of device `ordinal`, counted against `lender`'s
+    /// caps (RESOURCE_EXHAUSTED over one).
+    fn take(ordinal: u8, len: u64, lender: &Lender) -> Result<Lease> {
+        let idle = {
             let mut idle = IDLE.lock().unwrap();
-            if let Some(i) = idle.iter().position(|(b, s)| b.len() >= len && s.ordinal() == ordinal) {
-                let (b, s) = idle.swap_remove(i);
-                return Ok(Lease { buf: Some(b), stream: Some(s) });
+            let i = idle.iter().position(|(b, s)| b.len() >= len && s.ordinal() == ordinal);
+            i.map(|i| idle.swap_remove(i))
+        };
+        let size = match &idle {
+            Some((b, _)) => b.len(),
+            None => len.max(4 << 20).next_power_of_two().min(MAX_FRAME.max(len)),
+        };
+        let ticket = match lender.budget.take(lender.peer, size) {
+            Ok(t) => t,
+            Err(e) => {
+                if let Some(x) = idle {
+                    IDLE.lock().unwrap().push(x);
+                }
+                return Err(e);
             }
-        }
-        let size = len.max(4 << 20).next_power_of_two().min(MAX_FRAME.max(len));
-        Ok(Lease { buf: Some(PinnedBuf::new(size)?), stream: Some(CopyStream::new(ordinal, 1)?) })
+        };
+        let (b, s) = match idle {
+            Some(x) => x,
+            None => (PinnedBuf::new(size)?, CopyStream::new(ordinal, 1)?),
+        };
+        Ok(Lease { buf: Some(b), stream: Some(s), _ticket: ticket })
     }
 
     fn addr(&self) -> u64 {
         self.buf.as_ref().map_or(0, |b| b.addr())
     }
 
-    /// Copies between the buffer (from offset 0, in order) and `ranges`, and waits for it.
-    fn copy(&self, ranges: &[(u64, u64)], to_device: bool) -> Result<()> {
+    /// Copies between the buffer (from offset 0, in order) and `ranges` (walked lazily, a
+    /// strided frame's touching elements as one copy), and waits for it.
+    fn copy(&self, ranges: &OwnedRanges, to_device: bool) -> Result<()> {
         let s = self.stream.as_ref().expect("a lent stream");
         let _ctx = s.enter()?;
         let mut off = 0;
-        for &(addr, len) in ranges {
+        let mut res = Ok(());
+        ranges.for_each(|addr, len| {
+            if res.is_err() {
+                return;
+            }
             let (dst, src) = if to_device { (addr, self.addr() + off) } else { (self.addr() + off, addr) };
             // SAFETY: `addr..addr+len` lies in a registered device region pinned by the frame's
-            // pins for the whole call; the buffer holds at least the frame's bytes (`take`);
-            // `sync` below waits for the copy before anything else uses either side.
-            unsafe { s.copy(dst, src, len)? };
+            // pins for the whole call; the buffer holds at least the frame's bytes (`take`,
+            // after `check_size`); `sync` below waits for the copy before anything else uses
+            // either side.
+            res = unsafe { s.copy(dst, src, len) };
             off += len;
-        }
+        });
+        res?;
         s.sync()
     }
 }
@@ -115,7 +149,7 @@ pub(crate) struct StagedWrite {
     _pins: Vec<Pin>,
     lease: Lease,
     job: IoJob,
-    ranges: Vec<(u64, u64)>,
+    ranges: OwnedRanges,
     hasher: Option<blake3::Hasher>,
     mac: [u8; MAC_LEN],
     mac_got: usize,
@@ -127,15 +161,20 @@ pub(crate) fn start_write(
     tag: u64,
     bulk: u64,
     pins: Vec<Pin>,
-    ranges: Vec<(u64, u64)>,
+    ranges: OwnedRanges,
     hasher: Option<blake3::Hasher>,
+    lender: &Lender,
 ) -> Result<StagedWrite> {
-    let sum: u64 = ranges.iter().map(|r| r.1).sum();
-    if sum != bulk {
-        return Err(Error::param(format!("the frame's ranges hold {sum} bytes, its bulk {bulk}")));
+    // Sizes first (nothing here expands the ranges into memory: they are walked in `copy`).
+    match ranges.bytes() {
+        Some(sum) if sum == bulk => {}
+        sum => {
+            let sum = sum.map_or("more than 2^64".into(), |s| s.to_string());
+            return Err(Error::param(format!("the frame's ranges hold {sum} bytes, its bulk {bulk}")));
+        }
     }
     check_size(bulk)?;
-    let lease = Lease::take(device(&pins), bulk)?;
+    let lease = Lease::take(device(&pins), bulk, lender)?;
     let mut job = IoJob::default();
     job.push_raw(lease.addr(), bulk);
     Ok(StagedWrite { tag, bulk, _pins: pins, lease, job, ranges, hasher, mac: [0; MAC_LEN], mac_got: 0 })
@@ -185,9 +224,14 @@ impl StagedWrite {
 
 /// The bytes of a READ from device `ranges` (checked and pinned by `pins`), copied into a
 /// pinned buffer: its address, and the lease to hold until the answer's bytes were sent.
-pub(crate) fn stage_read(pins: &[Pin], ranges: &[(u64, u64)], total: u64) -> Result<(u64, Lease)> {
+pub(crate) fn stage_read(
+    pins: &[Pin],
+    ranges: &OwnedRanges,
+    total: u64,
+    lender: &Lender,
+) -> Result<(u64, Lease)> {
     check_size(total)?;
-    let lease = Lease::take(device(pins), total)?;
+    let lease = Lease::take(device(pins), total, lender)?;
     lease.copy(ranges, false)?;
     Ok((lease.addr(), lease))
 }
@@ -207,12 +251,18 @@ mod tests {
             assert!(e.message.contains("CUDA was"), "{}", e.message);
         }
         assert!(!touches_device(&[]));
-        assert!(stage_read(&[], &[(1, 2)], MAX_FRAME + 1).is_err());
+        let ranges = OwnedRanges::List(vec![crate::wire::Seg { addr: 1, len: 2 }]);
+        let budget = Arc::new(StageBudget::default());
+        let lender = Lender { budget: &budget, peer: "p" };
+        assert!(stage_read(&[], &ranges, MAX_FRAME + 1, &lender).is_err());
     }
 
     #[test]
     fn a_write_whose_ranges_disagree_with_its_bulk_is_refused() {
-        let e = start_write(1, 10, Vec::new(), vec![(0x1000, 4)], None).err().expect("4 != 10");
+        let ranges = OwnedRanges::List(vec![crate::wire::Seg { addr: 0x1000, len: 4 }]);
+        let budget = Arc::new(StageBudget::default());
+        let lender = Lender { budget: &budget, peer: "p" };
+        let e = start_write(1, 10, Vec::new(), ranges, None, &lender).err().expect("4 != 10");
         assert_eq!(e.status, Status::ParamInvalid);
     }
 }

@@ -216,7 +216,7 @@ impl TcpLink {
                 sock,
                 wsock,
                 tx: Mutex::new(Tx { mac: tx, out: Outbox::default() }),
-                rx: Mutex::new(Rx { mac: rx, frames: FrameReader::default(), bulk: None }),
+                rx: Mutex::new(Rx { mac: rx, frames: FrameReader::after_handshake(false), bulk: None }),
                 pending: Mutex::new(VecDeque::new()),
                 next_tag: AtomicU64::new(1),
                 writer_token: AtomicU64::new(0),

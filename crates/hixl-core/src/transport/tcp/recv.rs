@@ -116,9 +116,7 @@ impl TcpLink {
                 let mut job = IoJob::default();
                 match &p.part.body {
                     PartBody::Data(segs) => segs.iter().for_each(|x| job.push_raw(x.local, x.len)),
-                    PartBody::Strided(st) => {
-                        (0..st.count).map(|i| st.seg(i)).for_each(|x| job.push_raw(x.local, x.len))
-                    }
+                    PartBody::Strided(st) => job.push_strided(st.local_ranges()),
                     PartBody::Notify(_) => {}
                 }
                 let hasher = rx.mac.data_hasher(seq);

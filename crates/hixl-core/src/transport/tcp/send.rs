@@ -129,9 +129,7 @@ impl TcpLink {
             if write {
                 match &part.body {
                     PartBody::Data(segs) => segs.iter().for_each(|p| job.push_raw(p.local, p.len)),
-                    PartBody::Strided(st) => {
-                        (0..st.count).map(|i| st.seg(i)).for_each(|p| job.push_raw(p.local, p.len))
-                    }
+                    PartBody::Strided(st) => job.push_strided(st.local_ranges()),
                     PartBody::Notify(_) => {}
                 }
             }
