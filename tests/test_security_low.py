@@ -14,12 +14,15 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import hixl
+import hixl.metrics
 from hixl.nixl import nixl_agent, nixl_agent_config
 
 HERE = Path(__file__).parent
@@ -207,3 +210,48 @@ def test_nixl_listener_binds_the_engine_address(listening_agent):
     assert _listen_addrs(a.listen_port) == {"0100007F"}, "not bound to 127.0.0.1 alone"
     b = listening_agent("B", hixl_listen_thread_ip="0.0.0.0")
     assert _listen_addrs(b.listen_port) == {"00000000"}
+
+
+# --- hixl.metrics.serve ---------------------------------------------------------------------
+
+
+def test_metrics_idle_connections_capped_and_closed(engine):
+    """150 idle connections and 4 that trickle a request one byte a second, against a real
+    endpoint: a urllib scrape still succeeds at once, the server holds at most max_connections
+    (16) threads plus a few, and every one of them is closed by the handler timeout (5 s)."""
+    srv = hixl.metrics.serve(engine)
+    try:
+        before = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(150)]
+        trickle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(4)]
+        t0 = time.monotonic()
+        for s in trickle:
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        time.sleep(1.0)
+        grew = threading.active_count() - before
+        assert grew <= 16 + 4, f"{grew} threads for 154 idle connections"
+        start = time.monotonic()
+        with urllib.request.urlopen(srv.url, timeout=5) as r:
+            assert r.status == 200 and b"hixl_peers" in r.read()
+        assert time.monotonic() - start < 5
+        alive = list(trickle)
+        while alive and time.monotonic() - t0 < 12:
+            for s in list(alive):
+                try:
+                    s.sendall(b"X")
+                except OSError:
+                    alive.remove(s)
+            time.sleep(1.0)
+        assert not alive, f"{len(alive)} trickling connections still open after 12 s"
+        # The idle ones are closed too: each reads EOF (or a reset), none is left waiting.
+        for s in idle:
+            s.settimeout(2)
+            try:
+                assert s.recv(1) == b""
+            except ConnectionResetError:
+                pass
+        until(lambda: threading.active_count() - before <= 1, "the server's threads to end", 10)
+    finally:
+        srv.close()
+        for s in idle + trickle:
+            s.close()

@@ -194,6 +194,7 @@ class Listener:
         self._lock = threading.Lock()
         # Connections being served -> whether each is still reading its request (evictable).
         self._conns: dict[socket.socket, bool] = {}
+        self._cuts, self._warn_at = 0, 0.0
         self._serving: set[threading.Thread] = set()
         self._thread = threading.Thread(target=self._run, name="hixl-nixl-listen", daemon=True)
         self._thread.start()
@@ -205,22 +206,25 @@ class Listener:
                 self._conns[conn] = True
                 return True
             oldest = next((c for c, reading in self._conns.items() if reading), None)
-            if oldest is None:
-                log.warning(
-                    "hixl.nixl listener: %d requests in progress (hixl_listen_thread_max_conns);"
-                    " connection from %s closed",
-                    self.max_conns,
-                    peer,
-                )
-                return False
-            del self._conns[oldest]
-            self._conns[conn] = True
-        log.warning(
-            "hixl.nixl listener: %d connections open (hixl_listen_thread_max_conns); the "
-            "oldest still sending its request is closed to admit %s",
-            self.max_conns,
-            peer,
-        )
+            if oldest is not None:
+                del self._conns[oldest]
+                self._conns[conn] = True
+            self._cuts += 1
+            warn = time.monotonic() >= self._warn_at  # at most one line per 10 s
+            if warn:
+                self._warn_at = time.monotonic() + 10.0
+        if warn:
+            log.warning(
+                "hixl.nixl listener: %d connections open (hixl_listen_thread_max_conns): %s "
+                "(%d so far)",
+                self.max_conns,
+                f"the oldest still sending its request closed to admit {peer}"
+                if oldest is not None
+                else f"every one is being handled, {peer} closed",
+                self._cuts,
+            )
+        if oldest is None:
+            return False
         try:
             oldest.shutdown(socket.SHUT_RDWR)  # wakes its thread, which then closes it
         except OSError:
@@ -268,6 +272,11 @@ class Listener:
                     self._forget(payload.decode(), peer)
                 else:
                     log.warning("hixl.nixl listener: unknown request %r from %s", kind, peer)
+        except (OSError, ConnectionError) as e:  # cut, slow or gone: the peer's doing
+            with self._lock:
+                cut = conn not in self._conns
+            if not cut:
+                log.info("hixl.nixl listener: connection from %s closed: %s", peer, e)
         except Exception as e:
             log.warning("hixl.nixl listener: request from %s failed: %s", peer, e)
         finally:
