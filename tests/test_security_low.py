@@ -255,3 +255,90 @@ def test_metrics_idle_connections_capped_and_closed(engine):
         srv.close()
         for s in idle + trickle:
             s.close()
+
+
+# --- a registered torch tensor later resize_()d -------------------------------------------------
+
+
+class _Storage:
+    """torch's UntypedStorage as hixl reads it: data_ptr() and nbytes() of the memory now."""
+
+    def __init__(self, arr: np.ndarray) -> None:
+        self.arr = arr
+
+    def data_ptr(self) -> int:
+        return int(self.arr.ctypes.data)
+
+    def nbytes(self) -> int:
+        return int(self.arr.nbytes)
+
+
+class _Tensor:
+    """A stand-in for a torch CPU tensor (torch is not a test dependency) whose resize_() does
+    what torch's does when it grows: new memory for the same storage, the old one freed."""
+
+    __module__ = "torch"
+
+    class _Cpu:
+        type = "cpu"
+
+    device = _Cpu()
+
+    def __init__(self, n: int) -> None:
+        self.storage = _Storage(np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8))
+
+    def resize_(self, n: int) -> None:
+        self.storage.arr = np.zeros(n, np.uint8)  # the registered array is freed here
+
+    def data_ptr(self) -> int:
+        return self.storage.data_ptr()
+
+    def untyped_storage(self) -> _Storage:
+        return self.storage
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def numel(self) -> int:
+        return self.storage.nbytes()
+
+    def element_size(self) -> int:
+        return 1
+
+
+def _resized_tensor_is_caught(engine: hixl.Hixl, peer, t, grow: Callable[[], None]) -> None:
+    h = engine.register(t)
+    engine.put(peer.engine, h.addr, peer.addr, 4096)
+    grow()
+    for attempt in (
+        lambda: engine.put(peer.engine, h.addr, peer.addr, 4096),
+        lambda: engine.transfer_async(peer.engine, hixl.TransferOp.READ, [(h.addr, peer.addr, 64)]),
+    ):
+        with pytest.raises(hixl.Failed, match="registered torch tensor was resized"):
+            attempt()
+    with pytest.raises(hixl.Failed, match="deregistered, but a registered torch tensor"):
+        engine.deregister_mem(h)
+    # Deregistered: the engine no longer refuses transfers for it.
+    keep = np.ones(4096, np.uint8)
+    k = engine.register(keep)
+    engine.put(peer.engine, k.addr, peer.addr, 4096)
+    assert peer.read().tobytes() == keep.tobytes()
+
+
+def test_resized_tensor_is_refused_not_used(engine, make_peer):
+    """A registered tensor whose storage is reallocated by resize_(): the engine holds the
+    storage, sees that it moved, and refuses every transfer (and says so at deregistration)
+    instead of reading or writing the freed memory."""
+    peer = make_peer(4096)
+    engine.connect(peer.engine, timeout_ms=5000)
+    t = _Tensor(4096)
+    _resized_tensor_is_caught(engine, peer, t, lambda: t.resize_(1 << 20))
+
+
+def test_resized_real_torch_tensor_is_refused(engine, make_peer):
+    """The same with a real torch CPU tensor (runs where torch is installed)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (not a dependency)")
+    peer = make_peer(4096)
+    engine.connect(peer.engine, timeout_ms=5000)
+    t = torch.zeros(4096, dtype=torch.uint8)
+    _resized_tensor_is_caught(engine, peer, t, lambda: t.resize_(1 << 20))
