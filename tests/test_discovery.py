@@ -32,7 +32,8 @@ from hixl.datadist._etcd import EtcdClient, EtcdError, Tls, b64
 WORKER = str(Path(__file__).with_name("_kv_worker.py"))
 TTL = 3  # seconds; etcd's own minimum is 2
 SHAPE = [4, 2, 8, 4, 2, 32]
-SECRET = "5a" * 16  # the ranks listen on non-loopback addresses: authenticate the links
+# The ranks listen on non-loopback addresses: authenticate the links.
+SECRET = "45d95caf931b0a36ec7aa74400e9f42d"
 
 
 def free_port(host: str) -> int:

@@ -146,6 +146,14 @@ def test_options_are_checked():
         "summer2024",  # a password: guessed offline in 117 tries in the security review
         "0123456789abcdef0123456789abcde",  # 31 hex characters: one short
         "correct-horse-battery-staple-not-hex-40c",  # 40 characters, not hex
+        # Patterned: 32+ hex characters, but one AuthChallenge is an offline oracle for them.
+        "0" * 32,  # one character repeated
+        "deadbeef" * 4,  # a word repeated
+        "3f" * 32,  # 64 characters, a block of 2
+        "00112233445566778899aabbccddeeff",  # its steps (0, 1, 0, 1, ...) repeat
+        "0123456789abcdefABCDEF0123456789",  # counting up: 2 different steps
+        "0" * 31 + "1",  # 2 different characters
+        "20261202" + "31415926535897932384626433",  # 34 digits: under 128 bits
     ],
 )
 @pytest.mark.parametrize("via", ["option", "env"])
@@ -160,7 +168,12 @@ def test_weak_secrets_are_refused(weak: str, via: str, monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize(
     "strong",
-    ["0123456789abcdefABCDEF0123456789", "3f" * 32],  # 32 (mixed case) and 64 hex
+    # 32 (mixed case) and 64 random hex characters (`hixl secret`), and 39 digits (> 128 bits)
+    [
+        "A0a05abe5918446A7cb7c05dee7d2866",
+        "d9eed47fb14091f5b40a1e06d007badf7f8199a099a322a195ea29ec1fd7e2c9",
+        "314159265358979323846264338327950288419",
+    ],
 )
 def test_strong_secrets_are_accepted(strong: str):
     with hixl.Hixl() as e:

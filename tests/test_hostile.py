@@ -276,8 +276,8 @@ def test_every_attack_in_a_row(target: Target, tmp_path: Path) -> None:
 
 
 # Cluster secrets as `hixl secret` makes them (engines refuse fewer than 32 hex characters).
-RIGHT = "3f" * 32
-WRONG = "9c" * 32
+RIGHT = "a6ecd3c553ab30e6a6981c666e50cef28382cb21c3af07cb01d83d73562e5f77"
+WRONG = "07a6215d3917a8e4467443797057e32d2770dc6a4d9943d78c733b09bb48f85d"
 
 
 def test_wrong_secret_gets_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,7 +30,7 @@ import pytest
 import hixl
 
 HERE = Path(__file__).parent
-SECRET = "3f" * 32
+SECRET = "ecb744c4b13d88c04355e296f7c39ff9f9e24cd978b032b31269a5243ef04641"
 V3 = w.VERSION >= 3
 MiB = 1 << 20
 

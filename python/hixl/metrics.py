@@ -15,7 +15,10 @@ that moved the most bytes keep their own label, the others are summed under
 
 from __future__ import annotations
 
+import logging
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
@@ -26,6 +29,76 @@ __all__ = ["CONTENT_TYPE", "MetricsServer", "collector", "serve", "text"]
 
 #: The Content-Type of the exposition.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: Connections `serve` handles at once (one thread each), by default.
+MAX_CONNECTIONS = 16
+#: Seconds one connection may take, request and answer, by default.
+TIMEOUT_S = 5.0
+
+log = logging.getLogger("hixl.metrics")
+
+
+class _CappedServer(ThreadingHTTPServer):
+    """A threading HTTP server that holds at most `max_connections` connections (threads) and
+    gives each `timeout_s` from accept to close: the oldest is cut to admit a new one, and
+    the serving loop cuts any that ran out of time, however slowly it trickles bytes."""
+
+    daemon_threads = True
+    request_queue_size = 64  # the accept backlog: a burst of connects is not dropped
+
+    def __init__(self, addr: tuple[str, int], handler: Any, cap: int, timeout_s: float) -> None:
+        self.cap, self.timeout_s = cap, timeout_s
+        self._lock = threading.Lock()
+        # Open connection -> [deadline, already cut]; its thread removes it when it ends.
+        self._open: dict[socket.socket, list[Any]] = {}
+        self._cuts, self._warn_at = 0, 0.0
+        super().__init__(addr, handler)
+
+    @staticmethod
+    def _cut(conn: socket.socket) -> None:
+        try:
+            conn.shutdown(socket.SHUT_RDWR)  # its thread then ends and closes it
+        except OSError:
+            pass
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            live = [c for c, (_, cut) in self._open.items() if not cut]
+            if len(self._open) >= self.cap and not live:
+                full = True
+            else:
+                full = False
+                if len(self._open) >= self.cap:
+                    self._open[live[0]][1] = True
+                    self._cut(live[0])
+                    self._cuts += 1
+                    if time.monotonic() >= self._warn_at:  # at most one line per 10 s
+                        self._warn_at = time.monotonic() + 10.0
+                        log.warning(
+                            "hixl.metrics: %d connections open (max_connections): the oldest "
+                            "closed to admit %s (%d so far)",
+                            self.cap,
+                            client_address[0],
+                            self._cuts,
+                        )
+                self._open[request] = [time.monotonic() + self.timeout_s, False]
+        if full:
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._lock:
+            self._open.pop(request, None)
+        super().shutdown_request(request)
+
+    def service_actions(self) -> None:
+        """Called by serve_forever between polls: cuts the connections past their deadline."""
+        now = time.monotonic()
+        with self._lock:
+            late = [c for c, st in self._open.items() if not st[1] and st[0] <= now]
+            for c in late:
+                self._open[c][1] = True
+                self._cut(c)
 
 
 def text(*engines: Hixl, max_peers: int = 32) -> str:
@@ -36,12 +109,34 @@ def text(*engines: Hixl, max_peers: int = 32) -> str:
 class MetricsServer:
     """A small HTTP server answering ``GET /metrics`` on a thread of its own."""
 
-    def __init__(self, engines: list[Hixl], host: str, port: int, max_peers: int) -> None:
+    def __init__(
+        self,
+        engines: list[Hixl],
+        host: str,
+        port: int,
+        max_peers: int,
+        max_connections: int = MAX_CONNECTIONS,
+        timeout_s: float = TIMEOUT_S,
+    ) -> None:
+        if (
+            isinstance(max_connections, bool)
+            or not isinstance(max_connections, int)
+            or max_connections < 1
+        ):
+            raise ValueError(f"max_connections must be an integer >= 1, not {max_connections!r}")
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not (0 < timeout_s <= 3600)
+        ):
+            raise ValueError(f"timeout_s must be seconds in (0, 3600], not {timeout_s!r}")
         self.engines = engines
         self.max_peers = max_peers
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = float(timeout_s)  # each read and write; the server bounds the whole
+
             def do_GET(self) -> None:  # noqa: N802 - the http.server API
                 if self.path.split("?", 1)[0] != "/metrics":
                     self.send_error(404, "only /metrics is served here")
@@ -56,10 +151,9 @@ class MetricsServer:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
                 pass  # scrapes every few seconds would flood stderr
 
-        self._http = ThreadingHTTPServer((host, port), Handler)
-        self._http.daemon_threads = True
+        self._http = _CappedServer((host, port), Handler, max_connections, float(timeout_s))
         self._thread = threading.Thread(
-            target=self._http.serve_forever, name="hixl-metrics", daemon=True
+            target=self._http.serve_forever, args=(0.25,), name="hixl-metrics", daemon=True
         )
         self._thread.start()
 
@@ -92,12 +186,19 @@ class MetricsServer:
 
 
 def serve(
-    *engines: Hixl, port: int = 0, host: str = "127.0.0.1", max_peers: int = 32
+    *engines: Hixl,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    max_peers: int = 32,
+    max_connections: int = MAX_CONNECTIONS,
+    timeout_s: float = TIMEOUT_S,
 ) -> MetricsServer:
     """Serves the metrics of `engines` at ``http://host:port/metrics``. Binds to 127.0.0.1
     unless told otherwise (metrics name peers and sizes); port 0 picks a free port
-    (``.port``)."""
-    return MetricsServer(list(engines), host, port, max_peers)
+    (``.port``). At most `max_connections` connections are served at once, one thread each
+    (over it the oldest is closed), and each is closed `timeout_s` seconds after it was
+    accepted, request and answer included."""
+    return MetricsServer(list(engines), host, port, max_peers, max_connections, timeout_s)
 
 
 def collector(*engines: Hixl, max_peers: int = 32) -> Any:

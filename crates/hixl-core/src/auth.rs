@@ -81,6 +81,67 @@ impl Transcript<'_> {
     }
 }
 
+/// Fewest different values a secret's characters, and its steps, must take.
+pub const MIN_SECRET_DISTINCT: usize = 8;
+/// Most equal steps in a row a secret may have (15 = 16 characters counting up, down or
+/// repeating).
+pub const MAX_SECRET_EQUAL_STEPS: usize = 14;
+
+/// Why a secret of at least [`MIN_SECRET_HEX`] hex characters is a pattern, or None. The text
+/// is read case-folded, as values 0..16, and so is its sequence of steps (each character minus
+/// the one before it, mod 16; a run counting up has steps of 1). A secret is refused when:
+///
+/// - the text or its steps repeat a block of fewer than [`MIN_SECRET_HEX`] values at least
+///   twice over (`"3f" * 32`, `"deadbeef" * 4`; `00112233...`, whose steps are `0101...`):
+///   it then holds at most 4 bits per value of the block, under 128;
+/// - the text or its steps take fewer than [`MIN_SECRET_DISTINCT`] different values (a
+///   random secret of 32 does with probability under 1e-7, of 64 under 1e-18);
+/// - more than [`MAX_SECRET_EQUAL_STEPS`] steps in a row are equal (16 characters counting
+///   up, down or repeating: they hold 8 bits where random ones hold 64);
+/// - it is all digits and shorter than 39, or all letters and shorter than 50: it then holds
+///   under 128 bits (log2 10 and log2 6 bits a character).
+///
+/// `hixl secret` prints 64 random hex characters: they are refused with probability under
+/// 1e-15. The reason names the pattern, never the characters.
+pub fn pattern_in(text: &str) -> Option<String> {
+    let v: Vec<u8> = text.bytes().map(|b| (b as char).to_digit(16).unwrap_or(0) as u8).collect();
+    let steps: Vec<u8> = v.windows(2).map(|w| w[1].wrapping_sub(w[0]) & 15).collect();
+    for (what, seq) in [("its characters", &v), ("its steps from character to character", &steps)] {
+        if let Some(p) = repeated_block(seq) {
+            return Some(format!("{what} repeat a block of {p}"));
+        }
+        let mut seen = [false; 16];
+        seq.iter().for_each(|&x| seen[x as usize] = true);
+        let distinct = seen.iter().filter(|&&b| b).count();
+        if distinct < MIN_SECRET_DISTINCT {
+            return Some(format!(
+                "{what} take only {distinct} different values (at least {MIN_SECRET_DISTINCT})"
+            ));
+        }
+    }
+    let (mut run, mut longest) = (0usize, 0usize);
+    for w in steps.windows(2) {
+        run = if w[0] == w[1] { run + 1 } else { 0 };
+        longest = longest.max(run + 1);
+    }
+    if longest > MAX_SECRET_EQUAL_STEPS {
+        return Some(format!("{} characters in a row count up, down or repeat", longest + 1));
+    }
+    let digits = text.bytes().all(|b| b.is_ascii_digit());
+    let letters = text.bytes().all(|b| b.is_ascii_alphabetic());
+    if digits && text.len() < 39 || letters && text.len() < 50 {
+        let kind = if digits { "digits, under 39" } else { "letters, under 50" };
+        return Some(format!("it is all {kind} of them (under 128 bits)"));
+    }
+    None
+}
+
+/// The shortest block of fewer than [`MIN_SECRET_HEX`] values that `seq` repeats at least
+/// twice over (any rest a beginning of the block), or None.
+fn repeated_block(seq: &[u8]) -> Option<usize> {
+    (1..MIN_SECRET_HEX.min(seq.len() / 2 + 1)).find(|&p| (p..seq.len()).all(|i| seq[i] == seq[i - p]))
+}
+
 /// The two keys of an authenticated stream, one per direction.
 #[derive(Clone)]
 pub struct SessionKeys {
@@ -91,8 +152,9 @@ pub struct SessionKeys {
 }
 
 impl Secret {
-    /// A secret from its text: at least [`MIN_SECRET_HEX`] hex digits and nothing else, so that
-    /// a proof sent to anyone who asks cannot be used to guess it offline.
+    /// A secret from its text: at least [`MIN_SECRET_HEX`] hex digits and nothing else, with
+    /// none of the patterns of [`pattern_in`], so that a proof sent to anyone who asks cannot
+    /// be used to guess it offline. The error says why, never repeating the text.
     pub fn new(text: &str) -> Result<Secret> {
         let hex = text.bytes().all(|b| b.is_ascii_hexdigit());
         if text.len() < MIN_SECRET_HEX || !hex {
@@ -101,6 +163,12 @@ impl Secret {
                  and nothing else (it has {} characters{}); make one with `hixl secret`",
                 text.len(),
                 if hex { "" } else { ", not all hex" }
+            )));
+        }
+        if let Some(why) = pattern_in(text) {
+            return Err(Error::param(format!(
+                "hixl.secret is too weak: {why}, which a random secret never does; make one with \
+                 `hixl secret`"
             )));
         }
         Ok(Secret(text.as_bytes().to_vec()))
@@ -259,7 +327,7 @@ pub fn nonce() -> Result<Nonce> {
 mod tests {
     use super::*;
 
-    const K: &str = "00112233445566778899aabbccddeeff";
+    const K: &str = "a0a05abe5918446a7cb7c05dee7d2866"; // from `hixl secret`, cut to 32
 
     fn t<'a>(ni: &'a Nonce, nt: &'a Nonce, dialled: &'a str) -> Transcript<'a> {
         Transcript {
@@ -307,6 +375,57 @@ mod tests {
             let e = Secret::new(weak).unwrap_err();
             assert!(e.message.contains("hixl secret"), "{e}");
         }
+    }
+
+    #[test]
+    fn patterned_secrets_are_refused_saying_why_and_never_how() {
+        let d = "0123456789";
+        let cases: [(String, &str); 12] = [
+            ("0".repeat(32), "characters repeat a block of 1"),
+            ("3f".repeat(32), "characters repeat a block of 2"),
+            ("deadbeef".repeat(4), "characters repeat a block of 8"),
+            ("DeadBeef".repeat(8), "characters repeat a block of 8"),
+            ("0123456789abcdef".repeat(2), "characters repeat a block of 16"),
+            (format!("{}{}", &K[..31], &K[..31]), "characters repeat a block of 31"),
+            ("00112233445566778899aabbccddeeff".into(), "steps from character to character repeat"),
+            ("0123456789abcdefABCDEF0123456789".into(), "steps from character to character take only 2"),
+            (format!("{}1", "0".repeat(31)), "take only 2 different values"),
+            ("1234123412341234432143214321432".to_string() + "1", "take only 4 different values"),
+            (format!("{}{}", "0123456789abcdef", &K[..16]), "16 characters in a row count up"),
+            (format!("{d}{}", "3141592653589793238462643383"), "all digits"),
+        ];
+        for (weak, why) in &cases {
+            let e = Secret::new(weak).unwrap_err();
+            assert!(e.message.contains(why) && e.message.contains("hixl secret"), "{weak}: {e}");
+            assert!(!e.message.contains(&weak[..8]), "the secret leaked into: {e}");
+        }
+        // 64 characters of one half repeated hold 128 bits: not a short block, accepted.
+        assert!(Secret::new(&format!("{K}{K}")).is_ok());
+        // Digits alone are enough from 39 on (39 x log2 10 > 128 bits).
+        assert!(Secret::new("314159265358979323846264338327950288419").is_ok());
+    }
+
+    #[test]
+    fn random_secrets_always_pass() {
+        // What `hixl secret` prints (64 random hex characters), 200,000 times, from a fixed
+        // xorshift so that the test is the same every run; and 32-character ones.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut hex = |n: usize| -> String {
+            (0..n)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    char::from_digit((x >> 60) as u32, 16).unwrap()
+                })
+                .collect()
+        };
+        for _ in 0..200_000 {
+            let s = hex(64);
+            assert!(pattern_in(&s).is_none(), "{s}: {:?}", pattern_in(&s));
+        }
+        let refused = (0..200_000).filter(|_| pattern_in(&hex(32)).is_some()).count();
+        assert!(refused <= 2, "{refused} of 200000 random 32-character secrets refused");
     }
 
     #[test]

@@ -452,7 +452,7 @@ fn deregistering_local_memory_in_flight_aborts_the_link_and_nothing_touches_it_a
 #[test]
 fn data_macs_are_not_given_up_for_rdma() {
     let _serial = serial();
-    let secret = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+    let secret = "d9eed47fb14091f5b40a1e06d007badf7f8199a099a322a195ea29ec1fd7e2c9";
     let mut t = target(&[("HIXL_SECRET", secret), ("HIXL_RDMA_CHILD_OPTS", "hixl.backends=rdma,tcp")]);
     let e = engine(
         "127.0.0.1",

@@ -10,8 +10,62 @@ use crate::errors;
 pub enum KeepAlive {
     /// A buffer-protocol export, released (under the GIL) on drop.
     Buffer(#[allow(dead_code)] BufferView),
-    /// An object without the buffer protocol (torch tensor): a strong reference.
+    /// An object without the buffer protocol: a strong reference.
     Object(#[allow(dead_code)] Py<PyAny>),
+    /// A torch tensor: the tensor and its storage (see [`TensorKeep`]).
+    Tensor(TensorKeep),
+}
+
+/// What a registered torch tensor keeps: the tensor and its storage, so that the memory
+/// outlives the tensor being dropped or re-pointed (`t.set_(...)`, `t.data = ...`), and the
+/// storage's address and length when it was registered. torch cannot be told not to resize a
+/// storage, and a `resize_()` that grows it reallocates it and frees the registered memory:
+/// [`TensorKeep::moved`] finds that (the engine checks it at each transfer and deregistration).
+pub struct TensorKeep {
+    _tensor: Py<PyAny>,
+    storage: Py<PyAny>,
+    /// The storage's `(data_ptr(), nbytes())` at registration, when it has both (real torch).
+    at: Option<(u64, u64)>,
+}
+
+impl TensorKeep {
+    /// Whether this keep can tell a resize (its storage reports its address and length).
+    pub fn checked(&self) -> bool {
+        self.at.is_some()
+    }
+
+    /// A clone of the storage and what it held at registration, to check without a lock held.
+    pub fn probe(&self, py: Python<'_>) -> Option<(Py<PyAny>, u64, u64)> {
+        self.at.map(|(a, n)| (self.storage.clone_ref(py), a, n))
+    }
+}
+
+/// Why the storage `probe` took no longer holds the registered memory, or None.
+pub fn moved(py: Python<'_>, storage: &Py<PyAny>, addr: u64, len: u64) -> PyResult<Option<String>> {
+    let s = storage.bind(py);
+    let now: u64 = s.call_method0("data_ptr")?.extract()?;
+    let n: u64 = s.call_method0("nbytes")?.extract()?;
+    if now == addr && n >= len {
+        return Ok(None);
+    }
+    Ok(Some(format!(
+        "a registered torch tensor was resized: its storage held {len} bytes at {addr:#x} when it \
+         was registered and now holds {n} bytes at {now:#x}, so the registered memory may be freed; \
+         deregister a tensor before resize_(), then register it again"
+    )))
+}
+
+/// The storage of a torch tensor and, when it reports them, its address and length.
+fn tensor_keep(obj: &Bound<'_, PyAny>) -> PyResult<TensorKeep> {
+    let storage = obj.call_method0("untyped_storage")?;
+    let at = if storage.hasattr("data_ptr")? && storage.hasattr("nbytes")? {
+        let a: Option<u64> = storage.call_method0("data_ptr").and_then(|v| v.extract()).ok();
+        let n: Option<u64> = storage.call_method0("nbytes").and_then(|v| v.extract()).ok();
+        a.zip(n)
+    } else {
+        None
+    };
+    Ok(TensorKeep { _tensor: obj.clone().unbind(), storage: storage.unbind(), at })
 }
 
 /// An exported `Py_buffer`.
@@ -79,7 +133,7 @@ pub fn export(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<Exported> {
         let addr: u64 = obj.call_method0("data_ptr")?.extract()?;
         let numel: u64 = obj.call_method0("numel")?.extract()?;
         let esize: u64 = obj.call_method0("element_size")?.extract()?;
-        let keep = KeepAlive::Object(obj.clone().unbind());
+        let keep = KeepAlive::Tensor(tensor_keep(obj)?);
         return Ok(Exported {
             addr,
             len: numel * esize,

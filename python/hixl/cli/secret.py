@@ -5,10 +5,13 @@ environment variable HIXL_SECRET:
 
     export HIXL_SECRET=$(hixl secret)
 
-Engines refuse (ParamInvalid at initialize) a secret shorter than 32 hex characters or one
-with any character other than 0-9, a-f, A-F: a short or guessable secret could be found
-offline from a single handshake. The secret authenticates both ends of every stream and
-keys the MACs of its frames (see docs/PROTOCOL.md); it is never logged or shown.
+Engines refuse (ParamInvalid at initialize) a secret shorter than 32 hex characters, one
+with any character other than 0-9, a-f, A-F, or one with a pattern (a repeated block, few
+different characters or steps, a long run counting up or down, digits or letters alone; see
+README, Options): a short or guessable secret could be found offline from a single handshake.
+What this prints is refused with probability under 1e-15. The secret authenticates both ends
+of every stream and keys the MACs of its frames (see docs/PROTOCOL.md); it is never logged or
+shown.
 """
 
 from __future__ import annotations

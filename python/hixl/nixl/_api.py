@@ -103,6 +103,10 @@ class nixl_agent_config:
     the listen thread's port (NIXL's default 8888); 0 lets the OS choose, and the chosen one is
     ``agent.listen_port``. ``hixl_listen`` ("ip:port") is where the hixl engine listens
     (default ``$HIXL_NIXL_LISTEN`` or ``127.0.0.1:0``), ``hixl_options`` are engine options.
+    The listen thread binds ``hixl_listen_thread_ip`` (default: the engine's IP; ``"0.0.0.0"``
+    for every interface, as NIXL's does), serves at most ``hixl_listen_thread_max_conns``
+    connections at once (default 16) and gives each ``hixl_listen_thread_timeout_s`` seconds
+    (default 5) to send its whole request.
     """
 
     def __init__(
@@ -117,6 +121,9 @@ class nixl_agent_config:
         *,
         hixl_listen: str | None = None,
         hixl_options: dict[str, str | int | bool] | None = None,
+        hixl_listen_thread_ip: str | None = None,
+        hixl_listen_thread_max_conns: int = _meta.MAX_CONNS,
+        hixl_listen_thread_timeout_s: float = _meta.IO_TIMEOUT_S,
     ) -> None:
         if isinstance(capture_telemetry, (list, tuple)):  # older NIXL order: (..., backends)
             backends, capture_telemetry = capture_telemetry, False
@@ -129,6 +136,9 @@ class nixl_agent_config:
         self.sync_mode = sync_mode
         self.hixl_listen = hixl_listen
         self.hixl_options = dict(hixl_options or {})
+        self.hixl_listen_thread_ip = hixl_listen_thread_ip
+        self.hixl_listen_thread_max_conns = hixl_listen_thread_max_conns
+        self.hixl_listen_thread_timeout_s = hixl_listen_thread_timeout_s
 
 
 class nixl_agent(_Transfers, _Notifs):
@@ -195,14 +205,24 @@ class nixl_agent(_Transfers, _Notifs):
                 why = REFUSED_BACKENDS.get(b, "not a NIXL plugin hixl knows")
                 self._ignore(f"backend {b!r} skipped: {why} is not provided by hixl")
         if conf.enable_listen:
+            host = conf.hixl_listen_thread_ip or _meta.bind_host(self._addr)
             try:
                 self._listener = _meta.Listener(
-                    conf.port, self.get_agent_metadata, self._load_from_peer, self._forget
+                    host,
+                    conf.port,
+                    self.get_agent_metadata,
+                    self._load_from_peer,
+                    self._forget_from_peer,
+                    conf.hixl_listen_thread_max_conns,
+                    conf.hixl_listen_thread_timeout_s,
                 )
             except OSError as e:
                 self._engine.finalize()
-                msg = f"listen thread: cannot listen on port {conf.port}: {e}"
+                msg = f"listen thread: cannot listen on {host} port {conf.port}: {e}"
                 raise nixlBackendError(msg) from e
+            except Exception:
+                self._engine.finalize()
+                raise
         _OPEN.add(self)
         log.info("hixl.nixl agent %s: engine %s", name, self._addr)
 

@@ -19,6 +19,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,8 @@ FRAME = struct.Struct("<4scI")
 FRAME_MAGIC = b"HXNM"
 MAX_FRAME = 64 << 20
 IO_TIMEOUT_S = 5.0
+# Connections the listen thread serves at once (nixl_agent_config's hixl_listen_thread_max_conns).
+MAX_CONNS = 16
 
 
 def encode(name: str, engine: str | None, regions: list[list[int]], partial: bool = False) -> bytes:
@@ -86,9 +89,16 @@ def decode(md: Any) -> dict[str, Any]:
 # --- side channel --------------------------------------------------------------------------
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes:
+def _recv_exact(s: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes; with `deadline` (a `time.monotonic()` value) the whole read must end by then,
+    so a peer that trickles bytes cannot hold the connection longer than one timeout."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("side channel: request not complete within the timeout")
+            s.settimeout(left)
         chunk = s.recv(min(n - len(buf), 1 << 20))
         if not chunk:
             raise ConnectionError("side channel: peer closed the connection early")
@@ -100,13 +110,13 @@ def send_frame(s: socket.socket, kind: bytes, payload: bytes) -> None:
     s.sendall(FRAME.pack(FRAME_MAGIC, kind, len(payload)) + payload)
 
 
-def recv_frame(s: socket.socket) -> tuple[bytes, bytes]:
-    magic, kind, n = FRAME.unpack(_recv_exact(s, FRAME.size))
+def recv_frame(s: socket.socket, deadline: float | None = None) -> tuple[bytes, bytes]:
+    magic, kind, n = FRAME.unpack(_recv_exact(s, FRAME.size, deadline))
     if magic != FRAME_MAGIC:
         raise ConnectionError(f"side channel: not a hixl.nixl listener (got {magic!r})")
     if n > MAX_FRAME:
         raise ConnectionError(f"side channel: frame of {n} bytes is over the limit")
-    return kind, _recv_exact(s, n)
+    return kind, _recv_exact(s, n, deadline)
 
 
 def request(
@@ -126,61 +136,152 @@ def request(
     return None
 
 
+def bind_host(engine: str) -> str:
+    """The host part of an engine address ("ip:port" or "[v6]:port"): where the listen thread
+    binds by default, so that it is reachable exactly where the engine is."""
+    if "#" in engine:  # a client-only engine ("ip#pid") has no port
+        return engine.split("#", 1)[0]
+    host = engine.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") else host
+
+
 class Listener:
-    """The listen thread: serves this agent's metadata and loads what peers send."""
+    """The listen thread: serves this agent's metadata and loads what peers send.
+
+    At most `max_conns` connections are served at once, each by a thread of its own, and each
+    must deliver its whole request within `timeout_s`. A connection over the cap closes the
+    oldest one still sending its request (or, when every one is past that, is closed itself),
+    so idle connections cost at most `max_conns` threads for at most `timeout_s` each.
+    `load` and `forget` get the payload and the peer's address ("ip:port", for the log)."""
 
     def __init__(
         self,
+        host: str,
         port: int,
         metadata: Callable[[], bytes],
-        load: Callable[[bytes], object],
-        forget: Callable[[str], object],
+        load: Callable[[bytes, str], object],
+        forget: Callable[[str, str], object],
+        max_conns: int = MAX_CONNS,
+        timeout_s: float = IO_TIMEOUT_S,
     ) -> None:
+        if isinstance(max_conns, bool) or not isinstance(max_conns, int) or max_conns < 1:
+            raise nixlInvalidParamError(
+                f"hixl_listen_thread_max_conns must be an integer >= 1, not {max_conns!r}"
+            )
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not (0 < timeout_s <= 3600)
+        ):
+            raise nixlInvalidParamError(
+                f"hixl_listen_thread_timeout_s must be seconds in (0, 3600], not {timeout_s!r}"
+            )
         self._metadata, self._load, self._forget = metadata, load, forget
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("0.0.0.0", port))
-        self._sock.listen(64)
+        self.max_conns, self.timeout_s = max_conns, float(timeout_s)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((host, port))
+            self._sock.listen(64)
+        except OSError:
+            self._sock.close()
+            raise
         self._sock.settimeout(0.2)
+        self.host = host
         self.port = int(self._sock.getsockname()[1])
         self._stop = threading.Event()
-        self._serving: set[threading.Thread] = set()
         self._lock = threading.Lock()
+        # Connections being served -> whether each is still reading its request (evictable).
+        self._conns: dict[socket.socket, bool] = {}
+        self._cuts, self._warn_at = 0, 0.0
+        self._serving: set[threading.Thread] = set()
         self._thread = threading.Thread(target=self._run, name="hixl-nixl-listen", daemon=True)
         self._thread.start()
+
+    def _admit(self, conn: socket.socket, peer: str) -> bool:
+        """Makes room for `conn` under the cap; False when every slot is past its read."""
+        with self._lock:
+            if len(self._conns) < self.max_conns:
+                self._conns[conn] = True
+                return True
+            oldest = next((c for c, reading in self._conns.items() if reading), None)
+            if oldest is not None:
+                del self._conns[oldest]
+                self._conns[conn] = True
+            self._cuts += 1
+            warn = time.monotonic() >= self._warn_at  # at most one line per 10 s
+            if warn:
+                self._warn_at = time.monotonic() + 10.0
+        if warn:
+            log.warning(
+                "hixl.nixl listener: %d connections open (hixl_listen_thread_max_conns): %s "
+                "(%d so far)",
+                self.max_conns,
+                f"the oldest still sending its request closed to admit {peer}"
+                if oldest is not None
+                else f"every one is being handled, {peer} closed",
+                self._cuts,
+            )
+        if oldest is None:
+            return False
+        try:
+            oldest.shutdown(socket.SHUT_RDWR)  # wakes its thread, which then closes it
+        except OSError:
+            pass
+        return True
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self._sock.accept()
+                conn, addr = self._sock.accept()
             except TimeoutError:
                 continue
             except OSError:
                 return
-            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            peer = f"{addr[0]}:{addr[1]}"
+            if not self._admit(conn, peer):
+                conn.close()
+                continue
+            t = threading.Thread(
+                target=self._serve, args=(conn, peer), name="hixl-nixl-serve", daemon=True
+            )
             with self._lock:
                 self._serving = {x for x in self._serving if x.is_alive()}
                 self._serving.add(t)
             t.start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.settimeout(IO_TIMEOUT_S)
-                kind, payload = recv_frame(conn)
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        try:
+            with conn:
+                kind, payload = recv_frame(conn, time.monotonic() + self.timeout_s)
+                with self._lock:
+                    if conn not in self._conns:
+                        return  # evicted while its last bytes arrived
+                    self._conns[conn] = False
+                conn.settimeout(self.timeout_s)
                 if kind == b"F":
                     try:
                         send_frame(conn, b"M", self._metadata())
                     except Exception as e:  # the agent is closing
                         send_frame(conn, b"E", str(e).encode())
                 elif kind == b"S":
-                    self._load(payload)
+                    self._load(payload, peer)
                 elif kind == b"I":
-                    self._forget(payload.decode())
+                    conn.close()  # the sender need not wait for the check below
+                    self._forget(payload.decode(), peer)
                 else:
-                    log.warning("hixl.nixl listener: unknown request %r ignored", kind)
-            except Exception as e:
-                log.warning("hixl.nixl listener: request failed: %s", e)
+                    log.warning("hixl.nixl listener: unknown request %r from %s", kind, peer)
+        except (OSError, ConnectionError) as e:  # cut, slow or gone: the peer's doing
+            with self._lock:
+                cut = conn not in self._conns
+            if not cut:
+                log.info("hixl.nixl listener: connection from %s closed: %s", peer, e)
+        except Exception as e:
+            log.warning("hixl.nixl listener: request from %s failed: %s", peer, e)
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
 
     def close(self) -> None:
         """Stops accepting and waits for the requests being served: none may still be inside
@@ -193,5 +294,11 @@ class Listener:
         self._thread.join(timeout=2.0)
         with self._lock:
             serving = list(self._serving)
+            reading = [c for c, r in self._conns.items() if r]
+        for c in reading:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         for t in serving:
-            t.join(timeout=IO_TIMEOUT_S + 5.0)
+            t.join(timeout=2 * self.timeout_s + 5.0)

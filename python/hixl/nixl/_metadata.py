@@ -19,6 +19,7 @@ from ._bindings import (
     DRAM_SEG,
     from_hixl,
     nixlInvalidParamError,
+    nixlNotAllowedError,
     nixlNotFoundError,
     nixlNotSupportedError,
     nixlRegDList,
@@ -26,6 +27,10 @@ from ._bindings import (
 )
 from ._common import _CONNECT_WAIT_S, _first_outside, _name, log
 from ._memory import _Memory
+
+# How long one liveness probe of a remote agent's engine may take (a refused connect is retried
+# until then).
+_PROBE_MS = 300
 
 
 class _Remote:
@@ -56,6 +61,8 @@ class _Metadata(_Memory):
 
     _remotes: dict[str, _Remote]
     _fetch_errors: dict[str, str]
+    _listener: _meta.Listener | None
+    _closed: bool
 
     # --- metadata ---------------------------------------------------------------------------
 
@@ -93,11 +100,17 @@ class _Metadata(_Memory):
                         "agent is not loaded yet"
                     )
                 r.add_regions(doc["regions"])
-            elif r is None or r.engine != engine or not doc.get("partial"):
+            elif r is not None and r.engine != engine:
+                # As NIXL's loadRemoteMD: a loaded agent's connection info never changes.
+                raise nixlNotAllowedError(
+                    f"agent {name!r} is loaded with engine {r.engine}; metadata naming engine "
+                    f"{engine} is refused (remove_remote_agent({name!r}) first)"
+                )
+            elif r is None or not doc.get("partial"):
                 nr = _Remote(name, engine, doc["regions"] if not doc.get("partial") else [])
                 if doc.get("partial"):
                     nr.add_regions(doc["regions"])
-                if r is not None and r.engine == engine:
+                if r is not None:
                     nr.ready = r.ready
                 self._remotes[name] = nr
                 connect = not nr.ready
@@ -169,14 +182,54 @@ class _Metadata(_Memory):
 
     # --- the listen-thread side channel ---------------------------------------------------------
 
-    def _load_from_peer(self, md: bytes) -> None:
-        self.add_remote_agent(md)
+    def _load_from_peer(self, md: bytes, peer: str) -> None:
+        """An ``S`` request: loads the metadata, unless it would re-point a loaded agent."""
+        try:
+            self.add_remote_agent(md)
+        except nixlNotAllowedError as e:
+            log.warning("hixl.nixl agent %s: metadata from %s refused: %s", self.name, peer, e)
 
-    def _forget(self, name: str) -> None:
+    def _answers(self, engine: str) -> bool:
+        """Whether the engine at `engine` is alive: linked, or accepting a new link."""
+        st = self._engine.get_async_connect_status(engine)
+        if st in (AsyncConnectStatus.CONNECTED, AsyncConnectStatus.CONNECTING):
+            return True
+        try:
+            self._engine.connect(engine, timeout_ms=_PROBE_MS)
+            return True
+        except HixlError as e:
+            return e.status == Status.ALREADY_CONNECTED
+
+    def _forget_from_peer(self, name: str, peer: str) -> None:
+        """An ``I`` request: forgets agent `name` once its engine no longer answers (its
+        invalidate_local_metadata comes just before it closes). Anyone can send one, so an
+        agent whose engine is still alive after the listen thread's timeout is kept: else
+        ``I`` then ``S`` would re-point it."""
         with self._lock:
-            known = name in self._remotes
-        if known:
-            self.remove_remote_agent(name)
+            r = self._remotes.get(name)
+        if r is None:
+            return
+        assert self._listener is not None
+        deadline = time.monotonic() + self._listener.timeout_s
+        while self._answers(r.engine):
+            if time.monotonic() >= deadline or self._closed:
+                log.warning(
+                    "hixl.nixl agent %s: invalidation of agent %r from %s refused: its engine "
+                    "%s still answers (remove_remote_agent forgets it)",
+                    self.name,
+                    name,
+                    peer,
+                    r.engine,
+                )
+                return
+            time.sleep(0.1)
+        with self._lock:
+            same = self._remotes.get(name) is r
+        if same:
+            try:
+                self.remove_remote_agent(name)
+            except nixlNotFoundError:
+                pass  # removed meanwhile
 
     @staticmethod
     def _peer(ip_addr: str, what: str) -> None:

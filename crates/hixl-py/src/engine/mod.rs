@@ -2,6 +2,7 @@
 //! into the core that can block, wait or copy.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -39,6 +40,8 @@ use crate::types::{
 pub struct Hixl {
     pub(crate) engine: Arc<Engine>,
     keep: Mutex<HashMap<(u64, u64), KeepAlive>>,
+    /// How many of `keep` are torch tensors whose storage can be checked for a resize.
+    tensors: AtomicUsize,
     /// Requests not yet reported final by the no-argument `get_transfer_status()`.
     unreported: Mutex<Vec<Py<TransferReq>>>,
 }
@@ -173,6 +176,7 @@ impl Hixl {
         Hixl {
             engine: Arc::new(Engine::new()),
             keep: Mutex::new(HashMap::new()),
+            tensors: AtomicUsize::new(0),
             unreported: Mutex::new(Vec::new()),
         }
     }
@@ -245,6 +249,7 @@ impl Hixl {
         if r.is_ok() {
             // On error a peer may still access the memory: the objects stay referenced.
             let released = std::mem::take(&mut *self.keep.lock().unwrap());
+            self.tensors.store(0, Ordering::Relaxed);
             drop(released);
         }
         r.map_err(to_py)
@@ -316,6 +321,12 @@ impl Hixl {
     /// Registering the same memory again (the same range) returns the same handle; to get the
     /// handle of an `alloc`'d array, register the array (with its `name`, if it has one).
     ///
+    /// A buffer cannot be resized while registered (numpy and bytearray refuse while it is
+    /// exported). A torch tensor's storage is held as well, so the memory stays when the tensor
+    /// is dropped or re-pointed; torch cannot be stopped from resizing it, so never `resize_()`
+    /// a registered tensor: once its storage moved, every transfer this engine starts raises
+    /// `Failed` saying so, and `deregister_mem` deregisters it and raises `Failed` too.
+    ///
     /// Raises `ParamInvalid` for an object without a C-contiguous buffer, an empty one, a
     /// read-only buffer with `access="rw"`, a non-contiguous tensor, and in every case where
     /// `register_mem` does; `Unsupported` for a tensor that is not on the CPU or for
@@ -342,7 +353,12 @@ impl Hixl {
         // Memory Python promised not to change: nothing hixl does may write it.
         let access = if read_only { hixl_core::Access::Immutable } else { access };
         let h = self.register_access(py, MemDesc { addr, len }, domain, access, name)?;
-        self.keep.lock().unwrap().entry((addr, len)).or_insert(keep);
+        self.keep.lock().unwrap().entry((addr, len)).or_insert_with(|| {
+            if matches!(&keep, KeepAlive::Tensor(t) if t.checked()) {
+                self.tensors.fetch_add(1, Ordering::Relaxed);
+            }
+            keep
+        });
         Ok(h)
     }
 
@@ -390,7 +406,8 @@ impl Hixl {
     ///
     /// Returns None. Raises `Failed` when transfers did not drain, or when a same-host peer did not
     /// confirm in time: that peer is disconnected, the memory stays allocated and referenced, and a
-    /// retry asks again. Also `Failed` before `initialize` or after `finalize`.
+    /// retry asks again. Also `Failed` before `initialize` or after `finalize`, and, once the region
+    /// is deregistered, when it was a torch tensor resized while registered (see `register`).
     ///
     /// Blocks with the GIL released, up to about `hixl.deregister_timeout_ms` (no Ctrl-C check).
     fn deregister_mem(&self, py: Python<'_>, handle: &MemHandle) -> PyResult<()> {
@@ -403,7 +420,46 @@ impl Hixl {
         };
         py.allow_threads(|| e.deregister_mem(&core)).map_err(to_py)?;
         let released = self.keep.lock().unwrap().remove(&(handle.addr, handle.len));
+        let probe = match &released {
+            Some(KeepAlive::Tensor(t)) if t.checked() => {
+                self.tensors.fetch_sub(1, Ordering::Relaxed);
+                t.probe(py)
+            }
+            _ => None,
+        };
         drop(released);
+        if let Some((storage, addr, len)) = probe {
+            if let Some(why) = buffer::moved(py, &storage, addr, len)? {
+                return Err(errors::failed(format!("deregistered, but {why}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Hixl {
+    /// Fails when a registered torch tensor was resized (its storage reallocated): transfers
+    /// would use freed memory. Costs nothing while no checkable tensor is registered.
+    pub(crate) fn check_tensors(&self, py: Python<'_>) -> PyResult<()> {
+        if self.tensors.load(Ordering::Relaxed) == 0 {
+            return Ok(());
+        }
+        // Clones taken under the lock, checked without it (the checks call into Python).
+        let probes: Vec<_> = self
+            .keep
+            .lock()
+            .unwrap()
+            .values()
+            .filter_map(|k| match k {
+                KeepAlive::Tensor(t) => t.probe(py),
+                _ => None,
+            })
+            .collect();
+        for (storage, addr, len) in &probes {
+            if let Some(why) = buffer::moved(py, storage, *addr, *len)? {
+                return Err(errors::failed(format!("{why}; no transfer is started until it is")));
+            }
+        }
         Ok(())
     }
 }

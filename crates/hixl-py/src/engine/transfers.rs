@@ -39,6 +39,7 @@ impl Hixl {
         descs: &Bound<'_, PyAny>,
         timeout_ms: Option<f64>,
     ) -> PyResult<()> {
+        self.check_tensors(py)?;
         let t = ms("timeout_ms", timeout_ms)?;
         let d = parse_descs(descs)?;
         let e = self.engine.clone();
@@ -79,6 +80,7 @@ impl Hixl {
         notify: Option<NotifyDesc>,
         timeout_ms: Option<f64>,
     ) -> PyResult<Py<TransferReq>> {
+        self.check_tensors(py)?;
         let t = ms("timeout_ms", timeout_ms)?;
         let d = parse_descs(descs)?;
         let e = self.engine.clone();
@@ -110,6 +112,7 @@ impl Hixl {
         length: &Bound<'_, PyAny>,
         timeout_ms: Option<f64>,
     ) -> PyResult<()> {
+        self.check_tensors(py)?;
         let req = self.one(
             py,
             remote,
@@ -144,6 +147,7 @@ impl Hixl {
         length: &Bound<'_, PyAny>,
         timeout_ms: Option<f64>,
     ) -> PyResult<()> {
+        self.check_tensors(py)?;
         let req = self.one(
             py,
             remote,
@@ -174,6 +178,7 @@ impl Hixl {
         user_data: Option<Py<PyAny>>,
         timeout_ms: Option<f64>,
     ) -> PyResult<Py<TransferReq>> {
+        self.check_tensors(py)?;
         let req = self.one(
             py,
             remote,
@@ -204,6 +209,7 @@ impl Hixl {
         user_data: Option<Py<PyAny>>,
         timeout_ms: Option<f64>,
     ) -> PyResult<Py<TransferReq>> {
+        self.check_tensors(py)?;
         let req = self.one(
             py,
             remote,
@@ -242,6 +248,7 @@ impl Hixl {
         desc: StridedDesc,
         timeout_ms: Option<f64>,
     ) -> PyResult<()> {
+        self.check_tensors(py)?;
         let req = self.strided(
             py,
             remote,
@@ -275,6 +282,7 @@ impl Hixl {
         desc: StridedDesc,
         timeout_ms: Option<f64>,
     ) -> PyResult<()> {
+        self.check_tensors(py)?;
         let req = self.strided(
             py,
             remote,
@@ -311,6 +319,7 @@ impl Hixl {
         notify: Option<NotifyDesc>,
         timeout_ms: Option<f64>,
     ) -> PyResult<Py<TransferReq>> {
+        self.check_tensors(py)?;
         let req = self.strided(
             py,
             remote,
@@ -347,6 +356,7 @@ impl Hixl {
         notify: Option<NotifyDesc>,
         timeout_ms: Option<f64>,
     ) -> PyResult<Py<TransferReq>> {
+        self.check_tensors(py)?;
         let req = self.strided(
             py,
             remote,
