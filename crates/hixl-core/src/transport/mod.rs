@@ -16,6 +16,7 @@ pub mod pool;
 pub mod rdma;
 pub mod reactor;
 pub mod selfcopy;
+pub(crate) mod sender;
 pub mod serve;
 pub(crate) mod served;
 pub mod server;
