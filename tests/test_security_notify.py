@@ -204,3 +204,30 @@ def test_forged_lldd_notifications_change_nothing(decoder: ld.LLMDataDist, attac
             except subprocess.TimeoutExpired:
                 prompt.kill()
                 prompt.wait(10)
+
+
+def test_nixl_notifications_are_filed_under_the_sending_agent() -> None:
+    """An engine in another process sends a notification named as loaded agent "b" and one
+    as "mallory", never loaded. get_new_notifs files b's under b only when b's engine sent it
+    (the forged one is dropped); mallory's is known only by its name, as in NIXL."""
+    from hixl.nixl import nixl_agent, nixl_agent_config
+
+    conf = nixl_agent_config(backends=["UCX"])
+    near, b = nixl_agent("near", conf), nixl_agent("b", conf)
+    try:
+        md = near.get_agent_metadata()
+        near.add_remote_agent(b.get_agent_metadata())
+        b.add_remote_agent(md)
+        near_engine = json.loads(md[len(b"HIXLNIXL1\n") :])["engine"]
+        send_from_own_engine(near_engine, "nixl:b", "forged", "nixl:mallory", "hi")
+        b.send_notif("near", b"real")
+        got: dict[str, list[bytes]] = {}
+        deadline = time.monotonic() + 20
+        while not {"b", "mallory"} <= set(got) and time.monotonic() < deadline:
+            for k, v in near.get_new_notifs().items():
+                got.setdefault(k, []).extend(v)
+            time.sleep(0.01)
+        assert got == {"b": [b"real"], "mallory": [b"hi"]}, got
+    finally:
+        near.close()
+        b.close()
