@@ -153,57 +153,86 @@ def _route(d: ld.LLMDataDist, cluster: int) -> str | None:
         return node.routes.get(cluster)
 
 
+class Prompt:
+    """LLM-DataDist cluster 0 in a process of its own, linked to the decoder."""
+
+    def __init__(self, decoder: ld.LLMDataDist) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, PEER, "lldd-prompt", decoder.local_address],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).parent,
+        )
+        assert self.proc.stdout is not None
+        tag, self.address = self.proc.stdout.readline().split()
+        assert tag == "READY"
+        # Its hello is applied on the decoder's own thread.
+        deadline = time.monotonic() + 15
+        while _route(decoder, 0) != self.address and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _route(decoder, 0) == self.address
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("exit\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def pull_and_compare(decoder: ld.LLMDataDist) -> None:
+    """Pulls cluster 0's CacheKey(0, req_id=7) and compares batch entry 0 of each tensor."""
+    cm = decoder.cache_manager
+    local = cm.allocate_cache(ld.CacheDesc(2, [4, 64], ld.DataType.DT_FLOAT16, ld.Placement.HOST))
+    cm.pull_cache(ld.CacheKey(0, req_id=7), local)
+    for i, t in enumerate(cm.get_cache_tensors(local)):
+        want = pattern(t.nbytes, 50 + i)[: t[0].nbytes]
+        assert t[0].tobytes() == want.tobytes(), f"tensor {i}"
+
+
 @pytest.mark.parametrize("attack", ["hello", "bye", "release"])
 def test_forged_lldd_notifications_change_nothing(decoder: ld.LLMDataDist, attack: str) -> None:
     """Cluster 0 links to the decoder (cluster 1), whose hello gives the decoder its way back.
     Another engine then sends the decoder a hello claiming cluster 0, or a bye for cluster 0,
     or sends cluster 0 a release of its CacheKey. The decoder's pull by that key still goes
     to the real cluster 0 and gets its bytes."""
-    prompt = subprocess.Popen(
-        [sys.executable, PEER, "lldd-prompt", decoder.local_address],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).parent,
-    )
+    prompt = Prompt(decoder)
     try:
-        assert prompt.stdout is not None
-        tag, prompt_addr = prompt.stdout.readline().split()
-        assert tag == "READY"
-        deadline = time.monotonic() + 10
-        while _route(decoder, 0) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert _route(decoder, 0) == prompt_addr
-        key = ld.CacheKey(0, req_id=7)
         if attack == "hello":
             doc = json.dumps({"cluster": 0, "address": "{self}"})
             send_from_own_engine(decoder.local_address, "hixl.lldd.hello", doc)
         elif attack == "bye":
             send_from_own_engine(decoder.local_address, "hixl.lldd.bye", '{"cluster": 0}')
         else:
-            send_from_own_engine(prompt_addr, "hixl.lldd.release", json.dumps(key.ident()))
+            key = ld.CacheKey(0, req_id=7).ident()
+            send_from_own_engine(prompt.address, "hixl.lldd.release", json.dumps(key))
         # The receiver applies notifications every 200 ms at most.
         deadline = time.monotonic() + 2
-        while _route(decoder, 0) == prompt_addr and time.monotonic() < deadline:
+        while _route(decoder, 0) == prompt.address and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _route(decoder, 0) == prompt_addr, f"the {attack} changed the route"
-        cm = decoder.cache_manager
-        desc = ld.CacheDesc(2, [4, 64], ld.DataType.DT_FLOAT16, ld.Placement.HOST)
-        local = cm.allocate_cache(desc)
-        cm.pull_cache(key, local)
-        for i, t in enumerate(cm.get_cache_tensors(local)):  # batch entry 0 of each tensor
-            want = pattern(t.nbytes, 50 + i)[: t[0].nbytes]
-            assert t[0].tobytes() == want.tobytes(), f"tensor {i}"
+        assert _route(decoder, 0) == prompt.address, f"the {attack} changed the route"
+        pull_and_compare(decoder)
     finally:
-        if prompt.poll() is None:
-            assert prompt.stdin is not None
-            prompt.stdin.write("exit\n")
-            prompt.stdin.flush()
-            try:
-                prompt.wait(20)
-            except subprocess.TimeoutExpired:
-                prompt.kill()
-                prompt.wait(10)
+        prompt.close()
+
+
+def test_a_cluster_back_on_another_address_gets_its_way_back(decoder: ld.LLMDataDist) -> None:
+    """Not a forgery: cluster 0 dies without a bye and comes back on another address. Its new
+    hello replaces the route of the engine that no longer answers."""
+    first = Prompt(decoder)
+    first.proc.kill()
+    first.proc.wait(10)
+    second = Prompt(decoder)
+    try:
+        assert second.address != first.address
+        pull_and_compare(decoder)
+    finally:
+        second.close()
 
 
 def test_nixl_notifications_are_filed_under_the_sending_agent() -> None:

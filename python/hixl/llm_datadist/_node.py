@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import Failed, HixlError
+from .._errors import AlreadyConnected, Failed, HixlError
 from .._errors import Timeout as HixlTimeout
 from .._hixl import MemDesc, MemHandle, NotifyDesc, TransferOp, TransferStatus
 from ..datadist._context import Context
@@ -303,13 +303,33 @@ class Node:
             p = self.ctx.peers.get(cid)
         with self.lock:
             owner = p.address if p is not None else self.routes.get(cid)
-            if owner is not None and not same_engine(sender, owner):
+        if owner is not None and not same_engine(sender, owner):
+            if p is not None or self._answers(owner):
                 log.warning(
                     "refused a hello from %s claiming cluster %d, which is %s", sender, cid, owner
                 )
                 return
+            # A cluster that went away without a bye and came back on another address.
+            log.info("cluster %d at %s no longer answers: its way back is %s", cid, owner, sender)
+            self.forget_route(cid)
+        with self.lock:
             self.routes.setdefault(cid, sender)
             self.route_added.notify_all()
+
+    def _answers(self, address: str) -> bool:
+        """Whether an engine still listens at `address` (one connect of at most 1 s; a link
+        this node holds to it counts while it is alive)."""
+        try:
+            self.engine.connect(address, timeout_ms=1000)
+        except AlreadyConnected:
+            return True
+        except HixlError:
+            return False
+        try:
+            self.engine.disconnect(address, timeout_ms=1000)
+        except HixlError:
+            pass  # gone already
+        return True
 
     def _linked_engine(self, sender: str) -> bool:
         """Whether `sender` is the engine of a cluster linked with this node, either way."""
