@@ -18,6 +18,7 @@ object with "cmd"; each answer is one JSON line ({"ok": true, ...} or {"ok": fal
   push    ranks, name, remote_name|null: push_cache of the local cache to every rank
   receive rank, name: start receive_cache_async; answers at once
   received: wait for the receive task; answers the monotonic arrival time of every layer
+  progress: the layers the receive task counts as arrived so far, without waiting
   ranks   role|null: hixl.ranks(role) as [rank, role, address] lists
   wait_ranks want, role|null, timeout_s: polls hixl.ranks(role) until its ranks are exactly
           `want`; answers them and "at", the monotonic time they were (ok false on timeout)
@@ -102,6 +103,10 @@ def main() -> None:
                 res = task.wait(60_000)
                 out["arrived"] = [syncer.times["arrived"][k] for k in range(syncer.total_layers)]
                 out["bytes"] = res.bytes
+            elif c["cmd"] == "progress":
+                assert receiving is not None
+                out["layers"] = receiving[1].get_layer_count()
+                out["done"] = receiving[0].is_done()
             elif c["cmd"] == "ranks":
                 out["ranks"] = [
                     [i.cluster_id, i.role, i.address] for i in hixl.ranks(c.get("role"))

@@ -3,7 +3,8 @@
  * The parent forks a target (before either creates an engine), which registers a 1 MiB
  * buffer named "kv", tells the parent its address through a pipe and waits for the
  * notification "done". The parent links, WRITEs a pattern into "kv", READs it back, compares,
- * and sends "done" carrying the pattern's checksum; the target compares its own buffer.
+ * and sends "done" carrying the pattern's checksum; the target compares its own buffer, and
+ * checks that "done" came from the parent's engine (its id, "127.0.0.1#<pid>").
  *
  *   cc -I crates/hixl-c/include examples/c/transfer.c -L target/release -lhixl -o transfer
  *   LD_LIBRARY_PATH=target/release ./transfer      # prints "ok", exit 0
@@ -33,12 +34,13 @@ static uint64_t checksum(const uint8_t *p, size_t n) {
     return h;
 }
 
-struct done { char msg[64]; int seen; };
+struct done { char msg[64]; char peer[64]; int seen; };
 
-static void on_notify(void *ctx, const char *name, const char *msg) {
+static void on_notify(void *ctx, const char *peer, const char *name, const char *msg) {
     struct done *d = ctx;
     if (strcmp(name, "done") == 0) {
         snprintf(d->msg, sizeof d->msg, "%s", msg);
+        snprintf(d->peer, sizeof d->peer, "%s", peer);
         d->seen = 1;
     }
 }
@@ -55,12 +57,14 @@ static int target(int out_fd) {
     check(hixl_local_engine(e, addr, sizeof addr, &len), "local_engine");
     if (write(out_fd, addr, len + 1) != (ssize_t)(len + 1)) return 1;
     close(out_fd);
-    struct done d = {{0}, 0};
-    check(hixl_wait_notifies(e, 30000, "done", on_notify, &d), "wait for done");
-    char mine[64];
+    struct done d = {{0}, {0}, 0};
+    check(hixl_wait_notifies_from(e, 30000, "done", on_notify, &d), "wait for done");
+    char mine[64], parent[64];
     snprintf(mine, sizeof mine, "%016llx", (unsigned long long)checksum(kv, SIZE));
-    int ok = d.seen && strcmp(mine, d.msg) == 0;
-    if (!ok) fprintf(stderr, "target: kv holds %s, the initiator wrote %s\n", mine, d.msg);
+    snprintf(parent, sizeof parent, "127.0.0.1#%d", (int)getppid());
+    int ok = d.seen && strcmp(mine, d.msg) == 0 && strcmp(parent, d.peer) == 0;
+    if (!ok)
+        fprintf(stderr, "target: kv holds %s, %s (not %s) wrote %s\n", mine, d.peer, parent, d.msg);
     check(hixl_deregister(e, &h), "deregister");
     hixl_engine_free(e);
     free(kv);

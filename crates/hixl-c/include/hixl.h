@@ -109,6 +109,12 @@ typedef struct HixlRemoteRegion {
 // caller's `ctx`; `name` and `msg` are valid during the call only.
 typedef void (*HixlNotifyFn)(void *ctx, const char *name, const char *msg);
 
+// Called once per notification by `hixl_get_notifies_from` / `hixl_wait_notifies_from`, with
+// the caller's `ctx`; `peer` is the engine id of the connection it arrived on ("ip:port",
+// "ip#pid"; see docs/RELIABILITY.md, "Notifications' sender"). All three strings are valid
+// during the call only.
+typedef void (*HixlNotifyFromFn)(void *ctx, const char *peer, const char *name, const char *msg);
+
 // One descriptor of a batch: `len` bytes between `local_addr` and `remote_addr`.
 typedef struct HixlDesc {
   // Address in this process.
@@ -264,6 +270,23 @@ uint32_t hixl_wait_notifies(const struct HixlEngine *e,
                             const char *name,
                             HixlNotifyFn cb,
                             void *ctx);
+
+// As `hixl_get_notifies`, with each notification's sender: `cb` gets the engine id of the
+// connection it arrived on before its name and message.
+//
+// # Safety
+// `e` is live; `cb` is a function that may be called with `ctx`.
+uint32_t hixl_get_notifies_from(const struct HixlEngine *e, HixlNotifyFromFn cb, void *ctx);
+
+// As `hixl_wait_notifies`, with each notification's sender (as `hixl_get_notifies_from`).
+//
+// # Safety
+// `e` is live; `name` is NULL or a string; `cb` may be called with `ctx`.
+uint32_t hixl_wait_notifies_from(const struct HixlEngine *e,
+                                 uint64_t timeout_ms,
+                                 const char *name,
+                                 HixlNotifyFromFn cb,
+                                 void *ctx);
 
 // Per-peer stats as a JSON object (`{"peer": {"backend": ..., "bytes_write": ..., ...}}`)
 // into `buf` (`cap` bytes, NUL-terminated); `*len` gets its length. Too small:

@@ -76,6 +76,14 @@ pub struct HixlRemoteRegion {
 pub type HixlNotifyFn =
     Option<unsafe extern "C" fn(ctx: *mut c_void, name: *const c_char, msg: *const c_char)>;
 
+/// Called once per notification by `hixl_get_notifies_from` / `hixl_wait_notifies_from`, with
+/// the caller's `ctx`; `peer` is the engine id of the connection it arrived on ("ip:port",
+/// "ip#pid"; see docs/RELIABILITY.md, "Notifications' sender"). All three strings are valid
+/// during the call only.
+pub type HixlNotifyFromFn = Option<
+    unsafe extern "C" fn(ctx: *mut c_void, peer: *const c_char, name: *const c_char, msg: *const c_char),
+>;
+
 /// # Safety
 /// `e` is NULL or an engine from `hixl_engine_new` not yet freed.
 pub(crate) unsafe fn engine<'a>(e: *const HixlEngine) -> Result<&'a Engine, Error> {
@@ -119,7 +127,7 @@ pub(crate) unsafe fn notify(name: *const c_char, msg: *const c_char) -> Result<O
     }
     // SAFETY: the caller's contract.
     let (name, msg) = unsafe { (arg_str(name, "notify_name")?, arg_str(msg, "notify_msg")?) };
-    Ok(Some(NotifyDesc { name: name.to_string(), msg: msg.to_string() }))
+    Ok(Some(NotifyDesc::new(name.to_string(), msg.to_string())))
 }
 
 /// A new engine that does nothing until `hixl_initialize`. Never NULL. Free it with

@@ -4,7 +4,7 @@ use std::ffi::{c_char, c_void, CString};
 
 use hixl_core::{Error, NotifyDesc};
 
-use crate::engine::{engine, HixlEngine, HixlNotifyFn};
+use crate::engine::{engine, HixlEngine, HixlNotifyFn, HixlNotifyFromFn};
 use crate::{arg_str, copy_out, guard, timeout};
 
 /// Sends a notification to `remote`, after the transfers already submitted to it have ended.
@@ -23,10 +23,7 @@ pub unsafe extern "C" fn hixl_send_notify(
         // SAFETY: the caller's contract.
         unsafe {
             let eng = engine(e)?;
-            let n = NotifyDesc {
-                name: arg_str(name, "name")?.to_string(),
-                msg: arg_str(msg, "msg")?.to_string(),
-            };
+            let n = NotifyDesc::new(arg_str(name, "name")?, arg_str(msg, "msg")?);
             let t = match timeout(timeout_ms) {
                 Some(t) => t,
                 None => eng.default_timeouts()?.0,
@@ -36,19 +33,38 @@ pub unsafe extern "C" fn hixl_send_notify(
     })
 }
 
-/// The callback, or PARAM_INVALID before any notification is taken from the engine.
-type NotifyCb = unsafe extern "C" fn(*mut c_void, *const c_char, *const c_char);
+/// One of the two callback kinds, checked not NULL before any notification is taken from the
+/// engine (PARAM_INVALID).
+#[derive(Clone, Copy)]
+enum NotifyCb {
+    Plain(unsafe extern "C" fn(*mut c_void, *const c_char, *const c_char)),
+    From(unsafe extern "C" fn(*mut c_void, *const c_char, *const c_char, *const c_char)),
+}
 
 fn callback(cb: HixlNotifyFn) -> Result<NotifyCb, Error> {
-    cb.ok_or_else(|| Error::param("callback is NULL"))
+    cb.map(NotifyCb::Plain).ok_or_else(|| Error::param("callback is NULL"))
+}
+
+fn callback_from(cb: HixlNotifyFromFn) -> Result<NotifyCb, Error> {
+    cb.map(NotifyCb::From).ok_or_else(|| Error::param("callback is NULL"))
+}
+
+fn c_text(s: &str) -> CString {
+    CString::new(s.replace('\0', " ")).unwrap_or_default()
 }
 
 fn deliver(notes: Vec<NotifyDesc>, cb: NotifyCb, ctx: *mut c_void) -> Result<(), Error> {
     for n in notes {
-        let name = CString::new(n.name.replace('\0', " ")).unwrap_or_default();
-        let msg = CString::new(n.msg.replace('\0', " ")).unwrap_or_default();
-        // SAFETY: the caller's callback gets two strings valid for the call, and its ctx.
-        unsafe { cb(ctx, name.as_ptr(), msg.as_ptr()) };
+        let (name, msg) = (c_text(&n.name), c_text(&n.msg));
+        match cb {
+            // SAFETY: the caller's callback gets two strings valid for the call, and its ctx.
+            NotifyCb::Plain(f) => unsafe { f(ctx, name.as_ptr(), msg.as_ptr()) },
+            NotifyCb::From(f) => {
+                let peer = c_text(&n.peer);
+                // SAFETY: as above, with the sender's engine id first.
+                unsafe { f(ctx, peer.as_ptr(), name.as_ptr(), msg.as_ptr()) }
+            }
+        }
     }
     Ok(())
 }
@@ -85,6 +101,51 @@ pub unsafe extern "C" fn hixl_wait_notifies(
         // SAFETY: the caller's contract.
         unsafe {
             let cb = callback(cb)?;
+            let eng = engine(e)?;
+            let name = if name.is_null() { None } else { Some(arg_str(name, "name")?) };
+            let t = match timeout(timeout_ms) {
+                Some(t) => t,
+                None => eng.default_timeouts()?.0,
+            };
+            deliver(eng.wait_notifies(t, name)?, cb, ctx)
+        }
+    })
+}
+
+/// As `hixl_get_notifies`, with each notification's sender: `cb` gets the engine id of the
+/// connection it arrived on before its name and message.
+///
+/// # Safety
+/// `e` is live; `cb` is a function that may be called with `ctx`.
+#[no_mangle]
+pub unsafe extern "C" fn hixl_get_notifies_from(
+    e: *const HixlEngine,
+    cb: HixlNotifyFromFn,
+    ctx: *mut c_void,
+) -> u32 {
+    guard(|| {
+        let cb = callback_from(cb)?;
+        // SAFETY: the caller's contract.
+        deliver(unsafe { engine(e) }?.get_notifies()?, cb, ctx)
+    })
+}
+
+/// As `hixl_wait_notifies`, with each notification's sender (as `hixl_get_notifies_from`).
+///
+/// # Safety
+/// `e` is live; `name` is NULL or a string; `cb` may be called with `ctx`.
+#[no_mangle]
+pub unsafe extern "C" fn hixl_wait_notifies_from(
+    e: *const HixlEngine,
+    timeout_ms: u64,
+    name: *const c_char,
+    cb: HixlNotifyFromFn,
+    ctx: *mut c_void,
+) -> u32 {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let cb = callback_from(cb)?;
             let eng = engine(e)?;
             let name = if name.is_null() { None } else { Some(arg_str(name, "name")?) };
             let t = match timeout(timeout_ms) {

@@ -79,7 +79,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if sent != got {
         return Err("the bytes read back differ".into());
     }
-    let done = NotifyDesc { name: "done".into(), msg: checksum(sent) };
+    let done = NotifyDesc::new("done", checksum(sent));
     e.send_notify(&peer, done, Duration::from_secs(10))?;
     let status = child.wait()?;
     if !status.success() {

@@ -37,7 +37,7 @@ fn main() -> Result<(), hixl_core::Error> {
     // One async WRITE of the whole buffer; the notify arrives after the bytes.
     let t0 = Instant::now();
     let desc = TransferOpDesc { local_addr: h.addr, remote_addr: remote.addr, len: h.len };
-    let note = NotifyDesc { name: "layer".into(), msg: "0 done".into() };
+    let note = NotifyDesc::new("layer", "0 done");
     let req = init.transfer_async(&peer, TransferOp::Write, &[desc], Some(note), None)?;
     assert_eq!(req.wait(Some(timeout)), TransferStatus::Completed);
     let secs = t0.elapsed().as_secs_f64();

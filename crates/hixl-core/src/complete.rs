@@ -126,7 +126,7 @@ mod tests {
     use crate::queue::{NotifyDesc, SegPair, TransferOp};
 
     fn request(parts: usize, notify: bool) -> Arc<Request> {
-        let n = notify.then(|| NotifyDesc { name: "n".into(), msg: "m".into() });
+        let n = notify.then(|| NotifyDesc::new("n", "m"));
         Arc::new(Request::new(
             1,
             TransferOp::Write,

@@ -2,7 +2,9 @@
 //!
 //! Quotas are keyed by the stream a notification arrived on, never by the engine id a peer
 //! claims: a peer cannot escape its quota by rotating ids, and cannot spend another peer's by
-//! claiming that peer's id.
+//! claiming that peer's id. Each one keeps the engine id its connection's handshake
+//! established (`NotifyDesc::peer`): the application learns who sent it from the connection,
+//! never from the notification's text.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Condvar, Mutex};
@@ -47,9 +49,10 @@ impl NotifyStore {
         NotifyStore { limits, inner: Mutex::new(Pending::default()), arrived: Condvar::new() }
     }
 
-    /// Adds one that arrived on connection `conn`; `RESOURCE_EXHAUSTED` (naming the limit) when
-    /// it would exceed that connection's quota or the total.
-    pub fn push(&self, conn: u64, name: String, msg: String) -> Result<()> {
+    /// Adds one that arrived on connection `conn`, whose peer is the engine `peer`;
+    /// `RESOURCE_EXHAUSTED` (naming the limit) when it would exceed that connection's quota or
+    /// the total.
+    pub fn push(&self, conn: u64, peer: &str, name: String, msg: String) -> Result<()> {
         let size = name.len() + msg.len();
         let l = self.limits;
         let mut g = self.inner.lock().unwrap();
@@ -83,7 +86,7 @@ impl NotifyStore {
         }
         g.by_conn.insert(conn, (n + 1, bytes + size));
         g.bytes += size;
-        g.queue.push_back((conn, NotifyDesc { name, msg }));
+        g.queue.push_back((conn, NotifyDesc { name, msg, peer: peer.to_string() }));
         self.arrived.notify_all();
         Ok(())
     }
@@ -142,7 +145,7 @@ mod tests {
     fn quotas_are_per_connection_and_total_by_count_and_bytes() {
         let s =
             NotifyStore::new(NotifyLimits { per_conn: 2, per_conn_bytes: 10, total: 3, total_bytes: 100 });
-        let push = |c, m: &str| s.push(c, "n".into(), m.into());
+        let push = |c, m: &str| s.push(c, "p", "n".into(), m.into());
         assert!(push(1, "a").is_ok() && push(1, "b").is_ok());
         assert!(push(1, "c").unwrap_err().message.contains("hixl.max_notifies=2"));
         assert!(push(2, "0123456789").unwrap_err().message.contains("hixl.max_notify_bytes=10"));
@@ -160,20 +163,25 @@ mod tests {
             total: 10,
             total_bytes: 100,
         }));
-        s.push(1, "layer".into(), "0".into()).unwrap();
-        s.push(1, "done".into(), "".into()).unwrap();
+        s.push(1, "10.0.0.1:5000", "layer".into(), "0".into()).unwrap();
+        s.push(1, "10.0.0.1:5000", "done".into(), "".into()).unwrap();
         let e = s.wait_take(Some("other"), Duration::from_millis(20)).unwrap_err();
         assert_eq!(e.status, Status::Timeout);
         assert!(e.message.contains("\"other\""), "{e}");
         let got = s.wait_take(Some("done"), Duration::ZERO).unwrap();
-        assert_eq!(got, vec![NotifyDesc { name: "done".into(), msg: "".into() }]);
-        assert!(s.push(1, "x".into(), "".into()).is_ok(), "the taken one's quota is free again");
+        assert_eq!(got, vec![NotifyDesc::new("done", "")]);
+        assert_eq!(got[0].peer, "10.0.0.1:5000", "each keeps the engine it came from");
+        assert!(
+            s.push(1, "10.0.0.1:5000", "x".into(), "".into()).is_ok(),
+            "the taken one's quota is free again"
+        );
         // One that arrives while waiting wakes the waiter.
         let s2 = s.clone();
         let t = std::thread::spawn(move || s2.wait_take(Some("late"), Duration::from_secs(5)));
         std::thread::sleep(Duration::from_millis(20));
-        s.push(2, "late".into(), "hi".into()).unwrap();
-        assert_eq!(t.join().unwrap().unwrap().len(), 1);
+        s.push(2, "10.0.0.2#7", "late".into(), "hi".into()).unwrap();
+        let late = t.join().unwrap().unwrap();
+        assert_eq!((late.len(), late[0].peer.as_str()), (1, "10.0.0.2#7"));
         assert_eq!(s.take().len(), 2, "the others stayed: layer and x");
     }
 }

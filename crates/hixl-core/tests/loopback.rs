@@ -193,7 +193,7 @@ fn notify_follows_data_and_finalize_fails_everything() {
             &p.peer,
             TransferOp::Write,
             &[TransferOpDesc { local_addr: la, remote_addr: rb, len: 1 << 20 }],
-            Some(NotifyDesc { name: "layer".into(), msg: "0".into() }),
+            Some(NotifyDesc::new("layer", "0")),
             None,
         )
         .unwrap();
@@ -208,9 +208,10 @@ fn notify_follows_data_and_finalize_fails_everything() {
         std::thread::yield_now();
     };
     assert!(p.bbuf == p.abuf, "data visible before the notify");
-    assert_eq!(got, vec![NotifyDesc { name: "layer".into(), msg: "0".into() }]);
+    assert_eq!(got, vec![NotifyDesc::new("layer", "0")]);
+    assert_eq!(got[0].peer, p.a.local_engine().unwrap(), "it names the engine it came from");
     assert_eq!(req.wait(Some(T)), TransferStatus::Completed);
-    p.a.send_notify(&p.peer, NotifyDesc { name: "n".into(), msg: "m".into() }, T).unwrap();
+    p.a.send_notify(&p.peer, NotifyDesc::new("n", "m"), T).unwrap();
     assert_eq!(p.b.get_notifies().unwrap().len(), 1);
     assert!(p.b.get_notifies().unwrap().is_empty(), "get_notifies clears");
 
@@ -225,7 +226,7 @@ fn notify_follows_data_and_finalize_fails_everything() {
 fn notify_cap_per_peer() {
     let p = pair(64, &[("hixl.max_notifies", "3")]);
     for i in 0..3 {
-        p.a.send_notify(&p.peer, NotifyDesc { name: format!("{i}"), msg: String::new() }, T).unwrap();
+        p.a.send_notify(&p.peer, NotifyDesc::new(format!("{i}"), ""), T).unwrap();
     }
     let e = p.a.send_notify(&p.peer, NotifyDesc::default(), T).unwrap_err();
     assert_eq!(e.status, Status::ResourceExhausted, "{e}");
@@ -322,7 +323,7 @@ fn forced_shm_moves_bytes_and_names_the_backend() {
                 &p.peer,
                 TransferOp::Write,
                 &[TransferOpDesc { local_addr: la, remote_addr: rb, len: 4096 }],
-                Some(NotifyDesc { name: "n".into(), msg: "m".into() }),
+                Some(NotifyDesc::new("n", "m")),
                 None,
             )
             .unwrap();
@@ -494,7 +495,7 @@ fn coalesced_small_requests_complete_individually() {
     let reqs: Vec<_> = (0..256u64)
         .map(|i| {
             let d = [TransferOpDesc { local_addr: la + i * 4096, remote_addr: rb + i * 4096, len: 4096 }];
-            let n = (i % 64 == 0).then(|| NotifyDesc { name: format!("n{i}"), msg: String::new() });
+            let n = (i % 64 == 0).then(|| NotifyDesc::new(format!("n{i}"), ""));
             p.a.transfer_async(&p.peer, TransferOp::Write, &d, n, None).unwrap()
         })
         .collect();

@@ -216,7 +216,7 @@ fn rdma_moves_bytes_between_processes_and_notifies_after_them() {
             &t.id,
             TransferOp::Write,
             &[TransferOpDesc { local_addr: src.as_ptr() as u64, remote_addr: x.addr, len: len as u64 }],
-            Some(NotifyDesc { name: "kv-ready".into(), msg: "layer 0".into() }),
+            Some(NotifyDesc::new("kv-ready", "layer 0")),
             Some(T),
         )
         .unwrap();

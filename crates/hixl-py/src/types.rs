@@ -292,9 +292,10 @@ impl From<TransferOpDesc> for hixl_core::TransferOpDesc {
 /// A notification: `NotifyDesc(name, msg="")`. `name` (str, at most 1,024 bytes) says what it
 /// is about, `msg` (str, at most 1 MiB) carries the message. Sent with `Hixl.send_notify` or
 /// attached to an async transfer (`notify=`), received with `Hixl.get_notifies` or
-/// `Hixl.wait_notifies`.
+/// `Hixl.wait_notifies`; a received one's `peer` is the engine id of the connection it came on.
+/// Equality and hash compare `name` and `msg` only.
 #[pyclass(frozen, eq, hash, module = "hixl._hixl")]
-#[derive(Clone, PartialEq, Eq, Hash)]
+#[derive(Clone)]
 pub struct NotifyDesc {
     /// What it is about (receivers can wait for a name: `Hixl.wait_notifies(.., name=)`).
     #[pyo3(get)]
@@ -302,6 +303,25 @@ pub struct NotifyDesc {
     /// The message ("" by default).
     #[pyo3(get)]
     pub msg: String,
+    /// Who sent it: for a received notification the engine id ("ip:port", "ip#pid") of the
+    /// connection it arrived on, as that connection's handshake established it (with a cluster
+    /// secret, only a member can have sent it); "" for one built here.
+    #[pyo3(get)]
+    pub peer: String,
+}
+
+impl PartialEq for NotifyDesc {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.name, &self.msg) == (&other.name, &other.msg)
+    }
+}
+
+impl Eq for NotifyDesc {}
+
+impl std::hash::Hash for NotifyDesc {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        (&self.name, &self.msg).hash(h)
+    }
 }
 
 #[pymethods]
@@ -309,22 +329,26 @@ impl NotifyDesc {
     #[new]
     #[pyo3(signature = (name, msg = String::new()))]
     fn py_new(name: String, msg: String) -> Self {
-        NotifyDesc { name, msg }
+        NotifyDesc { name, msg, peer: String::new() }
     }
     fn __repr__(&self) -> String {
-        format!("NotifyDesc(name={:?}, msg={:?})", self.name, self.msg)
+        if self.peer.is_empty() {
+            format!("NotifyDesc(name={:?}, msg={:?})", self.name, self.msg)
+        } else {
+            format!("NotifyDesc(name={:?}, msg={:?}, peer={:?})", self.name, self.msg, self.peer)
+        }
     }
 }
 
 impl From<NotifyDesc> for hixl_core::NotifyDesc {
     fn from(n: NotifyDesc) -> Self {
-        hixl_core::NotifyDesc { name: n.name, msg: n.msg }
+        hixl_core::NotifyDesc::new(n.name, n.msg)
     }
 }
 
 impl From<hixl_core::NotifyDesc> for NotifyDesc {
     fn from(n: hixl_core::NotifyDesc) -> Self {
-        NotifyDesc { name: n.name, msg: n.msg }
+        NotifyDesc { name: n.name, msg: n.msg, peer: n.peer }
     }
 }
 

@@ -4,6 +4,7 @@ producer starts sending layer k as soon as it has computed it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -15,6 +16,7 @@ from .._wakers import Wakers
 from ._cache import Cache, CacheInfo
 from ._context import context
 from ._errors import LLMError
+from ._sender import rank_address, same_engine
 from ._transfer import (
     Pipeline,
     Request,
@@ -32,6 +34,8 @@ from ._transfer import (
 #: Name of the notification a producer sends after each layer's bytes are visible; the message
 #: is "RANK:CACHE_NAME:LAYER".
 LAYER_NOTIFY = "hixl.kv.layer"
+
+log = logging.getLogger("hixl.kv")
 
 
 class LayerSynchronizer:
@@ -318,13 +322,45 @@ def receive_cache_async(
 ) -> TransferTask:
     """Follows a producer's layerwise push into `local_cache`: each layer counts as present
     when its notification arrives, which the producer's engine sends only after that layer's
-    bytes are visible here. Fails with a timeout when no layer arrives for timeout_ms."""
+    bytes are visible here. Fails with a timeout when no layer arrives for timeout_ms.
+
+    A layer counts only when its notification came from the engine of `remote_rank` (the
+    connection it arrived on, never its text): the address of the rank's link, else the one
+    ``peers=`` or discovery gave. When none is known, the first engine that announces a layer
+    of this cache for that rank is taken as it for the rest of the receive. Others are dropped
+    and logged."""
     _check_layers(local_cache, synchronizer)
     ctx, cfg = context(), transfer_config or TransferConfig()
     prefix = f"{int(remote_rank)}:{local_cache.name}:"
+    first: list[str] = []  # the sender taken as the rank when no address is known
 
     def match(n: NotifyDesc) -> bool:
         return n.name == LAYER_NOTIFY and n.msg.startswith(prefix)
+
+    def from_rank(n: NotifyDesc) -> bool:
+        want = rank_address(ctx, remote_rank)
+        if want is None and not first and n.peer and not n.peer.startswith("?"):
+            first.append(n.peer)
+            log.info(
+                "no address is known for rank %d: taking %s, the first engine to announce a "
+                "layer of cache %r, as it",
+                remote_rank,
+                n.peer,
+                local_cache.name,
+            )
+        if want is None and first:
+            want = first[0]
+        if want is not None and same_engine(n.peer, want):
+            return True
+        log.warning(
+            "dropped a layer notification %r for rank %d from %s: rank %d is %s",
+            n.msg[:200],
+            remote_rank,
+            n.peer or "an unknown sender",
+            remote_rank,
+            want or "not known",
+        )
+        return False
 
     def body(task: TransferTask) -> None:
         total, got = synchronizer.total_layers, 0
@@ -332,7 +368,7 @@ def receive_cache_async(
         gap_deadline = time.monotonic() + cfg.timeout_ms / 1000
         try:
             while synchronizer.get_layer_count() < total:
-                notes = ctx.mailbox.take(match)
+                notes = [n for n in ctx.mailbox.take(match) if from_rank(n)]
                 for n in notes:
                     k = int(n.msg[len(prefix) :])
                     if not 0 <= k < total:

@@ -5,6 +5,7 @@ that directory, and the thread that applies peers' key releases."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -13,22 +14,27 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import Failed, HixlError
+from .._errors import AlreadyConnected, Failed, HixlError
 from .._errors import Timeout as HixlTimeout
 from .._hixl import MemDesc, MemHandle, NotifyDesc, TransferOp, TransferStatus
 from ..datadist._context import Context
 from ..datadist._context import LLMClusterInfo as KvClusterInfo
+from ..datadist._sender import same_engine
 from ._cache import Cache
 from ._status import LLMException, LLMStatusCode, fail, wrap
 from ._types import CacheDesc
 
 #: The notification a puller sends the owner of a CacheKey after pulling by it: the key is
-#: used up (LLM-DataDist releases a key once it has been pulled).
+#: used up (LLM-DataDist releases a key once it has been pulled). Honoured only from the
+#: engine of a cluster linked with this node, either way.
 RELEASE_NOTIFY = "hixl.lldd.release"
 #: Sent to a cluster after linking to it: {"cluster": id, "address": "ip:port"}, so that it
-#: can link back on demand (LLM-DataDist's links carry transfers both ways).
+#: can link back on demand (LLM-DataDist's links carry transfers both ways). The way back is
+#: the engine the hello came from (NotifyDesc.peer), never the text's address; a route is
+#: never replaced by another engine's hello (refused and logged until the first says bye).
 HELLO_NOTIFY = "hixl.lldd.hello"
-#: Sent before a non-forced unlink: the peer forgets the way back (and closes it).
+#: Sent before a non-forced unlink: the peer forgets the way back (and closes it). Honoured
+#: only from the engine that cluster's route leads to.
 BYE_NOTIFY = "hixl.lldd.bye"
 #: How long a use of a cluster that has not linked here waits for its hello, which the peer
 #: sends right after its link is up but this node applies on its own thread.
@@ -37,6 +43,8 @@ HELLO_WAIT_S = 2.0
 EXTRA_KEY = "lldd"
 
 KeyIdent = tuple[int, int, int, int]
+
+log = logging.getLogger("hixl.llm_datadist")
 
 
 @dataclass
@@ -252,23 +260,84 @@ class Node:
                 return  # finalized
             for n in notes:
                 try:
-                    self._apply(n.name, json.loads(n.msg))
+                    self._apply(n.name, json.loads(n.msg), n.peer)
                 except (ValueError, TypeError, KeyError, AttributeError):
                     continue  # not ours, or malformed: peers are not trusted
 
-    def _apply(self, name: str, msg: Any) -> None:
+    def _apply(self, name: str, msg: Any, sender: str) -> None:
+        """Acts on a peer's notification; `sender` is the engine it came from (its
+        connection's, not anything its text claims)."""
         if name == RELEASE_NOTIFY:
             k = tuple(int(x) for x in msg)
-            if len(k) == 4:
-                self.remove_key(k)  # type: ignore[arg-type]
+            if len(k) != 4:
+                return
+            if not self._linked_engine(sender):
+                log.warning(
+                    "ignored a release of CacheKey %s from %s: no cluster linked "
+                    "with this one runs there",
+                    list(k),
+                    sender,
+                )
+                return
+            self.remove_key(k)  # type: ignore[arg-type]
         elif name == HELLO_NOTIFY:
-            cid, address = int(msg["cluster"]), str(msg["address"])
-            if cid != self.cluster_id and ":" in address:
-                with self.lock:
-                    self.routes[cid] = address
-                    self.route_added.notify_all()
+            self._hello_from(int(msg["cluster"]), sender)
         elif name == BYE_NOTIFY:
-            self.forget_route(int(msg["cluster"]))
+            cid = int(msg["cluster"])
+            with self.lock:
+                owner = self.routes.get(cid)
+            if owner is None:
+                return
+            if not same_engine(sender, owner):
+                log.warning(
+                    "ignored a bye for cluster %d from %s: its route is %s", cid, sender, owner
+                )
+                return
+            self.forget_route(cid)
+
+    def _hello_from(self, cid: int, sender: str) -> None:
+        """Routes `cid` back to `sender`, unless another engine is known as that cluster."""
+        if cid == self.cluster_id or ":" not in sender or "#" in sender or sender[:1] == "?":
+            return  # ourselves, or an engine that does not listen: no way back
+        with self.ctx.lock:
+            p = self.ctx.peers.get(cid)
+        with self.lock:
+            owner = p.address if p is not None else self.routes.get(cid)
+        if owner is not None and not same_engine(sender, owner):
+            if p is not None or self._answers(owner):
+                log.warning(
+                    "refused a hello from %s claiming cluster %d, which is %s", sender, cid, owner
+                )
+                return
+            # A cluster that went away without a bye and came back on another address.
+            log.info("cluster %d at %s no longer answers: its way back is %s", cid, owner, sender)
+            self.forget_route(cid)
+        with self.lock:
+            self.routes.setdefault(cid, sender)
+            self.route_added.notify_all()
+
+    def _answers(self, address: str) -> bool:
+        """Whether an engine still listens at `address` (one connect of at most 1 s; a link
+        this node holds to it counts while it is alive)."""
+        try:
+            self.engine.connect(address, timeout_ms=1000)
+        except AlreadyConnected:
+            return True
+        except HixlError:
+            return False
+        try:
+            self.engine.disconnect(address, timeout_ms=1000)
+        except HixlError:
+            pass  # gone already
+        return True
+
+    def _linked_engine(self, sender: str) -> bool:
+        """Whether `sender` is the engine of a cluster linked with this node, either way."""
+        with self.ctx.lock:
+            mine = [p.address for p in self.ctx.peers.values()]
+        with self.lock:
+            mine += list(self.routes.values())
+        return any(same_engine(sender, a) for a in mine)
 
     def forget_route(self, cid: int) -> None:
         with self.lock:

@@ -1,5 +1,10 @@
 """Notifications of ``nixl_agent`` (``get_new_notifs``, ``update_notifs``,
 ``check_remote_xfer_done``, ``send_notif``): hixl notifications named ``"nixl:" + sender``.
+
+The agent a notification is filed under comes from its connection where it can: one from the
+engine of a loaded agent is that agent's, whatever its name says; one that names a loaded
+agent but comes from another engine is dropped and logged. A sender that was never loaded
+(a NIXL target need not load its initiators) is known only by the name it gives.
 """
 
 from __future__ import annotations
@@ -8,8 +13,9 @@ from typing import Any
 
 from .._errors import HixlError, NotConnected
 from .._hixl import NotifyDesc
+from ..datadist._sender import same_engine
 from ._bindings import from_hixl
-from ._common import _NOTIF_PREFIX, _msg, _name
+from ._common import _NOTIF_PREFIX, _msg, _name, log
 from ._metadata import _Metadata
 
 
@@ -20,10 +26,32 @@ class _Notifs(_Metadata):
 
     # --- notifications --------------------------------------------------------------------------
 
+    @staticmethod
+    def _sender(claimed: str, peer: str, agent: bool, loaded: list[tuple[str, str]]) -> str | None:
+        """The key to file a notification under (None: a forgery, dropped). `agent`: it
+        comes as an agent's (named "nixl:" + agent); `loaded`: (name, engine) of each loaded
+        agent."""
+        for name, engine in loaded:
+            if same_engine(peer, engine):
+                return name if agent else claimed
+        if any(name == claimed for name, _ in loaded):
+            log.warning(
+                "hixl.nixl: dropped a notification claiming agent %r from %s, which is not "
+                "its engine",
+                claimed,
+                peer or "an unknown sender",
+            )
+            return None
+        return claimed
+
     def _drain(self) -> dict[str, list[bytes]]:
         out: dict[str, list[bytes]] = {}
-        for n in self._engine.get_notifies():
-            if n.name.startswith(_NOTIF_PREFIX):
+        notes = self._engine.get_notifies()
+        with self._lock:
+            loaded = [(r.name, r.engine) for r in self._remotes.values()]
+        for n in notes:
+            agent = n.name.startswith(_NOTIF_PREFIX)
+            if agent:
                 key = n.name[len(_NOTIF_PREFIX) :]
                 try:
                     msg = n.msg.encode("latin-1")
@@ -31,7 +59,9 @@ class _Notifs(_Metadata):
                     msg = n.msg.encode()
             else:  # from a plain hixl engine: its notification name is the key
                 key, msg = n.name, n.msg.encode()
-            out.setdefault(key, []).append(msg)
+            filed = self._sender(key, n.peer, agent, loaded)
+            if filed is not None:
+                out.setdefault(filed, []).append(msg)
         return out
 
     def get_new_notifs(self, backends: Any = None) -> dict[str, list[bytes]]:

@@ -80,14 +80,35 @@ pub struct SegPair {
     pub len: u64,
 }
 
-/// A notification: a name and a message.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+/// A notification: a name and a message, and for a received one the engine it came from.
+///
+/// Equality compares `name` and `msg` only: `peer` says where one came from, not what it says.
+#[derive(Clone, Debug, Default)]
 pub struct NotifyDesc {
     /// Name (who or what it is about).
     pub name: String,
     /// Message body.
     pub msg: String,
+    /// For a received notification: the engine id of the connection it arrived on, as that
+    /// connection's handshake established it (see docs/RELIABILITY.md, "Notifications'
+    /// sender"); "" for one built here (ignored when sending).
+    pub peer: String,
 }
+
+impl NotifyDesc {
+    /// A notification to send: `name` and `msg`, no sender.
+    pub fn new(name: impl Into<String>, msg: impl Into<String>) -> Self {
+        NotifyDesc { name: name.into(), msg: msg.into(), peer: String::new() }
+    }
+}
+
+impl PartialEq for NotifyDesc {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name && self.msg == other.msg
+    }
+}
+
+impl Eq for NotifyDesc {}
 
 /// `count` elements of `size` bytes: element i is at `local + i * lstride` here and at
 /// `remote + i * rstride` at the peer. Stays this compact through the queue and on the wire;

@@ -18,6 +18,7 @@ pub(crate) mod ranges;
 pub mod rdma;
 pub mod reactor;
 pub mod selfcopy;
+pub(crate) mod sender;
 pub mod serve;
 pub(crate) mod served;
 pub mod server;

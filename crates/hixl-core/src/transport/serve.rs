@@ -61,6 +61,13 @@ pub(crate) fn serve(
     else {
         return Err(protocol_error("not a Hello".into()));
     };
+    let local = sock.local_addr().map(|a| a.ip()).unwrap_or(from.ip());
+    match crate::transport::sender::sender_id(&peer, from.ip(), local) {
+        Ok(id) => {
+            let _ = served.sender.set(id);
+        }
+        Err(message) => return Err(refuse(served, Status::NotConnected, &message, deadline)),
+    }
     let keys = match &ctx.secret {
         Some(secret) => {
             let nt = auth::nonce().map_err(|e| std::io::Error::other(e.message))?;

@@ -335,7 +335,8 @@ fn on_frame(
         Frame::Read { segs } => serve_read(srv, s, &h, OwnedRanges::List(segs))?,
         Frame::ReadStrided { seg } => serve_read(srv, s, &h, OwnedRanges::Strided(seg))?,
         Frame::Notify { name, msg } => {
-            let ack = match ctx.notifies.push(s.id, name, msg) {
+            let sender = s.sender.get().map_or("", String::as_str);
+            let ack = match ctx.notifies.push(s.id, sender, name, msg) {
                 Ok(()) => Frame::Ack { status: 0, message: String::new() },
                 Err(e) => Frame::Ack { status: e.code(), message: e.message },
             };

@@ -15,7 +15,7 @@ use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::auth::{FrameMac, Secret};
@@ -105,6 +105,8 @@ pub(crate) struct Served {
     /// The initiator's address and ours, as text (the four-tuple of the same-host proof).
     pub(crate) peer_addr: String,
     pub(crate) local_addr: String,
+    /// The engine id the peer is known by, set by its Hello (see `sender`).
+    pub(crate) sender: OnceLock<String>,
     /// Held while a frame is written; see [`SendState`].
     pub(crate) send: Mutex<SendState>,
     /// Set once Welcome went out: region updates may follow it.
@@ -344,6 +346,7 @@ impl Server {
                 finished: AtomicBool::new(false),
                 peer_addr: addr_text(from),
                 local_addr: addr_text(local),
+                sender: OnceLock::new(),
                 send: Mutex::new(SendState::new()),
                 welcomed: AtomicBool::new(false),
                 acks_updates: AtomicBool::new(false),
