@@ -12,12 +12,15 @@
 //! - `?` and the claim, when the claim is not an engine id at all (so that it can equal no
 //!   engine's address);
 //!
-//! and the Hello is refused when its host is another machine's address.
+//! and `?` and the claim too (unverified) when its host is another machine's address. Such a
+//! stream is still served (a host with several addresses may route to the target from
+//! another one than it listens on, and without a secret any id is a claim anyway); only its
+//! notifications can never pass for that engine's.
 
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 
-/// The id under which notifications from this connection are reported, or why the claim is
-/// refused. `from` is the connection's source address, `local` the address it reached here.
+/// The id under which notifications from this connection are reported, or why the claim
+/// cannot be verified (the caller then reports `?` and the claim). `from` is the connection's source address, `local` the address it reached here.
 pub(crate) fn sender_id(claim: &str, from: IpAddr, local: IpAddr) -> Result<String, String> {
     let (from, local) = (plain(from), plain(local));
     let Some((ip, rest)) = parse(claim) else {
