@@ -364,8 +364,8 @@ pub const SPECS: &[OptionSpec] = &[
     spec(
         "hixl.secret",
         "",
-        "cluster secret, at least 32 hex characters (`hixl secret` makes one); peers must prove they \
-         know it and every frame is MACed; env HIXL_SECRET",
+        "cluster secret, at least 32 random hex characters without a pattern (`hixl secret` makes \
+         one); peers must prove they know it and every frame is MACed; env HIXL_SECRET",
         |o, _, v| {
             o.secret = Some(Secret::new(v)?);
             Ok(())
