@@ -132,6 +132,10 @@ pub struct Options {
     pub max_pending_handshakes: usize,
     /// `hixl.max_pending_per_source`: most of those from one source address.
     pub max_pending_per_source: usize,
+    /// `hixl.max_streams`: most established (handshake ended) streams the listener serves.
+    pub max_streams: usize,
+    /// `hixl.max_streams_per_source`: most of those from one source address.
+    pub max_streams_per_source: usize,
     /// HIXL's `AutoConnect`: engines to connect to (in the background) once initialized.
     pub auto_connect: Vec<String>,
     /// `hixl.rdma.*`: the `rdma` backend's settings.
@@ -399,6 +403,24 @@ pub const SPECS: &[OptionSpec] = &[
         },
     ),
     spec(
+        "hixl.max_streams",
+        "4096",
+        "most established streams the listener serves (a new one over it is refused)",
+        |o, k, v| {
+            o.max_streams = int(k, v, 1, 1 << 20)? as usize;
+            Ok(())
+        },
+    ),
+    spec(
+        "hixl.max_streams_per_source",
+        "256",
+        "of those, most from one source address (a new one over it is refused)",
+        |o, k, v| {
+            o.max_streams_per_source = int(k, v, 1, 1 << 20)? as usize;
+            Ok(())
+        },
+    ),
+    spec(
         "hixl.heartbeat_ms",
         "1000",
         "probe idle links this often; a peer silent for 3 intervals is dead (0 = off)",
@@ -475,6 +497,8 @@ impl Options {
             data_mac: false,
             max_pending_handshakes: 0,
             max_pending_per_source: 0,
+            max_streams: 0,
+            max_streams_per_source: 0,
             auto_connect: Vec::new(),
             rdma: rdma::RdmaOptions::blank(),
         }
