@@ -290,6 +290,14 @@ pub const SPECS: &[OptionSpec] = &[
         o.rdma.qps = int(k, v, 1, 64)? as usize;
         Ok(())
     }),
+    spec("hixl.rdma.max_qps", "1024", "rdma backend: most QPs a target makes for initiators in all (over it: refused)", |o, k, v| {
+        o.rdma.max_qps = int(k, v, 1, 1 << 20)? as usize;
+        Ok(())
+    }),
+    spec("hixl.rdma.max_qps_per_source", "256", "rdma backend: of those, most for one source address (over it: refused)", |o, k, v| {
+        o.rdma.max_qps_per_source = int(k, v, 1, 1 << 20)? as usize;
+        Ok(())
+    }),
     spec(
         "hixl.tcp.io_threads",
         "0",
