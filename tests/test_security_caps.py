@@ -63,15 +63,16 @@ def open_idle_streams(
 
 def test_established_streams_capped_per_source(procs: Callable[..., Proc]) -> None:  # noqa: F811
     """One source opens 400 idle handshaken streams against a target whose descriptor limit
-    is 384. Uncapped, each stream cost two descriptors, so about 170 streams used them all up
-    and the target could accept nothing more. Now the source gets
-    `hixl.max_streams_per_source` (256) streams and an Error naming that cap for the rest;
-    each stream costs one descriptor, the target's descriptor count stays bounded, a good
-    peer from another address still moves 4 KiB each way (bytes compared), and once the
-    flood closes its streams the same source is served again."""
+    is 384. Uncapped, each stream cost two descriptors, so 186 streams used them all up and
+    the target could accept nothing more. Now the source gets `hixl.max_streams_per_source`
+    streams (default 0: a quarter of the descriptor limit, 96) and an Error naming that cap
+    for the rest; each stream costs one descriptor, the target's descriptor count stays
+    bounded, a good peer from another address still moves 4 KiB each way (bytes compared),
+    and once the flood closes its streams the same source is served again."""
     raise_own_fd_limit(4096)
     t = Engine(procs)
-    limit, cap = 384, 256
+    limit = 384
+    cap = limit // 4
     resource.prlimit(t.pid, resource.RLIMIT_NOFILE, (limit, limit))
     base = fd_count(t.pid)
     kept, refused = open_idle_streams(t.addr, "127.0.0.7", 400)

@@ -132,9 +132,10 @@ pub struct Options {
     pub max_pending_handshakes: usize,
     /// `hixl.max_pending_per_source`: most of those from one source address.
     pub max_pending_per_source: usize,
-    /// `hixl.max_streams`: most established (handshake ended) streams the listener serves.
+    /// `hixl.max_streams`: most established (handshake ended) streams the listener serves
+    /// (0: half of RLIMIT_NOFILE's soft limit, read at each handshake).
     pub max_streams: usize,
-    /// `hixl.max_streams_per_source`: most of those from one source address.
+    /// `hixl.max_streams_per_source`: most of those from one source address (0: a quarter).
     pub max_streams_per_source: usize,
     /// HIXL's `AutoConnect`: engines to connect to (in the background) once initialized.
     pub auto_connect: Vec<String>,
@@ -412,19 +413,19 @@ pub const SPECS: &[OptionSpec] = &[
     ),
     spec(
         "hixl.max_streams",
-        "4096",
-        "most established streams the listener serves (a new one over it is refused)",
+        "0",
+        "most established streams the listener serves, over it refused (0: half the descriptor limit)",
         |o, k, v| {
-            o.max_streams = int(k, v, 1, 1 << 20)? as usize;
+            o.max_streams = int(k, v, 0, 1 << 20)? as usize;
             Ok(())
         },
     ),
     spec(
         "hixl.max_streams_per_source",
-        "256",
-        "of those, most from one source address (a new one over it is refused)",
+        "0",
+        "of those, most from one source address (0: a quarter of the descriptor limit)",
         |o, k, v| {
-            o.max_streams_per_source = int(k, v, 1, 1 << 20)? as usize;
+            o.max_streams_per_source = int(k, v, 0, 1 << 20)? as usize;
             Ok(())
         },
     ),

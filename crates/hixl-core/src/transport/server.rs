@@ -29,7 +29,7 @@ use crate::transport::nbio;
 use crate::transport::reactor::{Interest, Reactor, Source, Tick};
 use crate::transport::serve::serve;
 use crate::transport::served::{self, SendState, ServedRx};
-use crate::transport::source_caps::{source_key, Counted, SourceCaps};
+use crate::transport::source_caps::{source_key, Cap, Counted, SourceCaps};
 
 /// Failed authentications from one source address within `AUTH_WINDOW` after which every new
 /// handshake from it waits `AUTH_TARPIT` before it gets a challenge (and failures are no longer
@@ -60,9 +60,11 @@ pub struct ServerCtx {
     pub max_pending: usize,
     /// Most of those from one source address.
     pub max_pending_per_source: usize,
-    /// Most established streams (handshake ended) in all (`hixl.max_streams`).
+    /// Most established streams (handshake ended) in all (`hixl.max_streams`; 0: half the
+    /// descriptor limit).
     pub max_streams: usize,
-    /// Most of those from one source address (`hixl.max_streams_per_source`).
+    /// Most of those from one source address (`hixl.max_streams_per_source`; 0: a quarter of
+    /// the descriptor limit).
     pub max_streams_per_source: usize,
     /// The backends this engine offers (their capabilities go in Welcome), in its order.
     pub backends: Vec<Arc<dyn Backend>>,
@@ -178,8 +180,9 @@ impl Server {
                     total_key: "hixl.max_streams",
                     per_source_key: "hixl.max_streams_per_source",
                 },
-                ctx.max_streams,
-                ctx.max_streams_per_source,
+                // 0: a share of the descriptor limit (each stream holds one descriptor).
+                Cap::from_option(ctx.max_streams, 2),
+                Cap::from_option(ctx.max_streams_per_source, 4),
             ),
             ctx,
             auth_failures: Mutex::new(HashMap::new()),

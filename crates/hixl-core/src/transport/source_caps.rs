@@ -26,6 +26,46 @@ pub(crate) fn source_key(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// One cap: a number, or (option value 0) a share of this process's descriptor limit
+/// (RLIMIT_NOFILE's soft limit, read at each admission), for things that each cost a
+/// descriptor: the cap then follows `ulimit -n`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Cap {
+    /// At most this many.
+    Fixed(usize),
+    /// At most the descriptor limit divided by this (at least 1).
+    FdShare(usize),
+}
+
+impl Cap {
+    /// An option's value: 0 is `FdShare(share)`, else that number.
+    pub(crate) fn from_option(v: usize, share: usize) -> Cap {
+        if v == 0 {
+            Cap::FdShare(share)
+        } else {
+            Cap::Fixed(v)
+        }
+    }
+
+    /// The cap now, and how a message shows the option's setting.
+    fn resolve(self) -> (usize, String) {
+        match self {
+            Cap::Fixed(n) => (n, n.to_string()),
+            Cap::FdShare(d) => {
+                let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+                // SAFETY: `l` is a live rlimit for the kernel to fill.
+                let soft = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } == 0 {
+                    l.rlim_cur.min(1 << 24) as usize
+                } else {
+                    1024
+                };
+                let n = (soft / d.max(1)).max(1);
+                (n, format!("0: 1/{d} of this process's descriptor limit {soft}"))
+            }
+        }
+    }
+}
+
 /// What a [`SourceCaps`] counts, for its messages.
 pub(crate) struct Counted {
     /// The things counted, plural ("established streams").
@@ -40,14 +80,14 @@ pub(crate) struct Counted {
 /// Things held for peers, counted in all and per source, under two caps.
 pub(crate) struct SourceCaps {
     counted: Counted,
-    total_cap: usize,
-    per_source_cap: usize,
+    total_cap: Cap,
+    per_source_cap: Cap,
     counts: Mutex<(usize, HashMap<IpAddr, usize>)>,
 }
 
 impl SourceCaps {
     /// Caps of `total` in all and `per_source` from one source.
-    pub(crate) fn new(counted: Counted, total: usize, per_source: usize) -> SourceCaps {
+    pub(crate) fn new(counted: Counted, total: Cap, per_source: Cap) -> SourceCaps {
         SourceCaps {
             counted,
             total_cap: total,
@@ -61,21 +101,22 @@ impl SourceCaps {
     pub(crate) fn admit(&self, ip: IpAddr, n: usize) -> Result<(), String> {
         let key = source_key(ip);
         let Counted { what, holder, total_key, per_source_key } = &self.counted;
+        let ((per_source, per_shown), (total, total_shown)) =
+            (self.per_source_cap.resolve(), self.total_cap.resolve());
         let mut c = self.counts.lock().unwrap();
         let from = c.1.get(&key).copied().unwrap_or(0);
-        if from + n > self.per_source_cap {
+        if from + n > per_source {
             return Err(format!(
-                "too many {what} for {key}: {holder} holds {from} of at most {} for one source \
-                 address ({per_source_key} = {}), and {n} more were asked for; close some links \
-                 or raise it",
-                self.per_source_cap, self.per_source_cap
+                "too many {what} for {key}: {holder} holds {from} of at most {per_source} for one \
+                 source address ({per_source_key} = {per_shown}), and {n} more were asked for; \
+                 close some links or raise it"
             ));
         }
-        if c.0 + n > self.total_cap {
+        if c.0 + n > total {
             return Err(format!(
-                "too many {what}: {holder} holds {} of at most {} in all ({total_key} = {}), and \
-                 {n} more were asked for; close some links or raise it",
-                c.0, self.total_cap, self.total_cap
+                "too many {what}: {holder} holds {} of at most {total} in all ({total_key} = \
+                 {total_shown}), and {n} more were asked for; close some links or raise it",
+                c.0
             ));
         }
         c.0 += n;
@@ -111,7 +152,20 @@ mod tests {
     fn caps(total: usize, per_source: usize) -> SourceCaps {
         let counted =
             Counted { what: "things", holder: "this test", total_key: "t.total", per_source_key: "t.source" };
-        SourceCaps::new(counted, total, per_source)
+        SourceCaps::new(counted, Cap::Fixed(total), Cap::Fixed(per_source))
+    }
+
+    #[test]
+    fn a_share_of_the_descriptor_limit_follows_it() {
+        let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: `l` is a live rlimit for the kernel to fill.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) }, 0);
+        let soft = l.rlim_cur.min(1 << 24) as usize;
+        let (n, shown) = Cap::FdShare(4).resolve();
+        assert_eq!(n, (soft / 4).max(1));
+        assert!(shown.contains(&format!("1/4 of this process's descriptor limit {soft}")), "{shown}");
+        assert_eq!(Cap::from_option(0, 4), Cap::FdShare(4));
+        assert_eq!(Cap::from_option(7, 4), Cap::Fixed(7));
     }
 
     #[test]

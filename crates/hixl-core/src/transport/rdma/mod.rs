@@ -32,7 +32,7 @@ use crate::error::{Error, Result, Status};
 use crate::options::rdma::{Provider, RdmaOptions};
 use crate::options::Options;
 use crate::transport::backend::{Backend, MemorySpan, OpenCtx, HOST_TO_HOST};
-use crate::transport::source_caps::{Counted, SourceCaps};
+use crate::transport::source_caps::{Cap, Counted, SourceCaps};
 use crate::transport::tcp::TcpLink;
 use crate::transport::DataPath;
 use crate::wire::rdma::{decode_rkey, encode_rkey, QpAddr, RdmaOpen, MAX_QPN, MAX_QPS};
@@ -197,7 +197,8 @@ impl Rdma {
             total_key: "hixl.rdma.max_qps",
             per_source_key: "hixl.rdma.max_qps_per_source",
         };
-        let target_qps = Arc::new(SourceCaps::new(counted, o.max_qps, o.max_qps_per_source));
+        let (total, per_source) = (Cap::Fixed(o.max_qps), Cap::Fixed(o.max_qps_per_source));
+        let target_qps = Arc::new(SourceCaps::new(counted, total, per_source));
         Rdma { nic, provider: o.provider.as_str(), opts: o, only, target_qps }
     }
 
