@@ -178,6 +178,8 @@ impl Engine {
                 secret: opts.secret.clone(),
                 max_pending: opts.max_pending_handshakes,
                 max_pending_per_source: opts.max_pending_per_source,
+                max_streams: opts.max_streams,
+                max_streams_per_source: opts.max_streams_per_source,
                 backends: backends.clone(),
                 reactor: reactor.clone(),
                 stage_budget: Default::default(),

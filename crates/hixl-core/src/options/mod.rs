@@ -132,6 +132,11 @@ pub struct Options {
     pub max_pending_handshakes: usize,
     /// `hixl.max_pending_per_source`: most of those from one source address.
     pub max_pending_per_source: usize,
+    /// `hixl.max_streams`: most established (handshake ended) streams the listener serves
+    /// (0: half of RLIMIT_NOFILE's soft limit, read at each handshake).
+    pub max_streams: usize,
+    /// `hixl.max_streams_per_source`: most of those from one source address (0: a quarter).
+    pub max_streams_per_source: usize,
     /// HIXL's `AutoConnect`: engines to connect to (in the background) once initialized.
     pub auto_connect: Vec<String>,
     /// `hixl.rdma.*`: the `rdma` backend's settings.
@@ -286,6 +291,14 @@ pub const SPECS: &[OptionSpec] = &[
         o.rdma.qps = int(k, v, 1, 64)? as usize;
         Ok(())
     }),
+    spec("hixl.rdma.max_qps", "1024", "rdma backend: most QPs a target makes for initiators in all (over it: refused)", |o, k, v| {
+        o.rdma.max_qps = int(k, v, 1, 1 << 20)? as usize;
+        Ok(())
+    }),
+    spec("hixl.rdma.max_qps_per_source", "256", "rdma backend: of those, most for one source address (over it: refused)", |o, k, v| {
+        o.rdma.max_qps_per_source = int(k, v, 1, 1 << 20)? as usize;
+        Ok(())
+    }),
     spec(
         "hixl.tcp.io_threads",
         "0",
@@ -399,6 +412,24 @@ pub const SPECS: &[OptionSpec] = &[
         },
     ),
     spec(
+        "hixl.max_streams",
+        "0",
+        "most established streams the listener serves, over it refused (0: half the descriptor limit)",
+        |o, k, v| {
+            o.max_streams = int(k, v, 0, 1 << 20)? as usize;
+            Ok(())
+        },
+    ),
+    spec(
+        "hixl.max_streams_per_source",
+        "0",
+        "of those, most from one source address (0: a quarter of the descriptor limit)",
+        |o, k, v| {
+            o.max_streams_per_source = int(k, v, 0, 1 << 20)? as usize;
+            Ok(())
+        },
+    ),
+    spec(
         "hixl.heartbeat_ms",
         "1000",
         "probe idle links this often; a peer silent for 3 intervals is dead (0 = off)",
@@ -475,6 +506,8 @@ impl Options {
             data_mac: false,
             max_pending_handshakes: 0,
             max_pending_per_source: 0,
+            max_streams: 0,
+            max_streams_per_source: 0,
             auto_connect: Vec::new(),
             rdma: rdma::RdmaOptions::blank(),
         }

@@ -38,6 +38,10 @@ pub struct RdmaOptions {
     pub traffic_class: u8,
     /// `hixl.rdma.service_level` (or HIXL's `RdmaServiceLevel`): the service level.
     pub service_level: u8,
+    /// `hixl.rdma.max_qps`: most QPs this engine makes for initiators, all links together.
+    pub max_qps: usize,
+    /// `hixl.rdma.max_qps_per_source`: most of those for one source address.
+    pub max_qps_per_source: usize,
 }
 
 impl RdmaOptions {
@@ -50,6 +54,8 @@ impl RdmaOptions {
             qps: 0,
             traffic_class: 0,
             service_level: 0,
+            max_qps: 0,
+            max_qps_per_source: 0,
         }
     }
 }

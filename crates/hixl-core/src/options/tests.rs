@@ -70,3 +70,18 @@ fn bad_keys_and_values_name_themselves() {
     let e = Options::parse(&map(&[("hixl.queue_depth", "lots")])).unwrap_err();
     assert!(e.message.contains("lots"), "{e}");
 }
+
+#[test]
+fn stream_caps_default_and_name_bad_values() {
+    let o = Options::default();
+    assert_eq!((o.max_streams, o.max_streams_per_source), (0, 0), "0: a share of the descriptor limit");
+    let o =
+        Options::parse(&map(&[("hixl.max_streams", "10"), ("hixl.max_streams_per_source", "3")])).unwrap();
+    assert_eq!((o.max_streams, o.max_streams_per_source), (10, 3));
+    for key in ["hixl.max_streams", "hixl.max_streams_per_source", "hixl.rdma.max_qps"] {
+        let e = Options::parse(&map(&[(key, "-1")])).unwrap_err();
+        assert!(e.message.contains(&format!("{key}=\"-1\"")), "{e}");
+    }
+    let e = Options::parse(&map(&[("hixl.rdma.max_qps_per_source", "0")])).unwrap_err();
+    assert!(e.message.contains("hixl.rdma.max_qps_per_source=\"0\""), "{e}");
+}

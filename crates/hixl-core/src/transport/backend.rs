@@ -104,10 +104,16 @@ pub trait Backend: Send + Sync {
     ) -> std::result::Result<Arc<dyn DataPath>, String>;
 
     /// The target's side of a `connect` that needs one (`TcpLink::open_backend`): answers the
-    /// initiator's BackendOpen payload on a served control link. `state` is this backend's
-    /// state for that link, kept until the link ends (then dropped). The default refuses.
-    fn accept(&self, payload: &[u8], state: &mut Option<Box<dyn Any + Send>>) -> Result<Vec<u8>> {
-        let _ = (payload, state);
+    /// initiator's BackendOpen payload on a served control link from `from` (the initiator's
+    /// address, for per-source caps). `state` is this backend's state for that link, kept
+    /// until the link ends (then dropped). The default refuses.
+    fn accept(
+        &self,
+        from: std::net::IpAddr,
+        payload: &[u8],
+        state: &mut Option<Box<dyn Any + Send>>,
+    ) -> Result<Vec<u8>> {
+        let _ = (from, payload, state);
         Err(Error::new(Status::Unsupported, format!("backend {} opens nothing on the target", self.name())))
     }
 }
@@ -120,6 +126,7 @@ pub(crate) type Accepted = Vec<(String, Option<Box<dyn Any + Send>>)>;
 pub(crate) fn answer_open(
     backends: &[Arc<dyn Backend>],
     control_link: bool,
+    from: std::net::IpAddr,
     backend: &str,
     payload: &[u8],
     accepted: &mut Accepted,
@@ -135,7 +142,7 @@ pub(crate) fn answer_open(
                     accepted.len() - 1
                 }
             };
-            b.accept(payload, &mut accepted[at].1)
+            b.accept(from, payload, &mut accepted[at].1)
         }
     };
     match res {

@@ -24,6 +24,7 @@ pub(crate) mod served;
 pub mod server;
 pub mod shared_mem;
 pub mod shm;
+pub(crate) mod source_caps;
 pub mod tcp;
 
 use std::sync::Arc;

@@ -19,13 +19,11 @@
 //! middle of a transfer's bytes does a job wait for its socket, at most 100 ms (see `nbio`).
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-use crossbeam_queue::SegQueue;
 
 use crate::error::{Error, Result};
 use crate::transport::pool::CopyPool;
@@ -73,12 +71,15 @@ fn slack(period: Duration) -> Duration {
     TIMER_SLACK.min(period / 10)
 }
 
-/// The token of the workers' wake-up eventfd.
-const WAKE: u64 = 0;
+#[path = "reactor_shard.rs"]
+mod shard;
+use shard::{Shard, SECOND, WAKE};
 
 struct Entry {
     fd: RawFd,
     shard: usize,
+    /// Registered in the shard's second set ([`Reactor::add_second`]).
+    second: bool,
     state: AtomicU8,
     events: AtomicU32,
     /// The interest its epoll registration is armed with ([`armed_code`]), or `FIRED` once an
@@ -104,50 +105,6 @@ struct TimerEntry {
     next: Instant,
     period: Duration,
     tick: Weak<dyn Tick>,
-}
-
-/// One worker's epoll set, its wake-up eventfd and the sources scheduled on it.
-struct Shard {
-    epfd: OwnedFd,
-    wake: OwnedFd,
-    scheduled: SegQueue<u64>,
-}
-
-impl Shard {
-    fn new() -> Result<Shard> {
-        // SAFETY: plain system calls; the descriptors they return are owned below.
-        let epfd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if epfd < 0 {
-            return Err(os_error("epoll_create1"));
-        }
-        // SAFETY: `epfd` is a new descriptor nobody else owns.
-        let epfd = unsafe { OwnedFd::from_raw_fd(epfd) };
-        // SAFETY: as above.
-        let wake = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if wake < 0 {
-            return Err(os_error("eventfd"));
-        }
-        // SAFETY: `wake` is a new descriptor nobody else owns.
-        let wake = unsafe { OwnedFd::from_raw_fd(wake) };
-        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: WAKE };
-        // SAFETY: both descriptors are open; `ev` is a valid event.
-        if unsafe { libc::epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, wake.as_raw_fd(), &mut ev) } != 0 {
-            return Err(os_error("epoll_ctl(eventfd)"));
-        }
-        Ok(Shard { epfd, wake, scheduled: SegQueue::new() })
-    }
-
-    /// Queues `token` for this shard's worker and wakes it.
-    fn schedule(&self, token: u64) {
-        self.scheduled.push(token);
-        self.ring();
-    }
-
-    fn ring(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to our eventfd.
-        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
-    }
 }
 
 /// An engine's I/O workers and its timer.
@@ -257,11 +214,36 @@ impl Reactor {
         interest: Interest,
         shard: usize,
     ) -> Result<u64> {
+        self.register(fd, source, interest, shard, false)
+    }
+
+    /// As [`Reactor::add`], for a second source on a descriptor that a source added with
+    /// `add` on the same `shard` holds (a stream's writer beside its reader): no `dup` of the
+    /// descriptor is needed. The two run independently, each at most on one thread at a time.
+    pub(crate) fn add_second(
+        &self,
+        fd: RawFd,
+        source: Arc<dyn Source>,
+        interest: Interest,
+        shard: usize,
+    ) -> Result<u64> {
+        self.register(fd, source, interest, shard, true)
+    }
+
+    fn register(
+        &self,
+        fd: RawFd,
+        source: Arc<dyn Source>,
+        interest: Interest,
+        shard: usize,
+        second: bool,
+    ) -> Result<u64> {
         let shard = shard % self.shards.len();
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
         let entry = Arc::new(Entry {
             fd,
             shard,
+            second,
             state: AtomicU8::new(IDLE),
             events: AtomicU32::new(0),
             armed: AtomicU8::new(armed_code(interest)),
@@ -269,7 +251,7 @@ impl Reactor {
         });
         self.entries.write().unwrap().insert(token, entry);
         let mut ev = libc::epoll_event { events: mask(interest), u64: token };
-        let epfd = self.shards[shard].epfd.as_raw_fd();
+        let epfd = self.shards[shard].set(second);
         // SAFETY: `fd` is open (the caller's contract); `ev` is a valid event.
         if unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut ev) } != 0 {
             self.entries.write().unwrap().remove(&token);
@@ -285,7 +267,7 @@ impl Reactor {
             // is not registered only fails.
             unsafe {
                 libc::epoll_ctl(
-                    self.shards[e.shard].epfd.as_raw_fd(),
+                    self.shards[e.shard].set(e.second),
                     libc::EPOLL_CTL_DEL,
                     e.fd,
                     std::ptr::null_mut(),
@@ -377,7 +359,7 @@ impl Reactor {
         let mut ev = libc::epoll_event { events: mask(interest), u64: token };
         // SAFETY: `e` holds the source, which keeps the fd open; MOD of an fd removed
         // meanwhile fails with ENOENT, which is fine.
-        unsafe { libc::epoll_ctl(self.shards[e.shard].epfd.as_raw_fd(), libc::EPOLL_CTL_MOD, e.fd, &mut ev) };
+        unsafe { libc::epoll_ctl(self.shards[e.shard].set(e.second), libc::EPOLL_CTL_MOD, e.fd, &mut ev) };
     }
 
     /// Runs the source on the calling thread over and over: after each run, `more` (given
@@ -423,6 +405,7 @@ impl Reactor {
     fn worker_loop(&self, shard: usize) {
         let me = &self.shards[shard];
         let mut evs = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
+        let mut second = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
         // Low-latency mode: after activity, poll without sleeping (yielding the processor
         // between polls) until `busy_poll` passes with nothing to do.
         let mut active_until: Option<Instant> = None;
@@ -460,6 +443,13 @@ impl Reactor {
                             return;
                         }
                         self.dispatch(t, 0);
+                    }
+                } else if token == SECOND {
+                    // Level-triggered: more than 64 ready come back at the next pass.
+                    // SAFETY: `second` has room for 64 events; timeout 0 never blocks.
+                    let m = unsafe { libc::epoll_wait(me.second.as_raw_fd(), second.as_mut_ptr(), 64, 0) };
+                    for ev in &second[..m.max(0) as usize] {
+                        self.dispatch(ev.u64, ev.events);
                     }
                 } else {
                     self.dispatch(token, events);

@@ -2,7 +2,7 @@
 //! frames a handshake may carry), on a thread of its own; then the stream goes to the
 //! engine's I/O workers (see `served`).
 
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -29,14 +29,9 @@ fn refuse(served: &Served, status: Status, message: &str, deadline: Instant) -> 
 }
 
 /// Serves one accepted stream until it ends.
-pub(crate) fn serve(
-    srv: &Arc<Server>,
-    id: u64,
-    from: SocketAddr,
-    sock: &TcpStream,
-    served: &Arc<Served>,
-) -> IoResult<()> {
+pub(crate) fn serve(srv: &Arc<Server>, id: u64, from: SocketAddr, served: &Arc<Served>) -> IoResult<()> {
     let ctx = &*srv.ctx;
+    let sock = &served.sock;
     let fd = sock.as_raw_fd();
     sock.set_nodelay(true)?;
     // The target sends no heartbeats of its own; keepalive ends a serve thread whose
@@ -100,6 +95,9 @@ pub(crate) fn serve(
         }
         None => None,
     };
+    if let Err(message) = srv.count_stream(served, from.ip()) {
+        return Err(refuse(served, Status::ResourceExhausted, &message, deadline));
+    }
     srv.handshake_over(id);
     let data = flags & FLAG_DATA_MAC != 0;
     let rx = FrameMac::new(keys.as_ref().map(|k| k.initiator_to_target), data);

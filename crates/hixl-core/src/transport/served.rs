@@ -345,9 +345,12 @@ fn on_frame(
         Frame::Heartbeat => answer(srv, s, &Frame::HeartbeatAck, h.tag)?,
         Frame::BackendOpen { backend, payload } => {
             let head = s.link_head.load(Ordering::Acquire);
+            let from = s.peer_addr.parse::<std::net::SocketAddr>().map(|a| a.ip());
+            let from = from.unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
             let ans = crate::transport::backend::answer_open(
                 &ctx.backends,
                 head,
+                from,
                 &backend,
                 &payload,
                 &mut s.accepted.lock().unwrap(),

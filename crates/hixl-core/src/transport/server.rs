@@ -29,22 +29,7 @@ use crate::transport::nbio;
 use crate::transport::reactor::{Interest, Reactor, Source, Tick};
 use crate::transport::serve::serve;
 use crate::transport::served::{self, SendState, ServedRx};
-
-/// A source of connections for the pending-handshake caps: an IPv4 address, or an IPv6 /64
-/// (one host usually holds a whole /64).
-fn source_key(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
-            None => {
-                let mut o = v6.octets();
-                o[8..].fill(0);
-                IpAddr::V6(o.into())
-            }
-        },
-        v4 => v4,
-    }
-}
+use crate::transport::source_caps::{source_key, Cap, Counted, SourceCaps};
 
 /// Failed authentications from one source address within `AUTH_WINDOW` after which every new
 /// handshake from it waits `AUTH_TARPIT` before it gets a challenge (and failures are no longer
@@ -75,6 +60,12 @@ pub struct ServerCtx {
     pub max_pending: usize,
     /// Most of those from one source address.
     pub max_pending_per_source: usize,
+    /// Most established streams (handshake ended) in all (`hixl.max_streams`; 0: half the
+    /// descriptor limit).
+    pub max_streams: usize,
+    /// Most of those from one source address (`hixl.max_streams_per_source`; 0: a quarter of
+    /// the descriptor limit).
+    pub max_streams_per_source: usize,
     /// The backends this engine offers (their capabilities go in Welcome), in its order.
     pub backends: Vec<Arc<dyn Backend>>,
     /// The engine's I/O workers, which serve the streams after their handshake.
@@ -89,10 +80,9 @@ pub(crate) struct Served {
     holder_id: u64,
     /// Its key in `Server::served` (and the notification store's sender id).
     pub(crate) id: u64,
+    /// The stream's one descriptor: the reader and the writer are registered on it (the
+    /// writer in its worker's second epoll set, see `Reactor::add_second`).
     pub(crate) sock: TcpStream,
-    /// A second descriptor of the socket, on which the writer is registered (epoll holds one
-    /// registration per descriptor, and the reader has `sock`'s).
-    wsock: TcpStream,
     /// The receiving side, held by the reader while it runs.
     pub(crate) rx: Mutex<ServedRx>,
     /// The reader stopped taking frames until the writer sends what is queued.
@@ -102,6 +92,8 @@ pub(crate) struct Served {
     pub(crate) writer_token: AtomicU64,
     /// Set once the stream's end was handled.
     finished: AtomicBool,
+    /// The source address it counts against in `Server::streams`, once its handshake ended.
+    counted: Mutex<Option<IpAddr>>,
     /// The initiator's address and ours, as text (the four-tuple of the same-host proof).
     pub(crate) peer_addr: String,
     pub(crate) local_addr: String,
@@ -153,6 +145,8 @@ pub struct Server {
     pub(crate) served: Mutex<HashMap<u64, Arc<Served>>>,
     /// Streams whose handshake has not ended, oldest first, with their source address.
     pending: Mutex<VecDeque<(u64, IpAddr)>>,
+    /// Streams whose handshake ended, counted against `hixl.max_streams(_per_source)`.
+    streams: SourceCaps,
     auth_failures: Mutex<HashMap<IpAddr, (Instant, u32)>>,
     next: AtomicU64,
     pub(crate) live: Mutex<usize>,
@@ -179,11 +173,22 @@ impl Server {
     pub fn start(listener: TcpListener, ctx: Arc<ServerCtx>) -> Result<Arc<Server>> {
         let srv = Arc::new(Server {
             listener,
-            ctx,
             local: Mutex::new(None),
             stopping: AtomicBool::new(false),
             served: Mutex::new(HashMap::new()),
             pending: Mutex::new(VecDeque::new()),
+            streams: SourceCaps::new(
+                Counted {
+                    what: "established streams",
+                    holder: "this listener",
+                    total_key: "hixl.max_streams",
+                    per_source_key: "hixl.max_streams_per_source",
+                },
+                // 0: a share of the descriptor limit (each stream holds one descriptor).
+                Cap::from_option(ctx.max_streams, 2),
+                Cap::from_option(ctx.max_streams_per_source, 4),
+            ),
+            ctx,
             auth_failures: Mutex::new(HashMap::new()),
             next: AtomicU64::new(0),
             live: Mutex::new(0),
@@ -305,6 +310,18 @@ impl Server {
         p.push_back((id, ip));
     }
 
+    /// Counts a stream whose handshake succeeded as established, or says which cap refuses
+    /// it (see `source_caps`).
+    pub(crate) fn count_stream(&self, s: &Served, ip: IpAddr) -> std::result::Result<(), String> {
+        let mut counted = s.counted.lock().unwrap();
+        if s.finished.load(Ordering::Acquire) {
+            return Err("the stream ended".into());
+        }
+        self.streams.admit(ip, 1)?;
+        *counted = Some(ip);
+        Ok(())
+    }
+
     /// The stream's handshake ended (well or not): it no longer counts as pending.
     pub(crate) fn handshake_over(&self, id: u64) {
         self.pending.lock().unwrap().retain(|(i, _)| *i != id);
@@ -329,21 +346,18 @@ impl Server {
             if sock.set_nonblocking(false).is_err() {
                 continue;
             }
-            let (Ok(clone), Ok(wsock), Ok(local)) = (sock.try_clone(), sock.try_clone(), sock.local_addr())
-            else {
-                continue;
-            };
+            let Ok(local) = sock.local_addr() else { continue };
             let id = self.next.fetch_add(1, Ordering::Relaxed);
             let served = Arc::new(Served {
                 holder_id: new_holder_id(),
                 id,
-                sock: clone,
-                wsock,
+                sock,
                 rx: Mutex::new(ServedRx::new(FrameMac::default())),
                 paused: AtomicBool::new(false),
                 reader_token: AtomicU64::new(0),
                 writer_token: AtomicU64::new(0),
                 finished: AtomicBool::new(false),
+                counted: Mutex::new(None),
                 peer_addr: addr_text(from),
                 local_addr: addr_text(local),
                 sender: OnceLock::new(),
@@ -366,7 +380,7 @@ impl Server {
             let srv = self.clone();
             // The handshake only: the I/O workers take the stream after it (`start_serving`).
             let spawned = std::thread::Builder::new().name("hixl-handshake".into()).spawn(move || {
-                if let Err(e) = serve(&srv, id, from, &sock, &served) {
+                if let Err(e) = serve(&srv, id, from, &served) {
                     tracing::info!(from = %from, error = %e, "served stream ended");
                     srv.end_stream(&served);
                 }
@@ -388,7 +402,7 @@ impl Server {
         let r = Arc::new(served::Reader { srv: self.clone(), served: s.clone() });
         let shard = reactor.next_shard();
         let wt = reactor
-            .add(s.wsock.as_raw_fd(), w, Interest::Idle, shard)
+            .add_second(s.sock.as_raw_fd(), w, Interest::Idle, shard)
             .map_err(|e| std::io::Error::other(e.message))?;
         s.writer_token.store(wt, Ordering::Release);
         let rt = match reactor.add(s.sock.as_raw_fd(), r, Interest::Read, shard) {
@@ -424,6 +438,9 @@ impl Server {
             rx.state = served::RxState::Frames;
         }
         self.handshake_over(s.id);
+        if let Some(ip) = s.counted.lock().unwrap().take() {
+            self.streams.release(ip, 1);
+        }
         self.served.lock().unwrap().remove(&s.id);
         // Flag first, then the lock: a publisher that saw the stream running is already
         // waiting and gets this wake-up.

@@ -6,7 +6,9 @@
 //! - Connection: the initiator creates `hixl.rdma.qps` QPs and sends their addresses (GID, LID,
 //!   QPN, PSN, MTU) in a BackendOpen frame over the authenticated control channel; the target
 //!   (`accept`) creates as many, connects them and answers with theirs; its QPs live as long as
-//!   that control link.
+//!   that control link. A target makes at most `hixl.rdma.max_qps` QPs for initiators in all
+//!   and `hixl.rdma.max_qps_per_source` for one source address (see `source_caps`); a
+//!   BackendOpen over a cap is answered `RESOURCE_EXHAUSTED` naming it, and nothing is made.
 //! - Data path: `link` (work-request chains, one doorbell per batch, one poller per engine in
 //!   `nic`), bookkeeping in `book`, request building in `wrs`.
 //! - Providers: `verbs` (libibverbs loaded at run time, `ffi`) and `soft` (a software RC NIC,
@@ -21,6 +23,7 @@ pub mod verbs;
 mod wrs;
 
 use std::any::Any;
+use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +32,7 @@ use crate::error::{Error, Result, Status};
 use crate::options::rdma::{Provider, RdmaOptions};
 use crate::options::Options;
 use crate::transport::backend::{Backend, MemorySpan, OpenCtx, HOST_TO_HOST};
+use crate::transport::source_caps::{Cap, Counted, SourceCaps};
 use crate::transport::tcp::TcpLink;
 use crate::transport::DataPath;
 use crate::wire::rdma::{decode_rkey, encode_rkey, QpAddr, RdmaOpen, MAX_QPN, MAX_QPS};
@@ -166,6 +170,8 @@ pub struct Rdma {
     /// `hixl.backends` is `rdma` alone: a registration the NIC refuses fails (with other
     /// backends it only leaves the region without an rdma key).
     only: bool,
+    /// The QPs this engine made for initiators, under `hixl.rdma.max_qps(_per_source)`.
+    target_qps: Arc<SourceCaps>,
 }
 
 impl Rdma {
@@ -185,7 +191,15 @@ impl Rdma {
             tracing::info!(provider = n.verbs.provider(), device = %n.device, port = n.port, "RDMA device opened");
         }
         let only = opts.backends.iter().all(|b| b == "rdma");
-        Rdma { nic, provider: o.provider.as_str(), opts: o, only }
+        let counted = Counted {
+            what: "RDMA queue pairs",
+            holder: "this engine",
+            total_key: "hixl.rdma.max_qps",
+            per_source_key: "hixl.rdma.max_qps_per_source",
+        };
+        let (total, per_source) = (Cap::Fixed(o.max_qps), Cap::Fixed(o.max_qps_per_source));
+        let target_qps = Arc::new(SourceCaps::new(counted, total, per_source));
+        Rdma { nic, provider: o.provider.as_str(), opts: o, only, target_qps }
     }
 
     fn nic(&self) -> std::result::Result<&Arc<Nic>, String> {
@@ -203,14 +217,18 @@ impl Drop for Rdma {
     }
 }
 
-/// The target side of one control link: the QPs it made for that initiator.
+/// The target side of one control link: the QPs it made for that initiator (at `from`),
+/// each counted in the engine's `caps` until destroyed.
 struct TargetQps {
     nic: Arc<Nic>,
     qps: Vec<(verbs::Qp, u32)>,
+    caps: Arc<SourceCaps>,
+    from: IpAddr,
 }
 
 impl Drop for TargetQps {
     fn drop(&mut self) {
+        self.caps.release(self.from, self.qps.len());
         for (qp, _) in self.qps.drain(..) {
             self.nic.destroy_qp(qp, false);
         }
@@ -298,10 +316,18 @@ impl Backend for Rdma {
         Ok(link)
     }
 
-    fn accept(&self, payload: &[u8], state: &mut Option<Box<dyn Any + Send>>) -> Result<Vec<u8>> {
+    fn accept(
+        &self,
+        from: IpAddr,
+        payload: &[u8],
+        state: &mut Option<Box<dyn Any + Send>>,
+    ) -> Result<Vec<u8>> {
         let nic = self.nic().map_err(unsupported)?;
         let open = RdmaOpen::decode(payload).map_err(|e| Error::param(format!("RDMA QP addresses: {e}")))?;
-        let st = state.get_or_insert_with(|| Box::new(TargetQps { nic: nic.clone(), qps: Vec::new() }));
+        let caps = &self.target_qps;
+        let st = state.get_or_insert_with(|| {
+            Box::new(TargetQps { nic: nic.clone(), qps: Vec::new(), caps: caps.clone(), from })
+        });
         let target =
             st.downcast_mut::<TargetQps>().ok_or_else(|| Error::failed("rdma: foreign link state"))?;
         // Only QPs of this very link may be retired.
@@ -309,6 +335,7 @@ impl Backend for Rdma {
             if let Some(i) = target.qps.iter().position(|(_, n)| n == qpn) {
                 let (qp, _) = target.qps.swap_remove(i);
                 nic.destroy_qp(qp, false);
+                caps.release(target.from, 1);
             }
         }
         if target.qps.len() + open.qps.len() > MAX_TARGET_QPS {
@@ -317,13 +344,20 @@ impl Backend for Rdma {
                 format!("this link already holds {} RDMA QPs (at most {MAX_TARGET_QPS})", target.qps.len()),
             ));
         }
-        let ours = open_qps(nic, open.qps.len(), access::REMOTE_READ | access::REMOTE_WRITE)?;
-        if let Err(e) = connect_qps(nic, &ours, &open.qps, false) {
-            for o in ours {
-                nic.destroy_qp(o.created.qp, false);
+        let n = open.qps.len();
+        caps.admit(target.from, n).map_err(|m| Error::new(Status::ResourceExhausted, m))?;
+        let made = open_qps(nic, n, access::REMOTE_READ | access::REMOTE_WRITE).and_then(|ours| {
+            match connect_qps(nic, &ours, &open.qps, false) {
+                Ok(()) => Ok(ours),
+                Err(e) => {
+                    for o in ours {
+                        nic.destroy_qp(o.created.qp, false);
+                    }
+                    Err(e)
+                }
             }
-            return Err(e);
-        }
+        });
+        let ours = made.inspect_err(|_| caps.release(target.from, n))?;
         let answer = RdmaOpen { retire: vec![], qps: ours.iter().map(|o| o.addr).collect() };
         target.qps.extend(ours.iter().map(|o| (o.created.qp, o.created.qpn)));
         Ok(answer.encode())
@@ -401,10 +435,39 @@ mod tests {
         assert!(!e.message.contains("ulimit"), "{e}");
     }
 
-    fn soft_backend() -> Arc<dyn Backend> {
+    const LOCAL: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
+    fn soft_backend_with(extra: &[(&str, &str)]) -> Arc<dyn Backend> {
         let kv = [("hixl.backends", "rdma"), ("hixl.rdma.provider", "soft")];
-        let map = kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let map = kv.iter().chain(extra).map(|(k, v)| (k.to_string(), v.to_string())).collect();
         Arc::new(Rdma::new(&Options::parse(&map).unwrap()))
+    }
+
+    fn soft_backend() -> Arc<dyn Backend> {
+        soft_backend_with(&[])
+    }
+
+    /// QPs are capped per source and per engine, across links; a link's end gives its back.
+    #[test]
+    fn target_qps_are_capped_per_source_and_per_engine() {
+        use crate::transport::backend::{answer_open, Accepted};
+        let backends =
+            vec![soft_backend_with(&[("hixl.rdma.max_qps", "6"), ("hixl.rdma.max_qps_per_source", "4")])];
+        let q = |qpn| QpAddr { gid: [0xfe; 16], lid: 0, qpn, psn: 7, mtu: 5 };
+        let ask = |n: u32| RdmaOpen { retire: vec![], qps: (0..n).map(|i| q(0x40 + i)).collect() }.encode();
+        let other = IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 2));
+        let (mut a, mut b, mut c) = (Accepted::new(), Accepted::new(), Accepted::new());
+        assert_eq!(opened(answer_open(&backends, true, LOCAL, "rdma", &ask(3), &mut a)).0, 0);
+        let (status, msg, _) = opened(answer_open(&backends, true, LOCAL, "rdma", &ask(2), &mut b));
+        assert_eq!(Status::from_code(status), Status::ResourceExhausted, "{msg}");
+        assert!(msg.contains("hixl.rdma.max_qps_per_source = 4") && msg.contains("127.0.0.1"), "{msg}");
+        assert_eq!(opened(answer_open(&backends, true, LOCAL, "rdma", &ask(1), &mut b)).0, 0);
+        let (status, msg, _) = opened(answer_open(&backends, true, other, "rdma", &ask(3), &mut c));
+        assert_eq!(Status::from_code(status), Status::ResourceExhausted, "{msg}");
+        assert!(msg.contains("hixl.rdma.max_qps = 6"), "{msg}");
+        drop(a);
+        assert_eq!(opened(answer_open(&backends, true, other, "rdma", &ask(3), &mut c)).0, 0);
+        assert_eq!(opened(answer_open(&backends, true, LOCAL, "rdma", &ask(2), &mut b)).0, 0);
     }
 
     fn opened(f: crate::wire::Frame) -> (u32, String, Vec<u8>) {
@@ -422,16 +485,16 @@ mod tests {
         use crate::transport::backend::{answer_open, Accepted};
         let backends = vec![soft_backend()];
         let mut link = Accepted::new();
-        let (status, msg, _) = opened(answer_open(&backends, true, "rdma", &[1, 2, 3], &mut link));
+        let (status, msg, _) = opened(answer_open(&backends, true, LOCAL, "rdma", &[1, 2, 3], &mut link));
         assert_eq!(Status::from_code(status), Status::ParamInvalid, "{msg}");
         assert!(msg.contains("RDMA QP addresses"), "{msg}");
         let q = |qpn| QpAddr { gid: [0xfe; 16], lid: 0, qpn, psn: 7, mtu: 5 };
         let ask = RdmaOpen { retire: vec![], qps: vec![q(0x41), q(0x42)] }.encode();
-        let (status, msg, _) = opened(answer_open(&backends, false, "rdma", &ask, &mut link));
+        let (status, msg, _) = opened(answer_open(&backends, false, LOCAL, "rdma", &ask, &mut link));
         assert_eq!(Status::from_code(status), Status::ParamInvalid, "a data-path stream: {msg}");
-        let (status, _, _) = opened(answer_open(&backends, true, "gpu", &ask, &mut link));
+        let (status, _, _) = opened(answer_open(&backends, true, LOCAL, "gpu", &ask, &mut link));
         assert_eq!(Status::from_code(status), Status::Unsupported);
-        let (status, msg, payload) = opened(answer_open(&backends, true, "rdma", &ask, &mut link));
+        let (status, msg, payload) = opened(answer_open(&backends, true, LOCAL, "rdma", &ask, &mut link));
         assert_eq!(status, 0, "{msg}");
         let ours = RdmaOpen::decode(&payload).unwrap();
         assert_eq!(ours.qps.len(), 2, "one target QP per initiator QP");
@@ -442,15 +505,15 @@ mod tests {
         assert_eq!(held(&mut link), ours.qps.iter().map(|a| a.qpn).collect::<Vec<_>>());
         // A replacement retires one of this link's QPs; an unknown number is ignored.
         let again = RdmaOpen { retire: vec![ours.qps[0].qpn, 0x7777], qps: vec![q(0x43)] }.encode();
-        let (status, msg, _) = opened(answer_open(&backends, true, "rdma", &again, &mut link));
+        let (status, msg, _) = opened(answer_open(&backends, true, LOCAL, "rdma", &again, &mut link));
         assert_eq!(status, 0, "{msg}");
         assert_eq!(held(&mut link).len(), 2);
         assert!(!held(&mut link).contains(&ours.qps[0].qpn));
         // At most MAX_TARGET_QPS per link.
         let many =
             RdmaOpen { retire: vec![], qps: (0..MAX_QPS as u32).map(|i| q(0x100 + i)).collect() }.encode();
-        assert_eq!(opened(answer_open(&backends, true, "rdma", &many, &mut link)).0, 0);
-        let (status, msg, _) = opened(answer_open(&backends, true, "rdma", &many, &mut link));
+        assert_eq!(opened(answer_open(&backends, true, LOCAL, "rdma", &many, &mut link)).0, 0);
+        let (status, msg, _) = opened(answer_open(&backends, true, LOCAL, "rdma", &many, &mut link));
         assert_eq!(Status::from_code(status), Status::ResourceExhausted, "{msg}");
         assert_eq!(held(&mut link).len(), 2 + MAX_QPS);
     }

@@ -105,10 +105,9 @@ pub(super) struct Rx {
 pub(crate) struct Stream {
     /// Index of this stream, and of its lane in the link's queue.
     pub(super) lane: usize,
+    /// The stream's one descriptor: the reader and the writer are registered on it (the
+    /// writer in its worker's second epoll set, see `Reactor::add_second`).
     pub(super) sock: TcpStream,
-    /// A second descriptor of the socket, on which the writer is registered (epoll holds one
-    /// registration per descriptor, and the reader has `sock`'s).
-    wsock: TcpStream,
     /// Held while frames are sealed and sent (never across a wait).
     pub(super) tx: Mutex<Tx>,
     /// Held by the reader while it runs.
@@ -209,12 +208,10 @@ impl TcpLink {
         let info = info.ok_or_else(|| Error::param("hixl.streams must be at least 1"))?;
         let mut streams = Vec::with_capacity(socks.len());
         for (lane, (sock, (tx, rx))) in socks.into_iter().zip(macs).enumerate() {
-            let wsock = sock.try_clone().and_then(|w| nbio::prepare(&sock).map(|_| w));
-            let wsock = wsock.map_err(|e| Error::not_connected(format!("stream to {peer}: {e}")))?;
+            nbio::prepare(&sock).map_err(|e| Error::not_connected(format!("stream to {peer}: {e}")))?;
             streams.push(Arc::new(Stream {
                 lane,
                 sock,
-                wsock,
                 tx: Mutex::new(Tx { mac: tx, out: Outbox::default() }),
                 rx: Mutex::new(Rx { mac: rx, frames: FrameReader::after_handshake(false), bulk: None }),
                 pending: Mutex::new(VecDeque::new()),
@@ -253,7 +250,7 @@ impl TcpLink {
             let shard = link.reactor.next_shard();
             let added = link
                 .reactor
-                .add(s.wsock.as_raw_fd(), w, Interest::Idle, shard)
+                .add_second(s.sock.as_raw_fd(), w, Interest::Idle, shard)
                 .and_then(|wt| Ok((wt, link.reactor.add(s.sock.as_raw_fd(), r, Interest::Read, shard)?)));
             match added {
                 Ok((wt, rt)) => {

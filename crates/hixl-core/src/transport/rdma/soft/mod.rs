@@ -84,6 +84,10 @@ struct Device {
     stopping: AtomicBool,
     /// Responder connections, shut down when the device closes.
     conns: Mutex<Vec<Arc<UnixStream>>>,
+    /// Connections that have not sent their Hello yet.
+    hello_pending: std::sync::atomic::AtomicUsize,
+    /// A refused connection was logged already.
+    refused_logged: AtomicBool,
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
@@ -111,6 +115,8 @@ impl Device {
             listener,
             stopping: AtomicBool::new(false),
             conns: Mutex::new(Vec::new()),
+            hello_pending: std::sync::atomic::AtomicUsize::new(0),
+            refused_logged: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
         });
         let d = dev.clone();

@@ -25,6 +25,12 @@ pub(super) const OP_READ: u8 = 2;
 const MAGIC: u32 = 0x5352_444d; // "SRDM"
 /// How long a responder waits for the rest of a request once it started (bytes of a WRITE).
 const DATA_WAIT: Duration = Duration::from_secs(10);
+/// How long a new connection may take to send its whole Hello (a peer QP sends it at once).
+const HELLO_WAIT: Duration = Duration::from_secs(1);
+/// Most connections that have not sent their Hello yet; one over it is closed at once.
+const MAX_HELLO_PENDING: usize = 32;
+/// Most connections a device serves (each is a thread); one over it is closed at once.
+const MAX_CONNS: usize = 4096;
 /// Environment variable: microseconds the responder waits before it answers each request (a
 /// model of wire latency; tests use it to keep requests in flight). Unset: none.
 pub const LATENCY_ENV: &str = "HIXL_SOFT_RDMA_LATENCY_US";
@@ -128,6 +134,49 @@ pub(super) fn connect(gid: &[u8; 16], wait: Duration) -> std::io::Result<UnixStr
     Ok(c)
 }
 
+/// The user behind a Unix socket's other end, as the kernel recorded it at connect.
+fn peer_uid(conn: &UnixStream) -> Option<libc::uid_t> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are live and sized for SO_PEERCRED; the socket is open.
+    let rc = unsafe {
+        libc::getsockopt(
+            conn.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(cred.uid)
+}
+
+/// Whether a connection may be served: only a process of this process's user or root may
+/// reach the device (the abstract socket is open to every local user otherwise), and only
+/// within the caps; a refusal is logged once per device.
+fn admit(dev: &Device, conn: &UnixStream) -> bool {
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let why = match peer_uid(conn) {
+        Some(uid) if uid == me || uid == 0 => {
+            if dev.hello_pending.load(Ordering::Acquire) >= MAX_HELLO_PENDING {
+                format!("{MAX_HELLO_PENDING} connections have not sent their Hello yet")
+            } else if dev.conns.lock().unwrap().len() >= MAX_CONNS {
+                format!("it serves {MAX_CONNS} connections already")
+            } else {
+                return true;
+            }
+        }
+        Some(uid) if me == 0 => format!("its peer runs as uid {uid}, and only root may connect"),
+        Some(uid) => format!("its peer runs as uid {uid}, and only uid {me} or root may connect"),
+        None => "its peer's credentials are unknown".to_string(),
+    };
+    if !dev.refused_logged.swap(true, Ordering::AcqRel) {
+        tracing::warn!("soft RDMA NIC: a connection was refused: {why} (logged once)");
+    }
+    false
+}
+
 /// The device's accept loop: one responder thread per connection (each ends with it).
 pub(super) fn listen(dev: &Arc<Device>) {
     loop {
@@ -141,6 +190,10 @@ pub(super) fn listen(dev: &Arc<Device>) {
         if dev.stopping.load(Ordering::Acquire) {
             return;
         }
+        if !admit(dev, &conn) {
+            continue;
+        }
+        dev.hello_pending.fetch_add(1, Ordering::AcqRel);
         let conn = Arc::new(conn);
         dev.conns.lock().unwrap().push(conn.clone());
         let d = dev.clone();
@@ -150,6 +203,7 @@ pub(super) fn listen(dev: &Arc<Device>) {
             d.conns.lock().unwrap().retain(|c| !Arc::ptr_eq(c, &conn));
         });
         if spawned.is_err() {
+            dev.hello_pending.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!("soft NIC: cannot start a responder thread; a peer's connection is dropped");
         }
     }
@@ -158,9 +212,11 @@ pub(super) fn listen(dev: &Arc<Device>) {
 /// Serves one connected peer QP until it closes, or until this side's QP stops answering.
 fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
     let fd = conn.as_raw_fd();
-    let _ = conn.set_read_timeout(Some(DATA_WAIT));
     let mut hb = [0u8; 32];
-    if io::recv_exact(fd, &mut hb).is_err() {
+    // One deadline for the whole Hello: a peer that drips it cannot stretch the wait.
+    let got = io::recv_exact_by(fd, &mut hb, std::time::Instant::now() + HELLO_WAIT);
+    dev.hello_pending.fetch_sub(1, Ordering::AcqRel);
+    if got.is_err() {
         return;
     }
     let Some(hello) = Hello::decode(&hb) else { return };
