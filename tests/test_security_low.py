@@ -309,6 +309,8 @@ class _Tensor:
 def _resized_tensor_is_caught(engine: hixl.Hixl, peer, t, grow: Callable[[], None]) -> None:
     h = engine.register(t)
     engine.put(peer.engine, h.addr, peer.addr, 4096)
+    other = np.full(4096, 7, np.uint8)  # before the resize: not in the memory it frees
+    engine.register(other)
     grow()
     for attempt in (
         lambda: engine.put(peer.engine, h.addr, peer.addr, 4096),
@@ -316,6 +318,9 @@ def _resized_tensor_is_caught(engine: hixl.Hixl, peer, t, grow: Callable[[], Non
     ):
         with pytest.raises(hixl.Failed, match="registered torch tensor was resized"):
             attempt()
+    # A transfer from memory the resized tensor does not hold is not refused for it.
+    engine.put(peer.engine, other.ctypes.data, peer.addr, 4096)
+    assert peer.read().tobytes() == other.tobytes()
     with pytest.raises(hixl.Failed, match="deregistered, but a registered torch tensor"):
         engine.deregister_mem(h)
     # Deregistered: the engine no longer refuses transfers for it.
@@ -327,8 +332,8 @@ def _resized_tensor_is_caught(engine: hixl.Hixl, peer, t, grow: Callable[[], Non
 
 def test_resized_tensor_is_refused_not_used(engine, make_peer):
     """A registered tensor whose storage is reallocated by resize_(): the engine holds the
-    storage, sees that it moved, and refuses every transfer (and says so at deregistration)
-    instead of reading or writing the freed memory."""
+    storage, sees that it moved, and refuses every transfer from or into it (and says so at
+    deregistration) instead of reading or writing the freed memory."""
     peer = make_peer(4096)
     engine.connect(peer.engine, timeout_ms=5000)
     t = _Tensor(4096)

@@ -2,7 +2,6 @@
 //! into the core that can block, wait or copy.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -40,8 +39,8 @@ use crate::types::{
 pub struct Hixl {
     pub(crate) engine: Arc<Engine>,
     keep: Mutex<HashMap<(u64, u64), KeepAlive>>,
-    /// How many of `keep` are torch tensors whose storage can be checked for a resize.
-    tensors: AtomicUsize,
+    /// Which of `keep` are torch tensors whose storage can be checked for a resize.
+    tensors: tensors::TensorSpans,
     /// Requests not yet reported final by the no-argument `get_transfer_status()`.
     unreported: Mutex<Vec<Py<TransferReq>>>,
 }
@@ -141,6 +140,7 @@ impl Hixl {
             remote_addr: types::uint("remote_addr", remote_addr)?,
             len: types::uint("length", length)?,
         }];
+        self.check_tensors(py, [d[0].local_addr])?;
         let t = ms("timeout_ms", timeout_ms)?;
         let e = self.engine.clone();
         submit_released(py, waiting, || e.submit_transfer(remote, op.into(), &d, None, t, waiting))
@@ -160,6 +160,7 @@ impl Hixl {
         waiting: Waiting,
     ) -> PyResult<hixl_core::TransferReq> {
         let lb = types::uint("local_base", local_base)?;
+        self.check_tensors(py, [lb])?;
         let rb = types::uint("remote_base", remote_base)?;
         let t = ms("timeout_ms", timeout_ms)?;
         let e = self.engine.clone();
@@ -176,7 +177,7 @@ impl Hixl {
         Hixl {
             engine: Arc::new(Engine::new()),
             keep: Mutex::new(HashMap::new()),
-            tensors: AtomicUsize::new(0),
+            tensors: tensors::TensorSpans::default(),
             unreported: Mutex::new(Vec::new()),
         }
     }
@@ -249,7 +250,7 @@ impl Hixl {
         if r.is_ok() {
             // On error a peer may still access the memory: the objects stay referenced.
             let released = std::mem::take(&mut *self.keep.lock().unwrap());
-            self.tensors.store(0, Ordering::Relaxed);
+            self.tensors.clear();
             drop(released);
         }
         r.map_err(to_py)
@@ -355,7 +356,7 @@ impl Hixl {
         let h = self.register_access(py, MemDesc { addr, len }, domain, access, name)?;
         self.keep.lock().unwrap().entry((addr, len)).or_insert_with(|| {
             if matches!(&keep, KeepAlive::Tensor(t) if t.checked()) {
-                self.tensors.fetch_add(1, Ordering::Relaxed);
+                self.tensors.add((addr, len));
             }
             keep
         });
@@ -422,7 +423,7 @@ impl Hixl {
         let released = self.keep.lock().unwrap().remove(&(handle.addr, handle.len));
         let probe = match &released {
             Some(KeepAlive::Tensor(t)) if t.checked() => {
-                self.tensors.fetch_sub(1, Ordering::Relaxed);
+                self.tensors.remove((handle.addr, handle.len));
                 t.probe(py)
             }
             _ => None,
@@ -438,23 +439,30 @@ impl Hixl {
 }
 
 impl Hixl {
-    /// Fails when a registered torch tensor was resized (its storage reallocated): transfers
-    /// would use freed memory. Costs nothing while no checkable tensor is registered.
-    pub(crate) fn check_tensors(&self, py: Python<'_>) -> PyResult<()> {
-        if self.tensors.load(Ordering::Relaxed) == 0 {
+    /// Fails when a registered torch tensor that one of `locals` (the local start addresses
+    /// of a transfer) falls in was resized (its storage reallocated): the transfer would use
+    /// freed memory. Costs one atomic load while no checkable tensor is registered, and checks
+    /// only the tensors the transfer touches.
+    pub(crate) fn check_tensors(
+        &self,
+        py: Python<'_>,
+        locals: impl IntoIterator<Item = u64>,
+    ) -> PyResult<()> {
+        let touched = self.tensors.touched(locals);
+        if touched.is_empty() {
             return Ok(());
         }
         // Clones taken under the lock, checked without it (the checks call into Python).
-        let probes: Vec<_> = self
-            .keep
-            .lock()
-            .unwrap()
-            .values()
-            .filter_map(|k| match k {
-                KeepAlive::Tensor(t) => t.probe(py),
-                _ => None,
-            })
-            .collect();
+        let probes: Vec<_> = {
+            let keep = self.keep.lock().unwrap();
+            touched
+                .iter()
+                .filter_map(|key| match keep.get(key) {
+                    Some(KeepAlive::Tensor(t)) => t.probe(py),
+                    _ => None,
+                })
+                .collect()
+        };
         for (storage, addr, len) in &probes {
             if let Some(why) = buffer::moved(py, storage, *addr, *len)? {
                 return Err(errors::failed(format!("{why}; no transfer is started until it is")));
@@ -466,4 +474,5 @@ impl Hixl {
 
 mod links;
 mod notifies;
+mod tensors;
 mod transfers;

@@ -39,9 +39,9 @@ impl Hixl {
         descs: &Bound<'_, PyAny>,
         timeout_ms: Option<f64>,
     ) -> PyResult<()> {
-        self.check_tensors(py)?;
         let t = ms("timeout_ms", timeout_ms)?;
         let d = parse_descs(descs)?;
+        self.check_tensors(py, d.iter().map(|x| x.local_addr))?;
         let e = self.engine.clone();
         let req = submit_released(py, Waiting::Now, || {
             e.submit_transfer(remote, op.into(), &d, None, t, Waiting::Now)
@@ -80,9 +80,9 @@ impl Hixl {
         notify: Option<NotifyDesc>,
         timeout_ms: Option<f64>,
     ) -> PyResult<Py<TransferReq>> {
-        self.check_tensors(py)?;
         let t = ms("timeout_ms", timeout_ms)?;
         let d = parse_descs(descs)?;
+        self.check_tensors(py, d.iter().map(|x| x.local_addr))?;
         let e = self.engine.clone();
         let n = notify.map(Into::into);
         let req = py.allow_threads(|| e.transfer_async(remote, op.into(), &d, n, t)).map_err(to_py)?;
@@ -112,7 +112,6 @@ impl Hixl {
         length: &Bound<'_, PyAny>,
         timeout_ms: Option<f64>,
     ) -> PyResult<()> {
-        self.check_tensors(py)?;
         let req = self.one(
             py,
             remote,
@@ -147,7 +146,6 @@ impl Hixl {
         length: &Bound<'_, PyAny>,
         timeout_ms: Option<f64>,
     ) -> PyResult<()> {
-        self.check_tensors(py)?;
         let req = self.one(
             py,
             remote,
@@ -178,7 +176,6 @@ impl Hixl {
         user_data: Option<Py<PyAny>>,
         timeout_ms: Option<f64>,
     ) -> PyResult<Py<TransferReq>> {
-        self.check_tensors(py)?;
         let req = self.one(
             py,
             remote,
@@ -209,7 +206,6 @@ impl Hixl {
         user_data: Option<Py<PyAny>>,
         timeout_ms: Option<f64>,
     ) -> PyResult<Py<TransferReq>> {
-        self.check_tensors(py)?;
         let req = self.one(
             py,
             remote,
@@ -248,7 +244,6 @@ impl Hixl {
         desc: StridedDesc,
         timeout_ms: Option<f64>,
     ) -> PyResult<()> {
-        self.check_tensors(py)?;
         let req = self.strided(
             py,
             remote,
@@ -282,7 +277,6 @@ impl Hixl {
         desc: StridedDesc,
         timeout_ms: Option<f64>,
     ) -> PyResult<()> {
-        self.check_tensors(py)?;
         let req = self.strided(
             py,
             remote,
@@ -319,7 +313,6 @@ impl Hixl {
         notify: Option<NotifyDesc>,
         timeout_ms: Option<f64>,
     ) -> PyResult<Py<TransferReq>> {
-        self.check_tensors(py)?;
         let req = self.strided(
             py,
             remote,
@@ -356,7 +349,6 @@ impl Hixl {
         notify: Option<NotifyDesc>,
         timeout_ms: Option<f64>,
     ) -> PyResult<Py<TransferReq>> {
-        self.check_tensors(py)?;
         let req = self.strided(
             py,
             remote,
