@@ -5,6 +5,7 @@ compares bytes byte for byte."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -244,21 +245,27 @@ def test_nixl_notifications_are_filed_under_the_sending_agent() -> None:
     from hixl.nixl import nixl_agent, nixl_agent_config
 
     conf = nixl_agent_config(backends=["UCX"])
-    near, b = nixl_agent("near", conf), nixl_agent("b", conf)
+    near, b, c = nixl_agent("near", conf), nixl_agent("b", conf), nixl_agent("c", conf)
     try:
         md = near.get_agent_metadata()
         near.add_remote_agent(b.get_agent_metadata())
+        near.add_remote_agent(c.get_agent_metadata())
         b.add_remote_agent(md)
         near_engine = json.loads(md[len(b"HIXLNIXL1\n") :])["engine"]
         send_from_own_engine(near_engine, "nixl:b", "forged", "nixl:mallory", "hi")
         b.send_notif("near", b"real")
+        # Loaded agent c's engine sends a plain hixl notification named as agent b: it is c's.
+        with contextlib.suppress(hixl.AlreadyConnected):
+            c._engine.connect(near_engine, timeout_ms=10_000)
+        c._engine.send_notify(near_engine, hixl.NotifyDesc("b", "plain"), timeout_ms=10_000)
         got: dict[str, list[bytes]] = {}
         deadline = time.monotonic() + 20
-        while not {"b", "mallory"} <= set(got) and time.monotonic() < deadline:
+        while not {"b", "c", "mallory"} <= set(got) and time.monotonic() < deadline:
             for k, v in near.get_new_notifs().items():
                 got.setdefault(k, []).extend(v)
             time.sleep(0.01)
-        assert got == {"b": [b"real"], "mallory": [b"hi"]}, got
+        assert got == {"b": [b"real"], "c": [b"plain"], "mallory": [b"hi"]}, got
     finally:
         near.close()
         b.close()
+        c.close()

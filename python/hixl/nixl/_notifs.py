@@ -33,7 +33,7 @@ class _Notifs(_Metadata):
         agent."""
         for name, engine in loaded:
             if same_engine(peer, engine):
-                return name if agent else claimed
+                return name  # whatever it claims, plain hixl notifications included
         if any(name == claimed for name, _ in loaded):
             log.warning(
                 "hixl.nixl: dropped a notification claiming agent %r from %s, which is not "
