@@ -39,6 +39,9 @@ BYE_NOTIFY = "hixl.lldd.bye"
 #: How long a use of a cluster that has not linked here waits for its hello, which the peer
 #: sends right after its link is up but this node applies on its own thread.
 HELLO_WAIT_S = 2.0
+#: How long an owner's answer to a connect stands for it: hellos naming its cluster from other
+#: engines within this time cost no connect (a flood of them is no handshake reflector).
+ANSWERED_S = 5.0
 #: Where a node publishes its caches and keys in its directory's ``extra``.
 EXTRA_KEY = "lldd"
 
@@ -106,6 +109,8 @@ class Node:
         # node has linked back to on demand (not links of its own: switch_role ignores them).
         self.routes: dict[int, str] = {}
         self.back: set[int] = set()
+        # Route owners (-> monotonic time) that last answered a liveness connect.
+        self.answered: dict[str, float] = {}
         self.closed = False
         self.publish()
         self.thread = self._start()
@@ -318,17 +323,28 @@ class Node:
 
     def _answers(self, address: str) -> bool:
         """Whether an engine still listens at `address` (one connect of at most 1 s; a link
-        this node holds to it counts while it is alive)."""
+        this node holds to it counts while it is alive). An answer stands for ANSWERED_S:
+        further hellos against the same owner in that time connect nowhere."""
+        now = time.monotonic()
+        with self.lock:
+            if now - self.answered.get(address, -ANSWERED_S) < ANSWERED_S:
+                return True
         try:
             self.engine.connect(address, timeout_ms=1000)
         except AlreadyConnected:
-            return True
+            pass
         except HixlError:
+            with self.lock:
+                self.answered.pop(address, None)
             return False
-        try:
-            self.engine.disconnect(address, timeout_ms=1000)
-        except HixlError:
-            pass  # gone already
+        else:
+            try:
+                self.engine.disconnect(address, timeout_ms=1000)
+            except HixlError:
+                pass  # gone already
+        with self.lock:
+            self.answered = {a: t for a, t in self.answered.items() if a in self.routes.values()}
+            self.answered[address] = time.monotonic()
         return True
 
     def _linked_engine(self, sender: str) -> bool:
