@@ -11,13 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import resource
 import select
 import socket
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +23,7 @@ from typing import Any
 import _wire as w
 import numpy as np
 import pytest
+from _lineproc import LineProc
 
 import hixl
 
@@ -43,55 +41,8 @@ def opts(options: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in options.items() if k in known}
 
 
-class Proc:
+class Proc(LineProc):
     """A helper process driven by lines on stdin/stdout; its first line starts with `ready`."""
-
-    def __init__(self, args: list[object], ready: str = "READY") -> None:
-        self.p = subprocess.Popen(
-            [sys.executable, *map(str, args)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-            cwd=HERE,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        first = self.line(60)
-        assert first.startswith(ready), f"{args[0]} said {first!r}"
-        self.words = first.split()
-
-    def _pump(self) -> None:
-        assert self.p.stdout is not None
-        for line in self.p.stdout:
-            self.lines.put(line.strip())
-        self.lines.put("")  # EOF
-
-    def line(self, timeout: float = 30) -> str:
-        """The next line ("" when the process ended); fails after `timeout` seconds."""
-        try:
-            return self.lines.get(timeout=timeout)
-        except queue.Empty:
-            pytest.fail(f"no answer from {self.p.args[1]} within {timeout} s")
-
-    def send(self, *words: object) -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.write(" ".join(map(str, words)) + "\n")
-        self.p.stdin.flush()
-
-    def cmd(self, *words: object, timeout: float = 30) -> str:
-        self.send(*words)
-        return self.line(timeout)
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            with contextlib.suppress(OSError):
-                self.send("exit")
-            try:
-                self.p.wait(5)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(10)
 
 
 @pytest.fixture

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import shutil
 import subprocess
-import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _lineproc import LineProc
 
 import hixl
 
@@ -84,45 +82,16 @@ def setuid_helper() -> Iterator[tuple[Path, Path, bytes]]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-class Peer:
+class Peer(LineProc):
     """tests/_sec_exec.py run as `uid`: a same-host target that execs `exe` on "exec"."""
 
     def __init__(self, uid: int | str, exe: Path, secret: Path) -> None:
-        self.p = subprocess.Popen(
-            [sys.executable, str(HERE / "_sec_exec.py"), str(uid), str(exe), str(secret)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-            cwd=HERE,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        first = self.line(60)
-        assert first.startswith("READY"), f"the peer said {first!r}"
-        _, self.engine, pid, buf, n = first.split()
+        super().__init__([HERE / "_sec_exec.py", uid, exe, secret])
+        _, self.engine, pid, buf, n = self.words
         self.pid, self.buf, self.len = int(pid), int(buf), int(n)
         assert self.pid == self.p.pid
 
-    def _pump(self) -> None:
-        assert self.p.stdout is not None
-        for line in self.p.stdout:
-            self.lines.put(line.strip())
-        self.lines.put("")
-
-    def line(self, timeout: float = 30) -> str:
-        try:
-            return self.lines.get(timeout=timeout)
-        except queue.Empty:
-            pytest.fail(f"no answer from the peer within {timeout} s")
-
-    def cmd(self, *words: object, timeout: float = 30) -> str:
-        assert self.p.stdin is not None
-        self.p.stdin.write(" ".join(map(str, words)) + "\n")
-        self.p.stdin.flush()
-        return self.line(timeout)
-
-    def close(self) -> None:
+    def close(self, wait_s: float = 0) -> None:
         # The proven pid is the setuid program after "exec": killed (the child dies with it).
         with contextlib.suppress(OSError):
             self.p.kill()

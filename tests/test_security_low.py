@@ -7,11 +7,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import queue
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -20,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _lineproc import LineProc
 
 import hixl
 import hixl.metrics
@@ -28,53 +26,11 @@ from hixl.nixl import nixl_agent, nixl_agent_config
 HERE = Path(__file__).parent
 
 
-class Proc:
+class Proc(LineProc):
     """A helper process driven by lines on stdin/stdout; its first line starts with READY."""
 
-    def __init__(self, args: list[object]) -> None:
-        self.p = subprocess.Popen(
-            [sys.executable, *map(str, args)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-            cwd=HERE,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        first = self.line(60)
-        assert first.startswith("READY"), f"{args[0]} said {first!r}"
-        self.words = first.split()
-
-    def _pump(self) -> None:
-        assert self.p.stdout is not None
-        for line in self.p.stdout:
-            self.lines.put(line.strip())
-        self.lines.put("")  # EOF
-
-    def line(self, timeout: float = 30) -> str:
-        try:
-            return self.lines.get(timeout=timeout)
-        except queue.Empty:
-            pytest.fail(f"no answer from {self.p.args[1]} within {timeout} s")
-
-    def cmd(self, word: str, timeout: float = 30) -> str:
-        assert self.p.stdin is not None
-        self.p.stdin.write(word + "\n")
-        self.p.stdin.flush()
-        return self.line(timeout)
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            with contextlib.suppress(OSError):
-                assert self.p.stdin is not None
-                self.p.stdin.write("exit\n")
-                self.p.stdin.flush()
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(10)
+    def close(self, wait_s: float = 10) -> None:
+        super().close(wait_s)
 
 
 @pytest.fixture
