@@ -53,6 +53,23 @@ fn c_text(s: &str) -> CString {
     CString::new(s.replace('\0', " ")).unwrap_or_default()
 }
 
+/// The wait both `hixl_wait_notifies` forms share: up to `timeout_ms`
+/// (`HIXL_TIMEOUT_DEFAULT`: `hixl.transfer_timeout_ms`) for notifications named `name`.
+///
+/// # Safety
+/// `e` is live; `name` is NULL or a string.
+unsafe fn wait(e: *const HixlEngine, timeout_ms: u64, name: *const c_char) -> Result<Vec<NotifyDesc>, Error> {
+    // SAFETY: the caller's contract.
+    let eng = unsafe { engine(e) }?;
+    // SAFETY: the caller's contract.
+    let name = if name.is_null() { None } else { Some(unsafe { arg_str(name, "name") }?) };
+    let t = match timeout(timeout_ms) {
+        Some(t) => t,
+        None => eng.default_timeouts()?.0,
+    };
+    eng.wait_notifies(t, name)
+}
+
 fn deliver(notes: Vec<NotifyDesc>, cb: NotifyCb, ctx: *mut c_void) -> Result<(), Error> {
     for n in notes {
         let (name, msg) = (c_text(&n.name), c_text(&n.msg));
@@ -101,13 +118,7 @@ pub unsafe extern "C" fn hixl_wait_notifies(
         // SAFETY: the caller's contract.
         unsafe {
             let cb = callback(cb)?;
-            let eng = engine(e)?;
-            let name = if name.is_null() { None } else { Some(arg_str(name, "name")?) };
-            let t = match timeout(timeout_ms) {
-                Some(t) => t,
-                None => eng.default_timeouts()?.0,
-            };
-            deliver(eng.wait_notifies(t, name)?, cb, ctx)
+            deliver(wait(e, timeout_ms, name)?, cb, ctx)
         }
     })
 }
@@ -146,13 +157,7 @@ pub unsafe extern "C" fn hixl_wait_notifies_from(
         // SAFETY: the caller's contract.
         unsafe {
             let cb = callback_from(cb)?;
-            let eng = engine(e)?;
-            let name = if name.is_null() { None } else { Some(arg_str(name, "name")?) };
-            let t = match timeout(timeout_ms) {
-                Some(t) => t,
-                None => eng.default_timeouts()?.0,
-            };
-            deliver(eng.wait_notifies(t, name)?, cb, ctx)
+            deliver(wait(e, timeout_ms, name)?, cb, ctx)
         }
     })
 }
