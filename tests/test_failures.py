@@ -191,7 +191,11 @@ def test_garbage_collected_request_and_buffer_while_pending(make_peer) -> None:
         while not (peer.read() == expected).all():
             assert time.monotonic() < deadline, "dropped requests never finished"
             time.sleep(0.05)
-        assert e.stats()[peer.engine]["ops_write"] >= 1
+        # The bytes are at the target before its Ack is back: the request (and the count of
+        # completed writes) ends a moment later.
+        while e.stats()[peer.engine]["ops_write"] < 1:
+            assert time.monotonic() < deadline, "dropped requests never completed"
+            time.sleep(0.05)
         e.deregister_mem(h)  # now the buffer may go
         gc.collect()
         assert peer.read(0, 16).size == 16
