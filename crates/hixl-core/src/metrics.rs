@@ -177,7 +177,9 @@ pub fn render(engines: &[EngineMetrics], max_peers: usize) -> String {
     per_series(&mut o, &all, |o, l, s| {
         let _ = writeln!(o, "hixl_queue_slots{{{l}}} {}", s.queue_slots);
     });
-    header(&mut o, "hixl_heartbeats_missed_total", "counter", "Heartbeat intervals without progress.");
+    let help =
+        "Heartbeat intervals in which nothing came from the peer and it acknowledged nothing but our probes.";
+    header(&mut o, "hixl_heartbeats_missed_total", "counter", help);
     per_series(&mut o, &all, |o, l, s| {
         let _ = writeln!(o, "hixl_heartbeats_missed_total{{{l}}} {}", s.heartbeat_misses);
     });

@@ -43,7 +43,8 @@ pub struct PeerStats {
     pub latency_buckets: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
     /// Sum of the completed requests' latencies, in microseconds.
     pub latency_sum_us: AtomicU64,
-    /// Heartbeat intervals in which the peer made no progress (three in a row: it is dead).
+    /// Heartbeat intervals in which nothing came from the peer and it acknowledged nothing of
+    /// ours but our probes (0 on a healthy link; three in a row: it is dead).
     pub heartbeat_misses: AtomicU64,
     latencies: Window,
     next: AtomicU64,

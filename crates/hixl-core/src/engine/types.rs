@@ -119,7 +119,8 @@ pub struct PeerSnapshot {
     pub latency_sum_us: u64,
     /// Request-queue slots in use and in all (0, 0: the path queues nothing).
     pub queue_slots: (usize, usize),
-    /// Heartbeat intervals in which the peer made no progress.
+    /// Heartbeat intervals in which nothing came from the peer and it acknowledged nothing of
+    /// ours but our probes (0 on a healthy link).
     pub heartbeat_misses: u64,
 }
 
