@@ -1,5 +1,7 @@
-"""Per-peer counters against a real peer process, held to a real HTTP scrape of `/metrics`:
-heartbeat misses stay 0 on healthy links, idle and busy, and climb on a frozen peer."""
+"""Per-peer counters against a real peer process: `stats()` and a real HTTP scrape of
+`/metrics` read one source and agree; requests in flight never go negative, and a timed-out
+request is an error (not in flight) once its call raised; heartbeat misses stay 0 on healthy
+links, idle and busy, and climb on a frozen peer."""
 
 from __future__ import annotations
 
@@ -46,6 +48,59 @@ def agree(e: hixl.Hixl, srv: hixl.metrics.MetricsServer, peer: str) -> dict:
     assert value(s, "hixl_heartbeats_missed_total", **lab) == st["heartbeat_misses"], st
     assert st["in_flight"] >= 0, st
     return st
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_notifications_leave_in_flight_at_zero_in_stats_and_metrics(make_peer, backend) -> None:
+    peer = make_peer(1 << 16)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": backend})
+    srv = hixl.metrics.serve(e)
+    try:
+        e.connect(peer.engine, timeout_ms=5000)
+        for i in range(5):
+            e.send_notify(peer.engine, hixl.NotifyDesc(f"n{i}", "m"))
+            st = agree(e, srv, peer.engine)
+            assert (st["in_flight"], st["notifies"], st["errors"]) == (0, i + 1, 0), st
+        assert [n for n, _ in peer.notifies()] == [f"n{i}" for i in range(5)]
+    finally:
+        srv.close()
+        e.finalize()
+
+
+def test_a_timed_out_put_is_an_error_and_not_in_flight_once_it_raised(make_peer) -> None:
+    peer = make_peer(1 << 20)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp", "hixl.heartbeat_ms": "0"})
+    srv = hixl.metrics.serve(e)
+    try:
+        e.connect(peer.engine, timeout_ms=5000)
+        src = np.ones(1 << 20, np.uint8)
+        e.register(src)
+        # Frozen, the peer cannot answer: each put's deadline (now) passes with its first
+        # part on the wire (1 MiB: more than one part, more than a 4 KiB put dropped unsent).
+        with peer.stopped():
+            for _ in range(2):
+                with pytest.raises(hixl.Timeout):
+                    e.put(peer.engine, src.ctypes.data, peer.addr, 1 << 20, timeout_ms=0)
+            st = agree(e, srv, peer.engine)
+            assert (st["in_flight"], st["errors"], st["ops_write"]) == (0, 2, 0), st
+            lab = {"engine": e.local_engine, "peer": peer.engine, "backend": "tcp"}
+            assert value(scrape(srv.url), "hixl_errors_total", status="TIMEOUT", **lab) == 2
+        # Resumed, the peer serves both writes; the link reports them (its queue empties), and
+        # the requests, counted when they timed out, are not counted again.
+        deadline = time.monotonic() + 30
+        while e.stats()[peer.engine]["queue_slots_used"] > 0:
+            assert time.monotonic() < deadline, e.stats()
+            time.sleep(0.01)
+        st = agree(e, srv, peer.engine)
+        assert (st["in_flight"], st["errors"], st["ops_write"]) == (0, 2, 0), st
+        e.put(peer.engine, src.ctypes.data, peer.addr, 4096)
+        st = agree(e, srv, peer.engine)
+        assert (st["in_flight"], st["errors"], st["ops_write"]) == (0, 2, 1), st
+    finally:
+        srv.close()
+        e.finalize()
 
 
 HEARTBEAT_MS = 250
