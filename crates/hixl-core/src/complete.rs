@@ -10,6 +10,7 @@
 //! so the logic is tested without sockets.
 
 use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
 use crate::error::Error;
 use crate::queue::{Part, PartBody, Request, TransferOp, TransferStatus};
@@ -81,31 +82,22 @@ impl Completer {
         self.settle(req, TransferStatus::Failed, Some(err));
     }
 
-    /// Settles a request once all its I/O has stopped: counts it, logs it (DEBUG), wakes waiters
-    /// and releases its pinned regions.
+    /// Settles a request once all its I/O has stopped: logs it (DEBUG), settles it (which
+    /// counts it in its peer's stats, see `Request::settle`), wakes waiters and releases its
+    /// pinned regions.
     pub(crate) fn settle(&self, req: &Arc<Request>, to: TransferStatus, err: Option<Error>) {
         let backend = self.backend.get().copied().unwrap_or(self.default_backend);
+        // Records the end of its I/O first: the latency the settling counts it with.
         if req.account(backend) {
-            self.count(req, to, err.as_ref(), backend);
+            self.log(req, to, backend);
         }
         req.settle(to, err);
         req.release_pins();
     }
 
-    /// Counts a request once in its peer's stats and logs it (DEBUG).
-    fn count(&self, req: &Request, to: TransferStatus, err: Option<&Error>, backend: &'static str) {
-        let ok = to == TransferStatus::Completed;
-        // The end `account` recorded just before: one clock read less per request.
-        let latency = req.ended_at().map_or_else(|| req.started.elapsed(), |t| t - req.started);
-        // A notification was delivered: sent alone (no descriptors) or after a transfer's data.
-        if ok && (req.descs == 0 || req.carries_notify) {
-            self.stats.notifies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-        if req.descs > 0 {
-            let failed = (!ok).then(|| err.map_or(crate::error::Status::Failed, |e| e.status));
-            self.stats.record(req.op, req.bytes, failed, latency);
-        }
-        self.stats.in_flight.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    /// Logs the end of a request's I/O (DEBUG), once.
+    fn log(&self, req: &Request, to: TransferStatus, backend: &'static str) {
+        let latency = req.ended_at().unwrap_or_else(Instant::now).saturating_duration_since(req.started);
         // Source and destination of the first segment, the way the data flowed.
         let (local, remote) = req.first_addrs;
         let (src, dst) = if req.op == TransferOp::Write { (local, remote) } else { (remote, local) };
@@ -125,9 +117,10 @@ mod tests {
     use super::*;
     use crate::queue::{NotifyDesc, SegPair, TransferOp};
 
-    fn request(parts: usize, notify: bool) -> Arc<Request> {
+    /// A request submitted on `c`'s link (counted in its stats).
+    fn request(c: &Completer, parts: usize, notify: bool) -> Arc<Request> {
         let n = notify.then(|| NotifyDesc::new("n", "m"));
-        Arc::new(Request::new(
+        let req = Arc::new(Request::new(
             1,
             TransferOp::Write,
             "p".into(),
@@ -137,7 +130,9 @@ mod tests {
             Duration::from_secs(5),
             vec![],
             n,
-        ))
+        ));
+        req.track(c.stats());
+        req
     }
 
     fn part(req: &Arc<Request>) -> Part {
@@ -151,7 +146,7 @@ mod tests {
     #[test]
     fn the_last_part_settles_and_counts_once() {
         let c = completer();
-        let req = request(2, false);
+        let req = request(&c, 2, false);
         assert!(matches!(c.finish(part(&req), Ok(())), Next::Pending));
         assert_eq!(req.status(), TransferStatus::Waiting);
         assert!(matches!(c.finish(part(&req), Ok(())), Next::Settled { notify_dropped: false }));
@@ -163,7 +158,7 @@ mod tests {
     #[test]
     fn a_notification_follows_the_data_and_the_request_waits_for_it() {
         let c = completer();
-        let req = request(2, true);
+        let req = request(&c, 2, true);
         assert!(matches!(c.finish(part(&req), Ok(())), Next::Pending));
         let Next::Notify(n) = c.finish(part(&req), Ok(())) else { panic!("expected the notify") };
         assert!(matches!(n.body, PartBody::Notify(_)));
@@ -177,7 +172,7 @@ mod tests {
     #[test]
     fn the_first_error_wins_and_the_notification_is_dropped() {
         let c = completer();
-        let req = request(2, true);
+        let req = request(&c, 2, true);
         assert!(matches!(c.finish(part(&req), Err(Error::param("first"))), Next::Pending));
         assert!(matches!(
             c.finish(part(&req), Err(Error::failed("second"))),
@@ -192,10 +187,58 @@ mod tests {
     #[test]
     fn a_notification_that_cannot_be_sent_fails_the_request() {
         let c = completer();
-        let req = request(1, true);
+        let req = request(&c, 1, true);
         let Next::Notify(n) = c.finish(part(&req), Ok(())) else { panic!("expected the notify") };
         c.abandon(&n.req, Error::not_connected("gone"));
         assert_eq!(req.status(), TransferStatus::Failed);
         assert_eq!(req.error().unwrap().message, "gone");
+    }
+
+    #[test]
+    fn a_request_past_its_deadline_is_counted_as_a_timeout_at_once_and_only_then() {
+        let c = completer();
+        let req =
+            Arc::new(Request::new(1, TransferOp::Write, "p".into(), 8, 1, 1, Duration::ZERO, vec![], None));
+        req.track(c.stats());
+        let s = c.stats();
+        assert_eq!(s.in_flight.load(Ordering::Relaxed), 1);
+        assert_eq!(req.status(), TransferStatus::Timeout);
+        let timeouts = &s.errors_by_status[2]; // TIMEOUT is Status::ALL[2]
+        let now = || {
+            (
+                s.in_flight.load(Ordering::Relaxed),
+                s.errors.load(Ordering::Relaxed),
+                timeouts.load(Ordering::Relaxed),
+            )
+        };
+        assert_eq!(now(), (0, 1, 1), "an error, and no longer in flight, once it timed out");
+        // Its I/O ends later: the request was counted already.
+        assert!(matches!(c.finish(part(&req), Ok(())), Next::Settled { .. }));
+        assert_eq!(req.status(), TransferStatus::Timeout);
+        assert_eq!(now(), (0, 1, 1));
+        assert_eq!(s.ops_write.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_notification_sent_alone_leaves_in_flight_where_it_was() {
+        let c = completer();
+        let req = Arc::new(Request::new(
+            2,
+            TransferOp::Write,
+            "p".into(),
+            0,
+            0,
+            1,
+            Duration::from_secs(5),
+            vec![],
+            None,
+        ));
+        req.track(c.stats());
+        assert_eq!(c.stats().in_flight.load(Ordering::Relaxed), 1);
+        let n = Part { req: req.clone(), body: PartBody::Notify(NotifyDesc::new("n", "m")) };
+        assert!(matches!(c.finish(n, Ok(())), Next::Settled { .. }));
+        assert_eq!(c.stats().in_flight.load(Ordering::Relaxed), 0, "never below zero");
+        assert_eq!(c.stats().notifies.load(Ordering::Relaxed), 1);
+        assert_eq!(c.stats().errors.load(Ordering::Relaxed), 0);
     }
 }

@@ -155,7 +155,7 @@ pub fn render(engines: &[EngineMetrics], max_peers: usize) -> String {
             let _ = writeln!(o, "hixl_operations_total{{{l},op=\"{op}\"}} {}", s.ops[k]);
         }
     });
-    header(&mut o, "hixl_errors_total", "counter", "Failed requests by status.");
+    header(&mut o, "hixl_errors_total", "counter", "Failed or timed-out transfer requests by status.");
     per_series(&mut o, &all, |o, l, s| {
         for (st, n) in s.errors.iter().filter(|(st, _)| **st != "SUCCESS") {
             let _ = writeln!(o, "hixl_errors_total{{{l},status=\"{st}\"}} {n}");
@@ -165,9 +165,10 @@ pub fn render(engines: &[EngineMetrics], max_peers: usize) -> String {
     per_series(&mut o, &all, |o, l, s| {
         let _ = writeln!(o, "hixl_notifications_total{{{l}}} {}", s.notifies);
     });
-    header(&mut o, "hixl_requests_in_flight", "gauge", "Requests submitted and not settled yet.");
+    let help = "Requests (transfers and notifications) submitted and not settled yet (timed out: settled).";
+    header(&mut o, "hixl_requests_in_flight", "gauge", help);
     per_series(&mut o, &all, |o, l, s| {
-        let _ = writeln!(o, "hixl_requests_in_flight{{{l}}} {}", s.in_flight.max(0));
+        let _ = writeln!(o, "hixl_requests_in_flight{{{l}}} {}", s.in_flight);
     });
     header(&mut o, "hixl_queue_slots_used", "gauge", "Request-queue slots in use.");
     per_series(&mut o, &all, |o, l, s| {
@@ -177,7 +178,9 @@ pub fn render(engines: &[EngineMetrics], max_peers: usize) -> String {
     per_series(&mut o, &all, |o, l, s| {
         let _ = writeln!(o, "hixl_queue_slots{{{l}}} {}", s.queue_slots);
     });
-    header(&mut o, "hixl_heartbeats_missed_total", "counter", "Heartbeat intervals without progress.");
+    let help =
+        "Heartbeat intervals in which nothing came from the peer and it acknowledged nothing but our probes.";
+    header(&mut o, "hixl_heartbeats_missed_total", "counter", help);
     per_series(&mut o, &all, |o, l, s| {
         let _ = writeln!(o, "hixl_heartbeats_missed_total{{{l}}} {}", s.heartbeat_misses);
     });

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::error::Status;
-use crate::queue::TransferOp;
+use crate::queue::{Request, TransferOp};
 
 /// Upper bounds, in microseconds, of the latency histogram's buckets (a last one, +Inf,
 /// follows): powers of 4 from 4 µs to about 16.8 s, wide enough for a same-host 4 KiB copy and
@@ -28,22 +28,25 @@ pub struct PeerStats {
     pub ops_write: AtomicU64,
     /// Completed READ requests.
     pub ops_read: AtomicU64,
-    /// Requests that failed or timed out.
+    /// Transfer requests that failed or timed out (a notification sent alone is not one).
     pub errors: AtomicU64,
-    /// Notifications sent.
+    /// Notifications delivered.
     pub notifies: AtomicU64,
     /// Same-host copies (a part, or 1024 elements of a strided part) done through a mapping
     /// of the peer's memory instead of CMA.
     pub direct_parts: AtomicU64,
-    /// Requests submitted on the link and not settled yet.
+    /// Requests (transfers and notifications) submitted on the link and not settled yet:
+    /// raised by `Request::track` and lowered by the request's settling, nowhere else.
     pub in_flight: AtomicI64,
-    /// Failed requests by status, in the order of [`Status::ALL`].
+    /// Failed transfer requests by status (TIMEOUT: settled by their deadline), in the order
+    /// of [`Status::ALL`].
     pub errors_by_status: [AtomicU64; Status::ALL.len()],
     /// Completed requests per latency bucket ([`LATENCY_BUCKETS_US`], then +Inf).
     pub latency_buckets: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
     /// Sum of the completed requests' latencies, in microseconds.
     pub latency_sum_us: AtomicU64,
-    /// Heartbeat intervals in which the peer made no progress (three in a row: it is dead).
+    /// Heartbeat intervals in which nothing came from the peer and it acknowledged nothing of
+    /// ours but our probes (0 on a healthy link; three in a row: it is dead).
     pub heartbeat_misses: AtomicU64,
     latencies: Window,
     next: AtomicU64,
@@ -73,7 +76,45 @@ pub struct LatencySummary {
     pub max_us: f64,
 }
 
+/// How a request is counted as it settles.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Outcome {
+    /// It completed: its bytes, operation and latency (a transfer), or its delivery (a
+    /// notification) are counted.
+    Completed,
+    /// It failed, or timed out (`Status::Timeout`): a transfer counts as an error.
+    Failed(Status),
+    /// Its link refused it before any backend took it: only no longer in flight (the
+    /// submitting call reported the refusal).
+    Refused,
+}
+
 impl PeerStats {
+    /// A request was submitted on the link (see `Request::track`).
+    pub(crate) fn submitted(&self) {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a request once, as it settles: the one place a settled request is counted.
+    /// `Request::settle` calls it before it publishes the final state, so a caller that saw
+    /// the request end (or its call return) reads counters that include it.
+    pub(crate) fn settled(&self, req: &Request, outcome: Outcome) {
+        // A notification was delivered: sent alone (no descriptors) or after a transfer's data.
+        if outcome == Outcome::Completed && (req.descs == 0 || req.carries_notify) {
+            self.notifies.fetch_add(1, Ordering::Relaxed);
+        }
+        if req.descs > 0 && outcome != Outcome::Refused {
+            // From submission until its I/O ended (as the completer recorded it), or until now.
+            let end = req.ended_at().unwrap_or_else(std::time::Instant::now);
+            let failed = match outcome {
+                Outcome::Failed(st) => Some(st),
+                _ => None,
+            };
+            self.record(req.op, req.bytes, failed, end.saturating_duration_since(req.started));
+        }
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+
     /// Records a finished request: `failed` is the status it failed with (None: completed).
     pub fn record(&self, op: TransferOp, bytes: u64, failed: Option<Status>, latency: Duration) {
         if let Some(status) = failed {

@@ -99,8 +99,7 @@ impl Engine {
         let (local, remote_addr) = first.unwrap_or((0, 0));
         let req = Request::new(id, op, remote.to_string(), bytes, descs, n, timeout, pins, notify);
         let req = Arc::new(req.with_first_addrs(local, remote_addr).waited(waiting == Waiting::Now));
-        let stats = conn.link.stats();
-        stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        req.track(&conn.link.stats());
         let submitted = if staged {
             r.stager.submit(conn.link.clone(), req.clone(), bodies, device)
         } else {
@@ -109,11 +108,8 @@ impl Engine {
         };
         if let Err(e) = submitted {
             // Refused before any backend took it: not counted as an operation, no longer in
-            // flight (unless a part reached the completer, which counted it).
-            if req.account(conn.link.backend()) {
-                stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-            }
-            req.settle(TransferStatus::Failed, Some(e.clone()));
+            // flight (unless a part reached the completer, which settled and counted it).
+            req.refuse(e.clone());
             req.release_pins();
             return Err(e);
         }
@@ -289,7 +285,11 @@ impl Engine {
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
         let id = r.next_req.fetch_add(1, Ordering::Relaxed);
         let req = Arc::new(Request::new(id, TransferOp::Write, remote.into(), 0, 0, 1, left, vec![], None));
-        conn.link.submit(vec![Part { req: req.clone(), body: PartBody::Notify(n) }], 0)?;
+        req.track(&conn.link.stats());
+        if let Err(e) = conn.link.submit(vec![Part { req: req.clone(), body: PartBody::Notify(n) }], 0) {
+            req.refuse(e.clone());
+            return Err(e);
+        }
         req.wait(None);
         req.result().map_err(|e| match e.status {
             Status::Timeout | Status::ResourceExhausted => e,

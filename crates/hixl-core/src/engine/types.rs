@@ -100,15 +100,15 @@ pub struct PeerSnapshot {
     pub ops_write: u64,
     /// Completed READ requests.
     pub ops_read: u64,
-    /// Failed or timed-out requests.
+    /// Transfer requests that failed or timed out (counted as they settle).
     pub errors: u64,
-    /// Notifications sent.
+    /// Notifications delivered.
     pub notifies: u64,
     /// Same-host copies done through a mapping of the peer's memory (not CMA).
     pub direct_parts: u64,
     /// Latency of recent requests.
     pub latency: LatencySummary,
-    /// Requests submitted and not settled yet.
+    /// Requests (transfers and notifications) submitted and not settled yet (never negative).
     pub in_flight: i64,
     /// Failed requests by status (every status of [`Status::ALL`](crate::Status::ALL), in order).
     pub errors_by_status: Vec<(crate::Status, u64)>,
@@ -119,7 +119,8 @@ pub struct PeerSnapshot {
     pub latency_sum_us: u64,
     /// Request-queue slots in use and in all (0, 0: the path queues nothing).
     pub queue_slots: (usize, usize),
-    /// Heartbeat intervals in which the peer made no progress.
+    /// Heartbeat intervals in which nothing came from the peer and it acknowledged nothing of
+    /// ours but our probes (0 on a healthy link).
     pub heartbeat_misses: u64,
 }
 

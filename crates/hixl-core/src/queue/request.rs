@@ -6,8 +6,9 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::{Completion, CompletionQueue, NotifyDesc, TransferOp, TransferStatus, SPIN};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Status};
 use crate::registry::Pin;
+use crate::stats::{Outcome, PeerStats};
 
 /// What a request's data path offers a thread that waits for the request: to do the work
 /// that ends it on that thread (TCP reads the answer to a small request on the waiting thread
@@ -50,8 +51,13 @@ pub struct Request {
     sleepers: AtomicUsize,
     /// Where to report settling, with the token to report (set once, by `report_to`).
     report: OnceLock<(Arc<CompletionQueue>, u64)>,
-    /// Set when its link's completer has counted it (stats, in flight): exactly once.
+    /// Set when its I/O ended, by the completer that logs it: exactly once.
     accounted: AtomicBool,
+    /// The counters it is counted in (set once, by `track`, when it is submitted): it is in
+    /// their `in_flight` until it settles, and counted there as it settles.
+    counted_in: OnceLock<Arc<PeerStats>>,
+    /// Taken by the one call that settles it (see `finish_as`).
+    claimed: AtomicBool,
     /// The backend that carried it and when its I/O ended (for telemetry).
     ended: OnceLock<(&'static str, Instant)>,
     /// When the submitting call had handed it to its backend (for telemetry).
@@ -101,6 +107,8 @@ impl Request {
             sleepers: AtomicUsize::new(0),
             report: OnceLock::new(),
             accounted: AtomicBool::new(false),
+            counted_in: OnceLock::new(),
+            claimed: AtomicBool::new(false),
             ended: OnceLock::new(),
             posted: OnceLock::new(),
             wakers: Mutex::new(Vec::new()),
@@ -146,9 +154,21 @@ impl Request {
                     self.deadline - self.started
                 ))),
             );
-            return TransferStatus::from_u8(self.state.load(Ordering::Acquire));
+            return self.published();
         }
         s
+    }
+
+    /// The final state, once the call that claimed the settling has published it (it is
+    /// counting the request meanwhile: a few atomic additions).
+    fn published(&self) -> TransferStatus {
+        loop {
+            let s = TransferStatus::from_u8(self.state.load(Ordering::Acquire));
+            if s != TransferStatus::Waiting {
+                return s;
+            }
+            std::thread::yield_now();
+        }
     }
 
     /// The error of a FAILED or TIMEOUT request.
@@ -221,41 +241,69 @@ impl Request {
         }
     }
 
+    /// Counts the request in `stats` from now on: it is in their `in_flight` until it settles,
+    /// and counted there (operation, bytes, latency, error, notification) as it settles. Once
+    /// per request; a request never tracked (a staged chunk) is counted nowhere.
+    pub(crate) fn track(&self, stats: &Arc<PeerStats>) {
+        if self.counted_in.set(stats.clone()).is_ok() {
+            stats.submitted();
+        }
+    }
+
     /// Moves WAITING into a final state once; later calls are ignored. Wakes waiters.
     pub fn settle(&self, to: TransferStatus, err: Option<Error>) -> bool {
-        if let Some(e) = &err {
-            let mut slot = self.error.lock().unwrap();
-            if self.state.load(Ordering::Acquire) != TransferStatus::Waiting as u8 {
-                return false;
-            }
-            slot.get_or_insert_with(|| e.clone());
+        self.finish_as(to, err, true)
+    }
+
+    /// Settles a request that was refused before any backend took it: FAILED with `err`, no
+    /// longer in flight, but counted neither as an operation nor as an error (the submitting
+    /// call reports the refusal). False when it had settled already.
+    pub(crate) fn refuse(&self, err: Error) -> bool {
+        self.finish_as(TransferStatus::Failed, Some(err), false)
+    }
+
+    /// The one way a request settles. The first caller claims it; it records the error,
+    /// counts the request in its peer's stats and only then publishes the final state, so
+    /// that whoever sees the request end (a waiter, `status()`, a completion queue) reads
+    /// stats that include it, and stats never count a request that is still WAITING.
+    fn finish_as(&self, to: TransferStatus, err: Option<Error>, count: bool) -> bool {
+        if self.claimed.swap(true, Ordering::AcqRel) {
+            return false;
         }
-        let won = self
-            .state
-            .compare_exchange(TransferStatus::Waiting as u8, to as u8, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok();
-        if won && self.sleepers.load(Ordering::SeqCst) > 0 {
+        if let Some(e) = &err {
+            self.error.lock().unwrap().get_or_insert_with(|| e.clone());
+        }
+        if let Some(stats) = self.counted_in.get() {
+            let outcome = match to {
+                _ if !count => Outcome::Refused,
+                TransferStatus::Completed => Outcome::Completed,
+                TransferStatus::Timeout => Outcome::Failed(Status::Timeout),
+                _ => Outcome::Failed(self.error().map_or(Status::Failed, |e| e.status)),
+            };
+            stats.settled(self, outcome);
+        }
+        self.state.store(to as u8, Ordering::SeqCst);
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = self.sleep.lock().unwrap();
             self.wake.notify_all();
         }
-        if won {
-            // Pairs with the fence in `report_to` (see there).
-            std::sync::atomic::fence(Ordering::SeqCst);
-            if let Some((q, token)) = self.report.get() {
-                q.push(*token);
-            }
-            if self.has_waker.load(Ordering::SeqCst) {
-                self.wake();
-            }
-            if self.watched.load(Ordering::SeqCst) {
-                super::future::forget(self);
-            }
+        // Pairs with the fence in `report_to` (see there).
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if let Some((q, token)) = self.report.get() {
+            q.push(*token);
         }
-        won
+        if self.has_waker.load(Ordering::SeqCst) {
+            self.wake();
+        }
+        if self.watched.load(Ordering::SeqCst) {
+            super::future::forget(self);
+        }
+        true
     }
 
-    /// The completer's once-only claim to count the request in its peer's stats; true the
-    /// first time. Also records the backend and the end time for telemetry.
+    /// The completer's once-only claim to log the end of the request's I/O; true the first
+    /// time. Records the backend and the end time (telemetry, and the latency it is counted
+    /// with when it settles).
     pub(crate) fn account(&self, backend: &'static str) -> bool {
         let first = !self.accounted.swap(true, Ordering::AcqRel);
         if first {

@@ -6,7 +6,10 @@
 //! peer plus bytes of ours the peer acknowledged, minus the heartbeat bytes we sent. An idle
 //! live peer answers each heartbeat (bytes received rise); a busy live peer moves data (one
 //! of the two rises); a frozen, hung or unreachable peer moves nothing, and our own heartbeats
-//! cannot make it look alive because they are subtracted.
+//! cannot make it look alive because they are subtracted. The link samples the counter at the
+//! end of each interval, before it sends that tick's probes: the last probes have then had a
+//! whole interval to be acknowledged and answered, so a live peer rises every interval and a
+//! miss means the peer answered nothing in one.
 
 use std::time::{Duration, Instant};
 

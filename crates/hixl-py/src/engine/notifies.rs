@@ -96,12 +96,14 @@ impl Hixl {
     /// Takes no arguments. Each peer's dict holds `backend` (the data path: "self", "shm" or
     /// "tcp"), `not_chosen` (why the backends tried before it were not taken; "" when it was
     /// first), `alive`, `bytes_write`, `bytes_read`, `ops_write` and `ops_read` (completed
-    /// requests), `errors` (failed or timed-out requests), `notifies` (sent), `direct_parts`
-    /// (same-host copies through a mapping of the peer's `alloc`'d memory), `in_flight`
-    /// (requests submitted and not settled), `queue_slots_used` / `queue_slots` (the link's
-    /// request queue; 0 / 0 for "self"), `heartbeat_misses` (intervals in which the peer made
-    /// no progress) and `latency_us` (`count`, `avg`, `p50`, `p99`, `max` of recent requests,
-    /// in microseconds). `hixl.metrics` exposes the same for Prometheus.
+    /// requests), `errors` (transfer requests that failed or timed out, counted as they
+    /// settle), `notifies` (delivered), `direct_parts` (same-host copies through a mapping of
+    /// the peer's `alloc`'d memory), `in_flight` (requests, `send_notify` included, submitted
+    /// and not settled; never negative), `queue_slots_used` / `queue_slots` (the link's
+    /// request queue; 0 / 0 for "self"), `heartbeat_misses` (intervals in which nothing came
+    /// from the peer and it acknowledged nothing but our probes: 0 on a healthy link) and
+    /// `latency_us` (`count`, `avg`, `p50`, `p99`, `max` of recent requests, in
+    /// microseconds). `hixl.metrics` exposes the same for Prometheus.
     ///
     /// Raises `Failed` before `initialize` or after `finalize`. Does not block.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
