@@ -346,3 +346,33 @@ def test_the_op_may_be_given_by_its_name_in_any_case(engine, make_peer):
     # Options may be any mapping, not only a dict.
     with hixl.Hixl() as e:
         e.initialize("127.0.0.1", types.MappingProxyType({"hixl.tcp.streams": 2}))
+
+
+def test_the_kv_layer_names_a_wrong_argument_and_takes_timeout_0():
+    """`hixl.init(peers=[...])` once said `dictionary update sequence element #0 ...`;
+    TransferConfig refused timeout_ms=0 (">= 1") where the engine's timeout_ms takes 0."""
+    with pytest.raises(hixl.ParamInvalid, match=r"peers=\['127.0.0.1:1'\] \(list\) must map each"):
+        hixl.init(cluster_id=0, peers=["127.0.0.1:1"])
+    assert hixl.TransferConfig(timeout_ms=0).timeout_ms == 0
+    with pytest.raises(hixl.ParamInvalid, match="timeout_ms=-1 must be an integer >= 0"):
+        hixl.TransferConfig(timeout_ms=-1)
+    with pytest.raises(hixl.ParamInvalid, match="max_concurrent=0 must be an integer >= 1"):
+        hixl.TransferConfig(max_concurrent=0)
+
+
+def test_stats_takes_a_url_without_a_scheme(engine):
+    """`hixl stats --url 127.0.0.1:9464` once ended in a traceback (unknown url type)."""
+    import subprocess
+    import sys
+
+    def stats(url: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "hixl.cli", "stats", "--url", url, "--timeout", "5"]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+    with hixl.metrics.serve(engine) as srv:
+        r = stats(f"127.0.0.1:{srv.port}")
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        assert r.stdout.startswith("peer"), r.stdout
+    bad = stats("ftp://127.0.0.1:1/metrics")
+    assert bad.returncode == 2, bad.stderr
+    assert "--url 'ftp://127.0.0.1:1/metrics': expected http://host:port/metrics" in bad.stderr
