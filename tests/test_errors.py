@@ -287,3 +287,92 @@ def test_use_after_finalize_is_failed():
     with pytest.raises(hixl.Failed, match="finalized") as ei:
         e.connect("127.0.0.1:1")
     assert ei.value.code == 503900
+
+
+def test_wrong_types_name_the_argument_and_the_value(engine):
+    """These once said `must be real number, not str`, `'str' object cannot be converted to
+    'TransferOp'`, `... to 'PyString'` and `... to 'PyDict'`: no value named."""
+    with pytest.raises(TypeError, match=r"argument 'timeout_ms': '100' \(str\) is not a number"):
+        engine.connect("127.0.0.1:1", timeout_ms="100")
+    with pytest.raises(TypeError, match=r"argument 'timeout_ms': '5' \(str\) is not a number"):
+        engine.put("127.0.0.1:1", 1, 2, 3, timeout_ms="5")
+    with pytest.raises(TypeError, match=r"argument 'timeout_ms': None \(NoneType\)"):
+        engine.wait_notifies(None)
+    with pytest.raises(TypeError, match=r"argument 'name': 1 \(int\) is not a str"):
+        hixl.NotifyDesc(1, 2)
+    with pytest.raises(TypeError, match=r"argument 'msg': b'x' \(bytes\) is not a str"):
+        hixl.NotifyDesc("n", b"x")
+    with pytest.raises(TypeError, match=r"argument 'op': 'WRTE' \(str\) is not a TransferOp"):
+        engine.transfer_sync("127.0.0.1:1", "WRTE", [(1, 2, 3)])
+    with pytest.raises(TypeError, match=r"argument 'op': 1 \(int\) is not a TransferOp"):
+        engine.transfer_async("127.0.0.1:1", 1, [(1, 2, 3)])
+    e = hixl.Hixl()
+    with pytest.raises(hixl.ParamInvalid, match=r"options=\['hixl.tcp.streams'\] \(list\) is not"):
+        e.initialize("127.0.0.1", ["hixl.tcp.streams"])
+
+
+def test_an_unknown_option_key_suggests_the_closest_known_one():
+    e = hixl.Hixl()
+    with pytest.raises(
+        hixl.ParamInvalid, match=r'"hixl.tcp.stream" \(did you mean "hixl.tcp.streams"'
+    ):
+        e.initialize("127.0.0.1", {"hixl.tcp.stream": 2})
+    with pytest.raises(
+        hixl.ParamInvalid, match=r'"HIXL.QUEUE-DEPTH" \(did you mean "hixl.queue_depth"'
+    ):
+        e.initialize("127.0.0.1", {"HIXL.QUEUE-DEPTH": 2})
+    with pytest.raises(hixl.ParamInvalid) as ei:
+        e.initialize("127.0.0.1", {"hixl.nope": 2})
+    assert "did you mean" not in str(ei.value) and "known keys: hixl.backends" in str(ei.value)
+
+
+def test_the_op_may_be_given_by_its_name_in_any_case(engine, make_peer):
+    """`TransferOp.WRITE.name` is "WRITE": that name, in any case, is the op."""
+    import types
+
+    peer = make_peer(4096)
+    engine.connect(peer.engine, timeout_ms=5000)
+    src = random_bytes(4096, 7)
+    engine.register(src)
+    engine.transfer_sync(peer.engine, "WRITE", [(src.ctypes.data, peer.addr, 1024)])
+    req = engine.transfer_async(
+        peer.engine, "write", [(src.ctypes.data + 1024, peer.addr + 1024, 1024)]
+    )
+    assert req.wait(5000) == hixl.TransferStatus.COMPLETED
+    back = np.zeros(2048, np.uint8)
+    engine.register(back)
+    engine.transfer_sync(peer.engine, "Read", [(back.ctypes.data, peer.addr, 2048)])
+    assert (back == src[:2048]).all() and (peer.read(0, 2048) == src[:2048]).all()
+    # Options may be any mapping, not only a dict.
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1", types.MappingProxyType({"hixl.tcp.streams": 2}))
+
+
+def test_the_kv_layer_names_a_wrong_argument_and_takes_timeout_0():
+    """`hixl.init(peers=[...])` once said `dictionary update sequence element #0 ...`;
+    TransferConfig refused timeout_ms=0 (">= 1") where the engine's timeout_ms takes 0."""
+    with pytest.raises(hixl.ParamInvalid, match=r"peers=\['127.0.0.1:1'\] \(list\) must map each"):
+        hixl.init(cluster_id=0, peers=["127.0.0.1:1"])
+    assert hixl.TransferConfig(timeout_ms=0).timeout_ms == 0
+    with pytest.raises(hixl.ParamInvalid, match="timeout_ms=-1 must be an integer >= 0"):
+        hixl.TransferConfig(timeout_ms=-1)
+    with pytest.raises(hixl.ParamInvalid, match="max_concurrent=0 must be an integer >= 1"):
+        hixl.TransferConfig(max_concurrent=0)
+
+
+def test_stats_takes_a_url_without_a_scheme(engine):
+    """`hixl stats --url 127.0.0.1:9464` once ended in a traceback (unknown url type)."""
+    import subprocess
+    import sys
+
+    def stats(url: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "hixl.cli", "stats", "--url", url, "--timeout", "5"]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+    with hixl.metrics.serve(engine) as srv:
+        r = stats(f"127.0.0.1:{srv.port}")
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        assert r.stdout.startswith("peer"), r.stdout
+    bad = stats("ftp://127.0.0.1:1/metrics")
+    assert bad.returncode == 2, bad.stderr
+    assert "--url 'ftp://127.0.0.1:1/metrics': expected http://host:port/metrics" in bad.stderr

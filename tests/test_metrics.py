@@ -187,3 +187,35 @@ def test_the_collector_serves_through_prometheus_client(engine) -> None:
     out = generate_latest(reg).decode()
     line = f'hixl_registered_bytes{{engine="{engine.local_engine}"}} 8192.0'
     assert line in out, out
+
+
+def test_a_port_given_as_an_engine_is_refused_and_a_taken_port_named(engine) -> None:
+    """`serve(9464)`, as `prometheus_client.start_http_server(9464)` is called, once served on
+    a free port and every scrape failed; the port is a keyword, and a taken one is named."""
+    import errno
+    import socket
+
+    with pytest.raises(
+        TypeError, match=r"engines\[0\]=9464 \(int\) is not a hixl.Hixl engine.*port=9464"
+    ):
+        hixl.metrics.serve(9464)
+    with pytest.raises(TypeError, match=r"engines\[1\]='x' \(str\) is not a hixl.Hixl"):
+        hixl.metrics.text(engine, "x")
+    with pytest.raises(TypeError, match=r"collector\(\): engines\[0\]=1"):
+        hixl.metrics.collector(1)
+    with pytest.raises(ValueError, match="port must be an integer in \\[0, 65535\\].*'9464'"):
+        hixl.metrics.serve(engine, port="9464")  # type: ignore[arg-type]
+    with hixl.metrics.serve(engine) as srv:
+        with pytest.raises(TypeError, match=r"MetricsServer.add\(\): engines\[0\]=5"):
+            srv.add(5)  # type: ignore[arg-type]
+        assert srv.engines == [engine]
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: .*in use") as ei:
+            hixl.metrics.serve(engine, port=port)
+        assert ei.value.errno == errno.EADDRINUSE
+    finally:
+        taken.close()

@@ -228,12 +228,12 @@ class Hixl:
     def remote_regions(self, remote: str, refresh: bool = False) -> list[RemoteRegion]: ...
     def remote_region(self, remote: str, name: str) -> RemoteRegion: ...
     def transfer_sync(
-        self, remote: str, op: TransferOp, descs: _Descs, timeout_ms: float | None = None
+        self, remote: str, op: TransferOp | str, descs: _Descs, timeout_ms: float | None = None
     ) -> None: ...
     def transfer_async(
         self,
         remote: str,
-        op: TransferOp,
+        op: TransferOp | str,
         descs: _Descs,
         user_data: Any = None,
         notify: NotifyDesc | None = None,

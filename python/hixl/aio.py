@@ -190,7 +190,7 @@ async def submit(
 async def transfer(
     engine: Hixl,
     remote: str,
-    op: TransferOp,
+    op: TransferOp | str,
     descs: Any,
     *,
     notify: NotifyDesc | None = None,

@@ -101,9 +101,25 @@ class _CappedServer(ThreadingHTTPServer):
                 self._cut(c)
 
 
+def _engines(fn: str, engines: tuple[Any, ...]) -> list[Hixl]:
+    """`engines` as a list, each checked to be a `Hixl`: anything else raises TypeError naming
+    it (a port passed positionally, as to ``prometheus_client.start_http_server(9464)``, says
+    that the port is a keyword)."""
+    for i, e in enumerate(engines):
+        if not isinstance(e, Hixl):
+            hint = ""
+            if fn == "serve" and isinstance(e, int) and not isinstance(e, bool):
+                hint = f"; the port is a keyword: hixl.metrics.serve(engine, port={e})"
+            raise TypeError(
+                f"hixl.metrics.{fn}(): engines[{i}]={e!r} ({type(e).__name__}) is not a "
+                f"hixl.Hixl engine{hint}"
+            )
+    return list(engines)
+
+
 def text(*engines: Hixl, max_peers: int = 32) -> str:
     """The exposition of `engines` now (engines not initialized are left out)."""
-    return metrics_text(list(engines), max_peers)
+    return metrics_text(_engines("text", engines), max_peers)
 
 
 class MetricsServer:
@@ -130,6 +146,8 @@ class MetricsServer:
             or not (0 < timeout_s <= 3600)
         ):
             raise ValueError(f"timeout_s must be seconds in (0, 3600], not {timeout_s!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an integer in [0, 65535] (0: a free one), not {port!r}")
         self.engines = engines
         self.max_peers = max_peers
         owner = self
@@ -151,7 +169,14 @@ class MetricsServer:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
                 pass  # scrapes every few seconds would flood stderr
 
-        self._http = _CappedServer((host, port), Handler, max_connections, float(timeout_s))
+        try:
+            self._http = _CappedServer((host, port), Handler, max_connections, float(timeout_s))
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"hixl.metrics.serve: cannot listen on {host}:{port}: {exc.strerror or exc} "
+                "(port=0 picks a free one)",
+            ) from exc
         self._thread = threading.Thread(
             target=self._http.serve_forever, args=(0.25,), name="hixl-metrics", daemon=True
         )
@@ -170,7 +195,7 @@ class MetricsServer:
 
     def add(self, engine: Hixl) -> None:
         """Exposes one more engine."""
-        self.engines.append(engine)
+        self.engines.extend(_engines("MetricsServer.add", (engine,)))
 
     def close(self) -> None:
         """Stops serving and closes the socket (waits at most 5 s for the thread)."""
@@ -197,14 +222,20 @@ def serve(
     unless told otherwise (metrics name peers and sizes); port 0 picks a free port
     (``.port``). At most `max_connections` connections are served at once, one thread each
     (over it the oldest is closed), and each is closed `timeout_s` seconds after it was
-    accepted, request and answer included."""
-    return MetricsServer(list(engines), host, port, max_peers, max_connections, timeout_s)
+    accepted, request and answer included. Engines are positional and the port a keyword:
+    anything but a `Hixl` among `engines` (``serve(9464)``) raises TypeError naming it; a port
+    that cannot be had raises OSError naming host and port."""
+    return MetricsServer(
+        _engines("serve", engines), host, port, max_peers, max_connections, timeout_s
+    )
 
 
 def collector(*engines: Hixl, max_peers: int = 32) -> Any:
     """A collector for prometheus_client (``REGISTRY.register(hixl.metrics.collector(e))``),
     when that package is installed; it yields the same families as the endpoint."""
     from prometheus_client.parser import text_string_to_metric_families
+
+    engines = tuple(_engines("collector", engines))
 
     class Collector:
         def collect(self) -> Iterator[Any]:

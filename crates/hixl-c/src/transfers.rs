@@ -164,10 +164,18 @@ unsafe fn request<'a>(r: *const HixlRequest) -> Result<&'a TransferReq, Error> {
 /// `r` is NULL or a live request.
 #[no_mangle]
 pub unsafe extern "C" fn hixl_request_status(r: *const HixlRequest) -> u32 {
-    // SAFETY: the caller's contract.
-    match unsafe { request(r) } {
-        Ok(req) => req.status() as u32,
-        Err(_) => crate::HIXL_REQ_FAILED,
+    let mut state = crate::HIXL_REQ_FAILED;
+    // Guarded like every entry point: settling a request past its deadline wakes its waiters,
+    // code that is not ours.
+    let rc = guard(|| {
+        // SAFETY: the caller's contract.
+        state = unsafe { request(r) }?.status() as u32;
+        Ok(())
+    });
+    if rc == crate::HIXL_SUCCESS {
+        state
+    } else {
+        crate::HIXL_REQ_FAILED
     }
 }
 
@@ -288,4 +296,61 @@ pub unsafe extern "C" fn hixl_completion_take(tokens: *mut u64, cap: usize, n: *
         unsafe { *n = got.len() };
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::task::{Context, Wake, Waker};
+    use std::time::Duration;
+
+    use hixl_core::{Request, TransferOp};
+
+    use super::*;
+
+    /// Holds up the thread that wakes it (the process's deadline thread, here).
+    struct Stall;
+    impl Wake for Stall {
+        fn wake(self: Arc<Self>) {
+            std::thread::sleep(Duration::from_secs(3));
+        }
+    }
+
+    /// Panics in the thread that wakes it.
+    struct Boom;
+    impl Wake for Boom {
+        fn wake(self: Arc<Self>) {
+            panic!("a waker that panics");
+        }
+    }
+
+    /// A request of `ms` milliseconds awaited by a task with waker `w` (the future is kept:
+    /// dropping it would abandon the wait).
+    fn awaited(ms: u64, w: Waker) -> (Arc<Request>, std::pin::Pin<Box<hixl_core::Completion>>) {
+        let timeout = Duration::from_millis(ms);
+        let r =
+            Arc::new(Request::new(1, TransferOp::Write, "peer".into(), 0, 1, 1, timeout, Vec::new(), None));
+        let mut f = Box::pin(r.completion());
+        assert!(std::future::Future::poll(f.as_mut(), &mut Context::from_waker(&w)).is_pending());
+        (r, f)
+    }
+
+    #[test]
+    fn a_panic_under_request_status_does_not_cross_the_boundary() {
+        // The first request's waker holds the process's deadline thread up, so the second's
+        // deadline is acted on by hixl_request_status, where its waker panics.
+        let _stalled = awaited(5, Waker::from(Arc::new(Stall)));
+        std::thread::sleep(Duration::from_millis(100));
+        let (r, _f) = awaited(10, Waker::from(Arc::new(Boom)));
+        let req = HixlRequest { inner: r };
+        std::thread::sleep(Duration::from_millis(50));
+        // SAFETY: `req` is a live request.
+        assert_eq!(unsafe { hixl_request_status(&req) }, crate::HIXL_REQ_FAILED);
+        // SAFETY: hixl_last_error returns a live NUL-terminated string.
+        let msg =
+            unsafe { std::ffi::CStr::from_ptr(crate::hixl_last_error()) }.to_string_lossy().into_owned();
+        assert!(msg.contains("a panic inside hixl"), "{msg}");
+        // SAFETY: as above.
+        assert_eq!(unsafe { hixl_request_status(&req) }, crate::HIXL_REQ_TIMEOUT, "it settled");
+    }
 }

@@ -1,6 +1,7 @@
 //! Python bindings of hixl-core, built by maturin into `hixl._hixl`. Thin by design: every
 //! call that can block or copy releases the GIL. Modules mirror the core crate's.
 
+mod args;
 mod buffer;
 mod descs;
 mod device;

@@ -11,8 +11,8 @@ use crate::types::{MemType, TransferStatus};
 /// How long one GIL-free wait slice lasts before Python signals (Ctrl-C) are checked.
 pub(crate) const SLICE: Duration = Duration::from_millis(50);
 
-pub(crate) fn ms(name: &str, v: Option<f64>) -> PyResult<Option<Duration>> {
-    match v {
+pub(crate) fn ms(name: &str, v: Option<crate::args::Millis>) -> PyResult<Option<Duration>> {
+    match v.map(|m| m.0) {
         None => Ok(None),
         // Longer than hixl_core::MAX_WAIT (a year) means that long.
         Some(x) if x.is_finite() && x >= 0.0 => {
@@ -135,7 +135,7 @@ impl TransferReq {
     /// negative or non-finite `timeout_ms`. Waits with the GIL released; Ctrl-C raises
     /// `KeyboardInterrupt` within 50 ms (the transfer goes on).
     #[pyo3(signature = (timeout_ms = None))]
-    fn wait(&self, py: Python<'_>, timeout_ms: Option<f64>) -> PyResult<TransferStatus> {
+    fn wait(&self, py: Python<'_>, timeout_ms: Option<crate::args::Millis>) -> PyResult<TransferStatus> {
         wait_req(py, &self.req, ms("timeout_ms", timeout_ms)?)
     }
     /// `await req`: waits on the running asyncio event loop (no thread, no polling: see

@@ -327,9 +327,9 @@ impl std::hash::Hash for NotifyDesc {
 #[pymethods]
 impl NotifyDesc {
     #[new]
-    #[pyo3(signature = (name, msg = String::new()))]
-    fn py_new(name: String, msg: String) -> Self {
-        NotifyDesc { name, msg, peer: String::new() }
+    #[pyo3(signature = (name, msg = crate::args::Text(String::new())))]
+    fn py_new(name: crate::args::Text, msg: crate::args::Text) -> Self {
+        NotifyDesc { name: name.0, msg: msg.0, peer: String::new() }
     }
     fn __repr__(&self) -> String {
         if self.peer.is_empty() {
@@ -418,6 +418,25 @@ impl From<StridedDesc> for hixl_core::StridedDesc {
             remote_stride: d.remote_stride,
         }
     }
+}
+
+/// The `(key, value)` pairs of an `options` argument: a dict or another mapping (None: none);
+/// anything else is ParamInvalid naming it.
+pub(crate) fn option_items<'py>(
+    options: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
+    let Some(o) = options else { return Ok(Vec::new()) };
+    if let Ok(d) = o.downcast::<pyo3::types::PyDict>() {
+        return Ok(d.iter().collect());
+    }
+    if let Ok(m) = o.downcast::<pyo3::types::PyMapping>() {
+        return m.items()?.iter().map(|kv| kv.extract()).collect();
+    }
+    Err(crate::errors::param(format!(
+        "options={} ({}) is not a dict: pass {{key: value}}, e.g. {{\"hixl.tcp.streams\": 4}}",
+        o.repr()?,
+        o.get_type().name()?
+    )))
 }
 
 /// An option value as the engine takes it: str as it is, bool as "1"/"0", int in decimal;

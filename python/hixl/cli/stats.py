@@ -2,6 +2,7 @@
 
     hixl stats --url http://127.0.0.1:9464/metrics            # one table, now
     hixl stats --url http://127.0.0.1:9464/metrics --watch 2  # a table every 2 s, with rates
+    hixl stats --url 127.0.0.1:9464                           # http:// and /metrics assumed
 
 One row per engine, peer and backend: link state, bytes written and read (and MB/s between
 two scrapes when watching), operations, failed requests, requests in flight, request-queue
@@ -16,6 +17,7 @@ import argparse
 import re
 import sys
 import time
+import urllib.parse
 import urllib.request
 from collections import defaultdict
 from typing import Any
@@ -32,12 +34,27 @@ Key = tuple[str, str, str]  # engine, peer, backend
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", required=True, help="the endpoint, e.g. http://127.0.0.1:9464/metrics")
+    p.add_argument(
+        "--url",
+        required=True,
+        help="the endpoint, e.g. http://127.0.0.1:9464/metrics (host:port: http, /metrics)",
+    )
     p.add_argument(
         "--watch", type=float, metavar="SECONDS", help="print a table every SECONDS (Ctrl-C ends)"
     )
     p.add_argument("--count", type=int, help="with --watch: stop after this many tables")
     p.add_argument("--timeout", type=float, default=5.0, help="per scrape, seconds (default 5)")
+
+
+def endpoint(url: str) -> str:
+    """`url` as it is scraped: without a scheme ("127.0.0.1:9464") it is http://, and without a
+    path /metrics; a scheme other than http and https, or no host, raises ValueError."""
+    parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError("expected http://host:port/metrics (or host:port)")
+    return urllib.parse.urlunsplit(
+        (parts.scheme, parts.netloc, parts.path or "/metrics", parts.query, "")
+    )
 
 
 def scrape(url: str, timeout: float) -> dict[Key, dict[str, Any]]:
@@ -106,14 +123,18 @@ def run(args: argparse.Namespace) -> int:
         p.error(f"--watch {args.watch}: must be a positive number of seconds")
     if args.count is not None and args.count < 1:
         p.error(f"--count {args.count}: must be at least 1")
+    try:
+        url = endpoint(args.url)
+    except ValueError as exc:
+        p.error(f"--url {args.url!r}: {exc}")
     before: dict[Key, dict[str, Any]] | None = None
     t_before = 0.0
     shown = 0
     while True:
         try:
-            now = scrape(args.url, args.timeout)
+            now = scrape(url, args.timeout)
         except OSError as exc:
-            print(scrub(f"hixl stats: cannot read {args.url}: {exc}", args.url), file=sys.stderr)
+            print(scrub(f"hixl stats: cannot read {url}: {exc}", url), file=sys.stderr)
             return 1
         t_now = time.monotonic()
         print(table(now, before, t_now - t_before), flush=True)

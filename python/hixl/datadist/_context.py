@@ -429,6 +429,11 @@ def init(
     if role not in ROLES:
         raise ParamInvalid(f"role={role!r} must be one of {', '.join(ROLES)}")
     listen = listen or env.get("HIXL_LISTEN", "127.0.0.1:0")
+    if peers is not None and not isinstance(peers, Mapping):
+        raise ParamInvalid(
+            f"peers={peers!r} ({type(peers).__name__}) must map each rank to its address, "
+            "e.g. {1: '10.0.0.2:26000'}"
+        )
     peer_map = dict(peers) if peers is not None else parse_peers(env.get("HIXL_PEERS", ""))
     dev = device_id if device_id is not None else int(env.get("HIXL_DEVICE_ID", "0"))
     disc_cfg, options = discovery_from_init(discovery, options, env)

@@ -30,10 +30,12 @@ class TransferConfig:
     async_enable: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_concurrent", "timeout_ms"):
+        # timeout_ms takes 0 as the engine's timeout_ms does: no time at all (each request ends
+        # TIMEOUT unless it completed while it was submitted).
+        for name, low in (("max_concurrent", 1), ("timeout_ms", 0)):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ParamInvalid(f"{name}={v!r} must be an integer >= 1")
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ParamInvalid(f"{name}={v!r} must be an integer >= {low}")
 
 
 @dataclass

@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 
 pub mod compat;
 pub mod rdma;
+mod suggest;
 
 /// Environment variable that supplies the cluster secret when `hixl.secret` is not given.
 pub const SECRET_ENV: &str = "HIXL_SECRET";
@@ -548,9 +549,12 @@ impl Options {
             let Some(spec) = SPECS.iter().find(|s| s.key == key) else {
                 let mut known: Vec<_> = SPECS.iter().map(|s| s.key).collect();
                 known.extend(ALIASES.iter().map(|a| a.0));
+                let hixl_keys = compat::COMPAT.iter().map(|c| c.key);
+                let hint = suggest::closest(k, known.iter().copied().chain(hixl_keys))
+                    .map_or(String::new(), |c| format!(" (did you mean {c:?}?)"));
                 // The value is not echoed: a misspelt secret key must not leak the secret.
                 return Err(Error::param(format!(
-                    "unknown option key {k:?}; known keys: {}",
+                    "unknown option key {k:?}{hint}; known keys: {}",
                     known.join(", ")
                 )));
             };

@@ -27,7 +27,7 @@ impl Hixl {
     /// Waits with the GIL released; Ctrl-C raises `KeyboardInterrupt` within 50 ms, and a connect
     /// given up that way is disconnected when it ends.
     #[pyo3(signature = (remote, timeout_ms = None))]
-    fn connect(&self, py: Python<'_>, remote: &str, timeout_ms: Option<f64>) -> PyResult<()> {
+    fn connect(&self, py: Python<'_>, remote: &str, timeout_ms: Option<Millis>) -> PyResult<()> {
         let e = self.engine.clone();
         let t = match ms("timeout_ms", timeout_ms)? {
             Some(t) => t,
@@ -54,7 +54,7 @@ impl Hixl {
     ///
     /// Blocks up to `timeout_ms` with the GIL released (no Ctrl-C check).
     #[pyo3(signature = (remote, timeout_ms = None))]
-    fn disconnect(&self, py: Python<'_>, remote: &str, timeout_ms: Option<f64>) -> PyResult<()> {
+    fn disconnect(&self, py: Python<'_>, remote: &str, timeout_ms: Option<Millis>) -> PyResult<()> {
         let e = self.engine.clone();
         let t = match ms("timeout_ms", timeout_ms)? {
             Some(t) => t,

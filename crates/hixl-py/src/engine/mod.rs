@@ -10,6 +10,7 @@ use pyo3::types::{PyDict, PyTuple};
 
 use hixl_core::{Engine, Waiting};
 
+use crate::args::{Millis, OpArg};
 use crate::buffer::{self, KeepAlive};
 use crate::descs::parse_descs;
 use crate::errors::{self, to_py};
@@ -132,7 +133,7 @@ impl Hixl {
         remote: &str,
         op: TransferOp,
         (local_addr, remote_addr, length): Range3<'_, '_>,
-        timeout_ms: Option<f64>,
+        timeout_ms: Option<Millis>,
         waiting: Waiting,
     ) -> PyResult<hixl_core::TransferReq> {
         let d = [hixl_core::TransferOpDesc {
@@ -156,7 +157,7 @@ impl Hixl {
         remote_base: &Bound<'_, PyAny>,
         desc: StridedDesc,
         notify: Option<NotifyDesc>,
-        timeout_ms: Option<f64>,
+        timeout_ms: Option<Millis>,
         waiting: Waiting,
     ) -> PyResult<hixl_core::TransferReq> {
         let lb = types::uint("local_base", local_base)?;
@@ -189,13 +190,15 @@ impl Hixl {
     ///   takes a free port, which the `local_engine` property then reports. An IP address alone
     ///   ("10.0.0.5", "::1") makes a client-only engine: it connects to others, nobody connects to
     ///   it, and its id is "ip#pid".
-    /// - `options` (dict or None, default None): engine options as `{key: value}`, values str, int
-    ///   or bool (`{"hixl.tcp.streams": 4, "hixl.data_mac": True}`; True/False mean "1"/"0").
+    /// - `options` (dict or other mapping, or None, default None): engine options as
+    ///   `{key: value}`, values str, int or bool (`{"hixl.tcp.streams": 4, "hixl.data_mac":
+    ///   True}`; True/False mean "1"/"0").
     ///   `hixl.option_keys()` lists every key with its default and meaning; Huawei HIXL's keys
     ///   (`hixl.hixl_option_keys()`) are accepted too, and `AutoConnect` starts `connect_async`
     ///   to each engine it lists. None: every default.
     ///
-    /// Raises `ParamInvalid` for an unknown key, a value of another type or one that does not
+    /// Raises `ParamInvalid` for `options` that are not a mapping, an unknown key (with the
+    /// closest known one, when one is close), a value of another type or one that does not
     /// parse (the message names the key), or an address that does not parse or cannot be listened
     /// on (in use, for one); `Failed` when the engine is already initialized or was finalized (an
     /// engine does not restart: make a new `Hixl`).
@@ -206,10 +209,10 @@ impl Hixl {
         &self,
         py: Python<'_>,
         local_engine: &str,
-        options: Option<&Bound<'_, PyDict>>,
+        options: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let mut opts = HashMap::new();
-        for (k, v) in options.map(|d| d.iter()).into_iter().flatten() {
+        for (k, v) in types::option_items(options)? {
             let key: String =
                 k.extract().map_err(|_| errors::param(format!("option key {k} is not a str")))?;
             opts.insert(key.clone(), types::option_text(&key, &v)?);

@@ -30,7 +30,7 @@ impl Hixl {
         py: Python<'_>,
         remote: &str,
         notify: NotifyDesc,
-        timeout_ms: Option<f64>,
+        timeout_ms: Option<Millis>,
     ) -> PyResult<()> {
         let e = self.engine.clone();
         let t = match ms("timeout_ms", timeout_ms)? {
@@ -56,10 +56,11 @@ impl Hixl {
     fn wait_notifies(
         &self,
         py: Python<'_>,
-        timeout_ms: f64,
+        timeout_ms: Millis,
         name: Option<String>,
     ) -> PyResult<Vec<NotifyDesc>> {
         let total = ms("timeout_ms", Some(timeout_ms))?.unwrap();
+        let timeout_ms = timeout_ms.0;
         let until = Instant::now() + total;
         let e = self.engine.clone();
         loop {

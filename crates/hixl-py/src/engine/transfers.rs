@@ -8,8 +8,8 @@ impl Hixl {
     ///
     /// Arguments:
     /// - `remote` (str): a connected peer.
-    /// - `op` (TransferOp): `TransferOp.WRITE` copies local -> remote, `TransferOp.READ` remote ->
-    ///   local.
+    /// - `op` (TransferOp or str): `TransferOp.WRITE` copies local -> remote, `TransferOp.READ`
+    ///   remote -> local; the name as a str ("WRITE", "read", any case) is the same.
     /// - `descs`: the batch: a list or tuple of `TransferOpDesc` or of `(local_addr, remote_addr,
     ///   length)` triples of ints (numpy integer scalars too), or an (N, 3) numpy array of any
     ///   integer dtype (uint64 in C order is read without a copy). Each range must lie inside one
@@ -35,9 +35,9 @@ impl Hixl {
         &self,
         py: Python<'_>,
         remote: &str,
-        op: TransferOp,
+        op: OpArg,
         descs: &Bound<'_, PyAny>,
-        timeout_ms: Option<f64>,
+        timeout_ms: Option<Millis>,
     ) -> PyResult<()> {
         let t = ms("timeout_ms", timeout_ms)?;
         let d = parse_descs(descs)?;
@@ -74,11 +74,11 @@ impl Hixl {
         &self,
         py: Python<'_>,
         remote: &str,
-        op: TransferOp,
+        op: OpArg,
         descs: &Bound<'_, PyAny>,
         user_data: Option<Py<PyAny>>,
         notify: Option<NotifyDesc>,
-        timeout_ms: Option<f64>,
+        timeout_ms: Option<Millis>,
     ) -> PyResult<Py<TransferReq>> {
         let t = ms("timeout_ms", timeout_ms)?;
         let d = parse_descs(descs)?;
@@ -110,7 +110,7 @@ impl Hixl {
         local_addr: &Bound<'_, PyAny>,
         remote_addr: &Bound<'_, PyAny>,
         length: &Bound<'_, PyAny>,
-        timeout_ms: Option<f64>,
+        timeout_ms: Option<Millis>,
     ) -> PyResult<()> {
         let req = self.one(
             py,
@@ -144,7 +144,7 @@ impl Hixl {
         local_addr: &Bound<'_, PyAny>,
         remote_addr: &Bound<'_, PyAny>,
         length: &Bound<'_, PyAny>,
-        timeout_ms: Option<f64>,
+        timeout_ms: Option<Millis>,
     ) -> PyResult<()> {
         let req = self.one(
             py,
@@ -174,7 +174,7 @@ impl Hixl {
         remote_addr: &Bound<'_, PyAny>,
         length: &Bound<'_, PyAny>,
         user_data: Option<Py<PyAny>>,
-        timeout_ms: Option<f64>,
+        timeout_ms: Option<Millis>,
     ) -> PyResult<Py<TransferReq>> {
         let req = self.one(
             py,
@@ -204,7 +204,7 @@ impl Hixl {
         remote_addr: &Bound<'_, PyAny>,
         length: &Bound<'_, PyAny>,
         user_data: Option<Py<PyAny>>,
-        timeout_ms: Option<f64>,
+        timeout_ms: Option<Millis>,
     ) -> PyResult<Py<TransferReq>> {
         let req = self.one(
             py,
@@ -242,7 +242,7 @@ impl Hixl {
         local_base: &Bound<'_, PyAny>,
         remote_base: &Bound<'_, PyAny>,
         desc: StridedDesc,
-        timeout_ms: Option<f64>,
+        timeout_ms: Option<Millis>,
     ) -> PyResult<()> {
         let req = self.strided(
             py,
@@ -275,7 +275,7 @@ impl Hixl {
         local_base: &Bound<'_, PyAny>,
         remote_base: &Bound<'_, PyAny>,
         desc: StridedDesc,
-        timeout_ms: Option<f64>,
+        timeout_ms: Option<Millis>,
     ) -> PyResult<()> {
         let req = self.strided(
             py,
@@ -311,7 +311,7 @@ impl Hixl {
         desc: StridedDesc,
         user_data: Option<Py<PyAny>>,
         notify: Option<NotifyDesc>,
-        timeout_ms: Option<f64>,
+        timeout_ms: Option<Millis>,
     ) -> PyResult<Py<TransferReq>> {
         let req = self.strided(
             py,
@@ -347,7 +347,7 @@ impl Hixl {
         desc: StridedDesc,
         user_data: Option<Py<PyAny>>,
         notify: Option<NotifyDesc>,
-        timeout_ms: Option<f64>,
+        timeout_ms: Option<Millis>,
     ) -> PyResult<Py<TransferReq>> {
         let req = self.strided(
             py,

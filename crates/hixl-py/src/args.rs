@@ -1,0 +1,75 @@
+//! Arguments whose wrong type gets a message naming the value: pyo3 prefixes a `TypeError`
+//! raised here with the argument's name (`argument 'timeout_ms': '100' (str) is not ...`).
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::PyString;
+
+use crate::types::TransferOp;
+
+/// `repr(v) (type)`, as the messages below name a value.
+fn shown(v: &Bound<'_, PyAny>) -> String {
+    let r = v.repr().map(|r| r.to_string()).unwrap_or_else(|_| "?".into());
+    let t = v.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+    format!("{r} ({t})")
+}
+
+/// Milliseconds: an int or a float (what converts to a C double: not a str).
+#[derive(Clone, Copy)]
+pub struct Millis(pub f64);
+
+impl<'py> FromPyObject<'py> for Millis {
+    fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
+        ob.extract::<f64>().map(Millis).map_err(|_| {
+            PyTypeError::new_err(format!(
+                "{} is not a number of milliseconds: pass an int or a float (100, 2.5)",
+                shown(ob)
+            ))
+        })
+    }
+}
+
+/// A transfer direction: `TransferOp.READ` / `TransferOp.WRITE`, or its name as a str in any
+/// case (`"WRITE"`, `"write"`), as `TransferOp.WRITE.name` gives it.
+#[derive(Clone, Copy)]
+pub struct OpArg(pub TransferOp);
+
+impl<'py> FromPyObject<'py> for OpArg {
+    fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if let Ok(op) = ob.downcast::<TransferOp>() {
+            return Ok(OpArg(*op.get()));
+        }
+        if let Ok(s) = ob.downcast::<PyString>() {
+            let s = s.to_str()?;
+            if s.eq_ignore_ascii_case("READ") {
+                return Ok(OpArg(TransferOp::READ));
+            }
+            if s.eq_ignore_ascii_case("WRITE") {
+                return Ok(OpArg(TransferOp::WRITE));
+            }
+        }
+        Err(PyTypeError::new_err(format!(
+            "{} is not a TransferOp: pass TransferOp.READ or TransferOp.WRITE, or the name \"READ\" \
+             or \"WRITE\" (any case)",
+            shown(ob)
+        )))
+    }
+}
+
+impl From<OpArg> for hixl_core::TransferOp {
+    fn from(o: OpArg) -> Self {
+        o.0.into()
+    }
+}
+
+/// A str argument (no conversion of other types).
+pub struct Text(pub String);
+
+impl<'py> FromPyObject<'py> for Text {
+    fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
+        match ob.downcast::<PyString>() {
+            Ok(s) => Ok(Text(s.to_str()?.to_string())),
+            Err(_) => Err(PyTypeError::new_err(format!("{} is not a str", shown(ob)))),
+        }
+    }
+}
