@@ -74,6 +74,32 @@ def test_frozen_peer_is_declared_dead_within_three_heartbeats(make_peer) -> None
         e.finalize()
 
 
+def test_idle_frozen_peer_is_declared_dead_within_four_intervals(make_peer) -> None:
+    # README (hixl.heartbeat_ms): dead at the third sample without progress, between 3 and 4
+    # intervals after the peer stopped; 4 intervals is the worst case. Several freezes, as
+    # where it falls between two samples differs from one to the next.
+    every = 0.5
+    margin = 0.3  # the timer's and this loop's wake-ups on a loaded machine (< 1 interval)
+    peer = make_peer(4096)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp", "hixl.heartbeat_ms": "500"})
+    took = []
+    try:
+        for _ in range(8):
+            e.connect(peer.engine, timeout_ms=5000)
+            time.sleep(3 * every)  # a few heartbeats answered
+            with peer.stopped():
+                t0 = time.monotonic()
+                while e.stats()[peer.engine]["alive"]:
+                    assert time.monotonic() - t0 < 20, "the frozen peer was never declared dead"
+                    time.sleep(0.002)
+                took.append(time.monotonic() - t0)
+    finally:
+        e.finalize()
+    print(f"fault: idle frozen peer, heartbeat 500 ms: declared dead after {max(took):.3f} s")
+    assert max(took) <= 4 * every + margin, [f"{t / every:.2f} intervals" for t in took]
+
+
 def test_idle_link_to_a_frozen_peer_dies_and_a_busy_live_one_does_not(make_peer) -> None:
     size = 256 << 20
     live, frozen = make_peer(size), make_peer(4096)

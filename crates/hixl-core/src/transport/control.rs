@@ -19,20 +19,16 @@ use crate::transport::{DataPath, PeerInfo};
 use crate::wire::{Frame, RegionEntry};
 
 impl Tick for TcpLink {
-    /// Every heartbeat interval (from the engine's timer): samples the progress of the interval
-    /// that ends (counting a miss when there was none), closes the link once the peer has made
-    /// no progress for `liveness::MISSED` intervals, and otherwise probes the peer on each
-    /// stream that has nothing queued to send.
+    /// Every heartbeat interval (from the engine's timer): samples the peer's progress, closes
+    /// the link once `liveness::MISSED` samples in a row showed none, and probes the peer on
+    /// each stream that has nothing queued to send. The sample comes before this tick's probes:
+    /// the last tick's are acknowledged by now (by a live kernel), so how fast an
+    /// acknowledgement comes back never reads as progress.
     fn tick(&self, now: Instant) -> bool {
         if !self.alive() {
             return false;
         }
         let mut beat = self.beat.lock().unwrap();
-        // The progress of the interval that ends now, sampled before this tick's probes go
-        // out: a probe just sent is subtracted at once, while its acknowledgment (which a
-        // loopback peer may send within the send call, or not) and its answer are not back
-        // yet, so sampling after it would read a live peer as a dip about every other tick.
-        // Sampled here, the last tick's probes have had a whole interval to be answered.
         let mut progress: i128 = -(beat.probes_sent as i128);
         for s in &self.streams {
             let Some((received, acked)) = liveness::tcp_progress(s.sock.as_raw_fd()) else { return false };
@@ -41,16 +37,6 @@ impl Tick for TcpLink {
         let (missed, dead) = beat.live.observe_counting(progress, now);
         if missed {
             self.done.stats().heartbeat_misses.fetch_add(1, Ordering::Relaxed);
-        }
-        if dead.is_none() {
-            for s in &self.streams {
-                // Only where nothing is queued, so that a probe never waits behind data (a cut
-                // link leaves data queued; then the missing progress speaks for itself).
-                let idle = s.tx.try_lock().is_ok_and(|tx| tx.out.is_empty());
-                if idle && io::queued_bytes(s.sock.as_raw_fd()) == Some(0) {
-                    beat.probes_sent += self.send_own(s, &Frame::Heartbeat, 0);
-                }
-            }
         }
         if let Some(silent) = dead {
             let every = beat.every;
@@ -63,6 +49,14 @@ impl Tick for TcpLink {
                 every.as_millis()
             )));
             return false;
+        }
+        for s in &self.streams {
+            // Only where nothing is queued, so that a probe never waits behind data (a cut link
+            // leaves data queued; then the missing progress speaks for itself).
+            let idle = s.tx.try_lock().is_ok_and(|tx| tx.out.is_empty());
+            if idle && io::queued_bytes(s.sock.as_raw_fd()) == Some(0) {
+                beat.probes_sent += self.send_own(s, &Frame::Heartbeat, 0);
+            }
         }
         true
     }

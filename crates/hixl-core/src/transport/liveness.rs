@@ -1,15 +1,17 @@
 //! Deciding that a peer is dead (sans-IO): the link samples a progress counter every
-//! heartbeat interval, and a peer whose counter has not risen above its highest value for
-//! three intervals is dead.
+//! heartbeat interval, and a peer whose counter has not risen above its highest value in
+//! `MISSED` samples in a row is dead. The count is of samples, not of time: the engine's
+//! timer runs a tick up to its slack early, so three intervals measured in time would often
+//! need a fourth sample. A peer that stops answering is therefore declared dead at the third
+//! sample after the last one that saw it answer: between 3 and 4 intervals after it stopped
+//! (plus the timer's wake-up delay on a loaded host).
 //!
 //! The counter is what the kernel reports for the link's sockets: bytes received from the
 //! peer plus bytes of ours the peer acknowledged, minus the heartbeat bytes we sent. An idle
 //! live peer answers each heartbeat (bytes received rise); a busy live peer moves data (one
 //! of the two rises); a frozen, hung or unreachable peer moves nothing, and our own heartbeats
-//! cannot make it look alive because they are subtracted. The link samples the counter at the
-//! end of each interval, before it sends that tick's probes: the last probes have then had a
-//! whole interval to be acknowledged and answered, so a live peer rises every interval and a
-//! miss means the peer answered nothing in one.
+//! cannot make it look alive because they are subtracted (the link samples before it sends
+//! the next ones, so a heartbeat's acknowledgement never arrives between two samples).
 
 use std::time::{Duration, Instant};
 
@@ -19,15 +21,16 @@ pub const MISSED: u32 = 3;
 /// Tracks one link's progress counter.
 #[derive(Debug)]
 pub struct Liveness {
-    interval: Duration,
     best: i128,
     since: Instant,
+    /// Samples in a row without progress.
+    misses: u32,
 }
 
 impl Liveness {
-    /// Starts tracking at `now` with a heartbeat `interval`.
-    pub fn new(interval: Duration, now: Instant) -> Self {
-        Liveness { interval, best: i128::MIN, since: now }
+    /// Starts tracking at `now`.
+    pub fn new(now: Instant) -> Self {
+        Liveness { best: i128::MIN, since: now, misses: 0 }
     }
 
     /// [`Liveness::observe_counting`] without the miss.
@@ -37,15 +40,18 @@ impl Liveness {
     }
 
     /// Records a sample: whether it showed no progress (a missed heartbeat interval), and how
-    /// long the peer has been silent once that reaches `MISSED` intervals (it is then dead).
+    /// long the peer has been silent once `MISSED` samples in a row showed none (it is then
+    /// dead).
     pub fn observe_counting(&mut self, progress: i128, now: Instant) -> (bool, Option<Duration>) {
         if progress > self.best {
             self.best = progress;
             self.since = now;
+            self.misses = 0;
             return (false, None);
         }
+        self.misses += 1;
         let silent = now.saturating_duration_since(self.since);
-        (true, (silent >= self.interval * MISSED).then_some(silent))
+        (true, (self.misses >= MISSED).then_some(silent))
     }
 }
 
@@ -73,20 +79,36 @@ mod tests {
     use super::*;
 
     #[test]
-    fn live_peers_stay_alive_and_silent_ones_die_after_three_intervals() {
+    fn live_peers_stay_alive_and_silent_ones_die_at_the_third_silent_sample() {
         let t0 = Instant::now();
         let i = Duration::from_millis(100);
-        let mut l = Liveness::new(i, t0);
+        let mut l = Liveness::new(t0);
         assert_eq!(l.observe(10, t0), None);
         // Progress every interval: alive however long it runs.
         for k in 1..50 {
             assert_eq!(l.observe(10 + k, t0 + i * k as u32), None);
         }
         let last = t0 + i * 49;
-        // Our own heartbeats make the counter dip and come back: not progress.
+        // Lower samples (our own heartbeats not yet acknowledged) are not progress.
         assert_eq!(l.observe(59 - 24, last + i), None);
         assert_eq!(l.observe(59, last + i * 2), None);
-        assert_eq!(l.observe(59 - 24, last + i * 3 - Duration::from_millis(1)), None);
-        assert_eq!(l.observe(59, last + i * 3), Some(i * 3));
+        // The timer runs ticks up to its slack early: the third silent sample is the last,
+        // even when less than three whole intervals have passed.
+        let early = Duration::from_millis(10);
+        assert_eq!(l.observe(59, last + i * 3 - early), Some(i * 3 - early));
+    }
+
+    #[test]
+    fn progress_starts_the_count_again() {
+        let t0 = Instant::now();
+        let i = Duration::from_millis(100);
+        let mut l = Liveness::new(t0);
+        assert_eq!(l.observe(10, t0), None);
+        assert_eq!(l.observe(10, t0 + i), None);
+        assert_eq!(l.observe(10, t0 + i * 2), None);
+        assert_eq!(l.observe(11, t0 + i * 3), None);
+        assert_eq!(l.observe(11, t0 + i * 4), None);
+        assert_eq!(l.observe(11, t0 + i * 5), None);
+        assert_eq!(l.observe(11, t0 + i * 6), Some(i * 3));
     }
 }

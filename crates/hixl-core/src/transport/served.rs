@@ -188,6 +188,33 @@ fn flush(srv: &Server, s: &Served) -> std::io::Result<Step> {
     Ok(step)
 }
 
+/// Sends what each of `streams` has queued (the Acks of stored notifications among it) and
+/// waits until the peer's kernel has taken it (its send queue is empty), until `deadline` at
+/// most: a finalize closes its streams only after this, so every answer it owes is in the
+/// initiator's receive queue before the first stream ends. A stream that ended or whose
+/// socket fails is left as it is.
+pub(crate) fn drain(srv: &Server, streams: &[Arc<Served>], deadline: std::time::Instant) {
+    for s in streams {
+        if s.writer_token.load(Ordering::Acquire) == 0 {
+            continue; // Still in its handshake: nothing queued here.
+        }
+        while !s.ended.load(Ordering::Acquire) {
+            let sent = match flush(srv, s) {
+                Ok(step) => step == Step::Done,
+                Err(_) => break,
+            };
+            let taken = io::queued_bytes(s.sock.as_raw_fd()).is_none_or(|n| n == 0);
+            if (sent && taken) || std::time::Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(DRAIN_POLL);
+        }
+    }
+}
+
+/// How often `drain` looks at a stream's send queue again.
+const DRAIN_POLL: std::time::Duration = std::time::Duration::from_millis(1);
+
 fn backlogged(s: &Served) -> bool {
     let tx = s.send.lock().unwrap();
     tx.out.len() >= MAX_QUEUED_JOBS || tx.out.bytes >= MAX_QUEUED_BYTES
@@ -335,12 +362,25 @@ fn on_frame(
         Frame::Read { segs } => serve_read(srv, s, &h, OwnedRanges::List(segs))?,
         Frame::ReadStrided { seg } => serve_read(srv, s, &h, OwnedRanges::Strided(seg))?,
         Frame::Notify { name, msg } => {
+            // Stored and its Ack queued under the send lock, which a finalize takes before it
+            // drains the stream (`drain`): the Ack of a notification the application may
+            // already hold always goes out before the stream closes. Once the engine is
+            // stopping, a notification is refused rather than stored where nobody takes it.
             let sender = s.sender.get().map_or("", String::as_str);
-            let ack = match ctx.notifies.push(s.id, sender, name, msg) {
-                Ok(()) => Frame::Ack { status: 0, message: String::new() },
-                Err(e) => Frame::Ack { status: e.code(), message: e.message },
-            };
-            answer(srv, s, &ack, h.tag)?;
+            {
+                let mut tx = s.send.lock().unwrap();
+                let ack = if srv.stopping() {
+                    let message = "the target is finalizing: the notification was not delivered";
+                    Frame::Ack { status: Status::Failed.code(), message: message.into() }
+                } else {
+                    match ctx.notifies.push(s.id, sender, name, msg) {
+                        Ok(()) => Frame::Ack { status: 0, message: String::new() },
+                        Err(e) => Frame::Ack { status: e.code(), message: e.message },
+                    }
+                };
+                tx.queue_sealed(&mut wire::encode(&ack, h.tag, 0));
+            }
+            send_now(srv, s)?;
         }
         Frame::Heartbeat => answer(srv, s, &Frame::HeartbeatAck, h.tag)?,
         Frame::BackendOpen { backend, payload } => {

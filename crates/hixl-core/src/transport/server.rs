@@ -516,9 +516,15 @@ impl Server {
         }
     }
 
-    /// Stops accepting, closes every served stream and waits (bounded) for their threads.
+    /// Whether `stop` has begun (served streams refuse new notifications from then on).
+    pub(crate) fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// Stops accepting, sends what the served streams owe (`STOP_DRAIN` at most), closes them
+    /// and waits (bounded) for their threads.
     pub fn stop(&self) {
-        self.stopping.store(true, Ordering::Release);
+        self.stopping.store(true, Ordering::SeqCst);
         let token = self.accept_token.swap(0, Ordering::AcqRel);
         if token != 0 {
             self.ctx.reactor.remove(token);
@@ -528,6 +534,10 @@ impl Server {
             crate::transport::selfcopy::withdraw(l.name());
             l.stop();
         }
+        // Every answer owed (the Acks of notifications the application may hold) goes out
+        // before any stream closes: an initiator reads them before it sees the streams end.
+        let streams: Vec<Arc<Served>> = self.served.lock().unwrap().values().cloned().collect();
+        served::drain(self, &streams, Instant::now() + STOP_DRAIN);
         for s in self.served.lock().unwrap().values() {
             s.abort("engine finalized");
         }
@@ -539,6 +549,9 @@ impl Server {
         }
     }
 }
+
+/// Most time `stop` spends sending the answers its served streams still owe.
+const STOP_DRAIN: Duration = Duration::from_secs(1);
 
 /// How often the region-update backlog is checked for peers that fell behind.
 const PUBLISH_CHECK: Duration = Duration::from_millis(250);

@@ -26,10 +26,11 @@ impl Source for Reader {
     fn run(&self, _events: u32) -> Interest {
         let link = &self.link;
         // Errors close the link after the stream's receive state is let go (closing fails
-        // the part it holds).
+        // the part it holds), and after what the other streams received is read.
         match link.read_some(&self.stream) {
             Ok(i) => i,
             Err(e) => {
+                link.read_what_came(&self.stream);
                 link.close(e);
                 Interest::Gone
             }
@@ -38,6 +39,22 @@ impl Source for Reader {
 }
 
 impl TcpLink {
+    /// Reads what every other stream of this link and of its partner (data path or control
+    /// channel) has received, before one stream's end closes them all and fails what is
+    /// pending: a target that ends its streams (a finalize) sends what it owes on each
+    /// first, so a request it answered, such as a notification it stored, is settled by its
+    /// answer, not failed with the link.
+    fn read_what_came(&self, ended: &Stream) {
+        let partner =
+            self.control.get().cloned().or_else(|| self.data.get().and_then(std::sync::Weak::upgrade));
+        for link in std::iter::once(self).chain(partner.as_deref()) {
+            for s in link.streams.iter().filter(|s| !std::ptr::eq(s.as_ref(), ended)) {
+                // A stream that ended too, or failed, is closed with the rest below.
+                let _ = link.read_some(s);
+            }
+        }
+    }
+
     /// Handles what has arrived, up to a budget (then yields to other streams).
     fn read_some(&self, s: &Stream) -> Result<Interest, Error> {
         let mut rx = s.rx.lock().unwrap();
