@@ -178,7 +178,17 @@ impl Engine {
     /// NOT_CONNECTED. New requests to `remote` are refused from the start of the call.
     pub fn disconnect(&self, remote: &str, timeout: Duration) -> Result<()> {
         let r = self.running()?;
-        let slot = r.peers.lock().unwrap().remove(remote);
+        // One lock: a connect in progress keeps its slot, so that its `finish_connect` (which
+        // may come at any moment) is never overwritten and its link never lost.
+        let slot = {
+            let mut peers = r.peers.lock().unwrap();
+            if matches!(peers.get(remote), Some(PeerSlot::Connecting)) {
+                return Err(Error::failed(format!(
+                    "a connect to {remote} is in progress; wait for it first"
+                )));
+            }
+            peers.remove(remote)
+        };
         match slot {
             Some(PeerSlot::Connected(c)) => {
                 let deadline = std::time::Instant::now() + crate::capped(timeout);
@@ -193,11 +203,7 @@ impl Engine {
                 c.link.close(Error::not_connected(format!("disconnected from {remote}")));
                 Ok(())
             }
-            Some(PeerSlot::Failed) => Ok(()),
-            Some(PeerSlot::Connecting) => {
-                r.peers.lock().unwrap().insert(remote.to_string(), PeerSlot::Connecting);
-                Err(Error::failed(format!("a connect to {remote} is in progress; wait for it first")))
-            }
+            Some(PeerSlot::Failed | PeerSlot::Connecting) => Ok(()),
             None => Err(Error::not_connected(format!("not connected to {remote}"))),
         }
     }
