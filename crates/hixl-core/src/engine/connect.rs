@@ -32,26 +32,27 @@ impl Engine {
     }
 
     fn begin_connect(r: &Running, key: &str) -> Result<()> {
-        let mut peers = r.peers.lock().unwrap();
-        match peers.get(key) {
-            Some(PeerSlot::Connected(c)) if c.link.is_alive() => {
-                Err(Error::new(Status::AlreadyConnected, format!("already connected to {key}")))
+        let old = {
+            let mut peers = r.peers.lock().unwrap();
+            match peers.get(key) {
+                Some(PeerSlot::Connected(c)) if c.link.is_alive() => {
+                    return Err(Error::new(Status::AlreadyConnected, format!("already connected to {key}")));
+                }
+                Some(PeerSlot::Connecting) => {
+                    return Err(Error::new(
+                        Status::AlreadyConnected,
+                        format!("a connect to {key} is already in progress"),
+                    ));
+                }
+                _ => peers.insert(key.to_string(), PeerSlot::Connecting),
             }
-            Some(PeerSlot::Connecting) => Err(Error::new(
-                Status::AlreadyConnected,
-                format!("a connect to {key} is already in progress"),
-            )),
-            Some(PeerSlot::Connected(c)) => {
-                // The old link died: close it (joins its threads) and connect anew.
-                c.link.close(Error::not_connected(format!("link to {key} replaced")));
-                peers.insert(key.to_string(), PeerSlot::Connecting);
-                Ok(())
-            }
-            _ => {
-                peers.insert(key.to_string(), PeerSlot::Connecting);
-                Ok(())
-            }
+        };
+        // The old link died: close it (joins its threads; an RDMA link waits for its flush)
+        // only now, outside the peers lock that every submit to every peer takes.
+        if let Some(PeerSlot::Connected(c)) = old {
+            c.link.close(Error::not_connected(format!("link to {key} replaced")));
         }
+        Ok(())
     }
 
     /// Connects the control channel, then asks each backend of `hixl.backends` that the peer
