@@ -3,8 +3,10 @@ byte for byte against what the source rank was filled with."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -662,3 +664,71 @@ def test_kv_tasks_and_layers_are_awaitable(ranks, kv) -> None:
     assert seen[-1] == 16 and all(b - a >= 4 or b == 16 for a, b in steps)
     assert ticks > len(seen), "the loop kept running while the layers arrived"
     assert local.array.tobytes() == filled(shape, 13).tobytes()
+
+
+NOTIFY_PEER = str(Path(__file__).with_name("_sec_notify_peer.py"))
+
+
+def send_from_own_engine(addr: str, *pairs: str) -> str:
+    """Runs an engine in a process of its own that sends (name, msg) pairs to `addr`; returns
+    its engine id."""
+    out = subprocess.run(
+        [sys.executable, NOTIFY_PEER, "notify", addr, *pairs],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).parent,
+    )
+    assert out.returncode == 0, out.stderr
+    tag, engine = out.stdout.split()
+    assert tag == "SENT"
+    return engine
+
+
+def collect(e: hixl.Hixl, n: int, timeout_s: float = 10) -> list[hixl.NotifyDesc]:
+    """What the application's own wait_notifies returns until `n` came (or the time is up)."""
+    got: list[hixl.NotifyDesc] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n and time.monotonic() < deadline:
+        with contextlib.suppress(hixl.Timeout):
+            got += e.wait_notifies(200)
+    return got
+
+
+def test_a_receive_leaves_the_applications_notifications_to_it(kv) -> None:
+    """A layerwise receive takes only its layer notifications from the engine: the
+    application's own, sent by another engine among the layers while the receive runs, all
+    reach the application's wait_notifies, in order, and the receive still completes."""
+    kv(cluster_id=0, role="decoder")
+    cache = hixl.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    syncer = hixl.LayerSynchronizer(SHAPE[0])
+    task = hixl.receive_cache_async(5, cache, syncer, hixl.TransferConfig(timeout_ms=30_000))
+    app = [(f"app.{i % 3}", f"msg {i}") for i in range(30)]
+    pairs: list[str] = []
+    for i, (name, msg) in enumerate(app):
+        pairs += [name, msg]
+        if i < SHAPE[0]:
+            pairs += ["hixl.kv.layer", f"5:kv:{i}"]
+    sender = send_from_own_engine(context().address, *pairs)
+    task.wait(10_000)
+    assert syncer.get_layer_count() == SHAPE[0]
+    got = collect(context().engine, len(app))
+    assert [(n.name, n.msg) for n in got] == app
+    assert {n.peer for n in got} == {sender}
+    assert context().engine.get_notifies() == []
+
+
+def test_the_mailbox_counts_and_logs_what_it_drops_at_its_cap(kv, caplog) -> None:
+    """Layer notifications no receive takes wait in the mailbox up to its cap; beyond it the
+    oldest are dropped, counted and logged. The application's own stay in the engine."""
+    kv(cluster_id=0, role="decoder")
+    box = context().mailbox
+    box.keep = 3
+    pairs = [p for i in range(5) for p in ("hixl.kv.layer", f"7:other:{i}")]
+    send_from_own_engine(context().address, *pairs, "app", "mine")
+    with caplog.at_level(logging.WARNING, logger="hixl.kv"):
+        assert box.take("hixl.kv.layer", lambda n: False) == []
+    assert box.dropped == 2
+    assert [n.msg for n in box.pending] == [f"7:other:{i}" for i in (2, 3, 4)]
+    assert "dropped the 2 oldest" in caplog.text
+    assert [(n.name, n.msg) for n in context().engine.get_notifies()] == [("app", "mine")]

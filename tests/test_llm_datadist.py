@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from _lldd_sync import pattern
 from conftest import proc_state
+from test_kv import collect, send_from_own_engine
 
 import hixl
 import hixl.llm_datadist as ld
@@ -527,3 +528,23 @@ def test_one_instance_per_process_and_finalize(dd: ld.LLMDataDist) -> None:
     assert code(cm.allocate_cache, desc) == ld.LLMStatusCode.LLM_ENGINE_FINALIZED
     assert not cm.is_initialized()
     dd.finalize()  # idempotent
+
+
+def test_the_applications_notifications_stay_for_it(dd: ld.LLMDataDist) -> None:
+    """The node's thread takes only its own names (hello, bye, release) from the engine:
+    the application's notifications, sent by another engine around a hello, all reach the
+    application's wait_notifies on `dd.engine`, in order, and the hello is still applied."""
+    app = [(f"app.{i % 3}", f"msg {i}") for i in range(30)]
+    hello = ("hixl.lldd.hello", '{"cluster": 9, "address": "127.0.0.1:1"}')
+    pairs = [p for n in (*app[:15], hello, *app[15:]) for p in n]
+    sender = send_from_own_engine(dd.local_address, *pairs)
+    got = collect(dd.engine, len(app))
+    assert [(n.name, n.msg) for n in got] == app
+    assert {n.peer for n in got} == {sender}
+    node = dd._node
+    assert node is not None
+    deadline = time.monotonic() + 5
+    while node.routes.get(9) != sender:
+        assert time.monotonic() < deadline, f"the hello was not applied: {node.routes}"
+        time.sleep(0.01)
+    assert dd.engine.get_notifies() == []

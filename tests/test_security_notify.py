@@ -17,28 +17,10 @@ from typing import Any
 import _wire as w
 import pytest
 from _lldd_sync import pattern
-from test_kv import SHAPE, Rank, filled
+from test_kv import NOTIFY_PEER, SHAPE, Rank, filled, send_from_own_engine
 
 import hixl
 import hixl.llm_datadist as ld
-
-PEER = str(Path(__file__).with_name("_sec_notify_peer.py"))
-
-
-def send_from_own_engine(addr: str, *pairs: str) -> str:
-    """Runs an engine in a process of its own that sends (name, msg) pairs to `addr`; returns
-    its engine id."""
-    out = subprocess.run(
-        [sys.executable, PEER, "notify", addr, *pairs],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=Path(__file__).parent,
-    )
-    assert out.returncode == 0, out.stderr
-    tag, engine = out.stdout.split()
-    assert tag == "SENT"
-    return engine
 
 
 @pytest.fixture
@@ -161,7 +143,7 @@ class Prompt:
 
     def __init__(self, decoder: ld.LLMDataDist) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, PEER, "lldd-prompt", decoder.local_address],
+            [sys.executable, NOTIFY_PEER, "lldd-prompt", decoder.local_address],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -98,6 +98,9 @@ pub use engine::{
     TransferReq, Waiting,
 };
 pub use error::{Error, Result, Status};
+/// What a wait for notifications named `names` waits for, in words (its `TIMEOUT` says it).
+#[doc(hidden)]
+pub use notify::waited_for as notifies_waited_for;
 pub use options::compat::{CompatKey, COMPAT as HIXL_OPTIONS};
 pub use options::{keys as option_keys, OptionSpec, SPECS as OPTIONS};
 pub use queue::{Completion, CompletionQueue, NotifyDesc, Request, Telemetry, TransferOp, TransferStatus};

@@ -99,12 +99,12 @@ impl NotifyStore {
         g.queue.drain(..).map(|(_, n)| n).collect()
     }
 
-    /// Waits up to `timeout` until a notification (named `name`, when given) is pending, then
-    /// returns and removes every pending one that matches, in arrival order (the others stay).
-    /// `TIMEOUT` naming what it waited for when none came.
-    pub fn wait_take(&self, name: Option<&str>, timeout: Duration) -> Result<Vec<NotifyDesc>> {
+    /// Waits up to `timeout` until a notification named one of `names` (any, when empty) is
+    /// pending, then returns and removes every pending one that matches, in arrival order (the
+    /// others stay). `TIMEOUT` naming what it waited for when none came.
+    pub fn wait_take(&self, names: &[&str], timeout: Duration) -> Result<Vec<NotifyDesc>> {
         let deadline = Instant::now() + timeout;
-        let matches = |n: &NotifyDesc| name.is_none_or(|want| n.name == want);
+        let matches = |n: &NotifyDesc| names.is_empty() || names.contains(&n.name.as_str());
         let mut g = self.inner.lock().unwrap();
         loop {
             if g.queue.iter().any(|(_, n)| matches(n)) {
@@ -129,11 +129,20 @@ impl NotifyStore {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                let what = name.map_or("notification".to_string(), |n| format!("notification named {n:?}"));
-                return Err(Error::timeout(format!("no {what} arrived within {timeout:?}")));
+                return Err(Error::timeout(format!("no {} arrived within {timeout:?}", waited_for(names))));
             }
             g = self.arrived.wait_timeout(g, left).unwrap().0;
         }
+    }
+}
+
+/// What a wait for `names` waited for, for its `TIMEOUT`: "notification", "notification named
+/// \"a\"" or "notification named one of [\"a\", \"b\"]".
+pub fn waited_for(names: &[&str]) -> String {
+    match names {
+        [] => "notification".to_string(),
+        [one] => format!("notification named {one:?}"),
+        many => format!("notification named one of {many:?}"),
     }
 }
 
@@ -165,10 +174,10 @@ mod tests {
         }));
         s.push(1, "10.0.0.1:5000", "layer".into(), "0".into()).unwrap();
         s.push(1, "10.0.0.1:5000", "done".into(), "".into()).unwrap();
-        let e = s.wait_take(Some("other"), Duration::from_millis(20)).unwrap_err();
+        let e = s.wait_take(&["other"], Duration::from_millis(20)).unwrap_err();
         assert_eq!(e.status, Status::Timeout);
         assert!(e.message.contains("\"other\""), "{e}");
-        let got = s.wait_take(Some("done"), Duration::ZERO).unwrap();
+        let got = s.wait_take(&["done"], Duration::ZERO).unwrap();
         assert_eq!(got, vec![NotifyDesc::new("done", "")]);
         assert_eq!(got[0].peer, "10.0.0.1:5000", "each keeps the engine it came from");
         assert!(
@@ -177,11 +186,27 @@ mod tests {
         );
         // One that arrives while waiting wakes the waiter.
         let s2 = s.clone();
-        let t = std::thread::spawn(move || s2.wait_take(Some("late"), Duration::from_secs(5)));
+        let t = std::thread::spawn(move || s2.wait_take(&["late"], Duration::from_secs(5)));
         std::thread::sleep(Duration::from_millis(20));
         s.push(2, "10.0.0.2#7", "late".into(), "hi".into()).unwrap();
         let late = t.join().unwrap().unwrap();
         assert_eq!((late.len(), late[0].peer.as_str()), (1, "10.0.0.2#7"));
         assert_eq!(s.take().len(), 2, "the others stayed: layer and x");
+    }
+
+    #[test]
+    fn wait_take_of_several_names_keeps_their_arrival_order_and_leaves_the_rest() {
+        let s =
+            NotifyStore::new(NotifyLimits { per_conn: 9, per_conn_bytes: 100, total: 9, total_bytes: 100 });
+        for (name, msg) in [("hello", "1"), ("app", "a"), ("bye", "2"), ("hello", "3"), ("app", "b")] {
+            s.push(1, "p", name.into(), msg.into()).unwrap();
+        }
+        let got = s.wait_take(&["bye", "hello"], Duration::ZERO).unwrap();
+        let msgs: Vec<&str> = got.iter().map(|n| n.msg.as_str()).collect();
+        assert_eq!(msgs, ["1", "2", "3"], "in arrival order, whichever name");
+        let e = s.wait_take(&["bye", "hello"], Duration::ZERO).unwrap_err();
+        assert!(e.message.contains("one of [\"bye\", \"hello\"]"), "{e}");
+        let rest: Vec<String> = s.take().into_iter().map(|n| n.name + &n.msg).collect();
+        assert_eq!(rest, ["appa", "appb"], "the other names stayed");
     }
 }

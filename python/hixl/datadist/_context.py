@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -20,6 +21,8 @@ from ._discovery import from_init as discovery_from_init
 from ._errors import LLM_CACHE_NOT_FOUND, LLM_NOT_LINKED, LLM_ROLE_MISMATCH, LLMError
 
 ROLES = ("prompt", "decoder", "mix")
+
+log = logging.getLogger("hixl.kv")
 
 
 @dataclass(frozen=True)
@@ -69,22 +72,39 @@ def parse_peers(text: str) -> dict[int, str]:
 
 
 class Mailbox:
-    """Routes the engine's notifications to whoever waits for them (get_notifies returns
-    and clears everything, so one place must take them and hand them out)."""
+    """Hands the layer's own notifications to whoever waits for them: takes from the engine
+    only the names asked for (every other name stays there for the application's
+    `get_notifies` / `wait_notifies`) and keeps those no waiter matched yet. At most `keep`
+    wait here; beyond, the oldest are dropped, counted in `dropped` and logged."""
 
     def __init__(self, engine: Hixl, keep: int = 65536) -> None:
         self.engine = engine
         self.keep = keep
+        self.dropped = 0
         self.pending: list[NotifyDesc] = []
         self.lock = threading.Lock()
 
-    def take(self, match: Callable[[NotifyDesc], bool]) -> list[NotifyDesc]:
+    def take(self, name: str, match: Callable[[NotifyDesc], bool]) -> list[NotifyDesc]:
+        """The pending notifications named `name` that `match`; the others named `name` wait."""
         with self.lock:
-            self.pending += self.engine.get_notifies()
-            got = [n for n in self.pending if match(n)]
+            try:
+                self.pending += self.engine.wait_notifies(0, name=name)
+            except Timeout:
+                pass  # none of ours pending in the engine
+            got = [n for n in self.pending if n.name == name and match(n)]
             if got:
-                self.pending = [n for n in self.pending if not match(n)]
-            del self.pending[: max(0, len(self.pending) - self.keep)]
+                self.pending = [n for n in self.pending if not (n.name == name and match(n))]
+            over = len(self.pending) - self.keep
+            if over > 0:
+                del self.pending[:over]
+                self.dropped += over
+                log.warning(
+                    "dropped the %d oldest of the layer's notifications no receive took "
+                    "(at most %d wait; %d dropped so far)",
+                    over,
+                    self.keep,
+                    self.dropped,
+                )
             return got
 
 

@@ -335,7 +335,7 @@ def receive_cache_async(
     first: list[str] = []  # the sender taken as the rank when no address is known
 
     def match(n: NotifyDesc) -> bool:
-        return n.name == LAYER_NOTIFY and n.msg.startswith(prefix)
+        return n.msg.startswith(prefix)
 
     def from_rank(n: NotifyDesc) -> bool:
         want = rank_address(ctx, remote_rank)
@@ -368,7 +368,7 @@ def receive_cache_async(
         gap_deadline = time.monotonic() + cfg.timeout_ms / 1000
         try:
             while synchronizer.get_layer_count() < total:
-                notes = [n for n in ctx.mailbox.take(match) if from_rank(n)]
+                notes = [n for n in ctx.mailbox.take(LAYER_NOTIFY, match) if from_rank(n)]
                 for n in notes:
                     k = int(n.msg[len(prefix) :])
                     if not 0 <= k < total:

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._errors import HixlError
+from .._hixl import Hixl
 from ..datadist._context import LLMClusterInfo as KvClusterInfo
 from ._config import LLMClusterInfo
 from ._manager import CacheManager, KvCacheManager
@@ -158,6 +159,13 @@ class LLMDataDist:
     def local_address(self) -> str:
         """hixl: the ip:port this process's engine listens on (after port 0)."""
         return str(self._live().ctx.address)
+
+    @property
+    def engine(self) -> Hixl:
+        """hixl: the engine behind this LLMDataDist (another one after switch_role). The
+        application's own notifications reach its get_notifies / wait_notifies; this layer
+        takes only its own (hixl.lldd.*)."""
+        return self._live().ctx.engine
 
     @property
     def cache_manager(self) -> CacheManager:

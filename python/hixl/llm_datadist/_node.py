@@ -36,6 +36,10 @@ HELLO_NOTIFY = "hixl.lldd.hello"
 #: Sent before a non-forced unlink: the peer forgets the way back (and closes it). Honoured
 #: only from the engine that cluster's route leads to.
 BYE_NOTIFY = "hixl.lldd.bye"
+#: The names this layer takes from its engine, in one wait (so that they keep their arrival
+#: order); every other notification stays there for the application's get_notifies /
+#: wait_notifies.
+OWN_NOTIFIES = [RELEASE_NOTIFY, HELLO_NOTIFY, BYE_NOTIFY]
 #: How long a use of a cluster that has not linked here waits for its hello, which the peer
 #: sends right after its link is up but this node applies on its own thread.
 HELLO_WAIT_S = 2.0
@@ -255,10 +259,11 @@ class Node:
 
     def _serve(self, engine: Any) -> None:
         """Applies what peers send to `engine`: key releases after a pull by CacheKey, and
-        the hello / bye of clusters that link to this node."""
+        the hello / bye of clusters that link to this node. Takes only those names: the
+        application's own notifications stay in the engine for it."""
         while not self.closed and self.ctx.engine is engine:
             try:
-                notes = engine.wait_notifies(200)
+                notes = engine.wait_notifies(200, name=OWN_NOTIFIES)
             except HixlTimeout:
                 continue
             except (Failed, HixlError):
@@ -267,7 +272,7 @@ class Node:
                 try:
                     self._apply(n.name, json.loads(n.msg), n.peer)
                 except (ValueError, TypeError, KeyError, AttributeError):
-                    continue  # not ours, or malformed: peers are not trusted
+                    continue  # malformed: peers are not trusted
 
     def _apply(self, name: str, msg: Any, sender: str) -> None:
         """Acts on a peer's notification; `sender` is the engine it came from (its

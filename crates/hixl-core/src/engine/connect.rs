@@ -32,26 +32,27 @@ impl Engine {
     }
 
     fn begin_connect(r: &Running, key: &str) -> Result<()> {
-        let mut peers = r.peers.lock().unwrap();
-        match peers.get(key) {
-            Some(PeerSlot::Connected(c)) if c.link.is_alive() => {
-                Err(Error::new(Status::AlreadyConnected, format!("already connected to {key}")))
+        let old = {
+            let mut peers = r.peers.lock().unwrap();
+            match peers.get(key) {
+                Some(PeerSlot::Connected(c)) if c.link.is_alive() => {
+                    return Err(Error::new(Status::AlreadyConnected, format!("already connected to {key}")));
+                }
+                Some(PeerSlot::Connecting) => {
+                    return Err(Error::new(
+                        Status::AlreadyConnected,
+                        format!("a connect to {key} is already in progress"),
+                    ));
+                }
+                _ => peers.insert(key.to_string(), PeerSlot::Connecting),
             }
-            Some(PeerSlot::Connecting) => Err(Error::new(
-                Status::AlreadyConnected,
-                format!("a connect to {key} is already in progress"),
-            )),
-            Some(PeerSlot::Connected(c)) => {
-                // The old link died: close it (joins its threads) and connect anew.
-                c.link.close(Error::not_connected(format!("link to {key} replaced")));
-                peers.insert(key.to_string(), PeerSlot::Connecting);
-                Ok(())
-            }
-            _ => {
-                peers.insert(key.to_string(), PeerSlot::Connecting);
-                Ok(())
-            }
+        };
+        // The old link died: close it (joins its threads; an RDMA link waits for its flush)
+        // only now, outside the peers lock that every submit to every peer takes.
+        if let Some(PeerSlot::Connected(c)) = old {
+            c.link.close(Error::not_connected(format!("link to {key} replaced")));
         }
+        Ok(())
     }
 
     /// Connects the control channel, then asks each backend of `hixl.backends` that the peer
@@ -178,7 +179,17 @@ impl Engine {
     /// NOT_CONNECTED. New requests to `remote` are refused from the start of the call.
     pub fn disconnect(&self, remote: &str, timeout: Duration) -> Result<()> {
         let r = self.running()?;
-        let slot = r.peers.lock().unwrap().remove(remote);
+        // One lock: a connect in progress keeps its slot, so that its `finish_connect` (which
+        // may come at any moment) is never overwritten and its link never lost.
+        let slot = {
+            let mut peers = r.peers.lock().unwrap();
+            if matches!(peers.get(remote), Some(PeerSlot::Connecting)) {
+                return Err(Error::failed(format!(
+                    "a connect to {remote} is in progress; wait for it first"
+                )));
+            }
+            peers.remove(remote)
+        };
         match slot {
             Some(PeerSlot::Connected(c)) => {
                 let deadline = std::time::Instant::now() + crate::capped(timeout);
@@ -193,11 +204,7 @@ impl Engine {
                 c.link.close(Error::not_connected(format!("disconnected from {remote}")));
                 Ok(())
             }
-            Some(PeerSlot::Failed) => Ok(()),
-            Some(PeerSlot::Connecting) => {
-                r.peers.lock().unwrap().insert(remote.to_string(), PeerSlot::Connecting);
-                Err(Error::failed(format!("a connect to {remote} is in progress; wait for it first")))
-            }
+            Some(PeerSlot::Failed | PeerSlot::Connecting) => Ok(()),
             None => Err(Error::not_connected(format!("not connected to {remote}"))),
         }
     }

@@ -300,8 +300,14 @@ impl Engine {
     /// Waits up to `timeout` for a notification (named `name`, when given) and returns every
     /// pending one that matches (the others stay for `get_notifies`); TIMEOUT when none came.
     pub fn wait_notifies(&self, timeout: Duration, name: Option<&str>) -> Result<Vec<NotifyDesc>> {
+        self.wait_notifies_any(timeout, name.as_slice())
+    }
+
+    /// As `wait_notifies`, for a notification named any of `names` (any name, when empty): every
+    /// pending one with one of them is returned, in arrival order; the others stay.
+    pub fn wait_notifies_any(&self, timeout: Duration, names: &[&str]) -> Result<Vec<NotifyDesc>> {
         let notifies = self.running()?.notifies.clone();
-        notifies.wait_take(name, crate::capped(timeout))
+        notifies.wait_take(names, crate::capped(timeout))
     }
 
     /// Returns and clears the notifications received so far.

@@ -2,6 +2,13 @@
 
 use super::*;
 
+/// `wait_notifies(name=...)`: one name, or several (a list or tuple of str).
+#[derive(FromPyObject)]
+enum Names {
+    One(String),
+    Many(Vec<String>),
+}
+
 #[pymethods]
 impl Hixl {
     /// Sends a notification to `remote` once every transfer submitted to it before this call has
@@ -41,15 +48,17 @@ impl Hixl {
     }
 
     /// Waits until a notification (named `name`, if given) is pending, then returns every pending
-    /// one that matches, as a list of `NotifyDesc`; the others stay for `get_notifies`.
+    /// one that matches, as a list of `NotifyDesc` in arrival order; the others stay for
+    /// `get_notifies`.
     ///
     /// Arguments:
     /// - `timeout_ms` (float, required): how long to wait, in milliseconds. 0: return what is
     ///   pending now, or raise `Timeout`.
-    /// - `name` (str or None, default None): only notifications with this name; None: any.
+    /// - `name` (str, list or tuple of str, or None, default None): only notifications with this
+    ///   name (or one of these names); None: any.
     ///
     /// Raises `Timeout` when none came in time; `ParamInvalid` for a negative or non-finite
-    /// `timeout_ms`; `Failed` before `initialize` or after `finalize`.
+    /// `timeout_ms` or an empty list of names; `Failed` before `initialize` or after `finalize`.
     ///
     /// Waits with the GIL released; Ctrl-C raises `KeyboardInterrupt` within 50 ms.
     #[pyo3(signature = (timeout_ms, name = None))]
@@ -57,23 +66,33 @@ impl Hixl {
         &self,
         py: Python<'_>,
         timeout_ms: Millis,
-        name: Option<String>,
+        name: Option<Names>,
     ) -> PyResult<Vec<NotifyDesc>> {
         let total = ms("timeout_ms", Some(timeout_ms))?.unwrap();
         let timeout_ms = timeout_ms.0;
+        let names = match name {
+            None => vec![],
+            Some(Names::One(n)) => vec![n],
+            Some(Names::Many(v)) if v.is_empty() => {
+                return Err(to_py(hixl_core::Error::new(
+                    hixl_core::Status::ParamInvalid,
+                    "name=[] names no notification: give a name, several, or None for any",
+                )))
+            }
+            Some(Names::Many(v)) => v,
+        };
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
         let until = Instant::now() + total;
         let e = self.engine.clone();
         loop {
             let slice = until.saturating_duration_since(Instant::now()).min(SLICE);
-            match py.allow_threads(|| e.wait_notifies(slice, name.as_deref())) {
+            match py.allow_threads(|| e.wait_notifies_any(slice, &names)) {
                 Ok(got) => return Ok(got.into_iter().map(Into::into).collect()),
                 Err(err) if err.status == hixl_core::Status::Timeout && Instant::now() < until => {
                     py.check_signals()?
                 }
                 Err(err) if err.status == hixl_core::Status::Timeout => {
-                    let what = name
-                        .as_deref()
-                        .map_or("notification".to_string(), |n| format!("notification named {n:?}"));
+                    let what = hixl_core::notifies_waited_for(&names);
                     return Err(to_py(hixl_core::Error::timeout(format!(
                         "no {what} arrived within timeout_ms={timeout_ms}"
                     ))));
