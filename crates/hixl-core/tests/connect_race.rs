@@ -3,25 +3,12 @@
 //! Its own test binary: it counts the threads of this process.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use hixl_core::Engine;
 
-fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task").unwrap().count()
-}
-
-/// Waits (bounded) until this process has at most `n` threads; returns the last count.
-fn settle_to(n: usize) -> usize {
-    let deadline = Instant::now() + Duration::from_secs(3);
-    loop {
-        let now = threads();
-        if now <= n || Instant::now() > deadline {
-            return now;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
+mod threads;
+use threads::{settle_to, threads};
 
 #[test]
 fn finalize_during_connect_async_leaves_no_thread_behind() {

@@ -7,21 +7,8 @@ use std::time::{Duration, Instant};
 
 use hixl_core::{ConnectStatus, Engine, Status};
 
-fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task").unwrap().count()
-}
-
-/// Waits (bounded) until this process has at most `n` threads; returns the last count.
-fn settle_to(n: usize) -> usize {
-    let deadline = Instant::now() + Duration::from_secs(3);
-    loop {
-        let now = threads();
-        if now <= n || Instant::now() > deadline {
-            return now;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
+mod threads;
+use threads::{settle_to, threads};
 
 #[test]
 fn disconnect_racing_connect_async_leaves_no_slot_connecting_and_no_link() {
