@@ -141,6 +141,7 @@ class TransferEngine(_Transfers):
                 log.error("initialize: cannot listen on %s: %s", listen, e)
                 return ERR_INVALID_ARGUMENT
             self._engine = engine
+            self._put, self._get = engine.put, engine.get
             self._hostname = host
             self._rpc_port = _protocol.split_host(engine.local_engine)[1] or port
             _OPEN.add(self)
@@ -154,6 +155,7 @@ class TransferEngine(_Transfers):
         """hixl's addition: stops the engine (idempotent). Registered memory is released."""
         with self._lock:
             engine, self._engine = self._engine, None
+            self._linked.clear()
             self._regs.clear()
             self._managed.clear()
         if engine is not None:
