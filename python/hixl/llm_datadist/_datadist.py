@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import threading
@@ -14,6 +13,7 @@ from typing import Any
 from .._errors import HixlError
 from .._hixl import Hixl
 from ..datadist._context import LLMClusterInfo as KvClusterInfo
+from . import _ranktable
 from ._config import LLMClusterInfo
 from ._manager import CacheManager, KvCacheManager
 from ._node import Node
@@ -309,8 +309,10 @@ class LLMDataDist:
 
     def link(self, comm_name: str, cluster_rank_info: Mapping[int, int], rank_table: str) -> int:
         """Rank-table style link: every cluster in cluster_rank_info (cluster_id -> rank_id)
-        whose rank's device entry in rank_table gives "device_ip" and "device_port" (hixl:
-        where that process listens) is linked, in the background. Returns a comm id for
+        is linked, in the background, at the address its rank's device entry gives:
+        "device_ip" (else "host_ip") and "device_port", or without one llm.hixlDevicePortBase
+        (default 16666) + "device_id". This cluster first listens at its own rank's address
+        (the engine moves there unless it is there already). Returns a comm id for
         query_register_mem_status (PREPARING, then OK or FAILED) and unlink."""
         node = self._live()
         check(
@@ -328,28 +330,27 @@ class LLMDataDist:
             self._cluster_id in ranks,
             f"cluster_rank_info does not name this cluster ({self._cluster_id})",
         )
-        try:
-            table = json.loads(rank_table)
-            devices = {int(d["rank_id"]): d for s in table["server_list"] for d in s["device"]}
-        except (TypeError, ValueError, KeyError) as exc:
-            raise fail(
-                LLMStatusCode.LLM_PARAM_INVALID, f"rank_table is malformed: {exc!r}"
-            ) from None
+        table = _ranktable.entries(rank_table)
+        base = _ranktable.port_base(self._options)
+        own = table.get(ranks[self._cluster_id])
+        check(
+            own is not None,
+            f"rank_table has no device with rank_id {ranks[self._cluster_id]} (this cluster, "
+            f"{self._cluster_id})",
+        )
+        assert own is not None
+        self._listen_at(node, _ranktable.address(own, base))
         targets = []
         for cid, rank in ranks.items():
             if cid == self._cluster_id:
                 continue
-            d = devices.get(rank)
+            d = table.get(rank)
             check(d is not None, f"rank_table has no device with rank_id {rank} (cluster {cid})")
             assert d is not None
-            port = d.get("device_port", d.get("port"))
-            check(
-                "device_ip" in d and port is not None,
-                f"rank {rank}: hixl needs device_ip and device_port (where cluster {cid} listens)",
-            )
+            ip, _, port = _ranktable.address(d, base).rpartition(":")
             info = LLMClusterInfo()
             info.remote_cluster_id = cid
-            info.append_remote_ip_info(str(d["device_ip"]), int(port))
+            info.append_remote_ip_info(ip.strip("[]"), int(port))
             targets.append(info)
         with self._lock:
             comm_id = self._next_comm
@@ -370,6 +371,24 @@ class LLMDataDist:
         del node
         threading.Thread(target=run, name="hixl-lldd-link", daemon=True).start()
         return comm_id
+
+    def _listen_at(self, node: Node, address: str) -> None:
+        """Moves this cluster's engine to ``address`` (its own rank's in the rank table) unless
+        it listens there already; refused with LLM_EXIST_LINK while it has links of its own."""
+        if node.ctx.address == address:
+            return
+        linked = node.explicit_links()
+        if linked:
+            raise fail(
+                LLMStatusCode.LLM_EXIST_LINK,
+                f"the rank table puts this cluster at {address}, but it listens at "
+                f"{node.ctx.address} and is linked to clusters {linked}: unlink them first",
+            )
+        try:
+            node.restart(ROLE_NAMES[self._role], address)
+        except HixlError as exc:
+            raise wrap(exc, f"link: listening at this rank's address {address}") from exc
+        log.info("link: this cluster now listens at %s (its rank's in the rank table)", address)
 
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
         self._live()
