@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._errors import AlreadyConnected, HixlError, NotConnected
+from .._errors import AlreadyConnected, HixlError, NotConnected, ParamInvalid
 from .._hixl import AsyncConnectStatus, NotifyDesc, TransferReq, TransferStatus
 from . import _protocol
 from ._codes import (
@@ -150,7 +150,10 @@ class _Transfers:
             pass
 
     def _failed(self, session: str, call: str, e: HixlError) -> int:
-        """Logs a failed transfer and forgets a dead link (the next call makes a new one)."""
+        """Logs a failed transfer and forgets a dead link (the next call makes a new one).
+        An argument of the wrong type raises ``TypeError`` instead, as Mooncake's does."""
+        if isinstance(e, ParamInvalid) and "must be an int" in e.message:
+            raise TypeError(f"{call}: {e.message}") from None
         log.error("%s to %r failed: %s", call, session, e)
         if isinstance(e, NotConnected):
             self._linked.pop(session, None)
@@ -320,24 +323,24 @@ class _Transfers:
         peers: Sequence[int],
         lengths: Sequence[int],
     ) -> int:
-        """Queues a batch and returns its id (a positive int). A batch that could not be
-        queued (a bad range, an unreachable session) gets an id too, as Mooncake's does; its
-        status is then failed (-1)."""
+        """Queues a batch and returns its id (a positive int). As in Mooncake 0.3.13, lists
+        of different lengths and a session that cannot be reached return 0 (no batch); a
+        batch the peer's table refuses (a bad range) gets an id whose status is failed."""
         call = "batch_transfer_async_" + op.lower()
-        entry: Any = _FAILED
         descs = _descs(buffers, peers, lengths)
-        addr = None
-        if descs is not None:
-            addr = self._linked.get(session) or self._connected(session, call)
+        if descs is None:
+            return 0
+        addr = self._linked.get(session) or self._connected(session, call)
         engine = self._engine
-        if descs is not None and addr is not None and engine is not None:
-            if len(descs) == 0:
-                entry = _DONE  # nothing to send: complete at once
-            else:
-                try:
-                    entry = engine.transfer_async(addr, op, descs)
-                except HixlError as e:
-                    self._failed(session, call, e)
+        if addr is None or engine is None:
+            return 0
+        entry: Any = _DONE  # nothing to send: complete at once
+        if len(descs):
+            try:
+                entry = engine.transfer_async(addr, op, descs)
+            except HixlError as e:
+                self._failed(session, call, e)
+                entry = _FAILED
         with self._state:
             bid = next(self._ids)
             self._batches[bid] = entry
