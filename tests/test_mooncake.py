@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,14 @@ def _env(shim_on: bool, extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**clean, **(extra or {})}
 
 
+def _line(p: subprocess.Popen[str], timeout_s: float = 60) -> str:
+    """The process's next stdout line, or a failure when none comes within ``timeout_s``."""
+    assert p.stdout is not None
+    ready, _, _ = select.select([p.stdout], [], [], timeout_s)
+    assert ready, f"no line from {p.args} within {timeout_s} s"
+    return p.stdout.readline()
+
+
 def _sglang_pair(
     python: str, env: dict[str, str], host_d: str, host_p: str, prog: Path = PROG
 ) -> dict:
@@ -62,7 +71,7 @@ def _sglang_pair(
     )
     try:
         assert dec.stdout is not None and dec.stdin is not None
-        line = dec.stdout.readline()
+        line = _line(dec)
         assert line, dec.stderr.read() if dec.stderr else "decode said nothing"
         info = json.loads(line)
         pre = subprocess.run(
@@ -77,7 +86,7 @@ def _sglang_pair(
         check = {k: report[k] for k in ("src", "dst", "async_src", "async_dst")}
         dec.stdin.write("CHECK " + json.dumps(check) + "\n")
         dec.stdin.flush()
-        verdict = dec.stdout.readline().strip()
+        verdict = _line(dec).strip()
         dec.stdin.write("QUIT\n")
         dec.stdin.flush()
         dec.wait(timeout=30)
