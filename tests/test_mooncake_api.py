@@ -270,3 +270,22 @@ def test_blocking_calls_release_the_gil(pair):
         stop.set()
         t.join(5)
     del buf
+
+
+def test_register_location(caplog):
+    import hixl
+    from hixl.mooncake._location import mem_type
+
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buf, p = _buf(4096)
+    assert mem_type(p, "cpu:0") == hixl.MemType.HOST
+    assert mem_type(p, "cuda:0") == hixl.MemType.DEVICE
+    assert mem_type(p, "*") == hixl.MemType.HOST  # host memory, whether CUDA is found or not
+    if not hixl.cuda_info()["available"]:
+        with caplog.at_level(logging.ERROR, logger="hixl.mooncake"):
+            assert te.register_memory(p, 4096, "cuda:0") == -1
+        assert "CUDA" in caplog.text
+    assert te.register_memory(p, 4096, "cpu:0") == 0
+    te.close()
+    del buf

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import HixlError
-from .._hixl import Hixl, MemDesc, MemHandle, MemType, _rdma_info
+from .._hixl import Hixl, MemDesc, MemHandle, _rdma_info
 from . import _protocol
 from ._codes import (
     DEFAULT_RPC_PORT,
@@ -30,6 +30,7 @@ from ._codes import (
     OK,
     P2P_HANDSHAKE,
 )
+from ._location import mem_type
 from ._protocol import log
 from ._transfer import _Transfers
 
@@ -50,11 +51,6 @@ def _int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{what} must be an int, not {type(value).__name__} {value!r}")
     return int(value)
-
-
-def _mem_type(location: str) -> MemType:
-    loc = (location or "*").lower()
-    return MemType.DEVICE if loc.startswith(("cuda", "gpu", "musa", "hip")) else MemType.HOST
 
 
 class TransferEngine(_Transfers):
@@ -184,7 +180,8 @@ class TransferEngine(_Transfers):
     def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
         """Registers ``capacity`` bytes at ``buffer_addr`` for peers to read and write: 0, -1
         for a bad range, -7 for a range overlapping one registered before. ``location``
-        ``"cuda:N"`` registers CUDA device memory, anything else host memory. Releases the
+        ``"cuda:N"`` registers CUDA device memory, ``"cpu:N"`` host memory, and ``"*"`` asks the
+        CUDA driver which it is (host memory without CUDA). Releases the
         GIL while it registers."""
         addr, size = _int(buffer_addr, "buffer_addr"), _int(capacity, "capacity")
         engine = self._live("register_memory")
@@ -198,7 +195,7 @@ class TransferEngine(_Transfers):
             log.error("register_memory: bad range 0x%x+%d", addr, size)
             return ERR_INVALID_ARGUMENT
         try:
-            handle = engine.register_mem(MemDesc(addr, size), _mem_type(location))
+            handle = engine.register_mem(MemDesc(addr, size), mem_type(addr, location))
         except HixlError as e:
             log.error("register_memory(0x%x, %d, %r): %s", addr, size, location, e.message)
             return ERR_ADDRESS_OVERLAPPED if "overlaps" in e.message else ERR_INVALID_ARGUMENT
