@@ -11,7 +11,8 @@
 #                                                  by a virtio-net link; A is 192.0.2.1, B 192.0.2.2
 #
 # Options of run/pair: --timeout S (whole VM, default 600), --mem M (MiB, default 3072),
-# --smp N (default 2), --rails N (rxe devices rxe0..rxeN-1, default 1).
+# --smp N (default 2), --rails N (rxe devices rxe0..rxeN-1, default 1), --out DIR (a folder of
+# this machine the guest may write, at the same path; everything else is read-only there).
 # In the guest: rxe0 on netdev v0 (192.0.2.1/24; a veth pair on one VM, virtio-net on a pair),
 # HIXL_VM=1 and HIXL_VM_IP=<its address> in the environment, GID index 1 is the IPv4-mapped one.
 # Needs (Debian): qemu-system-x86 busybox-static cpio kmod ibverbs-providers rdma-core iproute2.
@@ -33,6 +34,10 @@ setup() {
   if [ ! -e "$vmdir/kernel.ok" ]; then
     local pkg
     pkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+    if [ -z "$pkg" ] && [ "$(id -u)" = 0 ]; then
+      apt-get update -qq >/dev/null 2>&1 || true
+      pkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+    fi
     [ -n "$pkg" ] || die "apt-cache names no kernel for linux-image-amd64 (apt-get update first)"
     rm -rf "$vmdir/kernel" "$vmdir"/*.deb
     (cd "$vmdir" && apt-get download "$pkg" >/dev/null 2>&1) || die "apt-get download $pkg failed"
@@ -72,9 +77,10 @@ boot() {
   qemu-system-x86_64 -accel tcg -cpu max -smp "$smp" -m "$mem" -display none -monitor none \
     -serial "file:$out/console" -no-reboot \
     -kernel "$vmdir/vmlinuz" -initrd "$vmdir/initrd.gz" \
-    -append "console=ttyS0 quiet loglevel=3 panic=-1 hixl_out=$out hixl_ip=$ip hixl_rails=$rails" \
+    -append "console=ttyS0 quiet loglevel=3 panic=-1 hixl_out=$out hixl_ip=$ip hixl_rails=$rails hixl_keep=$keep" \
     -virtfs local,path=/,mount_tag=host,security_model=none,readonly=on,multidevs=remap \
-    -virtfs "local,path=$out,mount_tag=out,security_model=none" "$@" </dev/null
+    -virtfs "local,path=$out,mount_tag=out,security_model=none" \
+    ${keep:+-virtfs "local,path=$keep,mount_tag=keep,security_model=none"} "$@" </dev/null
 }
 
 # cmdfile OUT ARG...: writes the guest's command (cwd and the arguments, quoted).
@@ -93,7 +99,7 @@ finish() {
   return 124
 }
 
-timeout_s=600 mem=3072 smp=2 rails=1
+timeout_s=600 mem=3072 smp=2 rails=1 keep=
 parse_opts() {
   while [ $# -gt 0 ]; do
     case $1 in
@@ -101,6 +107,7 @@ parse_opts() {
       --mem) mem=$2; shift 2 ;;
       --smp) smp=$2; shift 2 ;;
       --rails) rails=$2; shift 2 ;;
+      --out) keep=$(cd "$2" && pwd); shift 2 ;;
       --) shift; rest=("$@"); return ;;
       *) die "unknown option '$1' (see the head of $0)" ;;
     esac
@@ -117,7 +124,7 @@ case ${1:-} in
     [ -e "$vmdir/initrd.gz" ] || setup
     out=$(newout)
     cmdfile "$out" "${rest[@]}"
-    timeout --kill-after=5 "$timeout_s" bash -c "$(declare -f boot); vmdir=$vmdir smp=$smp mem=$mem rails=$rails; boot $out 192.0.2.1 -nic none" || true
+    timeout --kill-after=5 "$timeout_s" bash -c "$(declare -f boot); vmdir=$vmdir smp=$smp mem=$mem rails=$rails keep=$keep; boot $out 192.0.2.1 -nic none" || true
     st=0; finish "$out" || st=$?
     rm -rf "$out"
     exit "$st"
@@ -134,7 +141,7 @@ case ${1:-} in
     outa=$(newout) outb=$(newout)
     cmdfile "$outa" "${a[@]}"; cmdfile "$outb" "${b[@]}"
     port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-    fns="$(declare -f boot); vmdir=$vmdir smp=$smp mem=$mem rails=$rails"
+    fns="$(declare -f boot); vmdir=$vmdir smp=$smp mem=$mem rails=$rails keep=$keep"
     timeout --kill-after=5 "$timeout_s" bash -c "$fns; boot $outa 192.0.2.1 \
       -netdev socket,id=n0,listen=127.0.0.1:$port -device virtio-net-pci,netdev=n0,mac=52:54:00:00:00:01" &
     pa=$!

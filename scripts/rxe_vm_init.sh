@@ -19,6 +19,7 @@ mount -t tmpfs -o size=75% tmp /ovl
 mkdir -p /ovl/u /ovl/w
 mount -t overlay overlay -o lowerdir=/host/tmp,upperdir=/ovl/u,workdir=/ovl/w /host/tmp
 mount -t 9p -o "$o" out "/host$hixl_out"
+[ -n "$hixl_keep" ] && mount -t 9p -o "$o" keep "/host$hixl_keep"
 mount --bind /dev /host/dev
 mount -t devpts devpts /host/dev/pts 2>/dev/null
 mount -t tmpfs shm /host/dev/shm
