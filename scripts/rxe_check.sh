@@ -5,7 +5,8 @@
 # bytes moved and compared, scattered, READ, notify after data, remote access errors raised by
 # the NIC, QP error and re-post, deregistration in flight, a peer killed, one poller thread),
 # the Python end-to-end tests (tests/test_rdma.py, hixl.backends=rdma) with PYTHON, and
-# `hixl info` (the device's limits and the queue sizes used on it).
+# `hixl info` (the device's limits and the queue sizes used on it); then two hosts
+# (scripts/rxe_pair_check.py in two VMs joined by one virtio-net link).
 #
 #   scripts/rxe_check.sh [PYTHON]     PYTHON: an interpreter with hixl installed (default python3)
 #
@@ -29,5 +30,9 @@ for b in $BINS; do echo "--- $(basename "$b")"; "$b" --test-threads=1; done
 echo "--- tests/test_rdma.py"; "$PY" -m pytest -q -p no:cacheprovider tests/test_rdma.py -rs
 echo "--- hixl info"; "$PY" -m hixl info | grep -E "^  rdma "
 "$PY" -m hixl info | grep -qE "^  rdma +yes .*rxe0 \(port 1 active; device max_cqe [0-9]+ .*hixl uses CQ [0-9]+ SQ"'
-scripts/rxe_vm.sh run --timeout 600 -- env HIXL_RDMA_DEVICE=rxe0 HIXL_RDMA_GID_INDEX=1 \
+scripts/rxe_vm.sh run --timeout 420 -- env HIXL_RDMA_DEVICE=rxe0 HIXL_RDMA_GID_INDEX=1 \
   PYTHONDONTWRITEBYTECODE=1 BINS="$(echo $bins)" PY="$py" sh -c "$guest"
+# Two hosts: two VMs, each its own NIC and rxe0, the target's VM powered off mid-transfer.
+secret=$("$py" -c 'import secrets; print(secrets.token_hex(16))')
+pair=(env HIXL_SECRET="$secret" PYTHONDONTWRITEBYTECODE=1 "$py" scripts/rxe_pair_check.py)
+scripts/rxe_vm.sh pair --timeout 300 -- "${pair[@]}" initiator -- "${pair[@]}" target

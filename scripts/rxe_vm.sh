@@ -14,7 +14,7 @@
 # --smp N (default 2), --rails N (rxe devices rxe0..rxeN-1, default 1), --out DIR (a folder of
 # this machine the guest may write, at the same path; everything else is read-only there).
 # In the guest: rxe0 on netdev v0 (192.0.2.1/24; a veth pair on one VM, virtio-net on a pair),
-# HIXL_VM=1 and HIXL_VM_IP=<its address> in the environment, GID index 1 is the IPv4-mapped one.
+# HIXL_VM=1, HIXL_VM_IP=<its address> and HIXL_VM_OUT=<a writable folder> in the environment, GID index 1 is the IPv4-mapped one.
 # Needs (Debian): qemu-system-x86 busybox-static cpio kmod ibverbs-providers rdma-core iproute2.
 # The kernel is Debian's linux-image-amd64 of this release, unpacked (not installed) into
 # $HIXL_VM_DIR (default target/rxe-vm).
@@ -115,13 +115,21 @@ parse_opts() {
   die "no command: $0 run [opts] -- CMD"
 }
 
+# fresh: (re)builds the initramfs when it is missing or older than its init script or this one.
+fresh() {
+  if [ ! -e "$vmdir/initrd.gz" ] || [ "$here/scripts/rxe_vm_init.sh" -nt "$vmdir/initrd.gz" ] \
+    || [ "$here/scripts/rxe_vm.sh" -nt "$vmdir/initrd.gz" ]; then
+    setup
+  fi
+}
+
 newout() { local d; d=$(mktemp -d "${TMPDIR:-/tmp}/rxe-vm.XXXXXX"); chmod 777 "$d"; echo "$d"; }
 
 case ${1:-} in
   setup) setup ;;
   run)
     shift; parse_opts "$@"
-    [ -e "$vmdir/initrd.gz" ] || setup
+    fresh
     out=$(newout)
     cmdfile "$out" "${rest[@]}"
     timeout --kill-after=5 "$timeout_s" bash -c "$(declare -f boot); vmdir=$vmdir smp=$smp mem=$mem rails=$rails keep=$keep; boot $out 192.0.2.1 -nic none" || true
@@ -131,7 +139,7 @@ case ${1:-} in
     ;;
   pair)
     shift; parse_opts "$@"
-    [ -e "$vmdir/initrd.gz" ] || setup
+    fresh
     a=() b=() seen=0
     for x in "${rest[@]}"; do
       if [ "$x" = "--" ] && [ $seen = 0 ]; then seen=1; continue; fi

@@ -44,7 +44,7 @@ net() {
     fi"
 }
 net || echo "rxe-vm: network or rxe setup failed"
-chroot /host /bin/bash -c "export HOME=/tmp HIXL_VM=1 HIXL_VM_IP=$hixl_ip; . $hixl_out/cmd.sh" >"/host$hixl_out/log" 2>&1
+chroot /host /bin/bash -c "export HOME=/tmp HIXL_VM=1 HIXL_VM_IP=$hixl_ip HIXL_VM_OUT=$hixl_out; . $hixl_out/cmd.sh" >"/host$hixl_out/log" 2>&1
 echo $? >"/host$hixl_out/rc"
 sync
 poweroff -f
