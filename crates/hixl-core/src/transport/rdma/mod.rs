@@ -327,6 +327,17 @@ impl Backend for Rdma {
         let link = nic
             .add_link(|id| Arc::new(RdmaLink::new(id, nic.clone(), control.clone(), qps, depth, timeout)))
             .map_err(|e| e.message)?;
+        // A dead control channel (heartbeats missed, the peer's host gone) ends this link's
+        // requests at once: a device need not report a peer that vanished (rdma_rxe does not).
+        // Closed on a thread of its own: it waits for the QPs' flush.
+        let weak = Arc::downgrade(&link);
+        control.on_close(Box::new(move |why| {
+            if let Some(l) = weak.upgrade() {
+                let _ = std::thread::Builder::new()
+                    .name("hixl-rdma-close".into())
+                    .spawn(move || crate::transport::DataPath::close(&*l, why));
+            }
+        }));
         Ok(link)
     }
 
