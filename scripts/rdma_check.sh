@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs the rdma backend's cross-process test suites (crates/hixl-core/tests/rdma.rs, rdma_verbs.rs) against a
 # real RDMA device instead of the software provider: a NIC, or an rxe/siw device on a kernel
-# that has them (rdma link add rxe0 type rxe netdev eth0). Never run so far: no machine hixl was
-# developed on has RDMA (see docs/RDMA.md, "What ran where").
+# that has them (rdma link add rxe0 type rxe netdev eth0). scripts/rxe_check.sh runs the same
+# suites in a VM with rdma_rxe (CI does); on an RDMA NIC they have not run (see docs/RDMA.md).
 #
 #   HIXL_RDMA_DEVICE=mlx5_0 [HIXL_RDMA_GID_INDEX=3] scripts/rdma_check.sh
 set -euo pipefail

@@ -1,18 +1,36 @@
-"""The rdma backend from Python, between two processes, on the software provider
-(hixl.rdma.provider=soft: a software RC NIC; no RDMA hardware exists here). Bytes are compared
-byte for byte with what the target process holds. Without a device the default (verbs)
-provider offers nothing, and forcing it raises Unsupported naming why."""
+"""The rdma backend from Python, between two processes. On the software provider
+(hixl.rdma.provider=soft: a software RC NIC) by default; with HIXL_RDMA_DEVICE set (a real
+device: rxe0 in the VM of scripts/rxe_vm.sh, which CI runs) on the real verbs provider with
+that device and HIXL_RDMA_GID_INDEX. Bytes are compared byte for byte with what the target
+process holds. Without a device the default (verbs) provider offers nothing, and forcing it
+raises Unsupported naming why."""
 
 from __future__ import annotations
+
+import os
+import re
 
 import numpy as np
 import pytest
 from conftest import random_bytes
 
 import hixl
+from hixl._hixl import _rdma_info
 
 W, R = hixl.TransferOp.WRITE, hixl.TransferOp.READ
-SOFT = {"hixl.rdma.provider": "soft"}
+DEVICE = os.environ.get("HIXL_RDMA_DEVICE", "")
+# The provider every test here runs on (named SOFT for history: the software NIC unless a
+# device is given).
+SOFT = (
+    {
+        "hixl.rdma.provider": "verbs",
+        "hixl.rdma.device": DEVICE,
+        "hixl.rdma.gid_index": os.environ.get("HIXL_RDMA_GID_INDEX", "0"),
+    }
+    if DEVICE
+    else {"hixl.rdma.provider": "soft"}
+)
+no_device_here = pytest.mark.skipif(bool(DEVICE), reason="needs a machine without an RDMA device")
 GUARD = 64
 
 
@@ -67,6 +85,7 @@ def test_soft_rdma_scattered_batch_and_notify(rdma_engine, make_peer):
     assert ["batch", "done"] in peer.notifies()
 
 
+@no_device_here
 def test_forced_rdma_without_a_device_is_unsupported(make_peer):
     peer = make_peer(4096)
     with hixl.Hixl() as e:
@@ -85,6 +104,8 @@ def test_auto_prefers_rdma_over_tcp_where_both_sides_have_a_device(make_peer):
         st = e.stats()[peer.engine]
         assert st["backend"] == "rdma", st
         assert "shm: the peer does not offer it" in st["not_chosen"], st
+    if DEVICE:
+        return
     # Without a device here (the default provider finds none), the same target gets tcp, and
     # the reason rdma was passed over is reported.
     with hixl.Hixl() as e:
@@ -93,3 +114,54 @@ def test_auto_prefers_rdma_over_tcp_where_both_sides_have_a_device(make_peer):
         st = e.stats()[peer.engine]
         assert st["backend"] == "tcp", st
         assert "rdma:" in st["not_chosen"], st
+
+
+def test_info_reports_the_device_limits_and_the_queue_sizes_used():
+    provider = "verbs" if DEVICE else "soft"
+    info = _rdma_info(provider)
+    name = DEVICE or "soft0"
+    assert info.startswith("devices: ") and f"{name} (port 1 active; " in info, info
+    m = re.search(r"device max_cqe (\d+) max_qp_wr (\d+) .*hixl uses CQ (\d+) SQ (\d+)", info)
+    assert m, info
+    max_cqe, max_qp_wr, cq, sq = map(int, m.groups())
+    # What the backend uses fits what the device has (rxe: max_cqe 32767 < the 65536 wanted).
+    assert cq == min(65536, max_cqe) and sq == min(512, max_qp_wr, cq), info
+
+
+@pytest.mark.skipif(
+    bool(DEVICE), reason="the soft device's limits are set by an environment variable"
+)
+def test_a_device_with_small_queues_still_moves_scattered_bytes(make_peer, monkeypatch):
+    # 64 CQ entries, 16 send-queue slots and 2 SGEs per request: every queue of the backend is
+    # cut to the device, batches wait for slots, pieces split across requests.
+    small = "max_cqe=64,max_qp_wr=16,max_sge=2,max_qp_rd_atom=1"
+    monkeypatch.setenv("HIXL_SOFT_RDMA_LIMITS", small)
+    assert "hixl uses CQ 64 SQ 16 SGE 2/2 READs 1/1" in _rdma_info("soft")
+    count, slot = 512, 64
+    peer = make_peer(count * slot, SOFT)
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1", {"hixl.backends": "rdma", "hixl.rdma.qps": "4", **SOFT})
+        e.connect(peer.engine, timeout_ms=5000)
+        src = random_bytes(count * slot, 5)
+        e.register(src)
+        rng = np.random.default_rng(9)
+        order = rng.permutation(count)
+        # Local pieces adjacent, remote ones scattered: each request carries at most 2 SGEs.
+        rows = np.stack(
+            [
+                src.ctypes.data + np.arange(count) * slot,
+                peer.addr + order * slot,
+                np.full(count, slot),
+            ],
+            axis=1,
+        ).astype(np.uint64)
+        assert e.transfer_async(peer.engine, W, rows).wait(30_000) == hixl.TransferStatus.COMPLETED
+        want = np.zeros(count * slot, np.uint8)
+        for i, o in enumerate(order):
+            want[o * slot : (o + 1) * slot] = src[i * slot : (i + 1) * slot]
+        assert np.array_equal(peer.read(), want)
+        back = np.zeros(count * slot, np.uint8)
+        e.register(back)
+        rows[:, 0] = back.ctypes.data + np.arange(count) * slot
+        assert e.transfer_async(peer.engine, R, rows).wait(30_000) == hixl.TransferStatus.COMPLETED
+        assert np.array_equal(back, src)

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 mod rdma_support;
 
 use hixl_core::unstable::rdma::{open_provider, verbs, QpAddr};
-use rdma_support::{commands, fill, hash, say, Peer, CHILD, T};
+use rdma_support::{commands, fill, hash, on_hardware, say, Peer, CHILD, T};
 use verbs::{access, wc, QpCaps, QpTransition, SendWr, Sge, Verbs, WrOp};
 
 const VERBS_LEN: usize = 64 << 10;
@@ -37,6 +37,8 @@ struct Nic {
     gid: [u8; 16],
     attr: verbs::PortAttr,
     gid_index: u8,
+    /// Outstanding READs per QP (the device's limit, at most 16).
+    rd_atomic: u8,
 }
 
 fn open_nic(with_channel: bool) -> (Nic, Option<(verbs::Channel, i32)>) {
@@ -53,12 +55,26 @@ fn open_nic(with_channel: bool) -> (Nic, Option<(verbs::Channel, i32)>) {
     let pd = v.alloc_pd(ctx).unwrap();
     let ch = with_channel.then(|| v.create_comp_channel(ctx).unwrap());
     let cq = v.create_cq(ctx, 4096, ch.map(|c| c.0)).unwrap();
-    (Nic { v, pd, cq, gid, attr, gid_index }, ch)
+    let dev = v.query_device(ctx).unwrap();
+    let rd_atomic = dev.max_qp_rd_atom.min(dev.max_qp_init_rd_atom).clamp(1, 16) as u8;
+    (Nic { v, pd, cq, gid, attr, gid_index, rd_atomic }, ch)
 }
 
 impl Nic {
     fn qp(&self, depth: u32, remote_access: u32) -> (verbs::Qp, QpAddr) {
-        let caps = QpCaps { max_send_wr: depth, max_recv_wr: 1, max_send_sge: 4, max_recv_sge: 1 };
+        let (q, a, _) = self.qp_with_depth(depth, remote_access);
+        (q, a)
+    }
+
+    /// A QP asking for `depth` send-queue slots, and the slots it got (a real device may round up).
+    fn qp_with_depth(&self, depth: u32, remote_access: u32) -> (verbs::Qp, QpAddr, u32) {
+        let caps = QpCaps {
+            max_send_wr: depth,
+            max_recv_wr: 1,
+            max_send_sge: 4,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        };
         let q = self.v.create_qp(self.pd, self.cq, caps).unwrap();
         self.v.modify_qp(q.qp, &QpTransition::Init { port: 1, access: remote_access }).unwrap();
         let addr = QpAddr {
@@ -68,7 +84,7 @@ impl Nic {
             psn: 0x1000 + q.qpn % 4096,
             mtu: self.attr.active_mtu,
         };
-        (q.qp, addr)
+        (q.qp, addr, q.caps.max_send_wr)
     }
 
     fn connect(&self, qp: verbs::Qp, ours: &QpAddr, theirs: &QpAddr) {
@@ -79,9 +95,15 @@ impl Nic {
             gid_index: self.gid_index,
             traffic_class: 0,
             sl: 0,
+            rd_atomic: self.rd_atomic,
         };
         self.v.modify_qp(qp, &rtr).unwrap();
-        self.v.modify_qp(qp, &QpTransition::Rts { psn: ours.psn, timeout: 16, retry_cnt: 7 }).unwrap();
+        self.v
+            .modify_qp(
+                qp,
+                &QpTransition::Rts { psn: ours.psn, timeout: 16, retry_cnt: 7, rd_atomic: self.rd_atomic },
+            )
+            .unwrap();
     }
 
     /// Polls until `n` completions came (or T passed).
@@ -201,8 +223,8 @@ fn the_nic_refuses_bad_remote_access_flushes_and_counts_send_queue_slots() {
     // SAFETY: `src` outlives every request below (the test waits for their completions).
     let (_, lkey, _) =
         unsafe { nic.v.reg_mr(nic.pd, src.as_mut_ptr() as u64, VERBS_LEN as u64, all) }.unwrap();
-    let qps: Vec<_> = (0..VERBS_QPS).map(|_| nic.qp(4, 0)).collect();
-    for (i, ((q, a), t)) in qps.iter().zip(&theirs).enumerate() {
+    let qps: Vec<_> = (0..VERBS_QPS).map(|_| nic.qp_with_depth(4, 0)).collect();
+    for (i, ((q, a, _), t)) in qps.iter().zip(&theirs).enumerate() {
         assert_eq!(peer.ask(&format!("PEER {i} {}", qp_line(a))), "OK");
         nic.connect(*q, a, t);
     }
@@ -249,14 +271,29 @@ fn the_nic_refuses_bad_remote_access_flushes_and_counts_send_queue_slots() {
     assert_eq!(c, [(6, wc::REM_ACCESS_ERR), (7, wc::REM_ACCESS_ERR)]);
     assert_eq!(peer.ask("HASH rw"), format!("HASH {}", hash(&want)));
 
-    // QP 3 (4 send-queue slots): unsignaled requests hold their slots until a later signaled one
-    // completes; the fifth post finds the queue full (ENOMEM, bad_wr names it).
+    // QP 3 (at least 4 send-queue slots): unsignaled requests hold their slots until a later
+    // signaled one completes; the post after the queue's depth finds it full (ENOMEM, bad_wr names it).
+    let slots = u64::from(qps[3].2);
+    assert!(slots >= 4, "asked for 4 send-queue slots, got {slots}");
     let unsignaled: Vec<SendWr> =
-        (10..14).map(|i| write_wr(i, &src[..64], lkey, mrs.rw.0 + 16384, mrs.rw.1, false)).collect();
+        (10..10 + slots).map(|i| write_wr(i, &src[..64], lkey, mrs.rw.0 + 16384, mrs.rw.1, false)).collect();
     post(qps[3].0, &unsignaled).unwrap();
     std::thread::sleep(Duration::from_millis(200));
-    let full = post(qps[3].0, &[write_wr(14, &src[..64], lkey, mrs.rw.0, mrs.rw.1, true)]).unwrap_err();
-    assert_eq!((full.bad_wr, full.errno), (0, libc::ENOMEM));
+    let next = post(qps[3].0, &[write_wr(10 + slots, &src[..64], lkey, mrs.rw.0, mrs.rw.1, true)]);
+    match next {
+        Err(full) => assert_eq!((full.bad_wr, full.errno), (0, libc::ENOMEM)),
+        // The soft provider keeps the slots of unsignaled requests until a signaled one
+        // completes (as mlx5 does); rdma_rxe frees each slot when its request is done. Verbs
+        // lets a device do either, which is why the backend signals within every queue's depth.
+        Ok(()) if on_hardware() => {
+            let c = nic.wait(1);
+            assert_eq!(
+                c.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+                [(10 + slots, wc::SUCCESS)]
+            );
+        }
+        Ok(()) => panic!("the soft provider took a request past its send queue's depth"),
+    }
     // (No signaled request can be posted on it any more: that is the application's mistake the
     // backend's signalling rule avoids. The pattern that works follows on a fresh pair.)
 
@@ -291,9 +328,17 @@ fn the_nic_refuses_bad_remote_access_flushes_and_counts_send_queue_slots() {
     // The peer dies: the next request finds no one (retry counter exceeded).
     p2.kill();
     post(q, &[write_wr(40, &src[..64], lkey, mrs2.rw.0, mrs2.rw.1, true)]).unwrap();
-    assert_eq!(
-        nic.wait(1).iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
-        [(40, wc::RETRY_EXC_ERR)]
-    );
+    let c: Vec<(u64, u32)> = nic.wait(1).iter().map(|w| (w.wr_id, w.status)).collect();
+    if c.is_empty() && on_hardware() {
+        // rdma_rxe on Linux 6.1 never ends this request (no retry error in 60 s, seen in the
+        // VM of scripts/rxe_vm.sh). What the backend does then (its control channel tells it
+        // the peer is gone): move the QP to ERR, which must flush the request.
+        eprintln!("note: no retry-exceeded completion from this device in {T:?}; flushing");
+        nic.v.modify_qp(q, &QpTransition::Err).unwrap();
+        let c: Vec<(u64, u32)> = nic.wait(1).iter().map(|w| (w.wr_id, w.status)).collect();
+        assert_eq!(c, [(40, wc::WR_FLUSH_ERR)]);
+    } else {
+        assert_eq!(c, [(40, wc::RETRY_EXC_ERR)]);
+    }
     assert_eq!(peer.ask("EXIT"), "BYE");
 }

@@ -23,8 +23,8 @@ use abi::{
 use std::os::fd::RawFd;
 
 use super::verbs::{
-    Channel, Cq, Ctx, Mr, Pd, PortAttr, PostError, Qp, QpCaps, QpCreated, QpTransition, SendWr, Verbs, Wc,
-    WrOp,
+    Channel, Cq, Ctx, DeviceAttr, Mr, Pd, PortAttr, PostError, Qp, QpCaps, QpCreated, QpTransition, SendWr,
+    Verbs, Wc, WrOp,
 };
 use crate::error::{Error, Result};
 
@@ -42,6 +42,7 @@ struct Fns {
     get_device_name: unsafe extern "C" fn(*mut c_void) -> *const c_char,
     open_device: unsafe extern "C" fn(*mut c_void) -> *mut c_void,
     close_device: unsafe extern "C" fn(*mut c_void) -> c_int,
+    query_device: unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int,
     query_port: unsafe extern "C" fn(*mut c_void, u8, *mut c_void) -> c_int,
     query_gid: unsafe extern "C" fn(*mut c_void, u8, c_int, *mut [u8; 16]) -> c_int,
     alloc_pd: unsafe extern "C" fn(*mut c_void) -> *mut c_void,
@@ -125,6 +126,7 @@ impl LibVerbs {
             get_device_name: sym!("ibv_get_device_name"),
             open_device: sym!("ibv_open_device"),
             close_device: sym!("ibv_close_device"),
+            query_device: sym!("ibv_query_device"),
             query_port: sym!("ibv_query_port"),
             query_gid: sym!("ibv_query_gid"),
             alloc_pd: sym!("ibv_alloc_pd"),
@@ -217,6 +219,30 @@ impl Verbs for LibVerbs {
     fn close_device(&self, ctx: Ctx) {
         // SAFETY: a context we opened, closed once.
         unsafe { (self.f.close_device)(ptr(ctx.0)) };
+    }
+
+    fn query_device(&self, ctx: Ctx) -> Result<DeviceAttr> {
+        // Larger than any version's struct ibv_device_attr (232 bytes), zeroed.
+        let mut buf = [0u64; 64];
+        // SAFETY: a live context and a writable buffer larger than the structure.
+        let rc = unsafe { (self.f.query_device)(ptr(ctx.0), buf.as_mut_ptr().cast()) };
+        if rc != 0 {
+            return Err(rc_err("ibv_query_device", rc));
+        }
+        let b: &[u8] = bytemuck_bytes(&buf);
+        let i32_at = |o: usize| i32::from_ne_bytes(b[o..o + 4].try_into().unwrap());
+        use offsets::*;
+        Ok(DeviceAttr {
+            max_mr_size: u64::from_ne_bytes(b[DEV_MAX_MR_SIZE..DEV_MAX_MR_SIZE + 8].try_into().unwrap()),
+            max_qp: i32_at(DEV_MAX_QP),
+            max_qp_wr: i32_at(DEV_MAX_QP_WR),
+            max_sge: i32_at(DEV_MAX_SGE),
+            max_sge_rd: i32_at(DEV_MAX_SGE_RD),
+            max_cq: i32_at(DEV_MAX_CQ),
+            max_cqe: i32_at(DEV_MAX_CQE),
+            max_qp_rd_atom: i32_at(DEV_MAX_QP_RD_ATOM),
+            max_qp_init_rd_atom: i32_at(DEV_MAX_QP_INIT_RD_ATOM),
+        })
     }
 
     fn query_port(&self, ctx: Ctx, port: u8) -> Result<PortAttr> {
@@ -373,7 +399,7 @@ impl Verbs for LibVerbs {
                 max_recv_wr: caps.max_recv_wr,
                 max_send_sge: caps.max_send_sge,
                 max_recv_sge: caps.max_recv_sge,
-                max_inline_data: 0,
+                max_inline_data: caps.max_inline_data,
             },
             qp_type: IBV_QPT_RC,
             sq_sig_all: 0,
@@ -390,6 +416,7 @@ impl Verbs for LibVerbs {
             max_recv_wr: init.cap.max_recv_wr,
             max_send_sge: init.cap.max_send_sge,
             max_recv_sge: init.cap.max_recv_sge,
+            max_inline_data: init.cap.max_inline_data,
         };
         Ok(QpCreated { qp: Qp(q as u64), qpn, caps: got })
     }
@@ -403,7 +430,7 @@ impl Verbs for LibVerbs {
                 a.qp_access_flags = access;
                 self.modify(qp, &mut a, mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS)
             }
-            QpTransition::Rtr { remote, mtu, port, gid_index, traffic_class, sl } => {
+            QpTransition::Rtr { remote, mtu, port, gid_index, traffic_class, sl, rd_atomic } => {
                 a.qp_state = QPS_RTR;
                 a.path_mtu = mtu as c_uint;
                 a.dest_qp_num = remote.qpn;
@@ -430,19 +457,11 @@ impl Verbs for LibVerbs {
                     | mask::RQ_PSN
                     | mask::MAX_DEST_RD_ATOMIC
                     | mask::MIN_RNR_TIMER;
-                // Outstanding RDMA READs the peer may have towards us: as many as the device
-                // allows, trying 16, then 4, then 1.
-                let mut last = Ok(());
-                for rd in [16u8, 4, 1] {
-                    a.max_dest_rd_atomic = rd;
-                    last = self.modify(qp, &mut a, m);
-                    if last.is_ok() {
-                        break;
-                    }
-                }
-                last
+                // Outstanding RDMA READs the peer may have towards us (from the device's limits).
+                a.max_dest_rd_atomic = rd_atomic;
+                self.modify(qp, &mut a, m)
             }
-            QpTransition::Rts { psn, timeout, retry_cnt } => {
+            QpTransition::Rts { psn, timeout, retry_cnt, rd_atomic } => {
                 a.qp_state = QPS_RTS;
                 a.sq_psn = psn;
                 a.timeout = timeout;
@@ -454,15 +473,8 @@ impl Verbs for LibVerbs {
                     | mask::RNR_RETRY
                     | mask::SQ_PSN
                     | mask::MAX_QP_RD_ATOMIC;
-                let mut last = Ok(());
-                for rd in [16u8, 4, 1] {
-                    a.max_rd_atomic = rd;
-                    last = self.modify(qp, &mut a, m);
-                    if last.is_ok() {
-                        break;
-                    }
-                }
-                last
+                a.max_rd_atomic = rd_atomic;
+                self.modify(qp, &mut a, m)
             }
             QpTransition::Err => {
                 a.qp_state = QPS_ERR;
@@ -546,7 +558,7 @@ unsafe fn fn_ptr<F: Copy>(p: *const c_void) -> F {
     unsafe { std::mem::transmute_copy(&p) }
 }
 
-fn bytemuck_bytes(b: &[u64; 32]) -> &[u8] {
+fn bytemuck_bytes<const N: usize>(b: &[u64; N]) -> &[u8] {
     // SAFETY: a u64 array viewed as its bytes (u8 has no alignment or validity requirements).
     unsafe { std::slice::from_raw_parts(b.as_ptr().cast(), std::mem::size_of_val(b)) }
 }

@@ -75,9 +75,11 @@ impl RdmaLink {
                     qp: Some(o.created.qp),
                     qpn: o.created.qpn,
                     target_qpn: o.remote_qpn,
+                    // The depth asked for, not a larger one the device may have given: the
+                    // engine's CQ has room for that many of this QP's completions.
                     book: QpBook::new(
                         (id as u64) << 8 | i as u64,
-                        o.created.caps.max_send_wr as usize,
+                        o.created.caps.max_send_wr.min(nic.limits.sq_depth) as usize,
                         label,
                     ),
                 })
@@ -282,7 +284,6 @@ impl DataPath for RdmaLink {
                 ),
             ));
         }
-        let max_msg = (self.nic.attr.max_msg_sz as u64).clamp(4096, 1 << 30);
         let mut failed: Finished = Vec::new();
         let mut per_slot: Vec<Vec<(Part, Vec<super::verbs::SendWr>)>> =
             self.slots.iter().map(|_| Vec::new()).collect();
@@ -290,7 +291,7 @@ impl DataPath for RdmaLink {
         {
             let table = self.control.table();
             for (i, part) in parts.into_iter().enumerate() {
-                match wrs::build(&self.nic, &table, &part, max_msg) {
+                match wrs::build(&self.nic, &table, &part) {
                     Ok(w) => per_slot[(start + i) % self.slots.len()].push((part, w)),
                     Err(e) => failed.push((part, Err(e))),
                 }

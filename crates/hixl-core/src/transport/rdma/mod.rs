@@ -16,6 +16,7 @@
 
 mod book;
 pub mod ffi;
+mod limits;
 mod link;
 mod nic;
 pub mod soft;
@@ -38,7 +39,7 @@ use crate::transport::DataPath;
 use crate::wire::rdma::{decode_rkey, encode_rkey, QpAddr, RdmaOpen, MAX_QPN, MAX_QPS};
 use crate::wire::{Capability, Domain};
 pub use link::RdmaLink;
-use nic::{Nic, SQ_DEPTH};
+use nic::Nic;
 use verbs::{access, QpCaps, QpCreated, QpTransition, Verbs};
 
 /// Local ACK timeout of our QPs: 4.096 us * 2^16 = 268 ms per try.
@@ -72,6 +73,7 @@ struct Opened {
 /// for an initiator's: nothing may reach into its memory through them).
 fn open_qps(nic: &Nic, n: usize, remote_access: u32) -> Result<Vec<Opened>> {
     let initiator = remote_access == 0;
+    let sq = nic.limits.sq_depth as usize;
     let mut out: Vec<Opened> = Vec::with_capacity(n);
     let fail = |out: &mut Vec<Opened>, e: Error| {
         for o in out.drain(..) {
@@ -81,28 +83,34 @@ fn open_qps(nic: &Nic, n: usize, remote_access: u32) -> Result<Vec<Opened>> {
     };
     for _ in 0..n {
         if initiator {
-            let used = nic.sq_slots.fetch_add(SQ_DEPTH as usize, Ordering::AcqRel) + SQ_DEPTH as usize;
-            if used > nic::CQ_DEPTH as usize {
-                nic.sq_slots.fetch_sub(SQ_DEPTH as usize, Ordering::AcqRel);
+            let used = nic.sq_slots.fetch_add(sq, Ordering::AcqRel) + sq;
+            if used > nic.limits.cq_depth as usize {
+                nic.sq_slots.fetch_sub(sq, Ordering::AcqRel);
                 let e = Error::new(
                     Status::ResourceExhausted,
                     format!(
-                        "the engine's RDMA completion queue ({} entries) cannot serve more QPs of {} \
-                         work requests (fewer peers, or a smaller hixl.rdma.qps)",
-                        nic::CQ_DEPTH,
-                        SQ_DEPTH
+                        "the engine's RDMA completion queue ({} entries, the device's limit) serves at \
+                         most {} QPs of {} work requests (fewer peers, or a smaller hixl.rdma.qps)",
+                        nic.limits.cq_depth,
+                        nic.limits.max_initiator_qps(),
+                        sq
                     ),
                 );
                 return fail(&mut out, e);
             }
         }
-        let caps =
-            QpCaps { max_send_wr: SQ_DEPTH, max_recv_wr: 1, max_send_sge: nic::MAX_SGE, max_recv_sge: 1 };
+        let caps = QpCaps {
+            max_send_wr: nic.limits.sq_depth,
+            max_recv_wr: 1,
+            max_send_sge: nic.limits.sge_write,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        };
         let created = match nic.verbs.create_qp(nic.pd, nic.cq, caps) {
             Ok(c) => c,
             Err(e) => {
                 if initiator {
-                    nic.sq_slots.fetch_sub(SQ_DEPTH as usize, Ordering::AcqRel);
+                    nic.sq_slots.fetch_sub(sq, Ordering::AcqRel);
                 }
                 return fail(&mut out, e);
             }
@@ -142,12 +150,18 @@ fn connect_qps(nic: &Nic, ours: &[Opened], theirs: &[QpAddr], send: bool) -> Res
             gid_index: nic.gid_index,
             traffic_class: nic.traffic_class,
             sl: nic.sl,
+            rd_atomic: nic.limits.rd_atomic_dest,
         };
         nic.verbs.modify_qp(o.created.qp, &rtr)?;
         if !send {
             continue;
         }
-        let rts = QpTransition::Rts { psn: o.addr.psn, timeout: ACK_TIMEOUT, retry_cnt: RETRY_COUNT };
+        let rts = QpTransition::Rts {
+            psn: o.addr.psn,
+            timeout: ACK_TIMEOUT,
+            retry_cnt: RETRY_COUNT,
+            rd_atomic: nic.limits.rd_atomic_init,
+        };
         nic.verbs.modify_qp(o.created.qp, &rts)?;
     }
     Ok(())
@@ -313,6 +327,17 @@ impl Backend for Rdma {
         let link = nic
             .add_link(|id| Arc::new(RdmaLink::new(id, nic.clone(), control.clone(), qps, depth, timeout)))
             .map_err(|e| e.message)?;
+        // A dead control channel (heartbeats missed, the peer's host gone) ends this link's
+        // requests at once: a device need not report a peer that vanished (rdma_rxe does not).
+        // Closed on a thread of its own: it waits for the QPs' flush.
+        let weak = Arc::downgrade(&link);
+        control.on_close(Box::new(move |why| {
+            if let Some(l) = weak.upgrade() {
+                let _ = std::thread::Builder::new()
+                    .name("hixl-rdma-close".into())
+                    .spawn(move || crate::transport::DataPath::close(&*l, why));
+            }
+        }));
         Ok(link)
     }
 
@@ -385,7 +410,8 @@ fn refused_registration(e: Error, only: bool) -> Result<Option<Vec<u8>>> {
 }
 
 /// What `hixl info` reports about RDMA with the provider `hixl.rdma.provider` names ("verbs"
-/// or "soft"): "not loadable: ...", "no device ..." or "devices: NAME (port 1 active), ...".
+/// or "soft"): "not loadable: ...", "no device ..." or "devices: NAME (port 1 active; device
+/// max_cqe ...; hixl uses CQ ...), ...": each device's limits and the queue sizes used on it.
 pub fn describe(provider_name: &str) -> Result<String> {
     let p = crate::options::rdma::provider("provider", provider_name)?;
     Ok(describe_with(p))
@@ -405,7 +431,15 @@ fn describe_with(p: Provider) -> String {
                 let state = match verbs.open_device(n) {
                     Ok(ctx) => {
                         let s = match verbs.query_port(ctx, 1) {
-                            Ok(a) if a.state == verbs::PORT_ACTIVE => "port 1 active".to_string(),
+                            Ok(a) if a.state == verbs::PORT_ACTIVE => {
+                                let sizes = verbs
+                                    .query_device(ctx)
+                                    .and_then(|d| limits::Limits::derive(&d, &a).map(|l| l.describe(&d, &a)));
+                                match sizes {
+                                    Ok(s) => format!("port 1 active; {s}"),
+                                    Err(e) => format!("port 1 active; not usable: {}", e.message),
+                                }
+                            }
                             Ok(a) => format!("port 1 state {}", a.state),
                             Err(e) => e.message,
                         };

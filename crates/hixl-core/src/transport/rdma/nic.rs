@@ -8,18 +8,12 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
 
+use super::limits::Limits;
 use super::link::RdmaLink;
 use super::verbs::{access, Channel, Cq, Ctx, Mr, Pd, PortAttr, Verbs, Wc, PORT_ACTIVE};
 use crate::error::{Error, Result};
 use crate::registry::Access;
 
-/// Entries of the engine's completion queue. Every initiator QP's send queue must fit in it
-/// (`SQ_DEPTH` each), which bounds the QPs an engine opens.
-pub(super) const CQ_DEPTH: u32 = 65536;
-/// Send-queue slots per QP.
-pub(super) const SQ_DEPTH: u32 = 512;
-/// Scatter/gather entries per work request.
-pub(super) const MAX_SGE: u32 = 16;
 /// How long the poller sleeps on the channel before it looks again (it is woken at once by a
 /// completion event or by `stop`; this only bounds a missed wake-up).
 const IDLE_WAIT: Duration = Duration::from_secs(5);
@@ -50,10 +44,12 @@ pub(super) struct Nic {
     pub(super) sl: u8,
     pub(super) gid: [u8; 16],
     pub(super) attr: PortAttr,
+    /// The queue sizes used on it (cut to `dev` and `attr`).
+    pub(super) limits: Limits,
     mrs: RwLock<Mrs>,
     links: Mutex<HashMap<u32, Weak<RdmaLink>>>,
     next_link: AtomicU32,
-    /// Send-queue slots of the initiator QPs open now (at most `CQ_DEPTH`).
+    /// Send-queue slots of the initiator QPs open now (at most `limits.cq_depth`).
     pub(super) sq_slots: AtomicUsize,
     stop: AtomicBool,
     wake: OwnedFd,
@@ -110,6 +106,8 @@ impl Nic {
         if attr.state != PORT_ACTIVE {
             return Err(super::unsupported(format!("port {port} is not active (state {})", attr.state)));
         }
+        let dev = verbs.query_device(ctx)?;
+        let limits = Limits::derive(&dev, &attr)?;
         let gid = verbs.query_gid(ctx, port, gid_index)?;
         if attr.link_layer == 2 && gid == [0u8; 16] {
             return Err(super::unsupported(format!(
@@ -124,7 +122,7 @@ impl Nic {
                 return Err(e);
             }
         };
-        let cq = match verbs.create_cq(ctx, CQ_DEPTH, Some(ch)) {
+        let cq = match verbs.create_cq(ctx, limits.cq_depth, Some(ch)) {
             Ok(cq) => cq,
             Err(e) => {
                 verbs.destroy_comp_channel(ch);
@@ -154,6 +152,7 @@ impl Nic {
             sl: 0,
             gid,
             attr,
+            limits,
             mrs: RwLock::new(BTreeMap::new()),
             links: Mutex::new(HashMap::new()),
             next_link: AtomicU32::new(1),
@@ -220,7 +219,7 @@ impl Nic {
     pub(super) fn destroy_qp(&self, qp: super::verbs::Qp, initiator: bool) {
         self.verbs.destroy_qp(qp);
         if initiator {
-            self.sq_slots.fetch_sub(SQ_DEPTH as usize, Ordering::AcqRel);
+            self.sq_slots.fetch_sub(self.limits.sq_depth as usize, Ordering::AcqRel);
         }
     }
 

@@ -93,6 +93,29 @@ pub struct PortAttr {
     pub gid_tbl_len: i32,
 }
 
+/// The parts of `struct ibv_device_attr` (`ibv_query_device`) the backend sizes its queues by.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceAttr {
+    /// Largest memory region.
+    pub max_mr_size: u64,
+    /// Most QPs.
+    pub max_qp: i32,
+    /// Most outstanding work requests of one queue.
+    pub max_qp_wr: i32,
+    /// Most scatter/gather entries of one send work request.
+    pub max_sge: i32,
+    /// Most scatter/gather entries of one RDMA READ (0 on some devices: then `max_sge`).
+    pub max_sge_rd: i32,
+    /// Most CQs.
+    pub max_cq: i32,
+    /// Most entries of one CQ.
+    pub max_cqe: i32,
+    /// Most outstanding RDMA READs a QP answers as the responder.
+    pub max_qp_rd_atom: i32,
+    /// Most outstanding RDMA READs a QP issues as the initiator.
+    pub max_qp_init_rd_atom: i32,
+}
+
 /// `struct ibv_qp_cap`: what a QP was asked for, and (from `create_qp`) what it got.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct QpCaps {
@@ -104,6 +127,8 @@ pub struct QpCaps {
     pub max_send_sge: u32,
     /// Scatter/gather entries per receive WR.
     pub max_recv_sge: u32,
+    /// Bytes a send WR may carry inline (copied at post time).
+    pub max_inline_data: u32,
 }
 
 /// A created queue pair.
@@ -141,6 +166,8 @@ pub enum QpTransition {
         traffic_class: u8,
         /// The service level.
         sl: u8,
+        /// `max_dest_rd_atomic`: RDMA READs of the peer this QP answers at once.
+        rd_atomic: u8,
     },
     /// RTR -> RTS: our first PSN and the retry budget.
     Rts {
@@ -150,6 +177,8 @@ pub enum QpTransition {
         timeout: u8,
         /// Retries before RETRY_EXC_ERR.
         retry_cnt: u8,
+        /// `max_rd_atomic`: RDMA READs this QP has outstanding at once.
+        rd_atomic: u8,
     },
     /// Any state -> ERR: outstanding work requests are flushed.
     Err,
@@ -237,6 +266,8 @@ pub trait Verbs: Send + Sync {
     fn open_device(&self, name: &str) -> Result<Ctx>;
     /// `ibv_close_device`.
     fn close_device(&self, ctx: Ctx);
+    /// `ibv_query_device`: the device's limits.
+    fn query_device(&self, ctx: Ctx) -> Result<DeviceAttr>;
     /// `ibv_query_port`.
     fn query_port(&self, ctx: Ctx, port: u8) -> Result<PortAttr>;
     /// `ibv_query_gid`.

@@ -1,10 +1,10 @@
 //! A part's segments as RDMA work requests: one request per contiguous remote range inside one
-//! remote region (at most the port's message size), carrying up to `MAX_SGE` local pieces, and
+//! remote region (at most the port's message size), carrying up to the device's SGE limit of local pieces (`Limits`), and
 //! local pieces that follow each other in one local region merged into one SGE. Every remote
 //! range is checked against the peer's table here (its region and rkey), every local one
 //! against this NIC's registrations (its lkey).
 
-use super::nic::{Nic, MAX_SGE};
+use super::nic::Nic;
 use super::verbs::{SendWr, Sge, WrOp};
 use crate::error::{Error, Result};
 use crate::queue::{Part, PartBody, SegPair, TransferOp};
@@ -12,13 +12,13 @@ use crate::registry::RemoteTable;
 use crate::wire::rdma::decode_rkey;
 
 /// The work requests of one part (wr_id and signaled are set when they are posted).
-pub(super) fn build(nic: &Nic, table: &RemoteTable, part: &Part, max_msg: u64) -> Result<Vec<SendWr>> {
-    let op = match part.req.op {
-        TransferOp::Write => WrOp::Write,
-        TransferOp::Read => WrOp::Read,
+pub(super) fn build(nic: &Nic, table: &RemoteTable, part: &Part) -> Result<Vec<SendWr>> {
+    let (op, max_sge) = match part.req.op {
+        TransferOp::Write => (WrOp::Write, nic.limits.sge_write),
+        TransferOp::Read => (WrOp::Read, nic.limits.sge_read),
     };
     let lookup = |addr: u64, len: u64| nic.lkey(addr, len);
-    let mut b = Builder { op, out: Vec::new(), max_msg };
+    let mut b = Builder { op, out: Vec::new(), max_msg: nic.limits.max_msg, max_sge: max_sge as usize };
     match &part.body {
         PartBody::Data(segs) => segs.iter().try_for_each(|s| b.seg(table, &lookup, *s))?,
         PartBody::Strided(st) => {
@@ -33,6 +33,8 @@ struct Builder {
     op: WrOp,
     out: Vec<SendWr>,
     max_msg: u64,
+    /// SGEs per request.
+    max_sge: usize,
 }
 
 impl Builder {
@@ -80,7 +82,7 @@ impl Builder {
                     last.length += len as u32;
                     return;
                 }
-                if w.sges.len() < MAX_SGE as usize {
+                if w.sges.len() < self.max_sge {
                     w.sges.push(Sge { addr: local, length: len as u32, lkey });
                     return;
                 }
@@ -117,8 +119,15 @@ mod tests {
         (addr >= 0x1000 && addr + len <= 0x3000).then_some((7, 0x3000))
     }
 
+    /// SGEs per request in these tests (a device's limit).
+    const SGE: usize = 16;
+
     fn build(segs: &[(u64, u64, u64)], max_msg: u64) -> Result<Vec<SendWr>> {
-        let mut b = Builder { op: WrOp::Write, out: Vec::new(), max_msg };
+        build_sge(segs, max_msg, SGE)
+    }
+
+    fn build_sge(segs: &[(u64, u64, u64)], max_msg: u64, max_sge: usize) -> Result<Vec<SendWr>> {
+        let mut b = Builder { op: WrOp::Write, out: Vec::new(), max_msg, max_sge };
         for &(local, remote, len) in segs {
             b.seg(&table(), &lkey, SegPair { local, remote, len })?;
         }
@@ -150,9 +159,12 @@ mod tests {
         );
         let w = build(&[(0x1000, 0x10000, 0x1000)], 0x400).unwrap();
         assert_eq!(w.len(), 4, "at most max_msg per request");
-        let segs: Vec<_> = (0..MAX_SGE as u64 + 1).map(|i| (0x1000 + i * 32, 0x10000 + i * 16, 16)).collect();
+        let segs: Vec<_> = (0..SGE as u64 + 1).map(|i| (0x1000 + i * 32, 0x10000 + i * 16, 16)).collect();
         let w = build(&segs, 1 << 30).unwrap();
-        assert_eq!(w.iter().map(|w| w.sges.len()).collect::<Vec<_>>(), [MAX_SGE as usize, 1]);
+        assert_eq!(w.iter().map(|w| w.sges.len()).collect::<Vec<_>>(), [SGE, 1]);
+        // A device with 4 SGEs per request: the same 17 pieces take five requests.
+        let w = build_sge(&segs, 1 << 30, 4).unwrap();
+        assert_eq!(w.iter().map(|w| w.sges.len()).collect::<Vec<_>>(), [4, 4, 4, 4, 1]);
     }
 
     #[test]

@@ -160,7 +160,13 @@ pub struct TcpLink {
     /// For a control channel: its data path's link, closed with it (a dead control channel
     /// must not leave data streams whose queued bytes could still land later).
     pub(super) data: std::sync::OnceLock<std::sync::Weak<TcpLink>>,
+    /// For a control channel: what runs once when it closes (another backend's data path
+    /// that lives and dies with it, such as an RDMA link), given the reason.
+    pub(super) on_close: Mutex<Vec<OnClose>>,
 }
+
+/// A hook run when a control channel closes (see [`TcpLink::on_close`]).
+pub type OnClose = Box<dyn FnOnce(Error) + Send>;
 
 impl TcpLink {
     /// Connects `p.streams` streams to `peer`, performs the handshake on each and starts the
@@ -242,6 +248,7 @@ impl TcpLink {
             opened: Mutex::new(Vec::new()),
             control: std::sync::OnceLock::new(),
             data: std::sync::OnceLock::new(),
+            on_close: Mutex::new(Vec::new()),
         });
         for s in &link.streams {
             let w = Arc::new(send::Writer { link: link.clone(), stream: s.clone() });
@@ -337,6 +344,13 @@ impl TcpLink {
         }
         self.fail_queued_if_closed();
         let err = self.close_reason();
+        if first {
+            // Taken out of the lock first: a hook may close what calls back into this link.
+            let hooks = std::mem::take(&mut *self.on_close.lock().unwrap());
+            for h in hooks {
+                h(err.clone());
+            }
+        }
         for s in &self.streams {
             // Bytes still queued point into memory of requests failed below: dropped first.
             s.tx.lock().unwrap().out.clear();
@@ -362,6 +376,18 @@ impl TcpLink {
         let _ = control.data.set(Arc::downgrade(self));
         let _ = self.control.set(control);
         Ok(())
+    }
+
+    /// Runs `hook` once with the reason when this link closes (at once when it is closed
+    /// already). A hook must not block: it runs on whichever thread closes the link.
+    pub fn on_close(&self, hook: OnClose) {
+        let mut hooks = self.on_close.lock().unwrap();
+        if self.alive.load(Ordering::Acquire) {
+            hooks.push(hook);
+            return;
+        }
+        drop(hooks);
+        hook(self.close_reason());
     }
 
     /// Names the backend in logs when another backend carries the data over this link's

@@ -237,6 +237,25 @@ pub mod offsets {
     pub(in crate::transport::rdma) const PORT_LID: usize = 34;
     /// See [`PORT_STATE`].
     pub(in crate::transport::rdma) const PORT_LINK_LAYER: usize = 46;
+    /// `offsetof(struct ibv_device_attr, ...)`: fw_ver[64], node_guid, sys_image_guid, then
+    /// max_mr_size, page_size_cap, vendor_id, vendor_part_id, hw_ver and the `int` limits.
+    pub(in crate::transport::rdma) const DEV_MAX_MR_SIZE: usize = 80;
+    /// See [`DEV_MAX_MR_SIZE`].
+    pub(in crate::transport::rdma) const DEV_MAX_QP: usize = 108;
+    /// See [`DEV_MAX_MR_SIZE`].
+    pub(in crate::transport::rdma) const DEV_MAX_QP_WR: usize = 112;
+    /// See [`DEV_MAX_MR_SIZE`].
+    pub(in crate::transport::rdma) const DEV_MAX_SGE: usize = 120;
+    /// See [`DEV_MAX_MR_SIZE`].
+    pub(in crate::transport::rdma) const DEV_MAX_SGE_RD: usize = 124;
+    /// See [`DEV_MAX_MR_SIZE`].
+    pub(in crate::transport::rdma) const DEV_MAX_CQ: usize = 128;
+    /// See [`DEV_MAX_MR_SIZE`].
+    pub(in crate::transport::rdma) const DEV_MAX_CQE: usize = 132;
+    /// See [`DEV_MAX_MR_SIZE`].
+    pub(in crate::transport::rdma) const DEV_MAX_QP_RD_ATOM: usize = 144;
+    /// See [`DEV_MAX_MR_SIZE`].
+    pub(in crate::transport::rdma) const DEV_MAX_QP_INIT_RD_ATOM: usize = 156;
 }
 
 pub(super) const IBV_QPT_RC: c_uint = 2;

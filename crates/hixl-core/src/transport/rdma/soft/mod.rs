@@ -33,8 +33,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use super::verbs::{
-    access, Channel, Cq, Ctx, Mr, Pd, PortAttr, PostError, Qp, QpCaps, QpCreated, QpTransition, SendWr,
-    Verbs, Wc, PORT_ACTIVE,
+    access, Channel, Cq, Ctx, DeviceAttr, Mr, Pd, PortAttr, PostError, Qp, QpCaps, QpCreated, QpTransition,
+    SendWr, Verbs, Wc, PORT_ACTIVE,
 };
 use crate::error::{Error, Result};
 use qp::SoftQp;
@@ -43,9 +43,49 @@ use qp::SoftQp;
 pub const DEVICE: &str = "soft0";
 /// Largest message of one work request (what `ibv_port_attr.max_msg_sz` says).
 pub const MAX_MSG: u32 = 1 << 30;
-/// Most send-queue entries and SGEs a QP may have.
-const MAX_QP_WR: u32 = 16384;
-const MAX_SGE: u32 = 30;
+/// The device's limits (`ibv_query_device`) unless [`LIMITS_ENV`] says otherwise: CQ entries
+/// as rdma_rxe's (the smallest seen on a real stack), send-queue entries, SGEs, READs.
+const MAX_CQE: i32 = 32767;
+const MAX_QP_WR: i32 = 16384;
+const MAX_SGE: i32 = 30;
+const MAX_QP_RD_ATOM: i32 = 128;
+/// Environment variable: other limits for the soft device, as `max_cqe=N,max_qp_wr=N,
+/// max_sge=N,max_qp_rd_atom=N` (any of them), so that tests can run the backend on a device
+/// smaller than any real one. The device enforces `max_cqe`, `max_qp_wr` and `max_sge`.
+pub const LIMITS_ENV: &str = "HIXL_SOFT_RDMA_LIMITS";
+
+/// The soft device's limits: the defaults above, changed by [`LIMITS_ENV`].
+fn device_attr() -> Result<DeviceAttr> {
+    let mut d = DeviceAttr {
+        max_mr_size: u64::MAX,
+        max_qp: 1 << 16,
+        max_qp_wr: MAX_QP_WR,
+        max_sge: MAX_SGE,
+        max_sge_rd: MAX_SGE,
+        max_cq: 1 << 16,
+        max_cqe: MAX_CQE,
+        max_qp_rd_atom: MAX_QP_RD_ATOM,
+        max_qp_init_rd_atom: MAX_QP_RD_ATOM,
+    };
+    let Ok(spec) = std::env::var(LIMITS_ENV) else { return Ok(d) };
+    for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let bad = || {
+            Error::param(format!(
+                "{LIMITS_ENV}: {item:?} is not NAME=N (max_cqe, max_qp_wr, max_sge, max_qp_rd_atom)"
+            ))
+        };
+        let (k, v) = item.split_once('=').ok_or_else(bad)?;
+        let v: i32 = v.trim().parse().map_err(|_| bad())?;
+        match k.trim() {
+            "max_cqe" => d.max_cqe = v,
+            "max_qp_wr" => d.max_qp_wr = v,
+            "max_sge" => (d.max_sge, d.max_sge_rd) = (v, v),
+            "max_qp_rd_atom" => (d.max_qp_rd_atom, d.max_qp_init_rd_atom) = (v, v),
+            _ => return Err(bad()),
+        }
+    }
+    Ok(d)
+}
 /// `IBV_MTU_4096`.
 const MTU_4096: u8 = 5;
 
@@ -291,6 +331,11 @@ impl Verbs for SoftVerbs {
         }
     }
 
+    fn query_device(&self, _ctx: Ctx) -> Result<DeviceAttr> {
+        self.device()?;
+        device_attr()
+    }
+
     fn query_port(&self, _ctx: Ctx, port: u8) -> Result<PortAttr> {
         if port != 1 {
             return Err(Error::param(format!("soft verbs: {DEVICE} has port 1 only, not {port}")));
@@ -373,6 +418,13 @@ impl Verbs for SoftVerbs {
     }
 
     fn create_cq(&self, _ctx: Ctx, cqe: u32, ch: Option<Channel>) -> Result<Cq> {
+        let max = device_attr()?.max_cqe;
+        if cqe == 0 || cqe > max.max(0) as u32 {
+            // As a real device answers: EINVAL (rdma_rxe above its max_cqe).
+            return Err(Error::failed(format!(
+                "ibv_create_cq({cqe}) failed: Invalid argument (soft verbs: max_cqe is {max})"
+            )));
+        }
         let mut o = self.objs.lock().unwrap();
         let channel = match ch {
             Some(c) => Some(o.chans.get(&c.0).cloned().ok_or_else(|| no("completion channel", c.0))?),
@@ -420,9 +472,14 @@ impl Verbs for SoftVerbs {
 
     fn create_qp(&self, pd: Pd, cq: Cq, caps: QpCaps) -> Result<QpCreated> {
         let dev = self.device()?;
-        if caps.max_send_wr == 0 || caps.max_send_wr > MAX_QP_WR || caps.max_send_sge > MAX_SGE {
+        let d = device_attr()?;
+        if caps.max_send_wr == 0
+            || caps.max_send_wr > d.max_qp_wr.max(0) as u32
+            || caps.max_send_sge > d.max_sge.max(0) as u32
+        {
             return Err(Error::param(format!(
-                "soft verbs: QP capabilities {caps:?} exceed the device's ({MAX_QP_WR} WRs, {MAX_SGE} SGEs)"
+                "soft verbs: QP capabilities {caps:?} exceed the device's ({} WRs, {} SGEs)",
+                d.max_qp_wr, d.max_sge
             )));
         }
         let mut o = self.objs.lock().unwrap();

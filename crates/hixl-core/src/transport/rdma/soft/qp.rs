@@ -126,7 +126,7 @@ impl SoftQp {
                 s.rq_psn = remote.psn;
                 s.state = State::Rtr;
             }
-            QpTransition::Rts { psn, timeout, retry_cnt } => {
+            QpTransition::Rts { psn, timeout, retry_cnt, .. } => {
                 if s.state != State::Rtr {
                     return Err(bad(s.state));
                 }

@@ -28,7 +28,13 @@ fn dev(cqe: u32) -> Dev {
 
 impl Dev {
     fn qp(&self, depth: u32, remote: u32) -> (Qp, QpAddr) {
-        let caps = QpCaps { max_send_wr: depth, max_recv_wr: 1, max_send_sge: 2, max_recv_sge: 1 };
+        let caps = QpCaps {
+            max_send_wr: depth,
+            max_recv_wr: 1,
+            max_send_sge: 2,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        };
         let q = self.v.create_qp(self.pd, self.cq, caps).unwrap();
         self.v.modify_qp(q.qp, &QpTransition::Init { port: 1, access: remote }).unwrap();
         (q.qp, QpAddr { gid: self.gid, lid: 0, qpn: q.qpn, psn: 100 + q.qpn, mtu: 5 })
@@ -39,6 +45,7 @@ impl Dev {
             .modify_qp(
                 q,
                 &QpTransition::Rtr {
+                    rd_atomic: 16,
                     remote: *theirs,
                     mtu: 5,
                     port: 1,
@@ -48,7 +55,9 @@ impl Dev {
                 },
             )
             .unwrap();
-        self.v.modify_qp(q, &QpTransition::Rts { psn: ours.psn, timeout: 16, retry_cnt: 7 }).unwrap();
+        self.v
+            .modify_qp(q, &QpTransition::Rts { psn: ours.psn, timeout: 16, retry_cnt: 7, rd_atomic: 16 })
+            .unwrap();
     }
 
     fn mr(&self, buf: &mut [u8], acc: u32) -> (u32, u32) {
@@ -103,10 +112,12 @@ fn pair(remote_access: u32, depth: u32) -> (Dev, Qp, Dev, Qp) {
 #[test]
 fn the_state_machine_refuses_skipped_steps_and_posts_before_rts() {
     let d = dev(8);
-    let caps = QpCaps { max_send_wr: 4, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1 };
+    let caps =
+        QpCaps { max_send_wr: 4, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
     let q = d.v.create_qp(d.pd, d.cq, caps).unwrap();
     let remote = QpAddr { gid: d.gid, lid: 0, qpn: 5, psn: 1, mtu: 5 };
-    let rtr = QpTransition::Rtr { remote, mtu: 5, port: 1, gid_index: 0, traffic_class: 0, sl: 0 };
+    let rtr =
+        QpTransition::Rtr { remote, mtu: 5, port: 1, gid_index: 0, traffic_class: 0, sl: 0, rd_atomic: 16 };
     let e = d.v.modify_qp(q.qp, &rtr).unwrap_err();
     assert!(e.message.contains("Reset") && e.message.contains("EINVAL"), "{e}");
     let mut buf = [0u8; 8];
@@ -114,7 +125,9 @@ fn the_state_machine_refuses_skipped_steps_and_posts_before_rts() {
     let w = wr(1, WrOp::Write, &buf, lkey, buf.as_ptr() as u64, rkey);
     assert_eq!(post(&d.v, q.qp, std::slice::from_ref(&w)), Err(PostError { bad_wr: 0, errno: libc::EINVAL }));
     d.v.modify_qp(q.qp, &QpTransition::Init { port: 1, access: 0 }).unwrap();
-    let e = d.v.modify_qp(q.qp, &QpTransition::Rts { psn: 1, timeout: 1, retry_cnt: 1 }).unwrap_err();
+    let e =
+        d.v.modify_qp(q.qp, &QpTransition::Rts { psn: 1, timeout: 1, retry_cnt: 1, rd_atomic: 16 })
+            .unwrap_err();
     assert!(e.message.contains("Init"), "{e}");
     d.v.modify_qp(q.qp, &rtr).unwrap();
     assert_eq!(
@@ -122,7 +135,7 @@ fn the_state_machine_refuses_skipped_steps_and_posts_before_rts() {
         libc::EINVAL,
         "RTR cannot send"
     );
-    d.v.modify_qp(q.qp, &QpTransition::Rts { psn: 1, timeout: 1, retry_cnt: 1 }).unwrap();
+    d.v.modify_qp(q.qp, &QpTransition::Rts { psn: 1, timeout: 1, retry_cnt: 1, rd_atomic: 16 }).unwrap();
     let two = SendWr { sges: vec![w.sges[0], w.sges[0]], ..w.clone() };
     assert_eq!(
         post(&d.v, q.qp, &[w.clone(), two]),
