@@ -1,6 +1,7 @@
-"""The README's option table is held to the engine's one table of options (`OPTIONS` in
-crates/hixl-core/src/options.rs, exported as `hixl.option_keys()`): one row per option, with
-the engine's default."""
+"""The README's reference tables are held to the code: the option table to the engine's one
+table of options (`OPTIONS` in crates/hixl-core/src/options.rs, exported as
+`hixl.option_keys()`), one row per option with the engine's default; HIXL's keys; the status
+codes. docs/API.md to the Python API. And every page of docs/ is one click from the README."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 import hixl
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-API = Path(__file__).resolve().parent.parent / "docs" / "API.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+API = DOCS / "API.md"
 
 
 def test_readme_has_a_row_per_option_with_its_default() -> None:
@@ -75,3 +77,22 @@ def test_every_hixl_method_has_a_docstring_that_names_its_arguments() -> None:
             unnamed += [f"{name}({p})" for p in params if not re.search(rf"\b{p}\b", doc)]
     assert not short, f"Hixl methods whose docstring is one line or none: {short}"
     assert not unnamed, f"docstrings that do not mention these arguments: {unnamed}"
+
+
+def test_readme_has_a_row_per_status_code() -> None:
+    """The README's Status codes table: one row per `hixl.Status`, with its number."""
+    rows = {}
+    for line in README.read_text().splitlines():
+        m = re.match(r"^\| ([A-Z_]+) \| (\d+) \|", line)
+        if m:
+            rows[m.group(1)] = int(m.group(2))
+    for status in hixl.Status:
+        assert status.name in rows, f"README lacks the status row of {status.name}"
+        assert rows[status.name] == int(status), f"README: {status.name} = {rows[status.name]}"
+
+
+def test_every_page_of_docs_is_linked_from_the_readme() -> None:
+    """What moved out of the README stays one click away."""
+    text = README.read_text()
+    unlinked = [p.name for p in sorted(DOCS.glob("*.md")) if f"](docs/{p.name}" not in text]
+    assert not unlinked, f"docs/ pages the README does not link: {unlinked}"
