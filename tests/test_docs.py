@@ -96,3 +96,33 @@ def test_every_page_of_docs_is_linked_from_the_readme() -> None:
     text = README.read_text()
     unlinked = [p.name for p in sorted(DOCS.glob("*.md")) if f"](docs/{p.name}" not in text]
     assert not unlinked, f"docs/ pages the README does not link: {unlinked}"
+
+
+# Names spelt HIXL_* in the code that are not environment variables: the C header's constants
+# (statuses, access modes, ops, request states, the default timeout), HIXL's error names
+# (hixl.HIXL_001001, ...), the Rust table HIXL_OPTIONS and hixl.nixl's backend names.
+NOT_ENV = {"HIXL_OPTIONS", "HIXL_TCP", "HIXL_SHM", "HIXL_READ", "HIXL_WRITE", "HIXL_REQ_"}
+NOT_ENV_PREFIX = ("HIXL_ACCESS_", "HIXL_REQ_", "HIXL_TIMEOUT_DEFAULT", "HIXL_00")
+
+
+def test_readme_has_a_row_per_environment_variable() -> None:
+    """Every HIXL_* variable the code, scripts, tests or benches name appears in the README's
+    Environment table (a variable added without its row fails here)."""
+    root = README.parent
+    statuses = {f"HIXL_{s.name}" for s in hixl.Status}
+    files = [root / ".ci" / "run"]
+    for sub in ("python", "crates", "scripts", "tests", "benches", "examples"):
+        for ext in ("*.py", "*.rs", "*.sh"):
+            files += (root / sub).rglob(ext)
+    names = set()
+    for f in files:
+        if "target" in f.parts or not f.is_file():
+            continue
+        names |= set(re.findall(r"\bHIXL_[A-Z0-9_]+", f.read_text(errors="replace")))
+    names -= statuses | NOT_ENV
+    names = {n for n in names if not n.startswith(NOT_ENV_PREFIX)}
+    env = README.read_text().split("## Environment", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"`(HIXL_[A-Z0-9_]+)`", env))
+    # The discovery options' variables are written as HIXL_DISCOVERY_<NAME> in the code.
+    missing = sorted(n for n in names if n not in rows and not n.startswith("HIXL_DISCOVERY_"))
+    assert not missing, f"environment variables without a README row: {missing}"
