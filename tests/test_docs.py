@@ -127,3 +127,16 @@ def test_readme_has_a_row_per_environment_variable() -> None:
     # The discovery options' variables are written as HIXL_DISCOVERY_<NAME> in the code.
     missing = sorted(n for n in names if n not in rows and not n.startswith("HIXL_DISCOVERY_"))
     assert not missing, f"environment variables without a README row: {missing}"
+
+
+def test_the_readme_test_commands_are_what_ci_runs() -> None:
+    """The README's Two commands end with `bash .ci/run`, and its Tests section's Python
+    command is the one `.ci/run` runs against the installed wheel (scripts/test.sh)."""
+    text = README.read_text()
+    two = text.split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    assert "\nbash .ci/run\n" in two, "README's Two commands lack `bash .ci/run`"
+    assert "pip install . && hixl bench" in two, "README's Two commands lack the main job"
+    tests = text.split("\n## Tests", 1)[1].split("\n## ", 1)[0]
+    assert "bash scripts/test.sh" in tests, "README's Tests section lacks the Python test command"
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "bash scripts/test.sh" in ci, ".ci/run no longer runs scripts/test.sh"
