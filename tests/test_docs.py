@@ -1,5 +1,5 @@
 """The README's reference tables are held to the code: the option table to the engine's one
-table of options (`OPTIONS` in crates/hixl-core/src/options.rs, exported as
+table of options (`OPTIONS` in crates/hixl-core/src/options/mod.rs, exported as
 `hixl.option_keys()`), one row per option with the engine's default; HIXL's keys; the status
 codes. docs/API.md to the Python API. And every page of docs/ is one click from the README."""
 
