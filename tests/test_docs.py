@@ -1,6 +1,7 @@
-"""The README's option table is held to the engine's one table of options (`OPTIONS` in
-crates/hixl-core/src/options.rs, exported as `hixl.option_keys()`): one row per option, with
-the engine's default."""
+"""The README's reference tables are held to the code: the option table to the engine's one
+table of options (`OPTIONS` in crates/hixl-core/src/options/mod.rs, exported as
+`hixl.option_keys()`), one row per option with the engine's default; HIXL's keys; the status
+codes. docs/API.md to the Python API. And every page of docs/ is one click from the README."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 import hixl
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-API = Path(__file__).resolve().parent.parent / "docs" / "API.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+# The Python API reference, in two pages.
+API = [DOCS / "API.md", DOCS / "API_TYPES.md"]
 
 
 def test_readme_has_a_row_per_option_with_its_default() -> None:
@@ -54,12 +57,12 @@ def _in_reference(name: str, text: str) -> bool:
 
 
 def test_api_reference_covers_every_hixl_method_and_every_exported_name() -> None:
-    """docs/API.md is held to the code: a method of Hixl or a name in hixl.__all__ that is
-    added without an entry there fails here."""
-    text = API.read_text()
+    """docs/API.md and docs/API_TYPES.md are held to the code: a method of Hixl or a name in
+    hixl.__all__ that is added without an entry there fails here."""
+    text = "\n".join(page.read_text() for page in API)
     missing = [f"Hixl.{n}" for n in _public_hixl_members() if not _in_reference(n, text)]
     missing += [n for n in hixl.__all__ if not _in_reference(n, text)]
-    assert not missing, f"docs/API.md does not mention: {missing}"
+    assert not missing, f"docs/API.md and docs/API_TYPES.md do not mention: {missing}"
 
 
 def test_every_hixl_method_has_a_docstring_that_names_its_arguments() -> None:
@@ -75,3 +78,65 @@ def test_every_hixl_method_has_a_docstring_that_names_its_arguments() -> None:
             unnamed += [f"{name}({p})" for p in params if not re.search(rf"\b{p}\b", doc)]
     assert not short, f"Hixl methods whose docstring is one line or none: {short}"
     assert not unnamed, f"docstrings that do not mention these arguments: {unnamed}"
+
+
+def test_readme_has_a_row_per_status_code() -> None:
+    """The README's Status codes table: one row per `hixl.Status`, with its number."""
+    rows = {}
+    for line in README.read_text().splitlines():
+        m = re.match(r"^\| ([A-Z_]+) \| (\d+) \|", line)
+        if m:
+            rows[m.group(1)] = int(m.group(2))
+    for status in hixl.Status:
+        assert status.name in rows, f"README lacks the status row of {status.name}"
+        assert rows[status.name] == int(status), f"README: {status.name} = {rows[status.name]}"
+
+
+def test_every_page_of_docs_is_linked_from_the_readme() -> None:
+    """What moved out of the README stays one click away."""
+    text = README.read_text()
+    unlinked = [p.name for p in sorted(DOCS.glob("*.md")) if f"](docs/{p.name}" not in text]
+    assert not unlinked, f"docs/ pages the README does not link: {unlinked}"
+
+
+# Names spelt HIXL_* in the code that are not environment variables: the C header's constants
+# (statuses, access modes, ops, request states, the default timeout), HIXL's error names
+# (hixl.HIXL_001001, ...), the Rust table HIXL_OPTIONS and hixl.nixl's backend names.
+NOT_ENV = {"HIXL_OPTIONS", "HIXL_TCP", "HIXL_SHM", "HIXL_READ", "HIXL_WRITE", "HIXL_REQ_"}
+NOT_ENV_PREFIX = ("HIXL_ACCESS_", "HIXL_REQ_", "HIXL_TIMEOUT_DEFAULT", "HIXL_00")
+
+
+def test_readme_has_a_row_per_environment_variable() -> None:
+    """Every HIXL_* variable the code, scripts, tests or benches name appears in the README's
+    Environment table (a variable added without its row fails here)."""
+    root = README.parent
+    statuses = {f"HIXL_{s.name}" for s in hixl.Status}
+    files = [root / ".ci" / "run"]
+    for sub in ("python", "crates", "scripts", "tests", "benches", "examples"):
+        for ext in ("*.py", "*.rs", "*.sh"):
+            files += (root / sub).rglob(ext)
+    names = set()
+    for f in files:
+        if "target" in f.parts or not f.is_file():
+            continue
+        names |= set(re.findall(r"\bHIXL_[A-Z0-9_]+", f.read_text(errors="replace")))
+    names -= statuses | NOT_ENV
+    names = {n for n in names if not n.startswith(NOT_ENV_PREFIX)}
+    env = README.read_text().split("## Environment", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"`(HIXL_[A-Z0-9_]+)`", env))
+    # The discovery options' variables are written as HIXL_DISCOVERY_<NAME> in the code.
+    missing = sorted(n for n in names if n not in rows and not n.startswith("HIXL_DISCOVERY_"))
+    assert not missing, f"environment variables without a README row: {missing}"
+
+
+def test_the_readme_test_commands_are_what_ci_runs() -> None:
+    """The README's Two commands end with `bash .ci/run`, and its Tests section's Python
+    command is the one `.ci/run` runs against the installed wheel (scripts/test.sh)."""
+    text = README.read_text()
+    two = text.split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    assert "\nbash .ci/run\n" in two, "README's Two commands lack `bash .ci/run`"
+    assert "pip install . && hixl bench" in two, "README's Two commands lack the main job"
+    tests = text.split("\n## Tests", 1)[1].split("\n## ", 1)[0]
+    assert "bash scripts/test.sh" in tests, "README's Tests section lacks the Python test command"
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "bash scripts/test.sh" in ci, ".ci/run no longer runs scripts/test.sh"

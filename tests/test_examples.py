@@ -1,4 +1,4 @@
-"""The programs in examples/ run as written, as real processes, and the README shows them.
+"""The programs in examples/ run as written, as real processes, and the README and docs/ show them.
 
 Each pair starts its waiting side first (target.py, kv_decode.py), takes the address from its
 "READY ip:port" line, runs the other side against it, and requires exit 0 from both and the
@@ -23,6 +23,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 README = ROOT / "README.md"
+# Where excerpts of the examples are shown: the README (the quick start) and the guides in docs/
+# (docs/GUIDE.md has the whole Python walkthrough, docs/KV.md the KV-cache example).
+SHOWN_IN = [README, *sorted((ROOT / "docs").glob("*.md"))]
 LIMIT_S = 120  # per process; each pair takes about a second
 
 
@@ -206,10 +209,10 @@ def test_rust_examples(example: str) -> None:
     assert "read back and verified" in proc.stdout, proc.stdout + proc.stderr
 
 
-def readme_excerpts() -> list[tuple[str, list[str]]]:
-    """README code blocks whose first line is `# examples/NAME` (or `// examples/...`)."""
+def readme_excerpts(doc: Path = README) -> list[tuple[str, list[str]]]:
+    """Code blocks of `doc` whose first line is `# examples/NAME` (or `// examples/...`)."""
     out = []
-    for m in re.finditer(r"^```\w*\n(.*?)^```", README.read_text(), re.S | re.M):
+    for m in re.finditer(r"^```\w*\n(.*?)^```", doc.read_text(), re.S | re.M):
         lines = m.group(1).splitlines()
         head = re.match(r"^(?:#|//) (examples/\S+|crates/\S+)", lines[0]) if lines else None
         if head:
@@ -218,13 +221,17 @@ def readme_excerpts() -> list[tuple[str, list[str]]]:
 
 
 def test_readme_shows_the_example_files() -> None:
-    """Each README block headed by a file's path is an excerpt of that file: its lines appear
-    in the file, in order, indentation aside (a line `...` stands for lines left out)."""
-    excerpts = readme_excerpts()
-    shown = {path for path, _ in excerpts}
+    """Each block of the README or docs/ headed by a file's path is an excerpt of that file: its
+    lines appear in the file, in order, indentation aside (a line `...` stands for lines left
+    out)."""
+    in_readme = {path for path, _ in readme_excerpts()}
+    for name in ("target.py", "initiator.py"):  # the README's quick start
+        assert f"examples/{name}" in in_readme, f"README shows no excerpt of examples/{name}"
+    excerpts = [(doc, path, lines) for doc in SHOWN_IN for path, lines in readme_excerpts(doc)]
+    shown = {path for _, path, _ in excerpts}
     for name in ("target.py", "initiator.py", "kv_prefill.py", "kv_decode.py"):
-        assert f"examples/{name}" in shown, f"README shows no excerpt of examples/{name}"
-    for path, lines in excerpts:
+        assert f"examples/{name}" in shown, f"README and docs/ show no excerpt of examples/{name}"
+    for doc, path, lines in excerpts:
         file_lines = (ROOT / path).read_text().splitlines()
         i = 0
         for line in lines:
@@ -232,5 +239,6 @@ def test_readme_shows_the_example_files() -> None:
                 continue
             while i < len(file_lines) and file_lines[i].strip() != line.strip():
                 i += 1
-            assert i < len(file_lines), f"README's excerpt of {path}: {line!r} is not in the file"
+            where = f"{doc.name}'s excerpt of {path}"
+            assert i < len(file_lines), f"{where}: {line!r} is not in the file"
             i += 1

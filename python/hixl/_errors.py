@@ -78,8 +78,9 @@ class NotifyFailed(HixlError):
 
 
 class Unsupported(HixlError):
-    """UNSUPPORTED (103905): a memory type or backend not available here (``MemType.DEVICE``,
-    a non-CPU tensor, no backend of ``hixl.backends`` that can reach the peer)."""
+    """UNSUPPORTED (103905): a memory type or backend not available here (device memory where
+    CUDA is not found, a tensor on a device other than the CPU or CUDA, a backend that does not
+    move device memory, no backend of ``hixl.backends`` that can reach the peer)."""
 
     status = Status.UNSUPPORTED
 

@@ -1,6 +1,7 @@
 //! CUDA device memory through the public API. On a machine without CUDA, registering device
 //! memory must be UNSUPPORTED with a message that says CUDA was not found (and never panic);
-//! the tests that need a GPU are `#[ignore]`d and run with `HIXL_TEST_CUDA=1 cargo test -- --ignored`.
+//! on a machine with CUDA this test skips. The GPU tests are Python ones (`tests/test_cuda.py`,
+//! `tests/test_cuda_staging.py`), which `scripts/gpu_check.sh` runs on a GPU machine.
 
 use hixl_core::{Engine, MemDesc, MemType, Status};
 

@@ -276,8 +276,9 @@ impl Hixl {
     ///
     /// Arguments:
     /// - `desc` (MemDesc): the range, `MemDesc(addr, length)`.
-    /// - `mem_type` (MemType, default `MemType.HOST`): where the memory lives. `MemType.DEVICE`
-    ///   raises `Unsupported`: no backend serves device memory yet.
+    /// - `mem_type` (MemType, default `MemType.HOST`): where the memory lives. `MemType.DEVICE`:
+    ///   CUDA device memory, checked by the driver (it becomes `cuda:N`, `MemHandle.domain`);
+    ///   without CUDA it raises `Unsupported` saying CUDA was not found (docs/DEVICE.md).
     /// - `access` (str, default "rw"): "rw": peers may READ and WRITE it. "r": peers may only READ
     ///   it; a peer's WRITE into it is refused (`ParamInvalid`).
     /// - `name` (str or None, default None): a name, at most 255 bytes and unique within this
@@ -315,7 +316,10 @@ impl Hixl {
     ///
     /// Arguments:
     /// - `obj`: an object with a C-contiguous buffer (numpy array, bytearray, memoryview, mmap,
-    ///   ...) or a contiguous torch CPU tensor. It must be writable unless `access` is "r".
+    ///   ...), a contiguous torch CPU tensor, or device memory (a torch CUDA tensor, a CuPy
+    ///   array, anything with `__cuda_array_interface__` or a DLPack kDLCUDA capsule, a
+    ///   `hixl.cuda_alloc` buffer), which registers as device memory whatever `mem_type` says.
+    ///   It must be writable unless `access` is "r".
     /// - `mem_type` (MemType, default `MemType.HOST`): as in `register_mem`.
     /// - `access` (str, default "rw"): "rw": peers may READ and WRITE it. "r": peers may only READ
     ///   it. A read-only buffer (`bytes`, a read-only numpy array) needs "r", and then nothing
@@ -333,8 +337,9 @@ impl Hixl {
     ///
     /// Raises `ParamInvalid` for an object without a C-contiguous buffer, an empty one, a
     /// read-only buffer with `access="rw"`, a non-contiguous tensor, and in every case where
-    /// `register_mem` does; `Unsupported` for a tensor that is not on the CPU or for
-    /// `MemType.DEVICE`; `ResourceExhausted` and `Failed` as `register_mem`.
+    /// `register_mem` does; `Unsupported` for a tensor on a device other than the CPU or CUDA,
+    /// and for device memory where CUDA is not found; `ResourceExhausted` and `Failed` as
+    /// `register_mem`.
     ///
     /// Does not wait for peers; the GIL is released while it registers.
     #[pyo3(signature = (obj, mem_type = MemType::HOST, access = "rw", name = None))]
