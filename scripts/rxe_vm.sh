@@ -93,7 +93,9 @@ cmdfile() {
 finish() {
   local out=$1
   [ -e "$out/log" ] && cat "$out/log"
-  if [ -e "$out/rc" ]; then return "$(cat "$out/rc")"; fi
+  local rc
+  rc=$(cat "$out/rc" 2>/dev/null || true)
+  if [[ $rc =~ ^[0-9]+$ ]]; then return "$rc"; fi
   echo "rxe_vm: the guest ended without a status; its console:" >&2
   tail -n 40 "$out/console" >&2 || true
   return 124
@@ -125,12 +127,24 @@ fresh() {
 
 newout() { local d; d=$(mktemp -d "${TMPDIR:-/tmp}/rxe-vm.XXXXXX"); chmod 777 "$d"; echo "$d"; }
 
+# On any exit (Ctrl-C and an outer timeout included): no qemu and no temp folder left behind.
+outs=() vms=()
+cleanup() {
+  local p
+  for p in "${vms[@]}"; do kill "$p" 2>/dev/null || true; done
+  [ ${#outs[@]} -gt 0 ] && rm -rf "${outs[@]}"
+  return 0
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
 case ${1:-} in
   setup) setup ;;
   run)
     shift; parse_opts "$@"
     fresh
     out=$(newout)
+    outs+=("$out")
     cmdfile "$out" "${rest[@]}"
     timeout --kill-after=5 "$timeout_s" bash -c "$(declare -f boot); vmdir=$vmdir smp=$smp mem=$mem rails=$rails keep=$keep; boot $out 192.0.2.1 -nic none" || true
     st=0; finish "$out" || st=$?
@@ -147,16 +161,24 @@ case ${1:-} in
     done
     [ ${#b[@]} -gt 0 ] || die "pair needs two commands: -- CMD_A -- CMD_B"
     outa=$(newout) outb=$(newout)
+    outs+=("$outa" "$outb")
     cmdfile "$outa" "${a[@]}"; cmdfile "$outb" "${b[@]}"
     port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
     fns="$(declare -f boot); vmdir=$vmdir smp=$smp mem=$mem rails=$rails keep=$keep"
     timeout --kill-after=5 "$timeout_s" bash -c "$fns; boot $outa 192.0.2.1 \
       -netdev socket,id=n0,listen=127.0.0.1:$port -device virtio-net-pci,netdev=n0,mac=52:54:00:00:00:01" &
     pa=$!
-    sleep 0.5
+    vms+=("$pa")
+    # B's qemu connects at start: wait until A's is listening (ss, not a probe connection,
+    # which A's qemu would take for its peer).
+    for _ in $(seq 100); do
+      ss -Hltn "sport = :$port" 2>/dev/null | grep -q . && break
+      sleep 0.1
+    done
     timeout --kill-after=5 "$timeout_s" bash -c "$fns; boot $outb 192.0.2.2 \
       -netdev socket,id=n0,connect=127.0.0.1:$port -device virtio-net-pci,netdev=n0,mac=52:54:00:00:00:02" &
     pb=$!
+    vms+=("$pb")
     wait $pa || true; wait $pb || true
     sa=0 sb=0
     echo "=== host A (192.0.2.1)"; finish "$outa" || sa=$?

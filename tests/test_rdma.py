@@ -146,22 +146,16 @@ def test_a_device_with_small_queues_still_moves_scattered_bytes(make_peer, monke
         e.register(src)
         rng = np.random.default_rng(9)
         order = rng.permutation(count)
-        # Local pieces adjacent, remote ones scattered: each request carries at most 2 SGEs.
-        rows = np.stack(
-            [
-                src.ctypes.data + np.arange(count) * slot,
-                peer.addr + order * slot,
-                np.full(count, slot),
-            ],
-            axis=1,
-        ).astype(np.uint64)
+        # Remote pieces adjacent, local ones scattered: one remote range chains a local piece
+        # per SGE, so every request holds the device's 2 SGEs (a request of more is EINVAL).
+        local = src.ctypes.data + order * slot
+        remote = peer.addr + np.arange(count) * slot
+        rows = np.stack([local, remote, np.full(count, slot)], axis=1).astype(np.uint64)
         assert e.transfer_async(peer.engine, W, rows).wait(30_000) == hixl.TransferStatus.COMPLETED
-        want = np.zeros(count * slot, np.uint8)
-        for i, o in enumerate(order):
-            want[o * slot : (o + 1) * slot] = src[i * slot : (i + 1) * slot]
+        want = np.concatenate([src[o * slot : (o + 1) * slot] for o in order])
         assert np.array_equal(peer.read(), want)
         back = np.zeros(count * slot, np.uint8)
         e.register(back)
-        rows[:, 0] = back.ctypes.data + np.arange(count) * slot
+        rows[:, 0] = back.ctypes.data + order * slot
         assert e.transfer_async(peer.engine, R, rows).wait(30_000) == hixl.TransferStatus.COMPLETED
         assert np.array_equal(back, src)

@@ -52,6 +52,10 @@ pub struct RdmaLink {
     timeout: Duration,
     /// Threads replacing failed QPs (at most one per QP at a time), joined by `close`.
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// Set (and rung) when the first `close` has destroyed the QPs and failed the parts: a
+    /// second `close` (finalize while a dead control channel's close runs) waits for it, so
+    /// that no caller goes on while the device may still touch the parts' memory.
+    closed_done: (Mutex<bool>, std::sync::Condvar),
 }
 
 impl RdmaLink {
@@ -100,6 +104,7 @@ impl RdmaLink {
             queue_depth,
             timeout,
             threads: Mutex::new(Vec::new()),
+            closed_done: (Mutex::new(false), std::sync::Condvar::new()),
         }
     }
 
@@ -351,6 +356,21 @@ impl DataPath for RdmaLink {
                 done.append(&mut s.book.fail_all(&why));
             }
             self.finish(done);
+            *self.closed_done.0.lock().unwrap() = true;
+            self.closed_done.1.notify_all();
+        } else if !self.nic.on_poller() {
+            // Another thread is closing this link: wait until its QPs are gone (bounded: the
+            // first close waits at most FLUSH_WAIT for the flush, then destroys them).
+            let (m, cv) = &self.closed_done;
+            let until = Instant::now() + FLUSH_WAIT + Duration::from_secs(1);
+            let mut done = m.lock().unwrap();
+            while !*done {
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                done = cv.wait_timeout(done, left).unwrap().0;
+            }
         }
         self.control.close(why);
         // Bounded: a replacement waits for the control channel, which is closed now.

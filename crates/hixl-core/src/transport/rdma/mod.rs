@@ -332,10 +332,15 @@ impl Backend for Rdma {
         // Closed on a thread of its own: it waits for the QPs' flush.
         let weak = Arc::downgrade(&link);
         control.on_close(Box::new(move |why| {
-            if let Some(l) = weak.upgrade() {
-                let _ = std::thread::Builder::new()
-                    .name("hixl-rdma-close".into())
-                    .spawn(move || crate::transport::DataPath::close(&*l, why));
+            let Some(l) = weak.upgrade() else { return };
+            let on_thread = l.clone();
+            let why2 = why.clone();
+            let spawned = std::thread::Builder::new()
+                .name("hixl-rdma-close".into())
+                .spawn(move || crate::transport::DataPath::close(&*on_thread, why2));
+            if spawned.is_err() {
+                // No thread to spare: close here (it blocks this thread up to the flush wait).
+                crate::transport::DataPath::close(&*l, why);
             }
         }));
         Ok(link)

@@ -265,6 +265,8 @@ impl SoftCq {
 struct Objects {
     next: u64,
     ctx: Option<Arc<Device>>,
+    /// The open device's limits, read once when it was opened (see [`LIMITS_ENV`]).
+    attr: DeviceAttr,
     pds: std::collections::HashSet<u64>,
     mrs: HashMap<u64, Arc<SoftMr>>,
     chans: HashMap<u64, Arc<SoftChannel>>,
@@ -319,7 +321,9 @@ impl Verbs for SoftVerbs {
         }
         let mut o = self.objs.lock().unwrap();
         if o.ctx.is_none() {
+            let attr = device_attr()?;
             o.ctx = Some(Device::open()?);
+            o.attr = attr;
         }
         Ok(Ctx(1))
     }
@@ -333,7 +337,7 @@ impl Verbs for SoftVerbs {
 
     fn query_device(&self, _ctx: Ctx) -> Result<DeviceAttr> {
         self.device()?;
-        device_attr()
+        Ok(self.objs.lock().unwrap().attr)
     }
 
     fn query_port(&self, _ctx: Ctx, port: u8) -> Result<PortAttr> {
@@ -418,7 +422,7 @@ impl Verbs for SoftVerbs {
     }
 
     fn create_cq(&self, _ctx: Ctx, cqe: u32, ch: Option<Channel>) -> Result<Cq> {
-        let max = device_attr()?.max_cqe;
+        let max = self.objs.lock().unwrap().attr.max_cqe;
         if cqe == 0 || cqe > max.max(0) as u32 {
             // As a real device answers: EINVAL (rdma_rxe above its max_cqe).
             return Err(Error::failed(format!(
@@ -472,7 +476,7 @@ impl Verbs for SoftVerbs {
 
     fn create_qp(&self, pd: Pd, cq: Cq, caps: QpCaps) -> Result<QpCreated> {
         let dev = self.device()?;
-        let d = device_attr()?;
+        let d = self.objs.lock().unwrap().attr;
         if caps.max_send_wr == 0
             || caps.max_send_wr > d.max_qp_wr.max(0) as u32
             || caps.max_send_sge > d.max_sge.max(0) as u32
