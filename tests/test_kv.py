@@ -732,3 +732,14 @@ def test_the_mailbox_counts_and_logs_what_it_drops_at_its_cap(kv, caplog) -> Non
     assert [n.msg for n in box.pending] == [f"7:other:{i}" for i in (2, 3, 4)]
     assert "dropped the 2 oldest" in caplog.text
     assert [(n.name, n.msg) for n in context().engine.get_notifies()] == [("app", "mine")]
+
+
+def test_mismatched_block_lists_are_reported_before_the_link(kv) -> None:
+    """Issue 35, item 15: block lists of different lengths are a PARAM_INVALID naming the
+    lengths even when the rank is not linked (the link error used to hide it)."""
+    kv(cluster_id=1, role="decoder")  # rank 0 is not linked
+    local = hixl.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    for call in (hixl.pull_blocks, hixl.push_blocks):
+        with pytest.raises(hixl.LLMError, match=r"[12] remote block ids but [12] local") as e:
+            call(0, local, [0, 1], [2]).wait()
+        assert e.value.status_code == "103900"

@@ -278,3 +278,75 @@ def test_a_failed_finalize_stays_failed_and_keeps_registered_memory_referenced()
         os.kill(peer.pid, signal.SIGCONT)
         peer.kill()
         peer.wait(10)
+
+
+def test_an_engine_collected_without_finalize_keeps_what_a_peer_may_still_access(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 35, item 8: a Hixl dropped by garbage collection (no finalize) while a same-host
+    peer (shm: it copies with no check at this side) is frozen and cannot confirm must do what
+    explicit finalize does: wait with the GIL released, and then keep the registered object
+    referenced, and log the failure (it used to finalize with the GIL held, ignore the failure
+    and release it)."""
+    import logging
+    import signal
+    import subprocess
+    import sys
+
+    t = hixl.Hixl()
+    t.initialize("127.0.0.1:0", {"hixl.deregister_timeout_ms": "500"})
+    buf = np.zeros(1 << 16, np.uint8)
+    ref = weakref.ref(buf)
+    t.register(buf)
+    del buf
+    script = (
+        "import sys, hixl\n"
+        "e = hixl.Hixl(); e.initialize('127.0.0.1', {'hixl.backends': 'shm'})\n"
+        f"e.connect('{t.local_engine}', timeout_ms=5000)\n"
+        "assert e.stats()['" + t.local_engine + "']['backend'] == 'shm'\n"
+        "print('LINKED', flush=True); sys.stdin.read()\n"
+    )
+    peer = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    ticks = [0]
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.005)
+
+    ticker = threading.Thread(target=tick)
+    caplog.set_level(logging.WARNING, logger="hixl")
+    try:
+        assert peer.stdout is not None and peer.stdout.readline().strip() == "LINKED"
+        os.kill(peer.pid, signal.SIGSTOP)  # it can no longer confirm anything
+        deadline = time.monotonic() + 5
+        while proc_state(peer.pid) != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        ticker.start()
+        time.sleep(0.05)
+        before = ticks[0]
+        start = time.monotonic()
+        del t
+        gc.collect()
+        waited = time.monotonic() - start
+        during = ticks[0] - before
+        assert waited >= 0.4, f"the drop did not wait for the peer ({waited:.3f} s)"
+        gc.collect()
+        assert ref() is not None, "the registered object was released under a peer's mapping"
+        held = f"{during} ticks in {waited:.2f} s"
+        assert during >= 20, f"the drop held the GIL while waiting ({held})"
+        deadline = time.monotonic() + 5  # the log drain hands records over asynchronously
+        while "could not finalize" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "could not finalize" in caplog.text, "the failed finalize was not logged"
+    finally:
+        stop.set()
+        if ticker.is_alive():
+            ticker.join()
+        os.kill(peer.pid, signal.SIGCONT)
+        peer.kill()
+        peer.wait(10)

@@ -548,3 +548,17 @@ def test_the_applications_notifications_stay_for_it(dd: ld.LLMDataDist) -> None:
         assert time.monotonic() < deadline, f"the hello was not applied: {node.routes}"
         time.sleep(0.01)
     assert dd.engine.get_notifies() == []
+
+
+def test_pull_blocks_reports_mismatched_block_lists_before_the_link(dd: ld.LLMDataDist) -> None:
+    """Issue 35, item 15: mismatched src/dst block lists are a PARAM_INVALID naming the
+    lengths, even while the cluster is not linked (the link error used to hide it)."""
+    cm = dd.cache_manager
+    desc = ld.CacheDesc(4, [2, 64], ld.DataType.DT_UINT8, ld.Placement.HOST)
+    blocks = cm.allocate_blocks_cache(desc)
+    key = ld.BlocksCacheKey(9, 0)
+    with pytest.raises(ld.LLMException, match="2 source blocks but 1 destination") as ei:
+        cm.pull_blocks(key, blocks, src_blocks=[0, 1], dst_blocks=[2])
+    assert ei.value.status_code == ld.LLMStatusCode.LLM_PARAM_INVALID
+    assert code(cm.pull_blocks, key, blocks, [0], [2]) == ld.LLMStatusCode.LLM_NOT_YET_LINK
+    cm.deallocate_blocks_cache(blocks)

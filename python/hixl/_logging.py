@@ -97,8 +97,13 @@ def _at_exit() -> None:
     the extension then would be torn down mid-call), then flushes what is left."""
     _stop.set()
     _running.set()
-    _drainer.join(2)
-    flush()
+    try:
+        _drainer.join(2)
+        flush()
+    except KeyboardInterrupt:
+        # Ctrl-C while the process ends: end quietly (no "Exception ignored in atexit");
+        # what is still queued is lost, as on any interrupted exit.
+        pass
 
 
 def sync_level() -> None:

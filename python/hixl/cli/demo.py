@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Self
 
 from ._sizes import human
 
@@ -220,9 +220,36 @@ def _spawn(a: argparse.Namespace, role: str, peer: str | None = None) -> subproc
     # One BLAS thread per worker: two processes on a small machine must not fight over cores.
     env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env = {**env, **os.environ}
+    # A session of its own: a terminal's Ctrl-C (SIGINT to the foreground process group) reaches
+    # only this process, which then ends the workers quietly (`_Workers`); a worker interrupted
+    # mid-import would print a traceback.
     return subprocess.Popen(
-        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
     )
+
+
+class _Workers:
+    """The worker processes started so far; all still running are killed when the block is
+    left by an exception (Ctrl-C included), so none outlives an interrupted demo."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: object, *_: object) -> None:
+        if kind is None:
+            return
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
 
 
 def _result(proc: subprocess.Popen[str], who: str, timeout_s: float) -> dict[str, Any]:
@@ -249,16 +276,18 @@ def run(args: argparse.Namespace) -> int:
         return _worker(args)
     model = _model(args)
     layout = model.layout(args.prompt_len - 1)
-    decode = _spawn(args, "decode")
-    assert decode.stdout is not None
-    ready = decode.stdout.readline().split()
-    if len(ready) != 2 or ready[0] != "READY":
-        decode.kill()
-        raise SystemExit("hixl demo: the decode process did not start")
-    prefill = _spawn(args, "prefill", ready[1])
-    limit = args.timeout_ms / 1000 + 30
-    pre = _result(prefill, "prefill", limit)
-    dec = _result(decode, "decode", limit)
+    with _Workers() as workers:
+        decode = _spawn(args, "decode")
+        workers.procs.append(decode)
+        assert decode.stdout is not None
+        ready = decode.stdout.readline().split()
+        if len(ready) != 2 or ready[0] != "READY":
+            raise SystemExit("hixl demo: the decode process did not start")
+        prefill = _spawn(args, "prefill", ready[1])
+        workers.procs.append(prefill)
+        limit = args.timeout_ms / 1000 + 30
+        pre = _result(prefill, "prefill", limit)
+        dec = _result(decode, "decode", limit)
     reference = model.reference(model.prompt(args.prompt_len, args.seed), args.tokens)
     return _report(args, layout, pre, dec, reference)
 

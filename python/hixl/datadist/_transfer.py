@@ -351,6 +351,23 @@ def push_cache(
     return TransferTask(body, ranks, cfg.async_enable)._raise_if_sync(cfg)
 
 
+def _block_ids(local_blocks: Any, remote_blocks: Any) -> tuple[list[int], list[int]]:
+    """The block id lists as ints, checked to be of one length (before any link is used)."""
+    lb = [int(b) for b in np.asarray(local_blocks).ravel()]
+    rb = [int(b) for b in np.asarray(remote_blocks).ravel()]
+    if len(lb) != len(rb):
+        raise ParamInvalid(f"{len(rb)} remote block ids but {len(lb)} local ones")
+    return lb, rb
+
+
+def _check_lengths(what: str, local_blocks: Any, remote_blocks: Any) -> None:
+    """Arguments before link state: a length error is not hidden by "not linked"."""
+    try:
+        _block_ids(local_blocks, remote_blocks)
+    except HixlError as exc:
+        raise as_llm_error(exc, what) from exc
+
+
 def _block_requests(
     local: CacheInfo,
     remote: CacheInfo,
@@ -361,10 +378,7 @@ def _block_requests(
     op: TransferOp,
     parts: int,
 ) -> list[Request]:
-    lb = [int(b) for b in np.asarray(local_blocks).ravel()]
-    rb = [int(b) for b in np.asarray(remote_blocks).ravel()]
-    if len(lb) != len(rb):
-        raise ParamInvalid(f"{len(rb)} remote block ids but {len(lb)} local ones")
+    lb, rb = _block_ids(local_blocks, remote_blocks)
     for side, info, ids in (("local", local, lb), ("remote", remote, rb)):
         n = info.num_blocks
         bad = [b for b in ids if not 0 <= b < n]
@@ -409,6 +423,8 @@ def pull_blocks(
     """Copies the remote cache's blocks `src_blocks` into local blocks `dst_blocks`, across
     all layers, K and V; runs of consecutive ids on both sides move as one segment."""
     ctx, cfg = context(), transfer_config or TransferConfig()
+    _check_lengths("pull_blocks", dst_blocks, src_blocks)
+    _check_lengths("pull_blocks", dst_blocks, src_blocks)
 
     def body(task: TransferTask) -> None:
         peer, remote = ctx.remote_cache(remote_rank, remote_name or local_cache.name)
@@ -438,6 +454,7 @@ def push_blocks(
     """Writes local blocks `src_blocks` into blocks `dst_blocks` of the cache of that name on
     every listed rank."""
     ctx, cfg, ranks = context(), transfer_config or TransferConfig(), _ranks(remote_ranks)
+    _check_lengths("push_blocks", src_blocks, dst_blocks)
 
     def body(task: TransferTask) -> None:
         reqs: list[Request] = []

@@ -95,6 +95,10 @@ class _Transfers(_ManagerBase):
         k = None
         if isinstance(src_cache_key, BlocksCacheKey):
             check(len(sbl) > 0, "src_blocks must not be empty with a BlocksCacheKey")
+            # Arguments before link state: a length error is not hidden by "not linked".
+            check(
+                len(sbl) == len(dbl), f"{len(sbl)} source blocks but {len(dbl)} destination blocks"
+            )
             view, rc = self._blocks_target(src_cache_key)
             offs = _block_offsets(rc.desc, sbl, dst_cache.cache_desc, dbl)
         else:

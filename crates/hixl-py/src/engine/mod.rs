@@ -246,17 +246,10 @@ impl Hixl {
     /// than memory freed under a copy), and the registered objects stay referenced.
     ///
     /// Blocks with the GIL released, bounded by `hixl.deregister_timeout_ms` and the deadlines of
-    /// connects still under way (no Ctrl-C check).
+    /// connects still under way (no Ctrl-C check). An engine collected without `finalize` does
+    /// the same; a failure there is logged (WARN) and the registered objects are leaked.
     fn finalize(&self, py: Python<'_>) -> PyResult<()> {
-        let e = self.engine.clone();
-        let r = py.allow_threads(|| e.finalize());
-        if r.is_ok() {
-            // On error a peer may still access the memory: the objects stay referenced.
-            let released = std::mem::take(&mut *self.keep.lock().unwrap());
-            self.tensors.clear();
-            drop(released);
-        }
-        r.map_err(to_py)
+        self.finalize_released(py).map_err(to_py)
     }
 
     /// Returns the engine itself (`with hixl.Hixl() as e:`).
@@ -484,3 +477,43 @@ mod links;
 mod notifies;
 mod tensors;
 mod transfers;
+
+impl Hixl {
+    /// What `finalize` does, and what dropping the engine does too (one code path): the core's
+    /// finalize with the GIL released (it may wait up to `hixl.deregister_timeout_ms` for
+    /// same-host peers to confirm), then, only on success, the registered objects are released.
+    /// On error a peer may still access the memory: the objects stay referenced.
+    fn finalize_released(&self, py: Python<'_>) -> hixl_core::Result<()> {
+        let e = self.engine.clone();
+        let r = py.allow_threads(|| e.finalize());
+        if r.is_ok() {
+            let released = std::mem::take(&mut *self.keep.lock().unwrap());
+            self.tensors.clear();
+            drop(released);
+        }
+        r
+    }
+}
+
+impl Drop for Hixl {
+    /// A `Hixl` collected without `finalize` finalizes as `finalize` does (GIL released while
+    /// same-host peers confirm). A failure is logged, and the registered objects are then
+    /// leaked, never released: a peer that did not confirm may still copy into them.
+    fn drop(&mut self) {
+        let name = self.engine.local_engine().unwrap_or_default();
+        Python::with_gil(|py| {
+            if let Err(err) = self.finalize_released(py) {
+                // hixl's log takes targets `hixl*` only, and this crate is `_hixl`.
+                tracing::warn!(
+                    target: "hixl::bindings::engine",
+                    engine = %name,
+                    error = %err,
+                    "a Hixl collected without finalize could not finalize; its registered \
+                     memory is leaked (kept referenced), as a peer may still access it"
+                );
+                let kept = std::mem::take(&mut *self.keep.lock().unwrap());
+                std::mem::forget(kept);
+            }
+        });
+    }
+}
