@@ -47,7 +47,7 @@ def main() -> None:
                 out = Path(tmp) / f"{name}-{i}.json"
                 subprocess.run([*cmd, "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
                 for r in json.loads(out.read_text())["rows"]:
-                    base = r["x_cma"] if r["transport"] == "shm" else r["x_socket"]
+                    base = r["x_raw"]  # the row's own baseline (cma same-host, tcp)
                     ratios[name].setdefault((r["op"], r["transport"], r["block"]), []).append(base)
     names = list(variants)
     first = names[0]

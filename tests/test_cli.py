@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hixl import Hixl
-from hixl.cli._report import COLUMNS
+from hixl.cli._report import COLUMNS, MAX_WIDTH, table, verdicts
 
 HIXL = shutil.which("hixl", path=str(Path(sys.executable).parent)) or shutil.which("hixl")
 
@@ -61,8 +61,11 @@ def test_quick_json_has_every_column() -> None:
         assert row["check"] == "ok"
         assert row["gbps"] > 0 and row["requests"] >= 8
         assert 0 < row["lat_p50_us"] <= row["lat_p99_us"]
-        assert row["memcpy_gbps"] > 0 and row["socket_gbps"] > 0 and row["cma_gbps"] > 0
-        assert row["x_memcpy"] == pytest.approx(row["gbps"] / row["memcpy_gbps"])
+        # One baseline per row, its own transport's, measured once per repetition.
+        assert row["baseline"] == {"shm": "cma", "tcp": "tcp"}[row["transport"]], row
+        assert row["raw_gbps"] > 0 and len(row["x_raw_reps"]) == 3, row
+        assert row["x_raw"] == pytest.approx(sorted(row["x_raw_reps"])[1]), row
+        assert not any(k in row for k in ("memcpy_gbps", "cma_gbps", "socket_gbps")), row
         assert row["cpu_initiator_s_per_gb"] >= 0 and row["cpu_target_s_per_gb"] >= 0
 
 
@@ -212,15 +215,60 @@ def test_table_marks_strided_rows_thin_p99_and_gives_a_verdict_per_group() -> No
     )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    rows = [line for line in lines if line.split()[1:2] == ["strided"]]
+    main, second = r.stdout.split("\n\n", 1)
+    rows = [line for line in main.splitlines() if line.split()[1:2] == ["strided"]]
     assert len(rows) == 8, r.stdout  # 2 ops x 2 backends x 2 sizes, each named strided
     assert all("~" in line for line in rows), "20 samples: p99 is marked as the slowest one"
-    assert any(line.startswith("~ p99 of a row with fewer than 100") for line in lines)
+    assert any(line.startswith("~ p99: fewer than 100 requests") for line in lines)
+    assert all(len(line) <= MAX_WIDTH for line in lines), max(lines, key=len)
     verdicts = [line for line in lines if line.startswith("verdict ")]
     assert len(verdicts) == 4, r.stdout
+    based = [line.split() for line in second.splitlines() if line.split()[1:2] == ["strided"]]
+    assert len(based) == 8, second
+    for w in based:
+        # The baseline table: each row beside its own transport's raw path only.
+        assert w[6] == {"shm": "cma", "tcp": "tcp"}[w[2]], w
     for v in verdicts:
-        assert ("raw CMA" in v) != (" tcp:" in v), v  # same-host rows against CMA, tcp sockets
-        assert "near the limit" in v or "below the limit" in v, v
+        # Named baselines are the row's own: cma for same-host rows, tcp for tcp rows.
+        named = set(re.findall(r"raw (\w+)", v))
+        assert named <= {"cma" if " shm:" in v else "tcp"}, v
+
+
+def _rows(ratios: dict[int, list[float]]) -> list[dict]:
+    return [
+        {"op": "write", "transport": "tcp", "baseline": "tcp", "block": b, "x_raw_reps": r}
+        for b, r in ratios.items()
+    ]
+
+
+def test_verdicts_are_true_of_stable_ratios_and_withheld_from_unstable_ones() -> None:
+    stable = _rows({4096: [0.5, 0.52, 0.51], 65536: [0.9, 0.92, 0.91], 1 << 20: [3.5, 3.4, 3.6]})
+    (v,) = verdicts(stable)
+    assert v.startswith("verdict write tcp: "), v
+    # 3.5x raw TCP is above it, not "near the limit"; 0.9x is close; 0.5x below.
+    assert "at or above raw tcp at 1M" in v and "within 20% of raw tcp at 64K" in v, v
+    assert "below 0.8x raw tcp at 4K" in v and "limit" not in v, v
+    # Repetitions that disagree by more than 10 % get no verdict, with their spread named.
+    shaky = _rows({4096: [0.5, 0.9, 0.7], 65536: [1.0, 1.01, 0.99]})
+    (v,) = verdicts(shaky)
+    assert "no verdict at 4K (its repetitions spread 57%-57%)" in v, v
+    assert "at or above raw tcp at 64K" in v and "4K," not in v, v
+    assert verdicts(shaky) == verdicts(shaky), "the same ratios give the same words"
+
+
+def test_the_baseline_table_is_at_most_100_columns_and_one_baseline_per_row() -> None:
+    row = {
+        "op": "write", "strided": True, "transport": "tcp", "block": 16 << 20, "batch": 4096,
+        "requests": 12345, "gbps": 123.456, "lat_avg_us": 123456.7, "lat_p50_us": 123456.7,
+        "lat_p99_us": 1234567.8, "post_us": 12345.6, "cpu_initiator_s_per_gb": 12.345,
+        "cpu_target_s_per_gb": 12.345, "check": "ok", "baseline": "tcp", "raw_gbps": 12.345,
+        "x_raw": 10.0, "x_raw_reps": [9.0, 10.0, 11.0], "x_raw_spread": "20%",
+    }  # fmt: skip
+    text = table([row, {**row, "transport": "shm", "baseline": "cma"}])
+    assert all(len(line) <= MAX_WIDTH for line in text.splitlines()), text
+    second = text.split("\n\n", 1)[1].splitlines()
+    assert second[0].split()[5:8] == ["baseline", "raw", "GB/s"], second[0]
+    assert [w.split()[1:7:5] for w in second[1:3]] == [["strided", "tcp"], ["strided", "cma"]]
 
 
 def test_a_sweep_of_one_4k_block_finds_its_target() -> None:

@@ -6,7 +6,9 @@ import argparse
 import csv
 import io
 import json
+import statistics
 import sys
+import textwrap
 from typing import Any
 
 from ._sizes import human
@@ -19,26 +21,38 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("batch", "batch", "{}"),
     ("requests", "reqs", "{}"),
     ("gbps", "GB/s", "{:.3f}"),
-    ("lat_avg_us", "avg us", "{:.1f}"),
-    ("lat_p50_us", "p50 us", "{:.1f}"),
-    ("lat_p99_us", "p99 us", "{:.1f}"),
-    ("post_us", "post us", "{:.1f}"),
-    ("cpu_initiator_s_per_gb", "cpu i s/GB", "{:.3f}"),
-    ("cpu_target_s_per_gb", "cpu t s/GB", "{:.3f}"),
-    ("memcpy_gbps", "memcpy", "{:.2f}"),
-    ("x_memcpy", "x memcpy", "{:.2f}"),
-    ("cma_gbps", "raw cma", "{:.2f}"),
-    ("x_cma", "x cma", "{:.2f}"),
-    ("socket_gbps", "raw tcp", "{:.2f}"),
-    ("x_socket", "x tcp", "{:.2f}"),
+    ("lat_avg_us", "avg us", "us"),
+    ("lat_p50_us", "p50 us", "us"),
+    ("lat_p99_us", "p99 us", "us"),
+    ("post_us", "post us", "us"),
+    ("cpu_initiator_s_per_gb", "cpu i", "{:.3f}"),
+    ("cpu_target_s_per_gb", "cpu t", "{:.3f}"),
     ("check", "check", "{}"),
 ]
+#: The columns of the --baseline table (each row against its own transport's raw baseline).
+BASELINE_COLUMNS: list[tuple[str, str, str]] = [
+    ("op", "op", "{}"),
+    ("transport", "via", "{}"),
+    ("block", "block", "size"),
+    ("batch", "batch", "{}"),
+    ("gbps", "GB/s", "{:.3f}"),
+    ("baseline", "baseline", "{}"),
+    ("raw_gbps", "raw GB/s", "{:.3f}"),
+    ("x_raw", "x raw", "{:.2f}"),
+    ("x_raw_spread", "spread", "{}"),
+]
+#: A row's baseline by its transport: the raw path that transport's bytes take.
+BASELINE_OF = {"self": "memcpy", "shm": "cma", "cuda_ipc": "cma", "tcp": "tcp"}
+#: Ratios of the repetitions within this share of each other are stable enough for a verdict.
+STABLE_SPREAD = 0.10
+#: The widest line `table` prints.
+MAX_WIDTH = 100
 #: Columns every row has (the rest appear with --baseline / --check).
 BASE_KEYS = [k for k, _, _ in COLUMNS[:12]] + ["request_bytes", "seconds", "check", "strided"]
 #: Fewer latency samples than this make p99 the largest sample; the table marks it with "~".
 P99_MIN_SAMPLES = 100
-#: hixl at this share of its raw baseline or more is "near the limit".
-NEAR_LIMIT = 0.8
+#: hixl at this share of its raw baseline or more is "close to raw".
+NEAR_RAW = 0.8
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -46,6 +60,8 @@ def _cell(value: Any, fmt: str) -> str:
         return "-"
     if fmt == "size":
         return human(int(value))
+    if fmt == "us":  # microseconds: a tenth where it is small, whole ones from 1000 on
+        return f"{value:.1f}" if value < 1000 else f"{value:.0f}"
     if isinstance(value, str) and len(value) > 12:
         return "FAILED"
     return fmt.format(value)
@@ -60,52 +76,79 @@ def _row_cell(r: dict[str, Any], key: str, fmt: str) -> str:
     return text
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """Aligned text table of the columns present in any row, then its footnotes and verdicts."""
-    cols = [c for c in COLUMNS if any(r.get(c[0]) is not None for r in rows)]
+def _grid(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> list[str]:
+    cols = [c for c in columns if any(r.get(c[0]) is not None for r in rows)]
     grid = [[h for _, h, _ in cols]] + [[_row_cell(r, k, f) for k, _, f in cols] for r in rows]
     widths = [max(len(line[i]) for line in grid) for i in range(len(cols))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in grid]
+    sep = "  " if sum(widths) + 2 * (len(widths) - 1) <= MAX_WIDTH else " "
+    return [sep.join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in grid]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Aligned text table of the columns present in any row, then its footnotes; with
+    --baseline a second table (each row beside its own transport's raw baseline) and the
+    verdicts. No line is wider than MAX_WIDTH."""
+    lines = _grid(rows, COLUMNS)
+    lines.append("us: microseconds; cpu i/t: CPU seconds per GB moved, initiator/target")
     if any(r["requests"] < P99_MIN_SAMPLES for r in rows):
         lines.append(
-            f"~ p99 of a row with fewer than {P99_MIN_SAMPLES} requests is its slowest one "
-            "(too few samples for a 99th percentile; a run without --quick takes more)"
+            f"~ p99: fewer than {P99_MIN_SAMPLES} requests, so the slowest one "
+            "(a run without --quick takes more)"
         )
-    lines += verdicts(rows)
+    based = [r for r in rows if r.get("baseline")]
+    if based:
+        lines.append("")
+        lines += _grid(based, BASELINE_COLUMNS)
+        lines += verdicts(based)
     return "\n".join(lines)
 
 
+def spread(ratios: list[float]) -> float:
+    """How far apart repeated ratios are: (largest - smallest) / median."""
+    s = sorted(ratios)
+    return (s[-1] - s[0]) / s[len(s) // 2]
+
+
+def verdict(ratios_by_size: list[tuple[int, list[float]]], base: str) -> str:
+    """What the ratios of one (op, via) group to `base` say, from each size's repetitions:
+    sizes whose repetitions disagree by more than STABLE_SPREAD get no verdict (their spread is
+    named instead); the stable ones are at or above raw (>= 1), close to raw (>= NEAR_RAW) or
+    below it."""
+    unstable = [(b, r) for b, r in ratios_by_size if len(r) < 2 or spread(r) > STABLE_SPREAD]
+    stable = [(b, statistics.median(r)) for b, r in ratios_by_size if (b, r) not in unstable]
+    parts = []
+    above = [b for b, x in stable if x >= 1]
+    near = [b for b, x in stable if NEAR_RAW <= x < 1]
+    below = [b for b, x in stable if x < NEAR_RAW]
+    sizes = lambda bs: ", ".join(human(b) for b in bs)  # noqa: E731
+    if above:
+        parts.append(f"at or above raw {base} at {sizes(above)}")
+    if near:
+        parts.append(f"within {1 - NEAR_RAW:.0%} of raw {base} at {sizes(near)}")
+    if below:
+        parts.append(f"below {NEAR_RAW:.1f}x raw {base} at {sizes(below)}")
+    if unstable:
+        spreads = [spread(r) for _, r in unstable if len(r) >= 2]
+        why = (
+            f"its repetitions spread {min(spreads):.0%}-{max(spreads):.0%}"
+            if spreads
+            else "one repetition"
+        )
+        parts.append(f"no verdict at {sizes([b for b, _ in unstable])} ({why})")
+    return "; ".join(parts)
+
+
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per (op, via) group that was measured against a raw baseline: its range of
-    ratios and whether it is near the limit that baseline sets, and why not where it is not."""
+    """One line per (op, via) group measured against its raw baseline (see `verdict`)."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((_row_cell(r, "op", "{}"), r["transport"]), []).append(r)
     out = []
     for (op, via), rs in groups.items():
-        # A TCP row's limit is a raw socket; a same-host row's is raw cross-memory attach.
-        base = "x_socket" if via == "tcp" else "x_cma"
-        pts = sorted((r["block"], r[base]) for r in rs if r.get(base))
-        if not pts:
-            continue
-        name = "raw CMA" if base == "x_cma" else "raw TCP"
-        lo, hi = min(x for _, x in pts), max(x for _, x in pts)
-        below = [b for b, x in pts if x < NEAR_LIMIT]
-        if not below:
-            verdict = f"near the limit (at least {NEAR_LIMIT:.1f}x everywhere)"
-        elif below == [b for b, _ in pts[: len(below)]]:
-            verdict = (
-                f"near the limit from {human(pts[len(below)][0])} on"
-                if len(below) < len(pts)
-                else "below the limit at every size"
-            ) + (
-                f"; below it up to {human(below[-1])}, where the fixed cost of a request "
-                "(queueing, waking the waiter, the reply) outweighs moving the bytes"
-            )
-        else:
-            sizes = ", ".join(human(b) for b in below)
-            verdict = f"below the limit at {sizes} (noise or contention?)"
-        out.append(f"verdict {op} {via}: {lo:.2f}-{hi:.2f}x {name}: {verdict}")
+        pts = sorted((r["block"], r["x_raw_reps"]) for r in rs if r.get("x_raw_reps"))
+        if pts:
+            line = f"verdict {op} {via}: {verdict(pts, rs[0]['baseline'])}"
+            out += textwrap.wrap(line, MAX_WIDTH, subsequent_indent="    ")
     return out
 
 
