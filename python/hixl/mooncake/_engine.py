@@ -137,7 +137,6 @@ class TransferEngine(_Transfers):
                 log.error("initialize: cannot listen on %s: %s", listen, e)
                 return ERR_INVALID_ARGUMENT
             self._engine = engine
-            self._put, self._get = engine.put, engine.get
             self._hostname = host
             self._rpc_port = _protocol.split_host(engine.local_engine)[1] or port
             _OPEN.add(self)

@@ -94,8 +94,6 @@ class _Transfers:
 
     _engine: Hixl | None
     #: The engine's put and get, bound once (the single-transfer fast path).
-    _put: Any
-    _get: Any
 
     def _init_batches(self) -> None:
         self._linked: dict[str, str] = {}
@@ -189,16 +187,6 @@ class _Transfers:
     ) -> int:
         """Copies ``length`` bytes at ``buffer`` here to ``peer_buffer_address`` at session
         ``target_hostname`` and waits: 0, or -1 (logged) when it failed. GIL released."""
-        # The fast path (a linked session): one dict lookup and hixl's put.
-        addr = self._linked.get(target_hostname)
-        if addr is not None and length:
-            try:
-                self._put(addr, buffer, peer_buffer_address, length)
-                return OK
-            except HixlError as e:
-                return self._failed(target_hostname, "transfer_sync_write", e)
-            except OverflowError:
-                _bad_ints(buffer, peer_buffer_address, length)
         return self._one(target_hostname, True, buffer, peer_buffer_address, length)
 
     def transfer_sync_read(
@@ -211,15 +199,6 @@ class _Transfers:
     ) -> int:
         """Copies ``length`` bytes at ``peer_buffer_address`` of the session to ``buffer`` here
         and waits: 0 or -1. GIL released."""
-        addr = self._linked.get(target_hostname)
-        if addr is not None and length:
-            try:
-                self._get(addr, buffer, peer_buffer_address, length)
-                return OK
-            except HixlError as e:
-                return self._failed(target_hostname, "transfer_sync_read", e)
-            except OverflowError:
-                _bad_ints(buffer, peer_buffer_address, length)
         return self._one(target_hostname, False, buffer, peer_buffer_address, length)
 
     def transfer_sync(
