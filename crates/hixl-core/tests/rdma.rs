@@ -275,7 +275,7 @@ fn a_region_deregistered_mid_flight_fails_its_request_and_the_flushed_ones_are_r
         return;
     }
     // 2 ms per request at the target's NIC keeps 200 requests in flight for 400 ms.
-    let mut t = target(&[(LATENCY_ENV, "2000")]);
+    let mut t = target(&[(LATENCY_ENV, "5000")]);
     let e = engine("127.0.0.1", &[("hixl.rdma.qps", "1")]);
     e.connect(&t.id, T).unwrap();
     let (x, y) = (e.remote_region(&t.id, "x").unwrap(), e.remote_region(&t.id, "y").unwrap());
@@ -408,7 +408,16 @@ fn one_completion_thread_serves_every_peer_of_an_engine() {
     let pollers = thread_names().iter().filter(|n| n.as_str() == "hixl-rdma-cq").count();
     assert_eq!(pollers, 1, "threads: {:?}", thread_names());
     e.finalize().unwrap();
-    let pollers = thread_names().iter().filter(|n| n.as_str() == "hixl-rdma-cq").count();
+    // finalize joins the thread; the kernel drops its /proc/self/task entry a moment after
+    // the join returns (the joiner is woken before the task is reaped), so look until a deadline.
+    let until = Instant::now() + Duration::from_secs(2);
+    let mut pollers = usize::MAX;
+    while pollers != 0 && Instant::now() < until {
+        pollers = thread_names().iter().filter(|n| n.as_str() == "hixl-rdma-cq").count();
+        if pollers != 0 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
     assert_eq!(pollers, 0, "finalize stops the completion thread");
 }
 
@@ -419,7 +428,7 @@ fn deregistering_local_memory_in_flight_aborts_the_link_and_nothing_touches_it_a
         eprintln!("skipped on hardware: needs the software provider's latency ({LATENCY_ENV})");
         return;
     }
-    let mut t = target(&[(LATENCY_ENV, "2000")]);
+    let mut t = target(&[(LATENCY_ENV, "5000")]);
     let e = engine("127.0.0.1", &[("hixl.rdma.qps", "1"), ("hixl.deregister_timeout_ms", "200")]);
     e.connect(&t.id, T).unwrap();
     let x = e.remote_region(&t.id, "x").unwrap();
@@ -430,7 +439,8 @@ fn deregistering_local_memory_in_flight_aborts_the_link_and_nothing_touches_it_a
         e.register_mem(MemDesc { addr: src.as_ptr() as u64, len: src.len() as u64 }, MemType::Host)
     }
     .unwrap();
-    // 200 requests of 2 ms each at the target: in flight for 400 ms.
+    // 200 requests of 5 ms each at the target: in flight for a second, well past the 200 ms
+    // the deregistration waits before it aborts (a loaded CI machine may lose the 20 ms sleep).
     let descs: Vec<TransferOpDesc> = (0..200u64)
         .map(|i| TransferOpDesc {
             local_addr: src.as_ptr() as u64 + (i % 256) * 4096,
@@ -440,6 +450,7 @@ fn deregistering_local_memory_in_flight_aborts_the_link_and_nothing_touches_it_a
         .collect();
     let req = e.transfer_async(&t.id, TransferOp::Write, &descs, None, Some(T)).unwrap();
     std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(req.status(), TransferStatus::Waiting, "the transfer ended before the test could abort it");
     let started = Instant::now();
     // Waits 200 ms for the transfer's pin, then aborts the link that holds it and waits again.
     let res = e.deregister_mem(&h);
