@@ -88,3 +88,61 @@ def test_busy_poll_mode_moves_bytes_and_stops_spinning_when_idle(make_peer) -> N
 def test_busy_poll_option_is_bounded() -> None:
     with pytest.raises(hixl.ParamInvalid, match="hixl.tcp.busy_poll_us"):
         hixl.Hixl().initialize("127.0.0.1", {"hixl.tcp.busy_poll_us": "20000"})
+
+
+IDLE_SCRIPT = """
+import os, time, numpy as np, hixl, hixl._logging
+
+def switches(tid):
+    with open(f"/proc/self/task/{tid}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches"):
+                return int(line.split()[1])
+
+def hixl_threads():
+    out = {hixl._logging._drainer.native_id: "hixl-log"}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            name = f.read().strip()
+        if name.startswith("hixl-"):
+            out[int(tid)] = name
+    return out
+
+opts = {"hixl.backends": "tcp", "hixl.heartbeat_ms": "0"}
+t, i = hixl.Hixl(), hixl.Hixl()
+t.initialize("127.0.0.1:0", opts)
+i.initialize("127.0.0.1", opts)
+buf = np.ones(1 << 16, np.uint8)
+t.register(buf)
+i.register(buf)
+i.connect(t.local_engine, timeout_ms=10_000)
+i.put(t.local_engine, buf.ctypes.data, buf.ctypes.data, 4096, timeout_ms=10_000)
+time.sleep(0.5)
+names = hixl_threads()
+before = {tid: switches(tid) for tid in names}
+time.sleep(3)
+for tid, name in names.items():
+    print(name, switches(tid) - before[tid])
+i.finalize()
+t.finalize()
+"""
+
+
+def test_an_idle_engine_pair_does_not_wake_without_heartbeats() -> None:
+    """Two connected engines, heartbeats off, nothing moving: none of hixl's threads (I/O
+    workers, timer, log drain) wakes up in 3 s. The region-update retry timer used to run
+    4 times a second on every engine and the log drain thread twice a second."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", IDLE_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    woke = {}
+    for line in r.stdout.splitlines():
+        name, n = line.rsplit(" ", 1)
+        woke[name] = woke.get(name, 0) + int(n)
+    assert "hixl-timer" in woke and "hixl-log" in woke, r.stdout
+    # One stray wake-up is allowed (a reactor thread finishing the put's aftermath).
+    assert sum(woke.values()) <= 2, f"idle threads woke: {woke}"

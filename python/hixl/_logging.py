@@ -78,8 +78,9 @@ def _drain_forever() -> None:
         _running.wait(0.2)
         if not _running.is_set():
             continue
-        # A record wakes the wait at once; the bound only paces the checks of _stop (idle: 2/s).
-        batch = _hixl._log_take(500)
+        # A record wakes the wait at once, and _at_exit wakes it with _log_wake: an idle
+        # process wakes for this thread once a minute, the bound every wait has.
+        batch = _hixl._log_take(60_000)
         if batch or _hixl.log_dropped() > _reported_drops:
             try:
                 _emit(batch)
@@ -97,6 +98,7 @@ def _at_exit() -> None:
     the extension then would be torn down mid-call), then flushes what is left."""
     _stop.set()
     _running.set()
+    _hixl._log_wake()
     try:
         _drainer.join(2)
         flush()

@@ -78,7 +78,8 @@ pub struct Record {
 pub struct LogQueue {
     records: ArrayQueue<Record>,
     dropped: AtomicU64,
-    lock: Mutex<()>,
+    /// Set by [`LogQueue::wake`] until a `take` sees it.
+    lock: Mutex<bool>,
     ready: Condvar,
 }
 
@@ -91,15 +92,24 @@ impl LogQueue {
         self.ready.notify_one();
     }
 
-    /// The records queued now, waiting up to `max_wait` for the first one.
+    /// The records queued now, waiting up to `max_wait` for the first one (or for
+    /// [`LogQueue::wake`]).
     pub fn take(&self, max_wait: Duration) -> Vec<Record> {
         if self.records.is_empty() {
-            let g = self.lock.lock().unwrap();
-            if self.records.is_empty() {
-                drop(self.ready.wait_timeout(g, max_wait).unwrap());
+            let mut woken = self.lock.lock().unwrap();
+            if self.records.is_empty() && !*woken {
+                woken = self.ready.wait_timeout(woken, max_wait).unwrap().0;
             }
+            *woken = false;
         }
         std::iter::from_fn(|| self.records.pop()).collect()
+    }
+
+    /// Ends a `take` that waits now, or the next one, at once (a host stopping its drain
+    /// thread, which may otherwise wait long: an idle process then does not wake for it).
+    pub fn wake(&self) {
+        *self.lock.lock().unwrap() = true;
+        self.ready.notify_all();
     }
 
     /// Records lost because the queue was full.
@@ -158,7 +168,7 @@ pub fn init_queue() -> &'static LogQueue {
     let q = QUEUE.get_or_init(|| LogQueue {
         records: ArrayQueue::new(LOG_QUEUE_LEN),
         dropped: AtomicU64::new(0),
-        lock: Mutex::new(()),
+        lock: Mutex::new(false),
         ready: Condvar::new(),
     });
     INIT.call_once(|| {

@@ -29,6 +29,12 @@ fn _log_take(py: Python<'_>, max_wait_ms: u64) -> Vec<(u8, String, String)> {
     records.into_iter().map(|r| (r.level, r.target, r.message)).collect()
 }
 
+/// Internal (hixl._logging): ends a `_log_take` that waits now, or the next one, at once.
+#[pyfunction]
+fn _log_wake() {
+    hixl_core::log::init_queue().wake();
+}
+
 /// Log records lost because Python did not take them in time (the queue holds 4096).
 #[pyfunction]
 fn log_dropped() -> u64 {
@@ -179,6 +185,7 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_completion_fd, m)?)?;
     m.add_function(wrap_pyfunction!(metrics_text, m)?)?;
     m.add_function(wrap_pyfunction!(_log_take, m)?)?;
+    m.add_function(wrap_pyfunction!(_log_wake, m)?)?;
     m.add_function(wrap_pyfunction!(log_dropped, m)?)?;
     m.add_function(wrap_pyfunction!(_drain_completions, m)?)?;
     m.add_function(wrap_pyfunction!(status_codes, m)?)?;

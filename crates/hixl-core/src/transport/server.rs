@@ -15,7 +15,7 @@ use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use crate::auth::{FrameMac, Secret};
@@ -143,6 +143,11 @@ pub struct Server {
     local: Mutex<Option<Arc<LocalListener>>>,
     stopping: AtomicBool,
     pub(crate) served: Mutex<HashMap<u64, Arc<Served>>>,
+    /// This server, for arming its retry timer from `&self` methods.
+    me: Weak<Server>,
+    /// Whether the update-retry timer runs: only while some peer owes an update, so that an
+    /// idle engine's timer thread does not wake for it.
+    retrying: AtomicBool,
     /// Streams whose handshake has not ended, oldest first, with their source address.
     pending: Mutex<VecDeque<(u64, IpAddr)>>,
     /// Streams whose handshake ended, counted against `hixl.max_streams(_per_source)`.
@@ -171,7 +176,9 @@ impl Server {
     /// Starts serving `listener` on the engine's reactor (and the same-host proof socket on a
     /// thread of its own).
     pub fn start(listener: TcpListener, ctx: Arc<ServerCtx>) -> Result<Arc<Server>> {
-        let srv = Arc::new(Server {
+        let srv = Arc::new_cyclic(|me| Server {
+            me: me.clone(),
+            retrying: AtomicBool::new(false),
             listener,
             local: Mutex::new(None),
             stopping: AtomicBool::new(false),
@@ -207,8 +214,6 @@ impl Server {
         let acceptor = Arc::new(Acceptor(srv.clone()));
         let token = reactor.add(srv.listener.as_raw_fd(), acceptor, Interest::Read, reactor.next_shard())?;
         srv.accept_token.store(token, Ordering::Release);
-        let tick: Arc<dyn Tick> = srv.clone();
-        reactor.every(PUBLISH_CHECK, Arc::downgrade(&tick));
         Ok(srv)
     }
 
@@ -463,6 +468,23 @@ impl Server {
         if token != 0 {
             self.ctx.reactor.schedule(token);
         }
+        self.retry_updates();
+    }
+
+    /// Arms the update-retry timer unless it runs.
+    fn retry_updates(&self) {
+        if self.retrying.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(me) = self.me.upgrade() {
+            let tick: Arc<dyn Tick> = me;
+            self.ctx.reactor.every(PUBLISH_CHECK, Arc::downgrade(&tick));
+        }
+    }
+
+    /// The streams that owe an update now.
+    fn owing(&self) -> Vec<Arc<Served>> {
+        self.served.lock().unwrap().values().filter(|s| owes_update(s)).cloned().collect()
     }
 
     /// Queues the current region table for every connected initiator (the publisher thread
@@ -553,7 +575,8 @@ impl Server {
 /// Most time `stop` spends sending the answers its served streams still owe.
 const STOP_DRAIN: Duration = Duration::from_secs(1);
 
-/// How often the region-update backlog is checked for peers that fell behind.
+/// How often the region-update backlog is checked for peers that fell behind (while one owes
+/// an update; the timer stops when none does).
 const PUBLISH_CHECK: Duration = Duration::from_millis(250);
 
 /// The listener, as the reactor runs it.
@@ -571,8 +594,15 @@ impl Tick for Server {
         if self.stopping.load(Ordering::Acquire) {
             return false;
         }
-        let owing: Vec<Arc<Served>> =
-            self.served.lock().unwrap().values().filter(|s| owes_update(s)).cloned().collect();
+        let mut owing = self.owing();
+        if owing.is_empty() {
+            self.retrying.store(false, Ordering::Release);
+            // An update owed since the check above armed no timer (this one ran): keep it.
+            owing = self.owing();
+            if owing.is_empty() || self.retrying.swap(true, Ordering::AcqRel) {
+                return false;
+            }
+        }
         for s in owing {
             self.push_update(&s);
         }
