@@ -30,7 +30,7 @@ die() { echo "rxe_vm: $*" >&2; exit 2; }
 setup() {
   mkdir -p "$vmdir"
   command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 missing (apt-get install qemu-system-x86)"
-  [ -x /bin/busybox ] && /bin/busybox --list | grep -qx insmod || die "busybox-static missing"
+  [ -x /bin/busybox ] && /bin/busybox --list | grep -x insmod >/dev/null || die "busybox-static missing"
   if [ ! -e "$vmdir/kernel.ok" ]; then
     local pkg
     pkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
@@ -172,7 +172,7 @@ case ${1:-} in
     # B's qemu connects at start: wait until A's is listening (ss, not a probe connection,
     # which A's qemu would take for its peer).
     for _ in $(seq 100); do
-      ss -Hltn "sport = :$port" 2>/dev/null | grep -q . && break
+      ss -Hltn "sport = :$port" 2>/dev/null | grep . >/dev/null && break
       sleep 0.1
     done
     timeout --kill-after=5 "$timeout_s" bash -c "$fns; boot $outb 192.0.2.2 \
