@@ -159,3 +159,38 @@ def test_a_device_with_small_queues_still_moves_scattered_bytes(make_peer, monke
         rows[:, 0] = back.ctypes.data + order * slot
         assert e.transfer_async(peer.engine, R, rows).wait(30_000) == hixl.TransferStatus.COMPLETED
         assert np.array_equal(back, src)
+
+
+@pytest.mark.parametrize("busy_us", ["0", "100000"])
+def test_sync_requests_complete_whether_the_waiter_or_the_poller_takes_the_completion(
+    make_peer, busy_us
+):
+    """hixl.rdma.busy_poll_us: with it the waiting thread drains the CQ itself, without it the
+    completion thread does; both complete every request with the right bytes."""
+    opts = {"hixl.backends": "rdma", "hixl.rdma.busy_poll_us": busy_us, **SOFT}
+    peer = make_peer(1 << 20, SOFT)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", opts)
+    try:
+        e.connect(peer.engine, timeout_ms=5000)
+        src = random_bytes(1 << 20, 41)
+        back = np.zeros(1 << 20, np.uint8)
+        e.register(src)
+        e.register(back)
+        for i in range(128):
+            off = i * 8192
+            e.transfer_sync(
+                peer.engine, W, [(src.ctypes.data + off, peer.addr + off, 8192)], 10_000
+            )
+            e.transfer_sync(
+                peer.engine, R, [(back.ctypes.data + off, peer.addr + off, 8192)], 10_000
+            )
+        assert np.array_equal(peer.read(), src)
+        assert np.array_equal(back, src)
+    finally:
+        e.finalize()
+
+
+def test_busy_poll_option_is_bounded() -> None:
+    with pytest.raises(hixl.ParamInvalid, match=r"hixl.rdma.busy_poll_us.*100001"):
+        hixl.Hixl().initialize("127.0.0.1", {"hixl.rdma.busy_poll_us": "100001"})

@@ -292,6 +292,15 @@ pub const SPECS: &[OptionSpec] = &[
         o.rdma.qps = int(k, v, 1, 64)? as usize;
         Ok(())
     }),
+    spec(
+        "hixl.rdma.busy_poll_us",
+        "50",
+        "rdma backend: a thread waiting for its own request polls the completion queue this many microseconds before it sleeps (0..100000; 0 = sleep at once)",
+        |o, k, v| {
+            o.rdma.busy_poll = Duration::from_micros(int(k, v, 0, 100_000)?);
+            Ok(())
+        },
+    ),
     spec("hixl.rdma.max_qps", "1024", "rdma backend: most QPs a target makes for initiators in all (over it: refused)", |o, k, v| {
         o.rdma.max_qps = int(k, v, 1, 1 << 20)? as usize;
         Ok(())

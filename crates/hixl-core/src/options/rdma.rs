@@ -42,6 +42,10 @@ pub struct RdmaOptions {
     pub max_qps: usize,
     /// `hixl.rdma.max_qps_per_source`: most of those for one source address.
     pub max_qps_per_source: usize,
+    /// `hixl.rdma.busy_poll_us`: how long a thread waiting for its own request polls the
+    /// completion queue itself before it sleeps (zero: it sleeps at once and the poller thread
+    /// completes the request).
+    pub busy_poll: std::time::Duration,
 }
 
 impl RdmaOptions {
@@ -56,6 +60,7 @@ impl RdmaOptions {
             service_level: 0,
             max_qps: 0,
             max_qps_per_source: 0,
+            busy_poll: std::time::Duration::ZERO,
         }
     }
 }

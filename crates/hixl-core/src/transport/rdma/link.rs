@@ -15,7 +15,7 @@ use super::verbs::{wc, Qp, QpTransition, Wc};
 use super::{exchange, open_qps, wrs, Opened};
 use crate::complete::Completer;
 use crate::error::{Error, Result, Status};
-use crate::queue::{Part, PartBody};
+use crate::queue::{Part, PartBody, Request, WaitHelp};
 use crate::registry::{new_holder_id, Abort};
 use crate::stats::PeerStats;
 use crate::transport::tcp::TcpLink;
@@ -50,6 +50,8 @@ pub struct RdmaLink {
     held: AtomicUsize,
     queue_depth: usize,
     timeout: Duration,
+    /// `hixl.rdma.busy_poll_us`: how long a thread waiting for its request polls the CQ.
+    busy_poll: Duration,
     /// Threads replacing failed QPs (at most one per QP at a time), joined by `close`.
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// Set (and rung) when the first `close` has destroyed the QPs and failed the parts: a
@@ -66,6 +68,7 @@ impl RdmaLink {
         qps: Vec<Opened>,
         queue_depth: usize,
         timeout: Duration,
+        busy_poll: Duration,
     ) -> RdmaLink {
         control.set_label("rdma");
         let done = Completer::new("rdma", &control.peer_info().engine_id, control.stats());
@@ -103,6 +106,7 @@ impl RdmaLink {
             held: AtomicUsize::new(0),
             queue_depth,
             timeout,
+            busy_poll,
             threads: Mutex::new(Vec::new()),
             closed_done: (Mutex::new(false), std::sync::Condvar::new()),
         }
@@ -387,8 +391,26 @@ impl DataPath for RdmaLink {
         self.control.stats()
     }
 
+    fn wait_help(self: Arc<Self>) -> Option<std::sync::Weak<dyn WaitHelp>> {
+        if self.busy_poll.is_zero() {
+            return None;
+        }
+        let me: Arc<dyn WaitHelp> = self;
+        Some(Arc::downgrade(&me))
+    }
+
     fn queue_slots(&self) -> (usize, usize) {
         (self.held.load(Ordering::Relaxed), self.queue_depth)
+    }
+}
+
+/// A thread waiting for its request polls the engine's CQ for up to `hixl.rdma.busy_poll_us`
+/// (as perftest's latency loop does): the completion is handled on that thread, and neither
+/// the poller nor the waiter has to be woken for it.
+impl WaitHelp for RdmaLink {
+    fn help(&self, req: &Request, until: Instant) {
+        let until = until.min(Instant::now() + self.busy_poll);
+        self.nic.poll_until(&|| req.has_ended(), until);
     }
 }
 

@@ -323,9 +323,11 @@ impl Backend for Rdma {
         };
         let qps: Vec<Opened> =
             qps.into_iter().zip(&answer.qps).map(|(o, t)| Opened { remote_qpn: t.qpn, ..o }).collect();
-        let (depth, timeout) = (ctx.opts.queue_depth, ctx.timeout);
+        let (depth, timeout, busy) = (ctx.opts.queue_depth, ctx.timeout, self.opts.busy_poll);
         let link = nic
-            .add_link(|id| Arc::new(RdmaLink::new(id, nic.clone(), control.clone(), qps, depth, timeout)))
+            .add_link(|id| {
+                Arc::new(RdmaLink::new(id, nic.clone(), control.clone(), qps, depth, timeout, busy))
+            })
             .map_err(|e| e.message)?;
         // A dead control channel (heartbeats missed, the peer's host gone) ends this link's
         // requests at once: a device need not report a peer that vanished (rdma_rxe does not).

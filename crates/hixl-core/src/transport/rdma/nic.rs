@@ -2,11 +2,12 @@
 //! registered region), its one completion queue and channel, and the one poller thread that
 //! drains that CQ for every link of the engine and sleeps on the channel when idle.
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::limits::Limits;
 use super::link::RdmaLink;
@@ -17,6 +18,17 @@ use crate::registry::Access;
 /// How long the poller sleeps on the channel before it looks again (it is woken at once by a
 /// completion event or by `stop`; this only bounds a missed wake-up).
 const IDLE_WAIT: Duration = Duration::from_secs(5);
+
+thread_local! {
+    /// Set while this thread drains the CQ and hands completions to links (the poller, or a
+    /// thread waiting for its own request).
+    static DISPATCHING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread is handing out completions now.
+fn dispatching() -> bool {
+    DISPATCHING.with(Cell::get)
+}
 
 struct LocalMr {
     len: u64,
@@ -51,6 +63,9 @@ pub(super) struct Nic {
     next_link: AtomicU32,
     /// Send-queue slots of the initiator QPs open now (at most `limits.cq_depth`).
     pub(super) sq_slots: AtomicUsize,
+    /// Held while the CQ is polled and its completions are handed to links, so that they
+    /// reach each link in the order the device gave them, whichever thread polls.
+    drain: Mutex<()>,
     stop: AtomicBool,
     wake: OwnedFd,
     poller: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -157,6 +172,7 @@ impl Nic {
             links: Mutex::new(HashMap::new()),
             next_link: AtomicU32::new(1),
             sq_slots: AtomicUsize::new(0),
+            drain: Mutex::new(()),
             stop: AtomicBool::new(false),
             // SAFETY: a fresh descriptor we own from here on.
             wake: unsafe { OwnedFd::from_raw_fd(wake) },
@@ -242,9 +258,58 @@ impl Nic {
         Ok(())
     }
 
-    /// Whether the calling thread is the poller.
+    /// Whether the calling thread is the poller, or hands out completions now (then what it
+    /// waits for may need the very CQ it drains: it must not wait for flushed completions).
     pub(super) fn on_poller(&self) -> bool {
-        self.poller.lock().unwrap().as_ref().is_some_and(|h| h.thread().id() == std::thread::current().id())
+        dispatching()
+            || self
+                .poller
+                .lock()
+                .unwrap()
+                .as_ref()
+                .is_some_and(|h| h.thread().id() == std::thread::current().id())
+    }
+
+    /// Polls the CQ once and hands what it returns to the links; the count, or the CQ's error.
+    /// With `wait` false it gives up (Ok(0)) when another thread is draining.
+    fn drain_once(&self, wcs: &mut [Wc], wait: bool) -> Result<usize> {
+        let _g = if wait {
+            self.drain.lock().unwrap()
+        } else {
+            match self.drain.try_lock() {
+                Ok(g) => g,
+                Err(_) => return Ok(0),
+            }
+        };
+        let n = self.verbs.poll_cq(self.cq, wcs)?;
+        if n > 0 {
+            DISPATCHING.with(|d| d.set(true));
+            self.dispatch(&wcs[..n]);
+            DISPATCHING.with(|d| d.set(false));
+        }
+        Ok(n)
+    }
+
+    /// A thread waiting for `ended` polls the CQ itself until it holds, `until` passes or the
+    /// CQ fails (the poller then reports it): the request completes on this thread, with no
+    /// wake-up of the poller and of this thread in between.
+    pub(super) fn poll_until(&self, ended: &dyn Fn() -> bool, until: Instant) {
+        let mut wcs = [Wc::default(); 16];
+        let mut idle = 0u32;
+        while !ended() && !self.stop.load(Ordering::Acquire) && Instant::now() < until {
+            match self.drain_once(&mut wcs, false) {
+                Ok(0) => {
+                    idle += 1;
+                    if idle % 64 == 0 {
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+                Ok(_) => idle = 0,
+                Err(_) => return,
+            }
+        }
     }
 
     /// The poller: drains the CQ while completions come; when it is empty, arms it, looks once
@@ -254,7 +319,7 @@ impl Nic {
         let mut wcs = vec![Wc::default(); 64];
         let mut armed = true;
         while !self.stop.load(Ordering::Acquire) {
-            let n = match self.verbs.poll_cq(self.cq, &mut wcs) {
+            let n = match self.drain_once(&mut wcs, true) {
                 Ok(n) => n,
                 Err(e) => {
                     tracing::error!("RDMA completion queue failed: {e}; closing every RDMA link");
@@ -263,7 +328,6 @@ impl Nic {
                 }
             };
             if n > 0 {
-                self.dispatch(&wcs[..n]);
                 continue;
             }
             if !armed {
