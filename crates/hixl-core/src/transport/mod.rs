@@ -14,6 +14,7 @@ pub mod liveness;
 pub mod local;
 pub(crate) mod nbio;
 pub mod pool;
+mod publish;
 pub(crate) mod ranges;
 pub mod rdma;
 pub mod reactor;

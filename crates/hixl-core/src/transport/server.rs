@@ -6,10 +6,8 @@
 //! Before a stream's handshake ends it costs at most its Hello buffer and one thread, under one
 //! deadline; such streams are capped in total and per source address (the oldest is closed to
 //! admit a new one), and a source address that fails authentication repeatedly is shut out for
-//! a while. API threads never send on a peer's socket: region updates are queued (as a version
-//! number: the newest table replaces every older one) and sent by the stream's writer; the
-//! publisher thread disconnects a peer that has not taken an update within the deregistration
-//! timeout.
+//! a while. API threads never send on a peer's socket: region updates are queued and sent by the
+//! stream's writer (see `publish`).
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -26,7 +24,7 @@ use crate::transport::backend::Backend;
 use crate::transport::io;
 use crate::transport::local::LocalListener;
 use crate::transport::nbio;
-use crate::transport::reactor::{Interest, Reactor, Source, Tick};
+use crate::transport::reactor::{Interest, Reactor, Source};
 use crate::transport::serve::serve;
 use crate::transport::served::{self, SendState, ServedRx};
 use crate::transport::source_caps::{source_key, Cap, Counted, SourceCaps};
@@ -141,13 +139,13 @@ pub struct Server {
     listener: TcpListener,
     pub(crate) ctx: Arc<ServerCtx>,
     local: Mutex<Option<Arc<LocalListener>>>,
-    stopping: AtomicBool,
+    pub(super) stopping: AtomicBool,
     pub(crate) served: Mutex<HashMap<u64, Arc<Served>>>,
     /// This server, for arming its retry timer from `&self` methods.
-    me: Weak<Server>,
+    pub(super) me: Weak<Server>,
     /// Whether the update-retry timer runs: only while some peer owes an update, so that an
     /// idle engine's timer thread does not wake for it.
-    retrying: AtomicBool,
+    pub(super) retrying: AtomicBool,
     /// Streams whose handshake has not ended, oldest first, with their source address.
     pending: Mutex<VecDeque<(u64, IpAddr)>>,
     /// Streams whose handshake ended, counted against `hixl.max_streams(_per_source)`.
@@ -455,89 +453,6 @@ impl Server {
         self.acks.notify_all();
     }
 
-    /// Has a peer's writer send a due update, or disconnects the peer once it has owed one
-    /// for `slow_peer_timeout`.
-    fn push_update(&self, s: &Served) {
-        let since = *s.due_since.lock().unwrap().get_or_insert_with(Instant::now);
-        if since.elapsed() > self.ctx.slow_peer_timeout {
-            tracing::warn!(peer = %s.peer_addr, "peer did not take a region update in time: disconnecting it");
-            s.abort("peer fell behind on region updates");
-            return;
-        }
-        let token = s.writer_token.load(Ordering::Acquire);
-        if token != 0 {
-            self.ctx.reactor.schedule(token);
-        }
-        self.retry_updates();
-    }
-
-    /// Arms the update-retry timer unless it runs.
-    fn retry_updates(&self) {
-        if self.retrying.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        if let Some(me) = self.me.upgrade() {
-            let tick: Arc<dyn Tick> = me;
-            self.ctx.reactor.every(PUBLISH_CHECK, Arc::downgrade(&tick));
-        }
-    }
-
-    /// The streams that owe an update now.
-    fn owing(&self) -> Vec<Arc<Served>> {
-        self.served.lock().unwrap().values().filter(|s| owes_update(s)).cloned().collect()
-    }
-
-    /// Queues the current region table for every connected initiator (the publisher thread
-    /// sends it). With `wait`, also waits until every initiator proven to be on this host
-    /// (which accesses memory directly, without the target-side check) confirmed it; one that
-    /// does not within `wait` is disconnected and the call fails, so the caller must not free
-    /// the memory. Never sends on a socket itself.
-    pub fn publish_regions(&self, wait: Option<Duration>) -> Result<()> {
-        let version = self.ctx.registry.version();
-        let heads: Vec<Arc<Served>> = self
-            .served
-            .lock()
-            .unwrap()
-            .values()
-            .filter(|s| s.link_head.load(Ordering::Acquire))
-            .cloned()
-            .collect();
-        for s in &heads {
-            s.due.fetch_max(version, Ordering::SeqCst);
-            if owes_update(s) {
-                self.push_update(s);
-            }
-        }
-        let Some(wait) = wait else { return Ok(()) };
-        let deadline = Instant::now() + wait;
-        let mut g = self.live.lock().unwrap();
-        loop {
-            let pending: Vec<_> = heads
-                .iter()
-                .filter(|s| {
-                    s.acks_updates.load(Ordering::SeqCst)
-                        && s.acked.load(Ordering::Acquire) < version
-                        && !s.ended.load(Ordering::Acquire)
-                })
-                .collect();
-            let now = Instant::now();
-            if pending.is_empty() {
-                return Ok(());
-            }
-            if now >= deadline {
-                for s in &pending {
-                    s.abort("peer did not confirm a region update");
-                }
-                return Err(Error::failed(format!(
-                    "{} same-host peer(s) did not confirm the region update within {wait:?}; they \
-                     were disconnected, and the memory must stay allocated",
-                    pending.len()
-                )));
-            }
-            g = self.acks.wait_timeout(g, (deadline - now).min(Duration::from_millis(50))).unwrap().0;
-        }
-    }
-
     /// Whether `stop` has begun (served streams refuse new notifications from then on).
     pub(crate) fn stopping(&self) -> bool {
         self.stopping.load(Ordering::SeqCst)
@@ -575,10 +490,6 @@ impl Server {
 /// Most time `stop` spends sending the answers its served streams still owe.
 const STOP_DRAIN: Duration = Duration::from_secs(1);
 
-/// How often the region-update backlog is checked for peers that fell behind (while one owes
-/// an update; the timer stops when none does).
-const PUBLISH_CHECK: Duration = Duration::from_millis(250);
-
 /// The listener, as the reactor runs it.
 struct Acceptor(Arc<Server>);
 
@@ -586,33 +497,4 @@ impl Source for Acceptor {
     fn run(&self, _events: u32) -> Interest {
         self.0.accept_ready()
     }
-}
-
-impl Tick for Server {
-    /// Retries the updates still owed, and disconnects peers that owe one for too long.
-    fn tick(&self, _now: Instant) -> bool {
-        if self.stopping.load(Ordering::Acquire) {
-            return false;
-        }
-        let mut owing = self.owing();
-        if owing.is_empty() {
-            self.retrying.store(false, Ordering::Release);
-            // An update owed since the check above armed no timer (this one ran): keep it.
-            owing = self.owing();
-            if owing.is_empty() || self.retrying.swap(true, Ordering::AcqRel) {
-                return false;
-            }
-        }
-        for s in owing {
-            self.push_update(&s);
-        }
-        true
-    }
-}
-
-fn owes_update(s: &Served) -> bool {
-    s.welcomed.load(Ordering::Acquire)
-        && !s.ended.load(Ordering::Acquire)
-        && (s.due.load(Ordering::Acquire) > s.sent.load(Ordering::Acquire)
-            || s.due_since.lock().unwrap().is_some())
 }
