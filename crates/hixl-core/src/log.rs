@@ -78,7 +78,8 @@ pub struct Record {
 pub struct LogQueue {
     records: ArrayQueue<Record>,
     dropped: AtomicU64,
-    /// Set by [`LogQueue::wake`] until a `take` sees it.
+    /// Set for good by [`LogQueue::wake`] (the host's drain is stopping): no `take` waits
+    /// after it, whichever thread takes first.
     lock: Mutex<bool>,
     ready: Condvar,
 }
@@ -96,16 +97,15 @@ impl LogQueue {
     /// [`LogQueue::wake`]).
     pub fn take(&self, max_wait: Duration) -> Vec<Record> {
         if self.records.is_empty() {
-            let mut woken = self.lock.lock().unwrap();
-            if self.records.is_empty() && !*woken {
-                woken = self.ready.wait_timeout(woken, max_wait).unwrap().0;
+            let stopping = self.lock.lock().unwrap();
+            if self.records.is_empty() && !*stopping {
+                drop(self.ready.wait_timeout(stopping, max_wait).unwrap());
             }
-            *woken = false;
         }
         std::iter::from_fn(|| self.records.pop()).collect()
     }
 
-    /// Ends a `take` that waits now, or the next one, at once (a host stopping its drain
+    /// Ends a `take` that waits now, and every later one, at once (a host stopping its drain
     /// thread, which may otherwise wait long: an idle process then does not wake for it).
     pub fn wake(&self) {
         *self.lock.lock().unwrap() = true;

@@ -274,7 +274,7 @@ fn a_region_deregistered_mid_flight_fails_its_request_and_the_flushed_ones_are_r
         eprintln!("skipped on hardware: needs the software provider's latency ({LATENCY_ENV}) to keep requests in flight");
         return;
     }
-    // 2 ms per request at the target's NIC keeps 200 requests in flight for 400 ms.
+    // 5 ms per request at the target's NIC keeps 200 requests in flight for a second.
     let mut t = target(&[(LATENCY_ENV, "5000")]);
     let e = engine("127.0.0.1", &[("hixl.rdma.qps", "1")]);
     e.connect(&t.id, T).unwrap();

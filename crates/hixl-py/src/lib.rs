@@ -29,7 +29,8 @@ fn _log_take(py: Python<'_>, max_wait_ms: u64) -> Vec<(u8, String, String)> {
     records.into_iter().map(|r| (r.level, r.target, r.message)).collect()
 }
 
-/// Internal (hixl._logging): ends a `_log_take` that waits now, or the next one, at once.
+/// Internal (hixl._logging, at exit): ends a `_log_take` that waits now, and every later one,
+/// at once.
 #[pyfunction]
 fn _log_wake() {
     hixl_core::log::init_queue().wake();

@@ -100,6 +100,8 @@ fn armed_code(i: Interest) -> u8 {
 }
 
 struct TimerEntry {
+    /// Names this entry alone (one `Tick` may be added again after it stopped once).
+    id: u64,
     /// Set when its tick returned false: removed at the next pass.
     done: bool,
     next: Instant,
@@ -299,7 +301,8 @@ impl Reactor {
         let k = self.epoch.elapsed().as_nanos() / p + 1;
         let next = self.epoch + Duration::from_nanos(u64::try_from(k * p).unwrap_or(u64::MAX));
         let mut t = self.timers.0.lock().unwrap();
-        t.push(TimerEntry { done: false, next, period, tick });
+        let id = self.next_token.fetch_add(1, Ordering::Relaxed);
+        t.push(TimerEntry { id, done: false, next, period, tick });
         self.timers.1.notify_all();
     }
 
@@ -459,8 +462,8 @@ impl Reactor {
     }
 
     fn timer_loop(&self) {
-        let mut due: Vec<Arc<dyn Tick>> = Vec::new();
-        let mut finished: Vec<Arc<dyn Tick>> = Vec::new();
+        let mut due: Vec<(u64, Arc<dyn Tick>)> = Vec::new();
+        let mut finished: Vec<u64> = Vec::new();
         loop {
             {
                 let mut t = self.timers.0.lock().unwrap();
@@ -468,11 +471,10 @@ impl Reactor {
                     if self.stopping.load(Ordering::Acquire) {
                         return;
                     }
-                    for f in finished.drain(..) {
-                        let f = Arc::as_ptr(&f) as *const ();
-                        t.iter_mut()
-                            .filter(|e| e.tick.as_ptr() as *const () == f)
-                            .for_each(|e| e.done = true);
+                    // Only the entry whose tick said so: the same tick may have been added
+                    // again meanwhile (a timer re-armed on demand), and that one runs on.
+                    for id in finished.drain(..) {
+                        t.iter_mut().filter(|e| e.id == id).for_each(|e| e.done = true);
                     }
                     t.retain(|e| !e.done && e.tick.strong_count() > 0);
                     let now = Instant::now();
@@ -492,15 +494,15 @@ impl Reactor {
                             e.next += e.period;
                         }
                         if let Some(tick) = e.tick.upgrade() {
-                            due.push(tick);
+                            due.push((e.id, tick));
                         }
                     }
                 }
             }
             let now = Instant::now();
-            for tick in due.drain(..) {
+            for (id, tick) in due.drain(..) {
                 if !tick.tick(now) {
-                    finished.push(tick);
+                    finished.push(id);
                 }
             }
         }

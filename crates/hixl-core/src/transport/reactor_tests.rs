@@ -183,3 +183,37 @@ fn a_source_that_always_asks_again_does_not_starve_its_worker() {
     r.stop();
     assert!(t0.elapsed() < Duration::from_secs(2), "stop took {:?}", t0.elapsed());
 }
+
+/// Stops its first entry and, in the same run, adds itself again (as a timer armed on demand
+/// does when work arrives while it disarms); ticks on after that.
+struct Rearm {
+    reactor: Arc<Reactor>,
+    me: Mutex<Weak<dyn Tick>>,
+    runs: AtomicUsize,
+}
+impl Tick for Rearm {
+    fn tick(&self, _now: Instant) -> bool {
+        if self.runs.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.reactor.every(Duration::from_millis(10), self.me.lock().unwrap().clone());
+            return false;
+        }
+        true
+    }
+}
+
+#[test]
+fn a_tick_that_stops_one_entry_keeps_the_entry_it_added_again() {
+    let r = Reactor::start(1, Duration::ZERO).unwrap();
+    let t = Arc::new(Rearm {
+        reactor: r.clone(),
+        me: Mutex::new(Weak::<Count>::new()),
+        runs: AtomicUsize::new(0),
+    });
+    let weak: Weak<dyn Tick> = Arc::downgrade(&(t.clone() as Arc<dyn Tick>));
+    *t.me.lock().unwrap() = weak.clone();
+    r.every(Duration::from_millis(10), weak);
+    std::thread::sleep(Duration::from_millis(200));
+    let n = t.runs.load(Ordering::SeqCst);
+    assert!(n >= 3, "the re-added entry was dropped with the stopped one: {n} runs in 200 ms at 10 ms");
+    r.stop();
+}

@@ -405,8 +405,8 @@ impl DataPath for RdmaLink {
 }
 
 /// A thread waiting for its request polls the engine's CQ for up to `hixl.rdma.busy_poll_us`
-/// (as perftest's latency loop does): the completion is handled on that thread, and neither
-/// the poller nor the waiter has to be woken for it.
+/// (as perftest's latency loop does): the completion is handled on that thread, which need not
+/// be woken for it.
 impl WaitHelp for RdmaLink {
     fn help(&self, req: &Request, until: Instant) {
         let until = until.min(Instant::now() + self.busy_poll);

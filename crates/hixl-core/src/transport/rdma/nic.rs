@@ -6,7 +6,7 @@ use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, TryLockError, Weak};
 use std::time::{Duration, Instant};
 
 use super::limits::Limits;
@@ -28,6 +28,22 @@ thread_local! {
 /// Whether the calling thread is handing out completions now.
 fn dispatching() -> bool {
     DISPATCHING.with(Cell::get)
+}
+
+/// Marks this thread as handing out completions while it lives (cleared on unwind too).
+struct Dispatching;
+
+impl Dispatching {
+    fn enter() -> Dispatching {
+        DISPATCHING.with(|d| d.set(true));
+        Dispatching
+    }
+}
+
+impl Drop for Dispatching {
+    fn drop(&mut self) {
+        DISPATCHING.with(|d| d.set(false));
+    }
 }
 
 struct LocalMr {
@@ -273,26 +289,29 @@ impl Nic {
     /// Polls the CQ once and hands what it returns to the links; the count, or the CQ's error.
     /// With `wait` false it gives up (Ok(0)) when another thread is draining.
     fn drain_once(&self, wcs: &mut [Wc], wait: bool) -> Result<usize> {
+        // A panic while handing out completions (on a user's thread) leaves the lock poisoned;
+        // the CQ itself is as consistent as after any dispatch, so polling goes on.
         let _g = if wait {
-            self.drain.lock().unwrap()
+            self.drain.lock().unwrap_or_else(PoisonError::into_inner)
         } else {
             match self.drain.try_lock() {
                 Ok(g) => g,
-                Err(_) => return Ok(0),
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(TryLockError::WouldBlock) => return Ok(0),
             }
         };
         let n = self.verbs.poll_cq(self.cq, wcs)?;
         if n > 0 {
-            DISPATCHING.with(|d| d.set(true));
+            let _d = Dispatching::enter();
             self.dispatch(&wcs[..n]);
-            DISPATCHING.with(|d| d.set(false));
         }
         Ok(n)
     }
 
     /// A thread waiting for `ended` polls the CQ itself until it holds, `until` passes or the
-    /// CQ fails (the poller then reports it): the request completes on this thread, with no
-    /// wake-up of the poller and of this thread in between.
+    /// CQ fails (the poller then reports it): the request completes on this thread, which need
+    /// not be woken for it. (The armed CQ still raises an event for the poller, which then
+    /// finds nothing: that wake-up is off the waiter's path.)
     pub(super) fn poll_until(&self, ended: &dyn Fn() -> bool, until: Instant) {
         let mut wcs = [Wc::default(); 16];
         let mut idle = 0u32;
@@ -331,7 +350,13 @@ impl Nic {
                 continue;
             }
             if !armed {
-                if let Err(e) = self.verbs.req_notify_cq(self.cq) {
+                // Armed under the drain lock: never while a waiter is inside ibv_poll_cq
+                // (providers read the CQ's consumer index to arm it).
+                let arming = {
+                    let _g = self.drain.lock().unwrap_or_else(PoisonError::into_inner);
+                    self.verbs.req_notify_cq(self.cq)
+                };
+                if let Err(e) = arming {
                     tracing::error!("ibv_req_notify_cq failed: {e}; closing every RDMA link");
                     self.fail_links(e);
                     return;
