@@ -87,6 +87,7 @@ pub(crate) fn export(ordinal: u8, addr: u64, len: u64) -> Result<(OwnedFd, u64)>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
 
     #[test]
     fn an_export_covers_whole_pages_and_says_where_the_range_starts() {
@@ -96,6 +97,33 @@ mod tests {
         assert_eq!(page_span(0x20000, 1 << 21, 1 << 16), Some((0x20000, 1 << 21, 0)));
         assert_eq!(page_span(u64::MAX - 10, 100, 4096), None);
         assert!(host_page().is_power_of_two());
+    }
+
+    /// On a GPU machine (scripts/gpu_check.sh; skipped without CUDA): real device memory is
+    /// exported as a dma-buf of the whole pages around the range, or the device says it cannot.
+    /// This is the CUDA half of GPUDirect over dma-buf; no NIC is involved.
+    #[test]
+    fn real_device_memory_is_exported_as_a_dmabuf_where_the_device_allows_it() {
+        if Driver::get().is_err() {
+            eprintln!("skipped: no CUDA here");
+            return;
+        }
+        let buf = super::super::DeviceBuffer::new(0, 4 << 20, 0x5a).unwrap();
+        let (addr, len) = (buf.addr() + 4096 + 100, 1 << 20);
+        let supported = supported(0).unwrap();
+        let got = export(0, addr, len);
+        eprintln!("cuda:0 DMA_BUF_SUPPORTED={supported}; export: {:?}", got.as_ref().map(|(_, o)| o));
+        if !supported {
+            assert!(got.is_err(), "a device without dma-buf support exported one");
+            return;
+        }
+        let (fd, offset) = got.unwrap();
+        let (_, size, want_offset) = page_span(addr, len, host_page()).unwrap();
+        assert_eq!(offset, want_offset);
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).unwrap();
+        assert!(info.contains("exp_name:"), "not a dma-buf: {info}");
+        let sz = info.lines().find_map(|l| l.strip_prefix("size:")).map(|v| v.trim().parse::<u64>().unwrap());
+        assert_eq!(sz, Some(size), "{info}");
     }
 
     #[test]
