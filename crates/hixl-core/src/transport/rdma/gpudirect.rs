@@ -153,7 +153,8 @@ pub(super) fn register(
     match choose(&p) {
         Path::DmaBuf => {
             let (fd, offset) = dmabuf::export(ordinal, addr, len)?;
-            // The dma-buf's reference moves into the region; ours is closed when `fd` drops.
+            // The region takes its own reference to the dma-buf; ours is closed when `fd`
+            // drops, at the end of this arm.
             nic.register_dmabuf(addr, len, how, fd.as_raw_fd(), offset)
         }
         Path::PeerMem => nic.register(addr, len, how),
