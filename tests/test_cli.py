@@ -328,11 +328,23 @@ def test_info_reports_transports_and_options() -> None:
     else:
         assert rdma["available"] is False, rdma
         assert rdma["detail"].startswith("not loadable") and "libibverbs.so.1" in rdma["detail"]
+    # GPU memory on RDMA: the path a registration would take, or every missing piece.
+    gpudirect = info["transports"]["gpudirect"]
+    assert gpudirect["path"].startswith(("dmabuf", "peermem", "no (missing: ")), gpudirect
+    assert gpudirect["detail"].startswith(("dmabuf", "peermem", "missing: ")), gpudirect
+    if not info["cuda"]["available"]:
+        assert gpudirect["available"] is False, gpudirect
+        assert "CUDA was" in gpudirect["detail"] and "libcuda.so.1" in gpudirect["detail"], (
+            gpudirect
+        )
     keys = {o["key"] for o in info["options"]}
     assert {"hixl.tcp.streams", "hixl.backends", "hixl.shm.threads"} <= keys
     assert "/" in info["host_identity"]
     text = hixl("info")
     assert text.returncode == 0 and "transports:" in text.stdout
+    assert re.search(r"^  gpudirect +(yes|no ) +(dmabuf|peermem|missing: )", text.stdout, re.M), (
+        text.stdout
+    )
 
 
 def test_secret_prints_a_fresh_strong_secret() -> None:

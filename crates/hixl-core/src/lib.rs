@@ -150,6 +150,13 @@ pub fn rdma_info(provider: &str) -> Result<String> {
     transport::rdma::describe(provider)
 }
 
+/// How the `rdma` backend would register GPU memory here with the provider `hixl.rdma.provider`
+/// names: "dmabuf", "peermem" or "no (missing: ...)" (for `hixl info`; docs/RDMA.md, "GPU
+/// memory (GPUDirect)"). Initialises CUDA where it is present.
+pub fn gpudirect_info(provider: &str) -> Result<String> {
+    transport::rdma::gpudirect::describe(provider)
+}
+
 /// The longest wait any call honours: a longer timeout (`Duration::MAX` included) means this.
 pub const MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(365 * 86_400);
 

@@ -160,6 +160,15 @@ fn _rdma_info(py: Python<'_>, provider: &str) -> PyResult<String> {
     py.allow_threads(|| hixl_core::rdma_info(provider)).map_err(errors::to_py)
 }
 
+/// Internal (`hixl info`): how the rdma backend would register GPU memory here with the
+/// provider `hixl.rdma.provider` names: "dmabuf", "peermem" or "no (missing: ...)". GIL
+/// released (it initialises CUDA where present).
+#[pyfunction]
+#[pyo3(signature = (provider = "verbs"))]
+fn _gpudirect_info(py: Python<'_>, provider: &str) -> PyResult<String> {
+    py.allow_threads(|| hixl_core::gpudirect_info(provider)).map_err(errors::to_py)
+}
+
 #[pymodule]
 fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", hixl_core::VERSION)?;
@@ -200,5 +209,6 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_raw_memcpy, m)?)?;
     m.add_function(wrap_pyfunction!(_host_identity, m)?)?;
     m.add_function(wrap_pyfunction!(_rdma_info, m)?)?;
+    m.add_function(wrap_pyfunction!(_gpudirect_info, m)?)?;
     Ok(())
 }

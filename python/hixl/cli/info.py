@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from .. import Hixl, HixlError, option_keys
-from .._hixl import _rdma_info, cuda_info
+from .._hixl import _gpudirect_info, _rdma_info, cuda_info
 from ._machine import describe
 
 NAME = "info"
@@ -84,6 +84,15 @@ def gather() -> dict[str, Any]:
     transports["rdma"] = {
         "available": rdma.startswith("devices:") and "active" in rdma,
         "detail": rdma,
+    }
+    # GPU memory on RDMA (docs/RDMA.md): "dmabuf", "peermem" or "no (missing: ...)"; the row
+    # shows the path, or what is missing.
+    gpudirect = _gpudirect_info("verbs")
+    no = gpudirect.startswith("no (")
+    transports["gpudirect"] = {
+        "available": transports["rdma"]["available"] and not no,
+        "path": gpudirect,
+        "detail": gpudirect[4:-1] if no else gpudirect,
     }
     cuda = cuda_info()
     if cuda["available"]:

@@ -52,6 +52,24 @@ pub const ATTR_CC_MAJOR: c_int = 75;
 /// `CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR`.
 pub const ATTR_CC_MINOR: c_int = 76;
 
+/// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`: 1 when the device exports its memory as dma-bufs.
+/// Value from CUDA's `cuda.h` (`CUdevice_attribute`: "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED =
+/// 124, Device supports buffer sharing with dma_buf mechanism"), the same in NCCL's
+/// `src/include/cudawrap.h` fallback for headers older than CUDA 11.7.
+pub const ATTR_DMA_BUF_SUPPORTED: c_int = 124;
+/// `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD` (`CUmemRangeHandleType`): ask
+/// `cuMemGetHandleForAddressRange` for a dma-buf file descriptor. Value from CUDA's `cuda.h`
+/// (`CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 0x1`), as in NCCL's `cudawrap.h`.
+pub const MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD: c_int = 1;
+/// The optional entry point that exports device memory as a dma-buf (CUDA 11.7 and later).
+pub const GET_HANDLE_FOR_ADDRESS_RANGE: &str = "cuMemGetHandleForAddressRange";
+
+/// `cuMemGetHandleForAddressRange(void *handle, CUdeviceptr dptr, size_t size,
+/// CUmemRangeHandleType handleType, unsigned long long flags)` (`cuda.h`; NCCL's
+/// `PFN_cuMemGetHandleForAddressRange_v11070`). For a dma-buf, `handle` points at an int.
+pub type GetHandleForAddressRange =
+    unsafe extern "C" fn(*mut c_void, CuDevicePtr, usize, c_int, std::ffi::c_ulonglong) -> CuResult;
+
 /// `CU_STREAM_NON_BLOCKING`: no implicit synchronisation with the legacy default stream.
 pub const STREAM_NON_BLOCKING: c_uint = 1;
 /// `CU_EVENT_DISABLE_TIMING`: the cheapest event, for completion only.
@@ -203,6 +221,27 @@ impl Driver {
             Err(format!("{what} failed: {}", self.error_text(rc)))
         }
     }
+}
+
+/// The driver's `cuMemGetHandleForAddressRange`, looked up without initialising CUDA (a
+/// symbol lookup only); Err says why there is none: no driver library, or one older than
+/// CUDA 11.7. The answer is the same for the life of the process.
+pub fn get_handle_for_address_range() -> Result<GetHandleForAddressRange, String> {
+    /// The entry point (as an address: function pointers are not `Sync` in a OnceLock<Result>).
+    static FOUND: OnceLock<Result<usize, String>> = OnceLock::new();
+    let found = FOUND.get_or_init(|| {
+        let lib = open(LIBRARY)?;
+        // SAFETY: `lib` is a live dlopen handle (never closed); the name is NUL-terminated.
+        let p = unsafe { libc::dlsym(lib, c"cuMemGetHandleForAddressRange".as_ptr()) };
+        if p.is_null() {
+            return Err(format!(
+                "{LIBRARY} has no {GET_HANDLE_FOR_ADDRESS_RANGE} (CUDA 11.7 or later has it)"
+            ));
+        }
+        Ok(p as usize)
+    });
+    // SAFETY: the address is the driver's function of the signature the type spells (cuda.h).
+    found.clone().map(|p| unsafe { std::mem::transmute::<usize, GetHandleForAddressRange>(p) })
 }
 
 /// Opens `path`, resolves the entry points and initialises the driver. Err starts with

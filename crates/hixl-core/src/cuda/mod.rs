@@ -7,6 +7,7 @@
 //! message that says CUDA was not found; nothing panics.
 
 pub(crate) mod cache;
+pub(crate) mod dmabuf;
 pub(crate) mod driver;
 pub(crate) mod hold;
 pub(crate) mod key;

@@ -17,22 +17,23 @@ pub(super) fn register_region(
     access: Access,
     name: &str,
 ) -> Result<Arc<Region>> {
+    let served =
+        |d: Domain| r.backends.iter().any(|b| b.domains().iter().any(|(local, _)| local.same_kind(d)));
     if span.domain.is_device() {
         // Device memory is checked by the driver (UNSUPPORTED when CUDA is not found here) and
-        // takes the domain of the device that holds it (`device` becomes `cuda:N`).
-        span.domain = crate::cuda::resolve(span.addr, span.len, span.domain)?.domain;
+        // takes the domain of the device that holds it (`device` becomes `cuda:N`). When no
+        // backend would serve it anyway, the error says that too, with each backend's reason.
+        let device_served = served(Domain::Cuda(0));
+        span.domain = match crate::cuda::resolve(span.addr, span.len, span.domain) {
+            Ok(d) => d.domain,
+            Err(e) if !device_served => {
+                return Err(Error::new(e.status, format!("{}; {}", e.message, unserved(r, span.domain))))
+            }
+            Err(e) => return Err(e),
+        };
     }
-    if !r.backends.iter().any(|b| b.domains().iter().any(|(local, _)| local.same_kind(span.domain))) {
-        return Err(Error::new(
-            Status::Unsupported,
-            format!(
-                "memory domain {} (MemType.{}) is served by no backend of hixl.backends={} (this build has: {})",
-                span.domain,
-                if span.domain.is_device() { "DEVICE" } else { "HOST" },
-                r.opts.backends.join(","),
-                backend::BUILT.join(", ")
-            ),
-        ));
+    if !served(span.domain) {
+        return Err(Error::new(Status::Unsupported, unserved(r, span.domain)));
     }
     if span.domain == Domain::Host && span.addr != 0 && span.len != 0 {
         check_mapped(span.addr, span.len)?;
@@ -79,6 +80,21 @@ pub(super) fn register_region(
         s.publish_regions(None)?;
     }
     Ok(region)
+}
+
+/// "memory domain D (MemType.X) is served by no backend of hixl.backends=... (this build has:
+/// ...)", then each backend's reason for not serving it here (`Backend::unserved`).
+fn unserved(r: &Running, domain: Domain) -> String {
+    let why: Vec<String> =
+        r.backends.iter().filter_map(|b| b.unserved(domain).map(|w| format!("{}: {w}", b.name()))).collect();
+    format!(
+        "memory domain {} (MemType.{}) is served by no backend of hixl.backends={} (this build has: {}){}",
+        domain,
+        if domain.is_device() { "DEVICE" } else { "HOST" },
+        r.opts.backends.join(","),
+        backend::BUILT.join(", "),
+        if why.is_empty() { String::new() } else { format!("; {}", why.join("; ")) }
+    )
 }
 
 /// Runs the backends' deregistration hooks for a region that left the registry.

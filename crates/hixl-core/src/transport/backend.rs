@@ -71,6 +71,14 @@ pub trait Backend: Send + Sync {
     /// The (local, remote) memory-domain pairs it moves data between.
     fn domains(&self) -> &'static [(Domain, Domain)];
 
+    /// Why it does not serve `domain` memory here although it could elsewhere (the engine adds
+    /// this to the UNSUPPORTED of a registration no backend serves); `None`: it serves it, or
+    /// never does.
+    fn unserved(&self, domain: Domain) -> Option<String> {
+        let _ = domain;
+        None
+    }
+
     /// What this engine advertises for it in Welcome; `None` when it cannot be offered here.
     /// `local_socket` is the name of this engine's same-host socket (empty: none).
     fn capability(&self, local_socket: &str) -> Option<Capability> {

@@ -15,6 +15,7 @@
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 
 mod abi;
+mod dmabuf;
 pub use abi::*;
 use abi::{
     mask, IBV_QPT_RC, IBV_SEND_SIGNALED, IBV_WR_RDMA_READ, IBV_WR_RDMA_WRITE, QPS_ERR, QPS_INIT, QPS_RESET,
@@ -58,6 +59,8 @@ struct Fns {
     create_qp: unsafe extern "C" fn(*mut c_void, *mut IbvQpInitAttr) -> *mut c_void,
     modify_qp: unsafe extern "C" fn(*mut c_void, *mut IbvQpAttr, c_int) -> c_int,
     destroy_qp: unsafe extern "C" fn(*mut c_void) -> c_int,
+    /// `ibv_reg_dmabuf_mr` (rdma-core >= 34), or why it is not there.
+    reg_dmabuf_mr: std::result::Result<dmabuf::RegDmabufMr, String>,
 }
 
 /// libibverbs, loaded.
@@ -142,6 +145,8 @@ impl LibVerbs {
             create_qp: sym!("ibv_create_qp"),
             modify_qp: sym!("ibv_modify_qp"),
             destroy_qp: sym!("ibv_destroy_qp"),
+            // SAFETY: a handle we hold (never closed).
+            reg_dmabuf_mr: unsafe { dmabuf::resolve(h, name) },
         };
         Ok(LibVerbs { f, devices: std::sync::Mutex::new((0, Vec::new())) })
     }
@@ -304,6 +309,23 @@ impl Verbs for LibVerbs {
             (*(b.add(offsets::MR_LKEY) as *const u32), *(b.add(offsets::MR_RKEY) as *const u32))
         };
         Ok((Mr(m as u64), lkey, rkey))
+    }
+
+    fn gpu_dmabuf(&self) -> std::result::Result<(), String> {
+        self.f.reg_dmabuf_mr.as_ref().map(|_| ()).map_err(Clone::clone)
+    }
+
+    unsafe fn reg_dmabuf_mr(
+        &self,
+        pd: Pd,
+        offset: u64,
+        len: u64,
+        iova: u64,
+        fd: RawFd,
+        acc: u32,
+    ) -> Result<(Mr, u32, u32)> {
+        // SAFETY: the caller's contract (a dma-buf of at least offset + len bytes).
+        unsafe { self.dmabuf_mr(pd, offset, len, iova, fd, acc) }
     }
 
     fn dereg_mr(&self, mr: Mr) -> Result<()> {

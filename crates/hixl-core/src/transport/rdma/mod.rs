@@ -16,6 +16,7 @@
 
 mod book;
 pub mod ffi;
+pub mod gpudirect;
 mod limits;
 mod link;
 mod nic;
@@ -186,6 +187,8 @@ pub struct Rdma {
     only: bool,
     /// The QPs this engine made for initiators, under `hixl.rdma.max_qps(_per_source)`.
     target_qps: Arc<SourceCaps>,
+    /// GPU memory on this device (GPUDirect), as found when the engine started.
+    gpu: gpudirect::Gpu,
 }
 
 impl Rdma {
@@ -204,6 +207,7 @@ impl Rdma {
         if let Ok(n) = &nic {
             tracing::info!(provider = n.verbs.provider(), device = %n.device, port = n.port, "RDMA device opened");
         }
+        let gpu = gpudirect::Gpu::probe(nic.as_deref().ok());
         let only = opts.backends.iter().all(|b| b == "rdma");
         let counted = Counted {
             what: "RDMA queue pairs",
@@ -213,7 +217,7 @@ impl Rdma {
         };
         let (total, per_source) = (Cap::Fixed(o.max_qps), Cap::Fixed(o.max_qps_per_source));
         let target_qps = Arc::new(SourceCaps::new(counted, total, per_source));
-        Rdma { nic, provider: o.provider.as_str(), opts: o, only, target_qps }
+        Rdma { nic, provider: o.provider.as_str(), opts: o, only, target_qps, gpu }
     }
 
     fn nic(&self) -> std::result::Result<&Arc<Nic>, String> {
@@ -255,7 +259,11 @@ impl Backend for Rdma {
     }
 
     fn domains(&self) -> &'static [(Domain, Domain)] {
-        HOST_TO_HOST
+        self.gpu.domains().unwrap_or(HOST_TO_HOST)
+    }
+
+    fn unserved(&self, domain: Domain) -> Option<String> {
+        domain.is_device().then(|| self.nic().err().or_else(|| self.gpu.unserved()))?
     }
 
     fn capability(&self, _local_socket: &str) -> Option<Capability> {
@@ -271,6 +279,9 @@ impl Backend for Rdma {
 
     fn register(&self, mem: &MemorySpan) -> Result<Option<Vec<u8>>> {
         let Ok(nic) = &self.nic else { return Ok(None) };
+        if let Some(r) = self.gpu.register(nic, mem) {
+            return r.map(|rkey| Some(encode_rkey(rkey))).or_else(|e| refused_registration(e, self.only));
+        }
         if mem.domain != Domain::Host {
             return Ok(None);
         }

@@ -200,16 +200,30 @@ impl Nic {
     /// region (so the NIC refuses what the TCP target refuses), local write (a READ lands in
     /// it) unless the memory is immutable. Returns the rkey.
     pub(super) fn register(&self, addr: u64, len: u64, how: Access) -> Result<u32> {
-        let acc = match how {
-            Access::ReadWrite => access::LOCAL_WRITE | access::REMOTE_READ | access::REMOTE_WRITE,
-            Access::ReadOnly => access::LOCAL_WRITE | access::REMOTE_READ,
-            // Possibly read-only pages: the NIC may not even write them locally.
-            Access::Immutable => access::REMOTE_READ,
-        };
         // SAFETY: the engine registers only memory it checked is mapped, and deregisters it
         // (this region's `deregister`) before the memory may be freed.
-        let (mr, lkey, rkey) = unsafe { self.verbs.reg_mr(self.pd, addr, len, acc) }?;
+        let (mr, lkey, rkey) = unsafe { self.verbs.reg_mr(self.pd, addr, len, access_bits(how)) }?;
         self.mrs.write().unwrap().insert((addr, rkey), LocalMr { len, mr, lkey });
+        Ok(rkey)
+    }
+
+    /// Registers `len` bytes at `offset` of the dma-buf `fd` as `[iova, iova + len)`, with the
+    /// access `register` gives (`ibv_reg_dmabuf_mr`; the caller may close `fd` after). Returns
+    /// the rkey.
+    pub(super) fn register_dmabuf(
+        &self,
+        iova: u64,
+        len: u64,
+        how: Access,
+        fd: RawFd,
+        offset: u64,
+    ) -> Result<u32> {
+        // SAFETY: `fd` is a dma-buf the driver exported for whole pages around the range
+        // (`gpudirect::register`), so it holds `offset + len` bytes; the region keeps its own
+        // reference to it until `deregister`.
+        let (mr, lkey, rkey) =
+            unsafe { self.verbs.reg_dmabuf_mr(self.pd, offset, len, iova, fd, access_bits(how)) }?;
+        self.mrs.write().unwrap().insert((iova, rkey), LocalMr { len, mr, lkey });
         Ok(rkey)
     }
 
@@ -417,6 +431,18 @@ impl Nic {
                 let _ = h.join();
             }
         }
+    }
+}
+
+/// The NIC access of a region: remote read always, remote write only for a writable region
+/// (so the NIC refuses what the TCP target refuses), local write (a READ lands in it) unless
+/// the memory is immutable.
+fn access_bits(how: Access) -> u32 {
+    match how {
+        Access::ReadWrite => access::LOCAL_WRITE | access::REMOTE_READ | access::REMOTE_WRITE,
+        Access::ReadOnly => access::LOCAL_WRITE | access::REMOTE_READ,
+        // Possibly read-only pages: the NIC may not even write them locally.
+        Access::Immutable => access::REMOTE_READ,
     }
 }
 

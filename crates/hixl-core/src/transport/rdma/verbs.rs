@@ -282,6 +282,35 @@ pub trait Verbs: Send + Sync {
     /// `[addr, addr + len)` must stay mapped until `dereg_mr` returns: the device reads and
     /// writes it on its own (a real NIC pins the pages; the soft one copies into them).
     unsafe fn reg_mr(&self, pd: Pd, addr: u64, len: u64, access: u32) -> Result<(Mr, u32, u32)>;
+    /// Whether [`Verbs::reg_dmabuf_mr`] can register a GPU's dma-buf here: Err names what is
+    /// missing (libibverbs without `ibv_reg_dmabuf_mr`, or a provider that cannot reach GPU
+    /// memory). The default: a provider without it.
+    fn gpu_dmabuf(&self) -> std::result::Result<(), String> {
+        Err(format!("the {} provider has no ibv_reg_dmabuf_mr", self.provider()))
+    }
+    /// `ibv_reg_dmabuf_mr`: registers `len` bytes at `offset` of the dma-buf `fd`, addressed by
+    /// work requests and peers as `[iova, iova + len)`; returns the region and its (lkey, rkey).
+    /// The region holds its own reference to the dma-buf: the caller may close `fd` after.
+    /// The default: UNSUPPORTED, naming the missing call.
+    ///
+    /// # Safety
+    /// `fd` must be a dma-buf (or, for the soft provider, a mappable file) of at least
+    /// `offset + len` bytes that nothing else writes through in a way the caller did not agree to.
+    unsafe fn reg_dmabuf_mr(
+        &self,
+        pd: Pd,
+        offset: u64,
+        len: u64,
+        iova: u64,
+        fd: std::os::fd::RawFd,
+        access: u32,
+    ) -> Result<(Mr, u32, u32)> {
+        let _ = (pd, offset, len, iova, fd, access);
+        Err(crate::error::Error::new(
+            crate::error::Status::Unsupported,
+            format!("the {} provider has no ibv_reg_dmabuf_mr", self.provider()),
+        ))
+    }
     /// `ibv_dereg_mr`: returns once no operation uses the region any more.
     fn dereg_mr(&self, mr: Mr) -> Result<()>;
     /// `ibv_create_comp_channel`: the channel and its file descriptor (readable when an event

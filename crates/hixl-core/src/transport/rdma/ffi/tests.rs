@@ -170,3 +170,30 @@ fn the_real_library_loads_where_present() {
         }
     }
 }
+
+/// `ibv_reg_dmabuf_mr` is optional: the installed libibverbs has it exactly when its header
+/// declares it (rdma-core >= 34), and a library without it is named as lacking it.
+#[test]
+fn the_dmabuf_symbol_resolves_where_rdma_core_has_it() {
+    let Ok(v) = LibVerbs::load() else {
+        eprintln!("skipped: no {LIBRARY}");
+        return;
+    };
+    let declared = header_dir().map(|d| {
+        std::fs::read_to_string(std::path::Path::new(&d).join("infiniband/verbs.h"))
+            .unwrap()
+            .contains("ibv_reg_dmabuf_mr(")
+    });
+    match (declared, v.gpu_dmabuf()) {
+        (Some(true), r) => assert_eq!(r, Ok(()), "the header declares ibv_reg_dmabuf_mr"),
+        (Some(false), r) => assert!(r.unwrap_err().contains("ibv_reg_dmabuf_mr")),
+        (None, r) => eprintln!("no header to compare with; ibv_reg_dmabuf_mr: {r:?}"),
+    }
+    // libc is a real shared object without the symbol.
+    // SAFETY: dlopen of libc with a NUL-terminated name (already loaded; never closed).
+    let libc_h = unsafe { libc::dlopen(c"libc.so.6".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    assert!(!libc_h.is_null());
+    // SAFETY: a live handle.
+    let e = unsafe { dmabuf::resolve(libc_h, "libc.so.6") }.expect_err("libc has no ibv_reg_dmabuf_mr");
+    assert!(e.contains("libc.so.6 has no ibv_reg_dmabuf_mr") && e.contains("rdma-core >= 34"), "{e}");
+}

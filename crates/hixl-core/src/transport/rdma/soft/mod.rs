@@ -20,6 +20,7 @@
 //! QP), a NIC that answers while its process is stopped (this one is a thread of the target
 //! process), memory pinning, atomics, sends and receives.
 
+mod dmabuf;
 mod qp;
 mod responder;
 mod sockio;
@@ -98,6 +99,11 @@ fn socket_name(gid: &[u8; 16]) -> String {
 struct SoftMr {
     addr: u64,
     len: u64,
+    /// Where byte `addr` lies in this process: `addr` itself for `reg_mr`, the mapping of the
+    /// file for `reg_dmabuf_mr` (whose `addr` is the iova).
+    host: u64,
+    /// That mapping, unmapped when the region is gone.
+    _map: Option<dmabuf::Mapping>,
     access: u32,
     key: u32,
     pd: u64,
@@ -109,6 +115,11 @@ impl SoftMr {
     /// Whether `[addr, addr + len)` lies inside the region.
     fn covers(&self, addr: u64, len: u64) -> bool {
         addr >= self.addr && addr.checked_add(len).is_some_and(|end| end <= self.addr + self.len)
+    }
+
+    /// The address in this process of `addr`, which the region covers.
+    fn host_of(&self, addr: u64) -> u64 {
+        self.host + (addr - self.addr)
     }
 }
 
@@ -304,6 +315,48 @@ impl SoftVerbs {
     fn qp(&self, qp: Qp) -> Result<Arc<SoftQp>> {
         self.objs.lock().unwrap().qps.get(&qp.0).cloned().ok_or_else(|| no("QP", qp.0))
     }
+
+    /// Registers `[addr, addr + len)` (served from `map` when given, else from `addr` itself).
+    fn add_mr(
+        &self,
+        pd: Pd,
+        addr: u64,
+        len: u64,
+        acc: u32,
+        map: Option<dmabuf::Mapping>,
+    ) -> Result<(Mr, u32, u32)> {
+        let dev = self.device()?;
+        if len == 0 || addr.checked_add(len).is_none() {
+            return Err(Error::param(format!("soft verbs: cannot register 0x{addr:x}+{len}")));
+        }
+        if acc & access::REMOTE_WRITE != 0 && acc & access::LOCAL_WRITE == 0 {
+            // As ibv_reg_mr: remote write needs local write (EINVAL).
+            return Err(Error::param("soft verbs: REMOTE_WRITE without LOCAL_WRITE (EINVAL)"));
+        }
+        let mut o = self.objs.lock().unwrap();
+        if !o.pds.contains(&pd.0) {
+            return Err(no("PD", pd.0));
+        }
+        let idx = dev.next_key.fetch_add(1, Ordering::Relaxed);
+        let mut salt = [0u8; 1];
+        crate::auth::random_bytes(&mut salt)?;
+        let key = (idx << 8) | salt[0] as u32;
+        let host = map.as_ref().map_or(addr, |m| m.at());
+        let mr = Arc::new(SoftMr {
+            addr,
+            len,
+            host,
+            _map: map,
+            access: acc,
+            key,
+            pd: pd.0,
+            busy: RwLock::new(true),
+        });
+        dev.mrs.write().unwrap().insert(key, mr.clone());
+        let h = o.handle();
+        o.mrs.insert(h, mr);
+        Ok((Mr(h), key, key))
+    }
 }
 
 impl Verbs for SoftVerbs {
@@ -375,27 +428,30 @@ impl Verbs for SoftVerbs {
     }
 
     unsafe fn reg_mr(&self, pd: Pd, addr: u64, len: u64, acc: u32) -> Result<(Mr, u32, u32)> {
-        let dev = self.device()?;
-        if len == 0 || addr.checked_add(len).is_none() {
-            return Err(Error::param(format!("soft verbs: cannot register 0x{addr:x}+{len}")));
-        }
-        if acc & access::REMOTE_WRITE != 0 && acc & access::LOCAL_WRITE == 0 {
-            // As ibv_reg_mr: remote write needs local write (EINVAL).
-            return Err(Error::param("soft verbs: REMOTE_WRITE without LOCAL_WRITE (EINVAL)"));
-        }
-        let mut o = self.objs.lock().unwrap();
-        if !o.pds.contains(&pd.0) {
-            return Err(no("PD", pd.0));
-        }
-        let idx = dev.next_key.fetch_add(1, Ordering::Relaxed);
-        let mut salt = [0u8; 1];
-        crate::auth::random_bytes(&mut salt)?;
-        let key = (idx << 8) | salt[0] as u32;
-        let mr = Arc::new(SoftMr { addr, len, access: acc, key, pd: pd.0, busy: RwLock::new(true) });
-        dev.mrs.write().unwrap().insert(key, mr.clone());
-        let h = o.handle();
-        o.mrs.insert(h, mr);
-        Ok((Mr(h), key, key))
+        self.add_mr(pd, addr, len, acc, None)
+    }
+
+    /// The soft NIC's stand-in for a dma-buf: it maps `offset + len` bytes of the file `fd`
+    /// (a memfd in tests) and serves `[iova, iova + len)` from the mapping, so the dma-buf
+    /// registration path runs without a GPU. It is not GPU testing: a GPU's dma-buf cannot be
+    /// mapped this way.
+    unsafe fn reg_dmabuf_mr(
+        &self,
+        pd: Pd,
+        offset: u64,
+        len: u64,
+        iova: u64,
+        fd: RawFd,
+        acc: u32,
+    ) -> Result<(Mr, u32, u32)> {
+        let map = dmabuf::Mapping::new(fd, offset, len, acc)?;
+        self.add_mr(pd, iova, len, acc, Some(map))
+    }
+
+    fn gpu_dmabuf(&self) -> std::result::Result<(), String> {
+        Err("the soft provider's reg_dmabuf_mr cannot reach GPU memory (it maps the file into this \
+             process: a stand-in for tests)"
+            .into())
     }
 
     fn dereg_mr(&self, mr: Mr) -> Result<()> {

@@ -328,7 +328,7 @@ impl SoftQp {
         let head = Request { op, rkey: wr.rkey, addr: wr.remote_addr, len }.encode();
         let mut iovs = vec![iov_of(&head)];
         if wr.op == WrOp::Write {
-            iovs.extend(wr.sges.iter().map(|s| iov(s.addr, s.length as u64)));
+            iovs.extend(wr.sges.iter().map(|s| iov(host(&mrs, s), s.length as u64)));
         }
         // SAFETY: the header lives on this frame; every SGE was checked to lie in a registered
         // region, held registered by `guards` for the whole operation.
@@ -346,7 +346,8 @@ impl SoftQp {
             Status::OperationError => return wc::REM_OP_ERR,
         }
         if wr.op == WrOp::Read {
-            let mut v: Vec<libc::iovec> = wr.sges.iter().map(|s| iov(s.addr, s.length as u64)).collect();
+            let mut v: Vec<libc::iovec> =
+                wr.sges.iter().map(|s| iov(host(&mrs, s), s.length as u64)).collect();
             // SAFETY: as above: checked, registered, writable local regions held by `guards`.
             if let Err(e) = unsafe { io::recv_all(fd, &mut v) } {
                 return self.io_failed(&e);
@@ -389,4 +390,10 @@ impl SoftQp {
         s.conn = Some(c.clone());
         Some(c)
     }
+}
+
+/// Where an SGE's bytes lie in this process: its region (one of `mrs`, checked by
+/// `local_regions`) translates the address (a dma-buf stand-in's is an iova).
+fn host(mrs: &[Arc<SoftMr>], s: &crate::transport::rdma::verbs::Sge) -> u64 {
+    mrs.iter().find(|m| m.key == s.lkey).map_or(s.addr, |m| m.host_of(s.addr))
 }

@@ -266,12 +266,13 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
             refuse(Status::AccessError);
             return;
         }
-        if !write && !io::is_mapped(req.addr, req.len) {
+        let at = mr.host_of(req.addr);
+        if !write && !io::is_mapped(at, req.len) {
             drop(alive);
             refuse(Status::OperationError);
             return;
         }
-        let mut v = [iov(req.addr, req.len)];
+        let mut v = [iov(at, req.len)];
         if write {
             let mut got = 0;
             // SAFETY: the range lies inside a region registered on this device (checked just
