@@ -68,9 +68,11 @@ fn child_target() {
     if std::env::var(CHILD).as_deref() != Ok("target") {
         return;
     }
-    let device = std::env::var("HIXL_RAILS_CHILD_DEVICE").unwrap();
+    // The device list, as "hixl.rdma.device=LIST" (the child options of rdma.rs).
+    let extra = std::env::var("HIXL_RDMA_CHILD_OPTS").unwrap();
+    let device = extra.strip_prefix("hixl.rdma.device=").unwrap();
     let e = Engine::new();
-    e.initialize("127.0.0.1:0", &opts(&device, &[])).unwrap();
+    e.initialize("127.0.0.1:0", &opts(device, &[])).unwrap();
     let mut x = vec![0u8; X];
     fill(&mut x, 11);
     let desc = MemDesc { addr: x.as_mut_ptr() as u64, len: X as u64 };
@@ -93,7 +95,8 @@ fn child_target() {
 /// A target process on `device`, with `env`; its engine id.
 fn target(device: &str, env: &[(&str, &str)]) -> (Peer, String) {
     let mut env: Vec<(&str, &str)> = env.to_vec();
-    env.push(("HIXL_RAILS_CHILD_DEVICE", device));
+    let opt = format!("hixl.rdma.device={device}");
+    env.push(("HIXL_RDMA_CHILD_OPTS", &opt));
     if !on_hardware() {
         env.push((DEVICES_ENV, "4"));
     }
