@@ -315,5 +315,11 @@ fn all_opens_every_device_and_a_missing_one_is_refused_naming_the_value() {
     );
     assert!(err.message.contains("soft0, soft1, soft2, soft3"), "lists the devices there are: {err}");
     bad.finalize().unwrap();
+    // Four rails of 17 QPs: more than one BackendOpen carries (64).
+    let many = Engine::new();
+    many.initialize("127.0.0.1", &opts("all", &[("hixl.rdma.qps", "17")])).unwrap();
+    let err = many.connect(&id, Duration::from_secs(5)).unwrap_err();
+    assert!(err.message.contains("hixl.rdma.qps=17 on each of 4 rails is 68 QPs per peer"), "{err}");
+    many.finalize().unwrap();
     assert_eq!(t.ask("EXIT"), "BYE");
 }

@@ -322,6 +322,15 @@ impl Backend for Rdma {
                 offer.param
             ));
         }
+        let total = rails.nics.len() * self.opts.qps;
+        if total > MAX_QPS {
+            return Err(format!(
+                "hixl.rdma.qps={} on each of {} rails is {total} QPs per peer, more than one BackendOpen \
+                 carries ({MAX_QPS}): lower hixl.rdma.qps or name fewer devices",
+                self.opts.qps,
+                rails.nics.len()
+            ));
+        }
         let mut qps: Vec<Opened> = Vec::new();
         for nic in &rails.nics {
             match open_qps(nic, self.opts.qps, 0) {
