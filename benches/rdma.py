@@ -2,6 +2,7 @@
 
     scripts/rxe_vm.sh run -- python benches/rdma.py --device rxe0 --gid-index 1   # in the VM
     python benches/rdma.py --device mlx5_0 --gid-index 3 --json out.json         # a real NIC
+    scripts/rxe_vm.sh run --rails 2 -- python benches/rdma.py --rails rxe0,rxe1 --gid-index 1
 
 Two processes on one device (a target started by this one, holding a hixl engine with
 hixl.backends=rdma on the real verbs provider). perftest (Debian's `perftest`: ib_write_bw,
@@ -12,6 +13,11 @@ synchronous WRITE latency against ib_write_lat's typical latency (with hixl.rdma
 at its default, 0 and 5 ms), and the CPU an idle engine
 with an RDMA link uses. Under the VM's emulated CPU (TCG) absolute figures mean little; the
 ratios, measured in the same run on the same device, are the result.
+
+`--rails A,B,...` measures multi-rail instead: a 64 MiB WRITE (one request, striped across the
+rails by bytes) with `hixl.rdma.device` = A alone, then = A,B,... (both engines), in the same
+run, and the ratio of the two medians. Under TCG on two vCPUs the rails share the emulated CPU,
+so a ratio near 1 there says nothing about NICs.
 """
 
 from __future__ import annotations
@@ -102,13 +108,57 @@ def windowed(e: hixl.Hixl, peer: str, op: hixl.TransferOp, rows: list, window: i
         assert p.wait(60_000) == hixl.TransferStatus.COMPLETED
 
 
+def one_write(devices: str, gid: str, size: int, iters: int) -> tuple[dict, list]:
+    """`iters` timed WRITEs of `size` bytes in one request between two engines on `devices`;
+    the bandwidth row and the link's rails (device, up, bytes) from stats()."""
+    os.environ["BENCH_DEVICE"], os.environ["BENCH_GID"] = devices, gid
+    target, (peer, raddr, _) = start_target(__file__, size)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {**options(devices, gid), "hixl.rdma.qps": "2"})
+    src = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+    e.register(src)
+    e.connect(peer, timeout_ms=10_000)
+    assert e.stats()[peer]["backend"] == "rdma"
+    d = [(src.ctypes.data, int(raddr), size)]
+    row = bandwidth_row(timed(lambda: e.transfer_sync(peer, W, d, 120_000), iters), size)
+    rails = [(r["device"], r["up"], r["bytes"]) for r in e.stats()[peer]["rails"]]
+    e.finalize()
+    stop_target(target)
+    return row, rails
+
+
+def rails_main(a) -> None:
+    """One rail against all of `a.rails`, 64 MiB WRITE, same run."""
+    devs = a.rails.split(",")
+    iters = a.iters or (3 if a.quick else 7)
+    size = 64 * MIB
+    rows: dict[str, dict] = {"device": {"name": a.rails, "info": hixl._hixl._rdma_info("verbs")}}
+    one, r1 = one_write(devs[0], a.gid_index, size, iters)
+    many, rn = one_write(a.rails, a.gid_index, size, iters)
+    rows[f"hixl_write_64MiB_{devs[0]}"] = {**one, "rails": r1}
+    rows[f"hixl_write_64MiB_{len(devs)}_rails"] = {**many, "rails": rn}
+    ratio = many["median_GBps"] / one["median_GBps"]
+    rows["ratio"] = {"median": ratio}
+    print(f"device: {rows['device']['info']}")
+    print(f"{'row':34} {'median GB/s':>11} {'best GB/s':>10}  bytes per rail")
+    for name in (f"hixl_write_64MiB_{devs[0]}", f"hixl_write_64MiB_{len(devs)}_rails"):
+        r = rows[name]
+        per = ", ".join(f"{d} {'up' if up else 'OUT'} {b / MIB:.0f} MiB" for d, up, b in r["rails"])
+        print(f"{name:34} {r['median_GBps']:11.3f} {r['best_GBps']:10.3f}  {per}")
+    print(f"{len(devs)} rails / 1 rail (medians): {ratio:.2f}x (goal on NICs: >= 1.6x)")
+    write_json(a.json, rows)
+
+
 def main() -> None:
     ap = parser(__doc__, "fewer iterations")
     ap.add_argument("--device", default=os.environ.get("HIXL_RDMA_DEVICE", "rxe0"))
     ap.add_argument("--gid-index", default=os.environ.get("HIXL_RDMA_GID_INDEX", "1"))
+    ap.add_argument("--rails", metavar="A,B", help="multi-rail rows only: one rail against these")
     a = ap.parse_args()
     if a.serve:
         return serve(a.serve)
+    if a.rails:
+        return rails_main(a)
     dev, gid = a.device, a.gid_index
     iters = a.iters or (3 if a.quick else 7)
     rows: dict[str, dict] = {"device": {"name": dev, "info": hixl._hixl._rdma_info("verbs")}}

@@ -107,6 +107,7 @@ pub use queue::{Completion, CompletionQueue, NotifyDesc, Request, Telemetry, Tra
 pub use registry::{Access, MemType};
 pub use stats::{LatencySummary, LATENCY_BUCKETS_US};
 pub use transport::shm::{host_id, SharedMem};
+pub use transport::RailSnapshot;
 pub use wire::Domain;
 
 /// The engine's internals, for hixl's own fuzz targets, benchmarks and tests. Nothing here is
@@ -133,7 +134,7 @@ pub mod unstable {
     pub use crate::engine::{push_merged, split};
     /// The RDMA backend's verbs interface and its software provider (cross-process tests).
     pub mod rdma {
-        pub use crate::transport::rdma::soft::{SoftVerbs, LATENCY_ENV};
+        pub use crate::transport::rdma::soft::{SoftVerbs, DEVICES_ENV, FAIL_AFTER_ENV, LATENCY_ENV};
         pub use crate::transport::rdma::verbs;
         pub use crate::wire::rdma::QpAddr;
 

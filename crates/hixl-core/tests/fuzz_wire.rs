@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use hixl_core::unstable::auth::{FrameMac, MAC_LEN};
-use hixl_core::unstable::wire::rdma::{QpAddr, RdmaOpen};
+use hixl_core::unstable::wire::rdma::{QpAddr, QpRef, RdmaOpen};
 use hixl_core::unstable::wire::{
     self, BackendKey, Capability, Domain, Frame, RegionEntry, Seg, StridedSeg, HEADER_LEN,
 };
@@ -101,8 +101,8 @@ fn seed_frames() -> Vec<Vec<u8>> {
 }
 
 fn rdma_open() -> RdmaOpen {
-    let q = QpAddr { gid: [0xfe; 16], lid: 0, qpn: 0x11, psn: 0x123, mtu: 5 };
-    RdmaOpen { retire: vec![0x10], qps: vec![q, QpAddr { qpn: 0x12, ..q }] }
+    let q = QpAddr { gid: [0xfe; 16], lid: 0, qpn: 0x11, psn: 0x123, mtu: 5, rail: 0 };
+    RdmaOpen { retire: vec![QpRef { rail: 1, qpn: 0x10 }], qps: vec![q, QpAddr { qpn: 0x12, rail: 1, ..q }] }
 }
 
 /// The rdma backend's payload inside a BackendOpen is peer input too: it must decode to
@@ -111,7 +111,9 @@ fn check_rdma_payload(b: &[u8]) {
     if let Ok(o) = RdmaOpen::decode(b) {
         assert_eq!(o.encode(), b, "accepted an rdma payload that does not re-encode to itself");
     }
-    let _ = wire::rdma::decode_rkey(b);
+    if let Ok(k) = wire::rdma::decode_rkeys(b) {
+        assert_eq!(wire::rdma::encode_rkeys(&k), b, "an rdma key that does not re-encode to itself");
+    }
 }
 
 /// A decoded strided descriptor walks lazily into ranges that cover exactly its bytes, in

@@ -83,6 +83,7 @@ impl Nic {
             qpn: q.qpn,
             psn: 0x1000 + q.qpn % 4096,
             mtu: self.attr.active_mtu,
+            rail: 0,
         };
         (q.qp, addr, q.caps.max_send_wr)
     }
@@ -133,6 +134,7 @@ fn parse_qp(w: &[&str]) -> QpAddr {
         qpn: w[2].parse().unwrap(),
         psn: w[3].parse().unwrap(),
         mtu: w[4].parse().unwrap(),
+        rail: 0,
     }
 }
 

@@ -347,6 +347,7 @@ impl Engine {
                     latency_sum_us: l(&s.latency_sum_us),
                     queue_slots: c.link.queue_slots(),
                     heartbeat_misses: l(&s.heartbeat_misses),
+                    rails: c.link.rails(),
                 });
             }
         }

@@ -122,6 +122,9 @@ pub struct PeerSnapshot {
     /// Heartbeat intervals in which nothing came from the peer and it acknowledged nothing of
     /// ours but our probes (0 on a healthy link).
     pub heartbeat_misses: u64,
+    /// The data path's rails (rdma over several devices: each device, up or out, its bytes);
+    /// empty for other paths.
+    pub rails: Vec<crate::RailSnapshot>,
 }
 
 /// A region a peer registered, as [`Engine::remote_regions`](crate::Engine::remote_regions) shows it.

@@ -268,7 +268,7 @@ pub const SPECS: &[OptionSpec] = &[
         o.rdma.provider = rdma::provider(k, v)?;
         Ok(())
     }),
-    spec("hixl.rdma.device", "", "rdma backend: the device (e.g. mlx5_0); empty: the first with an active port", |o, k, v| {
+    spec("hixl.rdma.device", "", "rdma backend: the device (e.g. mlx5_0), a comma list of devices (each a rail; large requests are striped across them), or all (every device with an active port); empty: the first with an active port", |o, k, v| {
         o.rdma.device = rdma::device(k, v)?;
         Ok(())
     }),

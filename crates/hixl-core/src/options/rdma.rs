@@ -1,6 +1,7 @@
 //! The `rdma` backend's options (`hixl.rdma.*`), parsed by their rows in [`super::SPECS`].
 
 use crate::error::{Error, Result};
+pub use crate::wire::rdma::MAX_RAILS;
 
 /// Which implementation of the verbs the `rdma` backend uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,8 +27,8 @@ impl Provider {
 pub struct RdmaOptions {
     /// `hixl.rdma.provider`.
     pub provider: Provider,
-    /// `hixl.rdma.device`: the device's name (empty: the first with an active port).
-    pub device: String,
+    /// `hixl.rdma.device`: which devices carry data (each one a rail).
+    pub device: Devices,
     /// `hixl.rdma.port`: the port (from 1).
     pub port: u8,
     /// `hixl.rdma.gid_index`: the GID table entry (RoCE v2 usually needs a non-zero one).
@@ -52,7 +53,7 @@ impl RdmaOptions {
     pub(super) fn blank() -> RdmaOptions {
         RdmaOptions {
             provider: Provider::Verbs,
-            device: String::new(),
+            device: Devices::First,
             port: 0,
             gid_index: 0,
             qps: 0,
@@ -74,14 +75,46 @@ pub(crate) fn provider(key: &str, v: &str) -> Result<Provider> {
     }
 }
 
-/// Parses `hixl.rdma.device`: empty, or a device name as sysfs spells it.
-pub(super) fn device(key: &str, v: &str) -> Result<String> {
-    let ok =
-        v.len() <= 64 && v.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-' || c == b'.');
-    if !ok {
+/// What `hixl.rdma.device` names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Devices {
+    /// Empty: the first device whose port is active (one rail).
+    First,
+    /// `all`: every device whose port is active (at most [`MAX_RAILS`]), each a rail.
+    All,
+    /// One name, or a comma list of names: each a rail, in this order.
+    Named(Vec<String>),
+}
+
+/// Parses `hixl.rdma.device`: empty, `all`, or one device name or a comma list of them (as
+/// sysfs spells them), at most [`MAX_RAILS`], none twice.
+pub(super) fn device(key: &str, v: &str) -> Result<Devices> {
+    let t = v.trim();
+    if t.is_empty() {
+        return Ok(Devices::First);
+    }
+    if t.eq_ignore_ascii_case("all") {
+        return Ok(Devices::All);
+    }
+    let names: Vec<&str> = t.split(',').map(str::trim).collect();
+    let bad_name = |n: &str| {
+        n.is_empty()
+            || n.len() > 64
+            || !n.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-' || c == b'.')
+    };
+    if let Some(n) = names.iter().find(|n| bad_name(n)) {
         return Err(Error::param(format!(
-            "option {key}={v:?} is invalid: expected a device name such as mlx5_0 (letters, digits, _ - .)"
+            "option {key}={v:?} is invalid: {n:?} is not a device name such as mlx5_0 (letters, digits,              _ - .); expected one, a comma list, or all"
         )));
     }
-    Ok(v.to_string())
+    if names.len() > MAX_RAILS {
+        return Err(Error::param(format!(
+            "option {key}={v:?} is invalid: {} devices, at most {MAX_RAILS}",
+            names.len()
+        )));
+    }
+    if let Some((i, n)) = names.iter().enumerate().find(|(i, n)| names[..*i].contains(n)) {
+        return Err(Error::param(format!("option {key}={v:?} is invalid: {n:?} is named twice (at {i})")));
+    }
+    Ok(Devices::Named(names.into_iter().map(String::from).collect()))
 }

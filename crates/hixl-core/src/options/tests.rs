@@ -61,6 +61,18 @@ fn bad_keys_and_values_name_themselves() {
     assert!(e.message.contains("hixl.rdma.provider=\"rxe\"") && e.message.contains("verbs or soft"), "{e}");
     let e = Options::parse(&map(&[("hixl.rdma.device", "mlx5_0; rm")])).unwrap_err();
     assert!(e.message.contains("hixl.rdma.device"), "{e}");
+    use super::rdma::Devices;
+    let dev = |v: &str| Options::parse(&map(&[("hixl.rdma.device", v)])).map(|o| o.rdma.device);
+    assert_eq!(dev("").unwrap(), Devices::First);
+    assert_eq!(dev("ALL").unwrap(), Devices::All);
+    assert_eq!(dev("mlx5_0").unwrap(), Devices::Named(vec!["mlx5_0".into()]));
+    assert_eq!(dev(" rxe0, rxe1 ").unwrap(), Devices::Named(vec!["rxe0".into(), "rxe1".into()]));
+    for (bad, says) in
+        [("rxe0,,rxe1", "\"\""), ("rxe0,rxe0", "named twice"), ("a,b,c,d,e,f,g,h,i", "at most 8")]
+    {
+        let e = dev(bad).unwrap_err();
+        assert!(e.message.contains(&format!("hixl.rdma.device={bad:?}")) && e.message.contains(says), "{e}");
+    }
     let o = Options::parse(&map(&[("RdmaTrafficClass", "106"), ("RdmaServiceLevel", "3")])).unwrap();
     assert_eq!((o.rdma.traffic_class, o.rdma.service_level), (106, 3), "HIXL's keys act");
     let e = Options::parse(&map(&[("RdmaTrafficClass", "1"), ("hixl.rdma.traffic_class", "2")])).unwrap_err();

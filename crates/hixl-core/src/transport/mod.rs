@@ -87,4 +87,21 @@ pub trait DataPath: crate::registry::Abort + Send + Sync {
     fn queue_slots(&self) -> (usize, usize) {
         (0, 0)
     }
+    /// The rails of a path over several devices (rdma), in rail order; empty for others.
+    fn rails(&self) -> Vec<RailSnapshot> {
+        Vec::new()
+    }
+}
+
+/// One rail (device) of a data path, as `stats()` reports it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RailSnapshot {
+    /// The device (`mlx5_0`, `rxe1`, `soft0`).
+    pub device: String,
+    /// Whether it carries parts (false: left out after its QP failed).
+    pub up: bool,
+    /// Why it was left out (empty while up).
+    pub out_why: String,
+    /// Bytes of the parts it completed.
+    pub bytes: u64,
 }

@@ -1,6 +1,11 @@
 //! What the `rdma` backend carries over the control channel, as pure encoding and decoding:
 //! the payload of BackendOpen / BackendOpened (queue-pair addresses) and its region key (the
-//! rkey). Every field a peer sends is checked here before the backend sees it.
+//! rkeys, one per rail). Every field a peer sends is checked here before the backend sees it.
+//!
+//! Multi-rail (docs/PROTOCOL.md): with one rail everything is byte for byte what it was before
+//! rails existed (a 4-byte key; QP addresses with no rail section), so single-rail peers of
+//! either age interoperate. A QP on another rail than 0 adds a rail section after the QP
+//! addresses: [`RAILS_TAG`], one rail index per retired QP, one per QP address.
 
 use super::{Reader, WireError};
 
@@ -8,6 +13,10 @@ use super::{Reader, WireError};
 pub const MAX_QPS: usize = 64;
 /// Queue-pair numbers and packet sequence numbers are 24-bit.
 pub const MAX_QPN: u32 = (1 << 24) - 1;
+/// Most rails (devices) one engine uses, and so most rkeys in one region key.
+pub const MAX_RAILS: usize = 8;
+/// The byte that opens the rail section of an `rdma` BackendOpen(ed) payload.
+pub const RAILS_TAG: u8 = 1;
 
 /// The address of one RC queue pair: what its peer needs to move its own QP to RTR.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -22,6 +31,18 @@ pub struct QpAddr {
     pub psn: u32,
     /// The port's active MTU as `ibv_mtu` (1 = 256 ... 5 = 4096 bytes).
     pub mtu: u8,
+    /// The rail (index into the sender's devices) the QP is on; below [`MAX_RAILS`].
+    pub rail: u8,
+}
+
+/// A QP of the target's side of a link, by rail and number (QP numbers are per device, so the
+/// same number may be on two rails).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QpRef {
+    /// The target's rail it is on.
+    pub rail: u8,
+    /// Its number.
+    pub qpn: u32,
 }
 
 /// The payload of an `rdma` BackendOpen (initiator's QPs, plus target QPs of this link it
@@ -29,7 +50,7 @@ pub struct QpAddr {
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct RdmaOpen {
     /// Queue pairs of the target's side of this link that the initiator no longer uses.
-    pub retire: Vec<u32>,
+    pub retire: Vec<QpRef>,
     /// Queue-pair addresses, one per QP to connect.
     pub qps: Vec<QpAddr>,
 }
@@ -37,10 +58,10 @@ pub struct RdmaOpen {
 impl RdmaOpen {
     /// Encodes the payload.
     pub fn encode(&self) -> Vec<u8> {
-        let mut p = Vec::with_capacity(2 + 4 * self.retire.len() + 27 * self.qps.len());
+        let mut p = Vec::with_capacity(3 + 5 * self.retire.len() + 28 * self.qps.len());
         p.push(self.retire.len() as u8);
         for q in &self.retire {
-            p.extend_from_slice(&q.to_le_bytes());
+            p.extend_from_slice(&q.qpn.to_le_bytes());
         }
         p.push(self.qps.len() as u8);
         for q in &self.qps {
@@ -50,11 +71,17 @@ impl RdmaOpen {
             p.extend_from_slice(&q.psn.to_le_bytes());
             p.push(q.mtu);
         }
+        let rails = self.retire.iter().map(|r| r.rail).chain(self.qps.iter().map(|q| q.rail));
+        if rails.clone().any(|r| r != 0) {
+            p.push(RAILS_TAG);
+            p.extend(rails);
+        }
         p
     }
 
     /// Decodes and checks a payload: counts within [`MAX_QPS`], 24-bit numbers, a known MTU,
-    /// nothing left over.
+    /// rails below [`MAX_RAILS`] (a rail section only where one rail is not 0), nothing left
+    /// over.
     pub fn decode(b: &[u8]) -> Result<RdmaOpen, WireError> {
         let mut r = Reader { b };
         let count = |r: &mut Reader<'_>, field| -> Result<usize, WireError> {
@@ -67,7 +94,7 @@ impl RdmaOpen {
         let n = count(&mut r, "retired qp count")?;
         let mut retire = Vec::with_capacity(n);
         for _ in 0..n {
-            retire.push(qp_number(r.u32("retired qpn")?, "retired qpn")?);
+            retire.push(QpRef { rail: 0, qpn: qp_number(r.u32("retired qpn")?, "retired qpn")? });
         }
         let n = count(&mut r, "qp count")?;
         let mut qps = Vec::with_capacity(n);
@@ -83,7 +110,34 @@ impl RdmaOpen {
             if !(1..=5).contains(&mtu) {
                 return Err(WireError::Invalid { field: "qp mtu", value: mtu as u64 });
             }
-            qps.push(QpAddr { gid, lid, qpn, psn, mtu });
+            qps.push(QpAddr { gid, lid, qpn, psn, mtu, rail: 0 });
+        }
+        if !r.b.is_empty() {
+            let tag = r.u8("rail section")?;
+            if tag != RAILS_TAG {
+                return Err(WireError::Invalid { field: "rail section", value: tag as u64 });
+            }
+            let rail = |r: &mut Reader<'_>| -> Result<u8, WireError> {
+                let v = r.u8("qp rail")?;
+                if v as usize >= MAX_RAILS {
+                    return Err(WireError::TooLarge {
+                        field: "qp rail",
+                        value: v as u64,
+                        limit: MAX_RAILS as u64 - 1,
+                    });
+                }
+                Ok(v)
+            };
+            for q in &mut retire {
+                q.rail = rail(&mut r)?;
+            }
+            for q in &mut qps {
+                q.rail = rail(&mut r)?;
+            }
+            if retire.iter().all(|q| q.rail == 0) && qps.iter().all(|q| q.rail == 0) {
+                // Only a payload with a QP off rail 0 has the section (one encoding per payload).
+                return Err(WireError::Invalid { field: "rail section", value: 0 });
+            }
         }
         if !r.b.is_empty() {
             return Err(WireError::Trailing(r.b.len()));
@@ -99,17 +153,18 @@ fn qp_number(v: u32, field: &'static str) -> Result<u32, WireError> {
     Ok(v)
 }
 
-/// The `rdma` region key: the memory region's rkey.
-pub fn encode_rkey(rkey: u32) -> Vec<u8> {
-    rkey.to_le_bytes().to_vec()
+/// The `rdma` region key: the rkey of the region's memory region on each rail, in rail order
+/// (4 bytes little-endian each; one rail: the 4 bytes of one rkey, as before rails).
+pub fn encode_rkeys(rkeys: &[u32]) -> Vec<u8> {
+    rkeys.iter().flat_map(|k| k.to_le_bytes()).collect()
 }
 
-/// The rkey of an `rdma` region key; anything but 4 bytes is refused.
-pub fn decode_rkey(key: &[u8]) -> Result<u32, WireError> {
-    let b: [u8; 4] = key
-        .try_into()
-        .map_err(|_| WireError::Invalid { field: "rdma region key length", value: key.len() as u64 })?;
-    Ok(u32::from_le_bytes(b))
+/// The rkeys of an `rdma` region key, one per rail of the peer: 1 to [`MAX_RAILS`] of them.
+pub fn decode_rkeys(key: &[u8]) -> Result<Vec<u32>, WireError> {
+    if key.is_empty() || key.len() % 4 != 0 || key.len() / 4 > MAX_RAILS {
+        return Err(WireError::Invalid { field: "rdma region key length", value: key.len() as u64 });
+    }
+    Ok(key.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect())
 }
 
 #[cfg(test)]
@@ -117,8 +172,15 @@ mod tests {
     use super::*;
 
     fn sample() -> RdmaOpen {
-        let q = |qpn| QpAddr { gid: [qpn as u8; 16], lid: 3, qpn, psn: 0xABCDE, mtu: 3 };
-        RdmaOpen { retire: vec![17], qps: vec![q(5), q(MAX_QPN)] }
+        let q = |qpn| QpAddr { gid: [qpn as u8; 16], lid: 3, qpn, psn: 0xABCDE, mtu: 3, rail: 0 };
+        RdmaOpen { retire: vec![QpRef { rail: 0, qpn: 17 }], qps: vec![q(5), q(MAX_QPN)] }
+    }
+
+    fn railed() -> RdmaOpen {
+        let mut o = sample();
+        o.retire[0].rail = 2;
+        o.qps[1].rail = 1;
+        o
     }
 
     #[test]
@@ -126,7 +188,45 @@ mod tests {
         let o = sample();
         assert_eq!(RdmaOpen::decode(&o.encode()), Ok(o));
         assert_eq!(RdmaOpen::decode(&RdmaOpen::default().encode()), Ok(RdmaOpen::default()));
-        assert_eq!(decode_rkey(&encode_rkey(0xDEAD_BEEF)), Ok(0xDEAD_BEEF));
+        assert_eq!(RdmaOpen::decode(&railed().encode()), Ok(railed()));
+        assert_eq!(decode_rkeys(&encode_rkeys(&[0xDEAD_BEEF])), Ok(vec![0xDEAD_BEEF]));
+        assert_eq!(decode_rkeys(&encode_rkeys(&[1, 2, 3])), Ok(vec![1, 2, 3]));
+    }
+
+    /// One rail: the bytes of before rails existed (a peer of then reads them, and we theirs).
+    #[test]
+    fn single_rail_encodings_are_those_of_before_rails() {
+        assert_eq!(encode_rkeys(&[0x0403_0201]), [1, 2, 3, 4]);
+        let o = sample().encode();
+        assert_eq!(o.len(), 1 + 4 + 1 + 2 * 27, "no rail section");
+        assert_eq!(&o[1..5], &17u32.to_le_bytes());
+        let r = railed().encode();
+        assert_eq!(r.len(), o.len() + 1 + 3, "the tag and one rail per retired QP and per QP");
+        assert_eq!(&r[o.len()..], &[RAILS_TAG, 2, 0, 1]);
+    }
+
+    #[test]
+    fn hostile_rail_sections_and_keys_are_refused() {
+        let base = sample().encode();
+        let with = |tail: &[u8]| [&base[..], tail].concat();
+        assert_eq!(
+            RdmaOpen::decode(&with(&[7, 0, 0, 1])),
+            Err(WireError::Invalid { field: "rail section", value: 7 })
+        );
+        assert_eq!(
+            RdmaOpen::decode(&with(&[RAILS_TAG, 0, 0, 0])),
+            Err(WireError::Invalid { field: "rail section", value: 0 }),
+            "an all-zero section is not the canonical encoding"
+        );
+        assert!(matches!(
+            RdmaOpen::decode(&with(&[RAILS_TAG, 0, 0, MAX_RAILS as u8])),
+            Err(WireError::TooLarge { field: "qp rail", .. })
+        ));
+        assert!(RdmaOpen::decode(&with(&[RAILS_TAG, 0, 1])).is_err(), "one rail short");
+        assert_eq!(RdmaOpen::decode(&with(&[RAILS_TAG, 0, 0, 1, 0])), Err(WireError::Trailing(1)));
+        for bad in [&[][..], &[1, 2, 3], &[0; 36]] {
+            assert!(decode_rkeys(bad).is_err(), "{} bytes", bad.len());
+        }
     }
 
     #[test]
@@ -137,7 +237,7 @@ mod tests {
         }
         let mut long = good.clone();
         long.push(0);
-        assert_eq!(RdmaOpen::decode(&long), Err(WireError::Trailing(1)));
+        assert_eq!(RdmaOpen::decode(&long), Err(WireError::Invalid { field: "rail section", value: 0 }));
         let mut bad_mtu = good.clone();
         *bad_mtu.last_mut().unwrap() = 6;
         assert_eq!(RdmaOpen::decode(&bad_mtu), Err(WireError::Invalid { field: "qp mtu", value: 6 }));
@@ -146,6 +246,6 @@ mod tests {
         assert_eq!(RdmaOpen::decode(&zero_qpn), Err(WireError::Invalid { field: "qpn", value: 0 }));
         let too_many = [0u8, (MAX_QPS + 1) as u8];
         assert!(matches!(RdmaOpen::decode(&too_many), Err(WireError::TooLarge { field: "qp count", .. })));
-        assert!(decode_rkey(&[1, 2, 3]).is_err());
+        assert!(decode_rkeys(&[1, 2, 3]).is_err());
     }
 }

@@ -121,7 +121,9 @@ impl Hixl {
     /// the peer's `alloc`'d memory), `in_flight` (requests, `send_notify` included, submitted
     /// and not settled; never negative), `queue_slots_used` / `queue_slots` (the link's
     /// request queue; 0 / 0 for "self"), `heartbeat_misses` (intervals in which nothing came
-    /// from the peer and it acknowledged nothing but our probes: 0 on a healthy link) and
+    /// from the peer and it acknowledged nothing but our probes: 0 on a healthy link), `rails`
+    /// (rdma over several devices: a list of `device`, `up`, `out_why`, `bytes` per rail;
+    /// empty for other backends) and
     /// `latency_us` (`count`, `avg`, `p50`, `p99`, `max` of recent requests, in
     /// microseconds). `hixl.metrics` exposes the same for Prometheus.
     ///
@@ -144,6 +146,16 @@ impl Hixl {
             d.set_item("queue_slots_used", s.queue_slots.0)?;
             d.set_item("queue_slots", s.queue_slots.1)?;
             d.set_item("heartbeat_misses", s.heartbeat_misses)?;
+            let rails = pyo3::types::PyList::empty(py);
+            for r in &s.rails {
+                let rd = PyDict::new(py);
+                rd.set_item("device", &r.device)?;
+                rd.set_item("up", r.up)?;
+                rd.set_item("out_why", &r.out_why)?;
+                rd.set_item("bytes", r.bytes)?;
+                rails.append(rd)?;
+            }
+            d.set_item("rails", rails)?;
             let l = PyDict::new(py);
             l.set_item("count", s.latency.count)?;
             l.set_item("avg", s.latency.avg_us)?;

@@ -14,6 +14,11 @@
 //!   once, from its first request, on the QP that replaces this one (`revive`). After a
 //!   NOT_CONNECTED cause (retries exceeded: the peer is unreachable) or when the link closes,
 //!   flushed parts fail with that cause.
+//! - With `failover` (a link of several rails), a part that failed or was flushed after any
+//!   other cause (the rail's peer unreachable, the device gone) is held, neither failed nor
+//!   re-posted here: once the QP drained, the link moves every part it holds to another rail
+//!   (`evacuate`), or, on a rail that is kept, the QP that replaces this one posts them again
+//!   (`revive`).
 
 use std::collections::{HashMap, VecDeque};
 
@@ -65,6 +70,8 @@ pub(super) struct QpBook {
     dead: Option<Error>,
     /// Parts that ended before any of their requests was posted (their request ended).
     orphans: Finished,
+    /// Hold parts failed by a cause other than a range, for another rail (see the rules).
+    failover: bool,
 }
 
 /// The error a work completion stands for.
@@ -101,7 +108,15 @@ impl QpBook {
             next_job: 1,
             dead: None,
             orphans: Vec::new(),
+            failover: false,
         }
+    }
+
+    /// Holds parts failed by a cause other than a range instead of failing them (a link of
+    /// several rails moves them to another).
+    pub(super) fn with_failover(mut self, on: bool) -> QpBook {
+        self.failover = on;
+        self
     }
 
     /// Why the QP is in the error state, if it is.
@@ -186,18 +201,27 @@ impl QpBook {
         std::mem::take(&mut self.orphans)
     }
 
-    /// Records one work completion (`seq` = the low 32 bits of its wr_id); returns the parts
-    /// that ended. A completion for no record (of a QP already replaced) is ignored.
+    /// Records one work completion from the CQ (`seq` = the low 32 bits of its wr_id); returns
+    /// the parts that ended. A completion for no record (of a QP already replaced) is ignored.
     pub(super) fn on_wc(&mut self, seq: u32, status: u32) -> Finished {
+        self.on_wc_at(seq, status, true)
+    }
+
+    /// `from_cq`: the completion came from the CQ, where a QP's completions come in posting
+    /// order, so the records still before it are requests that completed with no completion of
+    /// their own (unsignaled, before a request that failed or was flushed: a QP moved to the
+    /// error state on purpose flushes what follows them). Not so for requests the QP never
+    /// took (`unposted`).
+    fn on_wc_at(&mut self, seq: u32, status: u32, from_cq: bool) -> Finished {
         let Some(pos) = self.posted.iter().position(|r| r.seq == seq) else { return Vec::new() };
         let mut touched: Vec<u64> = Vec::new();
         // Everything before it completed: in order on RC, or before the failing request.
-        let before = if status == wc::WR_FLUSH_ERR { 0 } else { pos };
+        let before = if status == wc::WR_FLUSH_ERR && !from_cq { 0 } else { pos };
         for _ in 0..before {
             let r = self.posted.pop_front().expect("counted");
             self.retire(&r, None, &mut touched);
         }
-        let r = self.posted.remove(if status == wc::WR_FLUSH_ERR { pos } else { 0 }).expect("found");
+        let r = self.posted.remove(pos - before).expect("found");
         let err = match status {
             wc::SUCCESS => None,
             wc::WR_FLUSH_ERR => {
@@ -257,6 +281,13 @@ impl QpBook {
                 again.push(id);
                 continue;
             }
+            let range = |e: &Error| e.status == Status::ParamInvalid;
+            let hold = self.failover
+                && self.dead.as_ref().is_some_and(|c| !range(c))
+                && !(j.own && j.err.as_ref().is_some_and(range));
+            if hold {
+                continue; // for `evacuate` or `revive`
+            }
             self.backlog.retain(|b| *b != id);
             let j = self.jobs.remove(&id).expect("exists");
             out.push((j.part, j.err.map_or(Ok(()), Err)));
@@ -278,7 +309,7 @@ impl QpBook {
         self.dead.get_or_insert(err);
         let mut out = Vec::new();
         for wr in batch[from..].iter().rev() {
-            out.append(&mut self.on_wc(wr.wr_id as u32, wc::WR_FLUSH_ERR));
+            out.append(&mut self.on_wc_at(wr.wr_id as u32, wc::WR_FLUSH_ERR, false));
         }
         out
     }
@@ -289,12 +320,54 @@ impl QpBook {
         self.dead.get_or_insert(cause);
     }
 
-    /// The QP was replaced by a fresh one: waiting and re-queued parts are posted on it.
+    /// The QP was replaced by a fresh one: waiting, re-queued and held parts are posted on it.
     pub(super) fn revive(&mut self, label: String) {
         debug_assert!(self.posted.is_empty());
         self.dead = None;
         self.since_signal = 0;
         self.label = label;
+        let held: Vec<u64> = self
+            .jobs
+            .iter()
+            .filter(|(_, j)| j.err.is_some() && j.outstanding == 0)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in held {
+            let j = self.jobs.get_mut(&id).expect("exists");
+            (j.cursor, j.err, j.own, j.reposted) = (0, None, false, true);
+            self.backlog.retain(|b| *b != id);
+            let at = self.backlog.iter().position(|b| *b > id).unwrap_or(self.backlog.len());
+            self.backlog.insert(at, id);
+        }
+    }
+
+    /// The QP's rail is out and the QP drained: every part leaves it. Returns, in submission
+    /// order, the parts to post on another rail (a READ or WRITE may run again: the same bytes
+    /// land in the same place), and those that end here: a part one of whose own requests was
+    /// refused for its range, and parts whose request ended meanwhile.
+    pub(super) fn evacuate(&mut self) -> (Vec<Part>, Finished) {
+        debug_assert!(self.posted.is_empty());
+        self.backlog.clear();
+        let mut out = std::mem::take(&mut self.orphans);
+        let mut ids: Vec<u64> = self.jobs.keys().copied().collect();
+        ids.sort_unstable();
+        let mut again = Vec::new();
+        for id in ids {
+            let j = self.jobs.remove(&id).expect("exists");
+            match j.err {
+                Some(e) if j.own && e.status == Status::ParamInvalid => out.push((j.part, Err(e))),
+                _ if j.part.req.status() != TransferStatus::Waiting => {
+                    let e = j
+                        .part
+                        .req
+                        .error()
+                        .unwrap_or_else(|| Error::timeout("request ended before it was re-posted"));
+                    out.push((j.part, Err(e)));
+                }
+                _ => again.push(j.part),
+            }
+        }
+        (again, out)
     }
 
     /// Ends every part it holds with `err` (the link closes; the QP is destroyed or was).

@@ -20,6 +20,7 @@ use std::os::fd::AsRawFd;
 use std::path::Path as FsPath;
 
 use super::nic::Nic;
+use super::rails::Rails;
 use super::verbs::Verbs;
 use crate::cuda::{dmabuf, driver};
 use crate::error::Result;
@@ -141,23 +142,23 @@ pub fn device_piece(ordinal: u8) -> Piece {
 /// present when the engine started) allows once the device's attribute is known. Returns the
 /// rkey; UNSUPPORTED naming what is missing when neither path is there.
 pub(super) fn register(
-    nic: &Nic,
+    rails: &Rails,
     start: &Present,
     ordinal: u8,
     addr: u64,
     len: u64,
     how: Access,
-) -> Result<u32> {
+) -> Result<Vec<u32>> {
     let mut p = start.clone();
     p.device_dmabuf = Some(device_piece(ordinal));
     match choose(&p) {
         Path::DmaBuf => {
             let (fd, offset) = dmabuf::export(ordinal, addr, len)?;
-            // The region takes its own reference to the dma-buf; ours is closed when `fd`
-            // drops, at the end of this arm.
-            nic.register_dmabuf(addr, len, how, fd.as_raw_fd(), offset)
+            // Each rail's region takes its own reference to the dma-buf; ours is closed when
+            // `fd` drops, at the end of this arm, after every rail registered.
+            rails.register_with(addr, |nic| nic.register_dmabuf(addr, len, how, fd.as_raw_fd(), offset))
         }
-        Path::PeerMem => nic.register(addr, len, how),
+        Path::PeerMem => rails.register(addr, len, how),
         Path::Unsupported(m) => Err(super::unsupported(format!(
             "GPU memory (cuda:{ordinal}) cannot be registered for RDMA here: {m}"
         ))),
@@ -198,12 +199,12 @@ impl Gpu {
 
     /// Registers `mem` when it is GPU memory this backend offers (None: not its business:
     /// host memory, or no GPU path, when another backend may serve it).
-    pub(super) fn register(&self, nic: &Nic, mem: &MemorySpan) -> Option<Result<u32>> {
+    pub(super) fn register(&self, rails: &Rails, mem: &MemorySpan) -> Option<Result<Vec<u32>>> {
         let (Domain::Cuda(n), Some((present, start))) = (mem.domain, &self.0) else { return None };
         if start.is_unsupported() {
             return None;
         }
-        Some(register(nic, present, n, mem.addr, mem.len, mem.access))
+        Some(register(rails, present, n, mem.addr, mem.len, mem.access))
     }
 }
 

@@ -1,32 +1,38 @@
-//! The `rdma` data path to one peer: `hixl.rdma.qps` RC queue pairs. A part becomes a chain of
-//! work requests on one QP (see `wrs`), posted with one doorbell as far as the send queue has
-//! room; the engine's poller reports completions here, which settle parts through the link's
-//! completer (the notification after the data then goes over the control channel). A QP that
-//! fails because of one request's range is replaced by a fresh one, and the parts it flushed
-//! are posted again on it (see `book`); a QP that finds the peer unreachable closes the link.
+//! The `rdma` data path to one peer: `hixl.rdma.qps` RC queue pairs on each rail. A part
+//! becomes a chain of work requests on one QP (see `wrs`), posted with one doorbell as far as
+//! the send queue has room; the engine's poller reports completions here, which settle parts
+//! through the link's completer (the notification after the data then goes over the control
+//! channel).
+//!
+//! Parts go round-robin over the rails that are up, then over each rail's QPs: the engine
+//! splits a request of at least `hixl.split_bytes` into one part per QP of every rail, so a
+//! large request is striped across the rails by bytes, and a smaller one (one part) stays on
+//! one rail. What a failed QP does is in `failover`.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+mod failover;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::book::{Finished, QpBook};
 use super::nic::Nic;
-use super::verbs::{wc, Qp, QpTransition, Wc};
-use super::{exchange, open_qps, wrs, Opened};
+use super::rails::Rails;
+use super::verbs::{Qp, QpTransition, SendWr};
+use super::{wrs, Opened};
 use crate::complete::Completer;
 use crate::error::{Error, Result, Status};
 use crate::queue::{Part, PartBody, Request, WaitHelp};
 use crate::registry::{new_holder_id, Abort};
 use crate::stats::PeerStats;
 use crate::transport::tcp::TcpLink;
-use crate::transport::DataPath;
-use crate::wire::rdma::RdmaOpen;
+use crate::transport::{DataPath, RailSnapshot};
 
 /// How long `close` lets flushed requests come back before it destroys the QPs.
 const FLUSH_WAIT: Duration = Duration::from_secs(1);
 
 struct Slot {
-    /// None once destroyed (the link closed).
+    /// None once destroyed (the link closed, or its rail is out).
     qp: Option<Qp>,
     qpn: u32,
     /// The peer's QP this one is connected to.
@@ -34,15 +40,28 @@ struct Slot {
     book: QpBook,
 }
 
+/// One rail of the link: its QPs, whether it is up, what it carried.
+struct Lane {
+    nic: Arc<Nic>,
+    /// The peer's rail its QPs are connected to (which rkey of a region they carry).
+    peer_rail: AtomicU8,
+    slots: Vec<Mutex<Slot>>,
+    repairing: Vec<AtomicBool>,
+    up: AtomicBool,
+    /// Why it is out.
+    out_why: Mutex<Option<String>>,
+    /// Bytes of the parts it completed.
+    bytes: AtomicU64,
+}
+
 /// An RDMA link to one peer.
 pub struct RdmaLink {
     id: u32,
     holder_id: u64,
-    nic: Arc<Nic>,
+    rails: Arc<Rails>,
     control: Arc<TcpLink>,
     done: Completer,
-    slots: Vec<Mutex<Slot>>,
-    repairing: Vec<AtomicBool>,
+    lanes: Vec<Lane>,
     next: AtomicUsize,
     closed: AtomicBool,
     reason: Mutex<Option<Error>>,
@@ -61,52 +80,68 @@ pub struct RdmaLink {
 }
 
 impl RdmaLink {
+    /// The same link, whose waiters poll the CQs for `busy_poll` (`hixl.rdma.busy_poll_us`).
+    pub(super) fn with_busy_poll(mut self, busy_poll: Duration) -> RdmaLink {
+        self.busy_poll = busy_poll;
+        self
+    }
+
+    /// A link over `qps`: `per_rail` connected QPs of each of the engine's rails, rail by rail.
     pub(super) fn new(
         id: u32,
-        nic: Arc<Nic>,
+        rails: Arc<Rails>,
         control: Arc<TcpLink>,
         qps: Vec<Opened>,
+        per_rail: usize,
         queue_depth: usize,
         timeout: Duration,
-        busy_poll: Duration,
     ) -> RdmaLink {
         control.set_label("rdma");
         let done = Completer::new("rdma", &control.peer_info().engine_id, control.stats());
         let peer = control.peer().to_string();
-        let slots = qps
-            .into_iter()
-            .enumerate()
-            .map(|(i, o)| {
-                let label = format!("QP {} (to {peer})", o.created.qpn);
-                Mutex::new(Slot {
-                    qp: Some(o.created.qp),
-                    qpn: o.created.qpn,
-                    target_qpn: o.remote_qpn,
-                    // The depth asked for, not a larger one the device may have given: the
-                    // engine's CQ has room for that many of this QP's completions.
-                    book: QpBook::new(
-                        (id as u64) << 8 | i as u64,
-                        o.created.caps.max_send_wr.min(nic.limits.sq_depth) as usize,
-                        label,
-                    ),
-                })
+        let failover = rails.nics.len() > 1;
+        let mut lanes: Vec<Lane> = rails
+            .nics
+            .iter()
+            .map(|nic| Lane {
+                nic: nic.clone(),
+                peer_rail: AtomicU8::new(0),
+                slots: Vec::with_capacity(per_rail),
+                repairing: (0..per_rail).map(|_| AtomicBool::new(false)).collect(),
+                up: AtomicBool::new(true),
+                out_why: Mutex::new(None),
+                bytes: AtomicU64::new(0),
             })
-            .collect::<Vec<_>>();
+            .collect();
+        for o in qps {
+            let lane = &mut lanes[o.addr.rail as usize];
+            lane.peer_rail.store(o.remote_rail, Ordering::Relaxed);
+            let i = lane.slots.len();
+            let label = format!("QP {} of {} (to {peer})", o.created.qpn, lane.nic.device);
+            // The depth asked for, not a larger one the device may have given: the rail's CQ
+            // has room for that many of this QP's completions.
+            let depth = o.created.caps.max_send_wr.min(lane.nic.limits.sq_depth) as usize;
+            lane.slots.push(Mutex::new(Slot {
+                qp: Some(o.created.qp),
+                qpn: o.created.qpn,
+                target_qpn: o.remote_qpn,
+                book: QpBook::new((id as u64) << 8 | i as u64, depth, label).with_failover(failover),
+            }));
+        }
         RdmaLink {
             id,
             holder_id: new_holder_id(),
-            repairing: slots.iter().map(|_| AtomicBool::new(false)).collect(),
-            nic,
+            rails,
             control,
             done,
-            slots,
+            lanes,
             next: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
             reason: Mutex::new(None),
             held: AtomicUsize::new(0),
             queue_depth,
             timeout,
-            busy_poll,
+            busy_poll: Duration::ZERO,
             threads: Mutex::new(Vec::new()),
             closed_done: (Mutex::new(false), std::sync::Condvar::new()),
         }
@@ -127,8 +162,13 @@ impl RdmaLink {
         }
     }
 
+    /// The rails that are up.
+    fn live(&self) -> Vec<usize> {
+        (0..self.lanes.len()).filter(|r| self.lanes[*r].up.load(Ordering::Acquire)).collect()
+    }
+
     /// Posts what the slot's book has ready, with one doorbell.
-    fn post_now(&self, slot: &mut Slot) -> Finished {
+    fn post_now(&self, nic: &Nic, slot: &mut Slot) -> Finished {
         let mut out = slot.book.take_orphans();
         let Some(qp) = slot.qp else { return out };
         let batch = slot.book.next_batch();
@@ -138,13 +178,14 @@ impl RdmaLink {
         // SAFETY: every SGE was built from a local range inside a region registered on this
         // NIC (its lkey was found), which the request pins until it settles; a request settles
         // only after its last work request completed or its QP was destroyed.
-        if let Err(pe) = unsafe { self.nic.verbs.post_send(qp, &batch) } {
-            let _ = self.nic.verbs.modify_qp(qp, &QpTransition::Err);
+        if let Err(pe) = unsafe { nic.verbs.post_send(qp, &batch) } {
+            let _ = nic.verbs.modify_qp(qp, &QpTransition::Err);
             let err = Error::failed(format!(
-                "ibv_post_send refused work request {} of {} on QP {} (errno {})",
+                "ibv_post_send refused work request {} of {} on QP {} of {} (errno {})",
                 pe.bad_wr,
                 batch.len(),
                 slot.qpn,
+                nic.device,
                 pe.errno
             ));
             out.append(&mut slot.book.unposted(&batch, pe.bad_wr, err));
@@ -152,114 +193,72 @@ impl RdmaLink {
         out
     }
 
-    /// Completions of this link's work requests, from the engine's poller.
-    pub(super) fn on_completions(self: &Arc<Self>, wcs: &[Wc]) {
+    /// Places parts on the rails that are up (round-robin over the rails, then over each
+    /// rail's QPs), builds their work requests for that rail and posts them. A part that cannot
+    /// be built ends with its error; with no rail up, every part ends with the link's reason
+    /// and the link closes.
+    fn place(&self, parts: Vec<Part>) {
+        let live = self.live();
+        if live.is_empty() {
+            let why = self.reason.lock().unwrap().clone().unwrap_or_else(|| {
+                Error::not_connected(format!("every RDMA rail to {} is out", self.control.peer()))
+            });
+            self.finish(parts.into_iter().map(|p| (p, Err(why.clone()))).collect());
+            self.close(why);
+            return;
+        }
+        let per_rail = self.lanes[0].slots.len();
         let mut done: Finished = Vec::new();
-        let mut touched: Vec<usize> = Vec::new();
-        for w in wcs {
-            let idx = ((w.wr_id >> 32) & 0xFF) as usize;
-            let Some(slot) = self.slots.get(idx) else { continue };
-            if w.status != wc::SUCCESS && w.status != wc::WR_FLUSH_ERR {
-                tracing::warn!(
-                    peer = %self.control.peer(), qp = w.qp_num, status = wc::name(w.status),
-                    vendor_err = w.vendor_err, "RDMA work request failed"
-                );
-            }
-            done.append(&mut slot.lock().unwrap().book.on_wc(w.wr_id as u32, w.status));
-            if !touched.contains(&idx) {
-                touched.push(idx);
+        let mut jobs: Vec<Vec<(Part, Vec<SendWr>)>> =
+            (0..self.lanes.len() * per_rail).map(|_| Vec::new()).collect();
+        let start = self.next.fetch_add(parts.len(), Ordering::Relaxed);
+        {
+            let table = self.control.table();
+            for (i, part) in parts.into_iter().enumerate() {
+                let k = start + i;
+                let (r, q) = (live[k % live.len()], (k / live.len()) % per_rail);
+                let lane = &self.lanes[r];
+                match wrs::build(&lane.nic, &table, &part, lane.peer_rail.load(Ordering::Relaxed)) {
+                    Ok(w) => jobs[r * per_rail + q].push((part, w)),
+                    Err(e) => done.push((part, Err(e))),
+                }
             }
         }
-        let mut close: Option<Error> = None;
-        let mut repair: Vec<usize> = Vec::new();
-        for idx in touched {
-            let mut s = self.slots[idx].lock().unwrap();
-            match s.book.dead().cloned() {
-                None => done.append(&mut self.post_now(&mut s)),
-                Some(_) if !s.book.drained() => {}
-                Some(cause) if cause.status == Status::NotConnected => close = Some(cause),
-                Some(_) => repair.push(idx),
+        let mut evacuate: Vec<(usize, usize)> = Vec::new();
+        for (at, list) in jobs.into_iter().enumerate() {
+            if list.is_empty() {
+                continue;
+            }
+            let (r, q) = (at / per_rail, at % per_rail);
+            let lane = &self.lanes[r];
+            let mut s = lane.slots[q].lock().unwrap();
+            for (part, w) in list {
+                s.book.add(part, w);
+            }
+            if !lane.up.load(Ordering::Acquire) {
+                // The rail went out since `live`: its parts leave again (see `rail_out`).
+                evacuate.push((r, q));
+            } else if s.book.dead().is_none() {
+                done.append(&mut self.post_now(&lane.nic, &mut s));
             }
         }
         self.finish(done);
-        if let Some(cause) = close {
-            self.close(cause);
-            return;
-        }
-        for idx in repair {
-            self.repair(idx);
+        for (r, q) in evacuate {
+            self.evacuate(r, q);
         }
     }
 
-    /// Replaces the failed QP of slot `idx` by a fresh pair (the peer retires its old one) on a
-    /// thread of its own, then posts what waited; if that fails, the link closes.
-    fn repair(self: &Arc<Self>, idx: usize) {
-        if self.closed.load(Ordering::Acquire) || self.repairing[idx].swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let link = self.clone();
-        let spawned = std::thread::Builder::new().name(format!("hixl-rdma-fix{idx}")).spawn(move || {
-            if let Err(e) = link.replace_qp(idx) {
-                link.close(Error::not_connected(format!(
-                    "cannot replace a failed QP to {}: {}",
-                    link.control.peer(),
-                    e.message
-                )));
-            }
-            link.repairing[idx].store(false, Ordering::Release);
-        });
-        match spawned {
-            Ok(h) => {
-                let mut t = self.threads.lock().unwrap();
-                t.retain(|h| !h.is_finished());
-                t.push(h);
-            }
-            Err(e) => {
-                self.repairing[idx].store(false, Ordering::Release);
-                self.close(Error::failed(format!("cannot start a thread to replace a failed QP: {e}")));
-            }
-        }
-    }
-
-    fn replace_qp(&self, idx: usize) -> Result<()> {
-        let (old, old_target) = {
-            let s = self.slots[idx].lock().unwrap();
-            (s.qp, s.target_qpn)
-        };
-        let mut fresh = open_qps(&self.nic, 1, 0)?;
-        let mut open = RdmaOpen { retire: vec![old_target], qps: vec![fresh[0].addr] };
-        let answer = exchange(&self.control, &open, self.timeout);
-        let answer = match answer {
-            Ok(a) => a,
-            Err(e) => {
-                self.nic.destroy_qp(fresh[0].created.qp, true);
-                return Err(e);
-            }
-        };
-        let o = fresh.pop().expect("one QP");
-        if let Err(e) = super::connect_qps(&self.nic, std::slice::from_ref(&o), &answer.qps, true) {
-            self.nic.destroy_qp(o.created.qp, true);
-            return Err(e);
-        }
-        open.qps.clear();
-        let mut s = self.slots[idx].lock().unwrap();
-        if self.closed.load(Ordering::Acquire) || s.qp != old {
-            drop(s);
-            self.nic.destroy_qp(o.created.qp, true);
-            return Ok(());
-        }
-        if let Some(q) = old {
-            self.nic.destroy_qp(q, true);
-        }
-        tracing::info!(peer = %self.control.peer(), old = s.qpn, new = o.created.qpn, "RDMA QP replaced after an error");
-        s.qp = Some(o.created.qp);
-        s.qpn = o.created.qpn;
-        s.target_qpn = answer.qps[0].qpn;
-        s.book.revive(format!("QP {} (to {})", o.created.qpn, self.control.peer()));
-        let done = self.post_now(&mut s);
-        drop(s);
-        self.finish(done);
-        Ok(())
+    /// The link's rails: device, up or out (and why), bytes completed on each.
+    fn rail_snapshots(&self) -> Vec<RailSnapshot> {
+        self.lanes
+            .iter()
+            .map(|l| RailSnapshot {
+                device: l.nic.device.clone(),
+                up: l.up.load(Ordering::Acquire),
+                out_why: l.out_why.lock().unwrap().clone().unwrap_or_default(),
+                bytes: l.bytes.load(Ordering::Relaxed),
+            })
+            .collect()
     }
 }
 
@@ -269,7 +268,7 @@ impl DataPath for RdmaLink {
     }
 
     fn parallelism(&self) -> usize {
-        self.slots.len()
+        (self.live().len() * self.lanes[0].slots.len()).max(1)
     }
 
     fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()> {
@@ -293,33 +292,7 @@ impl DataPath for RdmaLink {
                 ),
             ));
         }
-        let mut failed: Finished = Vec::new();
-        let mut per_slot: Vec<Vec<(Part, Vec<super::verbs::SendWr>)>> =
-            self.slots.iter().map(|_| Vec::new()).collect();
-        let start = self.next.fetch_add(n, Ordering::Relaxed);
-        {
-            let table = self.control.table();
-            for (i, part) in parts.into_iter().enumerate() {
-                match wrs::build(&self.nic, &table, &part) {
-                    Ok(w) => per_slot[(start + i) % self.slots.len()].push((part, w)),
-                    Err(e) => failed.push((part, Err(e))),
-                }
-            }
-        }
-        let mut done = failed;
-        for (idx, jobs) in per_slot.into_iter().enumerate() {
-            if jobs.is_empty() {
-                continue;
-            }
-            let mut s = self.slots[idx].lock().unwrap();
-            for (part, w) in jobs {
-                s.book.add(part, w);
-            }
-            if s.book.dead().is_none() {
-                done.append(&mut self.post_now(&mut s));
-            }
-        }
-        self.finish(done);
+        self.place(parts);
         Ok(())
     }
 
@@ -335,34 +308,35 @@ impl DataPath for RdmaLink {
     fn close(&self, why: Error) {
         if !self.closed.swap(true, Ordering::AcqRel) {
             *self.reason.lock().unwrap() = Some(why.clone());
-            for slot in &self.slots {
+            let slots = || self.lanes.iter().flat_map(|l| l.slots.iter().map(move |s| (&l.nic, s)));
+            for (nic, slot) in slots() {
                 let mut s = slot.lock().unwrap();
                 s.book.kill(why.clone());
                 if let Some(q) = s.qp {
-                    let _ = self.nic.verbs.modify_qp(q, &QpTransition::Err);
+                    let _ = nic.verbs.modify_qp(q, &QpTransition::Err);
                 }
             }
             // Flushed requests come back through the poller (unless this is the poller).
-            if !self.nic.on_poller() {
+            if !self.rails.on_poller() {
                 let until = Instant::now() + FLUSH_WAIT;
-                while Instant::now() < until && self.slots.iter().any(|s| !s.lock().unwrap().book.drained()) {
+                while Instant::now() < until && slots().any(|(_, s)| !s.lock().unwrap().book.drained()) {
                     std::thread::sleep(Duration::from_millis(1));
                 }
             }
-            self.nic.remove_link(self.id);
+            self.rails.remove_link(self.id);
             let mut done: Finished = Vec::new();
-            for slot in &self.slots {
+            for (nic, slot) in slots() {
                 let mut s = slot.lock().unwrap();
                 // Destroyed first: after this the device touches none of the parts' memory.
                 if let Some(q) = s.qp.take() {
-                    self.nic.destroy_qp(q, true);
+                    nic.destroy_qp(q, true);
                 }
                 done.append(&mut s.book.fail_all(&why));
             }
             self.finish(done);
             *self.closed_done.0.lock().unwrap() = true;
             self.closed_done.1.notify_all();
-        } else if !self.nic.on_poller() {
+        } else if !self.rails.on_poller() {
             // Another thread is closing this link: wait until its QPs are gone (bounded: the
             // first close waits at most FLUSH_WAIT for the flush, then destroys them).
             let (m, cv) = &self.closed_done;
@@ -402,6 +376,10 @@ impl DataPath for RdmaLink {
     fn queue_slots(&self) -> (usize, usize) {
         (self.held.load(Ordering::Relaxed), self.queue_depth)
     }
+
+    fn rails(&self) -> Vec<RailSnapshot> {
+        self.rail_snapshots()
+    }
 }
 
 /// A thread waiting for its request polls the engine's CQ for up to `hixl.rdma.busy_poll_us`
@@ -410,7 +388,7 @@ impl DataPath for RdmaLink {
 impl WaitHelp for RdmaLink {
     fn help(&self, req: &Request, until: Instant) {
         let until = until.min(Instant::now() + self.busy_poll);
-        self.nic.poll_until(&|| req.has_ended(), until);
+        self.rails.poll_until(&|| req.has_ended(), until);
     }
 }
 

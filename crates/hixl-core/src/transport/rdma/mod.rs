@@ -1,12 +1,15 @@
 //! The `rdma` backend: one-sided RDMA READ and WRITE over RC queue pairs.
 //!
-//! - Registration: `ibv_reg_mr` per registered region, with remote write only for writable
-//!   regions (the NIC then refuses what the TCP target refuses); the rkey is the region's key
-//!   in the region table.
-//! - Connection: the initiator creates `hixl.rdma.qps` QPs and sends their addresses (GID, LID,
-//!   QPN, PSN, MTU) in a BackendOpen frame over the authenticated control channel; the target
-//!   (`accept`) creates as many, connects them and answers with theirs; its QPs live as long as
-//!   that control link. A target makes at most `hixl.rdma.max_qps` QPs for initiators in all
+//! - Rails: `hixl.rdma.device` names one device, several (a comma list) or `all`; each is a
+//!   rail with its own PD, CQ and channel (`rails`, `nic`), all drained by one poller thread.
+//! - Registration: `ibv_reg_mr` per registered region on every rail, with remote write only
+//!   for writable regions (the NIC then refuses what the TCP target refuses); the region's key
+//!   in the region table is its rkeys, one per rail (`wire::rdma::encode_rkeys`).
+//! - Connection: the initiator creates `hixl.rdma.qps` QPs on each rail and sends their
+//!   addresses (GID, LID, QPN, PSN, MTU, rail) in a BackendOpen frame over the authenticated
+//!   control channel; the target (`accept`) creates as many, each on its rail of the same index
+//!   modulo its own rail count, connects them and answers with theirs (and their rails); its
+//!   QPs live as long as that control link. A target makes at most `hixl.rdma.max_qps` QPs for initiators in all
 //!   and `hixl.rdma.max_qps_per_source` for one source address (see `source_caps`); a
 //!   BackendOpen over a cap is answered `RESOURCE_EXHAUSTED` naming it, and nothing is made.
 //! - Data path: `link` (work-request chains, one doorbell per batch, one poller per engine in
@@ -20,6 +23,7 @@ pub mod gpudirect;
 mod limits;
 mod link;
 mod nic;
+mod rails;
 pub mod soft;
 pub mod verbs;
 mod wrs;
@@ -37,10 +41,11 @@ use crate::transport::backend::{Backend, MemorySpan, OpenCtx, HOST_TO_HOST};
 use crate::transport::source_caps::{Cap, Counted, SourceCaps};
 use crate::transport::tcp::TcpLink;
 use crate::transport::DataPath;
-use crate::wire::rdma::{decode_rkey, encode_rkey, QpAddr, RdmaOpen, MAX_QPN, MAX_QPS};
+use crate::wire::rdma::{decode_rkeys, encode_rkeys, QpAddr, RdmaOpen, MAX_QPN, MAX_QPS};
 use crate::wire::{Capability, Domain};
 pub use link::RdmaLink;
 use nic::Nic;
+use rails::Rails;
 use verbs::{access, QpCaps, QpCreated, QpTransition, Verbs};
 
 /// Local ACK timeout of our QPs: 4.096 us * 2^16 = 268 ms per try.
@@ -66,11 +71,12 @@ pub fn provider(p: Provider) -> Result<Arc<dyn Verbs>> {
 struct Opened {
     created: QpCreated,
     addr: QpAddr,
-    /// The peer QP it is connected to (set once connected).
+    /// The peer QP it is connected to and the peer's rail it is on (set once connected).
     remote_qpn: u32,
+    remote_rail: u8,
 }
 
-/// Creates `n` RC QPs on the engine's CQ and moves them to INIT with `remote_access` (none
+/// Creates `n` RC QPs on the rail's CQ and moves them to INIT with `remote_access` (none
 /// for an initiator's: nothing may reach into its memory through them).
 fn open_qps(nic: &Nic, n: usize, remote_access: u32) -> Result<Vec<Opened>> {
     let initiator = remote_access == 0;
@@ -122,9 +128,9 @@ fn open_qps(nic: &Nic, n: usize, remote_access: u32) -> Result<Vec<Opened>> {
             return fail(&mut out, e);
         }
         let psn = u32::from_le_bytes(rnd) & MAX_QPN;
-        let addr =
-            QpAddr { gid: nic.gid, lid: nic.attr.lid, qpn: created.qpn, psn, mtu: nic.attr.active_mtu };
-        out.push(Opened { created, addr, remote_qpn: 0 });
+        let (gid, lid, qpn, mtu, rail) = (nic.gid, nic.attr.lid, created.qpn, nic.attr.active_mtu, nic.rail);
+        let addr = QpAddr { gid, lid, qpn, psn, mtu, rail };
+        out.push(Opened { created, addr, remote_qpn: 0, remote_rail: 0 });
         let init = QpTransition::Init { port: nic.port, access: remote_access };
         if let Err(e) = nic.verbs.modify_qp(created.qp, &init) {
             return fail(&mut out, e);
@@ -133,9 +139,10 @@ fn open_qps(nic: &Nic, n: usize, remote_access: u32) -> Result<Vec<Opened>> {
     Ok(out)
 }
 
-/// Moves our INIT QPs to RTR (towards the peer's QP of the same index) and, for QPs that send
-/// (`send`: the initiator's), to RTS. A target's QPs only answer: RTR is enough.
-fn connect_qps(nic: &Nic, ours: &[Opened], theirs: &[QpAddr], send: bool) -> Result<()> {
+/// Moves our INIT QPs (each on the rail its address names) to RTR (towards the peer's QP of the
+/// same index) and, for QPs that send (`send`: the initiator's), to RTS. A target's QPs only
+/// answer: RTR is enough.
+fn connect_qps(nics: &[Arc<Nic>], ours: &[Opened], theirs: &[QpAddr], send: bool) -> Result<()> {
     if ours.len() != theirs.len() {
         return Err(Error::not_connected(format!(
             "the peer answered with {} RDMA QP addresses for {} QPs",
@@ -144,6 +151,7 @@ fn connect_qps(nic: &Nic, ours: &[Opened], theirs: &[QpAddr], send: bool) -> Res
         )));
     }
     for (o, t) in ours.iter().zip(theirs) {
+        let nic = &nics[o.addr.rail as usize];
         let rtr = QpTransition::Rtr {
             remote: *t,
             mtu: o.addr.mtu.min(t.mtu),
@@ -176,10 +184,17 @@ fn exchange(control: &TcpLink, open: &RdmaOpen, timeout: Duration) -> Result<Rdm
     })
 }
 
-/// The `rdma` backend of one engine: its device (opened when the engine starts), or why there
-/// is none.
+/// Destroys QPs made by `open_qps` (on their rails).
+fn destroy_all(nics: &[Arc<Nic>], qps: Vec<Opened>, initiator: bool) {
+    for o in qps {
+        nics[o.addr.rail as usize].destroy_qp(o.created.qp, initiator);
+    }
+}
+
+/// The `rdma` backend of one engine: its devices (opened when the engine starts), or why there
+/// are none.
 pub struct Rdma {
-    nic: std::result::Result<Arc<Nic>, String>,
+    rails: std::result::Result<Arc<Rails>, String>,
     opts: RdmaOptions,
     provider: &'static str,
     /// `hixl.backends` is `rdma` alone: a registration the NIC refuses fails (with other
@@ -192,22 +207,22 @@ pub struct Rdma {
 }
 
 impl Rdma {
-    /// Opens the device `opts` names with its provider; without one the backend is built but
+    /// Opens the devices `opts` names with its provider; without them the backend is built but
     /// offers nothing, registers nothing and cannot connect (the reason is kept).
     pub fn new(opts: &Options) -> Rdma {
         let o = opts.rdma.clone();
-        let nic = provider(o.provider).and_then(|v| Nic::open(v, &o)).map_err(|e| e.message);
-        if let Err(why) = &nic {
+        let rails = provider(o.provider).and_then(|v| Rails::open(v, &o)).map_err(|e| e.message);
+        if let Err(why) = &rails {
             if opts.backends.len() == 1 {
                 tracing::warn!(provider = o.provider.as_str(), "RDMA is not usable: {why}");
             } else {
                 tracing::debug!(provider = o.provider.as_str(), "RDMA is not usable: {why}");
             }
         }
-        if let Ok(n) = &nic {
-            tracing::info!(provider = n.verbs.provider(), device = %n.device, port = n.port, "RDMA device opened");
+        for n in rails.iter().flat_map(|r| &r.nics) {
+            tracing::info!(provider = n.verbs.provider(), device = %n.device, rail = n.rail, port = n.port, "RDMA device opened");
         }
-        let gpu = gpudirect::Gpu::probe(nic.as_deref().ok());
+        let gpu = gpudirect::Gpu::probe(rails.as_ref().ok().and_then(|r| r.nics.first()).map(|n| &**n));
         let only = opts.backends.iter().all(|b| b == "rdma");
         let counted = Counted {
             what: "RDMA queue pairs",
@@ -217,11 +232,11 @@ impl Rdma {
         };
         let (total, per_source) = (Cap::Fixed(o.max_qps), Cap::Fixed(o.max_qps_per_source));
         let target_qps = Arc::new(SourceCaps::new(counted, total, per_source));
-        Rdma { nic, provider: o.provider.as_str(), opts: o, only, target_qps, gpu }
+        Rdma { rails, provider: o.provider.as_str(), opts: o, only, target_qps, gpu }
     }
 
-    fn nic(&self) -> std::result::Result<&Arc<Nic>, String> {
-        self.nic
+    fn rails(&self) -> std::result::Result<&Arc<Rails>, String> {
+        self.rails
             .as_ref()
             .map_err(|why| format!("RDMA is not usable here ({} provider): {why}", self.provider))
     }
@@ -229,17 +244,17 @@ impl Rdma {
 
 impl Drop for Rdma {
     fn drop(&mut self) {
-        if let Ok(nic) = &self.nic {
-            nic.stop_poller();
+        if let Ok(rails) = &self.rails {
+            rails.stop_poller();
         }
     }
 }
 
-/// The target side of one control link: the QPs it made for that initiator (at `from`),
-/// each counted in the engine's `caps` until destroyed.
+/// The target side of one control link: the QPs it made for that initiator (at `from`), by
+/// rail, each counted in the engine's `caps` until destroyed.
 struct TargetQps {
-    nic: Arc<Nic>,
-    qps: Vec<(verbs::Qp, u32)>,
+    rails: Arc<Rails>,
+    qps: Vec<(u8, verbs::Qp, u32)>,
     caps: Arc<SourceCaps>,
     from: IpAddr,
 }
@@ -247,8 +262,8 @@ struct TargetQps {
 impl Drop for TargetQps {
     fn drop(&mut self) {
         self.caps.release(self.from, self.qps.len());
-        for (qp, _) in self.qps.drain(..) {
-            self.nic.destroy_qp(qp, false);
+        for (rail, qp, _) in self.qps.drain(..) {
+            self.rails.nics[rail as usize].destroy_qp(qp, false);
         }
     }
 }
@@ -263,11 +278,11 @@ impl Backend for Rdma {
     }
 
     fn unserved(&self, domain: Domain) -> Option<String> {
-        domain.is_device().then(|| self.nic().err().or_else(|| self.gpu.unserved()))?
+        domain.is_device().then(|| self.rails().err().or_else(|| self.gpu.unserved()))?
     }
 
     fn capability(&self, _local_socket: &str) -> Option<Capability> {
-        let nic = self.nic.as_ref().ok()?;
+        let nic = &self.rails.as_ref().ok()?.nics[0];
         // The param names the provider and the link layer: a soft NIC cannot reach a real one,
         // nor InfiniBand a RoCE port.
         Some(Capability {
@@ -278,22 +293,22 @@ impl Backend for Rdma {
     }
 
     fn register(&self, mem: &MemorySpan) -> Result<Option<Vec<u8>>> {
-        let Ok(nic) = &self.nic else { return Ok(None) };
-        if let Some(r) = self.gpu.register(nic, mem) {
-            return r.map(|rkey| Some(encode_rkey(rkey))).or_else(|e| refused_registration(e, self.only));
+        let Ok(rails) = &self.rails else { return Ok(None) };
+        if let Some(r) = self.gpu.register(rails, mem) {
+            return r.map(|rkeys| Some(encode_rkeys(&rkeys))).or_else(|e| refused_registration(e, self.only));
         }
         if mem.domain != Domain::Host {
             return Ok(None);
         }
-        match nic.register(mem.addr, mem.len, mem.access) {
-            Ok(rkey) => Ok(Some(encode_rkey(rkey))),
+        match rails.register(mem.addr, mem.len, mem.access) {
+            Ok(rkeys) => Ok(Some(encode_rkeys(&rkeys))),
             Err(e) => refused_registration(e, self.only),
         }
     }
 
     fn deregister(&self, mem: &MemorySpan, key: &[u8]) {
-        if let (Ok(nic), Ok(rkey)) = (&self.nic, decode_rkey(key)) {
-            nic.deregister(mem.addr, rkey);
+        if let (Ok(rails), Ok(rkeys)) = (&self.rails, decode_rkeys(key)) {
+            rails.deregister(mem.addr, &rkeys);
         }
     }
 
@@ -303,7 +318,8 @@ impl Backend for Rdma {
         control: &Arc<TcpLink>,
         offer: &Capability,
     ) -> std::result::Result<Arc<dyn DataPath>, String> {
-        let nic = self.nic()?;
+        let rails = self.rails()?;
+        let nic = &rails.nics[0];
         if ctx.opts.data_mac {
             // RDMA moves bytes NIC to NIC with no MAC: the promise of hixl.data_mac cannot hold.
             return Err(
@@ -317,27 +333,51 @@ impl Backend for Rdma {
                 offer.param
             ));
         }
-        let qps = open_qps(nic, self.opts.qps, 0).map_err(|e| e.message)?;
+        let total = rails.nics.len() * self.opts.qps;
+        if total > MAX_QPS {
+            return Err(format!(
+                "hixl.rdma.qps={} on each of {} rails is {total} QPs per peer, more than one BackendOpen \
+                 carries ({MAX_QPS}): lower hixl.rdma.qps or name fewer devices",
+                self.opts.qps,
+                rails.nics.len()
+            ));
+        }
+        let mut qps: Vec<Opened> = Vec::new();
+        for nic in &rails.nics {
+            match open_qps(nic, self.opts.qps, 0) {
+                Ok(mut q) => qps.append(&mut q),
+                Err(e) => {
+                    destroy_all(&rails.nics, qps, true);
+                    return Err(e.message);
+                }
+            }
+        }
         let open = RdmaOpen { retire: vec![], qps: qps.iter().map(|o| o.addr).collect() };
         let connected = exchange(control, &open, ctx.timeout).and_then(|answer| {
-            connect_qps(nic, &qps, &answer.qps, true)?;
+            check_answer_rails(&qps, &answer.qps, control.peer())?;
+            connect_qps(&rails.nics, &qps, &answer.qps, true)?;
             Ok(answer)
         });
         let answer = match connected {
             Ok(a) => a,
             Err(e) => {
-                for o in qps {
-                    nic.destroy_qp(o.created.qp, true);
-                }
+                destroy_all(&rails.nics, qps, true);
                 return Err(e.message);
             }
         };
-        let qps: Vec<Opened> =
-            qps.into_iter().zip(&answer.qps).map(|(o, t)| Opened { remote_qpn: t.qpn, ..o }).collect();
-        let (depth, timeout, busy) = (ctx.opts.queue_depth, ctx.timeout, self.opts.busy_poll);
-        let link = nic
+        let qps: Vec<Opened> = qps
+            .into_iter()
+            .zip(&answer.qps)
+            .map(|(o, t)| Opened { remote_qpn: t.qpn, remote_rail: t.rail, ..o })
+            .collect();
+        let (depth, timeout, per_rail) = (ctx.opts.queue_depth, ctx.timeout, self.opts.qps);
+        let busy = self.opts.busy_poll;
+        let link = rails
             .add_link(|id| {
-                Arc::new(RdmaLink::new(id, nic.clone(), control.clone(), qps, depth, timeout, busy))
+                Arc::new(
+                    RdmaLink::new(id, rails.clone(), control.clone(), qps, per_rail, depth, timeout)
+                        .with_busy_poll(busy),
+                )
             })
             .map_err(|e| e.message)?;
         // A dead control channel (heartbeats missed, the peer's host gone) ends this link's
@@ -365,19 +405,19 @@ impl Backend for Rdma {
         payload: &[u8],
         state: &mut Option<Box<dyn Any + Send>>,
     ) -> Result<Vec<u8>> {
-        let nic = self.nic().map_err(unsupported)?;
+        let rails = self.rails().map_err(unsupported)?;
         let open = RdmaOpen::decode(payload).map_err(|e| Error::param(format!("RDMA QP addresses: {e}")))?;
         let caps = &self.target_qps;
         let st = state.get_or_insert_with(|| {
-            Box::new(TargetQps { nic: nic.clone(), qps: Vec::new(), caps: caps.clone(), from })
+            Box::new(TargetQps { rails: rails.clone(), qps: Vec::new(), caps: caps.clone(), from })
         });
         let target =
             st.downcast_mut::<TargetQps>().ok_or_else(|| Error::failed("rdma: foreign link state"))?;
         // Only QPs of this very link may be retired.
-        for qpn in &open.retire {
-            if let Some(i) = target.qps.iter().position(|(_, n)| n == qpn) {
-                let (qp, _) = target.qps.swap_remove(i);
-                nic.destroy_qp(qp, false);
+        for r in &open.retire {
+            if let Some(i) = target.qps.iter().position(|(rail, _, n)| *n == r.qpn && *rail == r.rail) {
+                let (rail, qp, _) = target.qps.swap_remove(i);
+                rails.nics[rail as usize].destroy_qp(qp, false);
                 caps.release(target.from, 1);
             }
         }
@@ -389,22 +429,52 @@ impl Backend for Rdma {
         }
         let n = open.qps.len();
         caps.admit(target.from, n).map_err(|m| Error::new(Status::ResourceExhausted, m))?;
-        let made = open_qps(nic, n, access::REMOTE_READ | access::REMOTE_WRITE).and_then(|ours| {
-            match connect_qps(nic, &ours, &open.qps, false) {
+        let made = open_for(rails, &open.qps).and_then(|ours| {
+            match connect_qps(&rails.nics, &ours, &open.qps, false) {
                 Ok(()) => Ok(ours),
                 Err(e) => {
-                    for o in ours {
-                        nic.destroy_qp(o.created.qp, false);
-                    }
+                    destroy_all(&rails.nics, ours, false);
                     Err(e)
                 }
             }
         });
         let ours = made.inspect_err(|_| caps.release(target.from, n))?;
         let answer = RdmaOpen { retire: vec![], qps: ours.iter().map(|o| o.addr).collect() };
-        target.qps.extend(ours.iter().map(|o| (o.created.qp, o.created.qpn)));
+        target.qps.extend(ours.iter().map(|o| (o.addr.rail, o.created.qp, o.created.qpn)));
         Ok(answer.encode())
     }
+}
+
+/// The target's QPs for an initiator's `theirs`: each on our rail of the same index modulo our
+/// rail count (an initiator of one rail, or of before rails, asks for rail 0 only).
+fn open_for(rails: &Rails, theirs: &[QpAddr]) -> Result<Vec<Opened>> {
+    let mut out: Vec<Opened> = Vec::with_capacity(theirs.len());
+    for t in theirs {
+        let nic = &rails.nics[t.rail as usize % rails.nics.len()];
+        match open_qps(nic, 1, access::REMOTE_READ | access::REMOTE_WRITE) {
+            Ok(mut q) => out.append(&mut q),
+            Err(e) => {
+                destroy_all(&rails.nics, out, false);
+                return Err(e);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The peer's answer puts every QP of one of our rails on one rail of its own (the rkey a work
+/// request carries is chosen by the peer's rail, per rail of ours).
+fn check_answer_rails(ours: &[Opened], theirs: &[QpAddr], peer: &str) -> Result<()> {
+    for (o, t) in ours.iter().zip(theirs) {
+        let first = ours.iter().zip(theirs).find(|(p, _)| p.addr.rail == o.addr.rail).map(|(_, t)| t.rail);
+        if first != Some(t.rail) {
+            return Err(Error::not_connected(format!(
+                "{peer} answered QPs of our rail {} on more than one of its rails",
+                o.addr.rail
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A registration the NIC refused (most often ENOMEM: the locked-memory limit). With other
@@ -474,99 +544,4 @@ fn describe_with(p: Provider) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_refused_registration_fails_only_when_rdma_is_the_one_backend() {
-        let enomem = || Error::failed("ibv_reg_mr(0x1000+4096) failed: Cannot allocate memory (os error 12)");
-        let e = refused_registration(enomem(), true).unwrap_err();
-        assert!(e.message.contains("ulimit -l") && e.message.contains("0x1000"), "{e}");
-        assert_eq!(refused_registration(enomem(), false).unwrap(), None, "left without an rdma key");
-        let e = refused_registration(Error::failed("ibv_reg_mr failed: Bad address"), true).unwrap_err();
-        assert!(!e.message.contains("ulimit"), "{e}");
-    }
-
-    const LOCAL: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
-
-    fn soft_backend_with(extra: &[(&str, &str)]) -> Arc<dyn Backend> {
-        let kv = [("hixl.backends", "rdma"), ("hixl.rdma.provider", "soft")];
-        let map = kv.iter().chain(extra).map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        Arc::new(Rdma::new(&Options::parse(&map).unwrap()))
-    }
-
-    fn soft_backend() -> Arc<dyn Backend> {
-        soft_backend_with(&[])
-    }
-
-    /// QPs are capped per source and per engine, across links; a link's end gives its back.
-    #[test]
-    fn target_qps_are_capped_per_source_and_per_engine() {
-        use crate::transport::backend::{answer_open, Accepted};
-        let backends =
-            vec![soft_backend_with(&[("hixl.rdma.max_qps", "6"), ("hixl.rdma.max_qps_per_source", "4")])];
-        let q = |qpn| QpAddr { gid: [0xfe; 16], lid: 0, qpn, psn: 7, mtu: 5 };
-        let ask = |n: u32| RdmaOpen { retire: vec![], qps: (0..n).map(|i| q(0x40 + i)).collect() }.encode();
-        let other = IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 2));
-        let (mut a, mut b, mut c) = (Accepted::new(), Accepted::new(), Accepted::new());
-        assert_eq!(opened(answer_open(&backends, true, LOCAL, "rdma", &ask(3), &mut a)).0, 0);
-        let (status, msg, _) = opened(answer_open(&backends, true, LOCAL, "rdma", &ask(2), &mut b));
-        assert_eq!(Status::from_code(status), Status::ResourceExhausted, "{msg}");
-        assert!(msg.contains("hixl.rdma.max_qps_per_source = 4") && msg.contains("127.0.0.1"), "{msg}");
-        assert_eq!(opened(answer_open(&backends, true, LOCAL, "rdma", &ask(1), &mut b)).0, 0);
-        let (status, msg, _) = opened(answer_open(&backends, true, other, "rdma", &ask(3), &mut c));
-        assert_eq!(Status::from_code(status), Status::ResourceExhausted, "{msg}");
-        assert!(msg.contains("hixl.rdma.max_qps = 6"), "{msg}");
-        drop(a);
-        assert_eq!(opened(answer_open(&backends, true, other, "rdma", &ask(3), &mut c)).0, 0);
-        assert_eq!(opened(answer_open(&backends, true, LOCAL, "rdma", &ask(2), &mut b)).0, 0);
-    }
-
-    fn opened(f: crate::wire::Frame) -> (u32, String, Vec<u8>) {
-        match f {
-            crate::wire::Frame::BackendOpened { status, message, payload } => (status, message, payload),
-            other => panic!("not an answer: {other:?}"),
-        }
-    }
-
-    /// The target's side of BackendOpen: hostile payloads are refused naming the problem,
-    /// only a control link may open, QPs are made per link (and retired only from it), and a
-    /// link cannot make more than its share.
-    #[test]
-    fn the_target_answers_backend_open_and_bounds_what_a_link_makes() {
-        use crate::transport::backend::{answer_open, Accepted};
-        let backends = vec![soft_backend()];
-        let mut link = Accepted::new();
-        let (status, msg, _) = opened(answer_open(&backends, true, LOCAL, "rdma", &[1, 2, 3], &mut link));
-        assert_eq!(Status::from_code(status), Status::ParamInvalid, "{msg}");
-        assert!(msg.contains("RDMA QP addresses"), "{msg}");
-        let q = |qpn| QpAddr { gid: [0xfe; 16], lid: 0, qpn, psn: 7, mtu: 5 };
-        let ask = RdmaOpen { retire: vec![], qps: vec![q(0x41), q(0x42)] }.encode();
-        let (status, msg, _) = opened(answer_open(&backends, false, LOCAL, "rdma", &ask, &mut link));
-        assert_eq!(Status::from_code(status), Status::ParamInvalid, "a data-path stream: {msg}");
-        let (status, _, _) = opened(answer_open(&backends, true, LOCAL, "gpu", &ask, &mut link));
-        assert_eq!(Status::from_code(status), Status::Unsupported);
-        let (status, msg, payload) = opened(answer_open(&backends, true, LOCAL, "rdma", &ask, &mut link));
-        assert_eq!(status, 0, "{msg}");
-        let ours = RdmaOpen::decode(&payload).unwrap();
-        assert_eq!(ours.qps.len(), 2, "one target QP per initiator QP");
-        let held = |link: &mut Accepted| {
-            let st = link[0].1.as_mut().unwrap().downcast_mut::<TargetQps>().unwrap();
-            st.qps.iter().map(|(_, n)| *n).collect::<Vec<u32>>()
-        };
-        assert_eq!(held(&mut link), ours.qps.iter().map(|a| a.qpn).collect::<Vec<_>>());
-        // A replacement retires one of this link's QPs; an unknown number is ignored.
-        let again = RdmaOpen { retire: vec![ours.qps[0].qpn, 0x7777], qps: vec![q(0x43)] }.encode();
-        let (status, msg, _) = opened(answer_open(&backends, true, LOCAL, "rdma", &again, &mut link));
-        assert_eq!(status, 0, "{msg}");
-        assert_eq!(held(&mut link).len(), 2);
-        assert!(!held(&mut link).contains(&ours.qps[0].qpn));
-        // At most MAX_TARGET_QPS per link.
-        let many =
-            RdmaOpen { retire: vec![], qps: (0..MAX_QPS as u32).map(|i| q(0x100 + i)).collect() }.encode();
-        assert_eq!(opened(answer_open(&backends, true, LOCAL, "rdma", &many, &mut link)).0, 0);
-        let (status, msg, _) = opened(answer_open(&backends, true, LOCAL, "rdma", &many, &mut link));
-        assert_eq!(Status::from_code(status), Status::ResourceExhausted, "{msg}");
-        assert_eq!(held(&mut link).len(), 2 + MAX_QPS);
-    }
-}
+mod tests;

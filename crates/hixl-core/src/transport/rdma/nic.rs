@@ -1,50 +1,16 @@
-//! One engine's RDMA device: its context, protection domain, memory regions (one per
-//! registered region), its one completion queue and channel, and the one poller thread that
-//! drains that CQ for every link of the engine and sleeps on the channel when idle.
+//! One rail of an engine: an open RDMA device, its protection domain, memory regions (one per
+//! registered region), its completion queue and channel. The engine's one poller (`rails`)
+//! drains every rail's CQ.
 
-use std::cell::Cell;
-use std::collections::{BTreeMap, HashMap};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock, TryLockError, Weak};
-use std::time::{Duration, Instant};
+use std::collections::BTreeMap;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 
 use super::limits::Limits;
-use super::link::RdmaLink;
-use super::verbs::{access, Channel, Cq, Ctx, Mr, Pd, PortAttr, Verbs, Wc, PORT_ACTIVE};
-use crate::error::{Error, Result};
+use super::verbs::{access, Channel, Cq, Ctx, Mr, Pd, PortAttr, Verbs, PORT_ACTIVE};
+use crate::error::Result;
 use crate::registry::Access;
-
-/// How long the poller sleeps on the channel before it looks again (it is woken at once by a
-/// completion event or by `stop`; this only bounds a missed wake-up).
-const IDLE_WAIT: Duration = Duration::from_secs(5);
-
-thread_local! {
-    /// Set while this thread drains the CQ and hands completions to links (the poller, or a
-    /// thread waiting for its own request).
-    static DISPATCHING: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Whether the calling thread is handing out completions now.
-fn dispatching() -> bool {
-    DISPATCHING.with(Cell::get)
-}
-
-/// Marks this thread as handing out completions while it lives (cleared on unwind too).
-struct Dispatching;
-
-impl Dispatching {
-    fn enter() -> Dispatching {
-        DISPATCHING.with(|d| d.set(true));
-        Dispatching
-    }
-}
-
-impl Drop for Dispatching {
-    fn drop(&mut self) {
-        DISPATCHING.with(|d| d.set(false));
-    }
-}
 
 struct LocalMr {
     len: u64,
@@ -60,10 +26,12 @@ type Mrs = BTreeMap<(u64, u32), LocalMr>;
 pub(super) struct Nic {
     pub(super) verbs: Arc<dyn Verbs>,
     pub(super) device: String,
+    /// Its index among the engine's rails.
+    pub(super) rail: u8,
     ctx: Ctx,
     pub(super) pd: Pd,
-    ch: Channel,
-    ch_fd: RawFd,
+    pub(super) ch: Channel,
+    pub(super) ch_fd: RawFd,
     pub(super) cq: Cq,
     pub(super) port: u8,
     pub(super) gid_index: u8,
@@ -75,64 +43,21 @@ pub(super) struct Nic {
     /// The queue sizes used on it (cut to `dev` and `attr`).
     pub(super) limits: Limits,
     mrs: RwLock<Mrs>,
-    links: Mutex<HashMap<u32, Weak<RdmaLink>>>,
-    next_link: AtomicU32,
     /// Send-queue slots of the initiator QPs open now (at most `limits.cq_depth`).
     pub(super) sq_slots: AtomicUsize,
-    /// Held while the CQ is polled and its completions are handed to links, so that they
-    /// reach each link in the order the device gave them, whichever thread polls.
-    drain: Mutex<()>,
-    stop: AtomicBool,
-    wake: OwnedFd,
-    poller: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl Nic {
-    /// Opens `device` (empty: the first whose `port` is active), its PD, a completion channel
-    /// and the CQ. Err says why RDMA cannot be used here.
-    pub(super) fn open(verbs: Arc<dyn Verbs>, o: &crate::options::rdma::RdmaOptions) -> Result<Arc<Nic>> {
-        let (device, port, gid_index) = (o.device.as_str(), o.port, o.gid_index);
-        let names = verbs.get_device_list()?;
-        if names.is_empty() {
-            return Err(super::unsupported("no RDMA device is present (ibv_get_device_list found none)"));
-        }
-        let candidates: Vec<&String> = if device.is_empty() {
-            names.iter().collect()
-        } else {
-            let n = names.iter().filter(|n| *n == device).collect::<Vec<_>>();
-            if n.is_empty() {
-                return Err(super::unsupported(format!(
-                    "hixl.rdma.device={device:?} is not present (devices: {})",
-                    names.join(", ")
-                )));
-            }
-            n
-        };
-        let mut why: Vec<String> = Vec::new();
-        for name in candidates {
-            let ctx = match verbs.open_device(name) {
-                Ok(c) => c,
-                Err(e) => {
-                    why.push(format!("{name}: {}", e.message));
-                    continue;
-                }
-            };
-            match Self::setup(&verbs, name, ctx, port, gid_index) {
-                Ok(mut nic) => {
-                    let n = Arc::get_mut(&mut nic).expect("just made");
-                    (n.traffic_class, n.sl) = (o.traffic_class, o.service_level);
-                    return Ok(nic);
-                }
-                Err(e) => {
-                    verbs.close_device(ctx);
-                    why.push(format!("{name}: {}", e.message));
-                }
-            }
-        }
-        Err(super::unsupported(format!("no usable RDMA device: {}", why.join("; "))))
-    }
-
-    fn setup(verbs: &Arc<dyn Verbs>, name: &str, ctx: Ctx, port: u8, gid_index: u8) -> Result<Arc<Nic>> {
+    /// Sets up the opened device `name` (`ctx`) as rail `rail`: its port must be active and
+    /// its GID usable; makes its PD, completion channel and CQ. On error the caller closes `ctx`.
+    pub(super) fn setup(
+        verbs: &Arc<dyn Verbs>,
+        name: &str,
+        ctx: Ctx,
+        o: &crate::options::rdma::RdmaOptions,
+        rail: u8,
+    ) -> Result<Arc<Nic>> {
+        let (port, gid_index) = (o.port, o.gid_index);
         let attr = verbs.query_port(ctx, port)?;
         if attr.state != PORT_ACTIVE {
             return Err(super::unsupported(format!("port {port} is not active (state {})", attr.state)));
@@ -161,17 +86,10 @@ impl Nic {
                 return Err(e);
             }
         };
-        // SAFETY: eventfd with constant flags returns a new descriptor or -1.
-        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if wake < 0 {
-            verbs.destroy_cq(cq);
-            verbs.destroy_comp_channel(ch);
-            verbs.dealloc_pd(pd);
-            return Err(Error::failed(format!("eventfd: {}", std::io::Error::last_os_error())));
-        }
         Ok(Arc::new(Nic {
             verbs: verbs.clone(),
             device: name.to_string(),
+            rail,
             ctx,
             pd,
             ch,
@@ -179,20 +97,13 @@ impl Nic {
             cq,
             port,
             gid_index,
-            traffic_class: 0,
-            sl: 0,
+            traffic_class: o.traffic_class,
+            sl: o.service_level,
             gid,
             attr,
             limits,
             mrs: RwLock::new(BTreeMap::new()),
-            links: Mutex::new(HashMap::new()),
-            next_link: AtomicU32::new(1),
             sq_slots: AtomicUsize::new(0),
-            drain: Mutex::new(()),
-            stop: AtomicBool::new(false),
-            // SAFETY: a fresh descriptor we own from here on.
-            wake: unsafe { OwnedFd::from_raw_fd(wake) },
-            poller: Mutex::new(None),
         }))
     }
 
@@ -249,187 +160,11 @@ impl Nic {
         })
     }
 
-    /// A link id for wr_ids, and the link registered for completions.
-    pub(super) fn add_link(
-        self: &Arc<Self>,
-        make: impl FnOnce(u32) -> Arc<RdmaLink>,
-    ) -> Result<Arc<RdmaLink>> {
-        let id = self.next_link.fetch_add(1, Ordering::Relaxed) & 0x00FF_FFFF;
-        let link = make(id);
-        self.links.lock().unwrap().insert(id, Arc::downgrade(&link));
-        self.start_poller()?;
-        Ok(link)
-    }
-
     /// Destroys a QP; an initiator's gives its send-queue slots back.
     pub(super) fn destroy_qp(&self, qp: super::verbs::Qp, initiator: bool) {
         self.verbs.destroy_qp(qp);
         if initiator {
             self.sq_slots.fetch_sub(self.limits.sq_depth as usize, Ordering::AcqRel);
-        }
-    }
-
-    pub(super) fn remove_link(&self, id: u32) {
-        self.links.lock().unwrap().remove(&id);
-    }
-
-    fn start_poller(self: &Arc<Self>) -> Result<()> {
-        let mut p = self.poller.lock().unwrap();
-        if p.is_some() {
-            return Ok(());
-        }
-        self.verbs.req_notify_cq(self.cq)?;
-        let nic = self.clone();
-        let h = std::thread::Builder::new()
-            .name("hixl-rdma-cq".into())
-            .spawn(move || nic.poll_loop())
-            .map_err(|e| Error::failed(format!("cannot start the RDMA completion thread: {e}")))?;
-        *p = Some(h);
-        Ok(())
-    }
-
-    /// Whether the calling thread is the poller, or hands out completions now (then what it
-    /// waits for may need the very CQ it drains: it must not wait for flushed completions).
-    pub(super) fn on_poller(&self) -> bool {
-        dispatching()
-            || self
-                .poller
-                .lock()
-                .unwrap()
-                .as_ref()
-                .is_some_and(|h| h.thread().id() == std::thread::current().id())
-    }
-
-    /// Polls the CQ once and hands what it returns to the links; the count, or the CQ's error.
-    /// With `wait` false it gives up (Ok(0)) when another thread is draining.
-    fn drain_once(&self, wcs: &mut [Wc], wait: bool) -> Result<usize> {
-        // A panic while handing out completions (on a user's thread) leaves the lock poisoned;
-        // the CQ itself is as consistent as after any dispatch, so polling goes on.
-        let _g = if wait {
-            self.drain.lock().unwrap_or_else(PoisonError::into_inner)
-        } else {
-            match self.drain.try_lock() {
-                Ok(g) => g,
-                Err(TryLockError::Poisoned(p)) => p.into_inner(),
-                Err(TryLockError::WouldBlock) => return Ok(0),
-            }
-        };
-        let n = self.verbs.poll_cq(self.cq, wcs)?;
-        if n > 0 {
-            let _d = Dispatching::enter();
-            self.dispatch(&wcs[..n]);
-        }
-        Ok(n)
-    }
-
-    /// A thread waiting for `ended` polls the CQ itself until it holds, `until` passes or the
-    /// CQ fails (the poller then reports it): the request completes on this thread, which need
-    /// not be woken for it. (The armed CQ still raises an event for the poller, which then
-    /// finds nothing: that wake-up is off the waiter's path.)
-    pub(super) fn poll_until(&self, ended: &dyn Fn() -> bool, until: Instant) {
-        let mut wcs = [Wc::default(); 16];
-        let mut idle = 0u32;
-        while !ended() && !self.stop.load(Ordering::Acquire) && Instant::now() < until {
-            match self.drain_once(&mut wcs, false) {
-                Ok(0) => {
-                    idle += 1;
-                    if idle % 64 == 0 {
-                        std::thread::yield_now();
-                    } else {
-                        std::hint::spin_loop();
-                    }
-                }
-                Ok(_) => idle = 0,
-                Err(_) => return,
-            }
-        }
-    }
-
-    /// The poller: drains the CQ while completions come; when it is empty, arms it, looks once
-    /// more (a completion between the last poll and the arming raises no event), then sleeps on
-    /// the channel's descriptor and the stop descriptor.
-    fn poll_loop(self: Arc<Self>) {
-        let mut wcs = vec![Wc::default(); 64];
-        let mut armed = true;
-        while !self.stop.load(Ordering::Acquire) {
-            let n = match self.drain_once(&mut wcs, true) {
-                Ok(n) => n,
-                Err(e) => {
-                    tracing::error!("RDMA completion queue failed: {e}; closing every RDMA link");
-                    self.fail_links(e);
-                    return;
-                }
-            };
-            if n > 0 {
-                continue;
-            }
-            if !armed {
-                // Armed under the drain lock: never while a waiter is inside ibv_poll_cq
-                // (providers read the CQ's consumer index to arm it).
-                let arming = {
-                    let _g = self.drain.lock().unwrap_or_else(PoisonError::into_inner);
-                    self.verbs.req_notify_cq(self.cq)
-                };
-                if let Err(e) = arming {
-                    tracing::error!("ibv_req_notify_cq failed: {e}; closing every RDMA link");
-                    self.fail_links(e);
-                    return;
-                }
-                armed = true;
-                continue; // poll once more before sleeping
-            }
-            let mut fds = [
-                libc::pollfd { fd: self.ch_fd, events: libc::POLLIN, revents: 0 },
-                libc::pollfd { fd: self.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-            ];
-            // SAFETY: two valid pollfds and a bounded timeout.
-            let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, IDLE_WAIT.as_millis() as i32) };
-            if r > 0 && fds[0].revents & libc::POLLIN != 0 {
-                // Consumes and acknowledges the event; the CQ must be armed again for the next.
-                if self.verbs.get_cq_event(self.ch).is_ok() {
-                    armed = false;
-                }
-            }
-        }
-    }
-
-    fn dispatch(&self, wcs: &[Wc]) {
-        let mut by_link: Vec<(u32, Vec<Wc>)> = Vec::new();
-        for w in wcs {
-            let link = (w.wr_id >> 40) as u32;
-            match by_link.iter_mut().find(|(l, _)| *l == link) {
-                Some((_, v)) => v.push(*w),
-                None => by_link.push((link, vec![*w])),
-            }
-        }
-        for (id, v) in by_link {
-            let link = self.links.lock().unwrap().get(&id).and_then(Weak::upgrade);
-            match link {
-                Some(l) => l.on_completions(&v),
-                None => tracing::debug!(link = id, n = v.len(), "completions of a closed RDMA link dropped"),
-            }
-        }
-    }
-
-    fn fail_links(&self, e: Error) {
-        let links: Vec<_> = self.links.lock().unwrap().values().filter_map(Weak::upgrade).collect();
-        for l in links {
-            crate::transport::DataPath::close(&*l, e.clone());
-        }
-    }
-
-    /// Stops the poller (the engine is going away). The device is released when the last
-    /// holder (a link, a target's QPs) lets go of the `Nic`.
-    pub(super) fn stop_poller(&self) {
-        self.stop.store(true, Ordering::Release);
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live buffer to our eventfd.
-        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
-        let h = self.poller.lock().unwrap().take();
-        if let Some(h) = h {
-            if h.thread().id() != std::thread::current().id() {
-                let _ = h.join();
-            }
         }
     }
 }

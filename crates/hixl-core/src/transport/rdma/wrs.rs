@@ -2,23 +2,31 @@
 //! remote region (at most the port's message size), carrying up to the device's SGE limit of local pieces (`Limits`), and
 //! local pieces that follow each other in one local region merged into one SGE. Every remote
 //! range is checked against the peer's table here (its region and rkey), every local one
-//! against this NIC's registrations (its lkey).
+//! against this NIC's registrations (its lkey). The rkey is the one the peer's region key holds
+//! for the peer's rail the QP is connected to.
 
 use super::nic::Nic;
 use super::verbs::{SendWr, Sge, WrOp};
 use crate::error::{Error, Result};
 use crate::queue::{Part, PartBody, SegPair, TransferOp};
 use crate::registry::RemoteTable;
-use crate::wire::rdma::decode_rkey;
+use crate::wire::rdma::decode_rkeys;
 
-/// The work requests of one part (wr_id and signaled are set when they are posted).
-pub(super) fn build(nic: &Nic, table: &RemoteTable, part: &Part) -> Result<Vec<SendWr>> {
+/// The work requests of one part on a QP of `nic` connected to the peer's rail `peer_rail`
+/// (wr_id and signaled are set when they are posted).
+pub(super) fn build(nic: &Nic, table: &RemoteTable, part: &Part, peer_rail: u8) -> Result<Vec<SendWr>> {
     let (op, max_sge) = match part.req.op {
         TransferOp::Write => (WrOp::Write, nic.limits.sge_write),
         TransferOp::Read => (WrOp::Read, nic.limits.sge_read),
     };
     let lookup = |addr: u64, len: u64| nic.lkey(addr, len);
-    let mut b = Builder { op, out: Vec::new(), max_msg: nic.limits.max_msg, max_sge: max_sge as usize };
+    let mut b = Builder {
+        op,
+        out: Vec::new(),
+        max_msg: nic.limits.max_msg,
+        max_sge: max_sge as usize,
+        rail: peer_rail,
+    };
     match &part.body {
         PartBody::Data(segs) => segs.iter().try_for_each(|s| b.seg(table, &lookup, *s))?,
         PartBody::Strided(st) => {
@@ -35,6 +43,8 @@ struct Builder {
     max_msg: u64,
     /// SGEs per request.
     max_sge: usize,
+    /// The peer's rail: which of a region's rkeys applies.
+    rail: u8,
 }
 
 impl Builder {
@@ -51,8 +61,19 @@ impl Builder {
             let e = table.find(remote, 1).ok_or_else(|| {
                 Error::param(format!("remote range 0x{remote:x}+{left} is not registered at the peer"))
             })?;
-            let rkey = match e.key("rdma").map(decode_rkey) {
-                Some(Ok(k)) => k,
+            let rkey = match e.key("rdma").map(decode_rkeys) {
+                Some(Ok(k)) => match k.get(self.rail as usize) {
+                    Some(k) => *k,
+                    None => {
+                        return Err(Error::param(format!(
+                            "the peer's region 0x{:x}+{} has RDMA keys for {} rails, none for its rail {}",
+                            e.addr,
+                            e.len,
+                            k.len(),
+                            self.rail
+                        )))
+                    }
+                },
                 _ => {
                     return Err(Error::param(format!(
                         "the peer's region 0x{:x}+{} has no RDMA key (registered while its rdma backend was off?)",
@@ -105,12 +126,14 @@ mod tests {
     use crate::wire::{BackendKey, RegionEntry};
 
     fn table() -> RemoteTable {
-        let key = |k: u32| vec![BackendKey { backend: "rdma".into(), key: k.to_le_bytes().to_vec() }];
-        // Two adjacent remote regions, and one without an rdma key.
+        let key =
+            |k: &[u32]| vec![BackendKey { backend: "rdma".into(), key: crate::wire::rdma::encode_rkeys(k) }];
+        // Two adjacent remote regions, one without an rdma key, one registered on two rails.
         RemoteTable::new(vec![
-            RegionEntry { keys: key(11), ..RegionEntry::host(0x10000, 0x1000, 1) },
-            RegionEntry { keys: key(22), ..RegionEntry::host(0x11000, 0x1000, 2) },
+            RegionEntry { keys: key(&[11]), ..RegionEntry::host(0x10000, 0x1000, 1) },
+            RegionEntry { keys: key(&[22]), ..RegionEntry::host(0x11000, 0x1000, 2) },
             RegionEntry::host(0x20000, 0x1000, 3),
+            RegionEntry { keys: key(&[33, 44]), ..RegionEntry::host(0x30000, 0x1000, 4) },
         ])
     }
 
@@ -127,7 +150,11 @@ mod tests {
     }
 
     fn build_sge(segs: &[(u64, u64, u64)], max_msg: u64, max_sge: usize) -> Result<Vec<SendWr>> {
-        let mut b = Builder { op: WrOp::Write, out: Vec::new(), max_msg, max_sge };
+        build_on(segs, max_msg, max_sge, 0)
+    }
+
+    fn build_on(segs: &[(u64, u64, u64)], max_msg: u64, max_sge: usize, rail: u8) -> Result<Vec<SendWr>> {
+        let mut b = Builder { op: WrOp::Write, out: Vec::new(), max_msg, max_sge, rail };
         for &(local, remote, len) in segs {
             b.seg(&table(), &lkey, SegPair { local, remote, len })?;
         }
@@ -167,10 +194,22 @@ mod tests {
         assert_eq!(w.iter().map(|w| w.sges.len()).collect::<Vec<_>>(), [4, 4, 4, 4, 1]);
     }
 
+    /// A QP to the peer's rail N carries the region's Nth rkey; a region with fewer keys (a peer
+    /// of fewer rails) is refused naming that.
+    #[test]
+    fn the_rkey_is_the_one_of_the_peer_rail() {
+        let rkey = |rail| build_on(&[(0x1000, 0x30000, 8)], 1 << 30, SGE, rail).map(|w| w[0].rkey);
+        assert_eq!((rkey(0).unwrap(), rkey(1).unwrap()), (33, 44));
+        let e = rkey(2).unwrap_err();
+        assert!(e.message.contains("keys for 2 rails, none for its rail 2"), "{e}");
+        let e = build_on(&[(0x1000, 0x10000, 8)], 1 << 30, SGE, 1).unwrap_err();
+        assert!(e.message.contains("keys for 1 rails"), "{e}");
+    }
+
     #[test]
     fn unregistered_or_keyless_ranges_are_refused_naming_them() {
-        let e = build(&[(0x1000, 0x30000, 8)], 1 << 30).unwrap_err();
-        assert!(e.message.contains("0x30000") && e.message.contains("not registered at the peer"), "{e}");
+        let e = build(&[(0x1000, 0x40000, 8)], 1 << 30).unwrap_err();
+        assert!(e.message.contains("0x40000") && e.message.contains("not registered at the peer"), "{e}");
         let e = build(&[(0x1000, 0x20000, 8)], 1 << 30).unwrap_err();
         assert!(e.message.contains("no RDMA key"), "{e}");
         let e = build(&[(0x9000, 0x10000, 8)], 1 << 30).unwrap_err();

@@ -154,3 +154,77 @@ fn closing_fails_what_is_held() {
     assert_eq!(ended.len(), 3);
     assert!(ended.iter().all(|(_, r)| r.as_ref().unwrap_err().message == "closed"));
 }
+
+/// With failover, a rail's failure (the peer unreachable) fails nothing: the failed part and
+/// the flushed ones are held until the QP drained, then all leave for another rail in
+/// submission order; without it they fail as before.
+#[test]
+fn with_failover_a_retry_failure_holds_every_part_for_another_rail() {
+    for failover in [true, false] {
+        let mut b = QpBook::new(1, 64, "qp".into()).with_failover(failover);
+        let parts: Vec<_> = (0..3).map(|_| job(2)).collect();
+        let reqs: Vec<_> = parts.iter().map(|(r, _, _)| r.clone()).collect();
+        for (_, p, w) in parts {
+            b.add(p, w);
+        }
+        let batch = b.next_batch();
+        assert_eq!(batch.len(), 6);
+        let mut done = b.on_wc(seqs(&batch)[1], wc::SUCCESS);
+        assert_eq!(done.len(), 1, "the first part completed before the failure");
+        done.clear();
+        done.append(&mut b.on_wc(seqs(&batch)[2], wc::RETRY_EXC_ERR));
+        for w in &batch[3..] {
+            done.append(&mut b.on_wc(w.wr_id as u32, wc::WR_FLUSH_ERR));
+        }
+        assert!(b.drained());
+        if !failover {
+            assert_eq!(done.len(), 2, "both fail");
+            assert!(done.iter().all(|(_, r)| r.as_ref().unwrap_err().status == Status::NotConnected));
+            continue;
+        }
+        assert!(done.is_empty(), "nothing fails on a rail that can fail over: {} ended", done.len());
+        assert_eq!(b.parts(), 2);
+        let (again, ended) = b.evacuate();
+        assert!(ended.is_empty());
+        assert_eq!(again.len(), 2);
+        assert!(Arc::ptr_eq(&again[0].req, &reqs[1]) && Arc::ptr_eq(&again[1].req, &reqs[2]), "in order");
+        assert_eq!(b.parts(), 0);
+    }
+}
+
+/// A held part on a rail that is kept (no other rail up) is posted again by the replacement.
+#[test]
+fn held_parts_are_posted_by_the_qp_that_replaces_a_failed_one() {
+    let mut b = QpBook::new(1, 64, "qp".into()).with_failover(true);
+    let (_, p, w) = job(2);
+    b.add(p, w);
+    let batch = b.next_batch();
+    assert!(b.on_wc(seqs(&batch)[0], wc::REM_OP_ERR).is_empty());
+    assert!(b.on_wc(seqs(&batch)[1], wc::WR_FLUSH_ERR).is_empty());
+    b.revive("qp2".into());
+    let again = b.next_batch();
+    assert_eq!(again.len(), 2, "posted from its first request");
+    let done = b.on_wc(seqs(&again)[1], wc::SUCCESS);
+    assert!(done.len() == 1 && done[0].1.is_ok());
+}
+
+/// A QP moved to the error state on purpose (its rail left out) after it carried out
+/// unsignaled requests: those never complete on their own, the flush of the next one stands
+/// for them, and the QP drains (else its parts would never leave it).
+#[test]
+fn a_flush_after_unsignaled_requests_that_ran_drains_the_qp() {
+    let mut b = QpBook::new(1, 256, "qp".into()).with_failover(true);
+    let (_, p, w) = job(40);
+    b.add(p, w);
+    let batch = b.next_batch();
+    let s = seqs(&batch);
+    assert!(b.on_wc(s[15], wc::SUCCESS).is_empty());
+    // Requests 16..19 ran (unsignaled: no completion), then the QP went to the error state.
+    b.kill(Error::not_connected("rail out"));
+    for q in &s[20..] {
+        assert!(b.on_wc(*q, wc::WR_FLUSH_ERR).is_empty());
+    }
+    assert!(b.drained(), "requests 16..19 are accounted for");
+    let (again, ended) = b.evacuate();
+    assert_eq!((again.len(), ended.len()), (1, 0));
+}

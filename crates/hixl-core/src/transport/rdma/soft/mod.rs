@@ -1,5 +1,6 @@
-//! The software provider: a model of one RC-capable NIC per provider instance, reached by peers
-//! in other processes of this host over an abstract Unix socket named after its GID. It exists
+//! The software provider: a model of RC-capable NICs (`soft0`, or as many as
+//! [`DEVICES_ENV`] says: `soft0`, `soft1`, ...), each reached by peers in other processes of
+//! this host over an abstract Unix socket named after its own GID. It exists
 //! so that the `rdma` backend's whole logic runs, and is tested, where no RDMA device exists.
 //!
 //! What it models (docs/RDMA.md lists the same): the RC queue-pair state machine (RESET, INIT,
@@ -25,7 +26,7 @@ mod qp;
 mod responder;
 mod sockio;
 
-pub use responder::LATENCY_ENV;
+pub use responder::{FAIL_AFTER_ENV, LATENCY_ENV};
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -40,8 +41,28 @@ use super::verbs::{
 use crate::error::{Error, Result};
 use qp::SoftQp;
 
-/// The device name the provider reports.
+/// The name of the provider's first device (`soft1`, ... follow it; see [`DEVICES_ENV`]).
 pub const DEVICE: &str = "soft0";
+/// Environment variable: how many devices the provider offers (1 to 8; unset: 1), named
+/// `soft0`, `soft1`, ..., each with its own GID and socket: the rails of multi-rail tests.
+pub const DEVICES_ENV: &str = "HIXL_SOFT_RDMA_DEVICES";
+
+/// The device names the provider offers (see [`DEVICES_ENV`]).
+fn device_names() -> Result<Vec<String>> {
+    let n = match std::env::var(DEVICES_ENV) {
+        Err(_) => 1,
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if (1..=crate::wire::rdma::MAX_RAILS).contains(&n) => n,
+            _ => {
+                return Err(Error::param(format!(
+                    "{DEVICES_ENV}={v:?} is invalid: expected 1 to {}",
+                    crate::wire::rdma::MAX_RAILS
+                )))
+            }
+        },
+    };
+    Ok((0..n).map(|i| format!("soft{i}")).collect())
+}
 /// Largest message of one work request (what `ibv_port_attr.max_msg_sz` says).
 pub const MAX_MSG: u32 = 1 << 30;
 /// The device's limits (`ibv_query_device`) unless [`LIMITS_ENV`] says otherwise: CQ entries
@@ -126,7 +147,11 @@ impl SoftMr {
 /// One soft NIC: its GID, its memory regions by key, its QPs by number, and the socket peers'
 /// requests arrive on.
 struct Device {
+    name: String,
     gid: [u8; 16],
+    /// Requests its responder served, and after how many it goes dark ([`FAIL_AFTER_ENV`]).
+    served: std::sync::atomic::AtomicU64,
+    fail_after: Option<u64>,
     mrs: RwLock<HashMap<u32, Arc<SoftMr>>>,
     qps: Mutex<HashMap<u32, Arc<SoftQp>>>,
     next_key: AtomicU32,
@@ -143,7 +168,7 @@ struct Device {
 }
 
 impl Device {
-    fn open() -> Result<Arc<Device>> {
+    fn open(dev_name: &str) -> Result<Arc<Device>> {
         use std::os::linux::net::SocketAddrExt;
         let mut gid = [0u8; 16];
         gid[0] = 0xfe;
@@ -157,7 +182,10 @@ impl Device {
         let mut seed = [0u8; 4];
         crate::auth::random_bytes(&mut seed)?;
         let dev = Arc::new(Device {
+            name: dev_name.to_string(),
             gid,
+            served: std::sync::atomic::AtomicU64::new(0),
+            fail_after: responder::fail_after(dev_name)?,
             mrs: RwLock::new(HashMap::new()),
             qps: Mutex::new(HashMap::new()),
             // Keys are an index and a random byte, like a NIC's; QPNs start at a random point.
@@ -275,11 +303,14 @@ impl SoftCq {
 #[derive(Default)]
 struct Objects {
     next: u64,
-    ctx: Option<Arc<Device>>,
-    /// The open device's limits, read once when it was opened (see [`LIMITS_ENV`]).
+    /// The open devices by context handle (a device's index + 1).
+    devs: HashMap<u64, Arc<Device>>,
+    /// The devices' limits, read once when the first was opened (see [`LIMITS_ENV`]).
     attr: DeviceAttr,
-    pds: std::collections::HashSet<u64>,
-    mrs: HashMap<u64, Arc<SoftMr>>,
+    /// Protection domains, and the context each belongs to.
+    pds: HashMap<u64, u64>,
+    /// Memory regions, and the context each is on.
+    mrs: HashMap<u64, (u64, Arc<SoftMr>)>,
     chans: HashMap<u64, Arc<SoftChannel>>,
     cqs: HashMap<u64, Arc<SoftCq>>,
     qps: HashMap<u64, Arc<SoftQp>>,
@@ -292,7 +323,7 @@ impl Objects {
     }
 }
 
-/// The software provider (one device, `soft0`).
+/// The software provider (`soft0`, or the devices [`DEVICES_ENV`] asks for).
 #[derive(Default)]
 pub struct SoftVerbs {
     objs: Mutex<Objects>,
@@ -308,8 +339,8 @@ impl SoftVerbs {
         SoftVerbs::default()
     }
 
-    fn device(&self) -> Result<Arc<Device>> {
-        self.objs.lock().unwrap().ctx.clone().ok_or_else(|| Error::failed("soft verbs: no device is open"))
+    fn device(&self, ctx: u64) -> Result<Arc<Device>> {
+        self.objs.lock().unwrap().devs.get(&ctx).cloned().ok_or_else(|| no("open device", ctx))
     }
 
     fn qp(&self, qp: Qp) -> Result<Arc<SoftQp>> {
@@ -325,7 +356,8 @@ impl SoftVerbs {
         acc: u32,
         map: Option<dmabuf::Mapping>,
     ) -> Result<(Mr, u32, u32)> {
-        let dev = self.device()?;
+        let ctx = self.objs.lock().unwrap().pds.get(&pd.0).copied().ok_or_else(|| no("PD", pd.0))?;
+        let dev = self.device(ctx)?;
         if len == 0 || addr.checked_add(len).is_none() {
             return Err(Error::param(format!("soft verbs: cannot register 0x{addr:x}+{len}")));
         }
@@ -334,9 +366,6 @@ impl SoftVerbs {
             return Err(Error::param("soft verbs: REMOTE_WRITE without LOCAL_WRITE (EINVAL)"));
         }
         let mut o = self.objs.lock().unwrap();
-        if !o.pds.contains(&pd.0) {
-            return Err(no("PD", pd.0));
-        }
         let idx = dev.next_key.fetch_add(1, Ordering::Relaxed);
         let mut salt = [0u8; 1];
         crate::auth::random_bytes(&mut salt)?;
@@ -354,7 +383,7 @@ impl SoftVerbs {
         });
         dev.mrs.write().unwrap().insert(key, mr.clone());
         let h = o.handle();
-        o.mrs.insert(h, mr);
+        o.mrs.insert(h, (ctx, mr));
         Ok((Mr(h), key, key))
     }
 }
@@ -365,31 +394,38 @@ impl Verbs for SoftVerbs {
     }
 
     fn get_device_list(&self) -> Result<Vec<String>> {
-        Ok(vec![DEVICE.to_string()])
+        device_names()
     }
 
     fn open_device(&self, name: &str) -> Result<Ctx> {
-        if name != DEVICE {
-            return Err(Error::param(format!("soft verbs: no device {name:?} (it has {DEVICE})")));
-        }
+        let names = device_names()?;
+        let Some(i) = names.iter().position(|n| n == name) else {
+            return Err(Error::param(format!(
+                "soft verbs: no device {name:?} (it has {})",
+                names.join(", ")
+            )));
+        };
+        let ctx = i as u64 + 1;
         let mut o = self.objs.lock().unwrap();
-        if o.ctx.is_none() {
-            let attr = device_attr()?;
-            o.ctx = Some(Device::open()?);
-            o.attr = attr;
+        if !o.devs.contains_key(&ctx) {
+            if o.devs.is_empty() {
+                o.attr = device_attr()?;
+            }
+            let d = Device::open(name)?;
+            o.devs.insert(ctx, d);
         }
-        Ok(Ctx(1))
+        Ok(Ctx(ctx))
     }
 
-    fn close_device(&self, _ctx: Ctx) {
-        let dev = self.objs.lock().unwrap().ctx.take();
+    fn close_device(&self, ctx: Ctx) {
+        let dev = self.objs.lock().unwrap().devs.remove(&ctx.0);
         if let Some(d) = dev {
             d.close();
         }
     }
 
-    fn query_device(&self, _ctx: Ctx) -> Result<DeviceAttr> {
-        self.device()?;
+    fn query_device(&self, ctx: Ctx) -> Result<DeviceAttr> {
+        self.device(ctx.0)?;
         Ok(self.objs.lock().unwrap().attr)
     }
 
@@ -407,19 +443,20 @@ impl Verbs for SoftVerbs {
         })
     }
 
-    fn query_gid(&self, _ctx: Ctx, port: u8, index: u8) -> Result<[u8; 16]> {
+    fn query_gid(&self, ctx: Ctx, port: u8, index: u8) -> Result<[u8; 16]> {
         if port != 1 || index != 0 {
             return Err(Error::param(format!(
                 "soft verbs: {DEVICE} has GID index 0 on port 1 only, not {index} on port {port}"
             )));
         }
-        Ok(self.device()?.gid)
+        Ok(self.device(ctx.0)?.gid)
     }
 
-    fn alloc_pd(&self, _ctx: Ctx) -> Result<Pd> {
+    fn alloc_pd(&self, ctx: Ctx) -> Result<Pd> {
+        self.device(ctx.0)?;
         let mut o = self.objs.lock().unwrap();
         let h = o.handle();
-        o.pds.insert(h);
+        o.pds.insert(h, ctx.0);
         Ok(Pd(h))
     }
 
@@ -455,8 +492,8 @@ impl Verbs for SoftVerbs {
     }
 
     fn dereg_mr(&self, mr: Mr) -> Result<()> {
-        let m = self.objs.lock().unwrap().mrs.remove(&mr.0).ok_or_else(|| no("MR", mr.0))?;
-        if let Ok(dev) = self.device() {
+        let (ctx, m) = self.objs.lock().unwrap().mrs.remove(&mr.0).ok_or_else(|| no("MR", mr.0))?;
+        if let Ok(dev) = self.device(ctx) {
             dev.mrs.write().unwrap().remove(&m.key);
         }
         // Waits for every operation that still moves bytes of the region.
@@ -531,7 +568,8 @@ impl Verbs for SoftVerbs {
     }
 
     fn create_qp(&self, pd: Pd, cq: Cq, caps: QpCaps) -> Result<QpCreated> {
-        let dev = self.device()?;
+        let ctx = self.objs.lock().unwrap().pds.get(&pd.0).copied().ok_or_else(|| no("PD", pd.0))?;
+        let dev = self.device(ctx)?;
         let d = self.objs.lock().unwrap().attr;
         if caps.max_send_wr == 0
             || caps.max_send_wr > d.max_qp_wr.max(0) as u32
@@ -543,9 +581,6 @@ impl Verbs for SoftVerbs {
             )));
         }
         let mut o = self.objs.lock().unwrap();
-        if !o.pds.contains(&pd.0) {
-            return Err(no("PD", pd.0));
-        }
         let cq = o.cqs.get(&cq.0).cloned().ok_or_else(|| no("CQ", cq.0))?;
         let qpn = dev.next_qpn.fetch_add(1, Ordering::Relaxed) & crate::wire::rdma::MAX_QPN;
         let caps = QpCaps { max_send_sge: caps.max_send_sge.max(1), ..caps };
@@ -563,9 +598,7 @@ impl Verbs for SoftVerbs {
     fn destroy_qp(&self, qp: Qp) {
         let q = self.objs.lock().unwrap().qps.remove(&qp.0);
         if let Some(q) = q {
-            if let Ok(dev) = self.device() {
-                dev.qps.lock().unwrap().remove(&q.qpn);
-            }
+            q.dev.qps.lock().unwrap().remove(&q.qpn);
             q.destroy();
         }
     }
@@ -578,8 +611,8 @@ impl Verbs for SoftVerbs {
 
 impl Drop for SoftVerbs {
     fn drop(&mut self) {
-        let dev = self.objs.get_mut().unwrap().ctx.take();
-        if let Some(d) = dev {
+        let devs = std::mem::take(&mut self.objs.get_mut().unwrap().devs);
+        for d in devs.into_values() {
             d.close();
         }
     }

@@ -55,7 +55,7 @@ struct Inner {
 pub(super) struct SoftQp {
     pub(super) qpn: u32,
     pub(super) pd: u64,
-    dev: Arc<Device>,
+    pub(super) dev: Arc<Device>,
     cq: Arc<SoftCq>,
     caps: QpCaps,
     st: Mutex<Inner>,

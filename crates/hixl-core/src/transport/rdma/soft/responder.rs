@@ -35,6 +35,38 @@ const MAX_CONNS: usize = 4096;
 /// model of wire latency; tests use it to keep requests in flight). Unset: none.
 pub const LATENCY_ENV: &str = "HIXL_SOFT_RDMA_LATENCY_US";
 
+/// Environment variable: `NAME:N` makes this process's soft device NAME go dark once its
+/// responder has served N requests: it answers nothing more, drops every connection and
+/// refuses new ones, as a NIC whose link went down (its peers' requests end RETRY_EXC_ERR).
+/// Tests use it to fail one rail mid-transfer. Unset: never.
+pub const FAIL_AFTER_ENV: &str = "HIXL_SOFT_RDMA_FAIL_AFTER";
+
+/// What [`FAIL_AFTER_ENV`] says for the device `name`.
+pub(super) fn fail_after(name: &str) -> crate::error::Result<Option<u64>> {
+    let Ok(v) = std::env::var(FAIL_AFTER_ENV) else { return Ok(None) };
+    let bad = || crate::error::Error::param(format!("{FAIL_AFTER_ENV}={v:?} is not NAME:N (e.g. soft1:100)"));
+    let (dev, n) = v.split_once(':').ok_or_else(bad)?;
+    let n: u64 = n.trim().parse().map_err(|_| bad())?;
+    Ok((dev.trim() == name).then_some(n))
+}
+
+/// Counts one request about to be served; false once the device went dark (it then drops
+/// every connection and its listener).
+fn still_up(dev: &Device) -> bool {
+    let Some(limit) = dev.fail_after else { return true };
+    if dev.served.fetch_add(1, Ordering::AcqRel) < limit {
+        return true;
+    }
+    if !dev.stopping.swap(true, Ordering::AcqRel) {
+        tracing::warn!(device = %dev.name, "soft RDMA NIC goes dark ({FAIL_AFTER_ENV})");
+        io::shutdown(dev.listener().as_raw_fd());
+        for c in dev.conns.lock().unwrap().iter() {
+            io::shutdown(c.as_raw_fd());
+        }
+    }
+    false
+}
+
 fn latency() -> Option<Duration> {
     static L: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
     *L.get_or_init(|| {
@@ -235,6 +267,9 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
         let _ = conn.set_read_timeout(Some(DATA_WAIT));
         if let Some(d) = latency() {
             std::thread::sleep(d);
+        }
+        if !still_up(dev) {
+            return;
         }
         let req = Request::decode(&rb);
         let Some(qp_access) = qp.responder_access() else { return };
