@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::{parse_addr, ConnectStatus, Engine, PeerConn, PeerSlot, Running};
+use super::{failover, parse_addr, ConnectStatus, Engine, PeerConn, PeerSlot, Running};
 use crate::error::{Error, Result, Status};
 use crate::transport::backend;
 use crate::transport::tcp::{ConnectParams, TcpLink};
@@ -63,7 +63,7 @@ impl Engine {
         let control = TcpLink::connect(key, addr, &params)?;
         let ctx = backend::OpenCtx { opts: &r.opts, addr, params: &params, host: &r.host, timeout };
         let mut not_chosen: Vec<String> = Vec::new();
-        for b in &r.backends {
+        for (i, b) in r.backends.iter().enumerate() {
             let offer = match control.handshake().offer(b.name()) {
                 None => Err("the peer does not offer it".to_string()),
                 Some(o) if !o.domains.contains(&(Domain::Host, Domain::Host)) => {
@@ -79,11 +79,30 @@ impl Engine {
                         tracing::info!(peer = %key, backend = b.name(), not_chosen = %not_chosen.join("; "), "data path chosen");
                     }
                     let (domains, not_chosen) = (b.domains(), not_chosen.join("; "));
+                    let next: Vec<_> = r.backends[i + 1..].to_vec();
+                    let failover = (!next.is_empty())
+                        .then(|| {
+                            let opener = failover::Opener {
+                                next,
+                                opts: r.opts.clone(),
+                                addr,
+                                params: params.clone(),
+                                host: r.host.clone(),
+                                timeout,
+                            };
+                            failover::Failover::wrap(control.clone(), link.clone(), domains, opener)
+                        })
+                        .flatten();
+                    let link = match &failover {
+                        Some(f) => f.clone() as Arc<dyn DataPath>,
+                        None => link,
+                    };
                     return Ok(PeerConn {
                         control,
                         link,
                         domains,
                         not_chosen,
+                        failover,
                         recent: Mutex::new(Vec::new()),
                     });
                 }

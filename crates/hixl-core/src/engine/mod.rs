@@ -27,6 +27,7 @@ use crate::transport::DataPath;
 use crate::wire::Domain;
 
 mod connect;
+mod failover;
 mod register;
 mod transfer;
 mod types;
@@ -49,8 +50,22 @@ struct PeerConn {
     domains: &'static [(Domain, Domain)],
     /// Why the backends before it were not chosen.
     not_chosen: String,
+    /// The failover layer that `link` is, when the chosen path can fail over (see `failover`).
+    failover: Option<Arc<failover::Failover>>,
     /// Recent requests, so that a later notify can wait for their data.
     recent: Mutex<Vec<Weak<Request>>>,
+}
+
+impl PeerConn {
+    /// The (local, remote) domain pairs the path that carries the link now serves.
+    fn domains(&self) -> &'static [(Domain, Domain)] {
+        self.failover.as_ref().map_or(self.domains, |f| f.domains())
+    }
+
+    /// Failovers of the link (0 or 1) and why.
+    fn failovers(&self) -> (u64, String) {
+        self.failover.as_ref().map(|f| f.failovers()).unwrap_or_default()
+    }
 }
 
 enum PeerSlot {

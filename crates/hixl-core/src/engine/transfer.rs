@@ -324,10 +324,13 @@ impl Engine {
             if let PeerSlot::Connected(c) = slot {
                 let s = c.link.stats();
                 let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+                let (failovers, failover) = c.failovers();
                 out.push(PeerSnapshot {
                     peer: peer.clone(),
                     backend: c.link.backend(),
                     not_chosen: c.not_chosen.clone(),
+                    failovers,
+                    failover,
                     alive: c.link.is_alive(),
                     bytes_write: l(&s.bytes_write),
                     bytes_read: l(&s.bytes_read),

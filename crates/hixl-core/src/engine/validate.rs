@@ -13,7 +13,7 @@ use crate::wire::{Domain, MAX_DESCS};
 
 /// Whether the peer's data path moves data between these two memory domains.
 pub(super) fn check_domains(conn: &PeerConn, remote: &str, local: Domain, theirs: Domain) -> Result<()> {
-    if conn.domains.iter().any(|(l, t)| l.same_kind(local) && t.same_kind(theirs)) {
+    if conn.domains().iter().any(|(l, t)| l.same_kind(local) && t.same_kind(theirs)) {
         return Ok(());
     }
     Err(Error::new(

@@ -3,7 +3,9 @@
 //! room; the engine's poller reports completions here, which settle parts through the link's
 //! completer (the notification after the data then goes over the control channel). A QP that
 //! fails because of one request's range is replaced by a fresh one, and the parts it flushed
-//! are posted again on it (see `book`); a QP that finds the peer unreachable closes the link.
+//! are posted again on it (see `book`); a QP that finds the peer unreachable closes the link,
+//! or, with a rescuer set (failover) and the control channel alive, ends the RDMA path alone
+//! and hands the parts that did not land to the rescuer.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -15,11 +17,11 @@ use super::verbs::{wc, Qp, QpTransition, Wc};
 use super::{exchange, open_qps, wrs, Opened};
 use crate::complete::Completer;
 use crate::error::{Error, Result, Status};
-use crate::queue::{Part, PartBody};
+use crate::queue::{Part, PartBody, TransferStatus};
 use crate::registry::{new_holder_id, Abort};
 use crate::stats::PeerStats;
 use crate::transport::tcp::TcpLink;
-use crate::transport::DataPath;
+use crate::transport::{DataPath, Rescue};
 use crate::wire::rdma::RdmaOpen;
 
 /// How long `close` lets flushed requests come back before it destroys the QPs.
@@ -56,6 +58,13 @@ pub struct RdmaLink {
     /// second `close` (finalize while a dead control channel's close runs) waits for it, so
     /// that no caller goes on while the device may still touch the parts' memory.
     closed_done: (Mutex<bool>, std::sync::Condvar),
+    /// Takes the parts of a path that died by itself (see `die`); unset: they fail.
+    rescue: std::sync::OnceLock<std::sync::Weak<dyn Rescue>>,
+    /// Set by `close` (the engine closes the link): nothing is rescued from then on.
+    closing: AtomicBool,
+    /// Set at the first rescue: the rest of the path's parts go to the rescuer too, even once
+    /// the link closes (the rescuer then fails them with the whole story).
+    rescued: AtomicBool,
 }
 
 impl RdmaLink {
@@ -105,6 +114,9 @@ impl RdmaLink {
             timeout,
             threads: Mutex::new(Vec::new()),
             closed_done: (Mutex::new(false), std::sync::Condvar::new()),
+            rescue: std::sync::OnceLock::new(),
+            closing: AtomicBool::new(false),
+            rescued: AtomicBool::new(false),
         }
     }
 
@@ -116,10 +128,55 @@ impl RdmaLink {
         Error::new(why.status, format!("the RDMA link to {} is closed: {}", self.control.peer(), why.message))
     }
 
+    /// The rescuer, while parts may still go to it: set, and either a rescue begun (the rest
+    /// follows, whatever closes meanwhile) or the link not being closed and its control
+    /// channel alive.
+    fn rescuer(&self) -> Option<Arc<dyn Rescue>> {
+        let begun = self.rescued.load(Ordering::Acquire);
+        if !begun && (self.closing.load(Ordering::Acquire) || !self.control.is_alive()) {
+            return None;
+        }
+        self.rescue.get().and_then(std::sync::Weak::upgrade)
+    }
+
     fn finish(&self, done: Finished) {
+        let rescuer = self.rescuer();
+        let mut saved: Vec<Part> = Vec::new();
+        let mut cause: Option<Error> = None;
         for (part, res) in done {
             self.held.fetch_sub(1, Ordering::AcqRel);
-            self.control.finish_elsewhere(&self.done, part, res);
+            match res {
+                // The peer's NIC is unreachable (not this part's range): the part goes to the
+                // next backend. READ and WRITE are idempotent, so bytes that landed already
+                // are simply written again.
+                Err(e)
+                    if rescuer.is_some()
+                        && e.status == Status::NotConnected
+                        && part.req.status() == TransferStatus::Waiting =>
+                {
+                    cause.get_or_insert(e);
+                    saved.push(part);
+                }
+                res => self.control.finish_elsewhere(&self.done, part, res),
+            }
+        }
+        if let (Some(r), Some(why)) = (rescuer, cause) {
+            self.rescued.store(true, Ordering::Release);
+            r.rescue(saved, &why);
+        }
+    }
+
+    /// The RDMA path died by itself with `why` (the peer's NIC unreachable, a failed QP not
+    /// replaceable). With a rescuer and a live control channel, only the QPs go: their parts
+    /// go to the rescuer and the control channel stays; otherwise the link closes.
+    fn die(&self, why: Error) {
+        match self.rescuer() {
+            Some(r) => {
+                self.rescued.store(true, Ordering::Release);
+                r.rescue(Vec::new(), &why);
+                self.shut(why);
+            }
+            None => self.close(why),
         }
     }
 
@@ -179,7 +236,7 @@ impl RdmaLink {
         }
         self.finish(done);
         if let Some(cause) = close {
-            self.close(cause);
+            self.die(cause);
             return;
         }
         for idx in repair {
@@ -196,7 +253,7 @@ impl RdmaLink {
         let link = self.clone();
         let spawned = std::thread::Builder::new().name(format!("hixl-rdma-fix{idx}")).spawn(move || {
             if let Err(e) = link.replace_qp(idx) {
-                link.close(Error::not_connected(format!(
+                link.die(Error::not_connected(format!(
                     "cannot replace a failed QP to {}: {}",
                     link.control.peer(),
                     e.message
@@ -329,6 +386,37 @@ impl DataPath for RdmaLink {
     }
 
     fn close(&self, why: Error) {
+        self.closing.store(true, Ordering::Release);
+        self.shut(why.clone());
+        self.control.close(why);
+        // Bounded: a replacement waits for the control channel, which is closed now.
+        let me = std::thread::current().id();
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap());
+        for h in threads {
+            if h.thread().id() != me {
+                let _ = h.join();
+            }
+        }
+    }
+
+    fn stats(&self) -> Arc<PeerStats> {
+        self.control.stats()
+    }
+
+    fn queue_slots(&self) -> (usize, usize) {
+        (self.held.load(Ordering::Relaxed), self.queue_depth)
+    }
+
+    fn set_rescue(&self, to: std::sync::Weak<dyn Rescue>) -> bool {
+        self.rescue.set(to).is_ok()
+    }
+}
+
+impl RdmaLink {
+    /// Ends the RDMA path (not its control channel): QPs to the error state, a bounded wait
+    /// for their flush, QPs destroyed, every part ended (or rescued, see `finish`). A second
+    /// call waits, bounded, for the first one's QPs to be gone.
+    fn shut(&self, why: Error) {
         if !self.closed.swap(true, Ordering::AcqRel) {
             *self.reason.lock().unwrap() = Some(why.clone());
             for slot in &self.slots {
@@ -372,23 +460,6 @@ impl DataPath for RdmaLink {
                 done = cv.wait_timeout(done, left).unwrap().0;
             }
         }
-        self.control.close(why);
-        // Bounded: a replacement waits for the control channel, which is closed now.
-        let me = std::thread::current().id();
-        let threads = std::mem::take(&mut *self.threads.lock().unwrap());
-        for h in threads {
-            if h.thread().id() != me {
-                let _ = h.join();
-            }
-        }
-    }
-
-    fn stats(&self) -> Arc<PeerStats> {
-        self.control.stats()
-    }
-
-    fn queue_slots(&self) -> (usize, usize) {
-        (self.held.load(Ordering::Relaxed), self.queue_depth)
     }
 }
 
