@@ -3,7 +3,8 @@
 # scripts/rxe_vm.sh, with hixl's real provider (libibverbs loaded at run time) on rxe0.
 # Runs there: the cross-process Rust suites (crates/hixl-core/tests/rdma.rs, rdma_verbs.rs:
 # bytes moved and compared, scattered, READ, notify after data, remote access errors raised by
-# the NIC, QP error and re-post, deregistration in flight, a peer killed, one poller thread),
+# the NIC, QP error and re-post, deregistration in flight, a peer killed, one poller thread;
+# rdma_failover.rs: rxe0's netdev taken down mid-transfer, the requests moved to tcp),
 # the Python end-to-end tests (tests/test_rdma.py, hixl.backends=rdma) with PYTHON, and
 # `hixl info` (the device's limits and the queue sizes used on it); then two hosts
 # (scripts/rxe_pair_check.py in two VMs joined by one virtio-net link).
@@ -16,13 +17,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${1:-python3}
 py=$(command -v "$py")
-bins=$(cargo test -p hixl-core --release --test rdma --test rdma_verbs --no-run --message-format=json 2>/dev/null \
+bins=$(cargo test -p hixl-core --release --test rdma --test rdma_verbs --test rdma_failover --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json, sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] in ("rdma", "rdma_verbs") and m.get("executable"):
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] in ("rdma", "rdma_verbs", "rdma_failover") and m.get("executable"):
         print(m["executable"])')
-[ "$(echo "$bins" | wc -l)" = 2 ] || { echo "rxe_check: the rdma test binaries were not built" >&2; exit 2; }
+[ "$(echo "$bins" | wc -l)" = 3 ] || { echo "rxe_check: the rdma test binaries were not built" >&2; exit 2; }
 # shellcheck disable=SC2016 # expanded in the guest
 guest='set -e
 echo "--- ibv_devinfo"; ibv_devinfo -d rxe0 -v | grep -E "hca_id|max_cqe|max_qp_wr|max_sge|max_qp_rd_atom|state|active_mtu"

@@ -209,6 +209,7 @@ impl RdmaLink {
     pub(super) fn on_completions(self: &Arc<Self>, wcs: &[Wc]) {
         let mut done: Finished = Vec::new();
         let mut touched: Vec<usize> = Vec::new();
+        let mut port_down: Option<bool> = None;
         for w in wcs {
             let idx = ((w.wr_id >> 32) & 0xFF) as usize;
             let Some(slot) = self.slots.get(idx) else { continue };
@@ -218,7 +219,11 @@ impl RdmaLink {
                     vendor_err = w.vendor_err, "RDMA work request failed"
                 );
             }
-            done.append(&mut slot.lock().unwrap().book.on_wc(w.wr_id as u32, w.status));
+            let mut status = w.status;
+            if status == wc::LOC_QP_OP_ERR && *port_down.get_or_insert_with(|| !self.nic.port_active()) {
+                status = super::book::PORT_DOWN;
+            }
+            done.append(&mut slot.lock().unwrap().book.on_wc(w.wr_id as u32, status));
             if !touched.contains(&idx) {
                 touched.push(idx);
             }
@@ -368,7 +373,11 @@ impl DataPath for RdmaLink {
             for (part, w) in jobs {
                 s.book.add(part, w);
             }
-            if s.book.dead().is_none() {
+            if s.qp.is_none() {
+                // The link closed since `is_alive` above and its QPs are gone: nothing would
+                // post or flush these parts (they would wait for their deadline).
+                done.append(&mut s.book.fail_all(&self.reason()));
+            } else if s.book.dead().is_none() {
                 done.append(&mut self.post_now(&mut s));
             }
         }

@@ -242,6 +242,11 @@ impl Nic {
         Ok(())
     }
 
+    /// Whether its port is active now (a port that went down fails sends as local errors).
+    pub(super) fn port_active(&self) -> bool {
+        self.verbs.query_port(self.ctx, self.port).is_ok_and(|a| a.state == PORT_ACTIVE)
+    }
+
     /// Whether the calling thread is the poller.
     pub(super) fn on_poller(&self) -> bool {
         self.poller.lock().unwrap().as_ref().is_some_and(|h| h.thread().id() == std::thread::current().id())
