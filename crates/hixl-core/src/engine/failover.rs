@@ -44,16 +44,21 @@ pub(super) struct Opener {
 type Opened = (Arc<dyn DataPath>, &'static [(Domain, Domain)]);
 
 impl Opener {
-    /// Opens the first backend of `next` that the peer offers for host memory and that opens;
-    /// Err says why each could not.
-    fn open(&self, control: &Arc<TcpLink>) -> std::result::Result<Opened, String> {
-        let ctx = OpenCtx {
+    /// What a backend's `connect` is given.
+    pub(super) fn ctx(&self) -> OpenCtx<'_> {
+        OpenCtx {
             opts: &self.opts,
             addr: self.addr,
             params: &self.params,
             host: &self.host,
             timeout: self.timeout,
-        };
+        }
+    }
+
+    /// Opens the first backend of `next` that the peer offers for host memory and that opens;
+    /// Err says why each could not.
+    fn open(&self, control: &Arc<TcpLink>) -> std::result::Result<Opened, String> {
+        let ctx = self.ctx();
         let mut why: Vec<String> = Vec::new();
         for b in &self.next {
             let res = match control.handshake().offer(b.name()) {
