@@ -114,11 +114,11 @@ impl Hixl {
     /// Counters of every peer this engine has a link to, as `{peer: {...}}`.
     ///
     /// Takes no arguments. Each peer's dict holds `backend` (the data path now: "self", "shm",
-    /// "cuda_ipc", "rdma" or "tcp"), `not_chosen` (why the backends tried before it were not taken; "" when it was
-    /// first), `failovers` (times the data path died while the control channel lived and the
-    /// next backend of `hixl.backends` took over: 0 or 1) and `failover` (why: "rdma -> tcp:
-    /// ..."; "" when it did not), `alive`, `bytes_write`, `bytes_read`, `ops_write` and `ops_read` (completed
-    /// requests), `errors` (transfer requests that failed or timed out, counted as they
+    /// "cuda_ipc", "rdma" or "tcp"), `not_chosen` (why the backends tried before it were not
+    /// taken; "" when it was first), `failovers` (times the data path died while the control
+    /// channel lived and the next backend of `hixl.backends` took over: 0 or 1), `failover`
+    /// (why: "rdma -> tcp: ..."; "" when it did not), `alive`, `bytes_write`, `bytes_read`,
+    /// `ops_write` and `ops_read` (completed requests), `errors` (transfer requests that failed or timed out, counted as they
     /// settle), `notifies` (delivered), `direct_parts` (same-host copies through a mapping of
     /// the peer's `alloc`'d memory), `in_flight` (requests, `send_notify` included, submitted
     /// and not settled; never negative), `queue_slots_used` / `queue_slots` (the link's
