@@ -134,7 +134,28 @@ impl Failover {
             me: me.clone(),
         });
         let rescue: Weak<dyn Rescue> = f.me.clone();
-        path.set_rescue(rescue).then_some(f)
+        if !path.set_rescue(rescue) {
+            return None;
+        }
+        // The control channel died while the next backend opens: what waits fails at once
+        // (not when the opening gives up).
+        let weak = f.me.clone();
+        control.on_close(Box::new(move |why| {
+            if let Some(f) = weak.upgrade() {
+                f.control_closed(why);
+            }
+        }));
+        Some(f)
+    }
+
+    /// The control channel closed with `why`: a failover in progress ends, failing what waits.
+    fn control_closed(&self, why: Error) {
+        let mut st = self.state.write().unwrap();
+        let State::Moving { from, waiting } = &mut *st else { return };
+        let (from, waiting) = (from.clone(), std::mem::take(waiting));
+        *st = State::Down { from, err: why.clone() };
+        drop(st);
+        self.fail(waiting.into_iter().flat_map(|(p, _)| p).collect(), &why);
     }
 
     /// How many times the link moved to another backend (0 or 1), and why it did ("" if not).
@@ -182,8 +203,14 @@ impl Failover {
         let mut st = self.state.write().unwrap();
         let (from, waiting) = match &mut *st {
             State::Moving { from, waiting } => (from.clone(), std::mem::take(waiting)),
-            // Closed meanwhile (`close` failed what waited).
-            State::Up { path, .. } | State::Down { from: path, .. } => (path.clone(), Vec::new()),
+            // The control channel closed meanwhile (`control_closed` failed what waited).
+            _ => {
+                drop(st);
+                if let Ok((path, _)) = res {
+                    path.close(Error::not_connected("the control channel closed while failing over"));
+                }
+                return;
+            }
         };
         let waiting: Vec<Part> = waiting.into_iter().flat_map(|(p, _)| p).collect();
         match res {
