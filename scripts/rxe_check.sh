@@ -5,10 +5,11 @@
 # bytes moved and compared, scattered, READ, notify after data, remote access errors raised by
 # the NIC, QP error and re-post, deregistration in flight, a peer killed, one poller thread),
 # the multi-rail suite (crates/hixl-core/tests/rdma_rails.rs on rxe0,rxe1: a large WRITE and
-# READ striped across both rails, small requests on one rail each; last, rxe1's netdev taken
-# down mid-transfer: the rail is left out and every byte arrives over rxe0),
-# the Python end-to-end tests (tests/test_rdma.py, hixl.backends=rdma) with PYTHON, and
-# `hixl info` (the device's limits and the queue sizes used on it); then two hosts
+# READ striped across both rails, small requests on one rail each), the Python end-to-end
+# tests (tests/test_rdma.py, hixl.backends=rdma) with PYTHON, `hixl info` (the device's limits
+# and the queue sizes used on it), failover (rdma_failover.rs: rxe0's netdev taken down
+# mid-transfer and up again, the requests moved to tcp) and last rxe1's netdev taken down
+# mid-transfer (the rail is left out and every byte arrives over rxe0); then two hosts
 # (scripts/rxe_pair_check.py in two VMs joined by one virtio-net link).
 #
 #   scripts/rxe_check.sh [PYTHON]     PYTHON: an interpreter with hixl installed (default python3)
@@ -19,15 +20,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${1:-python3}
 py=$(command -v "$py")
-all=$(cargo test -p hixl-core --release --test rdma --test rdma_verbs --test rdma_rails --no-run --message-format=json 2>/dev/null \
+all=$(cargo test -p hixl-core --release --test rdma --test rdma_verbs --test rdma_rails --test rdma_failover \
+  --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json, sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] in ("rdma", "rdma_verbs", "rdma_rails") and m.get("executable"):
+    names = ("rdma", "rdma_verbs", "rdma_rails", "rdma_failover")
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] in names and m.get("executable"):
         print(m["target"]["name"], m["executable"])')
-bins=$(echo "$all" | awk '$1 != "rdma_rails" {print $2}')
+bins=$(echo "$all" | awk '$1 == "rdma" || $1 == "rdma_verbs" {print $2}')
 rails=$(echo "$all" | awk '$1 == "rdma_rails" {print $2}')
-[ "$(echo "$bins" | wc -l)" = 2 ] && [ -n "$rails" ] || { echo "rxe_check: the rdma test binaries were not built" >&2; exit 2; }
+failover=$(echo "$all" | awk '$1 == "rdma_failover" {print $2}')
+[ "$(echo "$bins" | wc -l)" = 2 ] && [ -n "$rails" ] && [ -n "$failover" ] \
+  || { echo "rxe_check: the rdma test binaries were not built" >&2; exit 2; }
 # shellcheck disable=SC2016 # expanded in the guest
 guest='set -e
 echo "--- ibv_devinfo"; ibv_devinfo -d rxe0 -v | grep -E "hca_id|max_cqe|max_qp_wr|max_sge|max_qp_rd_atom|state|active_mtu"
@@ -36,10 +41,11 @@ echo "--- $(basename "$RAILS") on rxe0,rxe1"; HIXL_RDMA_DEVICE=rxe0,rxe1 "$RAILS
 echo "--- tests/test_rdma.py"; "$PY" -m pytest -q -p no:cacheprovider tests/test_rdma.py -rs
 echo "--- hixl info"; "$PY" -m hixl info | grep -E "^  rdma "
 "$PY" -m hixl info | grep -qE "^  rdma +yes .*rxe0 \(port 1 active; device max_cqe [0-9]+ .*hixl uses CQ [0-9]+ SQ"
+echo "--- $(basename "$FAILOVER"): rxe0 (its netdev v0) taken down mid-transfer, then up"; "$FAILOVER" --test-threads=1
 echo "--- $(basename "$RAILS"): rxe1 (its netdev v1) taken down mid-transfer (last: it stays down)"
 HIXL_RDMA_DEVICE=rxe0,rxe1 HIXL_RAILS_DOWN=v1 "$RAILS" --test-threads=1 --exact a_rail_that_fails_mid_transfer_is_left_out_and_its_parts_complete_on_the_other'
 scripts/rxe_vm.sh run --rails 2 --timeout 480 -- env HIXL_RDMA_DEVICE=rxe0 HIXL_RDMA_GID_INDEX=1 \
-  PYTHONDONTWRITEBYTECODE=1 BINS="$(echo $bins)" RAILS="$rails" PY="$py" sh -c "$guest"
+  PYTHONDONTWRITEBYTECODE=1 BINS="$(echo $bins)" RAILS="$rails" FAILOVER="$failover" PY="$py" sh -c "$guest"
 # Two hosts: two VMs, each its own NIC and rxe0, the target's VM powered off mid-transfer.
 secret=$("$py" -c 'import secrets; print(secrets.token_hex(16))')
 pair=(env HIXL_SECRET="$secret" PYTHONDONTWRITEBYTECODE=1 "$py" scripts/rxe_pair_check.py)

@@ -104,6 +104,8 @@ def test_auto_prefers_rdma_over_tcp_where_both_sides_have_a_device(make_peer):
         st = e.stats()[peer.engine]
         assert st["backend"] == "rdma", st
         assert "shm: the peer does not offer it" in st["not_chosen"], st
+        # A next backend (tcp) to fail over to, and no failover yet.
+        assert (st["failovers"], st["failover"]) == (0, ""), st
     if DEVICE:
         return
     # Without a device here (the default provider finds none), the same target gets tcp, and

@@ -134,7 +134,9 @@ pub mod unstable {
     pub use crate::engine::{push_merged, split};
     /// The RDMA backend's verbs interface and its software provider (cross-process tests).
     pub mod rdma {
-        pub use crate::transport::rdma::soft::{SoftVerbs, DEVICES_ENV, FAIL_AFTER_ENV, LATENCY_ENV};
+        pub use crate::transport::rdma::soft::{
+            SoftVerbs, DEVICES_ENV, FAIL_AFTER_ENV, FAULT_ENV, LATENCY_ENV,
+        };
         pub use crate::transport::rdma::verbs;
         pub use crate::wire::rdma::QpAddr;
 

@@ -55,6 +55,7 @@ struct Series {
     queue_used: u64,
     queue_slots: u64,
     heartbeat_misses: u64,
+    failovers: u64,
 }
 
 impl Series {
@@ -79,6 +80,7 @@ impl Series {
         self.queue_used += p.queue_slots.0 as u64;
         self.queue_slots += p.queue_slots.1 as u64;
         self.heartbeat_misses += p.heartbeat_misses;
+        self.failovers += p.failovers;
     }
 }
 
@@ -183,6 +185,13 @@ pub fn render(engines: &[EngineMetrics], max_peers: usize) -> String {
     header(&mut o, "hixl_heartbeats_missed_total", "counter", help);
     per_series(&mut o, &all, |o, l, s| {
         let _ = writeln!(o, "hixl_heartbeats_missed_total{{{l}}} {}", s.heartbeat_misses);
+    });
+    let help =
+        "Times the link's data path died while its control channel lived and the next backend took over \
+                (labelled with the backend it moved to).";
+    header(&mut o, "hixl_failovers_total", "counter", help);
+    per_series(&mut o, &all, |o, l, s| {
+        let _ = writeln!(o, "hixl_failovers_total{{{l}}} {}", s.failovers);
     });
     let h = "hixl_request_duration_seconds";
     header(&mut o, h, "histogram", "Completed requests, from submission to completion.");

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::{parse_addr, ConnectStatus, Engine, PeerConn, PeerSlot, Running};
+use super::{failover, parse_addr, sides, ConnectStatus, Engine, PeerConn, PeerSlot, Running};
 use crate::error::{Error, Result, Status};
 use crate::transport::backend;
 use crate::transport::tcp::{ConnectParams, TcpLink};
@@ -50,7 +50,7 @@ impl Engine {
         // The old link died: close it (joins its threads; an RDMA link waits for its flush)
         // only now, outside the peers lock that every submit to every peer takes.
         if let Some(PeerSlot::Connected(c)) = old {
-            c.link.close(Error::not_connected(format!("link to {key} replaced")));
+            c.close(Error::not_connected(format!("link to {key} replaced")));
         }
         Ok(())
     }
@@ -63,7 +63,7 @@ impl Engine {
         let control = TcpLink::connect(key, addr, &params)?;
         let ctx = backend::OpenCtx { opts: &r.opts, addr, params: &params, host: &r.host, timeout };
         let mut not_chosen: Vec<String> = Vec::new();
-        for b in &r.backends {
+        for (i, b) in r.backends.iter().enumerate() {
             let offer = match control.handshake().offer(b.name()) {
                 None => Err("the peer does not offer it".to_string()),
                 Some(o) if !o.domains.contains(&(Domain::Host, Domain::Host)) => {
@@ -79,11 +79,30 @@ impl Engine {
                         tracing::info!(peer = %key, backend = b.name(), not_chosen = %not_chosen.join("; "), "data path chosen");
                     }
                     let (domains, not_chosen) = (b.domains(), not_chosen.join("; "));
+                    let next: Vec<_> = r.backends[i + 1..].to_vec();
+                    let opener = || failover::Opener {
+                        next: next.clone(),
+                        opts: r.opts.clone(),
+                        addr,
+                        params: params.clone(),
+                        host: r.host.clone(),
+                        timeout,
+                    };
+                    let sides = sides::Sides::new(&control, opener());
+                    let failover = (!next.is_empty())
+                        .then(|| failover::Failover::wrap(control.clone(), link.clone(), domains, opener()))
+                        .flatten();
+                    let link = match &failover {
+                        Some(f) => f.clone() as Arc<dyn DataPath>,
+                        None => link,
+                    };
                     return Ok(PeerConn {
                         control,
                         link,
                         domains,
                         not_chosen,
+                        failover,
+                        sides,
                         recent: Mutex::new(Vec::new()),
                     });
                 }
@@ -108,7 +127,7 @@ impl Engine {
             let e = Error::failed(format!("the engine was finalized while connecting to {key}"));
             if let Ok(conn) = res {
                 drop(peers);
-                conn.link.close(e.clone());
+                conn.close(e.clone());
             }
             return Err(e);
         }
@@ -201,7 +220,7 @@ impl Engine {
                     }
                     q.wait(Some(left));
                 }
-                c.link.close(Error::not_connected(format!("disconnected from {remote}")));
+                c.close(Error::not_connected(format!("disconnected from {remote}")));
                 Ok(())
             }
             Some(PeerSlot::Failed | PeerSlot::Connecting) => Ok(()),

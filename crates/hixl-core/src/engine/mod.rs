@@ -27,7 +27,9 @@ use crate::transport::DataPath;
 use crate::wire::Domain;
 
 mod connect;
+mod failover;
 mod register;
+mod sides;
 mod transfer;
 mod types;
 mod validate;
@@ -49,8 +51,35 @@ struct PeerConn {
     domains: &'static [(Domain, Domain)],
     /// Why the backends before it were not chosen.
     not_chosen: String,
+    /// The failover layer that `link` is, when the chosen path can fail over (see `failover`).
+    failover: Option<Arc<failover::Failover>>,
+    /// The backends after the chosen one, for memory domains it does not serve.
+    sides: sides::Sides,
     /// Recent requests, so that a later notify can wait for their data.
     recent: Mutex<Vec<Weak<Request>>>,
+}
+
+impl PeerConn {
+    /// The (local, remote) domain pairs the path that carries the link now serves.
+    fn domains(&self) -> &'static [(Domain, Domain)] {
+        self.failover.as_ref().map_or(self.domains, |f| f.domains())
+    }
+
+    /// The domain pairs of the backends after the chosen one that the peer offers, in order.
+    fn later_domains(&self) -> Vec<&[(Domain, Domain)]> {
+        self.sides.domains()
+    }
+
+    /// Closes the link: its data path, the control channel and any path opened besides.
+    fn close(&self, why: Error) {
+        self.sides.close(&why);
+        self.link.close(why);
+    }
+
+    /// Failovers of the link (0 or 1) and why.
+    fn failovers(&self) -> (u64, String) {
+        self.failover.as_ref().map(|f| f.failovers()).unwrap_or_default()
+    }
 }
 
 enum PeerSlot {
@@ -257,7 +286,7 @@ impl Engine {
         };
         for (_, slot) in slots {
             if let PeerSlot::Connected(c) = slot {
-                c.link.close(Error::failed("the engine was finalized"));
+                c.close(Error::failed("the engine was finalized"));
             }
         }
         // Connects still under way close what they open (see `finish_connect`); each ends by

@@ -5,11 +5,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::types::{PeerSnapshot, StridedDesc, TransferOpDesc, TransferReq, Waiting};
-use super::validate::{split, validate, validate_strided, with_fresh_table};
+use super::validate::{route, split, validate, validate_strided, with_fresh_table};
 use super::{Engine, PeerConn, PeerSlot, Running};
 use crate::error::{Error, Result, Status};
 use crate::queue::{NotifyDesc, Part, PartBody, Request, TransferOp, TransferStatus};
 use crate::registry::Pin;
+use crate::transport::DataPath;
+use crate::wire::Domain;
 
 impl Engine {
     /// Runs a batch and waits for it (up to `timeout`).
@@ -60,14 +62,17 @@ impl Engine {
             check_notify(n)?;
         }
         let write = op == TransferOp::Write;
-        let mut device = false;
-        let (segs, pins, bytes) =
-            with_fresh_table(&r, &conn, |miss| validate(&r, &conn, remote, descs, write, miss, &mut device))?;
-        let staged = device && staged(&conn);
+        let mut pairs = Vec::new();
+        let (segs, pins, bytes) = with_fresh_table(&r, &conn, |miss| {
+            pairs.clear();
+            validate(&r, &conn, remote, descs, write, miss, &mut pairs)
+        })?;
+        let link = path_for(&conn, remote, &pairs)?;
+        let staged = staged(&link, &pairs);
         let parts =
-            if staged { vec![segs] } else { split(segs, bytes, conn.link.parallelism(), r.opts.split_bytes) };
+            if staged { vec![segs] } else { split(segs, bytes, link.parallelism(), r.opts.split_bytes) };
         let bodies = parts.into_iter().map(PartBody::Data).collect();
-        let batch = Batch { bodies, staged, waiting };
+        let batch = Batch { bodies, staged, waiting, link };
         self.submit(&r, &conn, remote, op, batch, bytes, descs.len(), pins, notify, timeout)
     }
 
@@ -79,7 +84,7 @@ impl Engine {
         conn: &PeerConn,
         remote: &str,
         op: TransferOp,
-        Batch { bodies, staged, waiting }: Batch,
+        Batch { bodies, staged, waiting, link }: Batch,
         bytes: u64,
         descs: usize,
         pins: Vec<Pin>,
@@ -101,10 +106,10 @@ impl Engine {
         let req = Arc::new(req.with_first_addrs(local, remote_addr).waited(waiting == Waiting::Now));
         req.track(&conn.link.stats());
         let submitted = if staged {
-            r.stager.submit(conn.link.clone(), req.clone(), bodies, device)
+            r.stager.submit(link.clone(), req.clone(), bodies, device)
         } else {
             let parts: Vec<Part> = bodies.into_iter().map(|body| Part { req: req.clone(), body }).collect();
-            conn.link.submit(parts, extra)
+            link.submit(parts, extra)
         };
         if let Err(e) = submitted {
             // Refused before any backend took it: not counted as an operation, no longer in
@@ -117,7 +122,7 @@ impl Engine {
         // no helper, and a later notification need not wait for it.
         let ended = req.has_ended();
         if !ended {
-            if let Some(h) = conn.link.clone().wait_help() {
+            if let Some(h) = link.wait_help() {
                 req.set_help(h);
             }
         }
@@ -237,16 +242,17 @@ impl Engine {
             check_notify(n)?;
         }
         let write = op == TransferOp::Write;
-        let (st, pins, device) = with_fresh_table(&r, &conn, |miss| {
+        let (st, pins, pairs) = with_fresh_table(&r, &conn, |miss| {
             validate_strided(&r, &conn, remote, (local_base, remote_base), d, write, miss)
         })?;
-        let staged = device && staged(&conn);
-        let shares = if st.bytes() >= r.opts.split_bytes && !staged { conn.link.parallelism() } else { 1 };
+        let link = path_for(&conn, remote, &pairs)?;
+        let staged = staged(&link, &pairs);
+        let shares = if st.bytes() >= r.opts.split_bytes && !staged { link.parallelism() } else { 1 };
         // One frame names at most MAX_STRIDED_ELEMS separate elements at the target: more
         // are sent as more parts (each its own frame), never refused.
         let shares = if staged { 1 } else { shares.max(st.frames_needed()) };
         let bodies: Vec<PartBody> = st.split(shares).into_iter().map(PartBody::Strided).collect();
-        let batch = Batch { bodies, staged, waiting };
+        let batch = Batch { bodies, staged, waiting, link };
         self.submit(&r, &conn, remote, op, batch, st.bytes(), 1, pins, notify, timeout)
     }
 
@@ -324,10 +330,13 @@ impl Engine {
             if let PeerSlot::Connected(c) = slot {
                 let s = c.link.stats();
                 let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+                let (failovers, failover) = c.failovers();
                 out.push(PeerSnapshot {
                     peer: peer.clone(),
                     backend: c.link.backend(),
                     not_chosen: c.not_chosen.clone(),
+                    failovers,
+                    failover,
                     alive: c.link.is_alive(),
                     bytes_write: l(&s.bytes_write),
                     bytes_read: l(&s.bytes_read),
@@ -373,6 +382,8 @@ struct Batch {
     /// (`transport::cuda_stage`).
     staged: bool,
     waiting: Waiting,
+    /// The path that carries it (see `path_for`).
+    link: Arc<dyn DataPath>,
 }
 
 fn check_notify(n: &NotifyDesc) -> Result<()> {
@@ -396,8 +407,26 @@ fn remember(conn: &PeerConn, req: &Arc<Request>) {
     recent.push(Arc::downgrade(req));
 }
 
-/// Whether the peer's data path moves device memory by staging it (`tcp`); the others that
-/// serve device memory (`cuda_ipc`) copy it directly.
-fn staged(conn: &PeerConn) -> bool {
-    conn.link.backend() == "tcp"
+/// Whether a batch between these domain pairs touches device memory and goes over a path that
+/// moves it by staging (`tcp`); the others that serve device memory (`cuda_ipc`) copy it
+/// directly.
+fn staged(link: &Arc<dyn DataPath>, pairs: &[(Domain, Domain)]) -> bool {
+    pairs.iter().any(|(l, t)| l.is_device() || t.is_device()) && link.backend() == "tcp"
+}
+
+/// The path for a batch between these domain pairs: the link's own, or a later backend that
+/// serves them (opened now if it is not open; see `validate::route`).
+fn path_for(conn: &PeerConn, remote: &str, pairs: &[(Domain, Domain)]) -> Result<Arc<dyn DataPath>> {
+    match route(conn.domains(), &conn.later_domains(), pairs) {
+        Some(None) => Ok(conn.link.clone()),
+        Some(Some(i)) => conn.sides.path(i, &conn.control),
+        None => Err(Error::new(
+            Status::Unsupported,
+            format!(
+                "this batch to {remote} mixes memory domains that no one backend serves ({}): submit \
+                 its device and host descriptors as separate batches",
+                pairs.iter().map(|(l, t)| format!("{l} -> {t}")).collect::<Vec<_>>().join(", ")
+            ),
+        )),
+    }
 }

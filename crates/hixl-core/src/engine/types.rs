@@ -90,6 +90,11 @@ pub struct PeerSnapshot {
     pub backend: &'static str,
     /// Why the backends tried before it were not chosen ("shm: ...; ..."; empty: it was first).
     pub not_chosen: String,
+    /// How many times the link moved to the next backend because its data path died while
+    /// the control channel lived (0 or 1; see docs/RELIABILITY.md).
+    pub failovers: u64,
+    /// Why it did, as "rdma -> tcp: <the path's error>" (empty: it did not).
+    pub failover: String,
     /// Whether the link is usable.
     pub alive: bool,
     /// Bytes written to the peer.

@@ -11,16 +11,49 @@ use crate::queue::{SegPair, Strided};
 use crate::registry::{read_only, Abort, Access, Pin};
 use crate::wire::{Domain, MAX_DESCS};
 
-/// Whether the peer's data path moves data between these two memory domains.
-pub(super) fn check_domains(conn: &PeerConn, remote: &str, local: Domain, theirs: Domain) -> Result<()> {
-    if conn.domains.iter().any(|(l, t)| l.same_kind(local) && t.same_kind(theirs)) {
+/// A (local, remote) pair of memory domains.
+pub(super) type DomainPair = (Domain, Domain);
+
+/// Which path carries a batch that moves data between these (local, remote) domain pairs:
+/// the link's own data path (`Some(None)`) when it serves every pair, else the first of
+/// `later` (the domain pairs of the backends after it in `hixl.backends` that the peer
+/// offers) that serves every pair (`Some(Some(index))`); `None` when none does. (`auto`
+/// picks rdma between two RDMA hosts, and rdma moves host memory only: a batch that touches
+/// device memory then goes over tcp, which stages it, instead of being refused.)
+pub(super) fn route(
+    own: &[(Domain, Domain)],
+    later: &[&[(Domain, Domain)]],
+    pairs: &[(Domain, Domain)],
+) -> Option<Option<usize>> {
+    let serves = |d: &[(Domain, Domain)]| {
+        pairs.iter().all(|(local, theirs)| d.iter().any(|(l, t)| l.same_kind(*local) && t.same_kind(*theirs)))
+    };
+    if serves(own) {
+        return Some(None);
+    }
+    later.iter().position(|d| serves(d)).map(Some)
+}
+
+/// Whether some path to the peer moves data between these two memory domains (see `route`);
+/// records the pair in `pairs` (each once).
+pub(super) fn check_domains(
+    conn: &PeerConn,
+    remote: &str,
+    local: Domain,
+    theirs: Domain,
+    pairs: &mut Vec<(Domain, Domain)>,
+) -> Result<()> {
+    if route(conn.domains(), &conn.later_domains(), &[(local, theirs)]).is_some() {
+        if !pairs.contains(&(local, theirs)) {
+            pairs.push((local, theirs));
+        }
         return Ok(());
     }
     Err(Error::new(
         Status::Unsupported,
         format!(
             "the {} backend chosen for {remote} does not move data between {local} memory here and \
-             {theirs} memory there{}",
+             {theirs} memory there, nor does any later backend of hixl.backends that it offers{}",
             conn.link.backend(),
             if local.is_device() || theirs.is_device() {
                 " (device memory moves over cuda_ipc between processes of one host, and over tcp \
@@ -61,7 +94,7 @@ pub(super) fn validate(
     descs: &[TransferOpDesc],
     write: bool,
     remote_miss: &mut bool,
-    device: &mut bool,
+    pairs: &mut Vec<(Domain, Domain)>,
 ) -> Result<(Vec<SegPair>, Vec<Pin>, u64)> {
     let table = conn.control.table();
     let holder: Arc<dyn Abort> = conn.link.clone();
@@ -109,9 +142,8 @@ pub(super) fn validate(
                 )))
             }
             Some(e) => {
-                check_domains(conn, remote, local, e.domain)
+                check_domains(conn, remote, local, e.domain, pairs)
                     .map_err(|e| e.context(&format!("descriptor {i}")))?;
-                *device |= local.is_device() || e.domain.is_device();
                 e.id
             }
         };
@@ -136,7 +168,7 @@ pub(super) fn validate_strided(
     d: &StridedDesc,
     write: bool,
     remote_miss: &mut bool,
-) -> Result<(Strided, Vec<Pin>, bool)> {
+) -> Result<(Strided, Vec<Pin>, Vec<DomainPair>)> {
     let rstride = d.remote_stride.unwrap_or(d.stride);
     if d.count == 0 {
         return Err(Error::param("count=0: a strided descriptor needs at least one element"));
@@ -184,7 +216,8 @@ pub(super) fn validate_strided(
     }
     let holder: Arc<dyn Abort> = conn.link.clone();
     let pin = region.pin(&holder)?;
-    let remote_device = match conn.control.table().find(remote_base, rspan) {
+    let mut pairs = Vec::new();
+    match conn.control.table().find(remote_base, rspan) {
         None => {
             *remote_miss = true;
             return Err(Error::param(format!(
@@ -192,11 +225,8 @@ pub(super) fn validate_strided(
         )));
         }
         Some(e) if write && !e.writable => return Err(read_only(remote_base, rspan)),
-        Some(e) => {
-            check_domains(conn, remote, region.mem_type, e.domain)?;
-            e.domain.is_device()
-        }
-    };
+        Some(e) => check_domains(conn, remote, region.mem_type, e.domain, &mut pairs)?,
+    }
     let st = Strided {
         local: local_base,
         remote: remote_base,
@@ -205,7 +235,7 @@ pub(super) fn validate_strided(
         lstride: d.stride,
         rstride,
     };
-    Ok((st, vec![pin], region.mem_type.is_device() || remote_device))
+    Ok((st, vec![pin], pairs))
 }
 
 /// A READ into a local region registered immutable: nothing hixl does writes into it.
@@ -262,6 +292,30 @@ pub fn split(segs: Vec<SegPair>, bytes: u64, streams: usize, split_bytes: u64) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bug this fixes: between two RDMA hosts `auto` picks rdma (host memory only), and a
+    /// batch touching device memory was refused instead of going over tcp (which stages it).
+    #[test]
+    fn a_batch_goes_over_the_first_path_that_serves_all_its_domain_pairs() {
+        use crate::transport::backend::HOST_TO_HOST;
+        use crate::transport::cuda_stage::TCP_PAIRS;
+        let (h, c, c1) = (Domain::Host, Domain::Cuda(0), Domain::Cuda(1));
+        // rdma chosen, tcp after it: host memory stays on rdma, device memory goes to tcp.
+        assert_eq!(route(HOST_TO_HOST, &[TCP_PAIRS], &[(h, h)]), Some(None));
+        assert_eq!(route(HOST_TO_HOST, &[TCP_PAIRS], &[(c, h)]), Some(Some(0)));
+        assert_eq!(route(HOST_TO_HOST, &[TCP_PAIRS], &[(h, c1)]), Some(Some(0)), "any device number");
+        assert_eq!(route(HOST_TO_HOST, &[TCP_PAIRS], &[(h, h), (c1, c)]), Some(Some(0)), "a mixed batch");
+        // The first later backend that serves every pair, not the first that serves one.
+        let device_only: &[(Domain, Domain)] = &[(c, c)];
+        assert_eq!(route(HOST_TO_HOST, &[device_only, TCP_PAIRS], &[(c, c)]), Some(Some(0)));
+        assert_eq!(route(HOST_TO_HOST, &[device_only, TCP_PAIRS], &[(c, h)]), Some(Some(1)));
+        assert_eq!(route(HOST_TO_HOST, &[device_only, TCP_PAIRS], &[(c, c), (h, h)]), Some(Some(1)));
+        // Nothing after rdma (hixl.backends=rdma), or the peer offers tcp for host memory only.
+        assert_eq!(route(HOST_TO_HOST, &[], &[(c, h)]), None);
+        assert_eq!(route(HOST_TO_HOST, &[HOST_TO_HOST], &[(h, c)]), None);
+        // A link on tcp needs nothing else.
+        assert_eq!(route(TCP_PAIRS, &[], &[(c, c), (h, h)]), Some(None));
+    }
 
     fn sp(local: u64, remote: u64, len: u64) -> SegPair {
         SegPair { local, remote, len }

@@ -91,6 +91,22 @@ pub trait DataPath: crate::registry::Abort + Send + Sync {
     fn rails(&self) -> Vec<RailSnapshot> {
         Vec::new()
     }
+    /// Hands the parts of this path to `to` when the path dies by itself while its control
+    /// channel lives (instead of failing them and closing the channel); false when this path
+    /// cannot (it fails them, as always).
+    fn set_rescue(&self, to: std::sync::Weak<dyn Rescue>) -> bool {
+        let _ = to;
+        false
+    }
+}
+
+/// Takes over from a data path that died while its control channel lives (failover to the
+/// next backend, see `engine::failover`).
+pub trait Rescue: Send + Sync {
+    /// The path died with `why`; `parts` (possibly none) did not all land and are the
+    /// rescuer's now: it re-issues them elsewhere or fails them. Called from any thread, with
+    /// no lock of the path held; must not block.
+    fn rescue(&self, parts: Vec<Part>, why: &crate::error::Error);
 }
 
 /// One rail (device) of a data path, as `stats()` reports it.

@@ -113,10 +113,12 @@ impl Hixl {
 
     /// Counters of every peer this engine has a link to, as `{peer: {...}}`.
     ///
-    /// Takes no arguments. Each peer's dict holds `backend` (the data path: "self", "shm" or
-    /// "tcp"), `not_chosen` (why the backends tried before it were not taken; "" when it was
-    /// first), `alive`, `bytes_write`, `bytes_read`, `ops_write` and `ops_read` (completed
-    /// requests), `errors` (transfer requests that failed or timed out, counted as they
+    /// Takes no arguments. Each peer's dict holds `backend` (the data path now: "self", "shm",
+    /// "cuda_ipc", "rdma" or "tcp"), `not_chosen` (why the backends tried before it were not
+    /// taken; "" when it was first), `failovers` (times the data path died while the control
+    /// channel lived and the next backend of `hixl.backends` took over: 0 or 1), `failover`
+    /// (why: "rdma -> tcp: ..."; "" when it did not), `alive`, `bytes_write`, `bytes_read`,
+    /// `ops_write` and `ops_read` (completed requests), `errors` (transfer requests that failed or timed out, counted as they
     /// settle), `notifies` (delivered), `direct_parts` (same-host copies through a mapping of
     /// the peer's `alloc`'d memory), `in_flight` (requests, `send_notify` included, submitted
     /// and not settled; never negative), `queue_slots_used` / `queue_slots` (the link's
@@ -134,6 +136,8 @@ impl Hixl {
             let d = PyDict::new(py);
             d.set_item("backend", s.backend)?;
             d.set_item("not_chosen", s.not_chosen)?;
+            d.set_item("failovers", s.failovers)?;
+            d.set_item("failover", s.failover)?;
             d.set_item("alive", s.alive)?;
             d.set_item("bytes_write", s.bytes_write)?;
             d.set_item("bytes_read", s.bytes_read)?;

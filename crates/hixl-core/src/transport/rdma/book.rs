@@ -74,6 +74,11 @@ pub(super) struct QpBook {
     failover: bool,
 }
 
+/// Not an `ibv_wc_status`: what the link reports for a LOC_QP_OP_ERR completion while the
+/// NIC's port is not active (rdma_rxe fails a send it cannot route so when its netdev is
+/// down): the peer cannot be reached through this NIC, as after RETRY_EXC_ERR.
+pub(super) const PORT_DOWN: u32 = 0x1_0000;
+
 /// The error a work completion stands for.
 pub(super) fn wc_error(status: u32, label: &str) -> Error {
     let name = wc::name(status);
@@ -85,6 +90,10 @@ pub(super) fn wc_error(status: u32, label: &str) -> Error {
         wc::LOC_PROT_ERR | wc::LOC_LEN_ERR => {
             Error::param(format!("a local range was refused by this NIC ({name}) on {label}"))
         }
+        PORT_DOWN => Error::not_connected(format!(
+            "this NIC's port is down (local QP operation error while it was not active: the \
+             peer cannot be reached through it) on {label}"
+        )),
         wc::RETRY_EXC_ERR => Error::not_connected(format!(
             "the peer's NIC did not answer ({name}: the peer is unreachable or gone) on {label}"
         )),

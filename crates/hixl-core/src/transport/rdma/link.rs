@@ -7,9 +7,12 @@
 //! Parts go round-robin over the rails that are up, then over each rail's QPs: the engine
 //! splits a request of at least `hixl.split_bytes` into one part per QP of every rail, so a
 //! large request is striped across the rails by bytes, and a smaller one (one part) stays on
-//! one rail. What a failed QP does is in `failover`.
+//! one rail. What a failed QP does is in `qp_failure`. When the RDMA path dies by itself (the
+//! peer's NIC unreachable on every rail, a failed QP not replaceable) while the control channel
+//! lives and a rescuer is set (the engine's failover to the next backend), only the RDMA path
+//! ends and the parts that did not land go to the rescuer.
 
-mod failover;
+mod qp_failure;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,11 +25,11 @@ use super::verbs::{Qp, QpTransition, SendWr};
 use super::{wrs, Opened};
 use crate::complete::Completer;
 use crate::error::{Error, Result, Status};
-use crate::queue::{Part, PartBody, Request, WaitHelp};
+use crate::queue::{Part, PartBody, Request, TransferStatus, WaitHelp};
 use crate::registry::{new_holder_id, Abort};
 use crate::stats::PeerStats;
 use crate::transport::tcp::TcpLink;
-use crate::transport::{DataPath, RailSnapshot};
+use crate::transport::{DataPath, RailSnapshot, Rescue};
 
 /// How long `close` lets flushed requests come back before it destroys the QPs.
 const FLUSH_WAIT: Duration = Duration::from_secs(1);
@@ -77,6 +80,13 @@ pub struct RdmaLink {
     /// second `close` (finalize while a dead control channel's close runs) waits for it, so
     /// that no caller goes on while the device may still touch the parts' memory.
     closed_done: (Mutex<bool>, std::sync::Condvar),
+    /// Takes the parts of a path that died by itself (see `die`); unset: they fail.
+    rescue: std::sync::OnceLock<std::sync::Weak<dyn Rescue>>,
+    /// Set by `close` (the engine closes the link): nothing is rescued from then on.
+    closing: AtomicBool,
+    /// Set at the first rescue: the rest of the path's parts go to the rescuer too, even once
+    /// the link closes (the rescuer then fails them with the whole story).
+    rescued: AtomicBool,
 }
 
 impl RdmaLink {
@@ -144,6 +154,9 @@ impl RdmaLink {
             busy_poll: Duration::ZERO,
             threads: Mutex::new(Vec::new()),
             closed_done: (Mutex::new(false), std::sync::Condvar::new()),
+            rescue: std::sync::OnceLock::new(),
+            closing: AtomicBool::new(false),
+            rescued: AtomicBool::new(false),
         }
     }
 
@@ -155,10 +168,55 @@ impl RdmaLink {
         Error::new(why.status, format!("the RDMA link to {} is closed: {}", self.control.peer(), why.message))
     }
 
+    /// The rescuer, while parts may still go to it: set, and either a rescue begun (the rest
+    /// follows, whatever closes meanwhile) or the link not being closed and its control
+    /// channel alive.
+    fn rescuer(&self) -> Option<Arc<dyn Rescue>> {
+        let begun = self.rescued.load(Ordering::Acquire);
+        if !begun && (self.closing.load(Ordering::Acquire) || !self.control.is_alive()) {
+            return None;
+        }
+        self.rescue.get().and_then(std::sync::Weak::upgrade)
+    }
+
     fn finish(&self, done: Finished) {
+        let rescuer = self.rescuer();
+        let mut saved: Vec<Part> = Vec::new();
+        let mut cause: Option<Error> = None;
         for (part, res) in done {
             self.held.fetch_sub(1, Ordering::AcqRel);
-            self.control.finish_elsewhere(&self.done, part, res);
+            match res {
+                // The peer's NIC is unreachable (not this part's range): the part goes to the
+                // next backend. READ and WRITE are idempotent, so bytes that landed already
+                // are simply written again.
+                Err(e)
+                    if rescuer.is_some()
+                        && e.status == Status::NotConnected
+                        && part.req.status() == TransferStatus::Waiting =>
+                {
+                    cause.get_or_insert(e);
+                    saved.push(part);
+                }
+                res => self.control.finish_elsewhere(&self.done, part, res),
+            }
+        }
+        if let (Some(r), Some(why)) = (rescuer, cause) {
+            self.rescued.store(true, Ordering::Release);
+            r.rescue(saved, &why);
+        }
+    }
+
+    /// The RDMA path died by itself with `why` (the peer's NIC unreachable, a failed QP not
+    /// replaceable). With a rescuer and a live control channel, only the QPs go: their parts
+    /// go to the rescuer and the control channel stays; otherwise the link closes.
+    fn die(&self, why: Error) {
+        match self.rescuer() {
+            Some(r) => {
+                self.rescued.store(true, Ordering::Release);
+                r.rescue(Vec::new(), &why);
+                self.shut(why);
+            }
+            None => self.close(why),
         }
     }
 
@@ -204,7 +262,7 @@ impl RdmaLink {
                 Error::not_connected(format!("every RDMA rail to {} is out", self.control.peer()))
             });
             self.finish(parts.into_iter().map(|p| (p, Err(why.clone()))).collect());
-            self.close(why);
+            self.die(why);
             return;
         }
         let per_rail = self.lanes[0].slots.len();
@@ -238,6 +296,10 @@ impl RdmaLink {
             if !lane.up.load(Ordering::Acquire) {
                 // The rail went out since `live`: its parts leave again (see `rail_out`).
                 evacuate.push((r, q));
+            } else if s.qp.is_none() {
+                // The link closed since `is_alive` and its QPs are gone: nothing would post or
+                // flush these parts (they would wait for their deadline).
+                done.append(&mut s.book.fail_all(&self.reason()));
             } else if s.book.dead().is_none() {
                 done.append(&mut self.post_now(&lane.nic, &mut s));
             }
@@ -306,6 +368,49 @@ impl DataPath for RdmaLink {
     }
 
     fn close(&self, why: Error) {
+        self.closing.store(true, Ordering::Release);
+        self.shut(why.clone());
+        self.control.close(why);
+        // Bounded: a replacement waits for the control channel, which is closed now.
+        let me = std::thread::current().id();
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap());
+        for h in threads {
+            if h.thread().id() != me {
+                let _ = h.join();
+            }
+        }
+    }
+
+    fn set_rescue(&self, to: std::sync::Weak<dyn Rescue>) -> bool {
+        self.rescue.set(to).is_ok()
+    }
+
+    fn stats(&self) -> Arc<PeerStats> {
+        self.control.stats()
+    }
+
+    fn wait_help(self: Arc<Self>) -> Option<std::sync::Weak<dyn WaitHelp>> {
+        if self.busy_poll.is_zero() {
+            return None;
+        }
+        let me: Arc<dyn WaitHelp> = self;
+        Some(Arc::downgrade(&me))
+    }
+
+    fn queue_slots(&self) -> (usize, usize) {
+        (self.held.load(Ordering::Relaxed), self.queue_depth)
+    }
+
+    fn rails(&self) -> Vec<RailSnapshot> {
+        self.rail_snapshots()
+    }
+}
+
+impl RdmaLink {
+    /// Ends the RDMA path (not its control channel): QPs to the error state, a bounded wait
+    /// for their flush, QPs destroyed, every part ended (or rescued, see `finish`). A second
+    /// call waits, bounded, for the first one's QPs to be gone.
+    fn shut(&self, why: Error) {
         if !self.closed.swap(true, Ordering::AcqRel) {
             *self.reason.lock().unwrap() = Some(why.clone());
             let slots = || self.lanes.iter().flat_map(|l| l.slots.iter().map(move |s| (&l.nic, s)));
@@ -350,35 +455,6 @@ impl DataPath for RdmaLink {
                 done = cv.wait_timeout(done, left).unwrap().0;
             }
         }
-        self.control.close(why);
-        // Bounded: a replacement waits for the control channel, which is closed now.
-        let me = std::thread::current().id();
-        let threads = std::mem::take(&mut *self.threads.lock().unwrap());
-        for h in threads {
-            if h.thread().id() != me {
-                let _ = h.join();
-            }
-        }
-    }
-
-    fn stats(&self) -> Arc<PeerStats> {
-        self.control.stats()
-    }
-
-    fn wait_help(self: Arc<Self>) -> Option<std::sync::Weak<dyn WaitHelp>> {
-        if self.busy_poll.is_zero() {
-            return None;
-        }
-        let me: Arc<dyn WaitHelp> = self;
-        Some(Arc::downgrade(&me))
-    }
-
-    fn queue_slots(&self) -> (usize, usize) {
-        (self.held.load(Ordering::Relaxed), self.queue_depth)
-    }
-
-    fn rails(&self) -> Vec<RailSnapshot> {
-        self.rail_snapshots()
     }
 }
 

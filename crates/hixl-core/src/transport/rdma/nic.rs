@@ -107,6 +107,11 @@ impl Nic {
         }))
     }
 
+    /// Whether its port is active now (a port that went down fails sends as local errors).
+    pub(super) fn port_active(&self) -> bool {
+        self.verbs.query_port(self.ctx, self.port).is_ok_and(|a| a.state == PORT_ACTIVE)
+    }
+
     /// Registers `[addr, addr + len)`: remote read always, remote write only for a writable
     /// region (so the NIC refuses what the TCP target refuses), local write (a READ lands in
     /// it) unless the memory is immutable. Returns the rkey.

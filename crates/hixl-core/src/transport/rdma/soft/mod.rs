@@ -19,13 +19,16 @@
 //!
 //! What it does not model: the wire (it copies through the kernel, one request at a time per
 //! QP), a NIC that answers while its process is stopped (this one is a thread of the target
-//! process), memory pinning, atomics, sends and receives.
+//! process), memory pinning, atomics, sends and receives A test can make the NIC go silent (`fault`:
+//! [`FAULT_ENV`]), as a NIC whose link went down.
 
 mod dmabuf;
+mod fault;
 mod qp;
 mod responder;
 mod sockio;
 
+pub use fault::FAULT_ENV;
 pub use responder::{FAIL_AFTER_ENV, LATENCY_ENV};
 
 use std::collections::HashMap;
@@ -89,6 +92,7 @@ fn device_attr() -> Result<DeviceAttr> {
         max_qp_rd_atom: MAX_QP_RD_ATOM,
         max_qp_init_rd_atom: MAX_QP_RD_ATOM,
     };
+    fault::mute_after()?;
     let Ok(spec) = std::env::var(LIMITS_ENV) else { return Ok(d) };
     for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let bad = || {

@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::sockio;
+use super::{fault, sockio};
 use super::{socket_name, Device};
 use crate::transport::io::{self, iov};
 use crate::transport::rdma::verbs::access;
@@ -251,6 +251,9 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
     if got.is_err() {
         return;
     }
+    if fault::muted() {
+        return fault::stay_silent(fd, DATA_WAIT);
+    }
     let Some(hello) = Hello::decode(&hb) else { return };
     let Some(qp) = dev.qps.lock().unwrap().get(&hello.dst_qpn).cloned() else { return };
     // An unknown QP, a QP not connected to this peer or a wrong PSN gets no answer at all, as
@@ -263,6 +266,10 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
         let mut rb = [0u8; 32];
         if io::recv_exact(fd, &mut rb).is_err() {
             return;
+        }
+        if fault::muted() {
+            // The request (and a WRITE's bytes) stays unread and unanswered.
+            return fault::stay_silent(fd, DATA_WAIT);
         }
         let _ = conn.set_read_timeout(Some(DATA_WAIT));
         if let Some(d) = latency() {
@@ -329,6 +336,7 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
             if sockio::send_bytes(fd, &[0u8; 8]).is_err() {
                 return;
             }
+            fault::answered();
         } else {
             if sockio::send_bytes(fd, &[0u8; 8]).is_err() {
                 return;
@@ -339,6 +347,7 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
             if r.is_err() {
                 return;
             }
+            fault::answered();
         }
     }
 }

@@ -7,8 +7,9 @@
 //!   to the error state, and once each drained its parts, the failed and flushed ones
 //!   included, are placed on the rails that are up (a READ or WRITE may run again: the same
 //!   bytes land in the same place);
-//! - on the last rail up: retries exceeded closes the link (the peer is unreachable); another
-//!   cause replaces the QP, as a range does.
+//! - on the last rail up: retries exceeded (or the port down) ends the RDMA path (the peer is
+//!   unreachable): the link closes, or fails over (see `die`); another cause replaces the QP,
+//!   as a range does.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -27,6 +28,7 @@ impl RdmaLink {
         let Some(lane) = self.lanes.get(rail) else { return };
         let mut done: Finished = Vec::new();
         let mut touched: Vec<usize> = Vec::new();
+        let mut port_down: Option<bool> = None;
         for w in wcs {
             let idx = ((w.wr_id >> 32) & 0xFF) as usize;
             let Some(slot) = lane.slots.get(idx) else { continue };
@@ -36,7 +38,13 @@ impl RdmaLink {
                     status = wc::name(w.status), vendor_err = w.vendor_err, "RDMA work request failed"
                 );
             }
-            let ended = slot.lock().unwrap().book.on_wc(w.wr_id as u32, w.status);
+            // rdma_rxe fails a send it cannot route (its netdev down) as a local QP error: the
+            // peer is unreachable through this NIC, as after retries exceeded.
+            let mut status = w.status;
+            if status == wc::LOC_QP_OP_ERR && *port_down.get_or_insert_with(|| !lane.nic.port_active()) {
+                status = crate::transport::rdma::book::PORT_DOWN;
+            }
+            let ended = slot.lock().unwrap().book.on_wc(w.wr_id as u32, status);
             let ok: u64 = ended.iter().filter(|(_, r)| r.is_ok()).map(|(p, _)| p.body.bytes()).sum();
             lane.bytes.fetch_add(ok, Ordering::Relaxed);
             done.extend(ended);
@@ -64,7 +72,7 @@ impl RdmaLink {
         }
         self.finish(done);
         if let Some(cause) = close {
-            self.close(cause);
+            self.die(cause);
             return;
         }
         if let Some(cause) = out {
@@ -133,7 +141,7 @@ impl RdmaLink {
         let link = self.clone();
         let spawned = std::thread::Builder::new().name(format!("hixl-rdma-fix{idx}")).spawn(move || {
             if let Err(e) = link.replace_qp(rail, idx) {
-                link.close(Error::not_connected(format!(
+                link.die(Error::not_connected(format!(
                     "cannot replace a failed QP to {}: {}",
                     link.control.peer(),
                     e.message
