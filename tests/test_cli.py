@@ -172,6 +172,19 @@ def test_target_and_initiator_roles(free_port: int) -> None:
     assert target.returncode == 0
 
 
+def test_a_reader_that_went_away_ends_hixl_quietly_with_141() -> None:
+    """`hixl info | head -1`, or a demo parent interrupted before its worker said READY: the
+    write into a closed pipe ends hixl as SIGPIPE would (141), without a traceback."""
+    r_end, w_end = os.pipe()
+    os.close(r_end)  # the reader is gone before hixl writes a byte
+    try:
+        p = subprocess.run(cmd("info"), stdout=w_end, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(w_end)
+    assert p.returncode == 141, p.stderr
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
+
+
 def test_a_hixl_error_is_one_line_and_exit_1(free_port: int) -> None:
     r = hixl(
         "bench",

@@ -7,6 +7,7 @@ Every subcommand has ``--help``. Bad arguments print one line naming the value a
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -58,6 +59,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hixl: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (`hixl stats | head`, a demo parent that was
+        # interrupted): nothing is left to say to it. Point stdout at /dev/null so the flush at
+        # exit does not raise again, and end as a process killed by SIGPIPE would.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except HixlError as exc:  # the run itself failed: say why in one line
         print(f"hixl {args.command}: {exc}", file=sys.stderr)
         return 1

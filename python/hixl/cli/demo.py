@@ -18,6 +18,7 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -90,6 +91,9 @@ def _model(a: argparse.Namespace) -> Any:
 
 
 def _worker(a: argparse.Namespace) -> int:
+    # Spawned with SIGINT held back (`_Workers.start`); a worker is killed by its parent, but
+    # one run by hand should still stop on Ctrl-C.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     import hixl
 
     model = _model(a)
@@ -189,6 +193,8 @@ def _cuda_missing() -> str | None:
 
 
 def _spawn(a: argparse.Namespace, role: str, peer: str | None = None) -> subprocess.Popen[str]:
+    """Start one worker. Call it through `_Workers.start`, which records the process before a
+    Ctrl-C can end this one."""
     cmd = [
         sys.executable,
         "-m",
@@ -243,6 +249,21 @@ class _Workers:
     def __enter__(self) -> Self:
         return self
 
+    def start(
+        self, a: argparse.Namespace, role: str, peer: str | None = None
+    ) -> subprocess.Popen[str]:
+        """Spawn a worker and record it with SIGINT held back: a Ctrl-C that lands between the
+        fork and the append would otherwise leave a worker nobody kills, which then writes
+        READY into a closed pipe (a BrokenPipeError traceback on the terminal). The worker
+        inherits the held-back signal and lets it through again first thing (`_worker`)."""
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            p = _spawn(a, role, peer)
+            self.procs.append(p)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        return p
+
     def __exit__(self, kind: object, *_: object) -> None:
         if kind is None:
             return
@@ -277,14 +298,12 @@ def run(args: argparse.Namespace) -> int:
     model = _model(args)
     layout = model.layout(args.prompt_len - 1)
     with _Workers() as workers:
-        decode = _spawn(args, "decode")
-        workers.procs.append(decode)
+        decode = workers.start(args, "decode")
         assert decode.stdout is not None
         ready = decode.stdout.readline().split()
         if len(ready) != 2 or ready[0] != "READY":
             raise SystemExit("hixl demo: the decode process did not start")
-        prefill = _spawn(args, "prefill", ready[1])
-        workers.procs.append(prefill)
+        prefill = workers.start(args, "prefill", ready[1])
         limit = args.timeout_ms / 1000 + 30
         pre = _result(prefill, "prefill", limit)
         dec = _result(decode, "decode", limit)
