@@ -12,7 +12,7 @@ from typing import Any
 
 from .._errors import HixlError
 from .._hixl import Hixl
-from ..datadist._context import LLMClusterInfo as KvClusterInfo
+from ..kv._context import LLMClusterInfo as KvClusterInfo
 from . import _ranktable
 from ._config import LLMClusterInfo
 from ._manager import CacheManager, KvCacheManager

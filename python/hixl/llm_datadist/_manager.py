@@ -20,7 +20,7 @@ from typing import Any as Any
 
 from .._hixl import TransferOp as TransferOp
 from .._layout import aligned_empty as aligned_empty
-from ..datadist._cache import block_runs as block_runs
+from ..kv._cache import block_runs as block_runs
 from ._alloc import _Allocation
 from ._alloc import _host_only as _host_only
 from ._cache import Cache as Cache

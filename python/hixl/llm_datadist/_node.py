@@ -17,9 +17,9 @@ import numpy as np
 from .._errors import AlreadyConnected, Failed, HixlError
 from .._errors import Timeout as HixlTimeout
 from .._hixl import MemDesc, MemHandle, NotifyDesc, TransferOp, TransferStatus
-from ..datadist._context import Context
-from ..datadist._context import LLMClusterInfo as KvClusterInfo
-from ..datadist._sender import same_engine
+from ..kv._context import Context
+from ..kv._context import LLMClusterInfo as KvClusterInfo
+from ..kv._sender import same_engine
 from ._cache import Cache
 from ._status import LLMException, LLMStatusCode, fail, wrap
 from ._types import CacheDesc

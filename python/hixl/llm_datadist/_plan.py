@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..datadist._cache import block_runs
+from ..kv._cache import block_runs
 from ._status import check
 from ._types import CacheDesc, check_int, check_layer_range
 

@@ -29,7 +29,7 @@ log = logging.getLogger("hixl.kv")
 class LLMClusterInfo:
     """A rank to link to: its cluster_id (the rank), optionally its address ("ip:port") and
     the role it must have. Without an address, the one given for this rank in
-    ``hixl.init(peers=...)`` / ``HIXL_PEERS`` is used."""
+    ``hixl.kv.init(peers=...)`` / ``HIXL_PEERS`` is used."""
 
     cluster_id: int
     role: str | None = None
@@ -109,7 +109,7 @@ class Mailbox:
 
 
 class Context:
-    """Everything hixl.init() creates."""
+    """Everything hixl.kv.init() creates."""
 
     def __init__(
         self, rank: int, role: str, listen: str, device_id: int, options: Mapping[str, str] | None
@@ -129,7 +129,7 @@ class Context:
         self.caches: dict[str, Cache] = {}
         self.lock = threading.Lock()
         self.counter = 0
-        #: etcd discovery (hixl.init(discovery=...)), or None
+        #: etcd discovery (hixl.kv.init(discovery=...)), or None
         self.discovery: Discovery | None = None
         self.link_timeout_ms = 10_000
         self.linking = threading.Lock()  # one on-demand link at a time
@@ -304,7 +304,7 @@ class Context:
             raise LLMError(
                 LLM_NOT_LINKED,
                 f"rank {rank} is not linked to rank {self.rank}: "
-                "call hixl.link() or pass it in init(peers=...)",
+                "call hixl.kv.link() or pass it in init(peers=...)",
             )
         return p
 
@@ -414,7 +414,7 @@ _ctx_lock = threading.Lock()
 def context() -> Context:
     ctx = _ctx
     if ctx is None:
-        raise Failed("the KV-cache layer is not initialized: call hixl.init() first")
+        raise Failed("the KV-cache layer is not initialized: call hixl.kv.init() first")
     return ctx
 
 
@@ -434,9 +434,9 @@ def init(
     own info.
 
     With `discovery` ("etcd://host:2379/prefix"), this rank publishes itself in etcd and
-    follows the ranks that join and leave (`hixl.ranks()`); a transfer to a rank of that
+    follows the ranks that join and leave (`hixl.kv.ranks()`); a transfer to a rank of that
     view links to it on first use, so no address needs to be configured. Options starting
-    with "hixl.discovery." (ttl_s, default 10; see hixl.datadist._discovery) are the
+    with "hixl.discovery." (ttl_s, default 10; see hixl.kv._discovery) are the
     discovery's, the others the engine's. NotConnected when etcd does not answer."""
     global _ctx
     env = os.environ
@@ -460,7 +460,8 @@ def init(
     with _ctx_lock:
         if _ctx is not None:
             raise Failed(
-                f"hixl.init() was already called (rank {_ctx.rank}); call hixl.finalize() first"
+                f"hixl.kv.init() was already called (rank {_ctx.rank}); "
+                "call hixl.kv.finalize() first"
             )
         ctx = Context(rank, role, listen, dev, options)
         ctx.known.update({_rank(r): a for r, a in peer_map.items()})
