@@ -16,7 +16,8 @@ import numpy as np
 
 from .._errors import AlreadyConnected, Failed, HixlError
 from .._errors import Timeout as HixlTimeout
-from .._hixl import MemDesc, MemHandle, NotifyDesc, TransferOp, TransferStatus
+from .._hixl import MemDesc, MemHandle, NotifyDesc, TransferOp
+from .._kvcore._window import Window, descs
 from ..kv._context import Context
 from ..kv._context import LLMClusterInfo as KvClusterInfo
 from ..kv._sender import same_engine
@@ -452,20 +453,19 @@ class Node:
     def transfer(
         self, cluster_id: int, address: str, op: TransferOp, pairs: list[tuple[int, int, int]]
     ) -> None:
-        """One request moving `pairs` (local, remote, length), waited for within the
-        node's timeout; engine errors become LLMExceptions."""
+        """One request moving `pairs` (local, remote, length) on the KV core's window,
+        waited for within the node's timeout; engine errors become LLMExceptions."""
         if not pairs:
             return
-        descs = np.array(pairs, dtype=np.uint64).reshape(-1, 3)
         what = f"{'pull from' if op == TransferOp.READ else 'push to'} cluster {cluster_id}"
-        try:
-            req = self.engine.transfer_async(address, op, descs, timeout_ms=self.timeout_ms)
-            st = req.wait(self.timeout_ms + 2000)
-            if st != TransferStatus.COMPLETED:
-                req.result()
-                raise HixlTimeout(f"still running after {self.timeout_ms} ms")
-        except HixlError as exc:
+
+        def failed(_: None, exc: HixlError) -> None:
             raise wrap(exc, what) from exc
+
+        window: Window[None] = Window(self.engine, 1, self.timeout_ms, lambda _: None, failed)
+        stuck = f"still running after {self.timeout_ms} ms"
+        window.submit(None, address, op, descs(pairs), stuck=stuck)
+        window.drain()
 
     def release(self, cluster_id: int, address: str, k: KeyIdent, cid: int) -> None:
         with self.lock:
