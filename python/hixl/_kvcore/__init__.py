@@ -3,4 +3,6 @@
 own names and error types and maps the core's ``HixlError``s onto them.
 
 - ``_window``: the executor, a bounded window of requests in flight on one engine.
+- ``_notify``: the notification router, taking a face's own names from its engine (by
+  asking, or on a serving loop) and leaving the application's there.
 """

@@ -7,12 +7,13 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .._errors import Failed, HixlError, NotConnected, ParamInvalid, Timeout
-from .._hixl import Hixl, MemType, NotifyDesc
+from .._hixl import Hixl, MemType
+from .._kvcore._notify import Router
 from ._cache import Cache, CacheInfo, DeviceArray, as_array, as_device_array, describe
 from ._directory import Directory, DirectoryReader, PeerDirectory
 from ._discovery import Config as DiscoveryConfig
@@ -71,41 +72,8 @@ def parse_peers(text: str) -> dict[int, str]:
     return out
 
 
-class Mailbox:
-    """Hands the layer's own notifications to whoever waits for them: takes from the engine
-    only the names asked for (every other name stays there for the application's
-    `get_notifies` / `wait_notifies`) and keeps those no waiter matched yet. At most `keep`
-    wait here; beyond, the oldest are dropped, counted in `dropped` and logged."""
-
-    def __init__(self, engine: Hixl, keep: int = 65536) -> None:
-        self.engine = engine
-        self.keep = keep
-        self.dropped = 0
-        self.pending: list[NotifyDesc] = []
-        self.lock = threading.Lock()
-
-    def take(self, name: str, match: Callable[[NotifyDesc], bool]) -> list[NotifyDesc]:
-        """The pending notifications named `name` that `match`; the others named `name` wait."""
-        with self.lock:
-            try:
-                self.pending += self.engine.wait_notifies(0, name=name)
-            except Timeout:
-                pass  # none of ours pending in the engine
-            got = [n for n in self.pending if n.name == name and match(n)]
-            if got:
-                self.pending = [n for n in self.pending if not (n.name == name and match(n))]
-            over = len(self.pending) - self.keep
-            if over > 0:
-                del self.pending[:over]
-                self.dropped += over
-                log.warning(
-                    "dropped the %d oldest of the layer's notifications no receive took "
-                    "(at most %d wait; %d dropped so far)",
-                    over,
-                    self.keep,
-                    self.dropped,
-                )
-            return got
+#: The layer's notification router (the KV core's): kept under its old name.
+Mailbox = Router
 
 
 class Context:
@@ -123,7 +91,7 @@ class Context:
         except BaseException:
             self.engine.finalize()
             raise
-        self.mailbox = Mailbox(self.engine)
+        self.mailbox = Router(self.engine, log)
         self.known: dict[int, str] = {}
         self.peers: dict[int, PeerDirectory] = {}
         self.caches: dict[str, Cache] = {}

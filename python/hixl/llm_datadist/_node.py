@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import AlreadyConnected, Failed, HixlError
-from .._errors import Timeout as HixlTimeout
+from .._errors import AlreadyConnected, HixlError
 from .._hixl import MemDesc, MemHandle, NotifyDesc, TransferOp
 from .._kvcore._window import Window, descs
 from ..kv._context import Context
@@ -260,20 +259,13 @@ class Node:
 
     def _serve(self, engine: Any) -> None:
         """Applies what peers send to `engine`: key releases after a pull by CacheKey, and
-        the hello / bye of clusters that link to this node. Takes only those names: the
-        application's own notifications stay in the engine for it."""
-        while not self.closed and self.ctx.engine is engine:
-            try:
-                notes = engine.wait_notifies(200, name=OWN_NOTIFIES)
-            except HixlTimeout:
-                continue
-            except (Failed, HixlError):
-                return  # finalized
-            for n in notes:
-                try:
-                    self._apply(n.name, json.loads(n.msg), n.peer)
-                except (ValueError, TypeError, KeyError, AttributeError):
-                    continue  # malformed: peers are not trusted
+        the hello / bye of clusters that link to this node. Takes only those names (through
+        the KV core's router): the application's own notifications stay in the engine."""
+        self.ctx.mailbox.serve(
+            OWN_NOTIFIES,
+            lambda n: self._apply(n.name, json.loads(n.msg), n.peer),
+            lambda: not self.closed and self.ctx.engine is engine,
+        )
 
     def _apply(self, name: str, msg: Any, sender: str) -> None:
         """Acts on a peer's notification; `sender` is the engine it came from (its
