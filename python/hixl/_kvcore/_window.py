@@ -25,11 +25,6 @@ T = TypeVar("T")
 WAIT_MARGIN_MS = 2000
 
 
-def descs(pairs: list[tuple[int, int, int]]) -> np.ndarray:
-    """(local address, remote address, length) triples as the engine's descriptor array."""
-    return np.array(pairs, dtype=np.uint64).reshape(-1, 3)
-
-
 def finish(h: TransferReq, timeout_ms: int, stuck: str) -> None:
     """Waits for request `h` to end; raises its HixlError if it failed, or hixl.Timeout
     saying `stuck` if it is still waiting `WAIT_MARGIN_MS` after its own timeout."""

@@ -13,9 +13,10 @@ import numpy as np
 from .._errors import HixlError, ParamInvalid, Status
 from .._errors import Timeout as HixlTimeout
 from .._hixl import NotifyDesc, TransferOp
-from .._kvcore._window import Window, descs
+from .._kvcore._plan import block_runs, descs, run_bytes, split
+from .._kvcore._window import Window
 from .._wakers import Wakers
-from ._cache import Cache, CacheInfo, block_runs
+from ._cache import Cache, CacheInfo
 from ._context import Context, context
 from ._errors import LLM_SUCCESS, LLM_TOO_LARGE, LLMError
 
@@ -378,23 +379,20 @@ def _block_requests(
             f"{local.block_bytes} bytes per block, remote {remote.name!r} "
             f"{remote.block_pieces()} x {remote.block_bytes}"
         )
-    bb = local.block_bytes
-    runs = block_runs(rb, lb)  # (remote start, local start, count)
+    bb, runs = local.block_bytes, block_runs(lb, rb)  # (local start, remote start, count)
     pairs = [
-        (
-            local.addr + (p * local.num_blocks + ls) * bb,
-            remote.addr + (p * remote.num_blocks + rs) * bb,
-            n * bb,
-        )
+        x
         for p in range(local.block_pieces())
-        for rs, ls, n in runs
+        for x in run_bytes(
+            runs,
+            bb,
+            local.addr + p * local.num_blocks * bb,
+            remote.addr + p * remote.num_blocks * bb,
+        )
     ]
-    if not pairs:
-        return []
-    per = -(-len(pairs) // max(1, parts))
     return [
-        Request(rank, address, op, descs(pairs[i : i + per]), sum(x[2] for x in pairs[i : i + per]))
-        for i in range(0, len(pairs), per)
+        Request(rank, address, op, descs(chunk), sum(x[2] for x in chunk))
+        for chunk in split(pairs, parts)
     ]
 
 

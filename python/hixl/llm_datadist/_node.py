@@ -16,7 +16,8 @@ import numpy as np
 
 from .._errors import AlreadyConnected, HixlError
 from .._hixl import MemDesc, MemHandle, NotifyDesc, TransferOp
-from .._kvcore._window import Window, descs
+from .._kvcore._plan import descs
+from .._kvcore._window import Window
 from ..kv._context import Context
 from ..kv._context import LLMClusterInfo as KvClusterInfo
 from ..kv._sender import same_engine
