@@ -443,6 +443,16 @@ class Node:
             ) from None
         return RemoteView(peer.address, caches, keys, bkeys)
 
+    @property
+    def stuck(self) -> str:
+        """The Timeout's message of a request that outlives the node's timeout."""
+        return f"still running after {self.timeout_ms} ms"
+
+    @staticmethod
+    def what(cluster_id: int, op: TransferOp) -> str:
+        """What a request to `cluster_id` does, for its errors."""
+        return f"{'pull from' if op == TransferOp.READ else 'push to'} cluster {cluster_id}"
+
     def transfer(
         self, cluster_id: int, address: str, op: TransferOp, pairs: list[tuple[int, int, int]]
     ) -> None:
@@ -450,14 +460,13 @@ class Node:
         waited for within the node's timeout; engine errors become LLMExceptions."""
         if not pairs:
             return
-        what = f"{'pull from' if op == TransferOp.READ else 'push to'} cluster {cluster_id}"
+        what = self.what(cluster_id, op)
 
         def failed(_: None, exc: HixlError) -> None:
             raise wrap(exc, what) from exc
 
         window: Window[None] = Window(self.engine, 1, self.timeout_ms, lambda _: None, failed)
-        stuck = f"still running after {self.timeout_ms} ms"
-        window.submit(None, address, op, descs(pairs), stuck=stuck)
+        window.submit(None, address, op, descs(pairs), stuck=self.stuck)
         window.drain()
 
     def release(self, cluster_id: int, address: str, k: KeyIdent, cid: int) -> None:
