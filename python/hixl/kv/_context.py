@@ -13,6 +13,7 @@ from typing import Any
 
 from .._errors import Failed, HixlError, NotConnected, ParamInvalid, Timeout
 from .._hixl import Hixl, MemType
+from .._kvcore._links import in_parallel
 from .._kvcore._notify import Router
 from ._cache import Cache, CacheInfo, DeviceArray, as_array, as_device_array, describe
 from ._directory import Directory, DirectoryReader, PeerDirectory
@@ -219,14 +220,7 @@ class Context:
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 errors[i] = exc
 
-        threads = [
-            threading.Thread(target=run, args=(i,), name="hixl-kv-link", daemon=True)
-            for i in range(len(jobs))
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        in_parallel(run, len(jobs), "hixl-kv-link")
         for err in errors:
             if err is not None:
                 raise err
