@@ -31,7 +31,7 @@ import numpy as np
 from _common import MIB, parser
 
 import hixl
-from hixl.datadist._context import context
+from hixl.kv._context import context
 
 W, R = hixl.TransferOp.WRITE, hixl.TransferOp.READ
 DECODE_MS = 0.2
@@ -42,25 +42,29 @@ def shape(layers: int, tokens: int) -> tuple[int, ...]:
 
 
 def serve(layers: int, tokens: int, transport: str) -> None:
-    hixl.init(cluster_id=0, role="mix", listen="127.0.0.1:0", options={"hixl.backends": transport})
+    hixl.kv.init(
+        cluster_id=0, role="mix", listen="127.0.0.1:0", options={"hixl.backends": transport}
+    )
     shp = shape(layers, tokens)
     src = np.random.default_rng(1).integers(0, 1 << 16, shp, dtype=np.uint16).view(np.float16)
-    hixl.allocate_cache(src, name="src")
-    dst = hixl.allocate_cache(np.zeros(shp, np.float16), name="dst")
+    hixl.kv.allocate_cache(src, name="src")
+    dst = hixl.kv.allocate_cache(np.zeros(shp, np.float16), name="dst")
     raw = np.ones(128 * MIB, np.uint8)
-    hixl.allocate_cache(raw, name="raw")
+    hixl.kv.allocate_cache(raw, name="raw")
     print(f"READY {context().address}", flush=True)
     done: dict[int, float] = {}
-    rx: tuple[hixl.TransferTask, threading.Thread] | None = None
+    rx: tuple[hixl.kv.TransferTask, threading.Thread] | None = None
     for line in sys.stdin:
         cmd = json.loads(line)
         out: dict = {}
         if cmd["cmd"] == "receive":
             dst.array[...] = 0
-            syncer = hixl.LayerSynchronizer(layers)
-            task = hixl.receive_cache_async(1, dst, syncer, hixl.TransferConfig(timeout_ms=30_000))
+            syncer = hixl.kv.LayerSynchronizer(layers)
+            task = hixl.kv.receive_cache_async(
+                1, dst, syncer, hixl.kv.TransferConfig(timeout_ms=30_000)
+            )
 
-            def decode(s: hixl.LayerSynchronizer = syncer) -> None:
+            def decode(s: hixl.kv.LayerSynchronizer = syncer) -> None:
                 for k in range(layers):
                     s.wait_layer(k, timeout_ms=60_000)
                     time.sleep(DECODE_MS / 1000)
@@ -82,7 +86,7 @@ def serve(layers: int, tokens: int, transport: str) -> None:
         elif cmd["cmd"] == "check":
             out = {"ok": bool((dst.array.view(np.uint16) == src.view(np.uint16)).all())}
         print(json.dumps(out), flush=True)
-    hixl.finalize()
+    hixl.kv.finalize()
 
 
 class Worker:
@@ -122,7 +126,7 @@ def med_gbps(fn, nbytes: int, iters: int) -> float:
 
 def measure(transport: str, layers: int, tokens: int, iters: int, compute_ms: float | None) -> dict:
     w = Worker(layers, tokens, transport)
-    hixl.init(
+    hixl.kv.init(
         cluster_id=1,
         role="decoder",
         listen="127.0.0.1:0",
@@ -134,8 +138,8 @@ def measure(transport: str, layers: int, tokens: int, iters: int, compute_ms: fl
         e, addr = ctx.engine, w.address
         shp = shape(layers, tokens)
         want = np.random.default_rng(1).integers(0, 1 << 16, shp, dtype=np.uint16).view(np.float16)
-        local = hixl.allocate_cache(np.zeros(shp, np.float16), name="src")
-        scratch = hixl.allocate_cache(np.ones(128 * MIB, np.uint8), name="scratch")
+        local = hixl.kv.allocate_cache(np.zeros(shp, np.float16), name="src")
+        scratch = hixl.kv.allocate_cache(np.ones(128 * MIB, np.uint8), name="scratch")
         _, raw = ctx.remote_cache(0, "raw")
         _, dst = ctx.remote_cache(0, "dst")
         backend = e.stats()[addr]["backend"]
@@ -147,11 +151,11 @@ def measure(transport: str, layers: int, tokens: int, iters: int, compute_ms: fl
         row["engine_read_GBps"] = med_gbps(
             lambda: e.transfer_sync(addr, R, big, 60_000), 128 * MIB, iters
         )
-        cfg = hixl.TransferConfig(max_concurrent=4, timeout_ms=60_000)
-        row["pull_GBps"] = med_gbps(lambda: hixl.pull_cache(0, local, cfg), local.nbytes, iters)
+        cfg = hixl.kv.TransferConfig(max_concurrent=4, timeout_ms=60_000)
+        row["pull_GBps"] = med_gbps(lambda: hixl.kv.pull_cache(0, local, cfg), local.nbytes, iters)
         assert local.array.tobytes() == want.tobytes(), "pull_cache moved wrong bytes"
         row["push_GBps"] = med_gbps(
-            lambda: hixl.push_cache(0, local, cfg, remote_name="dst"), local.nbytes, iters
+            lambda: hixl.kv.push_cache(0, local, cfg, remote_name="dst"), local.nbytes, iters
         )
         assert w.call("check")["ok"], "push_cache moved wrong bytes"
         row["pull_vs_engine"] = row["pull_GBps"] / row["engine_read_GBps"]
@@ -164,8 +168,8 @@ def measure(transport: str, layers: int, tokens: int, iters: int, compute_ms: fl
         row["compute_ms_per_layer"] = compute_ms
         w.call("zero")
         w.call("receive")
-        syncer = hixl.LayerSynchronizer(layers)
-        task = hixl.transfer_cache_async(
+        syncer = hixl.kv.LayerSynchronizer(layers)
+        task = hixl.kv.transfer_cache_async(
             0, local, syncer, mode="push", transfer_config=cfg, remote_name="dst"
         )
         t_start = time.monotonic()
@@ -184,7 +188,7 @@ def measure(transport: str, layers: int, tokens: int, iters: int, compute_ms: fl
         row["whole_push_ms"] = local.nbytes / (row["push_GBps"] * 1e9) * 1e3
         return row
     finally:
-        hixl.finalize()
+        hixl.kv.finalize()
         w.close()
 
 

@@ -3,11 +3,11 @@
     python benches/kv_link.py                    # 8 decoders, 20 runs
     python benches/kv_link.py --decoders 8 --iters 50 --option hixl.backends=tcp --json out.json
 
-Starts N decoder processes (hixl.init, role "decoder", each listening on 127.0.0.1), then
-this process calls hixl.init(role="prompt") and times hixl.link(all N ranks) -- connect,
+Starts N decoder processes (hixl.kv.init, role "decoder", each listening on 127.0.0.1), then
+this process calls hixl.kv.init(role="prompt") and times hixl.kv.link(all N ranks) -- connect,
 find and read each rank's directory, check its role; the links go in parallel -- and then
-hixl.unlink(all N), --iters times. For comparison it also times the same links made one
-after the other (one hixl.link call per rank). Target: all N=8 linked in <= 50 ms.
+hixl.kv.unlink(all N), --iters times. For comparison it also times the same links made one
+after the other (one hixl.kv.link call per rank). Target: all N=8 linked in <= 50 ms.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ import time
 from _common import parser
 
 import hixl
-from hixl.datadist._context import context
+from hixl.kv._context import context
 
 
 def serve(rank: int, options: dict[str, str]) -> None:
-    hixl.init(cluster_id=rank, role="decoder", listen="127.0.0.1:0", peers={}, options=options)
+    hixl.kv.init(cluster_id=rank, role="decoder", listen="127.0.0.1:0", peers={}, options=options)
     print(f"READY {context().address}", flush=True)
     sys.stdin.read()  # until the parent closes it
-    hixl.finalize()
+    hixl.kv.finalize()
 
 
 def summary(secs: list[float]) -> dict[str, float]:
@@ -79,37 +79,37 @@ def main() -> None:
             tag, addr = p.stdout.readline().split()
             assert tag == "READY"
             addrs[r] = addr
-        hixl.init(cluster_id=0, role="prompt", listen="127.0.0.1:0", options=options)
+        hixl.kv.init(cluster_id=0, role="prompt", listen="127.0.0.1:0", options=options)
         infos = [{"cluster_id": r, "address": addr} for r, addr in addrs.items()]
         ranks = list(addrs)
 
         def parallel() -> float:
             t0 = time.perf_counter()
-            hixl.link(infos)
+            hixl.kv.link(infos)
             dt = time.perf_counter() - t0
             assert sorted(context().peers) == ranks
-            hixl.unlink(ranks)
+            hixl.kv.unlink(ranks)
             return dt
 
         def serial() -> float:
             t0 = time.perf_counter()
             for info in infos:
-                hixl.link([info])
+                hixl.kv.link([info])
             dt = time.perf_counter() - t0
             assert sorted(context().peers) == ranks
-            hixl.unlink(ranks)
+            hixl.kv.unlink(ranks)
             return dt
 
         backend = ""
-        hixl.link(infos)  # warm-up, and the backend actually used
+        hixl.kv.link(infos)  # warm-up, and the backend actually used
         backend = context().engine.stats()[addrs[1]]["backend"]
-        hixl.unlink(ranks)
+        hixl.kv.unlink(ranks)
         rows = {
             "parallel": summary([parallel() for _ in range(iters)]),
             "one_by_one": summary([serial() for _ in range(iters)]),
         }
     finally:
-        hixl.finalize()
+        hixl.kv.finalize()
         for p in procs:
             assert p.stdin is not None
             p.stdin.close()

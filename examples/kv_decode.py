@@ -49,14 +49,14 @@ def main() -> int:
     args = p.parse_args()
     ms = int(args.timeout_s * 1000)
 
-    me = hixl.init(cluster_id=1, role="decoder", listen=args.listen)
+    me = hixl.kv.init(cluster_id=1, role="decoder", listen=args.listen)
     try:
         lay = layout(args)
-        cache = hixl.allocate_cache(lay.array(), name="kv")  # peers address it as "kv"
-        syncer = hixl.LayerSynchronizer(total_layers=lay.num_layers)
+        cache = hixl.kv.allocate_cache(lay.array(), name="kv")  # peers address it as "kv"
+        syncer = hixl.kv.LayerSynchronizer(total_layers=lay.num_layers)
         # Counts layer k as present when rank 0's notification for it arrives, which its
         # engine sends only after the layer's bytes are here.
-        task = hixl.receive_cache_async(0, cache, syncer, hixl.TransferConfig(timeout_ms=ms))
+        task = hixl.kv.receive_cache_async(0, cache, syncer, hixl.kv.TransferConfig(timeout_ms=ms))
         print(f"READY {me.address}", flush=True)
 
         for k in range(lay.num_layers):
@@ -69,7 +69,7 @@ def main() -> int:
         res = task.wait(timeout_ms=ms)
         print(f"received {res.bytes} bytes in {lay.num_layers} layers from rank 0")
     finally:
-        hixl.finalize()
+        hixl.kv.finalize()
     return 0
 
 

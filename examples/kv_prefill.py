@@ -51,16 +51,16 @@ def main() -> int:
     ms = int(args.timeout_s * 1000)
 
     # Links to every rank in peers (retrying while it starts) and checks its role.
-    hixl.init(
+    hixl.kv.init(
         cluster_id=0, role="prompt", listen=args.listen, peers={1: args.decode}, link_timeout_ms=ms
     )
     try:
         lay = layout(args)
-        cache = hixl.allocate_cache(lay.array(), name="kv")
-        syncer = hixl.LayerSynchronizer(total_layers=lay.num_layers)
-        cfg = hixl.TransferConfig(timeout_ms=ms)
+        cache = hixl.kv.allocate_cache(lay.array(), name="kv")
+        syncer = hixl.kv.LayerSynchronizer(total_layers=lay.num_layers)
+        cfg = hixl.kv.TransferConfig(timeout_ms=ms)
         # Pushes into rank 1's cache of the same name ("kv"), each layer once it is ready.
-        task = hixl.transfer_cache_async(1, cache, syncer, mode="push", transfer_config=cfg)
+        task = hixl.kv.transfer_cache_async(1, cache, syncer, mode="push", transfer_config=cfg)
         for k in range(lay.num_layers):
             time.sleep(0.01)  # computing layer k ...
             cache.array[k, ..., : lay.head_dim] = computed_layer(lay, k, args.seed)
@@ -72,7 +72,7 @@ def main() -> int:
             f"in {res.elapsed_s * 1000:.1f} ms"
         )
     finally:
-        hixl.finalize()
+        hixl.kv.finalize()
     return 0
 
 

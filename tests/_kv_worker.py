@@ -36,7 +36,7 @@ import time
 import numpy as np
 
 import hixl
-from hixl.datadist._context import context
+from hixl.kv._context import context
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ import pytest
 from test_netns import _why_no_netns, sh
 
 import hixl
-from hixl.datadist import LLM_NOT_LINKED
-from hixl.datadist._etcd import EtcdClient, EtcdError, Tls, b64
+from hixl.kv import LLM_NOT_LINKED
+from hixl.kv._etcd import EtcdClient, EtcdError, Tls, b64
 
 WORKER = str(Path(__file__).with_name("_kv_worker.py"))
 TTL = 3  # seconds; etcd's own minimum is 2

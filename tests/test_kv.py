@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import hixl
-from hixl.datadist._context import context
-from hixl.datadist._directory import (
+from hixl.kv._context import context
+from hixl.kv._directory import (
     DIR_BYTES,
     HEADER,
     MAGIC,

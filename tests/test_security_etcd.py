@@ -24,9 +24,9 @@ import pytest
 from test_discovery import SECRET, TTL, Etcd, Rank, alloc, digest, etcd_local, free_port
 
 import hixl
-from hixl.datadist import LLM_NOT_LINKED
-from hixl.datadist._context import context
-from hixl.datadist._etcd import EtcdClient, b64, unb64
+from hixl.kv import LLM_NOT_LINKED
+from hixl.kv._context import context
+from hixl.kv._etcd import EtcdClient, b64, unb64
 
 __all__ = ["etcd_local"]  # a fixture of test_discovery.py, used here
 

@@ -4,10 +4,13 @@ Engines register memory and then READ or WRITE each other's registered memory in
 target runs no application code. ``docs/API.md`` in the repository is the API reference (every
 call, its arguments, defaults, errors and GIL behaviour); ``help(hixl.Hixl)`` and the
 docstrings of each method say the same. README.md has the options, status codes and the
-KV-cache layer.
+KV-cache layer (``hixl.kv``; ``hixl.llm_datadist`` is its LLM-DataDist face).
 """
 
 from __future__ import annotations
+
+import warnings
+from typing import Any
 
 from . import aio, kv, metrics
 from ._errors import (
@@ -49,56 +52,8 @@ from ._hixl import (
 )
 from ._layout import KVLayout, aligned_empty
 from ._logging import set_log_level
-from .datadist import (
-    HIXL_001001,
-    HIXL_001002,
-    HIXL_001003,
-    Cache,
-    LayerSynchronizer,
-    LLMClusterInfo,
-    LLMError,
-    TransferConfig,
-    TransferResult,
-    TransferTask,
-    allocate_cache,
-    deallocate_cache,
-    finalize,
-    init,
-    link,
-    pull_blocks,
-    pull_cache,
-    push_blocks,
-    push_cache,
-    ranks,
-    receive_cache_async,
-    transfer_cache_async,
-    unlink,
-)
 
 __all__ = [
-    "HIXL_001001",
-    "HIXL_001002",
-    "HIXL_001003",
-    "Cache",
-    "LLMClusterInfo",
-    "LLMError",
-    "LayerSynchronizer",
-    "TransferConfig",
-    "TransferResult",
-    "TransferTask",
-    "allocate_cache",
-    "deallocate_cache",
-    "finalize",
-    "init",
-    "link",
-    "pull_blocks",
-    "pull_cache",
-    "push_blocks",
-    "push_cache",
-    "ranks",
-    "receive_cache_async",
-    "transfer_cache_async",
-    "unlink",
     "AlreadyConnected",
     "AsyncConnectStatus",
     "Failed",
@@ -139,3 +94,29 @@ __all__ = [
     "cuda_alloc",
     "cuda_info",
 ]
+
+#: The KV-cache names that were exported here before they moved to ``hixl.kv`` (all of
+#: ``hixl.kv`` but the names that were never here): they still resolve, with a
+#: DeprecationWarning, for one release.
+_MOVED_TO_KV = frozenset(kv.__all__) - {
+    "KVLayout",
+    "CacheInfo",
+    "LLM_CACHE_NOT_FOUND",
+    "LLM_NOT_LINKED",
+    "LLM_ROLE_MISMATCH",
+    "LLM_SUCCESS",
+    "LLM_TOO_LARGE",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Resolves a KV-cache name that moved to ``hixl.kv`` (``hixl.init``, ``hixl.Cache``, ...),
+    warning that it is deprecated here."""
+    if name in _MOVED_TO_KV:
+        warnings.warn(
+            f"hixl.{name} is deprecated and goes in the next release: use hixl.kv.{name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(kv, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -130,7 +130,7 @@ class KVLayout:
         return (self.num_layers, 2, self.num_blocks, self.block_tokens, self.num_kv_heads, row)
 
     def array(self, alignment: int = 4096) -> np.ndarray:
-        """A zeroed, aligned array of ``shape`` and ``dtype``: what ``hixl.allocate_cache``
+        """A zeroed, aligned array of ``shape`` and ``dtype``: what ``hixl.kv.allocate_cache``
         takes (layer axis 0, block axis 2). ``[..., :head_dim]`` is the used part of a row."""
         import numpy as np
 

@@ -2,8 +2,8 @@
 
 Starts two processes running the same tiny numpy transformer (seeded weights). The prefill
 process (rank 0, role "prompt") computes the prompt's KV cache layer by layer and pushes each
-layer the moment it is computed (hixl.transfer_cache_async, mode "push"). The decode process
-(rank 1, role "decoder") follows the arrivals (hixl.receive_cache_async) and runs its first
+layer the moment it is computed (hixl.kv.transfer_cache_async, mode "push"). The decode process
+(rank 1, role "decoder") follows the arrivals (hixl.kv.receive_cache_async) and runs its first
 step's layer k as soon as KV layer k is there, then generates the new tokens.
 
 Prints a per-layer timeline (ms since prefill started: computed and submitted at prefill, acked
@@ -99,7 +99,7 @@ def _worker(a: argparse.Namespace) -> int:
     model = _model(a)
     prompt = model.prompt(a.prompt_len, a.seed)
     opts = {"hixl.backends": a.transport}
-    cfg = hixl.TransferConfig(max_concurrent=4, timeout_ms=a.timeout_ms)
+    cfg = hixl.kv.TransferConfig(max_concurrent=4, timeout_ms=a.timeout_ms)
     cache_arr = model.layout(a.prompt_len - 1).array()
     # --device cuda: the registered cache is a torch CUDA tensor; the numpy model works on
     # cache_arr, and each layer crosses between the two at the layer's boundary.
@@ -108,10 +108,10 @@ def _worker(a: argparse.Namespace) -> int:
     mem = "host" if dev is None else "device"
     out: dict[str, Any] = {}
     if a.worker == "decode":
-        me = hixl.init(cluster_id=1, role="decoder", listen="127.0.0.1:0", options=opts)
-        cache = hixl.allocate_cache(kv, mem_type=mem, name="kv")
-        syncer = hixl.LayerSynchronizer(model.L)
-        task = hixl.receive_cache_async(0, cache, syncer, cfg)
+        me = hixl.kv.init(cluster_id=1, role="decoder", listen="127.0.0.1:0", options=opts)
+        cache = hixl.kv.allocate_cache(kv, mem_type=mem, name="kv")
+        syncer = hixl.kv.LayerSynchronizer(model.L)
+        task = hixl.kv.receive_cache_async(0, cache, syncer, cfg)
         print(f"READY {me.address}", flush=True)
         used: dict[int, float] = {}
 
@@ -131,13 +131,13 @@ def _worker(a: argparse.Namespace) -> int:
             arrived=syncer.times["arrived"], used=used, bytes=res.bytes, decode_end=time.monotonic()
         )
     else:
-        hixl.init(
+        hixl.kv.init(
             cluster_id=0, role="prompt", listen="127.0.0.1:0", options=opts, peers={1: a.peer}
         )
-        cache = hixl.allocate_cache(kv, mem_type=mem, name="kv")
-        syncer = hixl.LayerSynchronizer(model.L)
+        cache = hixl.kv.allocate_cache(kv, mem_type=mem, name="kv")
+        syncer = hixl.kv.LayerSynchronizer(model.L)
         start = time.monotonic()
-        task = hixl.transfer_cache_async(1, cache, syncer, mode="push", transfer_config=cfg)
+        task = hixl.kv.transfer_cache_async(1, cache, syncer, mode="push", transfer_config=cfg)
 
         def layer_ready(k: int) -> None:
             if dev is not None:
@@ -149,7 +149,7 @@ def _worker(a: argparse.Namespace) -> int:
         model.prefill(prompt, cache_arr, layer_ready)
         computed_end = time.monotonic()
         res = task.wait(a.timeout_ms)
-        from ..datadist._context import context
+        from ..kv._context import context
 
         ctx = context()
         out.update(
@@ -161,7 +161,7 @@ def _worker(a: argparse.Namespace) -> int:
             bytes=res.bytes,
             backend=ctx.engine.stats()[a.peer]["backend"],
         )
-    hixl.finalize()
+    hixl.kv.finalize()
     print(json.dumps(out), flush=True)
     return 0
 

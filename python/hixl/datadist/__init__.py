@@ -1,70 +1,42 @@
-"""The KV-cache layer (LLM-DataDist style): ranks, caches, and cache/block/layerwise
-transfers between a prefill ("prompt") and a decode ("decoder") process.
+"""Deprecated alias of :mod:`hixl.kv` (the KV-cache layer's old module path).
 
-Every name here is also exported from ``hixl`` itself.
+Importing it gives one DeprecationWarning; every name it had is the same object in
+``hixl.kv``, and its private submodules (``hixl.datadist._context``, ...) are those of
+``hixl.kv``. It goes in the next release: import ``hixl.kv`` instead.
 """
 
-from ._cache import Cache, CacheInfo
-from ._context import (
-    LLMClusterInfo,
-    allocate_cache,
-    deallocate_cache,
-    finalize,
-    init,
-    link,
-    ranks,
-    unlink,
-)
-from ._errors import (
-    HIXL_001001,
-    HIXL_001002,
-    HIXL_001003,
-    LLM_CACHE_NOT_FOUND,
-    LLM_NOT_LINKED,
-    LLM_ROLE_MISMATCH,
-    LLM_SUCCESS,
-    LLM_TOO_LARGE,
-    LLMError,
-)
-from ._layerwise import LayerSynchronizer, receive_cache_async, transfer_cache_async
-from ._transfer import (
-    TransferConfig,
-    TransferResult,
-    TransferTask,
-    pull_blocks,
-    pull_cache,
-    push_blocks,
-    push_cache,
-)
+from __future__ import annotations
 
-__all__ = [
-    "HIXL_001001",
-    "HIXL_001002",
-    "HIXL_001003",
-    "LLM_CACHE_NOT_FOUND",
-    "LLM_NOT_LINKED",
-    "LLM_ROLE_MISMATCH",
-    "LLM_SUCCESS",
-    "LLM_TOO_LARGE",
-    "Cache",
-    "CacheInfo",
-    "LLMClusterInfo",
-    "LLMError",
-    "LayerSynchronizer",
-    "TransferConfig",
-    "TransferResult",
-    "TransferTask",
-    "allocate_cache",
-    "deallocate_cache",
-    "finalize",
-    "init",
-    "link",
-    "pull_blocks",
-    "pull_cache",
-    "push_blocks",
-    "push_cache",
-    "ranks",
-    "receive_cache_async",
-    "transfer_cache_async",
-    "unlink",
-]
+import importlib
+import sys
+import warnings
+
+from .. import kv as _kv
+from ..kv import *  # noqa: F403
+from ..kv import __all__ as __all__
+
+#: The private modules of the old path, as the same module objects of hixl.kv (one
+#: ``context()``, one directory).
+_SUBMODULES = (
+    "_cache",
+    "_context",
+    "_directory",
+    "_discovery",
+    "_entries",
+    "_errors",
+    "_etcd",
+    "_layerwise",
+    "_sender",
+    "_transfer",
+)
+for _sub in _SUBMODULES:
+    sys.modules[f"{__name__}.{_sub}"] = importlib.import_module(f"{_kv.__name__}.{_sub}")
+    globals()[_sub] = sys.modules[f"{__name__}.{_sub}"]
+del _sub
+
+warnings.warn(
+    "hixl.datadist is deprecated and goes in the next release: import hixl.kv "
+    f"(the same names: {_kv.__name__}.Cache, {_kv.__name__}.init, ...)",
+    DeprecationWarning,
+    stacklevel=2,
+)

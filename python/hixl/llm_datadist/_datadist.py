@@ -12,7 +12,8 @@ from typing import Any
 
 from .._errors import HixlError
 from .._hixl import Hixl
-from ..datadist._context import LLMClusterInfo as KvClusterInfo
+from .._kvcore._links import in_parallel
+from ..kv._context import LLMClusterInfo as KvClusterInfo
 from . import _ranktable
 from ._config import LLMClusterInfo
 from ._manager import CacheManager, KvCacheManager
@@ -246,11 +247,7 @@ class LLMDataDist:
         def run(i: int) -> None:
             rets[i] = self._link_one(cl[i], timeout)
 
-        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(cl))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        in_parallel(run, len(cl), "hixl-lldd-link")
         del node
         ok = all(r == LLMStatusCode.LLM_SUCCESS for r in rets)
         return (LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_LINK_FAILED), rets

@@ -19,8 +19,8 @@ from collections.abc import Sequence as Sequence
 from typing import Any as Any
 
 from .._hixl import TransferOp as TransferOp
+from .._kvcore._plan import block_runs as block_runs
 from .._layout import aligned_empty as aligned_empty
-from ..datadist._cache import block_runs as block_runs
 from ._alloc import _Allocation
 from ._alloc import _host_only as _host_only
 from ._cache import Cache as Cache

@@ -14,12 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import AlreadyConnected, Failed, HixlError
-from .._errors import Timeout as HixlTimeout
-from .._hixl import MemDesc, MemHandle, NotifyDesc, TransferOp, TransferStatus
-from ..datadist._context import Context
-from ..datadist._context import LLMClusterInfo as KvClusterInfo
-from ..datadist._sender import same_engine
+from .._errors import AlreadyConnected, HixlError
+from .._hixl import MemDesc, MemHandle, NotifyDesc, TransferOp
+from .._kvcore._plan import descs
+from .._kvcore._window import Window
+from ..kv._context import Context
+from ..kv._context import LLMClusterInfo as KvClusterInfo
+from ..kv._sender import same_engine
 from ._cache import Cache
 from ._status import LLMException, LLMStatusCode, fail, wrap
 from ._types import CacheDesc
@@ -259,20 +260,13 @@ class Node:
 
     def _serve(self, engine: Any) -> None:
         """Applies what peers send to `engine`: key releases after a pull by CacheKey, and
-        the hello / bye of clusters that link to this node. Takes only those names: the
-        application's own notifications stay in the engine for it."""
-        while not self.closed and self.ctx.engine is engine:
-            try:
-                notes = engine.wait_notifies(200, name=OWN_NOTIFIES)
-            except HixlTimeout:
-                continue
-            except (Failed, HixlError):
-                return  # finalized
-            for n in notes:
-                try:
-                    self._apply(n.name, json.loads(n.msg), n.peer)
-                except (ValueError, TypeError, KeyError, AttributeError):
-                    continue  # malformed: peers are not trusted
+        the hello / bye of clusters that link to this node. Takes only those names (through
+        the KV core's router): the application's own notifications stay in the engine."""
+        self.ctx.mailbox.serve(
+            OWN_NOTIFIES,
+            lambda n: self._apply(n.name, json.loads(n.msg), n.peer),
+            lambda: not self.closed and self.ctx.engine is engine,
+        )
 
     def _apply(self, name: str, msg: Any, sender: str) -> None:
         """Acts on a peer's notification; `sender` is the engine it came from (its
@@ -449,23 +443,31 @@ class Node:
             ) from None
         return RemoteView(peer.address, caches, keys, bkeys)
 
+    @property
+    def stuck(self) -> str:
+        """The Timeout's message of a request that outlives the node's timeout."""
+        return f"still running after {self.timeout_ms} ms"
+
+    @staticmethod
+    def what(cluster_id: int, op: TransferOp) -> str:
+        """What a request to `cluster_id` does, for its errors."""
+        return f"{'pull from' if op == TransferOp.READ else 'push to'} cluster {cluster_id}"
+
     def transfer(
         self, cluster_id: int, address: str, op: TransferOp, pairs: list[tuple[int, int, int]]
     ) -> None:
-        """One request moving `pairs` (local, remote, length), waited for within the
-        node's timeout; engine errors become LLMExceptions."""
+        """One request moving `pairs` (local, remote, length) on the KV core's window,
+        waited for within the node's timeout; engine errors become LLMExceptions."""
         if not pairs:
             return
-        descs = np.array(pairs, dtype=np.uint64).reshape(-1, 3)
-        what = f"{'pull from' if op == TransferOp.READ else 'push to'} cluster {cluster_id}"
-        try:
-            req = self.engine.transfer_async(address, op, descs, timeout_ms=self.timeout_ms)
-            st = req.wait(self.timeout_ms + 2000)
-            if st != TransferStatus.COMPLETED:
-                req.result()
-                raise HixlTimeout(f"still running after {self.timeout_ms} ms")
-        except HixlError as exc:
+        what = self.what(cluster_id, op)
+
+        def failed(_: None, exc: HixlError) -> None:
             raise wrap(exc, what) from exc
+
+        window: Window[None] = Window(self.engine, 1, self.timeout_ms, lambda _: None, failed)
+        window.submit(None, address, op, descs(pairs), stuck=self.stuck)
+        window.drain()
 
     def release(self, cluster_id: int, address: str, k: KeyIdent, cid: int) -> None:
         with self.lock:

@@ -9,7 +9,11 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from .._errors import HixlError
 from .._hixl import TransferOp
+from .._kvcore._layers import send_layers
+from .._kvcore._plan import descs
+from .._kvcore._window import Window
 from ._cache import Cache, CacheTask
 from ._keys import _ManagerBase
 from ._plan import (
@@ -306,27 +310,56 @@ class _Transfers(_ManagerBase):
         task = CacheTask(len(plans))
         order = sorted({layer for _, _, pl in plans for layer in pl})
 
+        pending = iter(order)
+        stopped = [False]
+
+        def ready(_busy: bool) -> int | None:
+            """The next layer, once synchronize_layer says it is computed; on False (or its
+            error) every destination still going gets that status, and the send stops."""
+            layer = next(pending)
+            why = LLMStatusCode.LLM_TIMEOUT  # synchronize_layer said False
+            try:
+                ok = bool(layer_synchronizer.synchronize_layer(layer, node.timeout_ms))
+            except Exception as exc:  # noqa: BLE001 - recorded on the task
+                task.error, ok, why = exc, False, code_of(exc)
+            if ok:
+                return layer
+            for i in range(len(plans)):
+                if task._results[i] == LLMStatusCode.LLM_SUCCESS:
+                    task._results[i] = why
+            stopped[0] = True
+            return None
+
+        def failed(i: int, exc: Exception) -> None:
+            err = exc
+            if isinstance(exc, HixlError):
+                err = wrap(exc, node.what(plans[i][0], TransferOp.WRITE))
+                if err is not exc:
+                    err.__cause__ = exc
+            task._results[i] = code_of(err)
+            task.error = err
+
+        window: Window[int] = Window(node.engine, 1, node.timeout_ms, lambda _: None, failed)
+
+        def submit(layer: int) -> None:
+            """Layer `layer` to every destination that has not failed, one after the other."""
+            for i, (_cluster, address, per_layer) in enumerate(plans):
+                if layer not in per_layer or task._results[i] != LLMStatusCode.LLM_SUCCESS:
+                    continue
+                if not per_layer[layer]:
+                    continue
+                try:
+                    window.submit(
+                        i, address, TransferOp.WRITE, descs(per_layer[layer]), stuck=node.stuck
+                    )
+                except Exception as exc:  # noqa: BLE001 - recorded on the task
+                    failed(i, exc)
+
         def run() -> None:
             try:
-                for layer in order:
-                    why = LLMStatusCode.LLM_TIMEOUT  # synchronize_layer said False
-                    try:
-                        ok = bool(layer_synchronizer.synchronize_layer(layer, node.timeout_ms))
-                    except Exception as exc:  # noqa: BLE001 - recorded on the task
-                        task.error, ok, why = exc, False, code_of(exc)
-                    if not ok:
-                        for i in range(len(plans)):
-                            if task._results[i] == LLMStatusCode.LLM_SUCCESS:
-                                task._results[i] = why
-                        return
-                    for i, (cluster, address, per_layer) in enumerate(plans):
-                        if layer not in per_layer or task._results[i] != LLMStatusCode.LLM_SUCCESS:
-                            continue
-                        try:
-                            node.transfer(cluster, address, TransferOp.WRITE, per_layer[layer])
-                        except Exception as exc:  # noqa: BLE001 - recorded on the task
-                            task._results[i] = code_of(exc)
-                            task.error = exc
+                send_layers(
+                    window, len(order), ready, submit, lambda: not stopped[0], layer_at_a_time=True
+                )
             finally:
                 task._finish()
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from .._errors import HixlError, NotConnected
 from .._hixl import NotifyDesc
-from ..datadist._sender import same_engine
+from ..kv._sender import same_engine
 from ._bindings import from_hixl
 from ._common import _NOTIF_PREFIX, _msg, _name, log
 from ._metadata import _Metadata

@@ -12,6 +12,7 @@ from collections import deque
 from .._errors import HixlError, ParamInvalid
 from .._errors import Timeout as HixlTimeout
 from .._hixl import NotifyDesc, TransferOp
+from .._kvcore._layers import send_layers
 from .._wakers import Wakers
 from ._cache import Cache, CacheInfo
 from ._context import context
@@ -267,20 +268,22 @@ def transfer_cache_async(
             )
         total = synchronizer.total_layers
         pipe = Pipeline(ctx, task, cfg, on_done=lambda r: task.mark("sent", r.layer or 0))
-        submitted = 0
-        gap_deadline = time.monotonic() + cfg.timeout_ms / 1000
-        while submitted < total and not pipe.failed:
-            while pipe.reap(block=False):  # note finished layers while waiting for more
-                pass
-            k = synchronizer._take_ready(0.0005 if pipe.inflight else 0.05)
+        sent = [0]
+        gap_deadline = [time.monotonic() + cfg.timeout_ms / 1000]
+
+        def ready(busy: bool) -> int | None:
+            k = synchronizer._take_ready(0.0005 if busy else 0.05)
             if k is None:
-                if time.monotonic() > gap_deadline:
+                if time.monotonic() > gap_deadline[0]:
                     raise HixlTimeout(
                         f"no layer was marked ready for {cfg.timeout_ms} ms "
-                        f"({submitted} of {total} sent)"
+                        f"({sent[0]} of {total} sent)"
                     )
-                continue
-            gap_deadline = time.monotonic() + cfg.timeout_ms / 1000
+                return None
+            gap_deadline[0] = time.monotonic() + cfg.timeout_ms / 1000
+            return k
+
+        def submit(k: int) -> None:
             note = NotifyDesc(LAYER_NOTIFY, f"{ctx.rank}:{name}:{k}")
             task.mark("submitted", k)
             pipe.submit(
@@ -295,8 +298,9 @@ def transfer_cache_async(
                     note,
                 )
             )
-            submitted += 1
-        pipe.drain()
+            sent[0] += 1
+
+        send_layers(pipe.window, total, ready, submit, lambda: not pipe.failed)
 
     body = pull if mode == "pull" else push
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from .._errors import ParamInvalid
 from .._hixl import MemHandle
+from .._kvcore._plan import block_runs as block_runs
 
 
 @dataclass(frozen=True)
@@ -210,14 +211,3 @@ def describe(
         layer_axis,
         block_axis,
     )
-
-
-def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, count): consecutive ids on both sides become one run."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs

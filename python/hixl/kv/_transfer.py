@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,9 +12,11 @@ import numpy as np
 
 from .._errors import HixlError, ParamInvalid, Status
 from .._errors import Timeout as HixlTimeout
-from .._hixl import NotifyDesc, TransferOp, TransferReq, TransferStatus
+from .._hixl import NotifyDesc, TransferOp
+from .._kvcore._plan import block_runs, descs, run_bytes, split
+from .._kvcore._window import Window
 from .._wakers import Wakers
-from ._cache import Cache, CacheInfo, block_runs
+from ._cache import Cache, CacheInfo
 from ._context import Context, context
 from ._errors import LLM_SUCCESS, LLM_TOO_LARGE, LLMError
 
@@ -157,9 +158,10 @@ class TransferTask:
 
 
 class Pipeline:
-    """The requests of one task in flight: at most cfg.max_concurrent at a time, reaped in
-    submission order, their bytes counted per rank. A rank whose request fails is recorded
-    on the task and gets no more requests; the other ranks go on."""
+    """The requests of one task in flight, on the KV core's window: at most
+    cfg.max_concurrent at a time, reaped in submission order, their bytes counted per rank.
+    A rank whose request fails is recorded on the task and gets no more requests; the other
+    ranks go on."""
 
     def __init__(
         self,
@@ -169,43 +171,21 @@ class Pipeline:
         on_done: Callable[[Request], None] | None = None,
     ) -> None:
         self.ctx, self.task, self.cfg, self.on_done = ctx, task, cfg, on_done
-        self.inflight: deque[tuple[Request, TransferReq]] = deque()
+        self.window: Window[Request] = Window(
+            ctx.engine, cfg.max_concurrent, cfg.timeout_ms, self._done, self._fail
+        )
         self.failed: set[int] = set()
+
+    @property
+    def inflight(self) -> int:
+        """How many requests are in flight."""
+        return len(self.window.inflight)
 
     def _fail(self, r: Request, exc: HixlError) -> None:
         self.failed.add(r.rank)
         self.task.fail(LLMError.from_engine(exc, f"transfer with rank {r.rank}"), r.rank)
 
-    def submit(self, r: Request) -> None:
-        if r.rank in self.failed:
-            return
-        while len(self.inflight) >= self.cfg.max_concurrent:
-            self.reap()
-        try:
-            h = self.ctx.engine.transfer_async(
-                r.address, r.op, r.descs, notify=r.notify, timeout_ms=self.cfg.timeout_ms
-            )
-        except HixlError as exc:
-            self._fail(r, exc)
-            return
-        self.inflight.append((r, h))
-
-    def reap(self, block: bool = True) -> bool:
-        """Ends the oldest request (waiting for it unless `block` is False); False if there
-        was none to end."""
-        if not self.inflight or (
-            not block and self.inflight[0][1].status() == TransferStatus.WAITING
-        ):
-            return False
-        r, h = self.inflight.popleft()
-        st = h.wait(self.cfg.timeout_ms + 2000)
-        try:
-            if st != TransferStatus.COMPLETED:
-                h.result()
-                raise HixlTimeout(f"request to rank {r.rank} still waiting after its timeout")
-        except HixlError as exc:
-            self._fail(r, exc)
-            return True
+    def _done(self, r: Request) -> None:
         self.task.result.bytes += r.nbytes
         pr = self.task.result.per_rank.get(r.rank)
         if pr is not None:
@@ -213,11 +193,22 @@ class Pipeline:
             pr.elapsed_s = time.perf_counter() - self.task._t0
         if self.on_done is not None:
             self.on_done(r)
-        return True
+
+    def submit(self, r: Request) -> None:
+        """Submits `r` unless its rank has failed already."""
+        if r.rank in self.failed:
+            return
+        stuck = f"request to rank {r.rank} still waiting after its timeout"
+        self.window.submit(r, r.address, r.op, r.descs, r.notify, stuck)
+
+    def reap(self, block: bool = True) -> bool:
+        """Ends the oldest request (waiting for it unless `block` is False); False if there
+        was none to end."""
+        return self.window.reap(block)
 
     def drain(self) -> None:
-        while self.reap():
-            pass
+        """Ends every request in flight."""
+        self.window.drain()
 
 
 def run_requests(
@@ -232,10 +223,6 @@ def run_requests(
     for r in reqs:
         pipe.submit(r)
     pipe.drain()
-
-
-def descs(pairs: list[tuple[int, int, int]]) -> np.ndarray:
-    return np.array(pairs, dtype=np.uint64).reshape(-1, 3)
 
 
 def same_geometry(a: CacheInfo, b: CacheInfo) -> bool:
@@ -392,23 +379,20 @@ def _block_requests(
             f"{local.block_bytes} bytes per block, remote {remote.name!r} "
             f"{remote.block_pieces()} x {remote.block_bytes}"
         )
-    bb = local.block_bytes
-    runs = block_runs(rb, lb)  # (remote start, local start, count)
+    bb, runs = local.block_bytes, block_runs(lb, rb)  # (local start, remote start, count)
     pairs = [
-        (
-            local.addr + (p * local.num_blocks + ls) * bb,
-            remote.addr + (p * remote.num_blocks + rs) * bb,
-            n * bb,
-        )
+        x
         for p in range(local.block_pieces())
-        for rs, ls, n in runs
+        for x in run_bytes(
+            runs,
+            bb,
+            local.addr + p * local.num_blocks * bb,
+            remote.addr + p * remote.num_blocks * bb,
+        )
     ]
-    if not pairs:
-        return []
-    per = -(-len(pairs) // max(1, parts))
     return [
-        Request(rank, address, op, descs(pairs[i : i + per]), sum(x[2] for x in pairs[i : i + per]))
-        for i in range(0, len(pairs), per)
+        Request(rank, address, op, descs(chunk), sum(x[2] for x in chunk))
+        for chunk in split(pairs, parts)
     ]
 
 

@@ -1,10 +1,10 @@
-"""Discovery through etcd: ``hixl.init(discovery="etcd://host:2379/prefix")``.
+"""Discovery through etcd: ``hixl.kv.init(discovery="etcd://host:2379/prefix")``.
 
 Each rank publishes one key, ``<prefix>/ranks/<rank>``, whose value is a JSON object (rank,
 role, engine address, device id, cache names, host name, pid), attached to a lease of
 ``hixl.discovery.ttl_s`` seconds that a background thread keeps alive (every ttl/3). A
 second thread watches ``<prefix>/ranks/`` and keeps the view of the cluster current: a rank
-that starts appears at once, one that ends (hixl.finalize revokes its lease) or dies (its
+that starts appears at once, one that ends (hixl.kv.finalize revokes its lease) or dies (its
 lease expires) disappears, and a link to it is dropped. Nothing links at start: a transfer
 to a rank in the view links to it on first use.
 
@@ -17,7 +17,7 @@ lease, or naming another rank, is ignored, and with a cluster secret so is one w
 not verify; each is logged once, and the rank stays in the view as it was (until its own
 lease ends). A rank whose own key holds anything but its own entry writes it back.
 
-Options (``hixl.init(options=...)``, next to the engine's; or the environment variable in
+Options (``hixl.kv.init(options=...)``, next to the engine's; or the environment variable in
 brackets): ``hixl.discovery.ttl_s`` (HIXL_DISCOVERY_TTL_S, default 10),
 ``hixl.discovery.advertise`` (HIXL_DISCOVERY_ADVERTISE: the "ip:port" to publish when the
 engine listens on a wildcard address), ``hixl.discovery.ca``, ``hixl.discovery.cert``,
@@ -520,7 +520,7 @@ class Discovery:
 def from_init(
     url: str | None, options: Mapping[str, str] | None, env: Mapping[str, str] | None = None
 ) -> tuple[Config | None, dict[str, str]]:
-    """hixl.init's discovery= (or HIXL_DISCOVERY) and options: (the configuration or None,
+    """hixl.kv.init's discovery= (or HIXL_DISCOVERY) and options: (the configuration or None,
     the options left for the engine)."""
     env = os.environ if env is None else env
     engine_opts, disc_opts = split_options(options)

@@ -181,7 +181,7 @@ class DirectoryReader:
                 raise LLMError(
                     LLM_NOT_LINKED,
                     f"{address} publishes no hixl KV-cache directory "
-                    "(is it a hixl.init() process?)",
+                    "(is it a hixl.kv.init() process?)",
                 )
             time.sleep(0.002)
 

@@ -12,7 +12,7 @@ LLM_CACHE_NOT_FOUND = "LLM_002001"
 LLM_TOO_LARGE = "LLM_002002"
 #: The two ranks may not link: both "prompt" or both "decoder".
 LLM_ROLE_MISMATCH = "LLM_002003"
-#: The rank is not linked (call hixl.link or pass it in peers=).
+#: The rank is not linked (call hixl.kv.link or pass it in peers=).
 LLM_NOT_LINKED = "LLM_002004"
 
 

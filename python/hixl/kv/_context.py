@@ -7,12 +7,14 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .._errors import Failed, HixlError, NotConnected, ParamInvalid, Timeout
-from .._hixl import Hixl, MemType, NotifyDesc
+from .._hixl import Hixl, MemType
+from .._kvcore._links import in_parallel
+from .._kvcore._notify import Router
 from ._cache import Cache, CacheInfo, DeviceArray, as_array, as_device_array, describe
 from ._directory import Directory, DirectoryReader, PeerDirectory
 from ._discovery import Config as DiscoveryConfig
@@ -29,7 +31,7 @@ log = logging.getLogger("hixl.kv")
 class LLMClusterInfo:
     """A rank to link to: its cluster_id (the rank), optionally its address ("ip:port") and
     the role it must have. Without an address, the one given for this rank in
-    ``hixl.init(peers=...)`` / ``HIXL_PEERS`` is used."""
+    ``hixl.kv.init(peers=...)`` / ``HIXL_PEERS`` is used."""
 
     cluster_id: int
     role: str | None = None
@@ -71,45 +73,12 @@ def parse_peers(text: str) -> dict[int, str]:
     return out
 
 
-class Mailbox:
-    """Hands the layer's own notifications to whoever waits for them: takes from the engine
-    only the names asked for (every other name stays there for the application's
-    `get_notifies` / `wait_notifies`) and keeps those no waiter matched yet. At most `keep`
-    wait here; beyond, the oldest are dropped, counted in `dropped` and logged."""
-
-    def __init__(self, engine: Hixl, keep: int = 65536) -> None:
-        self.engine = engine
-        self.keep = keep
-        self.dropped = 0
-        self.pending: list[NotifyDesc] = []
-        self.lock = threading.Lock()
-
-    def take(self, name: str, match: Callable[[NotifyDesc], bool]) -> list[NotifyDesc]:
-        """The pending notifications named `name` that `match`; the others named `name` wait."""
-        with self.lock:
-            try:
-                self.pending += self.engine.wait_notifies(0, name=name)
-            except Timeout:
-                pass  # none of ours pending in the engine
-            got = [n for n in self.pending if n.name == name and match(n)]
-            if got:
-                self.pending = [n for n in self.pending if not (n.name == name and match(n))]
-            over = len(self.pending) - self.keep
-            if over > 0:
-                del self.pending[:over]
-                self.dropped += over
-                log.warning(
-                    "dropped the %d oldest of the layer's notifications no receive took "
-                    "(at most %d wait; %d dropped so far)",
-                    over,
-                    self.keep,
-                    self.dropped,
-                )
-            return got
+#: The layer's notification router (the KV core's): kept under its old name.
+Mailbox = Router
 
 
 class Context:
-    """Everything hixl.init() creates."""
+    """Everything hixl.kv.init() creates."""
 
     def __init__(
         self, rank: int, role: str, listen: str, device_id: int, options: Mapping[str, str] | None
@@ -123,13 +92,13 @@ class Context:
         except BaseException:
             self.engine.finalize()
             raise
-        self.mailbox = Mailbox(self.engine)
+        self.mailbox = Router(self.engine, log)
         self.known: dict[int, str] = {}
         self.peers: dict[int, PeerDirectory] = {}
         self.caches: dict[str, Cache] = {}
         self.lock = threading.Lock()
         self.counter = 0
-        #: etcd discovery (hixl.init(discovery=...)), or None
+        #: etcd discovery (hixl.kv.init(discovery=...)), or None
         self.discovery: Discovery | None = None
         self.link_timeout_ms = 10_000
         self.linking = threading.Lock()  # one on-demand link at a time
@@ -251,14 +220,7 @@ class Context:
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 errors[i] = exc
 
-        threads = [
-            threading.Thread(target=run, args=(i,), name="hixl-kv-link", daemon=True)
-            for i in range(len(jobs))
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        in_parallel(run, len(jobs), "hixl-kv-link")
         for err in errors:
             if err is not None:
                 raise err
@@ -304,7 +266,7 @@ class Context:
             raise LLMError(
                 LLM_NOT_LINKED,
                 f"rank {rank} is not linked to rank {self.rank}: "
-                "call hixl.link() or pass it in init(peers=...)",
+                "call hixl.kv.link() or pass it in init(peers=...)",
             )
         return p
 
@@ -414,7 +376,7 @@ _ctx_lock = threading.Lock()
 def context() -> Context:
     ctx = _ctx
     if ctx is None:
-        raise Failed("the KV-cache layer is not initialized: call hixl.init() first")
+        raise Failed("the KV-cache layer is not initialized: call hixl.kv.init() first")
     return ctx
 
 
@@ -434,9 +396,9 @@ def init(
     own info.
 
     With `discovery` ("etcd://host:2379/prefix"), this rank publishes itself in etcd and
-    follows the ranks that join and leave (`hixl.ranks()`); a transfer to a rank of that
+    follows the ranks that join and leave (`hixl.kv.ranks()`); a transfer to a rank of that
     view links to it on first use, so no address needs to be configured. Options starting
-    with "hixl.discovery." (ttl_s, default 10; see hixl.datadist._discovery) are the
+    with "hixl.discovery." (ttl_s, default 10; see hixl.kv._discovery) are the
     discovery's, the others the engine's. NotConnected when etcd does not answer."""
     global _ctx
     env = os.environ
@@ -460,7 +422,8 @@ def init(
     with _ctx_lock:
         if _ctx is not None:
             raise Failed(
-                f"hixl.init() was already called (rank {_ctx.rank}); call hixl.finalize() first"
+                f"hixl.kv.init() was already called (rank {_ctx.rank}); "
+                "call hixl.kv.finalize() first"
             )
         ctx = Context(rank, role, listen, dev, options)
         ctx.known.update({_rank(r): a for r, a in peer_map.items()})
