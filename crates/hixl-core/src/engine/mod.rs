@@ -8,13 +8,14 @@
 //! Registration runs the backends' hooks first (`register`).
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{IpAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::notify::NotifyStore;
+pub use crate::options::addr::parse_addr;
 use crate::options::Options;
 use crate::queue::Request;
 use crate::registry::{Access, MemType, Region, Registry};
@@ -128,17 +129,6 @@ pub struct Engine {
 impl Default for Engine {
     fn default() -> Self {
         Self::new()
-    }
-}
-
-/// Parses "ip:port", "[v6]:port", "host:port" into one socket address.
-pub fn parse_addr(s: &str) -> Result<SocketAddr> {
-    if let Ok(a) = s.parse::<SocketAddr>() {
-        return Ok(a);
-    }
-    match s.to_socket_addrs() {
-        Ok(mut it) => it.next().ok_or_else(|| Error::param(format!("address {s:?} resolves to nothing"))),
-        Err(_) => Err(Error::param(format!("address {s:?} is not \"ip:port\" (IPv6 as \"[::1]:port\")"))),
     }
 }
 

@@ -31,7 +31,7 @@ fn buffer_pool(v: &str) -> std::result::Result<(), String> {
 }
 
 fn engine_list(v: &str) -> std::result::Result<(), String> {
-    let bad = auto_connect_peers(v).into_iter().find(|p| crate::engine::parse_addr(p).is_err());
+    let bad = auto_connect_peers(v).into_iter().find(|p| super::addr::parse_addr(p).is_err());
     match bad {
         None => Ok(()),
         Some(p) => Err(format!("{p:?} is not an engine address (ip:port)")),

@@ -7,6 +7,7 @@ use std::time::Duration;
 use crate::auth::Secret;
 use crate::error::{Error, Result};
 
+pub mod addr;
 pub mod compat;
 pub mod rdma;
 mod suggest;
