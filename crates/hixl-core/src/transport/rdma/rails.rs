@@ -60,7 +60,9 @@ pub(super) struct Rails {
 /// Opens `name` and sets it up as rail `rail`; Err says why it cannot be one.
 fn open_one(verbs: &Arc<dyn Verbs>, name: &str, o: &RdmaOptions, rail: u8) -> Result<Arc<Nic>> {
     let ctx = verbs.open_device(name)?;
-    Nic::setup(verbs, name, ctx, o, rail).inspect_err(|_| verbs.close_device(ctx))
+    // SAFETY: on failure `setup` released what it made on `ctx` and kept nothing of it; the
+    // context opened just above is closed once.
+    Nic::setup(verbs, name, ctx, o, rail).inspect_err(|_| unsafe { verbs.close_device(ctx) })
 }
 
 impl Rails {
