@@ -302,16 +302,11 @@ pub fn constant_eq(a: &[u8], b: &[u8]) -> bool {
 pub fn random_bytes(buf: &mut [u8]) -> Result<()> {
     let mut got = 0;
     while got < buf.len() {
-        // SAFETY: the pointer and length describe the unfilled rest of `buf`.
-        let r = unsafe { libc::getrandom(buf[got..].as_mut_ptr().cast(), buf.len() - got, 0) };
-        if r < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(Error::failed(format!("getrandom: {e}")));
+        match crate::transport::sys::getrandom(&mut buf[got..]) {
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(Error::failed(format!("getrandom: {e}"))),
         }
-        got += r as usize;
     }
     Ok(())
 }

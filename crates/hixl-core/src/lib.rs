@@ -73,6 +73,7 @@
 //! [`metrics`] renders the engines' counters as Prometheus text.
 
 #![warn(clippy::undocumented_unsafe_blocks)]
+#![deny(unsafe_op_in_unsafe_fn)]
 #![deny(missing_docs)]
 
 mod auth;

@@ -517,8 +517,8 @@ fn current_pid() -> u32 {
         PID.store(0, Ordering::Relaxed);
     }
     HANDLER.call_once(|| {
-        // SAFETY: registers a handler that only stores to an atomic (async-signal-safe).
-        unsafe { libc::pthread_atfork(None, None, Some(forget_in_child)) };
+        // The handler only stores to an atomic (async-signal-safe).
+        crate::transport::sys::at_fork_child(forget_in_child);
     });
     match PID.load(Ordering::Relaxed) {
         0 => {

@@ -163,9 +163,7 @@ fn waiting(id: u64) -> Arc<Request> {
 }
 
 fn readable(fd: std::os::fd::RawFd) -> bool {
-    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-    // SAFETY: one valid pollfd, no wait.
-    unsafe { libc::poll(&mut p, 1, 0) == 1 }
+    crate::transport::sys::poll_one(fd, libc::POLLIN, 0).is_ok_and(|n| n == 1)
 }
 
 #[test]

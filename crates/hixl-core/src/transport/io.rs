@@ -6,6 +6,7 @@ use std::os::fd::RawFd;
 use std::time::Instant;
 
 use crate::auth::{FrameMac, MAC_LEN};
+use crate::transport::sys::{self, sockio};
 use crate::wire::{self, Frame, Header, Kind, HEADER_LEN};
 
 /// Most iovecs the kernel accepts in one call.
@@ -20,83 +21,18 @@ pub fn iov(addr: u64, len: u64) -> libc::iovec {
     libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len as usize }
 }
 
-/// Drops `n` bytes from the front of an iovec list, returning the index of the first iovec that
-/// still has bytes.
-fn advance(iovs: &mut [libc::iovec], mut start: usize, mut n: usize) -> usize {
-    while n > 0 {
-        let v = &mut iovs[start];
-        if n >= v.iov_len {
-            n -= v.iov_len;
-            start += 1;
-        } else {
-            // SAFETY: n < iov_len, so the new base still points into the same buffer.
-            v.iov_base = unsafe { (v.iov_base as *mut u8).add(n) } as *mut libc::c_void;
-            v.iov_len -= n;
-            n = 0;
-        }
-    }
-    while start < iovs.len() && iovs[start].iov_len == 0 {
-        start += 1;
-    }
-    start
-}
-
-/// Receives exactly the bytes described by `iovs` (resuming partial reads); EOF is an error.
-///
-/// # Safety
-/// Every iovec must describe writable memory that stays valid for the duration of the call.
-pub unsafe fn recv_all(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Result<()> {
-    let mut got = 0;
-    // SAFETY: the caller's contract is this function's.
-    unsafe { recv_all_counted(fd, iovs, &mut got) }
-}
-
-/// [`recv_all`], adding to `got` every byte received, so that after an error the caller knows
-/// how many bytes of the stream were consumed (an EFAULT consumes none of the bytes it could
-/// not place).
-///
-/// # Safety
-/// As for [`recv_all`].
-pub unsafe fn recv_all_counted(fd: RawFd, iovs: &mut [libc::iovec], got: &mut u64) -> io::Result<()> {
-    let mut start = advance(iovs, 0, 0);
-    while start < iovs.len() {
-        let n = (iovs.len() - start).min(IOV_MAX) as libc::c_int;
-        // SAFETY: the iovecs point at writable memory the caller guarantees (see above).
-        let r = unsafe { libc::readv(fd, iovs[start..].as_ptr(), n) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if r == 0 {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the stream"));
-        }
-        *got += r as u64;
-        start = advance(iovs, start, r as usize);
-    }
-    Ok(())
-}
+pub use crate::transport::sys::sockio::{recv_all, recv_all_counted};
 
 /// Whether `[addr, addr+len)` lies entirely in mappings of this process. `msync(MS_ASYNC)`
 /// only walks the mappings (it neither reads nor writes the pages) and fails with ENOMEM when
 /// part of the range is not mapped. Protection is not checked: a PROT_NONE page is mapped.
 pub fn is_mapped(addr: u64, len: u64) -> bool {
-    const PAGE: u64 = 4096;
-    let start = addr & !(PAGE - 1);
-    let Some(end) = addr.checked_add(len) else { return false };
-    // SAFETY: MS_ASYNC neither reads nor writes memory; the call only checks the mappings
-    // covering the page-aligned range.
-    let rc = unsafe { libc::msync(start as *mut libc::c_void, (end - start) as usize, libc::MS_ASYNC) };
-    rc == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ENOMEM)
+    sys::is_mapped(addr, len)
 }
 
 /// Receives exactly `buf.len()` bytes.
 pub fn recv_exact(fd: RawFd, buf: &mut [u8]) -> io::Result<()> {
-    let mut v = [iov(buf.as_mut_ptr() as u64, buf.len() as u64)];
-    // SAFETY: the iovec covers `buf`, which is exclusively borrowed for the call.
-    unsafe { recv_all(fd, &mut v) }
+    sockio::recv_exact(fd, buf)
 }
 
 /// Waits until `fd` is readable (or writable, with `write`) or `deadline` passes (TimedOut).
@@ -107,18 +43,12 @@ pub fn wait_ready(fd: RawFd, write: bool, deadline: Instant) -> io::Result<()> {
             return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
         }
         let events = if write { libc::POLLOUT } else { libc::POLLIN };
-        let mut p = libc::pollfd { fd, events, revents: 0 };
         let ms = left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
-        // SAFETY: one valid pollfd.
-        let r = unsafe { libc::poll(&mut p, 1, ms) };
-        if r > 0 {
-            return Ok(());
-        }
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(e);
-            }
+        match sys::poll_one(fd, events, ms) {
+            Ok(0) => {}
+            Ok(_) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
         }
     }
 }
@@ -129,20 +59,15 @@ pub fn recv_exact_by(fd: RawFd, buf: &mut [u8], deadline: Instant) -> io::Result
     let mut got = 0;
     while got < buf.len() {
         wait_ready(fd, false, deadline)?;
-        // SAFETY: the pointer and length describe the unfilled rest of `buf`.
-        let r =
-            unsafe { libc::recv(fd, buf[got..].as_mut_ptr().cast(), buf.len() - got, libc::MSG_DONTWAIT) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock) {
-                continue;
-            }
-            return Err(e);
-        }
+        let r = match sockio::recv(fd, &mut buf[got..], libc::MSG_DONTWAIT) {
+            Ok(r) => r,
+            Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock) => continue,
+            Err(e) => return Err(e),
+        };
         if r == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the stream"));
         }
-        got += r as usize;
+        got += r;
     }
     Ok(())
 }
@@ -223,10 +148,7 @@ pub fn proto(e: wire::WireError) -> io::Error {
 
 /// Bytes in a socket's send queue (not yet sent or not yet acknowledged), or None.
 pub fn queued_bytes(fd: RawFd) -> Option<usize> {
-    let mut n: libc::c_int = 0;
-    // SAFETY: TIOCOUTQ (SIOCOUTQ) writes one c_int to the pointer, which is live.
-    let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut n as *mut libc::c_int) };
-    (r == 0).then_some(n as usize)
+    sockio::queued_bytes(fd)
 }
 
 /// Turns on TCP keepalive: after `idle_s` seconds without traffic the kernel probes every
@@ -239,27 +161,14 @@ pub fn keepalive(fd: RawFd, idle_s: i32, interval_s: i32, count: i32) -> io::Res
         (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, interval_s),
         (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, count),
     ] {
-        // SAFETY: `v` is a live c_int and the length matches it.
-        let r = unsafe {
-            libc::setsockopt(
-                fd,
-                level,
-                opt,
-                (&v as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if r != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        sockio::set_int_opt(fd, level, opt, v)?;
     }
     Ok(())
 }
 
 /// Shuts a socket down in both directions (wakes threads blocked on it).
 pub fn shutdown(fd: RawFd) {
-    // SAFETY: shutdown on a possibly closed fd only returns an error.
-    unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+    sockio::shutdown(fd);
 }
 
 /// Ends a TCP connection at once, like a close with SO_LINGER 0: whatever is still queued to
@@ -268,10 +177,7 @@ pub fn shutdown(fd: RawFd) {
 /// since); a plain shutdown would still send them before its FIN. Threads blocked on the
 /// socket wake with an error, as after [`shutdown`]; the descriptor stays open until dropped.
 pub fn abort(fd: RawFd) {
-    let unspec = libc::sockaddr { sa_family: libc::AF_UNSPEC as libc::sa_family_t, sa_data: [0; 14] };
-    // SAFETY: connect reads `unspec` for the given length; AF_UNSPEC disconnects a TCP socket
-    // (its send queue is purged and a reset sent); on a closed fd it only fails.
-    unsafe { libc::connect(fd, &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+    sockio::disconnect(fd);
     shutdown(fd);
 }
 
@@ -279,24 +185,14 @@ pub fn abort(fd: RawFd) {
 pub fn send_some(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
     let mut sent = 0;
     while sent < buf.len() {
-        // SAFETY: the pointer and length describe the unsent rest of `buf`.
-        let r = unsafe {
-            libc::send(
-                fd,
-                buf[sent..].as_ptr().cast(),
-                buf.len() - sent,
-                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-            )
-        };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            match e.kind() {
+        match sockio::send(fd, &buf[sent..], libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) {
+            Ok(r) => sent += r,
+            Err(e) => match e.kind() {
                 io::ErrorKind::Interrupted => continue,
                 io::ErrorKind::WouldBlock => break,
                 _ => return Err(e),
-            }
+            },
         }
-        sent += r as usize;
     }
     Ok(sent)
 }

@@ -58,20 +58,8 @@ impl Liveness {
 /// Bytes received from the peer and bytes of ours it acknowledged on one socket, from the
 /// kernel's TCP_INFO; None where the kernel does not say.
 pub fn tcp_progress(fd: std::os::fd::RawFd) -> Option<(u64, u64)> {
-    // SAFETY: tcp_info is plain data; all-zero is a valid value.
-    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    // SAFETY: `info` and `len` describe a writable buffer of the right size.
-    let r = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::IPPROTO_TCP,
-            libc::TCP_INFO,
-            (&mut info as *mut libc::tcp_info).cast(),
-            &mut len,
-        )
-    };
-    (r == 0).then_some((info.tcpi_bytes_received, info.tcpi_bytes_acked))
+    let info = crate::transport::sys::sockio::tcp_info(fd).ok()?;
+    Some((info.tcpi_bytes_received, info.tcpi_bytes_acked))
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@
 //! Nothing a peer claims (host name, addresses, pids) is trusted on its own.
 
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::transport::exec_rule::{self, uids_of};
+use crate::transport::sys::{self, pidfd, sockio};
 
 /// The first words of a request line (with the protocol version).
 const REQUEST: &str = "HIXL-LOCAL 3";
@@ -114,13 +115,12 @@ fn answer(conn: UnixStream, confirm: &Confirm) -> std::io::Result<()> {
     // one of our user, or root. Any other local user stays a TCP peer and cannot make us wait
     // for its confirmations.
     let uid = peer_cred(conn.as_raw_fd()).map(|c| c.uid).unwrap_or(u32::MAX);
-    // SAFETY: geteuid has no preconditions.
-    let may_access = uid == 0 || uid == unsafe { libc::geteuid() };
+    let may_access = uid == 0 || uid == sys::uids().1;
     let reply = match (words.as_slice(), fd) {
         _ if !may_access => format!("NO uid {uid} may not access this process's memory\n"),
         (["HIXL-LOCAL", "3", initiator, target], Some(fd)) => {
             // The requester must hold the initiator's end of the stream it names.
-            if socket_ends(fd.as_raw_fd()).is_some_and(|(l, p)| l == *initiator && p == *target) {
+            if socket_ends(fd.as_fd()).is_some_and(|(l, p)| l == *initiator && p == *target) {
                 drop(fd);
                 match confirm(initiator, target) {
                     Some((v, fd)) => format!("OK {v} {fd}\n"),
@@ -137,78 +137,23 @@ fn answer(conn: UnixStream, confirm: &Confirm) -> std::io::Result<()> {
 }
 
 /// The two ends (local, peer) of a TCP socket, as `addr_text`, or None.
-fn socket_ends(fd: RawFd) -> Option<(String, String)> {
-    // SAFETY: the descriptor is borrowed for these calls only; ManuallyDrop keeps it open.
-    let s = std::mem::ManuallyDrop::new(unsafe { std::net::TcpStream::from_raw_fd(fd) });
-    let (l, p) = (s.local_addr().ok()?, s.peer_addr().ok()?);
+fn socket_ends(fd: BorrowedFd<'_>) -> Option<(String, String)> {
+    let (l, p) = sockio::with_tcp_stream(fd, |s| Some((s.local_addr().ok()?, s.peer_addr().ok()?)))?;
     Some((crate::transport::server::addr_text(l), crate::transport::server::addr_text(p)))
 }
 
 /// Receives one request line (up to MAX_LINE bytes) and at most one attached descriptor.
 fn recv_with_fd(conn: &UnixStream) -> std::io::Result<(String, Option<OwnedFd>)> {
     let mut buf = [0u8; MAX_LINE];
-    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
-    // u64 storage keeps the control buffer aligned for cmsghdr.
-    let mut cbuf = [0u64; 8];
-    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr().cast();
-    msg.msg_controllen = std::mem::size_of_val(&cbuf);
-    // SAFETY: the msghdr points at live buffers of the stated sizes.
-    let n = unsafe { libc::recvmsg(conn.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let mut fd = None;
-    // SAFETY: CMSG_FIRSTHDR/NXTHDR walk the control buffer the kernel filled, within
-    // msg_controllen; an SCM_RIGHTS payload is an array of c_int descriptors now ours.
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&msg);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(c) as *const libc::c_int;
-                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / 4;
-                for i in 0..count {
-                    let owned = OwnedFd::from_raw_fd(data.add(i).read_unaligned());
-                    if fd.is_none() {
-                        fd = Some(owned); // extra descriptors are closed as they drop
-                    }
-                }
-            }
-            c = libc::CMSG_NXTHDR(&msg, c);
-        }
-    }
-    let line = String::from_utf8_lossy(&buf[..n as usize]).into_owned();
+    let (n, fd) = sockio::recv_with_fd(conn.as_raw_fd(), &mut buf)?;
+    let line = String::from_utf8_lossy(&buf[..n]).into_owned();
     Ok((line, fd))
 }
 
 /// Sends `line` with `fd` attached.
 fn send_with_fd(conn: &UnixStream, line: &str, fd: RawFd) -> std::io::Result<()> {
-    let mut iov = libc::iovec { iov_base: line.as_ptr() as *mut libc::c_void, iov_len: line.len() };
-    let mut cbuf = [0u64; 4];
-    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr().cast();
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    msg.msg_controllen = unsafe { libc::CMSG_SPACE(4) } as usize;
-    // SAFETY: the control buffer holds CMSG_SPACE(4) bytes (32 >= 24); we fill one cmsghdr with
-    // one descriptor, then send the iovec, which points at `line`.
-    let n = unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(4) as usize;
-        (libc::CMSG_DATA(c) as *mut libc::c_int).write_unaligned(fd);
-        libc::sendmsg(conn.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
-    };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    if n as usize != line.len() {
+    let n = sockio::send_with_fd(conn.as_raw_fd(), line.as_bytes(), fd)?;
+    if n != line.len() {
         return Err(std::io::Error::other("short send of the proof request"));
     }
     Ok(())
@@ -271,7 +216,7 @@ pub fn prove(
     // (the same as cross-memory attach), and shows that it, not a bystander, holds the stream.
     match get_fd(&pidfd, fd) {
         Ok(held) => {
-            let ends = socket_ends(held.as_raw_fd());
+            let ends = socket_ends(held.as_fd());
             drop(held);
             if ends.as_ref().is_none_or(|(l, p)| l != target || p != initiator) {
                 return Err(format!(
@@ -296,29 +241,12 @@ pub fn prove(
 fn connect_by(name: &str, deadline: Instant) -> std::result::Result<UnixStream, String> {
     let addr = UnixAddr::from_abstract_name(name.as_bytes()).map_err(|e| format!("bad socket name: {e}"))?;
     loop {
-        // SAFETY: socket() with constant arguments returns a new descriptor or -1.
-        let fd = unsafe {
-            libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0)
-        };
-        if fd < 0 {
-            return Err(format!("socket: {}", std::io::Error::last_os_error()));
-        }
-        // SAFETY: a fresh descriptor that we now own.
-        let s = unsafe { UnixStream::from_raw_fd(fd) };
-        let mut sa: libc::sockaddr_un = unsafe_zeroed_sockaddr();
-        sa.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        let s = UnixStream::from(sockio::unix_stream_socket().map_err(|e| format!("socket: {e}"))?);
         let bytes = addr.as_abstract_name().unwrap_or_default();
-        for (i, b) in bytes.iter().enumerate().take(sa.sun_path.len() - 1) {
-            sa.sun_path[i + 1] = *b as libc::c_char;
-        }
-        let len = (std::mem::size_of::<libc::sa_family_t>() + 1 + bytes.len()) as libc::socklen_t;
-        // SAFETY: `sa` is a valid sockaddr_un and `len` covers the family and the name.
-        let r = unsafe { libc::connect(fd, (&sa as *const libc::sockaddr_un).cast(), len) };
-        if r == 0 {
+        let Err(e) = sockio::connect_abstract(s.as_raw_fd(), bytes) else {
             s.set_nonblocking(false).map_err(|e| e.to_string())?;
             return Ok(s);
-        }
-        let e = std::io::Error::last_os_error();
+        };
         if e.raw_os_error() != Some(libc::EAGAIN) || Instant::now() >= deadline {
             return Err(format!("no same-host proof socket {name:?} here ({e}): another host or namespace"));
         }
@@ -326,63 +254,24 @@ fn connect_by(name: &str, deadline: Instant) -> std::result::Result<UnixStream, 
     }
 }
 
-fn unsafe_zeroed_sockaddr() -> libc::sockaddr_un {
-    // SAFETY: sockaddr_un is plain data; all-zero is valid.
-    unsafe { std::mem::zeroed() }
-}
-
 /// A pidfd for the process behind a connected Unix socket, and the uid it had when it created
 /// the socket. SO_PEERPIDFD names that very process (never a reused pid); older kernels fall
 /// back to SO_PEERCRED's pid.
 /// The credentials the kernel recorded for the other end of a Unix socket.
 fn peer_cred(fd: RawFd) -> std::io::Result<libc::ucred> {
-    // SAFETY: ucred is plain data; all-zero is valid.
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: SO_PEERCRED writes one ucred into the live `cred`; `len` holds its size.
-    let r = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(cred)
+    sockio::peer_cred(fd)
 }
 
 fn peer_process(fd: RawFd) -> std::result::Result<(OwnedFd, u32), String> {
     let cred = peer_cred(fd).map_err(|e| format!("SO_PEERCRED: {e}"))?;
-    let mut pidfd: libc::c_int = -1;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: SO_PEERPIDFD writes one descriptor number into the live `pidfd`.
-    let r = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            SO_PEERPIDFD,
-            (&mut pidfd as *mut libc::c_int).cast(),
-            &mut len,
-        )
-    };
-    if r == 0 && pidfd >= 0 {
-        // SAFETY: the kernel gave us a new descriptor.
-        return Ok((unsafe { OwnedFd::from_raw_fd(pidfd) }, cred.uid));
+    if let Ok(pidfd) = sockio::peer_pidfd(fd, SO_PEERPIDFD) {
+        return Ok((pidfd, cred.uid));
     }
     if cred.pid <= 0 {
         return Err("the peer's pid is not visible from this pid namespace".into());
     }
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, cred.pid, 0) } as RawFd;
-    if fd < 0 {
-        return Err(format!("pidfd_open({}): {}", cred.pid, std::io::Error::last_os_error()));
-    }
-    // SAFETY: a non-negative return is a fresh descriptor that we now own.
-    Ok((unsafe { OwnedFd::from_raw_fd(fd) }, cred.uid))
+    let fd = pidfd::open(cred.pid).map_err(|e| format!("pidfd_open({}): {e}", cred.pid))?;
+    Ok((fd, cred.uid))
 }
 
 /// The pid a pidfd names (from /proc/self/fdinfo), or why not (it exited).
@@ -457,21 +346,12 @@ fn proc_addr(field: &str) -> Option<std::net::SocketAddr> {
 
 /// Takes descriptor `fd` of the process behind `pidfd`.
 pub fn get_fd(pidfd: &OwnedFd, fd: RawFd) -> std::io::Result<OwnedFd> {
-    // SAFETY: pidfd_getfd takes a pidfd, a descriptor number in that process and flags, and
-    // returns a new descriptor or -1.
-    let raw = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) } as RawFd;
-    if raw < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a non-negative return is a fresh descriptor that we now own.
-    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+    pidfd::get_fd(pidfd, fd)
 }
 
 /// Whether the process behind `pidfd` has exited.
 pub fn exited(pidfd: &OwnedFd) -> bool {
-    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-    // SAFETY: one valid pollfd and a zero timeout.
-    unsafe { libc::poll(&mut p, 1, 0) > 0 }
+    pidfd::exited(pidfd)
 }
 
 #[cfg(test)]
@@ -483,7 +363,7 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (a, _) = l.accept().unwrap();
-        let (local, remote) = socket_ends(a.as_raw_fd()).unwrap();
+        let (local, remote) = socket_ends(a.as_fd()).unwrap();
         let me = std::process::id() as i32;
         assert_eq!(holds_stream_by_inode(me, a.as_raw_fd(), &local, &remote), Ok(()));
         let e = holds_stream_by_inode(me, c.as_raw_fd(), &local, &remote).unwrap_err();

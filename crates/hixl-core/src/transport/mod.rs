@@ -26,6 +26,7 @@ pub mod server;
 pub mod shared_mem;
 pub mod shm;
 pub(crate) mod source_caps;
+pub(crate) mod sys;
 pub mod tcp;
 
 use std::sync::Arc;

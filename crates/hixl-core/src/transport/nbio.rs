@@ -8,6 +8,8 @@ use std::io;
 use std::os::fd::RawFd;
 
 use crate::transport::io::IOV_MAX;
+use crate::transport::sys::mem::RawIov;
+use crate::transport::sys::sockio;
 use crate::wire::StridedRanges;
 
 /// What one step of non-blocking I/O achieved.
@@ -46,22 +48,16 @@ pub(crate) fn prepare(sock: &std::net::TcpStream) -> io::Result<()> {
 /// the socket has nothing now; EOF is an error.
 fn recv_some(fd: RawFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
     loop {
-        // SAFETY: the pointer and length describe `buf`.
-        let r = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            if would_block(&e) {
-                return Ok(None);
-            }
-            return Err(e);
-        }
+        let r = match sockio::recv(fd, buf, libc::MSG_DONTWAIT) {
+            Ok(r) => r,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) if would_block(&e) => return Ok(None),
+            Err(e) => return Err(e),
+        };
         if r == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the stream"));
         }
-        return Ok(Some(r as usize));
+        return Ok(Some(r));
     }
 }
 
@@ -83,13 +79,18 @@ pub(crate) use reader::FrameReader;
 /// A list of iovecs to move, with its position, and the buffers some of them point into
 /// (frame headers, MACs), which it owns so that they live as long as it does.
 ///
+/// Raw memory enters a job only through [`IoJob::push_raw`] and [`IoJob::push_strided`],
+/// `unsafe fn`s whose callers vouch for it (the pins the job then holds); from then on its
+/// iovecs are [`RawIov`]s, and sending and receiving them ([`IoJob::send`], [`IoJob::recv`],
+/// the hot path) are safe calls.
+///
 /// Strided ranges are never expanded into iovecs all at once (a peer names the count): they
 /// wait in `later`, in order with what was pushed after them, and [`IoJob::refill`] takes
 /// iovecs from them into the window as the window drains, at most [`IOV_MAX`] at a time.
 #[derive(Default)]
 pub(crate) struct IoJob {
     /// The window: what the next system call moves, from `start` on.
-    iovs: Vec<libc::iovec>,
+    iovs: Vec<RawIov>,
     start: usize,
     /// What follows the window, walked into it lazily.
     later: VecDeque<Later>,
@@ -104,33 +105,39 @@ pub(crate) struct IoJob {
 
 /// A piece of a job behind its window.
 enum Later {
-    Iov(libc::iovec),
+    Iov(RawIov),
+    /// Ranges vouched for by the caller of [`IoJob::push_strided`].
     Strided(StridedRanges),
 }
-
-// SAFETY: the iovecs point into the job's own buffers or into registered memory that the
-// job's owner keeps pinned; the job is moved between threads, never shared.
-unsafe impl Send for IoJob {}
 
 impl IoJob {
     /// Adds an owned buffer (sent as is).
     pub(crate) fn push_owned(&mut self, b: Vec<u8>) {
         if !b.is_empty() {
-            self.push_iov(libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() });
+            // SAFETY: the job keeps `b` (its heap buffer never moves) until it is dropped.
+            self.push_iov(unsafe { RawIov::new(b.as_ptr() as u64, b.len() as u64) });
             self.keep.push(b);
         }
     }
 
-    /// Adds `len` bytes at `addr` (memory the owner keeps valid until the job ends).
-    pub(crate) fn push_raw(&mut self, addr: u64, len: u64) {
+    /// Adds `len` bytes at `addr`.
+    ///
+    /// # Safety
+    /// As for [`RawIov::new`], until the job is dropped: the memory must stay valid (readable
+    /// for a job that sends, writable for one that receives) while the job lives, usually by
+    /// a pin the job or its owner holds.
+    pub(crate) unsafe fn push_raw(&mut self, addr: u64, len: u64) {
         if len > 0 {
-            self.push_iov(libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len as usize });
+            // SAFETY: the caller's contract.
+            self.push_iov(unsafe { RawIov::new(addr, len) });
         }
     }
 
-    /// Adds the ranges of a strided range (memory the owner keeps valid until the job ends),
-    /// walked into iovecs only as the job gets to them.
-    pub(crate) fn push_strided(&mut self, ranges: StridedRanges) {
+    /// Adds the ranges of a strided range, walked into iovecs only as the job gets to them.
+    ///
+    /// # Safety
+    /// As for [`IoJob::push_raw`], for every range of `ranges`.
+    pub(crate) unsafe fn push_strided(&mut self, ranges: StridedRanges) {
         let bytes: u64 = match ranges.clone().next() {
             Some((_, len)) => len.saturating_mul(ranges.remaining()),
             None => return,
@@ -139,8 +146,8 @@ impl IoJob {
         self.later.push_back(Later::Strided(ranges));
     }
 
-    fn push_iov(&mut self, v: libc::iovec) {
-        self.total += v.iov_len as u64;
+    fn push_iov(&mut self, v: RawIov) {
+        self.total += v.len() as u64;
         if self.later.is_empty() {
             self.iovs.push(v);
         } else {
@@ -166,7 +173,7 @@ impl IoJob {
     /// Tops the window up from what waits behind it (when fewer than half of [`IOV_MAX`]
     /// iovecs are left in it), so that it holds at most [`IOV_MAX`] iovecs of strided ranges;
     /// returns what is left of it.
-    pub(crate) fn refill(&mut self) -> &[libc::iovec] {
+    pub(crate) fn refill(&mut self) -> &[RawIov] {
         if !self.later.is_empty() && self.iovs.len() - self.start < IOV_MAX / 2 {
             self.iovs.drain(..self.start);
             self.start = 0;
@@ -179,7 +186,8 @@ impl IoJob {
                     }
                     Later::Strided(r) => {
                         let room = IOV_MAX - self.iovs.len();
-                        self.iovs.extend(r.by_ref().take(room).map(|(a, n)| crate::transport::io::iov(a, n)));
+                        // SAFETY: the caller of `push_strided` vouched for every range.
+                        self.iovs.extend(r.by_ref().take(room).map(|(a, n)| unsafe { RawIov::new(a, n) }));
                         if r.remaining() == 0 {
                             self.later.pop_front();
                         }
@@ -200,13 +208,11 @@ impl IoJob {
         self.moved += n as u64;
         while n > 0 {
             let v = &mut self.iovs[self.start];
-            if n >= v.iov_len {
-                n -= v.iov_len;
+            if n >= v.len() {
+                n -= v.len();
                 self.start += 1;
             } else {
-                // SAFETY: n < iov_len: the new base stays inside the same buffer.
-                v.iov_base = unsafe { (v.iov_base as *mut u8).add(n) }.cast();
-                v.iov_len -= n;
+                v.skip(n);
                 n = 0;
             }
         }
@@ -215,119 +221,88 @@ impl IoJob {
     /// The mid-job wait: one blocking `sendmsg` (or `recvmsg` with `MSG_WAITALL`) of at most
     /// `budget` bytes, which the socket's timeout ([`MID_JOB_WAIT`]) bounds. False when
     /// nothing moved within it (the worker then gives the stream back to epoll).
-    ///
-    /// # Safety
-    /// As for [`IoJob::send`] (`write`) or [`IoJob::recv`].
-    unsafe fn wait_and_move(&mut self, fd: RawFd, budget: &mut u64, write: bool) -> io::Result<bool> {
+    fn wait_and_move(&mut self, fd: RawFd, budget: &mut u64, write: bool) -> io::Result<bool> {
         let mut capped = Vec::new();
         let mut room = *budget;
         for v in self.refill().iter().take(IOV_MAX) {
             if room == 0 {
                 break;
             }
-            let len = (v.iov_len as u64).min(room);
-            capped.push(libc::iovec { iov_base: v.iov_base, iov_len: len as usize });
+            let len = (v.len() as u64).min(room);
+            capped.push(v.prefix(len as usize));
             room -= len;
         }
-        // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = capped.as_mut_ptr();
-        msg.msg_iovlen = capped.len();
-        // SAFETY: the iovecs are a prefix of the job's, which describe readable (sending) or
-        // writable (receiving) memory by the caller's contract.
-        let r = unsafe {
-            if write {
-                libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL)
-            } else {
-                libc::recvmsg(fd, &mut msg, libc::MSG_WAITALL)
-            }
+        let r = if write {
+            sockio::send_iovs(fd, &capped, libc::MSG_NOSIGNAL)
+        } else {
+            sockio::recv_iovs(fd, &capped, libc::MSG_WAITALL)
         };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            return match e.kind() {
-                io::ErrorKind::Interrupted => Ok(true),
-                _ if would_block(&e) => Ok(false),
-                _ => Err(e),
-            };
-        }
+        let r = match r {
+            Ok(r) => r,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(true),
+            Err(e) if would_block(&e) => return Ok(false),
+            Err(e) => return Err(e),
+        };
         if r == 0 && !write {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the stream"));
         }
         *budget = budget.saturating_sub(r as u64);
-        self.advance(r as usize);
+        self.advance(r);
         Ok(r > 0)
     }
 
     /// Sends what the socket takes now, at most about `budget` bytes.
-    ///
-    /// # Safety
-    /// Every raw iovec must describe readable memory that stays valid during the call.
-    pub(crate) unsafe fn send(&mut self, fd: RawFd, budget: &mut u64) -> io::Result<Step> {
+    pub(crate) fn send(&mut self, fd: RawFd, budget: &mut u64) -> io::Result<Step> {
         while !self.refill().is_empty() {
             if *budget == 0 {
                 return Ok(Step::WouldBlock);
             }
-            // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-            msg.msg_iov = self.iovs[self.start..].as_mut_ptr();
-            msg.msg_iovlen = (self.iovs.len() - self.start).min(IOV_MAX);
-            // SAFETY: the iovecs describe readable memory (the caller's contract).
-            let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
-            if r < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                if would_block(&e) {
-                    // SAFETY: the caller's contract.
-                    if self.moved > 0 && unsafe { self.wait_and_move(fd, budget, true) }? {
+            let end = self.iovs.len().min(self.start + IOV_MAX);
+            let r = match sockio::send_iovs(
+                fd,
+                &self.iovs[self.start..end],
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            ) {
+                Ok(r) => r,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if would_block(&e) => {
+                    if self.moved > 0 && self.wait_and_move(fd, budget, true)? {
                         continue;
                     }
                     return Ok(Step::WouldBlock);
                 }
-                return Err(e);
-            }
+                Err(e) => return Err(e),
+            };
             *budget = budget.saturating_sub(r as u64);
-            self.advance(r as usize);
+            self.advance(r);
         }
         Ok(Step::Done)
     }
 
     /// Receives into the iovecs what has arrived, at most about `budget` bytes; EOF is an
     /// error. After an error, `moved` says how many bytes of the stream were consumed.
-    ///
-    /// # Safety
-    /// Every raw iovec must describe writable memory that stays valid during the call.
-    pub(crate) unsafe fn recv(&mut self, fd: RawFd, budget: &mut u64) -> io::Result<Step> {
+    pub(crate) fn recv(&mut self, fd: RawFd, budget: &mut u64) -> io::Result<Step> {
         while !self.refill().is_empty() {
             if *budget == 0 {
                 return Ok(Step::WouldBlock);
             }
-            // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-            msg.msg_iov = self.iovs[self.start..].as_mut_ptr();
-            msg.msg_iovlen = (self.iovs.len() - self.start).min(IOV_MAX);
-            // SAFETY: the iovecs describe writable memory (the caller's contract).
-            let r = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
-            if r < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                if would_block(&e) {
-                    // SAFETY: the caller's contract.
-                    if self.moved > 0 && unsafe { self.wait_and_move(fd, budget, false) }? {
+            let end = self.iovs.len().min(self.start + IOV_MAX);
+            let r = match sockio::recv_iovs(fd, &self.iovs[self.start..end], libc::MSG_DONTWAIT) {
+                Ok(r) => r,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if would_block(&e) => {
+                    if self.moved > 0 && self.wait_and_move(fd, budget, false)? {
                         continue;
                     }
                     return Ok(Step::WouldBlock);
                 }
-                return Err(e);
-            }
+                Err(e) => return Err(e),
+            };
             if r == 0 {
                 return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the stream"));
             }
             *budget = budget.saturating_sub(r as u64);
-            self.advance(r as usize);
+            self.advance(r);
         }
         Ok(Step::Done)
     }
@@ -383,14 +358,10 @@ impl Outbox {
 
     /// Sends queued jobs until the socket is full, the budget is spent or nothing is left
     /// (then `Done`).
-    ///
-    /// # Safety
-    /// As for [`IoJob::send`], for every queued job.
-    pub(crate) unsafe fn flush(&mut self, fd: RawFd, budget: &mut u64) -> io::Result<Step> {
+    pub(crate) fn flush(&mut self, fd: RawFd, budget: &mut u64) -> io::Result<Step> {
         while let Some(j) = self.jobs.front_mut() {
             let before = j.left();
-            // SAFETY: the caller's contract.
-            let step = unsafe { j.send(fd, budget) }?;
+            let step = j.send(fd, budget)?;
             self.bytes -= before - j.left();
             if step == Step::WouldBlock {
                 return Ok(Step::WouldBlock);

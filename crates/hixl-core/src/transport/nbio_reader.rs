@@ -8,6 +8,7 @@ use super::{discard, fill, recv_some, IoJob, Step};
 use crate::auth::{FrameMac, MAC_LEN};
 use crate::transport::io::{proto, Received, PAYLOAD_START};
 use crate::transport::reactor::Interest;
+use crate::transport::sys::mem::RawIov;
 use crate::wire::{self, Header, HEADER_LEN};
 
 /// How many bytes a stream's reader asks the socket for when it looks for the next frame. A
@@ -33,46 +34,10 @@ pub(super) fn zero_source() -> Option<RawFd> {
 
 /// How many bytes at the start of `dst` the kernel could write, found by reading
 /// `/dev/zero` into them (which zeroes them): all of them, or up to the first byte of memory
-/// that is unmapped or may not be written (EFAULT). A read cut short by a signal (the kernel
-/// zeroes page by page and stops early when one is pending) goes on where it stopped. Looks
-/// at the first [`COPY_IOVS`] iovecs of `dst` only.
-///
-/// # Safety
-/// `dst` must describe memory the caller may overwrite; the kernel checks that it is mapped
-/// and writable, and never faults the process.
-pub(super) unsafe fn writable_prefix(zero: RawFd, dst: &[libc::iovec]) -> usize {
-    let mut slots = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; COPY_IOVS];
-    let n = dst.len().min(COPY_IOVS);
-    slots[..n].copy_from_slice(&dst[..n]);
-    let (mut first, mut done) = (0, 0);
-    while first < n {
-        let rest = &slots[first..n];
-        // SAFETY: `rest` describes (what is left of) `dst`, writable by the caller's contract.
-        let r = unsafe { libc::readv(zero, rest.as_ptr(), rest.len() as libc::c_int) };
-        if r < 0 {
-            if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            break; // EFAULT: the memory from here on refuses writes
-        }
-        if r == 0 {
-            break;
-        }
-        let mut k = r as usize;
-        done += k;
-        // Skip what was written; a cut iovec starts where the read stopped.
-        while first < n && k >= slots[first].iov_len {
-            k -= slots[first].iov_len;
-            first += 1;
-        }
-        if first < n {
-            let v = &mut slots[first];
-            // SAFETY: k < iov_len, so the new base stays inside the same range.
-            v.iov_base = unsafe { (v.iov_base as *mut u8).add(k) }.cast();
-            v.iov_len -= k;
-        }
-    }
-    done
+/// that is unmapped or may not be written (EFAULT). Looks at the first [`COPY_IOVS`] iovecs
+/// of `dst` only (see `sys::mem::writable_prefix`).
+pub(super) fn writable_prefix(zero: RawFd, dst: &[RawIov]) -> usize {
+    crate::transport::sys::mem::writable_prefix::<COPY_IOVS>(zero, dst)
 }
 
 /// Assembles one frame at a time: header, payload and (on a sealed stream) MAC, checked
@@ -193,19 +158,10 @@ impl FrameReader {
 
     /// Moves the bytes read ahead into `job`, then receives the rest of it from the socket
     /// as [`IoJob::recv`] does.
-    ///
-    /// # Safety
-    /// As for [`IoJob::recv`].
-    pub(crate) unsafe fn recv_job(
-        &mut self,
-        fd: RawFd,
-        job: &mut IoJob,
-        budget: &mut u64,
-    ) -> io::Result<Step> {
+    pub(crate) fn recv_job(&mut self, fd: RawFd, job: &mut IoJob, budget: &mut u64) -> io::Result<Step> {
         let took = self.has_buffered();
         while self.has_buffered() && !job.is_done() {
-            // SAFETY: the caller's contract.
-            let k = unsafe { self.copy_into(job) }?;
+            let k = self.copy_into(job)?;
             *budget = budget.saturating_sub(k as u64);
         }
         if job.is_done() {
@@ -214,8 +170,7 @@ impl FrameReader {
         if self.drained && !took {
             return Ok(Step::WouldBlock);
         }
-        // SAFETY: the caller's contract.
-        unsafe { job.recv(fd, budget) }
+        job.recv(fd, budget)
     }
 
     /// Copies bytes read ahead into the job's next iovecs. Registered memory that its owner
@@ -226,38 +181,32 @@ impl FrameReader {
     /// owner that unmaps the memory between the two, while a transfer into it is under way,
     /// is not caught. Returns how many bytes moved; EFAULT (with those that did moved) when
     /// the memory refused them.
-    ///
-    /// # Safety
-    /// As for [`IoJob::recv`].
-    unsafe fn copy_into(&mut self, job: &mut IoJob) -> io::Result<usize> {
+    fn copy_into(&mut self, job: &mut IoJob) -> io::Result<usize> {
         let Some(zero) = zero_source() else {
             return Err(io::Error::other("bytes were read ahead without a way to check their memory"));
         };
         // At most COPY_IOVS iovecs per call (the caller calls again for the rest): no
         // allocation on the path of every small WRITE.
         let mut want = self.hi - self.lo;
-        let mut slots = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; COPY_IOVS];
+        let mut slots = [RawIov::EMPTY; COPY_IOVS];
         let mut used = 0;
         for v in job.refill().iter().take(COPY_IOVS) {
             if want == 0 {
                 break;
             }
-            let len = v.iov_len.min(want);
-            slots[used] = libc::iovec { iov_base: v.iov_base, iov_len: len };
+            let len = v.len().min(want);
+            slots[used] = v.prefix(len);
             used += 1;
             want -= len;
         }
         let dst = &slots[..used];
-        let k: usize = dst.iter().map(|v| v.iov_len).sum();
-        // SAFETY: `dst` describes the job's memory, writable by the caller's contract.
-        let ok = unsafe { writable_prefix(zero, dst) }; // copy those, then fail if short
+        let k: usize = dst.iter().map(|v| v.len()).sum();
+        let ok = writable_prefix(zero, dst); // copy those, then fail if short
         let mut from = self.lo;
         let mut left = ok;
         for v in dst {
-            let n = v.iov_len.min(left);
-            // SAFETY: the kernel just wrote these `n` bytes of the job's memory; the source is
-            // our buffer, which cannot overlap it.
-            unsafe { std::ptr::copy_nonoverlapping(self.ahead[from..].as_ptr(), v.iov_base.cast::<u8>(), n) };
+            // The kernel just wrote these bytes of the job's memory.
+            let n = v.prefix(left).copy_from(&self.ahead[from..from + v.len().min(left)]);
             from += n;
             left -= n;
         }

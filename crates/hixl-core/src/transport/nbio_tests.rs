@@ -2,6 +2,7 @@
 use super::reader::{writable_prefix, zero_source, READ_AHEAD};
 use super::*;
 use crate::auth::FrameMac;
+use crate::transport::sys::mem::RawIov;
 use crate::wire;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -29,20 +30,20 @@ fn frames_arrive_across_many_reads_and_jobs_resume() {
     let src: Vec<u8> = (0..4 << 20).map(|i| (i % 251) as u8).collect();
     let mut out = Outbox::default();
     let mut job = IoJob::default();
-    job.push_raw(src.as_ptr() as u64, src.len() as u64);
+    // SAFETY: the buffer outlives the job.
+    unsafe { job.push_raw(src.as_ptr() as u64, src.len() as u64) };
     out.push(job);
     let mut dst = vec![0u8; src.len()];
     let mut rj = IoJob::default();
-    rj.push_raw(dst.as_mut_ptr() as u64, dst.len() as u64);
+    // SAFETY: the buffer outlives the job.
+    unsafe { rj.push_raw(dst.as_mut_ptr() as u64, dst.len() as u64) };
     let (mut steps, mut sent_done, mut recv_done) = (0, false, false);
     while !(sent_done && recv_done) {
         steps += 1;
         let mut budget = 1 << 20;
-        // SAFETY: `src` and `dst` outlive the jobs.
-        sent_done = sent_done || unsafe { out.flush(b.as_raw_fd(), &mut budget) }.unwrap() == Step::Done;
+        sent_done = sent_done || out.flush(b.as_raw_fd(), &mut budget).unwrap() == Step::Done;
         let mut budget = 1 << 20;
-        // SAFETY: as above.
-        recv_done = recv_done || unsafe { rj.recv(a.as_raw_fd(), &mut budget) }.unwrap() == Step::Done;
+        recv_done = recv_done || rj.recv(a.as_raw_fd(), &mut budget).unwrap() == Step::Done;
     }
     assert!(steps > 2, "the buffer is bigger than the socket's");
     assert_eq!(out.bytes, 0);
@@ -68,11 +69,12 @@ fn bytes_read_ahead_go_to_whoever_reads_next() {
     assert!(r.has_buffered(), "one read took the bulk after the first frame too");
     let mut dst = vec![0u8; bulk.len()];
     let mut job = IoJob::default();
-    job.push_raw(dst.as_mut_ptr() as u64, 1000);
-    job.push_raw(dst.as_mut_ptr() as u64 + 1000, 4000);
+    // SAFETY: the buffer outlives the job.
+    unsafe { job.push_raw(dst.as_mut_ptr() as u64, 1000) };
+    // SAFETY: the buffer outlives the job.
+    unsafe { job.push_raw(dst.as_mut_ptr() as u64 + 1000, 4000) };
     let mut budget = u64::MAX;
-    // SAFETY: `dst` outlives the job.
-    assert_eq!(unsafe { r.recv_job(fd, &mut job, &mut budget) }.unwrap(), Step::Done);
+    assert_eq!(r.recv_job(fd, &mut job, &mut budget).unwrap(), Step::Done);
     assert!(dst == bulk);
     assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 2);
     let (mut left, mut budget) = (300, u64::MAX);
@@ -95,9 +97,9 @@ fn bytes_read_ahead_go_to_whoever_reads_next() {
     assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 5);
     let mut dst = vec![0u8; big.len()];
     let mut job = IoJob::default();
-    job.push_raw(dst.as_mut_ptr() as u64, dst.len() as u64);
-    // SAFETY: `dst` outlives the job.
-    assert_eq!(unsafe { r.recv_job(fd, &mut job, &mut budget) }.unwrap(), Step::Done);
+    // SAFETY: the buffer outlives the job.
+    unsafe { job.push_raw(dst.as_mut_ptr() as u64, dst.len() as u64) };
+    assert_eq!(r.recv_job(fd, &mut job, &mut budget).unwrap(), Step::Done);
     assert!(dst == big);
     // Many small iovecs (more than one copy call takes), as a strided WRITE has.
     let small: Vec<u8> = (0..3000).map(|i| (i % 239) as u8).collect();
@@ -108,9 +110,9 @@ fn bytes_read_ahead_go_to_whoever_reads_next() {
     assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 6);
     let mut dst = vec![0u8; 2 * small.len()];
     let mut job = IoJob::default();
-    (0..60).for_each(|i| job.push_raw(dst.as_mut_ptr() as u64 + i * 100, 50));
-    // SAFETY: `dst` outlives the job.
-    assert_eq!(unsafe { r.recv_job(fd, &mut job, &mut budget) }.unwrap(), Step::Done);
+    // SAFETY: the buffer outlives the job.
+    unsafe { (0..60).for_each(|i| job.push_raw(dst.as_mut_ptr() as u64 + i * 100, 50)) };
+    assert_eq!(r.recv_job(fd, &mut job, &mut budget).unwrap(), Step::Done);
     let got: Vec<u8> = dst.chunks(100).flat_map(|c| c[..50].to_vec()).collect();
     assert!(got == small && dst.chunks(100).all(|c| c[50..].iter().all(|&x| x == 0)));
     // EOF is an error, also when the reader looks through its buffer first.
@@ -144,10 +146,10 @@ fn bytes_read_ahead_into_memory_that_refuses_them_fail_with_efault() {
     r.begin_run();
     assert_eq!(r.poll(fd, &mut mac).unwrap().unwrap().header.tag, 1);
     let mut job = IoJob::default();
-    job.push_raw(page as u64, 100);
+    // SAFETY: the buffer outlives the job.
+    unsafe { job.push_raw(page as u64, 100) };
     let mut budget = u64::MAX;
-    // SAFETY: the kernel checks the page; the test expects it to refuse the bytes.
-    let err = unsafe { r.recv_job(fd, &mut job, &mut budget) }.unwrap_err();
+    let err = r.recv_job(fd, &mut job, &mut budget).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EFAULT));
     assert_eq!(job.moved, 0);
     // The refused bytes are still there to be skipped; the stream goes on.
@@ -198,12 +200,10 @@ fn the_writable_prefix_stops_at_memory_that_refuses_writes() {
     // SAFETY: the first page is ours and writable.
     unsafe { std::ptr::write_bytes(page.cast::<u8>(), 7, 4096) };
     let zero = zero_source().expect("/dev/zero");
-    let dst = [
-        libc::iovec { iov_base: page.cast::<u8>().wrapping_add(100).cast(), iov_len: 1000 },
-        libc::iovec { iov_base: page.cast::<u8>().wrapping_add(3000).cast(), iov_len: 2000 },
-    ];
-    // SAFETY: the kernel checks the ranges; the test expects it to stop at the second page.
-    assert_eq!(unsafe { writable_prefix(zero, &dst) }, 1000 + 1096);
+    // SAFETY: the kernel checks the ranges (both in the mapping above, which outlives them);
+    // the test expects it to stop at the second page.
+    let dst = unsafe { [RawIov::new(page as u64 + 100, 1000), RawIov::new(page as u64 + 3000, 2000)] };
+    assert_eq!(writable_prefix(zero, &dst), 1000 + 1096);
     // SAFETY: the first page is readable.
     let first = unsafe { std::slice::from_raw_parts(page.cast::<u8>(), 4096) };
     assert!(first[100..1100].iter().all(|&x| x == 0) && first[..100].iter().all(|&x| x == 7));
@@ -223,24 +223,27 @@ fn a_strided_job_walks_its_ranges_lazily_with_a_bounded_window() {
     let src: Vec<u8> = (0..count * stride).map(|i| (i % 251) as u8).collect();
     let mut job = IoJob::default();
     job.push_owned(b"head".to_vec());
-    job.push_strided(StridedRanges::new(src.as_ptr() as u64, count, size, stride).unwrap());
-    job.push_raw(src.as_ptr() as u64, 5);
+    // SAFETY: the buffer outlives the job.
+    unsafe { job.push_strided(StridedRanges::new(src.as_ptr() as u64, count, size, stride).unwrap()) };
+    // SAFETY: the buffer outlives the job.
+    unsafe { job.push_raw(src.as_ptr() as u64, 5) };
     assert_eq!(job.left(), 4 + count * size + 5);
     assert_eq!(job.in_hand(), 1, "nothing of the strided range is expanded when it is pushed");
     let mut dst = vec![0u8; (count * stride) as usize];
     let mut head_tail = [0u8; 9];
     let mut rj = IoJob::default();
-    rj.push_raw(head_tail.as_mut_ptr() as u64, 4);
-    rj.push_strided(StridedRanges::new(dst.as_mut_ptr() as u64, count, size, stride).unwrap());
-    rj.push_raw(head_tail.as_mut_ptr() as u64 + 4, 5);
+    // SAFETY: the buffer outlives the job.
+    unsafe { rj.push_raw(head_tail.as_mut_ptr() as u64, 4) };
+    // SAFETY: the buffer outlives the job.
+    unsafe { rj.push_strided(StridedRanges::new(dst.as_mut_ptr() as u64, count, size, stride).unwrap()) };
+    // SAFETY: the buffer outlives the job.
+    unsafe { rj.push_raw(head_tail.as_mut_ptr() as u64 + 4, 5) };
     let (mut sent, mut got) = (false, false);
     while !(sent && got) {
         let mut budget = 4096;
-        // SAFETY: `src`, `dst` and `head_tail` outlive the jobs.
-        sent = sent || unsafe { job.send(b.as_raw_fd(), &mut budget) }.unwrap() == Step::Done;
+        sent = sent || job.send(b.as_raw_fd(), &mut budget).unwrap() == Step::Done;
         let mut budget = 4096;
-        // SAFETY: as above.
-        got = got || unsafe { rj.recv(a.as_raw_fd(), &mut budget) }.unwrap() == Step::Done;
+        got = got || rj.recv(a.as_raw_fd(), &mut budget).unwrap() == Step::Done;
         assert!(job.in_hand() <= IOV_MAX + 1 && rj.in_hand() <= IOV_MAX + 1, "bounded window");
     }
     assert_eq!((job.left(), rj.left()), (0, 0));
@@ -253,7 +256,8 @@ fn a_strided_job_walks_its_ranges_lazily_with_a_bounded_window() {
     }
     // Touching elements are one iovec, however many there are.
     let mut one = IoJob::default();
-    one.push_strided(StridedRanges::new(src.as_ptr() as u64, src.len() as u64, 1, 1).unwrap());
+    // SAFETY: the buffer outlives the job.
+    unsafe { one.push_strided(StridedRanges::new(src.as_ptr() as u64, src.len() as u64, 1, 1).unwrap()) };
     assert_eq!((one.refill().len(), one.left()), (1, src.len() as u64));
 }
 

@@ -57,12 +57,19 @@ impl OwnedRanges {
     }
 
     /// Adds the ranges to `job` (a strided descriptor stays lazy there too).
-    pub(crate) fn push_into(&self, job: &mut IoJob) {
-        match self {
-            OwnedRanges::List(segs) => segs.iter().for_each(|s| job.push_raw(s.addr, s.len)),
-            OwnedRanges::Strided(st) => {
-                if let Some(r) = st.ranges() {
-                    job.push_strided(r)
+    ///
+    /// # Safety
+    /// As for [`IoJob::push_raw`]: the ranges must lie in registered regions that stay pinned
+    /// while the job lives.
+    pub(crate) unsafe fn push_into(&self, job: &mut IoJob) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match self {
+                OwnedRanges::List(segs) => segs.iter().for_each(|s| job.push_raw(s.addr, s.len)),
+                OwnedRanges::Strided(st) => {
+                    if let Some(r) = st.ranges() {
+                        job.push_strided(r)
+                    }
                 }
             }
         }
@@ -75,7 +82,11 @@ impl OwnedRanges {
     pub(crate) unsafe fn hash(&self, h: &mut blake3::Hasher) {
         self.for_each(|addr, len| {
             // SAFETY: the caller guarantees the range is pinned, registered memory.
-            h.update(unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) });
+            unsafe {
+                crate::transport::sys::mem::with_bytes(addr, len, |b| {
+                    h.update(b);
+                })
+            };
         });
     }
 }

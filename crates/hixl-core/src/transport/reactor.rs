@@ -19,7 +19,7 @@
 //! middle of a transfer's bytes does a job wait for its socket, at most 100 ms (see `nbio`).
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
 use std::thread::JoinHandle;
@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::transport::pool::CopyPool;
+use crate::transport::sys;
 
 /// What a source waits for next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -252,10 +253,8 @@ impl Reactor {
             source,
         });
         self.entries.write().unwrap().insert(token, entry);
-        let mut ev = libc::epoll_event { events: mask(interest), u64: token };
         let epfd = self.shards[shard].set(second);
-        // SAFETY: `fd` is open (the caller's contract); `ev` is a valid event.
-        if unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut ev) } != 0 {
+        if sys::epoll::add(epfd, fd, mask(interest), token).is_err() {
             self.entries.write().unwrap().remove(&token);
             return Err(os_error("epoll_ctl(add)"));
         }
@@ -265,16 +264,9 @@ impl Reactor {
     /// Removes a source: it is not run again once a run under way returns.
     pub(crate) fn remove(&self, token: u64) {
         if let Some(e) = self.entries.write().unwrap().remove(&token) {
-            // SAFETY: the entry holds the source, which keeps `fd` open; deleting an fd that
-            // is not registered only fails.
-            unsafe {
-                libc::epoll_ctl(
-                    self.shards[e.shard].set(e.second),
-                    libc::EPOLL_CTL_DEL,
-                    e.fd,
-                    std::ptr::null_mut(),
-                )
-            };
+            // The entry holds the source, which keeps `fd` open; deleting an fd that is not
+            // registered only fails.
+            let _ = sys::epoll::delete(self.shards[e.shard].set(e.second), e.fd);
         }
     }
 
@@ -359,10 +351,9 @@ impl Reactor {
         if e.armed.swap(armed_code(interest), Ordering::AcqRel) == armed_code(interest) {
             return;
         }
-        let mut ev = libc::epoll_event { events: mask(interest), u64: token };
-        // SAFETY: `e` holds the source, which keeps the fd open; MOD of an fd removed
-        // meanwhile fails with ENOENT, which is fine.
-        unsafe { libc::epoll_ctl(self.shards[e.shard].set(e.second), libc::EPOLL_CTL_MOD, e.fd, &mut ev) };
+        // `e` holds the source, which keeps the fd open; MOD of an fd removed meanwhile fails
+        // with ENOENT, which is fine.
+        let _ = sys::epoll::modify(self.shards[e.shard].set(e.second), e.fd, mask(interest), token);
     }
 
     /// Runs the source on the calling thread over and over: after each run, `more` (given
@@ -393,10 +384,8 @@ impl Reactor {
                 continue;
             }
             let events = libc::POLLIN | libc::POLLRDHUP;
-            let mut p = libc::pollfd { fd: e.fd, events, revents: 0 };
             let ms = wait.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
-            // SAFETY: one valid pollfd; the entry keeps the fd open.
-            unsafe { libc::poll(&mut p, 1, ms) };
+            let _ = sys::poll_one(e.fd, events, ms); // the entry keeps the fd open
         }
     }
 
@@ -415,11 +404,9 @@ impl Reactor {
         while !self.stopping.load(Ordering::Acquire) {
             let spin = active_until.is_some_and(|t| Instant::now() < t);
             let timeout = if spin { 0 } else { -1 };
-            // SAFETY: `evs` has room for 64 events.
-            let n = unsafe { libc::epoll_wait(me.epfd.as_raw_fd(), evs.as_mut_ptr(), 64, timeout) };
-            if n < 0 {
+            let Ok(n) = sys::epoll::wait(&me.epfd, &mut evs, timeout) else {
                 continue; // EINTR
-            }
+            };
             if n == 0 {
                 std::thread::yield_now();
                 continue;
@@ -427,12 +414,10 @@ impl Reactor {
             if !self.busy_poll.is_zero() {
                 active_until = Some(Instant::now() + self.busy_poll);
             }
-            for ev in &evs[..n as usize] {
+            for ev in &evs[..n] {
                 let (token, events) = (ev.u64, ev.events);
                 if token == WAKE {
-                    let mut v: u64 = 0;
-                    // SAFETY: reads 8 bytes into a live u64.
-                    unsafe { libc::read(me.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+                    sys::eventfd::take(&me.wake);
                     if self.stopping.load(Ordering::Acquire) {
                         return;
                     }
@@ -449,9 +434,8 @@ impl Reactor {
                     }
                 } else if token == SECOND {
                     // Level-triggered: more than 64 ready come back at the next pass.
-                    // SAFETY: `second` has room for 64 events; timeout 0 never blocks.
-                    let m = unsafe { libc::epoll_wait(me.second.as_raw_fd(), second.as_mut_ptr(), 64, 0) };
-                    for ev in &second[..m.max(0) as usize] {
+                    let m = sys::epoll::wait(&me.second, &mut second, 0).unwrap_or(0);
+                    for ev in &second[..m] {
                         self.dispatch(ev.u64, ev.events);
                     }
                 } else {

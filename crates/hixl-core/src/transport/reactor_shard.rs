@@ -1,12 +1,13 @@
 //! One I/O worker's epoll sets, its wake-up eventfd and its queue of scheduled sources (see
 //! `reactor`).
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use crossbeam_queue::SegQueue;
 
 use super::os_error;
 use crate::error::Result;
+use crate::transport::sys::{epoll, eventfd};
 
 /// The token of the workers' wake-up eventfd.
 pub(super) const WAKE: u64 = 0;
@@ -29,38 +30,13 @@ pub(super) struct Shard {
 impl Shard {
     /// Its two epoll sets and wake-up eventfd.
     pub(super) fn new() -> Result<Shard> {
-        // SAFETY: plain system calls; the descriptors they return are owned below.
-        let epfd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if epfd < 0 {
-            return Err(os_error("epoll_create1"));
-        }
-        // SAFETY: `epfd` is a new descriptor nobody else owns.
-        let epfd = unsafe { OwnedFd::from_raw_fd(epfd) };
-        // SAFETY: as above.
-        let wake = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if wake < 0 {
-            return Err(os_error("eventfd"));
-        }
-        // SAFETY: `wake` is a new descriptor nobody else owns.
-        let wake = unsafe { OwnedFd::from_raw_fd(wake) };
-        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: WAKE };
-        // SAFETY: both descriptors are open; `ev` is a valid event.
-        if unsafe { libc::epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, wake.as_raw_fd(), &mut ev) } != 0 {
-            return Err(os_error("epoll_ctl(eventfd)"));
-        }
-        // SAFETY: a plain system call; the descriptor it returns is owned below.
-        let second = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if second < 0 {
-            return Err(os_error("epoll_create1"));
-        }
-        // SAFETY: `second` is a new descriptor nobody else owns.
-        let second = unsafe { OwnedFd::from_raw_fd(second) };
-        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: SECOND };
-        // SAFETY: both descriptors are open; `ev` is a valid event.
-        if unsafe { libc::epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, second.as_raw_fd(), &mut ev) } != 0
-        {
-            return Err(os_error("epoll_ctl(second set)"));
-        }
+        let epfd = epoll::create().map_err(|_| os_error("epoll_create1"))?;
+        let wake = eventfd::create().map_err(|_| os_error("eventfd"))?;
+        epoll::add(epfd.as_raw_fd(), wake.as_raw_fd(), libc::EPOLLIN as u32, WAKE)
+            .map_err(|_| os_error("epoll_ctl(eventfd)"))?;
+        let second = epoll::create().map_err(|_| os_error("epoll_create1"))?;
+        epoll::add(epfd.as_raw_fd(), second.as_raw_fd(), libc::EPOLLIN as u32, SECOND)
+            .map_err(|_| os_error("epoll_ctl(second set)"))?;
         Ok(Shard { epfd, second, wake, scheduled: SegQueue::new() })
     }
 
@@ -80,8 +56,6 @@ impl Shard {
     }
 
     pub(super) fn ring(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to our eventfd.
-        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        eventfd::add(&self.wake, 1);
     }
 }

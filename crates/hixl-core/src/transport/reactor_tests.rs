@@ -1,6 +1,7 @@
 //! Unit tests of the reactor: sources never run concurrently, EOF removes them, the timer ticks.
 use super::*;
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 
 struct Echo {

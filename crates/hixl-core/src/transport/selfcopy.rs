@@ -113,7 +113,7 @@ impl SelfLink {
             // SAFETY: the local range lies in a region pinned by the request; the remote range
             // was checked against the target engine's registry and its region is pinned in
             // `pins` until the copy ends. `copy` (memmove) tolerates overlap.
-            unsafe { std::ptr::copy(from as *const u8, to as *mut u8, s.len as usize) };
+            unsafe { crate::transport::sys::mem::copy(to, from, s.len) };
         }
         Ok(())
     }

@@ -179,9 +179,7 @@ fn flush(srv: &Server, s: &Served) -> std::io::Result<Step> {
     let mut tx = s.send.lock().unwrap();
     tx.queue_update(s, &srv.ctx);
     let mut budget = u64::MAX;
-    // SAFETY: queued jobs point into their own buffers or into registered memory pinned by
-    // the pins they hold.
-    let step = unsafe { tx.out.flush(s.sock.as_raw_fd(), &mut budget) }?;
+    let step = tx.out.flush(s.sock.as_raw_fd(), &mut budget)?;
     if step == Step::Done {
         tx.flushed(s);
     }
@@ -268,9 +266,7 @@ fn read_frames(srv: &Server, s: &Arc<Served>, rx: &mut ServedRx) -> std::io::Res
                 }
             }
             RxState::Bulk(mut w) => {
-                // SAFETY: every range was checked to lie inside a registered region, and those
-                // regions stay pinned (cannot be deregistered and freed) until `w.pins` drops.
-                let got = unsafe { rx.frames.recv_job(fd, &mut w.job, &mut budget) };
+                let got = rx.frames.recv_job(fd, &mut w.job, &mut budget);
                 match got {
                     Ok(Step::WouldBlock) => {
                         rx.state = RxState::Bulk(w);
@@ -300,7 +296,9 @@ fn read_frames(srv: &Server, s: &Arc<Served>, rx: &mut ServedRx) -> std::io::Res
                         return Ok(Interest::Read);
                     }
                     let mut h = h;
-                    // SAFETY: as above: checked and pinned.
+                    // SAFETY: every range was checked to lie inside a registered region, and
+                    // those regions stay pinned (cannot be deregistered and freed) until
+                    // `w.pins` drops.
                     unsafe { w.ranges.hash(&mut h) };
                     if !auth::constant_eq(&auth::data_mac(&h), &w.mac) {
                         let message = "the written bytes do not match their data MAC (altered on the way); \
@@ -455,7 +453,9 @@ fn start_write(
         }
         Ok(pins) => {
             let mut job = IoJob::default();
-            ranges.push_into(&mut job);
+            // SAFETY: every range was checked to lie inside a registered region, and those
+            // regions stay pinned until the pins, kept with the job, drop.
+            unsafe { ranges.push_into(&mut job) };
             RxState::Bulk(Box::new(WriteBulk {
                 tag: h.tag,
                 bulk: h.bulk_len,
@@ -517,7 +517,9 @@ fn serve_read(srv: &Server, s: &Arc<Served>, h: &Header, ranges: OwnedRanges) ->
         let seq = tx.mac.seal(&mut head);
         let mut job = IoJob::default();
         job.push_owned(head);
-        ranges.push_into(&mut job);
+        // SAFETY: the ranges lie in registered regions pinned by `pins`, which the job holds
+        // (below) until it ends.
+        unsafe { ranges.push_into(&mut job) };
         if let Some(mut hasher) = tx.mac.data_hasher(seq) {
             // SAFETY: the ranges lie in registered regions pinned by `pins`.
             unsafe { ranges.hash(&mut hasher) };

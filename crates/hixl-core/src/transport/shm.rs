@@ -21,9 +21,11 @@ use crate::error::{Error, Result, Status};
 use crate::queue::{Part, PartBody, Request, SegPair, TransferOp, TransferStatus, WaitHelp, WorkQueue};
 use crate::registry::{new_holder_id, Abort, RemoteTable};
 use crate::stats::PeerStats;
-use crate::transport::io::{iov, IOV_MAX};
+use crate::transport::io::IOV_MAX;
 use crate::transport::local::{exited, get_fd, Proven};
 use crate::transport::pool::{CopyPool, Task};
+use crate::transport::sys;
+use crate::transport::sys::memfd::{self, Mapping};
 use crate::transport::tcp::TcpLink;
 use crate::transport::DataPath;
 use crate::wire::RegionEntry;
@@ -48,19 +50,11 @@ const BATCH_BYTES: u64 = 4 << 20;
 /// This machine's identity: kernel boot id and host name. Equal strings mean the same kernel.
 pub fn host_id() -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    // SAFETY: utsname is plain data; uname fills it and NUL-terminates its fields.
-    let mut uts: libc::utsname = unsafe { std::mem::zeroed() };
-    // SAFETY: `uts` is a valid, writable utsname.
-    let node = if unsafe { libc::uname(&mut uts) } == 0 {
-        // SAFETY: nodename is NUL-terminated by the kernel.
-        unsafe { std::ffi::CStr::from_ptr(uts.nodename.as_ptr()) }.to_string_lossy().into_owned()
-    } else {
-        String::new()
-    };
+    let node = crate::transport::sys::nodename();
     format!("{}/{}", boot.trim(), node)
 }
 
-fn cma_error(pid: i32, e: std::io::Error) -> Error {
+pub(crate) fn cma_error(pid: i32, e: std::io::Error) -> Error {
     match e.raw_os_error() {
         Some(libc::EFAULT) => Error::param(format!("a range is not accessible in pid {pid} (EFAULT): {e}")),
         Some(libc::ESRCH) => Error::not_connected(format!("peer process {pid} is gone (ESRCH)")),
@@ -74,69 +68,14 @@ fn cma_error(pid: i32, e: std::io::Error) -> Error {
     }
 }
 
-/// Copies every segment with process_vm_writev (WRITE) or process_vm_readv (READ), at most
-/// IOV_MAX segments per call, resuming after short counts.
-///
-/// # Safety
-/// Local segments must lie in memory of this process that stays valid during the call.
-pub unsafe fn cma(pid: i32, op: TransferOp, segs: &[SegPair]) -> Result<()> {
-    let (mut i, mut off) = (0usize, 0u64);
-    let mut local = Vec::with_capacity(segs.len().min(IOV_MAX));
-    let mut remote = Vec::with_capacity(segs.len().min(IOV_MAX));
-    while i < segs.len() {
-        local.clear();
-        remote.clear();
-        for (k, s) in segs[i..segs.len().min(i + IOV_MAX)].iter().enumerate() {
-            let o = if k == 0 { off } else { 0 };
-            local.push(iov(s.local + o, s.len - o));
-            remote.push(iov(s.remote + o, s.len - o));
-        }
-        let n = local.len() as libc::c_ulong;
-        // SAFETY: local iovecs lie in registered, pinned memory (caller's contract); remote
-        // ones were checked against the peer's table and are validated by the kernel.
-        let r = unsafe {
-            match op {
-                TransferOp::Write => libc::process_vm_writev(pid, local.as_ptr(), n, remote.as_ptr(), n, 0),
-                TransferOp::Read => libc::process_vm_readv(pid, local.as_ptr(), n, remote.as_ptr(), n, 0),
-            }
-        };
-        if r < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(cma_error(pid, e));
-        }
-        if r == 0 {
-            return Err(Error::failed(format!("cross-memory attach to pid {pid} made no progress")));
-        }
-        let mut left = r as u64;
-        while left > 0 {
-            let rest = segs[i].len - off;
-            if left >= rest {
-                left -= rest;
-                i += 1;
-                off = 0;
-            } else {
-                off += left;
-                left = 0;
-            }
-        }
-    }
-    Ok(())
-}
+pub use crate::transport::sys::vm::cma;
 
 /// A peer's engine-allocated region mapped into this process.
 pub(crate) struct PeerMapping {
     pub(crate) base: u64,
     pub(crate) len: u64,
-}
-
-impl Drop for PeerMapping {
-    fn drop(&mut self) {
-        // SAFETY: exactly the mapping made in `map_peer_region`, unmapped once (last Arc).
-        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len as usize) };
-    }
+    /// Unmapped when the last `Arc` drops.
+    _map: Mapping,
 }
 
 /// The owner's memfd descriptor of a region it allocated: the `shm` backend's registration key.
@@ -149,13 +88,11 @@ pub(crate) fn memfd_key(e: &RegionEntry) -> Option<i32> {
 /// (`pidfd_getfd`: the very object it holds, never a path reopened), and mapped only when it is
 /// a memfd sealed against shrinking and growing, at least as long as the region.
 pub(crate) fn map_peer_region(pidfd: &OwnedFd, e: &RegionEntry, fd: i32) -> std::io::Result<PeerMapping> {
-    use std::os::fd::AsRawFd;
     let f = std::fs::File::from(get_fd(pidfd, fd)?);
-    // SAFETY: F_GET_SEALS takes no argument; it fails (EINVAL) on anything but a memfd/shmem file.
-    let seals = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GET_SEALS) };
-    if seals < 0 {
+    // Fails (EINVAL) on anything but a memfd/shmem file.
+    let Ok(seals) = memfd::seals(&f) else {
         return Err(std::io::Error::other(format!("descriptor {} of the peer is not a memfd", fd)));
-    }
+    };
     if seals & REQUIRED_SEALS != REQUIRED_SEALS {
         return Err(std::io::Error::other(format!(
             "the peer's memfd {} is not sealed against shrinking and growing",
@@ -165,21 +102,8 @@ pub(crate) fn map_peer_region(pidfd: &OwnedFd, e: &RegionEntry, fd: i32) -> std:
     if f.metadata()?.len() < e.len {
         return Err(std::io::Error::other(format!("the peer's memfd {} is smaller than the region", fd)));
     }
-    // SAFETY: a new shared mapping of a file we opened; no existing memory is affected.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            e.len as usize,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            f.as_raw_fd(),
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(PeerMapping { base: p as u64, len: e.len })
+    let map = Mapping::shared(&f, e.len)?;
+    Ok(PeerMapping { base: map.addr(), len: map.len(), _map: map })
 }
 
 /// A same-host link: data by CMA (or by memcpy through a mapping, for the peer's
@@ -363,17 +287,15 @@ impl ShmLink {
 
     fn copy_direct(&self, op: TransferOp, segs: &[SegPair], maps: &[(Arc<PeerMapping>, u64)]) {
         for (s, (m, base)) in segs.iter().zip(maps) {
-            let remote = (m.base + (s.remote - base)) as *mut u8;
-            let local = s.local as *mut u8;
+            let remote = m.base + (s.remote - base);
+            let (dst, src) = match op {
+                TransferOp::Write => (remote, s.local),
+                TransferOp::Read => (s.local, remote),
+            };
             // SAFETY: the remote range lies inside the peer region (checked against the table
             // under its read guard) and so inside the mapping; the local range lies in a region
             // pinned by the request. `copy` (memmove) tolerates the odd case of both naming one memfd.
-            unsafe {
-                match op {
-                    TransferOp::Write => std::ptr::copy(local, remote, s.len as usize),
-                    TransferOp::Read => std::ptr::copy(remote, local, s.len as usize),
-                }
-            }
+            unsafe { sys::mem::copy(dst, src, s.len) };
         }
     }
 

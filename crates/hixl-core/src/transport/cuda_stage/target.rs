@@ -176,7 +176,9 @@ pub(crate) fn start_write(
     check_size(bulk)?;
     let lease = Lease::take(device(&pins), bulk, lender)?;
     let mut job = IoJob::default();
-    job.push_raw(lease.addr(), bulk);
+    // SAFETY: the job points into the lease's buffer, which holds `bulk` bytes and lives as
+    // long as the StagedWrite that holds both.
+    unsafe { job.push_raw(lease.addr(), bulk) };
     Ok(StagedWrite { tag, bulk, _pins: pins, lease, job, ranges, hasher, mac: [0; MAC_LEN], mac_got: 0 })
 }
 
@@ -189,9 +191,7 @@ impl StagedWrite {
         frames: &mut FrameReader,
         budget: &mut u64,
     ) -> std::io::Result<Step> {
-        // SAFETY: the job points into the lease's buffer, which holds `bulk` bytes and lives
-        // as long as this value.
-        if unsafe { frames.recv_job(fd, &mut self.job, budget) }? == Step::WouldBlock {
+        if frames.recv_job(fd, &mut self.job, budget)? == Step::WouldBlock {
             return Ok(Step::WouldBlock);
         }
         if self.hasher.is_some() {

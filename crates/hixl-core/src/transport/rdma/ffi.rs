@@ -221,7 +221,7 @@ impl Verbs for LibVerbs {
         Ok(Ctx(c as u64))
     }
 
-    fn close_device(&self, ctx: Ctx) {
+    unsafe fn close_device(&self, ctx: Ctx) {
         // SAFETY: a context we opened, closed once.
         unsafe { (self.f.close_device)(ptr(ctx.0)) };
     }
@@ -290,7 +290,7 @@ impl Verbs for LibVerbs {
         Ok(Pd(p as u64))
     }
 
-    fn dealloc_pd(&self, pd: Pd) {
+    unsafe fn dealloc_pd(&self, pd: Pd) {
         // SAFETY: a PD we allocated, freed once.
         unsafe { (self.f.dealloc_pd)(ptr(pd.0)) };
     }
@@ -328,7 +328,7 @@ impl Verbs for LibVerbs {
         unsafe { self.dmabuf_mr(pd, offset, len, iova, fd, acc) }
     }
 
-    fn dereg_mr(&self, mr: Mr) -> Result<()> {
+    unsafe fn dereg_mr(&self, mr: Mr) -> Result<()> {
         // SAFETY: an MR we registered, deregistered once.
         let rc = unsafe { (self.f.dereg_mr)(ptr(mr.0)) };
         if rc != 0 {
@@ -348,7 +348,7 @@ impl Verbs for LibVerbs {
         Ok((Channel(c as u64), fd))
     }
 
-    fn destroy_comp_channel(&self, ch: Channel) {
+    unsafe fn destroy_comp_channel(&self, ch: Channel) {
         // SAFETY: a channel we created, destroyed once (after its CQ).
         unsafe { (self.f.destroy_comp_channel)(ptr(ch.0)) };
     }
@@ -363,7 +363,7 @@ impl Verbs for LibVerbs {
         Ok(Cq(c as u64))
     }
 
-    fn destroy_cq(&self, cq: Cq) {
+    unsafe fn destroy_cq(&self, cq: Cq) {
         // SAFETY: a CQ we created, destroyed once (after its QPs).
         unsafe { (self.f.destroy_cq)(ptr(cq.0)) };
     }
@@ -509,7 +509,7 @@ impl Verbs for LibVerbs {
         }
     }
 
-    fn destroy_qp(&self, qp: Qp) {
+    unsafe fn destroy_qp(&self, qp: Qp) {
         // SAFETY: a QP we created, destroyed once.
         unsafe { (self.f.destroy_qp)(ptr(qp.0)) };
     }

@@ -531,7 +531,8 @@ fn describe_with(p: Provider) -> String {
                             Ok(a) => format!("port 1 state {}", a.state),
                             Err(e) => e.message,
                         };
-                        verbs.close_device(ctx);
+                        // SAFETY: the context opened above for this report only, closed once.
+                        unsafe { verbs.close_device(ctx) };
                         s
                     }
                     Err(e) => e.message,

@@ -74,15 +74,19 @@ impl Nic {
         let (ch, ch_fd) = match verbs.create_comp_channel(ctx) {
             Ok(x) => x,
             Err(e) => {
-                verbs.dealloc_pd(pd);
+                // SAFETY: the PD allocated just above, released once; nothing uses it yet.
+                unsafe { verbs.dealloc_pd(pd) };
                 return Err(e);
             }
         };
         let cq = match verbs.create_cq(ctx, limits.cq_depth, Some(ch)) {
             Ok(cq) => cq,
             Err(e) => {
-                verbs.destroy_comp_channel(ch);
-                verbs.dealloc_pd(pd);
+                // SAFETY: the channel and PD made just above, released once; nothing uses them.
+                unsafe {
+                    verbs.destroy_comp_channel(ch);
+                    verbs.dealloc_pd(pd);
+                }
                 return Err(e);
             }
         };
@@ -147,7 +151,9 @@ impl Nic {
     pub(super) fn deregister(&self, addr: u64, rkey: u32) {
         let m = self.mrs.write().unwrap().remove(&(addr, rkey));
         if let Some(m) = m {
-            if let Err(e) = self.verbs.dereg_mr(m.mr) {
+            // SAFETY: `m` was just taken out of the table, so this MR is deregistered once and
+            // no later lookup (`lkey`) can hand it out.
+            if let Err(e) = unsafe { self.verbs.dereg_mr(m.mr) } {
                 tracing::warn!(addr = %format_args!("0x{addr:x}"), "ibv_dereg_mr failed: {e}");
             }
         }
@@ -166,8 +172,13 @@ impl Nic {
     }
 
     /// Destroys a QP; an initiator's gives its send-queue slots back.
+    ///
+    /// Crate-internal and safe on purpose: its callers pass the `qp` of a `QpCreated` that this
+    /// `Nic` made and drop it after (every call site destroys a QP once, when the lane, the
+    /// target entry or the half-built setup that owned it goes away).
     pub(super) fn destroy_qp(&self, qp: super::verbs::Qp, initiator: bool) {
-        self.verbs.destroy_qp(qp);
+        // SAFETY: see above: a QP of this NIC, destroyed once by its one owner.
+        unsafe { self.verbs.destroy_qp(qp) };
         if initiator {
             self.sq_slots.fetch_sub(self.limits.sq_depth as usize, Ordering::AcqRel);
         }
@@ -191,12 +202,17 @@ impl Drop for Nic {
     /// order the verbs require.
     fn drop(&mut self) {
         let mrs = std::mem::take(&mut *self.mrs.write().unwrap());
-        for (_, m) in mrs {
-            let _ = self.verbs.dereg_mr(m.mr);
+        // SAFETY: the Nic owns these handles (made in `setup`, never handed out) and this is
+        // its last use of them; every QP is gone (links and target QPs hold the Nic), so
+        // nothing depends on the CQ or the PD, released in the order the verbs require.
+        unsafe {
+            for (_, m) in mrs {
+                let _ = self.verbs.dereg_mr(m.mr);
+            }
+            self.verbs.destroy_cq(self.cq);
+            self.verbs.destroy_comp_channel(self.ch);
+            self.verbs.dealloc_pd(self.pd);
+            self.verbs.close_device(self.ctx);
         }
-        self.verbs.destroy_cq(self.cq);
-        self.verbs.destroy_comp_channel(self.ch);
-        self.verbs.dealloc_pd(self.pd);
-        self.verbs.close_device(self.ctx);
     }
 }

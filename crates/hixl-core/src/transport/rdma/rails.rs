@@ -5,7 +5,7 @@
 
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError, Weak};
 use std::time::{Duration, Instant};
@@ -16,6 +16,7 @@ use super::verbs::{Verbs, Wc};
 use crate::error::{Error, Result};
 use crate::options::rdma::{Devices, RdmaOptions, MAX_RAILS};
 use crate::registry::Access;
+use crate::transport::sys::eventfd;
 
 /// How long the poller sleeps on the channels before it looks again (it is woken at once by a
 /// completion event or by `stop`; this only bounds a missed wake-up).
@@ -59,7 +60,9 @@ pub(super) struct Rails {
 /// Opens `name` and sets it up as rail `rail`; Err says why it cannot be one.
 fn open_one(verbs: &Arc<dyn Verbs>, name: &str, o: &RdmaOptions, rail: u8) -> Result<Arc<Nic>> {
     let ctx = verbs.open_device(name)?;
-    Nic::setup(verbs, name, ctx, o, rail).inspect_err(|_| verbs.close_device(ctx))
+    // SAFETY: on failure `setup` released what it made on `ctx` and kept nothing of it; the
+    // context opened just above is closed once.
+    Nic::setup(verbs, name, ctx, o, rail).inspect_err(|_| unsafe { verbs.close_device(ctx) })
 }
 
 impl Rails {
@@ -108,19 +111,14 @@ impl Rails {
                 }
             }
         }
-        // SAFETY: eventfd with constant flags returns a new descriptor or -1.
-        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if wake < 0 {
-            return Err(Error::failed(format!("eventfd: {}", std::io::Error::last_os_error())));
-        }
+        let wake = eventfd::create().map_err(|e| Error::failed(format!("eventfd: {e}")))?;
         Ok(Arc::new(Rails {
             nics,
             links: Mutex::new(HashMap::new()),
             next_link: AtomicU32::new(1),
             drain: Mutex::new(()),
             stop: AtomicBool::new(false),
-            // SAFETY: a fresh descriptor we own from here on.
-            wake: unsafe { OwnedFd::from_raw_fd(wake) },
+            wake,
             poller: Mutex::new(None),
         }))
     }
@@ -309,11 +307,7 @@ impl Rails {
                 .map(|n| libc::pollfd { fd: n.ch_fd, events: libc::POLLIN, revents: 0 })
                 .collect();
             fds.push(libc::pollfd { fd: self.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-            // SAFETY: `fds.len()` valid pollfds and a bounded timeout.
-            let r = unsafe {
-                libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, IDLE_WAIT.as_millis() as i32)
-            };
-            if r <= 0 {
+            if !matches!(crate::transport::sys::poll(&mut fds, IDLE_WAIT.as_millis() as i32), Ok(1..)) {
                 continue;
             }
             for (i, nic) in self.nics.iter().enumerate() {
@@ -354,9 +348,7 @@ impl Rails {
     /// holder (a link, a target's QPs) lets go of them.
     pub(super) fn stop_poller(&self) {
         self.stop.store(true, Ordering::Release);
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live buffer to our eventfd.
-        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
+        eventfd::add(&self.wake, 1);
         let h = self.poller.lock().unwrap().take();
         if let Some(h) = h {
             if h.thread().id() != std::thread::current().id() {

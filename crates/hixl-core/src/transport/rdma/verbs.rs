@@ -265,7 +265,12 @@ pub trait Verbs: Send + Sync {
     /// `ibv_open_device` (of the device with that name).
     fn open_device(&self, name: &str) -> Result<Ctx>;
     /// `ibv_close_device`.
-    fn close_device(&self, ctx: Ctx);
+    ///
+    /// # Safety
+    /// `ctx` must come from this provider, be live (not released yet), have nothing left
+    /// that depends on it, and never be used again after the call: the handle is a
+    /// plain number, and releasing a forged or stale one frees what another owner still uses.
+    unsafe fn close_device(&self, ctx: Ctx);
     /// `ibv_query_device`: the device's limits.
     fn query_device(&self, ctx: Ctx) -> Result<DeviceAttr>;
     /// `ibv_query_port`.
@@ -275,7 +280,12 @@ pub trait Verbs: Send + Sync {
     /// `ibv_alloc_pd`.
     fn alloc_pd(&self, ctx: Ctx) -> Result<Pd>;
     /// `ibv_dealloc_pd`.
-    fn dealloc_pd(&self, pd: Pd);
+    ///
+    /// # Safety
+    /// `pd` must come from this provider, be live (not released yet), have nothing left
+    /// that depends on it (MRs, QPs), and never be used again after the call: the handle is a
+    /// plain number, and releasing a forged or stale one frees what another owner still uses.
+    unsafe fn dealloc_pd(&self, pd: Pd);
     /// `ibv_reg_mr`: returns the region and its (lkey, rkey).
     ///
     /// # Safety
@@ -312,16 +322,31 @@ pub trait Verbs: Send + Sync {
         ))
     }
     /// `ibv_dereg_mr`: returns once no operation uses the region any more.
-    fn dereg_mr(&self, mr: Mr) -> Result<()>;
+    ///
+    /// # Safety
+    /// `mr` must come from this provider, be live (not released yet), have nothing left
+    /// that depends on it, and never be used again after the call: the handle is a
+    /// plain number, and releasing a forged or stale one frees what another owner still uses.
+    unsafe fn dereg_mr(&self, mr: Mr) -> Result<()>;
     /// `ibv_create_comp_channel`: the channel and its file descriptor (readable when an event
     /// is due; the caller may poll it).
     fn create_comp_channel(&self, ctx: Ctx) -> Result<(Channel, std::os::fd::RawFd)>;
     /// `ibv_destroy_comp_channel`.
-    fn destroy_comp_channel(&self, ch: Channel);
+    ///
+    /// # Safety
+    /// `ch` must come from this provider, be live (not released yet), have nothing left
+    /// that depends on it (CQs), and never be used again after the call: the handle is a
+    /// plain number, and releasing a forged or stale one frees what another owner still uses.
+    unsafe fn destroy_comp_channel(&self, ch: Channel);
     /// `ibv_create_cq` with at least `cqe` entries, its events going to `ch`.
     fn create_cq(&self, ctx: Ctx, cqe: u32, ch: Option<Channel>) -> Result<Cq>;
     /// `ibv_destroy_cq`.
-    fn destroy_cq(&self, cq: Cq);
+    ///
+    /// # Safety
+    /// `cq` must come from this provider, be live (not released yet), have nothing left
+    /// that depends on it (QPs), and never be used again after the call: the handle is a
+    /// plain number, and releasing a forged or stale one frees what another owner still uses.
+    unsafe fn destroy_cq(&self, cq: Cq);
     /// `ibv_req_notify_cq`: the next completion on `cq` sends one event to its channel.
     fn req_notify_cq(&self, cq: Cq) -> Result<()>;
     /// `ibv_get_cq_event` (call when the channel's fd is readable; it blocks otherwise) followed
@@ -334,7 +359,12 @@ pub trait Verbs: Send + Sync {
     /// `ibv_modify_qp` through one step of the RC state machine.
     fn modify_qp(&self, qp: Qp, t: &QpTransition) -> Result<()>;
     /// `ibv_destroy_qp`.
-    fn destroy_qp(&self, qp: Qp);
+    ///
+    /// # Safety
+    /// `qp` must come from this provider, be live (not released yet), have nothing left
+    /// that depends on it, and never be used again after the call: the handle is a
+    /// plain number, and releasing a forged or stale one frees what another owner still uses.
+    unsafe fn destroy_qp(&self, qp: Qp);
     /// `ibv_post_send` of a chained list (one doorbell).
     ///
     /// # Safety

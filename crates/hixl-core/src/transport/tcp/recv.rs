@@ -131,10 +131,15 @@ impl TcpLink {
                     return Err(err);
                 }
                 let mut job = IoJob::default();
-                match &p.part.body {
-                    PartBody::Data(segs) => segs.iter().for_each(|x| job.push_raw(x.local, x.len)),
-                    PartBody::Strided(st) => job.push_strided(st.local_ranges()),
-                    PartBody::Notify(_) => {}
+                // SAFETY: the local segments lie in regions pinned by the request until it
+                // completes, and it completes only after this job ends (or the link is shut,
+                // which takes this stream's receive lock first).
+                unsafe {
+                    match &p.part.body {
+                        PartBody::Data(segs) => segs.iter().for_each(|x| job.push_raw(x.local, x.len)),
+                        PartBody::Strided(st) => job.push_strided(st.local_ranges()),
+                        PartBody::Notify(_) => {}
+                    }
                 }
                 let hasher = rx.mac.data_hasher(seq);
                 rx.bulk = Some(RxBulk { part: p.part, job, hasher, tag: [0u8; MAC_LEN], tag_got: 0 });
@@ -175,10 +180,7 @@ impl TcpLink {
     fn recv_bulk(&self, fd: i32, rx: &mut Rx, budget: &mut u64) -> std::io::Result<Step> {
         let Rx { bulk, frames, .. } = rx;
         let b = bulk.as_mut().expect("a bulk under way");
-        // SAFETY: the local segments lie in regions pinned by the request until it completes,
-        // and it completes only after this job ends (or the link is shut, which takes this
-        // stream's receive lock first).
-        if unsafe { frames.recv_job(fd, &mut b.job, budget) }? == Step::WouldBlock {
+        if frames.recv_job(fd, &mut b.job, budget)? == Step::WouldBlock {
             return Ok(Step::WouldBlock);
         }
         if let Some(h) = &b.hasher {
@@ -186,7 +188,8 @@ impl TcpLink {
                 return Ok(Step::WouldBlock);
             }
             let mut h = h.clone();
-            // SAFETY: as above: pinned local memory.
+            // SAFETY: the local segments lie in regions pinned by the request until it
+            // completes, which is after this.
             unsafe { b.part.body.hash_local(&mut h) };
             if !auth::constant_eq(&auth::data_mac(&h), &b.tag) {
                 return Err(std::io::Error::other(

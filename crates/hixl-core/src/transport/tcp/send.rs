@@ -38,9 +38,7 @@ impl TcpLink {
         let failed = {
             let mut tx = s.tx.lock().unwrap();
             loop {
-                // SAFETY: queued jobs point into their own buffers or into local memory pinned
-                // by requests in `pending`, which `shut` fails only after clearing the outbox.
-                match unsafe { tx.out.flush(fd, &mut budget) } {
+                match tx.out.flush(fd, &mut budget) {
                     Ok(Step::Done) => {}
                     Ok(Step::WouldBlock) => return Interest::Write,
                     Err(e) => break e,
@@ -127,10 +125,14 @@ impl TcpLink {
             let hasher = tx.mac.data_hasher(seq);
             job.push_owned(head);
             if write {
-                match &part.body {
-                    PartBody::Data(segs) => segs.iter().for_each(|p| job.push_raw(p.local, p.len)),
-                    PartBody::Strided(st) => job.push_strided(st.local_ranges()),
-                    PartBody::Notify(_) => {}
+                // SAFETY: local segments lie in regions pinned by their requests, which stay in
+                // `pending` until they settle; `shut` fails them only after clearing the outbox.
+                unsafe {
+                    match &part.body {
+                        PartBody::Data(segs) => segs.iter().for_each(|p| job.push_raw(p.local, p.len)),
+                        PartBody::Strided(st) => job.push_strided(st.local_ranges()),
+                        PartBody::Notify(_) => {}
+                    }
                 }
             }
             if let Some(mut h) = hasher.filter(|_| write && !matches!(part.body, PartBody::Notify(_))) {
@@ -183,9 +185,7 @@ impl TcpLink {
             let alone = tx.out.is_empty();
             tx.out.push_frame(b);
             let mut budget = len;
-            // SAFETY: the outbox holds only this frame, in its own buffer.
-            let sent =
-                alone && matches!(unsafe { tx.out.flush(s.sock.as_raw_fd(), &mut budget) }, Ok(Step::Done));
+            let sent = alone && matches!(tx.out.flush(s.sock.as_raw_fd(), &mut budget), Ok(Step::Done));
             (len, sent)
         };
         if !sent {

@@ -356,7 +356,7 @@ impl Verbs for SoftVerbs {
         Ok(Ctx(ctx))
     }
 
-    fn close_device(&self, ctx: Ctx) {
+    unsafe fn close_device(&self, ctx: Ctx) {
         let dev = self.objs.lock().unwrap().devs.remove(&ctx.0);
         if let Some(d) = dev {
             d.close();
@@ -399,7 +399,7 @@ impl Verbs for SoftVerbs {
         Ok(Pd(h))
     }
 
-    fn dealloc_pd(&self, pd: Pd) {
+    unsafe fn dealloc_pd(&self, pd: Pd) {
         self.objs.lock().unwrap().pds.remove(&pd.0);
     }
 
@@ -430,7 +430,7 @@ impl Verbs for SoftVerbs {
             .into())
     }
 
-    fn dereg_mr(&self, mr: Mr) -> Result<()> {
+    unsafe fn dereg_mr(&self, mr: Mr) -> Result<()> {
         let (ctx, m) = self.objs.lock().unwrap().mrs.remove(&mr.0).ok_or_else(|| no("MR", mr.0))?;
         if let Ok(dev) = self.device(ctx) {
             dev.mrs.write().unwrap().remove(&m.key);
@@ -449,7 +449,7 @@ impl Verbs for SoftVerbs {
         Ok((Channel(h), fd))
     }
 
-    fn destroy_comp_channel(&self, ch: Channel) {
+    unsafe fn destroy_comp_channel(&self, ch: Channel) {
         self.objs.lock().unwrap().chans.remove(&ch.0);
     }
 
@@ -478,7 +478,7 @@ impl Verbs for SoftVerbs {
         Ok(Cq(h))
     }
 
-    fn destroy_cq(&self, cq: Cq) {
+    unsafe fn destroy_cq(&self, cq: Cq) {
         self.objs.lock().unwrap().cqs.remove(&cq.0);
     }
 
@@ -534,7 +534,7 @@ impl Verbs for SoftVerbs {
         self.qp(qp)?.modify(t)
     }
 
-    fn destroy_qp(&self, qp: Qp) {
+    unsafe fn destroy_qp(&self, qp: Qp) {
         let q = self.objs.lock().unwrap().qps.remove(&qp.0);
         if let Some(q) = q {
             q.dev.qps.lock().unwrap().remove(&q.qpn);

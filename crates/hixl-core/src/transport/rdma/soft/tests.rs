@@ -143,7 +143,8 @@ fn the_state_machine_refuses_skipped_steps_and_posts_before_rts() {
         "too many SGEs"
     );
     d.v.modify_qp(q.qp, &QpTransition::Reset).unwrap();
-    d.v.destroy_qp(q.qp);
+    // SAFETY: a QP of this test, destroyed once and not used after.
+    unsafe { d.v.destroy_qp(q.qp) };
 }
 
 #[test]
@@ -240,7 +241,8 @@ fn a_deregistered_region_is_refused_after_the_writes_before_landed() {
     let remote = dst.as_ptr() as u64;
     post(&a.v, qa, &[wr(1, WrOp::Write, &src, lkey, remote, rkey)]).unwrap();
     assert_eq!(a.wait(1), [(1, wc::SUCCESS)]);
-    b.v.dereg_mr(dst_mr).unwrap();
+    // SAFETY: an MR of this test, deregistered once and not used after.
+    unsafe { b.v.dereg_mr(dst_mr) }.unwrap();
     post(&a.v, qa, &[wr(2, WrOp::Read, &src[..64], lkey, remote, rkey)]).unwrap();
     assert_eq!(a.wait(1), [(2, wc::REM_ACCESS_ERR)], "a deregistered rkey is refused");
     assert_eq!(dst, src, "the first write had landed");
