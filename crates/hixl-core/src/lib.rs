@@ -77,6 +77,7 @@
 #![deny(missing_docs)]
 
 mod auth;
+mod backend_names;
 #[cfg(feature = "baselines")]
 pub mod bench;
 mod complete;

@@ -411,7 +411,7 @@ fn remember(conn: &PeerConn, req: &Arc<Request>) {
 /// moves it by staging (`tcp`); the others that serve device memory (`cuda_ipc`) copy it
 /// directly.
 fn staged(link: &Arc<dyn DataPath>, pairs: &[(Domain, Domain)]) -> bool {
-    pairs.iter().any(|(l, t)| l.is_device() || t.is_device()) && link.backend() == "tcp"
+    pairs.iter().any(|(l, t)| l.is_device() || t.is_device()) && link.backend() == crate::backend_names::TCP
 }
 
 /// The path for a batch between these domain pairs: the link's own, or a later backend that

@@ -29,7 +29,7 @@ pub const ALIASES: &[(&str, &str)] = &[
 /// `hixl.backends` as a list of known backend names, fastest first; `auto` is every backend of
 /// this build in its default order.
 fn backends(key: &str, v: &str) -> Result<Vec<String>> {
-    let built = crate::transport::backend::BUILT;
+    let built = crate::backend_names::BUILT;
     if v.trim().eq_ignore_ascii_case("auto") {
         return Ok(built.iter().map(|b| b.to_string()).collect());
     }
@@ -65,7 +65,7 @@ fn canonical(key: &str, value: &str) -> Result<(String, String)> {
     }
     let value = if key == "hixl.transport" {
         match value.trim().to_ascii_lowercase().as_str() {
-            v @ ("auto" | "shm" | "tcp") => v.to_string(),
+            v @ ("auto" | crate::backend_names::SHM | crate::backend_names::TCP) => v.to_string(),
             _ => {
                 return Err(Error::param(format!(
                     "option hixl.transport={value:?} is invalid: expected auto, shm or tcp (or use hixl.backends)"

@@ -26,9 +26,8 @@ use crate::transport::tcp::{ConnectParams, TcpLink};
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
 
-/// Names of the backends this build has, fastest first (the default of `hixl.backends`).
-/// `rdma` is offered (and tried) only where its device is usable; on one host `shm` goes first.
-pub const BUILT: &[&str] = &["self", "cuda_ipc", "shm", "rdma", "tcp"];
+use crate::backend_names as names;
+pub use crate::backend_names::BUILT;
 
 /// Host memory on both sides: the one pair today's backends serve.
 pub(crate) const HOST_TO_HOST: &[(Domain, Domain)] = &[(Domain::Host, Domain::Host)];
@@ -162,11 +161,11 @@ pub(crate) fn answer_open(
 /// The backend called `name`, if this build has it, set up with the engine's options.
 pub fn by_name(name: &str, opts: &Options) -> Option<Arc<dyn Backend>> {
     match name {
-        "self" => Some(Arc::new(SameProcess)),
-        "cuda_ipc" => Some(Arc::new(super::cuda_ipc::CudaIpc::default())),
-        "shm" => Some(Arc::new(Shm)),
-        "rdma" => Some(Arc::new(crate::transport::rdma::Rdma::new(opts))),
-        "tcp" => Some(Arc::new(Tcp)),
+        names::SELF => Some(Arc::new(SameProcess)),
+        names::CUDA_IPC => Some(Arc::new(super::cuda_ipc::CudaIpc::default())),
+        names::SHM => Some(Arc::new(Shm)),
+        names::RDMA => Some(Arc::new(crate::transport::rdma::Rdma::new(opts))),
+        names::TCP => Some(Arc::new(Tcp)),
         _ => None,
     }
 }
@@ -186,7 +185,7 @@ struct SameProcess;
 
 impl Backend for SameProcess {
     fn name(&self) -> &'static str {
-        "self"
+        names::SELF
     }
 
     fn domains(&self) -> &'static [(Domain, Domain)] {
@@ -216,7 +215,7 @@ struct Tcp;
 
 impl Backend for Tcp {
     fn name(&self) -> &'static str {
-        "tcp"
+        names::TCP
     }
 
     fn domains(&self) -> &'static [(Domain, Domain)] {
@@ -246,7 +245,7 @@ struct Shm;
 
 impl Backend for Shm {
     fn name(&self) -> &'static str {
-        "shm"
+        names::SHM
     }
 
     fn domains(&self) -> &'static [(Domain, Domain)] {

@@ -9,8 +9,7 @@ use crate::auth::{FrameMac, MAC_LEN};
 use crate::transport::sys::{self, sockio};
 use crate::wire::{self, Frame, Header, Kind, HEADER_LEN};
 
-/// Most iovecs the kernel accepts in one call.
-pub const IOV_MAX: usize = 1024;
+pub use crate::transport::sys::IOV_MAX;
 
 /// The payload buffer a frame's reader starts with; it doubles as the bytes arrive, up to what
 /// the header declares, so a header whose payload never comes costs at most this.

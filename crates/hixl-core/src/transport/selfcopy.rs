@@ -82,8 +82,8 @@ impl Abort for NoAbort {
 impl SelfLink {
     /// Wraps a connected TCP link whose peer is `target`, an engine of this process.
     pub(crate) fn new(tcp: Arc<TcpLink>, target: Arc<Server>) -> Arc<SelfLink> {
-        tcp.set_label("self");
-        let done = Completer::new("self", &tcp.peer_info().engine_id, tcp.stats());
+        tcp.set_label(crate::backend_names::SELF);
+        let done = Completer::new(crate::backend_names::SELF, &tcp.peer_info().engine_id, tcp.stats());
         Arc::new(SelfLink {
             holder_id: new_holder_id(),
             tcp,
@@ -137,7 +137,7 @@ impl SelfLink {
 
 impl DataPath for SelfLink {
     fn backend(&self) -> &'static str {
-        "self"
+        crate::backend_names::SELF
     }
 
     fn parallelism(&self) -> usize {

@@ -80,7 +80,7 @@ pub(crate) struct PeerMapping {
 
 /// The owner's memfd descriptor of a region it allocated: the `shm` backend's registration key.
 pub(crate) fn memfd_key(e: &RegionEntry) -> Option<i32> {
-    let fd = i32::from_le_bytes(e.key("shm")?.try_into().ok()?);
+    let fd = i32::from_le_bytes(e.key(crate::backend_names::SHM)?.try_into().ok()?);
     (fd >= 0).then_some(fd)
 }
 
@@ -143,8 +143,8 @@ impl ShmLink {
         queue_depth: usize,
     ) -> Result<Arc<ShmLink>> {
         let Proven { pid, pidfd, .. } = proven;
-        tcp.set_label("shm");
-        let done = Completer::new("shm", &tcp.peer_info().engine_id, tcp.stats());
+        tcp.set_label(crate::backend_names::SHM);
+        let done = Completer::new(crate::backend_names::SHM, &tcp.peer_info().engine_id, tcp.stats());
         Ok(Arc::new_cyclic(|me| ShmLink {
             holder_id: new_holder_id(),
             tcp,
@@ -349,7 +349,7 @@ impl ShmLink {
 
 impl DataPath for ShmLink {
     fn backend(&self) -> &'static str {
-        "shm"
+        crate::backend_names::SHM
     }
 
     fn parallelism(&self) -> usize {

@@ -37,7 +37,7 @@ pub(crate) struct CudaIpc {
 
 impl Backend for CudaIpc {
     fn name(&self) -> &'static str {
-        "cuda_ipc"
+        crate::backend_names::CUDA_IPC
     }
 
     fn domains(&self) -> &'static [(Domain, Domain)] {

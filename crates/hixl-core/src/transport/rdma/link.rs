@@ -106,8 +106,9 @@ impl RdmaLink {
         queue_depth: usize,
         timeout: Duration,
     ) -> RdmaLink {
-        control.set_label("rdma");
-        let done = Completer::new("rdma", &control.peer_info().engine_id, control.stats());
+        control.set_label(crate::backend_names::RDMA);
+        let done =
+            Completer::new(crate::backend_names::RDMA, &control.peer_info().engine_id, control.stats());
         let peer = control.peer().to_string();
         let failover = rails.nics.len() > 1;
         let mut lanes: Vec<Lane> = rails
@@ -326,7 +327,7 @@ impl RdmaLink {
 
 impl DataPath for RdmaLink {
     fn backend(&self) -> &'static str {
-        "rdma"
+        crate::backend_names::RDMA
     }
 
     fn parallelism(&self) -> usize {

@@ -178,7 +178,7 @@ fn connect_qps(nics: &[Arc<Nic>], ours: &[Opened], theirs: &[QpAddr], send: bool
 
 /// Sends our QP addresses to the peer over the control channel and returns its answer.
 fn exchange(control: &TcpLink, open: &RdmaOpen, timeout: Duration) -> Result<RdmaOpen> {
-    let answer = control.open_backend("rdma", open.encode(), timeout)?;
+    let answer = control.open_backend(crate::backend_names::RDMA, open.encode(), timeout)?;
     RdmaOpen::decode(&answer).map_err(|e| {
         Error::not_connected(format!("{} answered RDMA QP addresses that do not decode: {e}", control.peer()))
     })
@@ -223,7 +223,7 @@ impl Rdma {
             tracing::info!(provider = n.verbs.provider(), device = %n.device, rail = n.rail, port = n.port, "RDMA device opened");
         }
         let gpu = gpudirect::Gpu::probe(rails.as_ref().ok().and_then(|r| r.nics.first()).map(|n| &**n));
-        let only = opts.backends.iter().all(|b| b == "rdma");
+        let only = opts.backends.iter().all(|b| b == crate::backend_names::RDMA);
         let counted = Counted {
             what: "RDMA queue pairs",
             holder: "this engine",
@@ -270,7 +270,7 @@ impl Drop for TargetQps {
 
 impl Backend for Rdma {
     fn name(&self) -> &'static str {
-        "rdma"
+        crate::backend_names::RDMA
     }
 
     fn domains(&self) -> &'static [(Domain, Domain)] {

@@ -61,7 +61,7 @@ impl Builder {
             let e = table.find(remote, 1).ok_or_else(|| {
                 Error::param(format!("remote range 0x{remote:x}+{left} is not registered at the peer"))
             })?;
-            let rkey = match e.key("rdma").map(decode_rkeys) {
+            let rkey = match e.key(crate::backend_names::RDMA).map(decode_rkeys) {
                 Some(Ok(k)) => match k.get(self.rail as usize) {
                     Some(k) => *k,
                     None => {
@@ -126,8 +126,12 @@ mod tests {
     use crate::wire::{BackendKey, RegionEntry};
 
     fn table() -> RemoteTable {
-        let key =
-            |k: &[u32]| vec![BackendKey { backend: "rdma".into(), key: crate::wire::rdma::encode_rkeys(k) }];
+        let key = |k: &[u32]| {
+            vec![BackendKey {
+                backend: crate::backend_names::RDMA.into(),
+                key: crate::wire::rdma::encode_rkeys(k),
+            }]
+        };
         // Two adjacent remote regions, one without an rdma key, one registered on two rails.
         RemoteTable::new(vec![
             RegionEntry { keys: key(&[11]), ..RegionEntry::host(0x10000, 0x1000, 1) },

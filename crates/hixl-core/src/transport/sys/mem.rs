@@ -120,7 +120,7 @@ pub(crate) fn writable_prefix<const N: usize>(zero: std::os::fd::RawFd, dst: &[R
     slots[..n].copy_from_slice(&dst[..n]);
     let (mut first, mut done) = (0, 0);
     while first < n {
-        let r = match super::sockio::readv_iovs(zero, &slots[first..n]) {
+        let r = match readv_iovs(zero, &slots[first..n]) {
             Ok(r) => r,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(_) => break, // EFAULT: the memory from here on refuses writes
@@ -140,4 +140,22 @@ pub(crate) fn writable_prefix<const N: usize>(zero: std::os::fd::RawFd, dst: &[R
         }
     }
     done
+}
+
+/// One `readv(2)` into the memory `iovs` describe; the bytes read (0 at EOF).
+///
+/// # Safety
+/// `iovs` must name writable memory of this process, valid during the call (as for
+/// [`super::sockio::recvmsg_iovs`]).
+#[inline]
+pub(crate) unsafe fn readv(fd: std::os::fd::RawFd, iovs: &[libc::iovec]) -> std::io::Result<usize> {
+    // SAFETY: as for `recvmsg_iovs`, by the caller's contract.
+    super::cvt_size(unsafe { libc::readv(fd, iovs.as_ptr(), iovs.len() as libc::c_int) })
+}
+
+/// One `readv(2)` into the memory `iovs` describe; the bytes read (0 at EOF).
+#[inline]
+pub(crate) fn readv_iovs(fd: std::os::fd::RawFd, iovs: &[RawIov]) -> std::io::Result<usize> {
+    // SAFETY: every RawIov names writable memory (the promise of `RawIov::new`).
+    unsafe { readv(fd, RawIov::as_iovecs(iovs)) }
 }

@@ -43,6 +43,9 @@ pub(crate) fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
+/// Most iovecs the kernel accepts in one call.
+pub const IOV_MAX: usize = 1024;
+
 /// `Ok(n)` for a non-negative byte count, else the `errno` error.
 #[inline]
 pub(crate) fn cvt_size(r: libc::ssize_t) -> io::Result<usize> {

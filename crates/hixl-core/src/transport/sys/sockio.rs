@@ -6,8 +6,8 @@ use std::io;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 
 use super::mem::RawIov;
+use super::IOV_MAX;
 use super::{cvt, cvt_size};
-use crate::transport::io::IOV_MAX;
 
 /// One `recv(2)` into `buf` with `flags`; the bytes received (0 at EOF).
 #[inline]
@@ -53,16 +53,6 @@ pub(crate) unsafe fn recvmsg_iovs(fd: RawFd, iovs: &[libc::iovec], flags: libc::
     // SAFETY: the kernel reads the iovec array (never writes it) and writes into the memory
     // it describes, which is writable by the caller's contract.
     cvt_size(unsafe { libc::recvmsg(fd, &mut msg, flags) })
-}
-
-/// One `readv(2)` into the memory `iovs` describe; the bytes read (0 at EOF).
-///
-/// # Safety
-/// As for [`recvmsg_iovs`].
-#[inline]
-pub(crate) unsafe fn readv(fd: RawFd, iovs: &[libc::iovec]) -> io::Result<usize> {
-    // SAFETY: as for `recvmsg_iovs`, by the caller's contract.
-    cvt_size(unsafe { libc::readv(fd, iovs.as_ptr(), iovs.len() as libc::c_int) })
 }
 
 /// Sets an integer socket option.
@@ -261,7 +251,7 @@ pub unsafe fn recv_all_counted(fd: RawFd, iovs: &mut [libc::iovec], got: &mut u6
     while start < iovs.len() {
         let n = (iovs.len() - start).min(IOV_MAX);
         // SAFETY: the iovecs point at writable memory the caller guarantees (see above).
-        let r = match unsafe { readv(fd, &iovs[start..start + n]) } {
+        let r = match unsafe { super::mem::readv(fd, &iovs[start..start + n]) } {
             Ok(r) => r,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
@@ -306,11 +296,4 @@ pub(crate) fn send_iovs(fd: RawFd, iovs: &[RawIov], flags: libc::c_int) -> io::R
 pub(crate) fn recv_iovs(fd: RawFd, iovs: &[RawIov], flags: libc::c_int) -> io::Result<usize> {
     // SAFETY: every RawIov names writable memory (the promise of `RawIov::new`).
     unsafe { recvmsg_iovs(fd, RawIov::as_iovecs(iovs), flags) }
-}
-
-/// One `readv(2)` into the memory `iovs` describe; the bytes read (0 at EOF).
-#[inline]
-pub(crate) fn readv_iovs(fd: RawFd, iovs: &[RawIov]) -> io::Result<usize> {
-    // SAFETY: every RawIov names writable memory (the promise of `RawIov::new`).
-    unsafe { readv(fd, RawIov::as_iovecs(iovs)) }
 }

@@ -4,9 +4,9 @@ use std::io;
 
 use super::cvt_size;
 use super::mem::iov;
+use super::IOV_MAX;
 use crate::error::{Error, Result};
 use crate::queue::{SegPair, TransferOp};
-use crate::transport::io::IOV_MAX;
 use crate::transport::shm::cma_error;
 
 /// One process_vm_writev (`write`) or process_vm_readv call between `local` iovecs of this

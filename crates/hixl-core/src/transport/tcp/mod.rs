@@ -238,7 +238,7 @@ impl TcpLink {
             streams,
             alive: AtomicBool::new(true),
             reason: Mutex::new(None),
-            done: Completer::new("tcp", peer, stats),
+            done: Completer::new(crate::backend_names::TCP, peer, stats),
             reactor: p.reactor.clone(),
             beat: Mutex::new(Beat { every, live: Liveness::new(Instant::now()), probes_sent: 0 }),
             coalesce: p.coalesce,
@@ -408,7 +408,7 @@ impl TcpLink {
 
 impl DataPath for TcpLink {
     fn backend(&self) -> &'static str {
-        "tcp"
+        crate::backend_names::TCP
     }
 
     fn parallelism(&self) -> usize {
