@@ -108,7 +108,7 @@ pub use options::{keys as option_keys, OptionSpec, SPECS as OPTIONS};
 pub use queue::{Completion, CompletionQueue, NotifyDesc, Request, Telemetry, TransferOp, TransferStatus};
 pub use registry::{Access, MemType};
 pub use stats::{LatencySummary, LATENCY_BUCKETS_US};
-pub use transport::shm::{host_id, SharedMem};
+pub use transport::backends::shm::{host_id, SharedMem};
 pub use transport::RailSnapshot;
 pub use wire::Domain;
 
@@ -136,15 +136,15 @@ pub mod unstable {
     pub use crate::engine::{push_merged, split};
     /// The RDMA backend's verbs interface and its software provider (cross-process tests).
     pub mod rdma {
-        pub use crate::transport::rdma::soft::{
+        pub use crate::transport::backends::rdma::soft::{
             SoftVerbs, DEVICES_ENV, FAIL_AFTER_ENV, FAULT_ENV, LATENCY_ENV,
         };
-        pub use crate::transport::rdma::verbs;
+        pub use crate::transport::backends::rdma::verbs;
         pub use crate::wire::rdma::QpAddr;
 
         /// The provider `hixl.rdma.provider` names ("verbs" or "soft").
         pub fn open_provider(name: &str) -> crate::Result<std::sync::Arc<dyn verbs::Verbs>> {
-            crate::transport::rdma::provider(crate::options::rdma::provider("provider", name)?)
+            crate::transport::backends::rdma::provider(crate::options::rdma::provider("provider", name)?)
         }
     }
 }
@@ -152,14 +152,14 @@ pub mod unstable {
 /// What RDMA looks like here with the provider `hixl.rdma.provider` names ("verbs" or "soft"):
 /// "not loadable: ..." (libibverbs missing), "no device ..." or "devices: ..." (for `hixl info`).
 pub fn rdma_info(provider: &str) -> Result<String> {
-    transport::rdma::describe(provider)
+    transport::backends::rdma::describe(provider)
 }
 
 /// How the `rdma` backend would register GPU memory here with the provider `hixl.rdma.provider`
 /// names: "dmabuf", "peermem" or "no (missing: ...)" (for `hixl info`; docs/RDMA.md, "GPU
 /// memory (GPUDirect)"). Initialises CUDA where it is present.
 pub fn gpudirect_info(provider: &str) -> Result<String> {
-    transport::rdma::gpudirect::describe(provider)
+    transport::backends::rdma::gpudirect::describe(provider)
 }
 
 /// The longest wait any call honours: a longer timeout (`Duration::MAX` included) means this.

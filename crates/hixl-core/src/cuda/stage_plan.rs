@@ -1,7 +1,7 @@
 //! Staging device memory over TCP, the pure part: how a request's segments are cut into
 //! chunks that fit one pinned bounce slot, and in which order the copies (device <-> pinned
 //! host) and the network transfers (pinned host <-> peer) of those chunks run so that they
-//! overlap. No CUDA and no I/O here: `transport::cuda_stage` executes the steps this module
+//! overlap. No CUDA and no I/O here: `transport::staging` executes the steps this module
 //! hands out, and the tests below check the plans on any machine.
 
 use crate::queue::SegPair;

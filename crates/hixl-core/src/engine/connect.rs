@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::{failover, parse_addr, sides, ConnectStatus, Engine, PeerConn, PeerSlot, Running};
 use crate::error::{Error, Result, Status};
 use crate::transport::backend;
-use crate::transport::tcp::{ConnectParams, TcpLink};
+use crate::transport::streams::{ConnectParams, TcpLink};
 use crate::transport::DataPath;
 use crate::wire::Domain;
 

@@ -24,7 +24,7 @@ use crate::queue::{Part, PartBody, Request};
 use crate::registry::{new_holder_id, Abort};
 use crate::stats::PeerStats;
 use crate::transport::backend::{Backend, OpenCtx};
-use crate::transport::tcp::{ConnectParams, TcpLink};
+use crate::transport::streams::{ConnectParams, TcpLink};
 use crate::transport::{DataPath, Rescue};
 use crate::wire::Domain;
 

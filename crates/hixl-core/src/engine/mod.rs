@@ -19,11 +19,11 @@ pub use crate::options::addr::parse_addr;
 use crate::options::Options;
 use crate::queue::Request;
 use crate::registry::{Access, MemType, Region, Registry};
-use crate::transport::backend::{self, Backend, MemorySpan};
+use crate::transport::backend::{Backend, MemorySpan};
+use crate::transport::backends::shm::{self, SharedMem};
 use crate::transport::reactor::Reactor;
-use crate::transport::server::{Server, ServerCtx};
-use crate::transport::shm::{self, SharedMem};
-use crate::transport::tcp::TcpLink;
+use crate::transport::streams::TcpLink;
+use crate::transport::target::{Server, ServerCtx};
 use crate::transport::DataPath;
 use crate::wire::Domain;
 
@@ -113,7 +113,7 @@ struct Running {
     /// The I/O workers and timer that run every TCP stream of the engine.
     reactor: Arc<Reactor>,
     /// Runs requests that stage device memory over `tcp` (threads made at the first one).
-    stager: crate::transport::cuda_stage::Stager,
+    stager: crate::transport::staging::Stager,
 }
 
 /// A transfer engine (one per process is typical). All methods take `&self` and are thread-safe.
@@ -172,7 +172,7 @@ impl Engine {
         let pid = std::process::id();
         let host = shm::host_id();
         let backends: Vec<Arc<dyn Backend>> =
-            opts.backends.iter().filter_map(|n| backend::by_name(n, &opts)).collect();
+            opts.backends.iter().filter_map(|n| crate::transport::backends::by_name(n, &opts)).collect();
         let bare = local_engine.trim_start_matches('[').trim_end_matches(']');
         let (local, server) = if let Ok(ip) = bare.parse::<IpAddr>() {
             // Client only: an id that is unique per process.
@@ -216,7 +216,7 @@ impl Engine {
         };
         tracing::info!(engine = %local, "engine initialized");
         let auto_connect = opts.auto_connect.clone();
-        let stager = crate::transport::cuda_stage::Stager::new(opts.stage_chunk, opts.stage_depth);
+        let stager = crate::transport::staging::Stager::new(opts.stage_chunk, opts.stage_depth);
         *st = Some(Arc::new(Running {
             local_engine: local,
             host,

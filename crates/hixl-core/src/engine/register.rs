@@ -5,7 +5,7 @@ use std::sync::Arc;
 use super::Running;
 use crate::error::{Error, Result, Status};
 use crate::registry::{Access, Region, RegionSpec};
-use crate::transport::backend::{self, MemorySpan};
+use crate::transport::backend::MemorySpan;
 use crate::wire::{BackendKey, Domain};
 
 /// Registers a region: every backend's registration hook first (its key travels in the region
@@ -92,7 +92,7 @@ fn unserved(r: &Running, domain: Domain) -> String {
         domain,
         if domain.is_device() { "DEVICE" } else { "HOST" },
         r.opts.backends.join(","),
-        backend::BUILT.join(", "),
+        crate::transport::backends::BUILT.join(", "),
         if why.is_empty() { String::new() } else { format!("; {}", why.join("; ")) }
     )
 }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use super::failover::Opener;
 use crate::error::{Error, Result, Status};
 use crate::transport::backend::Backend;
-use crate::transport::tcp::TcpLink;
+use crate::transport::streams::TcpLink;
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
 

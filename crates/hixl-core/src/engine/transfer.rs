@@ -95,7 +95,7 @@ impl Engine {
         let id = r.next_req.fetch_add(1, Ordering::Relaxed);
         let extra = usize::from(notify.is_some());
         let n = if staged { 1 } else { bodies.len() };
-        let device = crate::transport::cuda_stage::device_of(&pins);
+        let device = crate::transport::staging::device_of(&pins);
         let first = match bodies.first() {
             Some(PartBody::Data(segs)) => segs.first().map(|s| (s.local, s.remote)),
             Some(PartBody::Strided(st)) => Some((st.local, st.remote)),
@@ -379,7 +379,7 @@ impl Engine {
 struct Batch {
     bodies: Vec<PartBody>,
     /// The parts touch device memory over `tcp`: the engine's stager carries them as one part
-    /// (`transport::cuda_stage`).
+    /// (`transport::staging`).
     staged: bool,
     waiting: Waiting,
     /// The path that carries it (see `path_for`).

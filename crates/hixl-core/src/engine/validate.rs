@@ -298,7 +298,7 @@ mod tests {
     #[test]
     fn a_batch_goes_over_the_first_path_that_serves_all_its_domain_pairs() {
         use crate::transport::backend::HOST_TO_HOST;
-        use crate::transport::cuda_stage::TCP_PAIRS;
+        use crate::transport::staging::TCP_PAIRS;
         let (h, c, c1) = (Domain::Host, Domain::Cuda(0), Domain::Cuda(1));
         // rdma chosen, tcp after it: host memory stays on rdma, device memory goes to tcp.
         assert_eq!(route(HOST_TO_HOST, &[TCP_PAIRS], &[(h, h)]), Some(None));

@@ -14,20 +14,14 @@ use std::any::Any;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::error::{Error, Result, Status};
 use crate::options::Options;
 use crate::registry::Access;
-use crate::transport::local::{self, Proven};
-use crate::transport::selfcopy::{self, SelfLink};
-use crate::transport::shm::ShmLink;
-use crate::transport::tcp::{ConnectParams, TcpLink};
+use crate::transport::streams::{ConnectParams, TcpLink};
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
-
-use crate::backend_names as names;
-pub use crate::backend_names::BUILT;
 
 /// Host memory on both sides: the one pair today's backends serve.
 pub(crate) const HOST_TO_HOST: &[(Domain, Domain)] = &[(Domain::Host, Domain::Host)];
@@ -158,18 +152,6 @@ pub(crate) fn answer_open(
     }
 }
 
-/// The backend called `name`, if this build has it, set up with the engine's options.
-pub fn by_name(name: &str, opts: &Options) -> Option<Arc<dyn Backend>> {
-    match name {
-        names::SELF => Some(Arc::new(SameProcess)),
-        names::CUDA_IPC => Some(Arc::new(super::cuda_ipc::CudaIpc::default())),
-        names::SHM => Some(Arc::new(Shm)),
-        names::RDMA => Some(Arc::new(crate::transport::rdma::Rdma::new(opts))),
-        names::TCP => Some(Arc::new(Tcp)),
-        _ => None,
-    }
-}
-
 /// The capability of a backend that needs the same-host socket, if this engine has one.
 pub(crate) fn with_local_socket(b: &dyn Backend, local_socket: &str) -> Option<Capability> {
     (!local_socket.is_empty()).then(|| Capability {
@@ -177,120 +159,4 @@ pub(crate) fn with_local_socket(b: &dyn Backend, local_socket: &str) -> Option<C
         domains: b.domains().to_vec(),
         param: local_socket.into(),
     })
-}
-
-/// Two engines of one process: memcpy, after an in-process check that the peer engine holds
-/// this very stream (see `selfcopy`).
-struct SameProcess;
-
-impl Backend for SameProcess {
-    fn name(&self) -> &'static str {
-        names::SELF
-    }
-
-    fn domains(&self) -> &'static [(Domain, Domain)] {
-        HOST_TO_HOST
-    }
-
-    fn capability(&self, local_socket: &str) -> Option<Capability> {
-        with_local_socket(self, local_socket)
-    }
-
-    fn connect(
-        &self,
-        _ctx: &OpenCtx<'_>,
-        control: &Arc<TcpLink>,
-        offer: &Capability,
-    ) -> std::result::Result<Arc<dyn DataPath>, String> {
-        let (ours, theirs) = control.stream0_ends().map_err(|e| e.message)?;
-        let target = selfcopy::find(&offer.param, &ours, &theirs)?;
-        Ok(SelfLink::new(control.clone(), target))
-    }
-}
-
-/// Any host: TCP streams of its own (`hixl.tcp.streams` of them), apart from the control
-/// channel's; bytes go straight between sockets and registered host memory, and device memory
-/// through pinned bounce buffers (`cuda_stage`).
-struct Tcp;
-
-impl Backend for Tcp {
-    fn name(&self) -> &'static str {
-        names::TCP
-    }
-
-    fn domains(&self) -> &'static [(Domain, Domain)] {
-        super::cuda_stage::TCP_PAIRS
-    }
-
-    fn connect(
-        &self,
-        ctx: &OpenCtx<'_>,
-        control: &Arc<TcpLink>,
-        _offer: &Capability,
-    ) -> std::result::Result<Arc<dyn DataPath>, String> {
-        let params = ConnectParams { streams: ctx.opts.streams, data_path: true, ..ctx.params.clone() };
-        let data = TcpLink::connect_counting(control.peer(), ctx.addr, &params, control.stats())
-            .map_err(|e| e.message)?;
-        if let Err(e) = data.attach_to(control.clone()) {
-            data.close(e.clone());
-            return Err(e.message);
-        }
-        Ok(data)
-    }
-}
-
-/// Same host: cross-memory attach and sealed memfd mappings, after the same-host proof. Its
-/// registration key is the memfd's descriptor number in the owner (for `alloc`ed memory).
-struct Shm;
-
-impl Backend for Shm {
-    fn name(&self) -> &'static str {
-        names::SHM
-    }
-
-    fn domains(&self) -> &'static [(Domain, Domain)] {
-        HOST_TO_HOST
-    }
-
-    fn capability(&self, local_socket: &str) -> Option<Capability> {
-        with_local_socket(self, local_socket)
-    }
-
-    fn register(&self, mem: &MemorySpan) -> Result<Option<Vec<u8>>> {
-        Ok(mem.memfd.map(|fd| fd.to_le_bytes().to_vec()))
-    }
-
-    fn connect(
-        &self,
-        ctx: &OpenCtx<'_>,
-        control: &Arc<TcpLink>,
-        offer: &Capability,
-    ) -> std::result::Result<Arc<dyn DataPath>, String> {
-        let proven = prove_same_host(ctx, control, &offer.param)?;
-        let pool = ctx.params.reactor.copy_pool(ctx.opts.shm_workers()).map_err(|e| e.message)?;
-        let link =
-            ShmLink::new(control.clone(), proven, pool, ctx.opts.queue_depth).map_err(|e| e.message)?;
-        Ok(link)
-    }
-}
-
-/// The same-host proof (see `transport::local`): both processes show, over the peer's Unix
-/// socket, that they hold the two ends of this very link; then we wait for a region table at
-/// least as new as the one the peer will make us confirm. Err says why direct copies cannot
-/// be used.
-pub(crate) fn prove_same_host(
-    ctx: &OpenCtx<'_>,
-    tcp: &TcpLink,
-    socket: &str,
-) -> std::result::Result<Proven, String> {
-    let host = &tcp.handshake().host;
-    if host != ctx.host {
-        return Err(format!("the peer says it runs on another host ({host})"));
-    }
-    let (ours, theirs) = tcp.stream0_ends().map_err(|e| e.message)?;
-    let deadline = Instant::now() + ctx.timeout.max(Duration::from_secs(1));
-    let proven = local::prove(socket, tcp.stream0_fd(), &ours, &theirs, deadline)?;
-    let left = deadline.saturating_duration_since(Instant::now());
-    tcp.wait_table_version(proven.table_version, left).map_err(|e| e.message)?;
-    Ok(proven)
 }

@@ -4,30 +4,15 @@
 //! RDMA devices on both sides, `tcp` anywhere).
 
 pub mod backend;
+pub mod backends;
 pub mod control;
-pub mod cuda_ipc;
-pub(crate) mod cuda_stage;
-pub mod exec_rule;
-pub mod handshake;
 pub mod io;
-pub mod liveness;
-pub mod local;
-pub(crate) mod nbio;
-pub mod pool;
-mod publish;
-pub(crate) mod ranges;
-pub mod rdma;
 pub mod reactor;
-pub mod selfcopy;
-pub(crate) mod sender;
-pub mod serve;
-pub(crate) mod served;
-pub mod server;
-pub mod shared_mem;
-pub mod shm;
-pub(crate) mod source_caps;
+pub mod same_host;
+pub(crate) mod staging;
+pub mod streams;
 pub(crate) mod sys;
-pub mod tcp;
+pub mod target;
 
 use std::sync::Arc;
 

@@ -7,7 +7,7 @@ use super::mem::iov;
 use super::IOV_MAX;
 use crate::error::{Error, Result};
 use crate::queue::{SegPair, TransferOp};
-use crate::transport::shm::cma_error;
+use crate::transport::backends::shm::cma_error;
 
 /// One process_vm_writev (`write`) or process_vm_readv call between `local` iovecs of this
 /// process and `remote` iovecs of process `pid`; the bytes moved.

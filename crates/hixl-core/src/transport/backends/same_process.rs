@@ -1,0 +1,217 @@
+//! The `self` backend: two engines in one process. Data moves by plain memcpy on the calling
+//! thread (no system call, no socket on the data path); control stays on the link's TCP
+//! channel like every backend's.
+//!
+//! Being in the same process is proven, never claimed: the peer's Welcome names its same-host
+//! socket, and only an engine of this very process is found under that name in the
+//! process-local table of listening engines; that engine must hold the other end of this
+//! link's stream 0 (an in-process look at its served streams). Every remote range is checked
+//! against the target engine's own registry, and its region pinned, exactly as its server
+//! would for a TCP frame: the copy can never touch memory the target did not register, nor a
+//! region being deregistered.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use crate::backend_names as names;
+use crate::complete::Completer;
+use crate::error::{Error, Result};
+use crate::queue::{Part, PartBody, SegPair, TransferOp};
+use crate::registry::{new_holder_id, Abort, Pin};
+use crate::stats::PeerStats;
+use crate::transport::backend::{with_local_socket, Backend, OpenCtx, HOST_TO_HOST};
+use crate::transport::streams::TcpLink;
+use crate::transport::target::Server;
+use crate::transport::DataPath;
+use crate::wire::{Capability, Domain};
+
+/// Listening engines of this process, by the name of their same-host socket.
+static LISTENING: Mutex<Option<HashMap<String, Weak<Server>>>> = Mutex::new(None);
+
+/// Makes a listening engine findable by engines of this process (see [`find`]).
+pub(crate) fn announce(name: &str, server: &Arc<Server>) {
+    LISTENING
+        .lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .insert(name.to_string(), Arc::downgrade(server));
+}
+
+/// Forgets a listening engine (it stops).
+pub(crate) fn withdraw(name: &str) {
+    if let Some(m) = LISTENING.lock().unwrap().as_mut() {
+        m.remove(name);
+    }
+}
+
+/// The engine of this process listening under `name` that holds the other end of a stream
+/// whose ends are `ours` and `theirs`; Err says why not.
+pub(crate) fn find(name: &str, ours: &str, theirs: &str) -> std::result::Result<Arc<Server>, String> {
+    let server = LISTENING
+        .lock()
+        .unwrap()
+        .as_ref()
+        .and_then(|m| m.get(name))
+        .and_then(Weak::upgrade)
+        .ok_or("the peer is not an engine of this process")?;
+    if !server.holds_stream(ours, theirs) {
+        return Err("an engine of this process has that name but not this stream".into());
+    }
+    Ok(server)
+}
+
+/// A link to an engine of this same process.
+pub struct SelfLink {
+    /// This link as a holder of its own side's region pins.
+    holder_id: u64,
+    tcp: Arc<TcpLink>,
+    target: Arc<Server>,
+    done: Completer,
+    closed: AtomicBool,
+    /// Stand-in holder for pins (the copy runs on the caller's thread, so nothing to abort).
+    holder: Arc<dyn Abort>,
+}
+
+struct NoAbort(u64);
+impl Abort for NoAbort {
+    fn abort(&self, _why: &str) {}
+
+    fn holder_id(&self) -> u64 {
+        self.0
+    }
+}
+
+impl SelfLink {
+    /// Wraps a connected TCP link whose peer is `target`, an engine of this process.
+    pub(crate) fn new(tcp: Arc<TcpLink>, target: Arc<Server>) -> Arc<SelfLink> {
+        tcp.set_label(crate::backend_names::SELF);
+        let done = Completer::new(crate::backend_names::SELF, &tcp.peer_info().engine_id, tcp.stats());
+        Arc::new(SelfLink {
+            holder_id: new_holder_id(),
+            tcp,
+            target,
+            done,
+            closed: AtomicBool::new(false),
+            holder: Arc::new(NoAbort(new_holder_id())),
+        })
+    }
+
+    /// Checks and pins the remote range in the target's own registry.
+    fn pin_remote(&self, addr: u64, len: u64, write: bool) -> Result<Pin> {
+        let region = self.target.ctx.registry.lookup_for(addr, len, "remote", write)?;
+        region.pin(&self.holder)
+    }
+
+    fn copy(&self, op: TransferOp, segs: &[SegPair]) -> Result<()> {
+        let write = op == TransferOp::Write;
+        let mut pins: Vec<Pin> = Vec::new();
+        for s in segs {
+            if !pins.iter().any(|p| p.region().contains(s.remote, s.len)) {
+                pins.push(self.pin_remote(s.remote, s.len, write)?);
+            }
+        }
+        for s in segs {
+            let (from, to) = if write { (s.local, s.remote) } else { (s.remote, s.local) };
+            // SAFETY: the local range lies in a region pinned by the request; the remote range
+            // was checked against the target engine's registry and its region is pinned in
+            // `pins` until the copy ends. `copy` (memmove) tolerates overlap.
+            unsafe { crate::transport::sys::mem::copy(to, from, s.len) };
+        }
+        Ok(())
+    }
+
+    fn execute(&self, part: &Part) -> Result<()> {
+        if !self.is_alive() {
+            let why = self.tcp.close_reason();
+            return Err(Error::new(why.status, format!("the link is closed: {}", why.message)));
+        }
+        match &part.body {
+            PartBody::Data(segs) => self.copy(part.req.op, segs),
+            PartBody::Strided(st) => st.for_each_chunk(1024, |c| self.copy(part.req.op, c)),
+            PartBody::Notify(_) => Err(Error::failed("a notification reached the copy path")),
+        }
+    }
+
+    fn finish_part(&self, part: Part, res: Result<()>) {
+        self.tcp.finish_elsewhere(&self.done, part, res);
+    }
+}
+
+impl DataPath for SelfLink {
+    fn backend(&self) -> &'static str {
+        crate::backend_names::SELF
+    }
+
+    fn parallelism(&self) -> usize {
+        1
+    }
+
+    /// Copies at once, on the calling thread: the request is settled when this returns.
+    fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()> {
+        if parts.iter().all(|p| matches!(p.body, PartBody::Notify(_))) {
+            return self.tcp.submit(parts, extra_slots);
+        }
+        for part in parts {
+            let res = self.execute(&part);
+            self.finish_part(part, res);
+        }
+        Ok(())
+    }
+
+    fn is_alive(&self) -> bool {
+        !self.closed.load(Ordering::Acquire) && self.tcp.is_alive()
+    }
+
+    fn dead_reason(&self) -> Option<String> {
+        self.tcp.dead_reason()
+    }
+
+    fn close(&self, why: Error) {
+        self.closed.store(true, Ordering::Release);
+        self.tcp.close(why);
+    }
+
+    fn stats(&self) -> Arc<PeerStats> {
+        self.tcp.stats()
+    }
+}
+
+impl Abort for SelfLink {
+    fn abort(&self, why: &str) {
+        self.close(Error::failed(why.to_string()));
+    }
+
+    fn holder_id(&self) -> u64 {
+        self.holder_id
+    }
+}
+
+/// Two engines of one process: memcpy, after an in-process check that the peer engine holds
+/// this very stream (see this module).
+pub(crate) struct SameProcess;
+
+impl Backend for SameProcess {
+    fn name(&self) -> &'static str {
+        names::SELF
+    }
+
+    fn domains(&self) -> &'static [(Domain, Domain)] {
+        HOST_TO_HOST
+    }
+
+    fn capability(&self, local_socket: &str) -> Option<Capability> {
+        with_local_socket(self, local_socket)
+    }
+
+    fn connect(
+        &self,
+        _ctx: &OpenCtx<'_>,
+        control: &Arc<TcpLink>,
+        offer: &Capability,
+    ) -> std::result::Result<Arc<dyn DataPath>, String> {
+        let (ours, theirs) = control.stream0_ends().map_err(|e| e.message)?;
+        let target = find(&offer.param, &ours, &theirs)?;
+        Ok(SelfLink::new(control.clone(), target))
+    }
+}

@@ -1,0 +1,268 @@
+//! The target's side of staging: a served WRITE or READ frame whose ranges lie in device
+//! regions of this engine's registry. `served.rs` asks [`touches_device`] after it checked
+//! and pinned a frame's ranges; only then does anything here run.
+//!
+//! - WRITE: the frame's bytes are received into a pinned buffer (across as many wake-ups as
+//!   they take, like host bytes), their data MAC is checked there, then they are copied to
+//!   the device and the frame is answered once that copy ended.
+//! - READ: the ranges are copied from the device into a pinned buffer, and the answer's bytes
+//!   are sent from it (the buffer is held by the send job until its bytes left).
+//!
+//! A frame here carries at most [`MAX_FRAME`] bytes (a staging initiator sends chunks of
+//! `hixl.cuda.stage_chunk` bytes, at most that much). The copies run on the I/O worker that
+//! handles the frame, so they overlap with the other streams and with the socket buffers
+//! filling; within one stream a frame's copy waits for its bytes and the next frame's bytes
+//! wait in the socket for that copy.
+
+use std::os::fd::RawFd;
+use std::sync::{Arc, Mutex};
+
+use super::budget::{StageBudget, Ticket};
+use super::{CopyStream, PinnedBuf};
+use crate::auth::{self, MAC_LEN};
+use crate::error::{Error, Result, Status};
+use crate::registry::Pin;
+use crate::transport::io::nbio::{FrameReader, IoJob, Step};
+use crate::transport::target::ranges::OwnedRanges;
+use crate::wire::Frame;
+
+/// The most bytes one frame into or out of device memory may carry at a target (the largest
+/// `hixl.cuda.stage_chunk`).
+pub(crate) const MAX_FRAME: u64 = 64 << 20;
+
+/// Idle buffers kept for later frames (per process); more are freed when returned.
+const KEEP: usize = 8;
+
+/// Whether any of a frame's pinned regions is device memory (then it is staged here).
+pub(crate) fn touches_device(pins: &[Pin]) -> bool {
+    pins.iter().any(|p| p.region().mem_type.is_device())
+}
+
+/// A pinned buffer and a copy stream of one device, lent to one frame.
+pub(crate) struct Lease {
+    buf: Option<PinnedBuf>,
+    stream: Option<CopyStream>,
+    /// Its bytes in the engine's and the peer's staging budget, given back with it.
+    _ticket: Ticket,
+}
+
+/// Whose budget a frame's lease counts against: the engine's, for the stream's peer.
+pub(crate) struct Lender<'a> {
+    /// The engine's budget.
+    pub(crate) budget: &'a Arc<StageBudget>,
+    /// The peer (see [`super::budget::peer_key`]).
+    pub(crate) peer: &'a str,
+}
+
+static IDLE: Mutex<Vec<(PinnedBuf, CopyStream)>> = Mutex::new(Vec::new());
+
+impl Lease {
+    /// At least `len` bytes with a stream of device `ordinal`, counted against `lender`'s
+    /// caps (RESOURCE_EXHAUSTED over one).
+    fn take(ordinal: u8, len: u64, lender: &Lender) -> Result<Lease> {
+        let idle = {
+            let mut idle = IDLE.lock().unwrap();
+            let i = idle.iter().position(|(b, s)| b.len() >= len && s.ordinal() == ordinal);
+            i.map(|i| idle.swap_remove(i))
+        };
+        let size = match &idle {
+            Some((b, _)) => b.len(),
+            None => len.max(4 << 20).next_power_of_two().min(MAX_FRAME.max(len)),
+        };
+        let ticket = match lender.budget.take(lender.peer, size) {
+            Ok(t) => t,
+            Err(e) => {
+                if let Some(x) = idle {
+                    IDLE.lock().unwrap().push(x);
+                }
+                return Err(e);
+            }
+        };
+        let (b, s) = match idle {
+            Some(x) => x,
+            None => (PinnedBuf::new(size)?, CopyStream::new(ordinal, 1)?),
+        };
+        Ok(Lease { buf: Some(b), stream: Some(s), _ticket: ticket })
+    }
+
+    fn addr(&self) -> u64 {
+        self.buf.as_ref().map_or(0, |b| b.addr())
+    }
+
+    /// Copies between the buffer (from offset 0, in order) and `ranges` (walked lazily, a
+    /// strided frame's touching elements as one copy), and waits for it.
+    fn copy(&self, ranges: &OwnedRanges, to_device: bool) -> Result<()> {
+        let s = self.stream.as_ref().expect("a lent stream");
+        let _ctx = s.enter()?;
+        let mut off = 0;
+        let mut res = Ok(());
+        ranges.for_each(|addr, len| {
+            if res.is_err() {
+                return;
+            }
+            let (dst, src) = if to_device { (addr, self.addr() + off) } else { (self.addr() + off, addr) };
+            // SAFETY: `addr..addr+len` lies in a registered device region pinned by the frame's
+            // pins for the whole call; the buffer holds at least the frame's bytes (`take`,
+            // after `check_size`); `sync` below waits for the copy before anything else uses
+            // either side.
+            res = unsafe { s.copy(dst, src, len) };
+            off += len;
+        });
+        res?;
+        s.sync()
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let (Some(b), Some(s)) = (self.buf.take(), self.stream.take()) {
+            let mut idle = IDLE.lock().unwrap();
+            if idle.len() < KEEP {
+                idle.push((b, s));
+            }
+        }
+    }
+}
+
+fn device(pins: &[Pin]) -> u8 {
+    super::device_of(pins).unwrap_or(0)
+}
+
+fn check_size(bytes: u64) -> Result<()> {
+    if bytes > MAX_FRAME {
+        return Err(Error::param(format!(
+            "a frame into or out of device memory carries at most {MAX_FRAME} bytes here, this one {bytes} \
+             (staging initiators send chunks of hixl.cuda.stage_chunk bytes)"
+        )));
+    }
+    if let Some(e) = super::unsupported_here("the target stages device memory over TCP") {
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// A WRITE into device memory being received.
+pub(crate) struct StagedWrite {
+    /// The frame's tag (its answer's).
+    pub(crate) tag: u64,
+    bulk: u64,
+    _pins: Vec<Pin>,
+    lease: Lease,
+    job: IoJob,
+    ranges: OwnedRanges,
+    hasher: Option<blake3::Hasher>,
+    mac: [u8; MAC_LEN],
+    mac_got: usize,
+}
+
+/// Starts receiving a WRITE of `bulk` bytes into device `ranges` (checked and pinned by
+/// `pins`); Err: refuse it (the caller skips its bytes and answers with the error).
+pub(crate) fn start_write(
+    tag: u64,
+    bulk: u64,
+    pins: Vec<Pin>,
+    ranges: OwnedRanges,
+    hasher: Option<blake3::Hasher>,
+    lender: &Lender,
+) -> Result<StagedWrite> {
+    // Sizes first (nothing here expands the ranges into memory: they are walked in `copy`).
+    match ranges.bytes() {
+        Some(sum) if sum == bulk => {}
+        sum => {
+            let sum = sum.map_or("more than 2^64".into(), |s| s.to_string());
+            return Err(Error::param(format!("the frame's ranges hold {sum} bytes, its bulk {bulk}")));
+        }
+    }
+    check_size(bulk)?;
+    let lease = Lease::take(device(&pins), bulk, lender)?;
+    let mut job = IoJob::default();
+    // SAFETY: the job points into the lease's buffer, which holds `bulk` bytes and lives as
+    // long as the StagedWrite that holds both.
+    unsafe { job.push_raw(lease.addr(), bulk) };
+    Ok(StagedWrite { tag, bulk, _pins: pins, lease, job, ranges, hasher, mac: [0; MAC_LEN], mac_got: 0 })
+}
+
+impl StagedWrite {
+    /// Receives what has arrived (bytes, then their data MAC) through the stream's frame
+    /// reader (which hands out what it read ahead first), at most about `budget` bytes.
+    pub(crate) fn recv(
+        &mut self,
+        fd: RawFd,
+        frames: &mut FrameReader,
+        budget: &mut u64,
+    ) -> std::io::Result<Step> {
+        if frames.recv_job(fd, &mut self.job, budget)? == Step::WouldBlock {
+            return Ok(Step::WouldBlock);
+        }
+        if self.hasher.is_some() {
+            return frames.fill(fd, &mut self.mac, &mut self.mac_got);
+        }
+        Ok(Step::Done)
+    }
+
+    /// After `recv` is done: checks the data MAC, copies the bytes to the device and says how
+    /// to answer. Some(error): the stream must close after the answer (altered bytes).
+    pub(crate) fn finish(self) -> (Frame, Option<std::io::Error>) {
+        if let Some(mut h) = self.hasher.clone() {
+            // SAFETY: the buffer holds the `bulk` bytes just received.
+            h.update(unsafe {
+                std::slice::from_raw_parts(self.lease.addr() as *const u8, self.bulk as usize)
+            });
+            if !auth::constant_eq(&auth::data_mac(&h), &self.mac) {
+                let message =
+                    "the written bytes do not match their data MAC (altered on the way); closing the stream";
+                let f = Frame::Ack { status: Status::Failed.code(), message: message.into() };
+                return (f, Some(std::io::Error::new(std::io::ErrorKind::InvalidData, message)));
+            }
+        }
+        match self.lease.copy(&self.ranges, true) {
+            Ok(()) => (Frame::Ack { status: 0, message: String::new() }, None),
+            Err(e) => (Frame::Ack { status: e.code(), message: e.message }, None),
+        }
+    }
+}
+
+/// The bytes of a READ from device `ranges` (checked and pinned by `pins`), copied into a
+/// pinned buffer: its address, and the lease to hold until the answer's bytes were sent.
+pub(crate) fn stage_read(
+    pins: &[Pin],
+    ranges: &OwnedRanges,
+    total: u64,
+    lender: &Lender,
+) -> Result<(u64, Lease)> {
+    check_size(total)?;
+    let lease = Lease::take(device(pins), total, lender)?;
+    lease.copy(ranges, false)?;
+    Ok((lease.addr(), lease))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_frames_are_bounded_and_need_cuda() {
+        let e = check_size(MAX_FRAME + 1).unwrap_err();
+        assert_eq!(e.status, Status::ParamInvalid);
+        assert!(e.message.contains("hixl.cuda.stage_chunk"), "{}", e.message);
+        if !crate::cuda::info().available {
+            let e = check_size(4096).unwrap_err();
+            assert_eq!(e.status, Status::Unsupported);
+            assert!(e.message.contains("CUDA was"), "{}", e.message);
+        }
+        assert!(!touches_device(&[]));
+        let ranges = OwnedRanges::List(vec![crate::wire::Seg { addr: 1, len: 2 }]);
+        let budget = Arc::new(StageBudget::default());
+        let lender = Lender { budget: &budget, peer: "p" };
+        assert!(stage_read(&[], &ranges, MAX_FRAME + 1, &lender).is_err());
+    }
+
+    #[test]
+    fn a_write_whose_ranges_disagree_with_its_bulk_is_refused() {
+        let ranges = OwnedRanges::List(vec![crate::wire::Seg { addr: 0x1000, len: 4 }]);
+        let budget = Arc::new(StageBudget::default());
+        let lender = Lender { budget: &budget, peer: "p" };
+        let e = start_write(1, 10, Vec::new(), ranges, None, &lender).err().expect("4 != 10");
+        assert_eq!(e.status, Status::ParamInvalid);
+    }
+}
