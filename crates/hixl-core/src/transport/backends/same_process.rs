@@ -62,7 +62,7 @@ pub(crate) fn find(name: &str, ours: &str, theirs: &str) -> std::result::Result<
 }
 
 /// A link to an engine of this same process.
-pub struct SelfLink {
+pub struct SameProcessLink {
     /// This link as a holder of its own side's region pins.
     holder_id: u64,
     tcp: Arc<TcpLink>,
@@ -82,12 +82,12 @@ impl Abort for NoAbort {
     }
 }
 
-impl SelfLink {
+impl SameProcessLink {
     /// Wraps a connected TCP link whose peer is `target`, an engine of this process.
-    pub(crate) fn new(tcp: Arc<TcpLink>, target: Arc<Server>) -> Arc<SelfLink> {
+    pub(crate) fn new(tcp: Arc<TcpLink>, target: Arc<Server>) -> Arc<SameProcessLink> {
         tcp.set_label(crate::backend_names::SELF);
         let done = Completer::new(crate::backend_names::SELF, &tcp.peer_info().engine_id, tcp.stats());
-        Arc::new(SelfLink {
+        Arc::new(SameProcessLink {
             holder_id: new_holder_id(),
             tcp,
             target,
@@ -138,7 +138,7 @@ impl SelfLink {
     }
 }
 
-impl DataPath for SelfLink {
+impl DataPath for SameProcessLink {
     fn backend(&self) -> &'static str {
         crate::backend_names::SELF
     }
@@ -177,7 +177,7 @@ impl DataPath for SelfLink {
     }
 }
 
-impl Abort for SelfLink {
+impl Abort for SameProcessLink {
     fn abort(&self, why: &str) {
         self.close(Error::failed(why.to_string()));
     }
@@ -212,6 +212,6 @@ impl Backend for SameProcess {
     ) -> std::result::Result<Arc<dyn DataPath>, String> {
         let (ours, theirs) = control.stream0_ends().map_err(|e| e.message)?;
         let target = find(&offer.param, &ours, &theirs)?;
-        Ok(SelfLink::new(control.clone(), target))
+        Ok(SameProcessLink::new(control.clone(), target))
     }
 }

@@ -3,7 +3,6 @@
 //! backend's data path reads or writes the table except through it. Today it runs over the
 //! TCP link's streams (stream 0 carries the table updates; see `tcp` for the data half).
 
-pub mod handshake;
 pub mod liveness;
 
 use std::os::fd::AsRawFd;

@@ -11,21 +11,24 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::auth::{self, FrameMac, Secret, MAC_LEN};
+use crate::auth::{self, FrameMac, MAC_LEN};
 use crate::complete::{Completer, Next};
 use crate::error::{Error, Result};
 use crate::queue::{Part, PartBody, Request, TransferStatus, WaitHelp, WorkQueue};
 use crate::registry::{new_holder_id, Abort, RemoteTable};
 use crate::stats::PeerStats;
-use crate::transport::control::handshake::{self, connect_one};
 use crate::transport::control::liveness::Liveness;
 use crate::transport::io;
 use crate::transport::io::nbio::{self, FrameReader, IoJob, Outbox};
 use crate::transport::reactor::{self, Interest, Reactor};
 use crate::transport::{DataPath, PeerInfo};
+use handshake::connect_one;
 
+pub mod handshake;
 mod recv;
 mod send;
+
+pub use handshake::ConnectParams;
 
 /// Most parts a writer takes from the queue per batch. Fixed, like the constants below: they
 /// bound how much one writer takes at a time so that the other streams share the load, and
@@ -45,35 +48,6 @@ const WAIT_SLICE: Duration = Duration::from_millis(20);
 const WRITE_BUDGET: u64 = 16 << 20;
 /// Bytes a reader takes per run before it lets the other sources have a turn.
 const READ_BUDGET: u64 = 16 << 20;
-
-/// Connection parameters.
-#[derive(Clone, Debug)]
-pub struct ConnectParams {
-    /// This engine's id, sent in Hello.
-    pub local_id: String,
-    /// Streams in the pool.
-    pub streams: usize,
-    /// Request queue capacity (in parts).
-    pub queue_depth: usize,
-    /// Deadline for connecting and the handshake.
-    pub timeout: Duration,
-    /// This machine's identity, sent in Hello.
-    pub host: String,
-    /// How long a writer waits for more small requests before sending (zero: no wait).
-    pub coalesce: Duration,
-    /// Most requests in one coalesced batch.
-    pub coalesce_max_ops: usize,
-    /// The cluster secret, if this engine has one (then every peer must prove it too).
-    pub secret: Option<Secret>,
-    /// Heartbeat interval on idle links (zero: off).
-    pub heartbeat: Duration,
-    /// MAC every transfer's bytes too (sealed streams only).
-    pub data_mac: bool,
-    /// These streams carry a data path, not a control channel (see `wire::FLAG_DATA_PATH`).
-    pub data_path: bool,
-    /// The engine's I/O workers, which run the streams.
-    pub reactor: Arc<Reactor>,
-}
 
 pub(super) struct Pending {
     tag: u64,

@@ -11,7 +11,10 @@ use crate::error::{Error, Result, Status};
 use crate::registry::RemoteTable;
 use crate::transport::io;
 use crate::transport::io::addr_text;
-use crate::transport::streams::ConnectParams;
+use std::sync::Arc;
+
+use crate::auth::Secret;
+use crate::transport::reactor::Reactor;
 use crate::transport::PeerInfo;
 use crate::wire::{self, Frame, Kind, FLAG_DATA_MAC, FLAG_DATA_PATH};
 
@@ -162,4 +165,33 @@ pub(crate) fn recv_welcome(
             Err(Error::not_connected(format!("handshake with {peer}: unexpected {:?} frame", other.kind())))
         }
     }
+}
+
+/// Connection parameters.
+#[derive(Clone, Debug)]
+pub struct ConnectParams {
+    /// This engine's id, sent in Hello.
+    pub local_id: String,
+    /// Streams in the pool.
+    pub streams: usize,
+    /// Request queue capacity (in parts).
+    pub queue_depth: usize,
+    /// Deadline for connecting and the handshake.
+    pub timeout: Duration,
+    /// This machine's identity, sent in Hello.
+    pub host: String,
+    /// How long a writer waits for more small requests before sending (zero: no wait).
+    pub coalesce: Duration,
+    /// Most requests in one coalesced batch.
+    pub coalesce_max_ops: usize,
+    /// The cluster secret, if this engine has one (then every peer must prove it too).
+    pub secret: Option<Secret>,
+    /// Heartbeat interval on idle links (zero: off).
+    pub heartbeat: Duration,
+    /// MAC every transfer's bytes too (sealed streams only).
+    pub data_mac: bool,
+    /// These streams carry a data path, not a control channel (see `wire::FLAG_DATA_PATH`).
+    pub data_path: bool,
+    /// The engine's I/O workers, which run the streams.
+    pub reactor: Arc<Reactor>,
 }
