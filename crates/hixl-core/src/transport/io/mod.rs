@@ -198,6 +198,17 @@ pub fn send_some(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
     Ok(sent)
 }
 
+/// Canonical text of a socket address: IPv4-mapped IPv6 written as IPv4.
+pub fn addr_text(a: std::net::SocketAddr) -> String {
+    match a {
+        std::net::SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => std::net::SocketAddr::new(std::net::IpAddr::V4(v4), v6.port()).to_string(),
+            None => a.to_string(),
+        },
+        std::net::SocketAddr::V4(_) => a.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,16 +228,5 @@ mod tests {
             .expect("the payload never comes");
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
         assert!(payload.capacity() <= PAYLOAD_START, "{} set aside for 100 bytes", payload.capacity());
-    }
-}
-
-/// Canonical text of a socket address: IPv4-mapped IPv6 written as IPv4.
-pub fn addr_text(a: std::net::SocketAddr) -> String {
-    match a {
-        std::net::SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
-            Some(v4) => std::net::SocketAddr::new(std::net::IpAddr::V4(v4), v6.port()).to_string(),
-            None => a.to_string(),
-        },
-        std::net::SocketAddr::V4(_) => a.to_string(),
     }
 }
