@@ -9,7 +9,7 @@
 //! `finish(part, result)` and act on the answer; they decide nothing here. No I/O happens here,
 //! so the logic is tested without sockets.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::error::Error;
@@ -20,9 +20,9 @@ use crate::stats::PeerStats;
 pub(crate) enum Next {
     /// Other parts of the request are still in flight.
     Pending,
-    /// The request is settled. `notify_dropped`: it had a notification to send after the data,
-    /// which will not be sent (a queue slot reserved for it may be released).
-    Settled { notify_dropped: bool },
+    /// The request is settled (a notification it had to send after the data, if any, is
+    /// dropped: a part failed).
+    Settled,
     /// Every data part succeeded: send this notification part (already counted in the
     /// request) to the peer, and report it with `finish` like any other part.
     Notify(Part),
@@ -30,8 +30,7 @@ pub(crate) enum Next {
 
 /// Settles requests for one peer link.
 pub(crate) struct Completer {
-    backend: OnceLock<&'static str>,
-    default_backend: &'static str,
+    backend: &'static str,
     peer: String,
     stats: Arc<PeerStats>,
 }
@@ -39,12 +38,7 @@ pub(crate) struct Completer {
 impl Completer {
     /// A completer that counts into `stats` and names `backend` and `peer` in its logs.
     pub(crate) fn new(backend: &'static str, peer: &str, stats: Arc<PeerStats>) -> Completer {
-        Completer { backend: OnceLock::new(), default_backend: backend, peer: peer.to_string(), stats }
-    }
-
-    /// Names another backend in logs (one that carries data over this link's control channel).
-    pub(crate) fn set_backend(&self, backend: &'static str) {
-        let _ = self.backend.set(backend);
+        Completer { backend, peer: peer.to_string(), stats }
     }
 
     /// The peer's counters.
@@ -61,17 +55,19 @@ impl Completer {
         let notify = req.take_notify_after();
         if let Some(err) = req.part_error() {
             self.settle(&req, TransferStatus::Failed, Some(err));
-            return Next::Settled { notify_dropped: notify.is_some() };
+            return Next::Settled;
         }
         match notify {
             Some(n) => {
-                // The data is at the target: now the notification may go.
+                // The data is at the target: now the notification may go (over the control
+                // channel, whose completer settles it; the request stays this backend's).
+                req.carried_by(self.backend);
                 req.add_parts(1);
                 Next::Notify(Part { req, body: PartBody::Notify(n) })
             }
             None => {
                 self.settle(&req, TransferStatus::Completed, None);
-                Next::Settled { notify_dropped: false }
+                Next::Settled
             }
         }
     }
@@ -86,17 +82,17 @@ impl Completer {
     /// counts it in its peer's stats, see `Request::settle`), wakes waiters and releases its
     /// pinned regions.
     pub(crate) fn settle(&self, req: &Arc<Request>, to: TransferStatus, err: Option<Error>) {
-        let backend = self.backend.get().copied().unwrap_or(self.default_backend);
         // Records the end of its I/O first: the latency the settling counts it with.
-        if req.account(backend) {
-            self.log(req, to, backend);
+        if req.account(self.backend) {
+            self.log(req, to);
         }
         req.settle(to, err);
         req.release_pins();
     }
 
     /// Logs the end of a request's I/O (DEBUG), once.
-    fn log(&self, req: &Request, to: TransferStatus, backend: &'static str) {
+    fn log(&self, req: &Request, to: TransferStatus) {
+        let backend = req.carrier().unwrap_or(self.backend);
         let latency = req.ended_at().unwrap_or_else(Instant::now).saturating_duration_since(req.started);
         // Source and destination of the first segment, the way the data flowed.
         let (local, remote) = req.first_addrs;
@@ -149,7 +145,7 @@ mod tests {
         let req = request(&c, 2, false);
         assert!(matches!(c.finish(part(&req), Ok(())), Next::Pending));
         assert_eq!(req.status(), TransferStatus::Waiting);
-        assert!(matches!(c.finish(part(&req), Ok(())), Next::Settled { notify_dropped: false }));
+        assert!(matches!(c.finish(part(&req), Ok(())), Next::Settled));
         assert_eq!(req.status(), TransferStatus::Completed);
         assert_eq!(c.stats().ops_write.load(Ordering::Relaxed), 1);
         assert_eq!(c.stats().bytes_write.load(Ordering::Relaxed), 8);
@@ -163,7 +159,7 @@ mod tests {
         let Next::Notify(n) = c.finish(part(&req), Ok(())) else { panic!("expected the notify") };
         assert!(matches!(n.body, PartBody::Notify(_)));
         assert_eq!(req.status(), TransferStatus::Waiting, "settles only once the notify is delivered");
-        assert!(matches!(c.finish(n, Ok(())), Next::Settled { notify_dropped: false }));
+        assert!(matches!(c.finish(n, Ok(())), Next::Settled));
         assert_eq!(req.status(), TransferStatus::Completed);
         assert_eq!(c.stats().notifies.load(Ordering::Relaxed), 1, "the notification is counted");
         assert_eq!(c.stats().ops_write.load(Ordering::Relaxed), 1, "and so is the transfer");
@@ -174,10 +170,7 @@ mod tests {
         let c = completer();
         let req = request(&c, 2, true);
         assert!(matches!(c.finish(part(&req), Err(Error::param("first"))), Next::Pending));
-        assert!(matches!(
-            c.finish(part(&req), Err(Error::failed("second"))),
-            Next::Settled { notify_dropped: true }
-        ));
+        assert!(matches!(c.finish(part(&req), Err(Error::failed("second"))), Next::Settled));
         assert_eq!(req.status(), TransferStatus::Failed);
         assert_eq!(req.error().unwrap().message, "first");
         assert_eq!(c.stats().errors.load(Ordering::Relaxed), 1);
@@ -213,7 +206,7 @@ mod tests {
         };
         assert_eq!(now(), (0, 1, 1), "an error, and no longer in flight, once it timed out");
         // Its I/O ends later: the request was counted already.
-        assert!(matches!(c.finish(part(&req), Ok(())), Next::Settled { .. }));
+        assert!(matches!(c.finish(part(&req), Ok(())), Next::Settled));
         assert_eq!(req.status(), TransferStatus::Timeout);
         assert_eq!(now(), (0, 1, 1));
         assert_eq!(s.ops_write.load(Ordering::Relaxed), 0);
@@ -236,7 +229,7 @@ mod tests {
         req.track(c.stats());
         assert_eq!(c.stats().in_flight.load(Ordering::Relaxed), 1);
         let n = Part { req: req.clone(), body: PartBody::Notify(NotifyDesc::new("n", "m")) };
-        assert!(matches!(c.finish(n, Ok(())), Next::Settled { .. }));
+        assert!(matches!(c.finish(n, Ok(())), Next::Settled));
         assert_eq!(c.stats().in_flight.load(Ordering::Relaxed), 0, "never below zero");
         assert_eq!(c.stats().notifies.load(Ordering::Relaxed), 1);
         assert_eq!(c.stats().errors.load(Ordering::Relaxed), 0);

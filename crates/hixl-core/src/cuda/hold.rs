@@ -16,7 +16,7 @@ pub(crate) type Held = Box<dyn Any>;
 pub(crate) type TryHold = Box<dyn FnOnce() -> Option<Held> + Send>;
 
 /// A read guard together with the `Arc` that owns its lock.
-struct Kept<O, T: 'static> {
+struct Kept<O: ?Sized, T: 'static> {
     // Declared first: dropped before `_owner`, whose lock it borrows.
     _guard: RwLockReadGuard<'static, T>,
     _owner: Arc<O>,
@@ -28,7 +28,7 @@ pub(crate) fn try_hold<O, T>(
     lock: for<'a> fn(&'a O) -> Option<RwLockReadGuard<'a, T>>,
 ) -> TryHold
 where
-    O: Send + Sync + 'static,
+    O: Send + Sync + ?Sized + 'static,
     T: 'static,
 {
     Box::new(move || {

@@ -9,6 +9,7 @@ use std::time::Duration;
 use super::{failover, parse_addr, sides, ConnectStatus, Engine, PeerConn, PeerSlot, Running};
 use crate::error::{Error, Result, Status};
 use crate::transport::backend;
+use crate::transport::control::channel::ControlChannel;
 use crate::transport::streams::{ConnectParams, TcpLink};
 use crate::transport::DataPath;
 use crate::wire::Domain;
@@ -60,7 +61,7 @@ impl Engine {
     fn open_link(r: &Running, key: &str, addr: SocketAddr, timeout: Duration) -> Result<PeerConn> {
         // The control channel needs one stream; a backend that moves data over TCP opens its own.
         let params = ConnectParams { streams: 1, ..Self::link_params(r, timeout) };
-        let control = TcpLink::connect(key, addr, &params)?;
+        let control: Arc<dyn ControlChannel> = TcpLink::connect(key, addr, &params)?;
         let ctx = backend::OpenCtx { opts: &r.opts, addr, params: &params, host: &r.host, timeout };
         let mut not_chosen: Vec<String> = Vec::new();
         for (i, b) in r.backends.iter().enumerate() {
@@ -88,7 +89,7 @@ impl Engine {
                         host: r.host.clone(),
                         timeout,
                     };
-                    let sides = sides::Sides::new(&control, opener());
+                    let sides = sides::Sides::new(control.as_ref(), opener());
                     let failover = (!next.is_empty())
                         .then(|| failover::Failover::wrap(control.clone(), link.clone(), domains, opener()))
                         .flatten();

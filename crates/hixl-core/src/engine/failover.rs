@@ -20,11 +20,12 @@ use std::time::Duration;
 use crate::complete::Completer;
 use crate::error::{Error, Result};
 use crate::options::Options;
-use crate::queue::{Part, PartBody, Request};
+use crate::queue::{Part, Request};
 use crate::registry::{new_holder_id, Abort};
 use crate::stats::PeerStats;
 use crate::transport::backend::{Backend, OpenCtx};
-use crate::transport::streams::{ConnectParams, TcpLink};
+use crate::transport::control::channel::ControlChannel;
+use crate::transport::streams::ConnectParams;
 use crate::transport::{DataPath, Rescue};
 use crate::wire::Domain;
 
@@ -57,7 +58,7 @@ impl Opener {
 
     /// Opens the first backend of `next` that the peer offers for host memory and that opens;
     /// Err says why each could not.
-    fn open(&self, control: &Arc<TcpLink>) -> std::result::Result<Opened, String> {
+    fn open(&self, control: &Arc<dyn ControlChannel>) -> std::result::Result<Opened, String> {
         let ctx = self.ctx();
         let mut why: Vec<String> = Vec::new();
         for b in &self.next {
@@ -84,7 +85,7 @@ enum State {
     /// Carried by `path`.
     Up { path: Arc<dyn DataPath>, domains: &'static [(Domain, Domain)] },
     /// `from` died with `why`; the next backend is being opened; `waiting` goes to it then.
-    Moving { from: Arc<dyn DataPath>, waiting: Vec<(Vec<Part>, usize)> },
+    Moving { from: Arc<dyn DataPath>, waiting: Vec<Vec<Part>> },
     /// `from` died and no backend took over (or the link was closed): everything fails with `err`.
     Down { from: Arc<dyn DataPath>, err: Error },
 }
@@ -93,7 +94,7 @@ enum State {
 /// when the chosen backend can hand its parts over and a next backend is configured.
 pub(super) struct Failover {
     peer: String,
-    control: Arc<TcpLink>,
+    control: Arc<dyn ControlChannel>,
     first_domains: &'static [(Domain, Domain)],
     state: RwLock<State>,
     opener: Mutex<Option<Opener>>,
@@ -113,7 +114,7 @@ impl Failover {
     /// Wraps `path` (of a backend serving `domains`); None when `path` cannot hand its parts
     /// over (the caller then uses `path` itself).
     pub(super) fn wrap(
-        control: Arc<TcpLink>,
+        control: Arc<dyn ControlChannel>,
         path: Arc<dyn DataPath>,
         domains: &'static [(Domain, Domain)],
         opener: Opener,
@@ -155,7 +156,7 @@ impl Failover {
         let (from, waiting) = (from.clone(), std::mem::take(waiting));
         *st = State::Down { from, err: why.clone() };
         drop(st);
-        self.fail(waiting.into_iter().flat_map(|(p, _)| p).collect(), &why);
+        self.fail(waiting.into_iter().flatten().collect(), &why);
     }
 
     /// How many times the link moved to another backend (0 or 1), and why it did ("" if not).
@@ -174,19 +175,19 @@ impl Failover {
     /// Ends parts here with `err` (their requests fail).
     fn fail(&self, parts: Vec<Part>, err: &Error) {
         for p in parts {
-            self.control.finish_elsewhere(&self.done, p, Err(err.clone()));
+            self.control.finish_after(&self.done, p, Err(err.clone()));
         }
     }
 
     /// Hands parts to `path`; if it refuses them, their requests fail with its error.
-    fn hand(&self, path: &Arc<dyn DataPath>, parts: Vec<Part>, extra: usize) {
+    fn hand(&self, path: &Arc<dyn DataPath>, parts: Vec<Part>) {
         let mut reqs: Vec<Arc<Request>> = Vec::new();
         for p in &parts {
             if !reqs.iter().any(|r| Arc::ptr_eq(r, &p.req)) {
                 reqs.push(p.req.clone());
             }
         }
-        if let Err(e) = path.submit(parts, extra) {
+        if let Err(e) = path.submit(parts) {
             for r in reqs {
                 self.done.abandon(&r, e.clone());
             }
@@ -212,7 +213,7 @@ impl Failover {
                 return;
             }
         };
-        let waiting: Vec<Part> = waiting.into_iter().flat_map(|(p, _)| p).collect();
+        let waiting: Vec<Part> = waiting.into_iter().flatten().collect();
         match res {
             Ok((path, domains)) if !self.closed.load(Ordering::Acquire) => {
                 let text = format!("{} -> {}: {}", from.backend(), path.backend(), why.message);
@@ -224,7 +225,7 @@ impl Failover {
                 *st = State::Up { path: path.clone(), domains };
                 drop(st);
                 if !waiting.is_empty() {
-                    self.hand(&path, waiting, 0);
+                    self.hand(&path, waiting);
                 }
             }
             res => {
@@ -257,7 +258,7 @@ impl Rescue for Failover {
         match &mut *st {
             State::Moving { waiting, .. } => {
                 if !parts.is_empty() {
-                    waiting.push((parts, 0));
+                    waiting.push(parts);
                 }
             }
             State::Down { err, .. } => {
@@ -269,13 +270,13 @@ impl Rescue for Failover {
             State::Up { path, .. } if self.failovers.load(Ordering::Acquire) > 0 => {
                 let path = path.clone();
                 drop(st);
-                self.hand(&path, parts, 0);
+                self.hand(&path, parts);
             }
             State::Up { path, .. } => {
                 let from = path.clone();
                 tracing::warn!(peer = %self.peer, backend = from.backend(), reason = %why.message,
                     "data path died while its control channel lives; failing over");
-                let waiting = if parts.is_empty() { Vec::new() } else { vec![(parts, 0)] };
+                let waiting = if parts.is_empty() { Vec::new() } else { vec![parts] };
                 *st = State::Moving { from, waiting };
                 drop(st);
                 let (me, why) = (self.me.clone(), why.clone());
@@ -312,25 +313,21 @@ impl DataPath for Failover {
         }
     }
 
-    fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()> {
+    fn submit(&self, parts: Vec<Part>) -> Result<()> {
         {
             // Held while the path takes the parts: the path's death (`rescue`) waits for it,
             // so a part it took is either rescued or lands; never lost in between.
             let st = self.state.read().unwrap();
             if let State::Up { path, .. } = &*st {
-                return path.submit(parts, extra_slots);
+                return path.submit(parts);
             }
         }
         let mut st = self.state.write().unwrap();
         match &mut *st {
-            State::Up { path, .. } => path.submit(parts, extra_slots),
+            State::Up { path, .. } => path.submit(parts),
             State::Down { err, .. } => Err(err.clone()),
-            State::Moving { .. } if parts.iter().all(|p| matches!(p.body, PartBody::Notify(_))) => {
-                drop(st);
-                self.control.submit(parts, extra_slots)
-            }
             State::Moving { waiting, .. } => {
-                waiting.push((parts, extra_slots));
+                waiting.push(parts);
                 Ok(())
             }
         }
@@ -359,7 +356,7 @@ impl DataPath for Failover {
             match &mut *st {
                 State::Up { path, .. } => (Some(path.clone()), Vec::new()),
                 State::Moving { from, waiting } => {
-                    (Some(from.clone()), std::mem::take(waiting).into_iter().flat_map(|(p, _)| p).collect())
+                    (Some(from.clone()), std::mem::take(waiting).into_iter().flatten().collect())
                 }
                 State::Down { from, .. } => (Some(from.clone()), Vec::new()),
             }

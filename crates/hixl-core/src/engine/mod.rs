@@ -21,8 +21,8 @@ use crate::queue::Request;
 use crate::registry::{Access, MemType, Region, Registry};
 use crate::transport::backend::{Backend, MemorySpan};
 use crate::transport::backends::shm::{self, SharedMem};
+use crate::transport::control::channel::ControlChannel;
 use crate::transport::reactor::Reactor;
-use crate::transport::streams::TcpLink;
 use crate::transport::target::{Server, ServerCtx};
 use crate::transport::DataPath;
 use crate::wire::Domain;
@@ -45,7 +45,7 @@ pub use validate::{push_merged, split};
 
 struct PeerConn {
     /// The control channel: the peer's region table, notifications, liveness.
-    control: Arc<TcpLink>,
+    control: Arc<dyn ControlChannel>,
     /// The chosen backend's data path.
     link: Arc<dyn DataPath>,
     /// The (local, remote) domain pairs that data path serves.

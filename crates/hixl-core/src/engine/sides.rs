@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use super::failover::Opener;
 use crate::error::{Error, Result, Status};
 use crate::transport::backend::Backend;
-use crate::transport::streams::TcpLink;
+use crate::transport::control::channel::ControlChannel;
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
 
@@ -30,7 +30,7 @@ pub(super) struct Sides {
 
 impl Sides {
     /// The backends of `opener.next` that the peer offers (per `control`'s handshake).
-    pub(super) fn new(control: &TcpLink, opener: Opener) -> Sides {
+    pub(super) fn new(control: &dyn ControlChannel, opener: Opener) -> Sides {
         let later = opener
             .next
             .iter()
@@ -56,7 +56,7 @@ impl Sides {
     }
 
     /// The path of later backend `i`, opened now over `control` if it is not open (or died).
-    pub(super) fn path(&self, i: usize, control: &Arc<TcpLink>) -> Result<Arc<dyn DataPath>> {
+    pub(super) fn path(&self, i: usize, control: &Arc<dyn ControlChannel>) -> Result<Arc<dyn DataPath>> {
         let l = &self.later[i];
         let mut path = l.path.lock().unwrap();
         if let Some(p) = path.as_ref().filter(|p| p.is_alive()) {

@@ -93,7 +93,6 @@ impl Engine {
     ) -> Result<TransferReq> {
         let timeout = timeout.unwrap_or(r.opts.transfer_timeout);
         let id = r.next_req.fetch_add(1, Ordering::Relaxed);
-        let extra = usize::from(notify.is_some());
         let n = if staged { 1 } else { bodies.len() };
         let device = crate::transport::staging::device_of(&pins);
         let first = match bodies.first() {
@@ -106,10 +105,10 @@ impl Engine {
         let req = Arc::new(req.with_first_addrs(local, remote_addr).waited(waiting == Waiting::Now));
         req.track(&conn.link.stats());
         let submitted = if staged {
-            r.stager.submit(link.clone(), req.clone(), bodies, device)
+            r.stager.submit(link.clone(), conn.control.clone(), req.clone(), bodies, device)
         } else {
             let parts: Vec<Part> = bodies.into_iter().map(|body| Part { req: req.clone(), body }).collect();
-            link.submit(parts, extra)
+            link.submit(parts)
         };
         if let Err(e) = submitted {
             // Refused before any backend took it: not counted as an operation, no longer in
@@ -292,7 +291,8 @@ impl Engine {
         let id = r.next_req.fetch_add(1, Ordering::Relaxed);
         let req = Arc::new(Request::new(id, TransferOp::Write, remote.into(), 0, 0, 1, left, vec![], None));
         req.track(&conn.link.stats());
-        if let Err(e) = conn.link.submit(vec![Part { req: req.clone(), body: PartBody::Notify(n) }], 0) {
+        if let Err(e) = conn.control.send_notifies(vec![Part { req: req.clone(), body: PartBody::Notify(n) }])
+        {
             req.refuse(e.clone());
             return Err(e);
         }

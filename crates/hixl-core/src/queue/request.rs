@@ -60,6 +60,9 @@ pub struct Request {
     claimed: AtomicBool,
     /// The backend that carried it and when its I/O ended (for telemetry).
     ended: OnceLock<(&'static str, Instant)>,
+    /// The backend that carried its data, when its notification went on after it over the
+    /// control channel (whose completer settles it): the one `account` records.
+    carried_by: OnceLock<&'static str>,
     /// When the submitting call had handed it to its backend (for telemetry).
     posted: OnceLock<Instant>,
     /// The task awaiting it (async Rust), woken when it settles.
@@ -110,6 +113,7 @@ impl Request {
             counted_in: OnceLock::new(),
             claimed: AtomicBool::new(false),
             ended: OnceLock::new(),
+            carried_by: OnceLock::new(),
             posted: OnceLock::new(),
             wakers: Mutex::new(Vec::new()),
             watched: AtomicBool::new(false),
@@ -307,9 +311,17 @@ impl Request {
     pub(crate) fn account(&self, backend: &'static str) -> bool {
         let first = !self.accounted.swap(true, Ordering::AcqRel);
         if first {
+            let backend = self.carried_by.get().copied().unwrap_or(backend);
             let _ = self.ended.set((backend, Instant::now()));
         }
         first
+    }
+
+    /// Records that `backend` carried its data and its notification follows over the control
+    /// channel (see `Completer::finish`): the request is accounted to `backend`, not to the
+    /// control channel that settles it.
+    pub(crate) fn carried_by(&self, backend: &'static str) {
+        let _ = self.carried_by.set(backend);
     }
 
     /// When its I/O ended, as `account` recorded it.
@@ -347,6 +359,11 @@ impl Request {
         for w in ws {
             w.wake();
         }
+    }
+
+    /// The backend `account` recorded (None before its I/O ended).
+    pub(crate) fn carrier(&self) -> Option<&'static str> {
+        self.ended.get().map(|(b, _)| *b)
     }
 
     /// Records that the submitting call has handed it to its backend.

@@ -19,7 +19,8 @@ use std::time::Duration;
 use crate::error::{Error, Result, Status};
 use crate::options::Options;
 use crate::registry::Access;
-use crate::transport::streams::{ConnectParams, TcpLink};
+use crate::transport::control::channel::ControlChannel;
+use crate::transport::streams::ConnectParams;
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
 
@@ -100,11 +101,11 @@ pub trait Backend: Send + Sync {
     fn connect(
         &self,
         ctx: &OpenCtx<'_>,
-        control: &Arc<TcpLink>,
+        control: &Arc<dyn ControlChannel>,
         offer: &Capability,
     ) -> std::result::Result<Arc<dyn DataPath>, String>;
 
-    /// The target's side of a `connect` that needs one (`TcpLink::open_backend`): answers the
+    /// The target's side of a `connect` that needs one (`ControlChannel::open_backend`): answers the
     /// initiator's BackendOpen payload on a served control link from `from` (the initiator's
     /// address, for per-source caps). `state` is this backend's state for that link, kept
     /// until the link ends (then dropped). The default refuses.

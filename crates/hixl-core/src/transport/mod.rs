@@ -52,9 +52,9 @@ pub trait DataPath: crate::registry::Abort + Send + Sync {
     fn backend(&self) -> &'static str;
     /// How many workers can carry shares of one request in parallel.
     fn parallelism(&self) -> usize;
-    /// Queues the parts of one request; `extra_slots` more queue slots are reserved for
-    /// follow-up parts (the notify that follows the data). `RESOURCE_EXHAUSTED` when full.
-    fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()>;
+    /// Queues the parts of one request (data only: a notification, after the data or on its
+    /// own, goes over the link's control channel). `RESOURCE_EXHAUSTED` when full.
+    fn submit(&self, parts: Vec<Part>) -> Result<()>;
     /// Whether the data path (and its control channel) is usable.
     fn is_alive(&self) -> bool;
     /// Why it died, if it did.

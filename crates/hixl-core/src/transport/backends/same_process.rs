@@ -21,7 +21,7 @@ use crate::queue::{Part, PartBody, SegPair, TransferOp};
 use crate::registry::{new_holder_id, Abort, Pin};
 use crate::stats::PeerStats;
 use crate::transport::backend::{with_local_socket, Backend, OpenCtx, HOST_TO_HOST};
-use crate::transport::streams::TcpLink;
+use crate::transport::control::channel::ControlChannel;
 use crate::transport::target::Server;
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
@@ -65,7 +65,7 @@ pub(crate) fn find(name: &str, ours: &str, theirs: &str) -> std::result::Result<
 pub struct SameProcessLink {
     /// This link as a holder of its own side's region pins.
     holder_id: u64,
-    tcp: Arc<TcpLink>,
+    tcp: Arc<dyn ControlChannel>,
     target: Arc<Server>,
     done: Completer,
     closed: AtomicBool,
@@ -84,8 +84,7 @@ impl Abort for NoAbort {
 
 impl SameProcessLink {
     /// Wraps a connected TCP link whose peer is `target`, an engine of this process.
-    pub(crate) fn new(tcp: Arc<TcpLink>, target: Arc<Server>) -> Arc<SameProcessLink> {
-        tcp.set_label(crate::backend_names::SELF);
+    pub(crate) fn new(tcp: Arc<dyn ControlChannel>, target: Arc<Server>) -> Arc<SameProcessLink> {
         let done = Completer::new(crate::backend_names::SELF, &tcp.peer_info().engine_id, tcp.stats());
         Arc::new(SameProcessLink {
             holder_id: new_holder_id(),
@@ -134,7 +133,7 @@ impl SameProcessLink {
     }
 
     fn finish_part(&self, part: Part, res: Result<()>) {
-        self.tcp.finish_elsewhere(&self.done, part, res);
+        self.tcp.finish_after(&self.done, part, res);
     }
 }
 
@@ -148,10 +147,7 @@ impl DataPath for SameProcessLink {
     }
 
     /// Copies at once, on the calling thread: the request is settled when this returns.
-    fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()> {
-        if parts.iter().all(|p| matches!(p.body, PartBody::Notify(_))) {
-            return self.tcp.submit(parts, extra_slots);
-        }
+    fn submit(&self, parts: Vec<Part>) -> Result<()> {
         for part in parts {
             let res = self.execute(&part);
             self.finish_part(part, res);
@@ -207,7 +203,7 @@ impl Backend for SameProcess {
     fn connect(
         &self,
         _ctx: &OpenCtx<'_>,
-        control: &Arc<TcpLink>,
+        control: &Arc<dyn ControlChannel>,
         offer: &Capability,
     ) -> std::result::Result<Arc<dyn DataPath>, String> {
         let (ours, theirs) = control.stream0_ends().map_err(|e| e.message)?;

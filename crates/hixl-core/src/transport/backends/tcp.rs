@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use crate::backend_names as names;
 use crate::transport::backend::{Backend, OpenCtx};
+use crate::transport::control::channel::ControlChannel;
 use crate::transport::streams::{ConnectParams, TcpLink};
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
@@ -27,16 +28,11 @@ impl Backend for Tcp {
     fn connect(
         &self,
         ctx: &OpenCtx<'_>,
-        control: &Arc<TcpLink>,
+        control: &Arc<dyn ControlChannel>,
         _offer: &Capability,
     ) -> std::result::Result<Arc<dyn DataPath>, String> {
         let params = ConnectParams { streams: ctx.opts.streams, data_path: true, ..ctx.params.clone() };
-        let data = TcpLink::connect_counting(control.peer(), ctx.addr, &params, control.stats())
-            .map_err(|e| e.message)?;
-        if let Err(e) = data.attach_to(control.clone()) {
-            data.close(e.clone());
-            return Err(e.message);
-        }
+        let data = TcpLink::connect_data(control, ctx.addr, &params).map_err(|e| e.message)?;
         Ok(data)
     }
 }

@@ -1,8 +1,10 @@
 //! The control half of a link: the peer's region table (whole tables and deltas, queries,
 //! confirmations), heartbeats and liveness. Every backend's link has exactly one, and no
 //! backend's data path reads or writes the table except through it. Today it runs over the
-//! TCP link's streams (stream 0 carries the table updates; see `tcp` for the data half).
+//! TCP link's streams (stream 0 carries the table updates; see `streams`); `channel` is what it
+//! offers the data paths.
 
+pub(crate) mod channel;
 pub mod liveness;
 
 use std::os::fd::AsRawFd;
@@ -10,14 +12,19 @@ use std::sync::atomic::Ordering;
 use std::sync::RwLockReadGuard;
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
 use crate::error::{Error, Result};
+use crate::queue::Part;
 use crate::registry::RemoteTable;
+use crate::stats::PeerStats;
 use crate::transport::io;
 use crate::transport::io::addr_text;
 use crate::transport::reactor::Tick;
 use crate::transport::streams::{Stream, TcpLink};
 use crate::transport::{DataPath, PeerInfo};
 use crate::wire::{Frame, RegionEntry};
+use channel::{ControlChannel, OnClose};
 
 impl Tick for TcpLink {
     /// Every heartbeat interval (from the engine's timer): samples the peer's progress, closes
@@ -42,13 +49,16 @@ impl Tick for TcpLink {
         if let Some(silent) = dead {
             let every = beat.every;
             drop(beat);
-            self.close(Error::not_connected(format!(
-                "{} stopped answering: no progress for {} ms ({} heartbeats of {} ms missed)",
-                self.peer,
-                silent.as_millis(),
-                liveness::MISSED,
-                every.as_millis()
-            )));
+            DataPath::close(
+                self,
+                Error::not_connected(format!(
+                    "{} stopped answering: no progress for {} ms ({} heartbeats of {} ms missed)",
+                    self.peer,
+                    silent.as_millis(),
+                    liveness::MISSED,
+                    every.as_millis()
+                )),
+            );
             return false;
         }
         for s in &self.streams {
@@ -114,13 +124,30 @@ impl TcpLink {
         self.tables.1.notify_all();
     }
 
+    /// Confirms region-table `version` to the peer (queued on the stream; never waits).
+    pub(super) fn confirm_table(&self, s: &Stream, version: u64) {
+        self.send_own(s, &Frame::RegionsAck { version }, 0);
+    }
+
+    /// The reader's half of `open_backend`: records the answer to BackendOpen `tag`.
+    pub(super) fn backend_opened(&self, tag: u64, res: Result<Vec<u8>>) {
+        let _g = self.tables.0.lock().unwrap();
+        let mut o = self.opened.lock().unwrap();
+        if o.len() < 64 {
+            o.push((tag, res));
+        }
+        self.tables.1.notify_all();
+    }
+}
+
+impl ControlChannel for TcpLink {
     /// Waits (up to `timeout`) until the installed region table has at least `version`.
-    pub fn wait_table_version(&self, version: u64, timeout: Duration) -> Result<()> {
+    fn wait_table_version(&self, version: u64, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let mut n = self.tables.0.lock().unwrap();
         while self.table_version.load(Ordering::Acquire) < version {
             let left = deadline.saturating_duration_since(Instant::now());
-            if !self.is_alive() || left.is_zero() {
+            if !DataPath::is_alive(self) || left.is_zero() {
                 return Err(Error::timeout(format!(
                     "{} did not send region table version {version} in time",
                     self.peer
@@ -131,18 +158,13 @@ impl TcpLink {
         Ok(())
     }
 
-    /// Confirms region-table `version` to the peer (queued on the stream; never waits).
-    pub(super) fn confirm_table(&self, s: &Stream, version: u64) {
-        self.send_own(s, &Frame::RegionsAck { version }, 0);
-    }
-
     /// Our descriptor of stream 0 (the same-host proof shows it to the peer).
-    pub fn stream0_fd(&self) -> std::os::fd::RawFd {
+    fn stream0_fd(&self) -> std::os::fd::RawFd {
         self.streams[0].sock.as_raw_fd()
     }
 
     /// The two ends of stream 0 (ours, the peer's), as the same-host proof names them.
-    pub fn stream0_ends(&self) -> Result<(String, String)> {
+    fn stream0_ends(&self) -> Result<(String, String)> {
         let s = &self.streams[0].sock;
         let ends = s.local_addr().and_then(|l| Ok((l, s.peer_addr()?)));
         let (l, p) = ends.map_err(|e| Error::not_connected(format!("stream to {}: {e}", self.peer)))?;
@@ -150,28 +172,28 @@ impl TcpLink {
     }
 
     /// The peer's address as the engine was asked to connect to it.
-    pub fn peer(&self) -> &str {
+    fn peer(&self) -> &str {
         &self.peer
     }
 
     /// Handshake facts about the peer (`regions` as of the handshake).
-    pub fn handshake(&self) -> &PeerInfo {
+    fn handshake(&self) -> &PeerInfo {
         &self.info
     }
 
     /// Handshake facts about the peer (its table as of now).
-    pub fn peer_info(&self) -> PeerInfo {
+    fn peer_info(&self) -> PeerInfo {
         PeerInfo { regions: self.table.read().unwrap().clone(), ..self.info.clone() }
     }
 
     /// The peer's current region table; hold the guard only briefly (updates wait for it).
-    pub fn table(&self) -> RwLockReadGuard<'_, RemoteTable> {
+    fn table(&self) -> RwLockReadGuard<'_, RemoteTable> {
         self.table.read().unwrap()
     }
 
     /// Asks the peer's `backend` to open its side of a data path (BackendOpen with `payload`,
     /// on stream 0) and waits up to `timeout` for its answer's payload.
-    pub fn open_backend(&self, backend: &str, payload: Vec<u8>, timeout: Duration) -> Result<Vec<u8>> {
+    fn open_backend(&self, backend: &str, payload: Vec<u8>, timeout: Duration) -> Result<Vec<u8>> {
         let tag = self.next_query.fetch_add(1, Ordering::Relaxed);
         if !self.alive() {
             return Err(self.close_reason());
@@ -188,7 +210,7 @@ impl TcpLink {
                 return res;
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            if !self.is_alive() || left.is_zero() {
+            if !DataPath::is_alive(self) || left.is_zero() {
                 return Err(Error::timeout(format!(
                     "{} did not answer the {backend} BackendOpen in time",
                     self.peer
@@ -198,26 +220,16 @@ impl TcpLink {
         }
     }
 
-    /// The reader's half of `open_backend`: records the answer to BackendOpen `tag`.
-    pub(super) fn backend_opened(&self, tag: u64, res: Result<Vec<u8>>) {
-        let _g = self.tables.0.lock().unwrap();
-        let mut o = self.opened.lock().unwrap();
-        if o.len() < 64 {
-            o.push((tag, res));
-        }
-        self.tables.1.notify_all();
-    }
-
     /// The table's read guard when it can be had without waiting (None: a writer holds or
     /// waits for it); for guards kept past one call (`cuda::hold`).
-    pub fn try_table(&self) -> Option<RwLockReadGuard<'_, RemoteTable>> {
+    fn try_table(&self) -> Option<RwLockReadGuard<'_, RemoteTable>> {
         self.table.try_read().ok()
     }
 
     /// Asks the peer for its current region table and waits (up to `timeout`) until it is
     /// installed: for a range the peer registered so recently that its update is still on
     /// the way (it told us about the range through another channel).
-    pub fn refresh_table(&self, timeout: Duration) -> Result<()> {
+    fn refresh_table(&self, timeout: Duration) -> Result<()> {
         let tag = self.next_query.fetch_add(1, Ordering::Relaxed);
         // On the first stream: the one the peer sends its table updates on, so the answer
         // comes after every update sent before it.
@@ -229,11 +241,43 @@ impl TcpLink {
         let mut n = self.tables.0.lock().unwrap();
         while *n < tag {
             let left = deadline.saturating_duration_since(Instant::now());
-            if !self.is_alive() || left.is_zero() {
+            if !DataPath::is_alive(self) || left.is_zero() {
                 return Err(Error::timeout(format!("{} did not send its region table in time", self.peer)));
             }
             n = self.tables.1.wait_timeout(n, left.min(Duration::from_millis(50))).unwrap().0;
         }
         Ok(())
+    }
+
+    fn read_received(&self) {
+        self.read_received_all();
+    }
+
+    fn on_close(&self, hook: OnClose) {
+        self.on_close_hook(hook);
+    }
+
+    fn send_notifies(&self, parts: Vec<Part>) -> Result<()> {
+        DataPath::submit(self, parts)
+    }
+
+    fn stats(&self) -> Arc<PeerStats> {
+        DataPath::stats(self)
+    }
+
+    fn is_alive(&self) -> bool {
+        DataPath::is_alive(self)
+    }
+
+    fn dead_reason(&self) -> Option<String> {
+        DataPath::dead_reason(self)
+    }
+
+    fn close_reason(&self) -> Error {
+        TcpLink::close_reason(self)
+    }
+
+    fn close(&self, why: Error) {
+        DataPath::close(self, why);
     }
 }

@@ -9,7 +9,7 @@ pub mod proof;
 use std::time::{Duration, Instant};
 
 use crate::transport::backend::OpenCtx;
-use crate::transport::streams::TcpLink;
+use crate::transport::control::channel::ControlChannel;
 use proof::Proven;
 
 /// The same-host proof (see `transport::same_host::proof`): both processes show, over the peer's Unix
@@ -18,7 +18,7 @@ use proof::Proven;
 /// be used.
 pub(crate) fn prove_same_host(
     ctx: &OpenCtx<'_>,
-    tcp: &TcpLink,
+    tcp: &dyn ControlChannel,
     socket: &str,
 ) -> std::result::Result<Proven, String> {
     let host = &tcp.handshake().host;

@@ -16,10 +16,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::{unsupported_here, CopyStream, PinnedBuf};
-use crate::complete::{Completer, Next};
+use crate::complete::Completer;
 use crate::cuda::stage_plan::{chunks, Act, Chunk, Flow, Pipeline};
 use crate::error::{Error, Result};
 use crate::queue::{Part, PartBody, Request, SegPair, TransferOp, TransferStatus};
+use crate::transport::control::channel::ControlChannel;
 use crate::transport::DataPath;
 use crate::wire::MAX_DESCS;
 
@@ -31,6 +32,8 @@ const WORKERS: usize = 2;
 /// One staged request.
 struct Job {
     link: Arc<dyn DataPath>,
+    /// The link's control channel: the notification after the data goes over it.
+    control: Arc<dyn ControlChannel>,
     req: Arc<Request>,
     segs: Vec<SegPair>,
     /// The device of the local memory; None: local memory is host memory (the peer stages).
@@ -65,6 +68,7 @@ impl Stager {
     pub(crate) fn submit(
         &self,
         link: Arc<dyn DataPath>,
+        control: Arc<dyn ControlChannel>,
         req: Arc<Request>,
         bodies: Vec<PartBody>,
         device: Option<u8>,
@@ -90,7 +94,8 @@ impl Stager {
         self.start()?;
         let tx = self.tx.lock().unwrap();
         let tx = tx.as_ref().ok_or_else(|| Error::not_connected("the engine is finalizing"))?;
-        tx.send(Job { link, req, segs, device }).map_err(|_| Error::not_connected("the stager has stopped"))
+        tx.send(Job { link, control, req, segs, device })
+            .map_err(|_| Error::not_connected("the stager has stopped"))
     }
 
     fn start(&self) -> Result<()> {
@@ -246,7 +251,7 @@ fn send(job: &Job, c: &Chunk, segs: Vec<SegPair>) -> Result<Arc<Request>> {
     ));
     // Counted with the caller's request, not on its own.
     child.account(job.link.backend());
-    job.link.submit(vec![Part { req: child.clone(), body: PartBody::Data(segs) }], 0)?;
+    job.link.submit(vec![Part { req: child.clone(), body: PartBody::Data(segs) }])?;
     Ok(child)
 }
 
@@ -278,10 +283,5 @@ fn drain(children: &[Option<Arc<Request>>]) {
 fn finish(job: &Job, res: Result<()>) {
     let done = Completer::new(job.link.backend(), &job.req.peer, job.link.stats());
     let part = Part { req: job.req.clone(), body: PartBody::Data(Vec::new()) };
-    if let Next::Notify(n) = done.finish(part, res) {
-        let req = n.req.clone();
-        if let Err(e) = job.link.submit(vec![n], 0) {
-            done.abandon(&req, e);
-        }
-    }
+    job.control.finish_after(&done, part, res);
 }

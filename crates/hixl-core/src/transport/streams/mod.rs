@@ -12,11 +12,12 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::auth::{self, FrameMac, MAC_LEN};
-use crate::complete::{Completer, Next};
+use crate::complete::Completer;
 use crate::error::{Error, Result};
-use crate::queue::{Part, PartBody, Request, TransferStatus, WaitHelp, WorkQueue};
+use crate::queue::{Part, Request, TransferStatus, WaitHelp, WorkQueue};
 use crate::registry::{new_holder_id, Abort, RemoteTable};
 use crate::stats::PeerStats;
+use crate::transport::control::channel::{ControlChannel, OnClose};
 use crate::transport::control::liveness::Liveness;
 use crate::transport::io;
 use crate::transport::io::nbio::{self, FrameReader, IoJob, Outbox};
@@ -128,33 +129,65 @@ pub struct TcpLink {
     pub(super) next_query: AtomicU64,
     /// Answers to BackendOpen by tag (`open_backend` waits on `tables`' condvar for its own).
     pub(super) opened: Mutex<Vec<(u64, Result<Vec<u8>>)>>,
-    /// For a data path: the link's control channel, which sends the notifications after the
-    /// data and lives and dies with it (unset: this link is a control channel).
-    pub(super) control: std::sync::OnceLock<Arc<TcpLink>>,
-    /// For a control channel: its data path's link, closed with it (a dead control channel
-    /// must not leave data streams whose queued bytes could still land later).
-    pub(super) data: std::sync::OnceLock<std::sync::Weak<TcpLink>>,
-    /// For a control channel: what runs once when it closes (another backend's data path
-    /// that lives and dies with it, such as an RDMA link), given the reason.
+    /// What the streams carry: the control channel, or the `tcp` backend's data path (which
+    /// holds its control channel).
+    pub(super) role: Role,
+    /// For a control channel: what runs once when it closes (the data paths that live and die
+    /// with it), given the reason.
     pub(super) on_close: Mutex<Vec<OnClose>>,
 }
 
-/// A hook run when a control channel closes (see [`TcpLink::on_close`]).
-pub type OnClose = Box<dyn FnOnce(Error) + Send>;
+/// What a link's streams carry.
+pub(crate) enum Role {
+    /// The link's control channel: handshake, region tables, notifications, heartbeats.
+    Control,
+    /// The `tcp` backend's data path. Notifications after the data go over this control
+    /// channel, with which the path lives and dies.
+    Data(Arc<dyn ControlChannel>),
+}
 
 impl TcpLink {
-    /// Connects `p.streams` streams to `peer`, performs the handshake on each and starts the
-    /// stream sources on the engine's reactor.
+    /// Connects a control channel to `peer`: `p.streams` streams, the handshake on each, and
+    /// the stream sources started on the engine's reactor.
     pub fn connect(peer: &str, addr: SocketAddr, p: &ConnectParams) -> Result<Arc<TcpLink>> {
-        Self::connect_counting(peer, addr, p, Arc::new(PeerStats::default()))
+        Self::open(peer, addr, p, Arc::new(PeerStats::default()), Role::Control)
     }
 
-    /// Like `connect`, counting into `stats` (a data path counts where its control channel does).
-    pub fn connect_counting(
+    /// Connects the `tcp` backend's data path to the peer at the other end of `control`: it
+    /// counts where the control channel does, sends its notifications over it, and closes
+    /// with it (both ways).
+    pub(crate) fn connect_data(
+        control: &Arc<dyn ControlChannel>,
+        addr: SocketAddr,
+        p: &ConnectParams,
+    ) -> Result<Arc<TcpLink>> {
+        let data = Self::open(control.peer(), addr, p, control.stats(), Role::Data(control.clone()))?;
+        let (ours, theirs) = (&data.info.engine_id, &control.handshake().engine_id);
+        if ours != theirs {
+            let e = Error::not_connected(format!(
+                "{}: the data streams reached {ours}, the control channel {theirs}",
+                data.peer
+            ));
+            data.shut(e.clone());
+            return Err(e);
+        }
+        let weak = Arc::downgrade(&data);
+        control.on_close(Box::new(move |why| {
+            if let Some(d) = weak.upgrade() {
+                // What the peer already answered settles before the rest fails.
+                d.read_received_all();
+                d.shut(why);
+            }
+        }));
+        Ok(data)
+    }
+
+    fn open(
         peer: &str,
         addr: SocketAddr,
         p: &ConnectParams,
         stats: Arc<PeerStats>,
+        role: Role,
     ) -> Result<Arc<TcpLink>> {
         let deadline = Instant::now() + p.timeout;
         let mut nonce = [0u8; 8];
@@ -220,8 +253,7 @@ impl TcpLink {
             tables: (Mutex::new(0), std::sync::Condvar::new()),
             next_query: AtomicU64::new(1),
             opened: Mutex::new(Vec::new()),
-            control: std::sync::OnceLock::new(),
-            data: std::sync::OnceLock::new(),
+            role,
             on_close: Mutex::new(Vec::new()),
         });
         for s in &link.streams {
@@ -239,18 +271,26 @@ impl TcpLink {
                     s.reader_token.store(rt, Ordering::Release);
                 }
                 Err(e) => {
-                    link.close(e.clone());
+                    DataPath::close(&*link, e.clone());
                     return Err(e);
                 }
             }
         }
         // A data path's liveness is its control channel's: they close together, and one
         // heartbeat per peer keeps an idle engine with many peers idle.
-        if !every.is_zero() && !p.data_path {
+        if !every.is_zero() && matches!(link.role, Role::Control) {
             let tick: Arc<dyn crate::transport::reactor::Tick> = link.clone();
             link.reactor.every(every, Arc::downgrade(&tick));
         }
         Ok(link)
+    }
+
+    /// The control channel of a data path (None: this link is one).
+    pub(super) fn control(&self) -> Option<&Arc<dyn ControlChannel>> {
+        match &self.role {
+            Role::Data(c) => Some(c),
+            Role::Control => None,
+        }
     }
 
     /// Whether the link is open.
@@ -258,33 +298,13 @@ impl TcpLink {
         self.alive.load(Ordering::Acquire)
     }
 
-    /// Records the end of one part; the last part settles the request or queues its notify.
+    /// Records the end of one part: a data path's parts end on its control channel (which
+    /// sends the notification after the data when it is due); a control channel's own parts
+    /// are notifications, whose end settles their requests.
     fn finish_part(&self, part: Part, res: Result<()>) {
-        if let Some(control) = self.control.get() {
-            return control.finish_elsewhere(&self.done, part, res);
-        }
-        match self.done.finish(part, res) {
-            Next::Pending => {}
-            // Its slot was reserved at submit; the notification will not use it.
-            Next::Settled { notify_dropped: true } => self.queue.unreserve(1),
-            Next::Settled { notify_dropped: false } => {}
-            Next::Notify(n) => {
-                // Into the slot reserved for it at submit, on any stream.
-                self.queue.push_reserved(n);
-                self.kick(None, 0);
-                self.fail_queued_if_closed();
-            }
-        }
-    }
-
-    /// Reports a part that another backend carried over this link's control channel: when the
-    /// completer says the notification after the data is due, it goes out here.
-    pub(crate) fn finish_elsewhere(&self, done: &Completer, part: Part, res: Result<()>) {
-        if let Next::Notify(n) = done.finish(part, res) {
-            let req = n.req.clone();
-            if let Err(e) = self.submit(vec![n], 0) {
-                done.abandon(&req, e);
-            }
+        match &self.role {
+            Role::Data(control) => control.finish_after(&self.done, part, res),
+            Role::Control => ControlChannel::finish_after(self, &self.done, part, res),
         }
     }
 
@@ -337,24 +357,9 @@ impl TcpLink {
         first
     }
 
-    /// Makes this link the data path of `control`'s link: notifications after the data go
-    /// over `control`, and closing either side closes the pair.
-    pub(crate) fn attach_to(self: &Arc<Self>, control: Arc<TcpLink>) -> Result<()> {
-        let (ours, theirs) = (&self.info.engine_id, &control.info.engine_id);
-        if ours != theirs {
-            return Err(Error::not_connected(format!(
-                "{}: the data streams reached {ours}, the control channel {theirs}",
-                self.peer
-            )));
-        }
-        let _ = control.data.set(Arc::downgrade(self));
-        let _ = self.control.set(control);
-        Ok(())
-    }
-
     /// Runs `hook` once with the reason when this link closes (at once when it is closed
-    /// already). A hook must not block: it runs on whichever thread closes the link.
-    pub fn on_close(&self, hook: OnClose) {
+    /// already).
+    pub(super) fn on_close_hook(&self, hook: OnClose) {
         let mut hooks = self.on_close.lock().unwrap();
         if self.alive.load(Ordering::Acquire) {
             hooks.push(hook);
@@ -362,12 +367,6 @@ impl TcpLink {
         }
         drop(hooks);
         hook(self.close_reason());
-    }
-
-    /// Names the backend in logs when another backend carries the data over this link's
-    /// control channel.
-    pub fn set_label(&self, backend: &'static str) {
-        self.done.set_backend(backend);
     }
 
     fn fail_queued_if_closed(&self) {
@@ -389,18 +388,11 @@ impl DataPath for TcpLink {
         self.streams.len()
     }
 
-    fn submit(&self, parts: Vec<Part>, mut extra_slots: usize) -> Result<()> {
+    fn submit(&self, parts: Vec<Part>) -> Result<()> {
         if !self.alive.load(Ordering::Acquire) {
             return Err(self.close_reason());
         }
-        if let Some(control) = self.control.get() {
-            // Notifications go over the control channel, after the data (see `finish_part`).
-            if parts.iter().all(|p| matches!(p.body, PartBody::Notify(_))) {
-                return control.submit(parts, extra_slots);
-            }
-            extra_slots = 0;
-        }
-        self.queue.reserve(parts.len() + extra_slots)?;
+        self.queue.reserve(parts.len())?;
         let n = self.streams.len();
         if parts.len() > 1 {
             // The shares of a split request: one per stream, so that all streams carry one.
@@ -425,22 +417,20 @@ impl DataPath for TcpLink {
     }
 
     fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::Acquire) && self.control.get().is_none_or(|c| c.is_alive())
+        self.alive.load(Ordering::Acquire) && self.control().is_none_or(|c| c.is_alive())
     }
 
     fn dead_reason(&self) -> Option<String> {
         let own = self.reason.lock().unwrap().as_ref().map(|e| e.message.clone());
-        own.or_else(|| self.control.get().and_then(|c| c.dead_reason()))
+        own.or_else(|| self.control().and_then(|c| c.dead_reason()))
     }
 
     fn close(&self, why: Error) {
-        let first = self.shut(why);
-        // A data path and its control channel live and die together.
-        let partner =
-            self.control.get().cloned().or_else(|| self.data.get().and_then(std::sync::Weak::upgrade));
-        if first {
-            if let Some(p) = &partner {
-                p.shut(self.close_reason());
+        // A data path and its control channel live and die together: closing the control
+        // channel closes the data path through its hook (`connect_data`).
+        if self.shut(why) {
+            if let Some(c) = self.control() {
+                c.close(self.close_reason());
             }
         }
     }
@@ -489,7 +479,7 @@ impl WaitHelp for TcpLink {
 
 impl Abort for TcpLink {
     fn abort(&self, why: &str) {
-        self.close(Error::failed(why.to_string()));
+        DataPath::close(self, Error::failed(why.to_string()));
     }
 
     fn holder_id(&self) -> u64 {

@@ -39,19 +39,25 @@ impl Source for Reader {
 }
 
 impl TcpLink {
-    /// Reads what every other stream of this link and of its partner (data path or control
-    /// channel) has received, before one stream's end closes them all and fails what is
-    /// pending: a target that ends its streams (a finalize) sends what it owes on each
-    /// first, so a request it answered, such as a notification it stored, is settled by its
-    /// answer, not failed with the link.
+    /// Reads what every other stream of this link, and of a data path's control channel, has
+    /// received, before one stream's end closes them all and fails what is pending: a target
+    /// that ends its streams (a finalize) sends what it owes on each first, so a request it
+    /// answered, such as a notification it stored, is settled by its answer, not failed with
+    /// the link. (A control channel's data path reads its own in its close hook.)
     fn read_what_came(&self, ended: &Stream) {
-        let partner =
-            self.control.get().cloned().or_else(|| self.data.get().and_then(std::sync::Weak::upgrade));
-        for link in std::iter::once(self).chain(partner.as_deref()) {
-            for s in link.streams.iter().filter(|s| !std::ptr::eq(s.as_ref(), ended)) {
-                // A stream that ended too, or failed, is closed with the rest below.
-                let _ = link.read_some(s);
-            }
+        for s in self.streams.iter().filter(|s| !std::ptr::eq(s.as_ref(), ended)) {
+            // A stream that ended too, or failed, is closed with the rest below.
+            let _ = self.read_some(s);
+        }
+        if let Some(c) = self.control() {
+            c.read_received();
+        }
+    }
+
+    /// Handles what every stream has received so far (see `read_what_came`).
+    pub(crate) fn read_received_all(&self) {
+        for s in &self.streams {
+            let _ = self.read_some(s);
         }
     }
 

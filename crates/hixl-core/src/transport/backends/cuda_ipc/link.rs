@@ -32,7 +32,7 @@ use crate::queue::{Part, PartBody, SegPair, TransferOp};
 use crate::registry::{new_holder_id, Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::backends::shm::{map_peer_region, memfd_key, PeerMapping, ShmLink};
-use crate::transport::streams::TcpLink;
+use crate::transport::control::channel::ControlChannel;
 use crate::transport::DataPath;
 use crate::wire::{Domain, RegionEntry};
 
@@ -59,7 +59,7 @@ impl Drop for PinnedPeerHost {
 /// The data path (see the module doc).
 pub(crate) struct CudaIpcLink {
     holder_id: u64,
-    tcp: Arc<TcpLink>,
+    tcp: Arc<dyn ControlChannel>,
     shm: Arc<ShmLink>,
     /// The engine's `Gpu`, made on the first device copy.
     slot: Arc<GpuSlot>,
@@ -82,7 +82,7 @@ impl CudaIpcLink {
     /// Wraps a proven same-host link (`shm` carries its host-to-host parts); `pidfd` is a
     /// descriptor of the proven peer process (for its memfds).
     pub(crate) fn new(
-        tcp: Arc<TcpLink>,
+        tcp: Arc<dyn ControlChannel>,
         shm: Arc<ShmLink>,
         slot: Arc<GpuSlot>,
         streams: usize,
@@ -273,15 +273,20 @@ impl CudaIpcLink {
             PartBody::Notify(_) => Err(Error::failed("a notification reached the copy path")),
         };
         if let Err(e) = res {
-            self.tcp.finish_elsewhere(&self.done, part, Err(e));
+            self.tcp.finish_after(&self.done, part, Err(e));
             return;
         }
         let (tcp, done) = (self.tcp.clone(), self.done.clone());
-        let on_done = Box::new(move |res| tcp.finish_elsewhere(&done, part, res));
+        let on_done = Box::new(move |res| tcp.finish_after(&done, part, res));
         // The copies end after this call, and the peer must not free their memory before:
         // the completion thread keeps the peer's table read-locked until they ended (see
         // `cuda::hold`), as this call does now.
-        gpu.copy(self.holder_id, &copies, on_done, try_hold(self.tcp.clone(), TcpLink::try_table));
+        gpu.copy(
+            self.holder_id,
+            &copies,
+            on_done,
+            try_hold(self.tcp.clone(), <dyn ControlChannel>::try_table),
+        );
     }
 }
 
@@ -313,13 +318,10 @@ impl DataPath for CudaIpcPath {
         self.0.shm.parallelism()
     }
 
-    fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()> {
+    fn submit(&self, parts: Vec<Part>) -> Result<()> {
         let l = &self.0;
         if !self.is_alive() {
             return Err(l.reason());
-        }
-        if parts.iter().all(|p| matches!(p.body, PartBody::Notify(_))) {
-            return l.tcp.submit(parts, extra_slots);
         }
         // With device memory registered here, sorting the parts asks the driver about local
         // addresses, which needs a current context: the engine's Gpu and its device's. Failing
@@ -338,7 +340,7 @@ impl DataPath for CudaIpcPath {
         // Host parts first: when `shm` refuses them (queue full, closed), nothing has been
         // issued yet and the engine fails the whole request.
         if !host.is_empty() {
-            l.shm.submit(host, extra_slots)?;
+            l.shm.submit(host)?;
         }
         if dev.is_empty() {
             return Ok(());
@@ -358,8 +360,8 @@ impl DataPath for CudaIpcPath {
         for p in dev {
             match &ready {
                 Ok((gpu, _)) if self.is_alive() => l.issue(gpu, p, &table),
-                Ok(_) => l.tcp.finish_elsewhere(&l.done, p, Err(l.reason())),
-                Err(e) => l.tcp.finish_elsewhere(&l.done, p, Err(e.clone())),
+                Ok(_) => l.tcp.finish_after(&l.done, p, Err(l.reason())),
+                Err(e) => l.tcp.finish_after(&l.done, p, Err(e.clone())),
             }
         }
         Ok(())

@@ -16,8 +16,8 @@ use crate::cuda::{check, CtxGuard};
 use crate::error::{Result, Status};
 use crate::transport::backend::{with_local_socket, Backend, MemorySpan, OpenCtx};
 use crate::transport::backends::shm::ShmLink;
+use crate::transport::control::channel::ControlChannel;
 use crate::transport::same_host::prove_same_host;
-use crate::transport::streams::TcpLink;
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
 
@@ -79,11 +79,11 @@ impl Backend for CudaIpc {
     fn connect(
         &self,
         ctx: &OpenCtx<'_>,
-        control: &Arc<TcpLink>,
+        control: &Arc<dyn ControlChannel>,
         offer: &Capability,
     ) -> std::result::Result<Arc<dyn DataPath>, String> {
         Driver::loadable()?;
-        let proven = prove_same_host(ctx, control, &offer.param)?;
+        let proven = prove_same_host(ctx, control.as_ref(), &offer.param)?;
         let (pid, pidfd) =
             (proven.pid, proven.pidfd.try_clone().map_err(|e| format!("dup of the pidfd: {e}"))?);
         let pool = ctx.params.reactor.copy_pool(ctx.opts.shm_workers()).map_err(|e| e.message)?;

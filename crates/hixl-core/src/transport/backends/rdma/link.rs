@@ -25,10 +25,10 @@ use super::verbs::{Qp, QpTransition, SendWr};
 use super::{wrs, Opened};
 use crate::complete::Completer;
 use crate::error::{Error, Result, Status};
-use crate::queue::{Part, PartBody, Request, TransferStatus, WaitHelp};
+use crate::queue::{Part, Request, TransferStatus, WaitHelp};
 use crate::registry::{new_holder_id, Abort};
 use crate::stats::PeerStats;
-use crate::transport::streams::TcpLink;
+use crate::transport::control::channel::ControlChannel;
 use crate::transport::{DataPath, RailSnapshot, Rescue};
 
 /// How long `close` lets flushed requests come back before it destroys the QPs.
@@ -62,7 +62,7 @@ pub struct RdmaLink {
     id: u32,
     holder_id: u64,
     rails: Arc<Rails>,
-    control: Arc<TcpLink>,
+    control: Arc<dyn ControlChannel>,
     done: Completer,
     lanes: Vec<Lane>,
     next: AtomicUsize,
@@ -100,13 +100,12 @@ impl RdmaLink {
     pub(super) fn new(
         id: u32,
         rails: Arc<Rails>,
-        control: Arc<TcpLink>,
+        control: Arc<dyn ControlChannel>,
         qps: Vec<Opened>,
         per_rail: usize,
         queue_depth: usize,
         timeout: Duration,
     ) -> RdmaLink {
-        control.set_label(crate::backend_names::RDMA);
         let done =
             Completer::new(crate::backend_names::RDMA, &control.peer_info().engine_id, control.stats());
         let peer = control.peer().to_string();
@@ -198,7 +197,7 @@ impl RdmaLink {
                     cause.get_or_insert(e);
                     saved.push(part);
                 }
-                res => self.control.finish_elsewhere(&self.done, part, res),
+                res => self.control.finish_after(&self.done, part, res),
             }
         }
         if let (Some(r), Some(why)) = (rescuer, cause) {
@@ -334,12 +333,9 @@ impl DataPath for RdmaLink {
         (self.live().len() * self.lanes[0].slots.len()).max(1)
     }
 
-    fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()> {
+    fn submit(&self, parts: Vec<Part>) -> Result<()> {
         if !self.is_alive() {
             return Err(self.reason());
-        }
-        if parts.iter().all(|p| matches!(p.body, PartBody::Notify(_))) {
-            return self.control.submit(parts, extra_slots);
         }
         let n = parts.len();
         let held = self.held.fetch_add(n, Ordering::AcqRel);

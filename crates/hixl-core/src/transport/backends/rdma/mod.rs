@@ -38,7 +38,7 @@ use crate::error::{Error, Result, Status};
 use crate::options::rdma::{Provider, RdmaOptions};
 use crate::options::Options;
 use crate::transport::backend::{Backend, MemorySpan, OpenCtx, HOST_TO_HOST};
-use crate::transport::streams::TcpLink;
+use crate::transport::control::channel::ControlChannel;
 use crate::transport::target::source_caps::{Cap, Counted, SourceCaps};
 use crate::transport::DataPath;
 use crate::wire::rdma::{decode_rkeys, encode_rkeys, QpAddr, RdmaOpen, MAX_QPN, MAX_QPS};
@@ -177,7 +177,7 @@ fn connect_qps(nics: &[Arc<Nic>], ours: &[Opened], theirs: &[QpAddr], send: bool
 }
 
 /// Sends our QP addresses to the peer over the control channel and returns its answer.
-fn exchange(control: &TcpLink, open: &RdmaOpen, timeout: Duration) -> Result<RdmaOpen> {
+fn exchange(control: &dyn ControlChannel, open: &RdmaOpen, timeout: Duration) -> Result<RdmaOpen> {
     let answer = control.open_backend(crate::backend_names::RDMA, open.encode(), timeout)?;
     RdmaOpen::decode(&answer).map_err(|e| {
         Error::not_connected(format!("{} answered RDMA QP addresses that do not decode: {e}", control.peer()))
@@ -315,7 +315,7 @@ impl Backend for Rdma {
     fn connect(
         &self,
         ctx: &OpenCtx<'_>,
-        control: &Arc<TcpLink>,
+        control: &Arc<dyn ControlChannel>,
         offer: &Capability,
     ) -> std::result::Result<Arc<dyn DataPath>, String> {
         let rails = self.rails()?;
@@ -353,7 +353,7 @@ impl Backend for Rdma {
             }
         }
         let open = RdmaOpen { retire: vec![], qps: qps.iter().map(|o| o.addr).collect() };
-        let connected = exchange(control, &open, ctx.timeout).and_then(|answer| {
+        let connected = exchange(control.as_ref(), &open, ctx.timeout).and_then(|answer| {
             check_answer_rails(&qps, &answer.qps, control.peer())?;
             connect_qps(&rails.nics, &qps, &answer.qps, true)?;
             Ok(answer)

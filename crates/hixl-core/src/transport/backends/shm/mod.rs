@@ -25,11 +25,11 @@ use crate::queue::{Part, PartBody, Request, SegPair, TransferOp, TransferStatus,
 use crate::registry::{new_holder_id, Abort, RemoteTable};
 use crate::stats::PeerStats;
 use crate::transport::backend::{with_local_socket, Backend, MemorySpan, OpenCtx, HOST_TO_HOST};
+use crate::transport::control::channel::ControlChannel;
 use crate::transport::io::IOV_MAX;
 use crate::transport::reactor::copy_pool::{CopyPool, Task};
 use crate::transport::same_host::proof::{exited, get_fd, Proven};
 use crate::transport::same_host::prove_same_host;
-use crate::transport::streams::TcpLink;
 use crate::transport::sys;
 use crate::transport::sys::memfd::{self, Mapping};
 use crate::transport::DataPath;
@@ -117,7 +117,7 @@ pub(crate) fn map_peer_region(pidfd: &OwnedFd, e: &RegionEntry, fd: i32) -> std:
 pub struct ShmLink {
     /// This link as a holder of region pins.
     holder_id: u64,
-    tcp: Arc<TcpLink>,
+    tcp: Arc<dyn ControlChannel>,
     pid: i32,
     /// Mapped peer regions by registry id (ids are never reused, so a stale entry can never
     /// stand for new memory at the same address).
@@ -143,13 +143,12 @@ impl ShmLink {
     /// Wraps a connected TCP link whose peer proved it is the process `proven`; its copies
     /// larger than a small request run on `pool`.
     pub fn new(
-        tcp: Arc<TcpLink>,
+        tcp: Arc<dyn ControlChannel>,
         proven: Proven,
         pool: Arc<CopyPool>,
         queue_depth: usize,
     ) -> Result<Arc<ShmLink>> {
         let Proven { pid, pidfd, .. } = proven;
-        tcp.set_label(crate::backend_names::SHM);
         let done = Completer::new(crate::backend_names::SHM, &tcp.peer_info().engine_id, tcp.stats());
         Ok(Arc::new_cyclic(|me| ShmLink {
             holder_id: new_holder_id(),
@@ -313,7 +312,7 @@ impl ShmLink {
     }
 
     fn finish_part(&self, part: Part, res: Result<()>) {
-        self.tcp.finish_elsewhere(&self.done, part, res);
+        self.tcp.finish_after(&self.done, part, res);
     }
 
     /// Puts a part a waiter popped but will not copy back in the queue (at its end) for the
@@ -362,12 +361,9 @@ impl DataPath for ShmLink {
         self.pool.workers()
     }
 
-    fn submit(&self, parts: Vec<Part>, extra_slots: usize) -> Result<()> {
+    fn submit(&self, parts: Vec<Part>) -> Result<()> {
         if !self.is_alive() {
             return Err(self.reason());
-        }
-        if parts.iter().all(|p| matches!(p.body, PartBody::Notify(_))) {
-            return self.tcp.submit(parts, extra_slots);
         }
         // A one-part request (up to HELP_BYTES) whose caller waits for it at once is copied
         // here: a hand-off to a worker would only add a wake-up. Otherwise the workers copy,
@@ -505,10 +501,10 @@ impl Backend for Shm {
     fn connect(
         &self,
         ctx: &OpenCtx<'_>,
-        control: &Arc<TcpLink>,
+        control: &Arc<dyn ControlChannel>,
         offer: &Capability,
     ) -> std::result::Result<Arc<dyn DataPath>, String> {
-        let proven = prove_same_host(ctx, control, &offer.param)?;
+        let proven = prove_same_host(ctx, control.as_ref(), &offer.param)?;
         let pool = ctx.params.reactor.copy_pool(ctx.opts.shm_workers()).map_err(|e| e.message)?;
         let link =
             ShmLink::new(control.clone(), proven, pool, ctx.opts.queue_depth).map_err(|e| e.message)?;

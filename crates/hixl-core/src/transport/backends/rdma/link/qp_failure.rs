@@ -172,7 +172,7 @@ impl RdmaLink {
         let mut fresh = open_qps(&lane.nic, 1, 0)?;
         let retire = vec![QpRef { rail: peer_rail, qpn: old_target }];
         let open = RdmaOpen { retire, qps: vec![fresh[0].addr] };
-        let answer = match exchange(&self.control, &open, self.timeout) {
+        let answer = match exchange(self.control.as_ref(), &open, self.timeout) {
             Ok(a) if a.qps.len() == 1 && a.qps[0].rail == peer_rail => a,
             Ok(a) => {
                 lane.nic.destroy_qp(fresh[0].created.qp, true);
