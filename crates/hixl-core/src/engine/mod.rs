@@ -23,7 +23,7 @@ use crate::transport::backend::{Backend, MemorySpan};
 use crate::transport::backends::shm::{self, SharedMem};
 use crate::transport::control::channel::ControlChannel;
 use crate::transport::reactor::Reactor;
-use crate::transport::target::{Server, ServerCtx};
+use crate::transport::target_side::{Server, ServerCtx};
 use crate::transport::DataPath;
 use crate::wire::Domain;
 

@@ -12,7 +12,7 @@ pub mod same_host;
 pub(crate) mod staging;
 pub mod streams;
 pub(crate) mod sys;
-pub mod target;
+pub mod target_side;
 
 use std::sync::Arc;
 

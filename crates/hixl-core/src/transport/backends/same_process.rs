@@ -10,9 +10,8 @@
 //! would for a TCP frame: the copy can never touch memory the target did not register, nor a
 //! region being deregistered.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 
 use crate::backend_names as names;
 use crate::complete::Completer;
@@ -22,44 +21,9 @@ use crate::registry::{new_holder_id, Abort, Pin};
 use crate::stats::PeerStats;
 use crate::transport::backend::{with_local_socket, Backend, OpenCtx, HOST_TO_HOST};
 use crate::transport::control::channel::ControlChannel;
-use crate::transport::target::Server;
+use crate::transport::target_side::{find, Server};
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
-
-/// Listening engines of this process, by the name of their same-host socket.
-static LISTENING: Mutex<Option<HashMap<String, Weak<Server>>>> = Mutex::new(None);
-
-/// Makes a listening engine findable by engines of this process (see [`find`]).
-pub(crate) fn announce(name: &str, server: &Arc<Server>) {
-    LISTENING
-        .lock()
-        .unwrap()
-        .get_or_insert_with(HashMap::new)
-        .insert(name.to_string(), Arc::downgrade(server));
-}
-
-/// Forgets a listening engine (it stops).
-pub(crate) fn withdraw(name: &str) {
-    if let Some(m) = LISTENING.lock().unwrap().as_mut() {
-        m.remove(name);
-    }
-}
-
-/// The engine of this process listening under `name` that holds the other end of a stream
-/// whose ends are `ours` and `theirs`; Err says why not.
-pub(crate) fn find(name: &str, ours: &str, theirs: &str) -> std::result::Result<Arc<Server>, String> {
-    let server = LISTENING
-        .lock()
-        .unwrap()
-        .as_ref()
-        .and_then(|m| m.get(name))
-        .and_then(Weak::upgrade)
-        .ok_or("the peer is not an engine of this process")?;
-    if !server.holds_stream(ours, theirs) {
-        return Err("an engine of this process has that name but not this stream".into());
-    }
-    Ok(server)
-}
 
 /// A link to an engine of this same process.
 pub struct SameProcessLink {

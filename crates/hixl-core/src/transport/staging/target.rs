@@ -23,7 +23,7 @@ use crate::auth::{self, MAC_LEN};
 use crate::error::{Error, Result, Status};
 use crate::registry::Pin;
 use crate::transport::io::nbio::{FrameReader, IoJob, Step};
-use crate::transport::target::ranges::OwnedRanges;
+use crate::transport::target_side::ranges::OwnedRanges;
 use crate::wire::Frame;
 
 /// The most bytes one frame into or out of device memory may carry at a target (the largest

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use super::book::{Finished, QpBook};
 use super::nic::Nic;
-use super::rails::Rails;
+use super::rails::{CompletionSink, Rails};
 use super::verbs::{Qp, QpTransition, SendWr};
 use super::{wrs, Opened};
 use crate::complete::Completer;
@@ -458,6 +458,16 @@ impl RdmaLink {
 /// A thread waiting for its request polls the engine's CQ for up to `hixl.rdma.busy_poll_us`
 /// (as perftest's latency loop does): the completion is handled on that thread, which need not
 /// be woken for it.
+impl CompletionSink for RdmaLink {
+    fn on_completions(self: Arc<Self>, rail: usize, wcs: &[super::verbs::Wc]) {
+        RdmaLink::on_completions(&self, rail, wcs);
+    }
+
+    fn fail(&self, e: Error) {
+        DataPath::close(self, e);
+    }
+}
+
 impl WaitHelp for RdmaLink {
     fn help(&self, req: &Request, until: Instant) {
         let until = until.min(Instant::now() + self.busy_poll);

@@ -39,7 +39,7 @@ use crate::options::rdma::{Provider, RdmaOptions};
 use crate::options::Options;
 use crate::transport::backend::{Backend, MemorySpan, OpenCtx, HOST_TO_HOST};
 use crate::transport::control::channel::ControlChannel;
-use crate::transport::target::source_caps::{Cap, Counted, SourceCaps};
+use crate::transport::target_side::source_caps::{Cap, Counted, SourceCaps};
 use crate::transport::DataPath;
 use crate::wire::rdma::{decode_rkeys, encode_rkeys, QpAddr, RdmaOpen, MAX_QPN, MAX_QPS};
 use crate::wire::{Capability, Domain};

@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError, Weak};
 use std::time::{Duration, Instant};
 
-use super::link::RdmaLink;
 use super::nic::Nic;
 use super::verbs::{Verbs, Wc};
 use crate::error::{Error, Result};
@@ -44,10 +43,19 @@ impl Drop for Dispatching {
     }
 }
 
+/// What the poller hands a link's completions to (the RDMA link, which registers itself with
+/// `add_link`), and how it fails the link when a device fails.
+pub(super) trait CompletionSink: Send + Sync {
+    /// Work completions of this link's work requests on rail `rail`, in the device's order.
+    fn on_completions(self: Arc<Self>, rail: usize, wcs: &[Wc]);
+    /// The rails failed with `e`: the link closes.
+    fn fail(&self, e: Error);
+}
+
 /// The engine's devices and its poller.
 pub(super) struct Rails {
     pub(super) nics: Vec<Arc<Nic>>,
-    links: Mutex<HashMap<u32, Weak<RdmaLink>>>,
+    links: Mutex<HashMap<u32, Weak<dyn CompletionSink>>>,
     next_link: AtomicU32,
     /// Held while a CQ is polled (or armed) and its completions handed to links, so that they
     /// reach each link in the order the device gave them, whichever thread polls.
@@ -158,13 +166,14 @@ impl Rails {
     }
 
     /// A link id for wr_ids, and the link registered for completions.
-    pub(super) fn add_link(
+    pub(super) fn add_link<L: CompletionSink + 'static>(
         self: &Arc<Self>,
-        make: impl FnOnce(u32) -> Arc<RdmaLink>,
-    ) -> Result<Arc<RdmaLink>> {
+        make: impl FnOnce(u32) -> Arc<L>,
+    ) -> Result<Arc<L>> {
         let id = self.next_link.fetch_add(1, Ordering::Relaxed) & 0x00FF_FFFF;
         let link = make(id);
-        self.links.lock().unwrap().insert(id, Arc::downgrade(&link));
+        let sink: Arc<dyn CompletionSink> = link.clone();
+        self.links.lock().unwrap().insert(id, Arc::downgrade(&sink));
         self.start_poller()?;
         Ok(link)
     }
@@ -340,7 +349,7 @@ impl Rails {
     fn fail_links(&self, e: Error) {
         let links: Vec<_> = self.links.lock().unwrap().values().filter_map(Weak::upgrade).collect();
         for l in links {
-            crate::transport::DataPath::close(&*l, e.clone());
+            l.fail(e.clone());
         }
     }
 

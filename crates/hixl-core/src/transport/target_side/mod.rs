@@ -32,8 +32,8 @@ use crate::transport::io::nbio;
 use crate::transport::io::{self, addr_text};
 use crate::transport::reactor::{Interest, Reactor, Source};
 use crate::transport::same_host::proof::LocalListener;
-use crate::transport::target::admit::serve;
-use crate::transport::target::source_caps::{source_key, Cap, Counted, SourceCaps};
+use crate::transport::target_side::admit::serve;
+use crate::transport::target_side::source_caps::{source_key, Cap, Counted, SourceCaps};
 use served_stream::{SendState, ServedRx};
 
 /// Failed authentications from one source address within `AUTH_WINDOW` after which every new
@@ -166,6 +166,41 @@ pub struct Server {
     pub(crate) acks: Condvar,
 }
 
+/// Listening engines of this process, by the name of their same-host socket.
+static LISTENING: Mutex<Option<HashMap<String, Weak<Server>>>> = Mutex::new(None);
+
+/// Makes a listening engine findable by engines of this process (see [`find`]).
+pub(crate) fn announce(name: &str, server: &Arc<Server>) {
+    LISTENING
+        .lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .insert(name.to_string(), Arc::downgrade(server));
+}
+
+/// Forgets a listening engine (it stops).
+pub(crate) fn withdraw(name: &str) {
+    if let Some(m) = LISTENING.lock().unwrap().as_mut() {
+        m.remove(name);
+    }
+}
+
+/// The engine of this process listening under `name` that holds the other end of a stream
+/// whose ends are `ours` and `theirs`; Err says why not.
+pub(crate) fn find(name: &str, ours: &str, theirs: &str) -> std::result::Result<Arc<Server>, String> {
+    let server = LISTENING
+        .lock()
+        .unwrap()
+        .as_ref()
+        .and_then(|m| m.get(name))
+        .and_then(Weak::upgrade)
+        .ok_or("the peer is not an engine of this process")?;
+    if !server.holds_stream(ours, theirs) {
+        return Err("an engine of this process has that name but not this stream".into());
+    }
+    Ok(server)
+}
+
 impl Server {
     /// Starts serving `listener` on the engine's reactor (and the same-host proof socket on a
     /// thread of its own).
@@ -201,7 +236,7 @@ impl Server {
         let local = LocalListener::start(Box::new(move |initiator: &str, target: &str| {
             weak.upgrade()?.confirm_local(initiator, target)
         }))?;
-        crate::transport::backends::same_process::announce(local.name(), &srv);
+        announce(local.name(), &srv);
         *srv.local.lock().unwrap() = Some(local);
         srv.listener.set_nonblocking(true).map_err(|e| Error::failed(format!("listener: {e}")))?;
         let reactor = srv.ctx.reactor.clone();
@@ -464,7 +499,7 @@ impl Server {
         }
         io::shutdown(self.listener.as_raw_fd());
         if let Some(l) = self.local.lock().unwrap().take() {
-            crate::transport::backends::same_process::withdraw(l.name());
+            withdraw(l.name());
             l.stop();
         }
         // Every answer owed (the Acks of notifications the application may hold) goes out

@@ -11,7 +11,7 @@ use std::time::Instant;
 use crate::auth::{self, FrameMac, Secret, SessionKeys, Transcript};
 use crate::error::Status;
 use crate::transport::io;
-use crate::transport::target::{Served, Server, AUTH_TARPIT};
+use crate::transport::target_side::{Served, Server, AUTH_TARPIT};
 use crate::wire::{self, Frame, Kind, FLAG_DATA_MAC, FLAG_DATA_PATH};
 
 type IoResult<T> = std::io::Result<T>;
@@ -57,7 +57,7 @@ pub(crate) fn serve(srv: &Arc<Server>, id: u64, from: SocketAddr, served: &Arc<S
         return Err(protocol_error("not a Hello".into()));
     };
     let local = sock.local_addr().map(|a| a.ip()).unwrap_or(from.ip());
-    match crate::transport::target::sender::sender_id(&peer, from.ip(), local) {
+    match crate::transport::target_side::sender::sender_id(&peer, from.ip(), local) {
         Ok(id) => {
             let _ = served.sender.set(id);
         }

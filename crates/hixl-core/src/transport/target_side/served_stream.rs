@@ -16,8 +16,8 @@ use crate::transport::io::nbio::{FrameReader, IoJob, Outbox, Step};
 use crate::transport::io::{self, Received};
 use crate::transport::reactor::{Interest, Source};
 use crate::transport::staging;
-use crate::transport::target::ranges::OwnedRanges;
-use crate::transport::target::{Served, Server};
+use crate::transport::target_side::ranges::OwnedRanges;
+use crate::transport::target_side::{Served, Server};
 use crate::wire::{self, Frame, Header, Seg};
 
 /// Bytes a served reader takes per run before the other streams get a turn (many initiators
@@ -59,7 +59,7 @@ impl SendState {
     /// Queues the newest region table (or the changes since what the peer has) when an update
     /// is due: the changes since the version this peer has, or (when the journal no longer
     /// reaches back that far) the whole table.
-    pub(crate) fn queue_update(&mut self, s: &Served, ctx: &crate::transport::target::ServerCtx) {
+    pub(crate) fn queue_update(&mut self, s: &Served, ctx: &crate::transport::target_side::ServerCtx) {
         let due = s.due.load(Ordering::Acquire);
         let sent = s.sent.load(Ordering::Acquire);
         if due <= sent || !s.welcomed.load(Ordering::Acquire) {
@@ -427,7 +427,7 @@ fn on_frame(
 /// Checks a WRITE's ranges and pins them: its bytes then go straight into them; a refused
 /// WRITE's bytes are skipped.
 fn start_write(
-    ctx: &crate::transport::target::ServerCtx,
+    ctx: &crate::transport::target_side::ServerCtx,
     s: &Arc<Served>,
     h: &Header,
     ranges: OwnedRanges,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::registry::Abort;
 use crate::transport::reactor::Tick;
-use crate::transport::target::{Served, Server};
+use crate::transport::target_side::{Served, Server};
 
 /// How often the region-update backlog is checked for peers that fell behind (while one owes
 /// an update; the timer stops when none does).
