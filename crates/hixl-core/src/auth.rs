@@ -302,7 +302,7 @@ pub fn constant_eq(a: &[u8], b: &[u8]) -> bool {
 pub fn random_bytes(buf: &mut [u8]) -> Result<()> {
     let mut got = 0;
     while got < buf.len() {
-        match crate::transport::sys::getrandom(&mut buf[got..]) {
+        match crate::sys::getrandom(&mut buf[got..]) {
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(Error::failed(format!("getrandom: {e}"))),

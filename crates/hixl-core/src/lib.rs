@@ -87,11 +87,15 @@ mod error;
 pub mod log;
 pub mod metrics;
 mod notify;
+mod op;
 mod options;
 mod queue;
 mod registry;
 mod stats;
+mod sys;
 mod transport;
+mod wait;
+pub use wait::MAX_WAIT;
 mod wire;
 
 pub use cuda::{info as cuda_info, CudaDevice, CudaInfo, DeviceBuffer};
@@ -160,14 +164,6 @@ pub fn rdma_info(provider: &str) -> Result<String> {
 /// memory (GPUDirect)"). Initialises CUDA where it is present.
 pub fn gpudirect_info(provider: &str) -> Result<String> {
     transport::backends::rdma::gpudirect::describe(provider)
-}
-
-/// The longest wait any call honours: a longer timeout (`Duration::MAX` included) means this.
-pub const MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(365 * 86_400);
-
-/// `t`, at most [`MAX_WAIT`] (so that `Instant::now() + t` cannot overflow).
-pub(crate) fn capped(t: std::time::Duration) -> std::time::Duration {
-    t.min(MAX_WAIT)
 }
 
 /// The crate version.

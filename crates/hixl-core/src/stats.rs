@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::error::Status;
-use crate::queue::{Request, TransferOp};
+use crate::op::TransferOp;
 
 /// Upper bounds, in microseconds, of the latency histogram's buckets (a last one, +Inf,
 /// follows): powers of 4 from 4 µs to about 16.8 s, wide enough for a same-host 4 KiB copy and
@@ -76,6 +76,21 @@ pub struct LatencySummary {
     pub max_us: f64,
 }
 
+/// What the counters need of a request as it settles (see `Request::settle`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Settled {
+    /// Its direction.
+    pub op: TransferOp,
+    /// Its bytes.
+    pub bytes: u64,
+    /// Its descriptors (0: a notification sent alone).
+    pub descs: usize,
+    /// Whether a notification went after its data.
+    pub carries_notify: bool,
+    /// From submission until its I/O ended (as the completer recorded it), or until now.
+    pub latency: Duration,
+}
+
 /// How a request is counted as it settles.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum Outcome {
@@ -98,19 +113,17 @@ impl PeerStats {
     /// Counts a request once, as it settles: the one place a settled request is counted.
     /// `Request::settle` calls it before it publishes the final state, so a caller that saw
     /// the request end (or its call return) reads counters that include it.
-    pub(crate) fn settled(&self, req: &Request, outcome: Outcome) {
+    pub(crate) fn settled(&self, req: Settled, outcome: Outcome) {
         // A notification was delivered: sent alone (no descriptors) or after a transfer's data.
         if outcome == Outcome::Completed && (req.descs == 0 || req.carries_notify) {
             self.notifies.fetch_add(1, Ordering::Relaxed);
         }
         if req.descs > 0 && outcome != Outcome::Refused {
-            // From submission until its I/O ended (as the completer recorded it), or until now.
-            let end = req.ended_at().unwrap_or_else(std::time::Instant::now);
             let failed = match outcome {
                 Outcome::Failed(st) => Some(st),
                 _ => None,
             };
-            self.record(req.op, req.bytes, failed, end.saturating_duration_since(req.started));
+            self.record(req.op, req.bytes, failed, req.latency);
         }
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
     }

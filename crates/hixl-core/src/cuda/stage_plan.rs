@@ -6,6 +6,10 @@
 
 use crate::queue::SegPair;
 
+/// The most bytes one frame into or out of device memory may carry at a target (the largest
+/// `hixl.cuda.stage_chunk`).
+pub(crate) const MAX_FRAME: u64 = 64 << 20;
+
 /// One piece of a chunk: `len` bytes of the caller's local memory at `local` (device memory,
 /// or host memory when nothing is staged), which sit at offset `off` of the chunk's bounce
 /// slot, and go to (or come from) `remote` at the peer.

@@ -152,7 +152,7 @@ impl Engine {
 
     /// Connects to the engine listening at `remote` ("ip:port"): handshake, region table.
     pub fn connect(&self, remote: &str, timeout: Duration) -> Result<()> {
-        let timeout = crate::capped(timeout);
+        let timeout = crate::wait::capped(timeout);
         let r = self.running()?;
         let addr = parse_addr(remote)?;
         let key = remote.to_string();
@@ -212,7 +212,7 @@ impl Engine {
         };
         match slot {
             Some(PeerSlot::Connected(c)) => {
-                let deadline = std::time::Instant::now() + crate::capped(timeout);
+                let deadline = std::time::Instant::now() + crate::wait::capped(timeout);
                 let pending: Vec<_> = c.recent.lock().unwrap().iter().filter_map(|w| w.upgrade()).collect();
                 for q in pending {
                     let left = deadline.saturating_duration_since(std::time::Instant::now());

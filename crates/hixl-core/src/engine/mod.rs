@@ -518,7 +518,7 @@ fn current_pid() -> u32 {
     }
     HANDLER.call_once(|| {
         // The handler only stores to an atomic (async-signal-safe).
-        crate::transport::sys::at_fork_child(forget_in_child);
+        crate::sys::at_fork_child(forget_in_child);
     });
     match PID.load(Ordering::Relaxed) {
         0 => {

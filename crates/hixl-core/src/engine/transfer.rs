@@ -52,7 +52,7 @@ impl Engine {
         timeout: Option<Duration>,
         waiting: Waiting,
     ) -> Result<TransferReq> {
-        let timeout = timeout.map(crate::capped);
+        let timeout = timeout.map(crate::wait::capped);
         let r = self.running()?;
         let conn = Self::conn(&r, remote)?;
         if descs.is_empty() {
@@ -234,7 +234,7 @@ impl Engine {
         timeout: Option<Duration>,
         waiting: Waiting,
     ) -> Result<TransferReq> {
-        let timeout = timeout.map(crate::capped);
+        let timeout = timeout.map(crate::wait::capped);
         let r = self.running()?;
         let conn = Self::conn(&r, remote)?;
         if let Some(n) = &notify {
@@ -263,7 +263,7 @@ impl Engine {
     /// Sends a notification; it is delivered after the data of every transfer to the same peer
     /// submitted before it.
     pub fn send_notify(&self, remote: &str, n: NotifyDesc, timeout: Duration) -> Result<()> {
-        let timeout = crate::capped(timeout);
+        let timeout = crate::wait::capped(timeout);
         let r = self.running()?;
         let conn = Self::conn(&r, remote).map_err(|e| {
             let died = matches!(r.peers.lock().unwrap().get(remote), Some(PeerSlot::Connected(_)));
@@ -313,7 +313,7 @@ impl Engine {
     /// pending one with one of them is returned, in arrival order; the others stay.
     pub fn wait_notifies_any(&self, timeout: Duration, names: &[&str]) -> Result<Vec<NotifyDesc>> {
         let notifies = self.running()?.notifies.clone();
-        notifies.wait_take(names, crate::capped(timeout))
+        notifies.wait_take(names, crate::wait::capped(timeout))
     }
 
     /// Returns and clears the notifications received so far.
@@ -347,7 +347,7 @@ impl Engine {
                     direct_parts: l(&s.direct_parts),
                     latency: s.latency(),
                     in_flight: s.in_flight.load(Ordering::Relaxed),
-                    errors_by_status: crate::Status::ALL
+                    errors_by_status: crate::error::Status::ALL
                         .iter()
                         .zip(&s.errors_by_status)
                         .map(|(st, n)| (*st, l(n)))

@@ -81,7 +81,7 @@ pub enum ConnectStatus {
     ConnectFailed,
 }
 
-/// Per-peer figures returned by [`Engine::stats`](crate::Engine::stats).
+/// Per-peer figures returned by [`Engine::stats`](crate::engine::Engine::stats).
 #[derive(Clone, Debug, PartialEq)]
 pub struct PeerSnapshot {
     /// Peer address.
@@ -115,10 +115,10 @@ pub struct PeerSnapshot {
     pub latency: LatencySummary,
     /// Requests (transfers and notifications) submitted and not settled yet (never negative).
     pub in_flight: i64,
-    /// Failed requests by status (every status of [`Status::ALL`](crate::Status::ALL), in order).
-    pub errors_by_status: Vec<(crate::Status, u64)>,
+    /// Failed requests by status (every status of [`Status::ALL`](crate::error::Status::ALL), in order).
+    pub errors_by_status: Vec<(crate::error::Status, u64)>,
     /// Completed requests per latency bucket: the bounds of
-    /// [`LATENCY_BUCKETS_US`](crate::LATENCY_BUCKETS_US), then +Inf (not cumulative).
+    /// [`LATENCY_BUCKETS_US`](crate::stats::LATENCY_BUCKETS_US), then +Inf (not cumulative).
     pub latency_buckets: Vec<u64>,
     /// Sum of the completed requests' latencies, in microseconds.
     pub latency_sum_us: u64,
@@ -129,10 +129,10 @@ pub struct PeerSnapshot {
     pub heartbeat_misses: u64,
     /// The data path's rails (rdma over several devices: each device, up or out, its bytes);
     /// empty for other paths.
-    pub rails: Vec<crate::RailSnapshot>,
+    pub rails: Vec<crate::transport::RailSnapshot>,
 }
 
-/// A region a peer registered, as [`Engine::remote_regions`](crate::Engine::remote_regions) shows it.
+/// A region a peer registered, as [`Engine::remote_regions`](crate::engine::Engine::remote_regions) shows it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct RemoteRegion {
     /// Start address in the peer's address space.

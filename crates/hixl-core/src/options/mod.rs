@@ -348,7 +348,7 @@ pub const SPECS: &[OptionSpec] = &[
         "4194304",
         "bytes of one pinned bounce slot when device memory is staged over TCP (65536..67108864)",
         |o, k, v| {
-            o.stage_chunk = int(k, v, 64 << 10, crate::transport::staging::target::MAX_FRAME)?;
+            o.stage_chunk = int(k, v, 64 << 10, crate::cuda::stage_plan::MAX_FRAME)?;
             Ok(())
         },
     ),

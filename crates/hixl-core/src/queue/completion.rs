@@ -7,7 +7,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use crossbeam_queue::SegQueue;
 
 use crate::error::{Error, Result};
-use crate::transport::sys::eventfd;
+use crate::sys::eventfd;
 
 /// Tokens of settled requests that asked for it ([`super::Request::report_to`]), with an
 /// eventfd that becomes readable when one is queued.

@@ -21,14 +21,7 @@ pub use completion::CompletionQueue;
 pub use future::Completion;
 pub use request::{Request, Telemetry, WaitHelp};
 
-/// Direction of a transfer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum TransferOp {
-    /// Remote -> local.
-    Read,
-    /// Local -> remote.
-    Write,
-}
+pub use crate::op::{SegPair, TransferOp};
 
 /// How long a waiter spins before it sleeps. Fixed: a same-host request often ends within it
 /// (no futex round trip), and a longer spin only burns the waiter's core.
@@ -67,17 +60,6 @@ impl TransferStatus {
             TransferStatus::Failed => "FAILED",
         }
     }
-}
-
-/// One contiguous piece of a transfer: `len` bytes between `local` and `remote`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SegPair {
-    /// Local address.
-    pub local: u64,
-    /// Remote address.
-    pub remote: u64,
-    /// Length in bytes.
-    pub len: u64,
 }
 
 /// A notification: a name and a message, and for a received one the engine it came from.

@@ -96,7 +96,7 @@ impl Request {
             bytes,
             descs,
             started: now,
-            deadline: now + crate::capped(timeout),
+            deadline: now + crate::wait::capped(timeout),
             state: AtomicU8::new(TransferStatus::Waiting as u8),
             parts_left: AtomicUsize::new(parts),
             error: Mutex::new(None),
@@ -284,7 +284,15 @@ impl Request {
                 TransferStatus::Timeout => Outcome::Failed(Status::Timeout),
                 _ => Outcome::Failed(self.error().map_or(Status::Failed, |e| e.status)),
             };
-            stats.settled(self, outcome);
+            let end = self.ended_at().unwrap_or_else(Instant::now);
+            let counted = crate::stats::Settled {
+                op: self.op,
+                bytes: self.bytes,
+                descs: self.descs,
+                carries_notify: self.carries_notify,
+                latency: end.saturating_duration_since(self.started),
+            };
+            stats.settled(counted, outcome);
         }
         self.state.store(to as u8, Ordering::SeqCst);
         if self.sleepers.load(Ordering::SeqCst) > 0 {

@@ -163,7 +163,7 @@ fn waiting(id: u64) -> Arc<Request> {
 }
 
 fn readable(fd: std::os::fd::RawFd) -> bool {
-    crate::transport::sys::poll_one(fd, libc::POLLIN, 0).is_ok_and(|n| n == 1)
+    crate::sys::poll_one(fd, libc::POLLIN, 0).is_ok_and(|n| n == 1)
 }
 
 #[test]

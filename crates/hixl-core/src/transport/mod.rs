@@ -11,7 +11,6 @@ pub mod reactor;
 pub mod same_host;
 pub(crate) mod staging;
 pub mod streams;
-pub(crate) mod sys;
 pub mod target_side;
 
 use std::sync::Arc;

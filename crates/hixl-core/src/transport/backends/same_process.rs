@@ -79,7 +79,7 @@ impl SameProcessLink {
             // SAFETY: the local range lies in a region pinned by the request; the remote range
             // was checked against the target engine's registry and its region is pinned in
             // `pins` until the copy ends. `copy` (memmove) tolerates overlap.
-            unsafe { crate::transport::sys::mem::copy(to, from, s.len) };
+            unsafe { crate::sys::mem::copy(to, from, s.len) };
         }
         Ok(())
     }

@@ -58,7 +58,7 @@ impl Liveness {
 /// Bytes received from the peer and bytes of ours it acknowledged on one socket, from the
 /// kernel's TCP_INFO; None where the kernel does not say.
 pub fn tcp_progress(fd: std::os::fd::RawFd) -> Option<(u64, u64)> {
-    let info = crate::transport::sys::sockio::tcp_info(fd).ok()?;
+    let info = crate::sys::sockio::tcp_info(fd).ok()?;
     Some((info.tcpi_bytes_received, info.tcpi_bytes_acked))
 }
 

@@ -2,16 +2,17 @@
 //! and whole-frame reads. No protocol logic lives here.
 
 pub(crate) mod nbio;
+pub(crate) mod ranges;
 
 use std::io;
 use std::os::fd::RawFd;
 use std::time::Instant;
 
 use crate::auth::{FrameMac, MAC_LEN};
-use crate::transport::sys::{self, sockio};
+use crate::sys::{self, sockio};
 use crate::wire::{self, Frame, Header, Kind, HEADER_LEN};
 
-pub use crate::transport::sys::IOV_MAX;
+pub use crate::sys::IOV_MAX;
 
 /// The payload buffer a frame's reader starts with; it doubles as the bytes arrive, up to what
 /// the header declares, so a header whose payload never comes costs at most this.
@@ -22,7 +23,7 @@ pub fn iov(addr: u64, len: u64) -> libc::iovec {
     libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len as usize }
 }
 
-pub use crate::transport::sys::sockio::{recv_all, recv_all_counted};
+pub use crate::sys::sockio::{recv_all, recv_all_counted};
 
 /// Whether `[addr, addr+len)` lies entirely in mappings of this process. `msync(MS_ASYNC)`
 /// only walks the mappings (it neither reads nor writes the pages) and fails with ENOMEM when

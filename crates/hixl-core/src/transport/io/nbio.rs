@@ -7,9 +7,9 @@ use std::collections::VecDeque;
 use std::io;
 use std::os::fd::RawFd;
 
+use crate::sys::mem::RawIov;
+use crate::sys::sockio;
 use crate::transport::io::IOV_MAX;
-use crate::transport::sys::mem::RawIov;
-use crate::transport::sys::sockio;
 use crate::wire::StridedRanges;
 
 /// What one step of non-blocking I/O achieved.

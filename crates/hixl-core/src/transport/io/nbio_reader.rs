@@ -6,9 +6,9 @@ use std::os::fd::RawFd;
 
 use super::{discard, fill, recv_some, IoJob, Step};
 use crate::auth::{FrameMac, MAC_LEN};
+use crate::sys::mem::RawIov;
 use crate::transport::io::{proto, Received, PAYLOAD_START};
 use crate::transport::reactor::Interest;
-use crate::transport::sys::mem::RawIov;
 use crate::wire::{self, Header, HEADER_LEN};
 
 /// How many bytes a stream's reader asks the socket for when it looks for the next frame. A
@@ -37,7 +37,7 @@ pub(super) fn zero_source() -> Option<RawFd> {
 /// that is unmapped or may not be written (EFAULT). Looks at the first [`COPY_IOVS`] iovecs
 /// of `dst` only (see `sys::mem::writable_prefix`).
 pub(super) fn writable_prefix(zero: RawFd, dst: &[RawIov]) -> usize {
-    crate::transport::sys::mem::writable_prefix::<COPY_IOVS>(zero, dst)
+    crate::sys::mem::writable_prefix::<COPY_IOVS>(zero, dst)
 }
 
 /// Assembles one frame at a time: header, payload and (on a sealed stream) MAC, checked

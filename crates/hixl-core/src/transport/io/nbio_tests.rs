@@ -2,7 +2,7 @@
 use super::reader::{writable_prefix, zero_source, READ_AHEAD};
 use super::*;
 use crate::auth::FrameMac;
-use crate::transport::sys::mem::RawIov;
+use crate::sys::mem::RawIov;
 use crate::wire;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;

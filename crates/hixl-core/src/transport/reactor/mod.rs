@@ -28,8 +28,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::sys;
 use crate::transport::reactor::copy_pool::CopyPool;
-use crate::transport::sys;
 
 /// What a source waits for next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

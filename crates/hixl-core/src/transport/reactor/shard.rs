@@ -7,7 +7,7 @@ use crossbeam_queue::SegQueue;
 
 use super::os_error;
 use crate::error::Result;
-use crate::transport::sys::{epoll, eventfd};
+use crate::sys::{epoll, eventfd};
 
 /// The token of the workers' wake-up eventfd.
 pub(super) const WAKE: u64 = 0;

@@ -82,7 +82,7 @@ mod tests {
     #[test]
     fn this_process_reads_its_own_credentials() {
         let me = std::process::id() as i32;
-        let (uid, euid) = crate::transport::sys::uids();
+        let (uid, euid) = crate::sys::uids();
         let ids = uids_of(me).unwrap();
         assert_eq!((ids[0], ids[1]), (uid, euid));
         assert!(uids_of(-1).is_err());

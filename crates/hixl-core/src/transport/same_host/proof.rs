@@ -25,8 +25,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::sys::{self, pidfd, sockio};
 use crate::transport::same_host::exec_rule::{self, uids_of};
-use crate::transport::sys::{self, pidfd, sockio};
 
 /// The first words of a request line (with the protocol version).
 const REQUEST: &str = "HIXL-LOCAL 3";

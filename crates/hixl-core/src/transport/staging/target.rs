@@ -20,15 +20,12 @@ use std::sync::{Arc, Mutex};
 use super::budget::{StageBudget, Ticket};
 use super::{CopyStream, PinnedBuf};
 use crate::auth::{self, MAC_LEN};
+pub(crate) use crate::cuda::stage_plan::MAX_FRAME;
 use crate::error::{Error, Result, Status};
 use crate::registry::Pin;
 use crate::transport::io::nbio::{FrameReader, IoJob, Step};
-use crate::transport::target_side::ranges::OwnedRanges;
+use crate::transport::io::ranges::OwnedRanges;
 use crate::wire::Frame;
-
-/// The most bytes one frame into or out of device memory may carry at a target (the largest
-/// `hixl.cuda.stage_chunk`).
-pub(crate) const MAX_FRAME: u64 = 64 << 20;
 
 /// Idle buffers kept for later frames (per process); more are freed when returned.
 const KEEP: usize = 8;

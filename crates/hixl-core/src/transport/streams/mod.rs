@@ -25,6 +25,7 @@ use crate::transport::reactor::{self, Interest, Reactor};
 use crate::transport::{DataPath, PeerInfo};
 use handshake::connect_one;
 
+mod control;
 pub mod handshake;
 mod recv;
 mod send;

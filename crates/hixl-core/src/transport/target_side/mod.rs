@@ -11,7 +11,6 @@
 
 pub mod admit;
 mod publish;
-pub(crate) mod ranges;
 pub(crate) mod sender;
 pub(crate) mod served_stream;
 pub(crate) mod source_caps;

@@ -13,10 +13,10 @@ use crate::auth::{self, FrameMac, MAC_LEN};
 use crate::error::Status;
 use crate::registry::{Abort, Pin};
 use crate::transport::io::nbio::{FrameReader, IoJob, Outbox, Step};
+use crate::transport::io::ranges::OwnedRanges;
 use crate::transport::io::{self, Received};
 use crate::transport::reactor::{Interest, Source};
 use crate::transport::staging;
-use crate::transport::target_side::ranges::OwnedRanges;
 use crate::transport::target_side::{Served, Server};
 use crate::wire::{self, Frame, Header, Seg};
 

@@ -52,7 +52,7 @@ impl Cap {
         match self {
             Cap::Fixed(n) => (n, n.to_string()),
             Cap::FdShare(d) => {
-                let soft = crate::transport::sys::nofile_limit().map_or(1024, |l| l.min(1 << 24) as usize);
+                let soft = crate::sys::nofile_limit().map_or(1024, |l| l.min(1 << 24) as usize);
                 let n = (soft / d.max(1)).max(1);
                 (n, format!("0: 1/{d} of this process's descriptor limit {soft}"))
             }
@@ -151,7 +151,7 @@ mod tests {
 
     #[test]
     fn a_share_of_the_descriptor_limit_follows_it() {
-        let soft = crate::transport::sys::nofile_limit().unwrap().min(1 << 24) as usize;
+        let soft = crate::sys::nofile_limit().unwrap().min(1 << 24) as usize;
         let (n, shown) = Cap::FdShare(4).resolve();
         assert_eq!(n, (soft / 4).max(1));
         assert!(shown.contains(&format!("1/4 of this process's descriptor limit {soft}")), "{shown}");

@@ -15,7 +15,7 @@ use super::verbs::{Verbs, Wc};
 use crate::error::{Error, Result};
 use crate::options::rdma::{Devices, RdmaOptions, MAX_RAILS};
 use crate::registry::Access;
-use crate::transport::sys::eventfd;
+use crate::sys::eventfd;
 
 /// How long the poller sleeps on the channels before it looks again (it is woken at once by a
 /// completion event or by `stop`; this only bounds a missed wake-up).
@@ -316,7 +316,7 @@ impl Rails {
                 .map(|n| libc::pollfd { fd: n.ch_fd, events: libc::POLLIN, revents: 0 })
                 .collect();
             fds.push(libc::pollfd { fd: self.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-            if !matches!(crate::transport::sys::poll(&mut fds, IDLE_WAIT.as_millis() as i32), Ok(1..)) {
+            if !matches!(crate::sys::poll(&mut fds, IDLE_WAIT.as_millis() as i32), Ok(1..)) {
                 continue;
             }
             for (i, nic) in self.nics.iter().enumerate() {

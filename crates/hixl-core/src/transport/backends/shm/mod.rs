@@ -24,14 +24,14 @@ use crate::error::{Error, Result, Status};
 use crate::queue::{Part, PartBody, Request, SegPair, TransferOp, TransferStatus, WaitHelp, WorkQueue};
 use crate::registry::{new_holder_id, Abort, RemoteTable};
 use crate::stats::PeerStats;
+use crate::sys;
+use crate::sys::memfd::{self, Mapping};
 use crate::transport::backend::{with_local_socket, Backend, MemorySpan, OpenCtx, HOST_TO_HOST};
 use crate::transport::control::channel::ControlChannel;
 use crate::transport::io::IOV_MAX;
 use crate::transport::reactor::copy_pool::{CopyPool, Task};
 use crate::transport::same_host::proof::{exited, get_fd, Proven};
 use crate::transport::same_host::prove_same_host;
-use crate::transport::sys;
-use crate::transport::sys::memfd::{self, Mapping};
 use crate::transport::DataPath;
 use crate::wire::RegionEntry;
 use crate::wire::{Capability, Domain};
@@ -56,25 +56,11 @@ const BATCH_BYTES: u64 = 4 << 20;
 /// This machine's identity: kernel boot id and host name. Equal strings mean the same kernel.
 pub fn host_id() -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let node = crate::transport::sys::nodename();
+    let node = crate::sys::nodename();
     format!("{}/{}", boot.trim(), node)
 }
 
-pub(crate) fn cma_error(pid: i32, e: std::io::Error) -> Error {
-    match e.raw_os_error() {
-        Some(libc::EFAULT) => Error::param(format!("a range is not accessible in pid {pid} (EFAULT): {e}")),
-        Some(libc::ESRCH) => Error::not_connected(format!("peer process {pid} is gone (ESRCH)")),
-        Some(libc::EPERM) => Error::new(
-            Status::Unsupported,
-            format!(
-                "not permitted to access pid {pid} (EPERM; did it exec a program of more privilege?): {e}"
-            ),
-        ),
-        _ => Error::failed(format!("cross-memory attach to pid {pid} failed: {e}")),
-    }
-}
-
-pub use crate::transport::sys::vm::cma;
+pub use crate::sys::vm::cma;
 
 /// A peer's engine-allocated region mapped into this process.
 pub(crate) struct PeerMapping {

@@ -5,7 +5,7 @@
 use std::os::fd::OwnedFd;
 
 use crate::error::{Error, Result};
-use crate::transport::sys::memfd::{self, Mapping};
+use crate::sys::memfd::{self, Mapping};
 
 /// Seals an engine-allocated memfd must carry before a peer maps it: it can then never shrink
 /// under the mapping (SIGBUS) or change size at all.

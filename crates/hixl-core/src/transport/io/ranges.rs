@@ -83,7 +83,7 @@ impl OwnedRanges {
         self.for_each(|addr, len| {
             // SAFETY: the caller guarantees the range is pinned, registered memory.
             unsafe {
-                crate::transport::sys::mem::with_bytes(addr, len, |b| {
+                crate::sys::mem::with_bytes(addr, len, |b| {
                     h.update(b);
                 })
             };

@@ -5,9 +5,8 @@ use std::io;
 use super::cvt_size;
 use super::mem::iov;
 use super::IOV_MAX;
-use crate::error::{Error, Result};
-use crate::queue::{SegPair, TransferOp};
-use crate::transport::backends::shm::cma_error;
+use crate::error::{Error, Result, Status};
+use crate::op::{SegPair, TransferOp};
 
 /// One process_vm_writev (`write`) or process_vm_readv call between `local` iovecs of this
 /// process and `remote` iovecs of process `pid`; the bytes moved.
@@ -77,4 +76,18 @@ pub unsafe fn cma(pid: i32, op: TransferOp, segs: &[SegPair]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+pub(crate) fn cma_error(pid: i32, e: std::io::Error) -> Error {
+    match e.raw_os_error() {
+        Some(libc::EFAULT) => Error::param(format!("a range is not accessible in pid {pid} (EFAULT): {e}")),
+        Some(libc::ESRCH) => Error::not_connected(format!("peer process {pid} is gone (ESRCH)")),
+        Some(libc::EPERM) => Error::new(
+            Status::Unsupported,
+            format!(
+                "not permitted to access pid {pid} (EPERM; did it exec a program of more privilege?): {e}"
+            ),
+        ),
+        _ => Error::failed(format!("cross-memory attach to pid {pid} failed: {e}")),
+    }
 }
