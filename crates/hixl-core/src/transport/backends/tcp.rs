@@ -13,7 +13,7 @@ use crate::wire::{Capability, Domain};
 
 /// Any host: TCP streams of its own (`hixl.tcp.streams` of them), apart from the control
 /// channel's; bytes go straight between sockets and registered host memory, and device memory
-/// through pinned bounce buffers (`cuda_stage`).
+/// through pinned bounce buffers (`transport::staging`).
 pub(crate) struct Tcp;
 
 impl Backend for Tcp {

@@ -16,7 +16,7 @@
 //! runs on two threads at once; a wake-up that arrives while it runs (an event, or `schedule`
 //! from another thread) makes it run once more before it is re-armed. Sources do not wait
 //! between transfers: they read and write what the socket takes now and return; only in the
-//! middle of a transfer's bytes does a job wait for its socket, at most 100 ms (see `nbio`).
+//! middle of a transfer's bytes does a job wait for its socket, at most 100 ms (see `io::nbio`).
 
 pub mod copy_pool;
 

@@ -95,7 +95,7 @@ pub(crate) struct Stream {
     reader_token: AtomicU64,
 }
 
-/// Heartbeat state of a link (see `control`).
+/// Heartbeat state of a link (see `streams::control`).
 pub(super) struct Beat {
     pub(super) every: Duration,
     pub(super) live: Liveness,

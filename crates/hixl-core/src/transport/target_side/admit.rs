@@ -1,6 +1,6 @@
 //! One served stream's handshake: the target's half (under one deadline, accepting only the
 //! frames a handshake may carry), on a thread of its own; then the stream goes to the
-//! engine's I/O workers (see `served`).
+//! engine's I/O workers (see `served_stream`).
 
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;

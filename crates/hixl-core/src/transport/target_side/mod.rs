@@ -1,6 +1,6 @@
 //! The target side: a listener that admits streams, and the publisher that sends region-table
-//! updates. Each admitted stream's handshake runs on a thread of its own (`serve`); then the
-//! engine's I/O workers serve it (`served`), checking every remote range against this
+//! updates. Each admitted stream's handshake runs on a thread of its own (`admit`); then the
+//! engine's I/O workers serve it (`served_stream`), checking every remote range against this
 //! engine's registry. No application code runs here.
 //!
 //! Before a stream's handshake ends it costs at most its Hello buffer and one thread, under one
@@ -107,7 +107,7 @@ pub(crate) struct Served {
     pub(crate) send: Mutex<SendState>,
     /// Set once Welcome went out: region updates may follow it.
     pub(crate) welcomed: AtomicBool,
-    /// Proven same-host (see `local`): region updates need its confirmation.
+    /// Proven same-host (see `same_host::proof`): region updates need its confirmation.
     pub(crate) acks_updates: AtomicBool,
     /// First stream of its link (region updates go there).
     pub(crate) link_head: AtomicBool,

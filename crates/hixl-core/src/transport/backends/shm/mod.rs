@@ -4,7 +4,7 @@
 //!
 //! Trust model: CMA needs ptrace permission over the peer (same user, or CAP_SYS_PTRACE), which
 //! already allows reading and writing all of its memory. The peer is the process that proved it
-//! accepted this link's stream (`local::prove`), never one named by a claim, and one whose
+//! accepted this link's stream (`same_host::proof::prove`), never one named by a claim, and one whose
 //! later exec cannot turn our copies into access it lacks (`exec_rule`). There is no
 //! target-side check on this path, so the initiator checks every remote range against the
 //! table that process sent, while it holds that table's read guard; the target publishes
