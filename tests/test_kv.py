@@ -25,12 +25,14 @@ import hixl
 from hixl.kv._context import context
 from hixl.kv._directory import (
     DIR_BYTES,
+    DIR_NAME,
     HEADER,
     MAGIC,
+    VERSION,
     W_LEN,
     W_RANK,
-    W_SELF,
     W_SEQ,
+    W_VERSION,
     Directory,
 )
 
@@ -452,17 +454,6 @@ def test_one_prompt_links_eight_decoders_at_once(ranks, kv, free_port) -> None:
     assert sorted(context().peers) == list(range(1, 9))
 
 
-def directories(e: hixl.Hixl, address: str, scratch: np.ndarray) -> list[hixl.MemDesc]:
-    """The regions of `address` whose first 8 bytes are the directory magic number."""
-    found = []
-    for m in e.remote_mems(address):
-        if m.len >= HEADER:
-            e.get(address, scratch.ctypes.data, m.addr, 8, 5000)
-            if int(scratch[:8].view(np.uint64)[0]) == MAGIC:
-                found.append(m)
-    return found
-
-
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
 def test_directory_is_read_only_for_peers(ranks, transport: str) -> None:
     """Security finding 11: a peer rewrites a rank's directory to send other ranks to the
@@ -475,9 +466,8 @@ def test_directory_is_read_only_for_peers(ranks, transport: str) -> None:
         mine[:] = 0
         e.register(mine)
         e.connect(victim.address, timeout_ms=5000)
-        found = directories(e, victim.address, mine)
-        assert len(found) == 1 and found[0].len == DIR_BYTES, found
-        d = found[0]
+        d = e.remote_region(victim.address, DIR_NAME)
+        assert (d.len, d.writable) == (DIR_BYTES, False), d
         e.get(victim.address, mine.ctypes.data, d.addr, d.len, 5000)
         before = mine.copy()
         assert b'"rank":0' in before.tobytes() and b'"kv"' in before.tobytes()
@@ -505,8 +495,9 @@ def test_directory_is_read_only_for_peers(ranks, transport: str) -> None:
 
 
 def test_malformed_directory_is_an_llm_error(kv) -> None:
-    """A malicious target publishes a directory of its own making: linking to it fails with
-    an LLMError naming it, whatever the bytes, and never with a stray exception."""
+    """A malicious target publishes a directory of its own making under the directory's
+    name: linking to it fails with an LLMError naming it, whatever the bytes or the region,
+    and never with a stray exception."""
     kv(cluster_id=1, role="decoder")
     good = {"name": "kv", "shape": [4, 8], "dtype": "uint8", "addr": 4096, "nbytes": 32}
     bodies = [
@@ -529,30 +520,46 @@ def test_malformed_directory_is_an_llm_error(kv) -> None:
         ).encode(),
     ]
     bodies.append(json.dumps({"rank": 3, "role": "prompt", "caches": []}).encode())  # header: 0
+
+    def refused(fake: hixl.Hixl, why: str) -> None:
+        with pytest.raises(hixl.LLMError, match="malformed KV-cache directory") as e:
+            hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
+        assert e.value.status_code == "LLM_002004", why
+        assert fake.local_engine in str(e.value), str(e.value)  # it names the peer
+
     with hixl.Hixl() as fake:
         fake.initialize("127.0.0.1:0")
-        buf = fake_directory(fake, 0)
+        buf, _ = fake_directory(fake, 0)
         words = buf[:HEADER].view(np.uint64)
         for body in bodies:
             buf[HEADER : HEADER + len(body)] = np.frombuffer(body, np.uint8)
             words[W_SEQ], words[W_LEN] = 2, len(body)
-            with pytest.raises(hixl.LLMError, match="malformed KV-cache directory") as e:
-                hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
-            assert e.value.status_code == "LLM_002004", body[:40]
+            refused(fake, repr(body[:40]))
         for n in (0, DIR_BYTES - HEADER + 1, 1 << 63):  # body lengths out of range
             words[W_SEQ], words[W_LEN] = 4, n
-            with pytest.raises(hixl.LLMError, match="malformed KV-cache directory"):
-                hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
+            refused(fake, f"body length {n}")
+        words[W_LEN] = len(bodies[-2])
+        for word, value in ((0, 0), (W_VERSION, VERSION + 1)):  # no magic, another layout
+            old, words[word] = int(words[word]), value
+            refused(fake, f"header word {word} = {value}")
+            words[word] = old
+    # A region of that name of another length, or one peers may write.
+    for length, access in ((4096, "r"), (DIR_BYTES, "rw")):
+        with hixl.Hixl() as fake:
+            fake.initialize("127.0.0.1:0")
+            fake_directory(fake, 0, access=access, length=length)
+            refused(fake, f"{length} bytes, access {access!r}")
 
 
-def fake_directory(e: hixl.Hixl, rank: int, access: str = "r") -> np.ndarray:
-    """A directory header for `rank` in a new region of `e`, naming that region (empty body)."""
-    buf = hixl.aligned_empty(DIR_BYTES)
+def fake_directory(
+    e: hixl.Hixl, rank: int, access: str = "r", length: int = DIR_BYTES, name: str = DIR_NAME
+) -> tuple[np.ndarray, hixl.MemHandle]:
+    """A directory header for `rank` (empty body) in a new region of `e` named `name`."""
+    buf = hixl.aligned_empty(length)
     buf[:] = 0
-    words = buf[:HEADER].view(np.uint64)
-    words[0], words[W_SEQ], words[W_SELF], words[W_RANK] = MAGIC, 1, buf.ctypes.data, rank
-    e.register(buf, access=access)
-    return buf
+    words = buf[: min(length, HEADER)].view(np.uint64)
+    words[0], words[W_SEQ], words[W_RANK], words[W_VERSION] = MAGIC, 1, rank, VERSION
+    return buf, e.register(buf, access=access, name=name)
 
 
 def test_link_waits_for_a_directory_published_after_listening(kv) -> None:
@@ -571,57 +578,58 @@ def test_link_waits_for_a_directory_published_after_listening(kv) -> None:
         hixl.unlink([0])
 
 
-def test_directory_is_the_region_that_names_itself_and_the_rank(ranks, kv) -> None:
-    """Peers find a rank's directory by its header: the magic number, its own address and the
-    rank. Copies of directories (a scratch, a cache) are skipped; another rank, and two
-    regions claiming to be the directory, are LLMErrors, never a guess."""
+def test_directory_is_the_region_named_so_naming_the_rank(ranks, kv) -> None:
+    """Peers find a rank's directory by its region's name, and check the rank its header
+    names. Copies of a directory under no name or another name are not taken for it; a
+    directory naming another rank is an LLMError; a forged header written into one of the
+    rank's writable caches changes nothing: the named region is the directory."""
     real = ranks(0, "prompt")
     real.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=9)
     kv(cluster_id=1, role="decoder")
     body = json.dumps({"rank": 0, "role": "prompt", "caches": []}).encode()
     with hixl.Hixl() as fake:
         fake.initialize("127.0.0.1:0")
-        # A byte-exact copy of rank 0's directory, in a region of the directory's length: it
-        # names the address it was copied from, so it is not taken for a directory.
+        # Byte-exact copies of rank 0's directory, unnamed and under another name.
         copy = hixl.aligned_empty(DIR_BYTES)
-        copy[:] = 0
-        h = fake.register(copy)
+        fake.register(copy, access="r")
         fake.connect(real.address, timeout_ms=5000)
-        found = directories(fake, real.address, copy)
-        assert len(found) == 1
-        fake.get(real.address, copy.ctypes.data, found[0].addr, DIR_BYTES, 5000)
-        assert int(copy[:HEADER].view(np.uint64)[W_SELF]) == found[0].addr != h.addr
+        d = fake.remote_region(real.address, DIR_NAME)
+        fake.get(real.address, copy.ctypes.data, d.addr, DIR_BYTES, 5000)
+        assert int(copy[:HEADER].view(np.uint64)[W_RANK]) == 0 and b'"kv"' in copy.tobytes()
+        named, _ = fake_directory(fake, 0, name=DIR_NAME + ".copy")
+        named[:] = copy
         t0 = time.monotonic()
         with pytest.raises(hixl.LLMError, match="publishes no hixl KV-cache directory") as e:
             hixl.link([{"cluster_id": 0, "address": fake.local_engine}], timeout_ms=300)
         assert e.value.status_code == "LLM_002004" and time.monotonic() - t0 < 5
-        # Another rank's directory: refused as that rank, without waiting.
-        other = fake_directory(fake, 7)
+        assert fake.local_engine in str(e.value)
+        # The directory under that name naming another rank: refused as that rank.
+        other, _ = fake_directory(fake, 7)
         other[HEADER : HEADER + len(body)] = np.frombuffer(body.replace(b":0", b":7"), np.uint8)
-        with pytest.raises(hixl.LLMError, match="is rank 7, not cluster_id=0"):
+        with pytest.raises(hixl.LLMError, match="is rank 7, not cluster_id=0") as e:
             hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
-        # Two regions that both name themselves rank 0's directory: no guess.
-        for _ in range(2):
-            d = fake_directory(fake, 0, access="rw")
-            d[HEADER : HEADER + len(body)] = np.frombuffer(body, np.uint8)
-            w = d[:HEADER].view(np.uint64)
-            w[W_LEN], w[W_SEQ] = len(body), 2
-        with pytest.raises(hixl.LLMError, match="2 KV-cache directories for rank 0"):
-            hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
+        assert fake.local_engine in str(e.value)
     # A forged directory written into a writable cache of the real rank 0 (by a peer with
-    # the cluster secret) makes rank 0 ambiguous: linking refuses rather than trust it.
+    # the cluster secret) is not taken for rank 0's directory: the named region is.
     real.ok("alloc", name="big", shape=[DIR_BYTES], dtype="uint8", seed=None)
     hixl.link([{"cluster_id": 0, "address": real.address}])
-    _, big = context().remote_cache(0, "big")
+    peer, big = context().remote_cache(0, "big")
+    assert peer.dir_addr == context().engine.remote_region(real.address, DIR_NAME).addr
     hixl.unlink([0])
     with hixl.Hixl() as attacker:
         attacker.initialize("127.0.0.1")
-        forged = fake_directory(attacker, 0, access="rw")
-        forged[:HEADER].view(np.uint64)[W_SELF] = big.addr
+        forged, _ = fake_directory(attacker, 0, access="rw", name="")
+        forged[HEADER : HEADER + len(body)] = np.frombuffer(body, np.uint8)
+        w_ = forged[:HEADER].view(np.uint64)
+        w_[W_LEN], w_[W_SEQ] = len(body), 2
         attacker.connect(real.address, timeout_ms=5000)
-        attacker.put(real.address, forged.ctypes.data, big.addr, HEADER, 5000)
-    with pytest.raises(hixl.LLMError, match="refusing to guess"):
-        hixl.link([{"cluster_id": 0, "address": real.address}])
+        attacker.put(real.address, forged.ctypes.data, big.addr, DIR_BYTES, 5000)
+    hixl.link([{"cluster_id": 0, "address": real.address}])
+    peer = context().peers[0]
+    assert peer.dir_addr != big.addr and sorted(peer.caches) == ["big", "kv"], peer
+    local = hixl.allocate_cache(np.zeros((4, 512), np.uint8), name="kv")
+    hixl.pull_cache(0, local).wait()
+    assert local.array.tobytes() == filled((4, 512), 9, np.uint8).tobytes()
 
 
 def test_kv_tasks_and_layers_are_awaitable(ranks, kv) -> None:
