@@ -632,6 +632,52 @@ def test_directory_is_the_region_named_so_naming_the_rank(ranks, kv) -> None:
     assert local.array.tobytes() == filled((4, 512), 9, np.uint8).tobytes()
 
 
+def test_async_tasks_share_one_completion_driven_thread(ranks, kv) -> None:
+    """Asynchronous tasks start no thread of their own: the KV core's one executor thread
+    completes the requests of all of them, from the process's completion queue, which an
+    asyncio loop awaiting plain engine requests in the same process drains too (neither
+    takes the other's completions)."""
+    import asyncio
+
+    shape = (8, 2, 16, 16, 8, 64)
+    prompt = ranks(0, "prompt")
+    prompt.ok("alloc", name="kv", shape=shape, dtype="float16", seed=21)
+    kv(cluster_id=1, role="decoder", peers={0: prompt.address})
+    want = filled(shape, 21).tobytes()
+    locals_ = [hixl.allocate_cache(np.zeros(shape, DT), name=f"c{i}") for i in range(6)]
+    cfg = hixl.TransferConfig(max_concurrent=2, async_enable=True)
+    before = {t.ident for t in threading.enumerate()}
+
+    async def main() -> list[str]:
+        tasks = [hixl.pull_cache(0, c, cfg, remote_name="kv") for c in locals_]
+        syncer = hixl.LayerSynchronizer(8)
+        layerwise = hixl.transfer_cache_async(0, locals_[0], syncer, remote_name="kv")
+        names = [t.name for t in threading.enumerate() if t.ident not in before]
+        with hixl.Hixl() as e:  # plain engine requests awaited on this loop meanwhile
+            e.initialize("127.0.0.1:0")
+            src = hixl.aligned_empty(1 << 16)
+            src[:] = 7
+            e.register(src)
+            with hixl.Hixl() as f:
+                f.initialize("127.0.0.1:0")
+                dst = hixl.aligned_empty(1 << 16)
+                f.register(dst)
+                f.connect(e.local_engine, timeout_ms=5000)
+                for _ in range(20):
+                    await f.get_async(e.local_engine, dst.ctypes.data, src.ctypes.data, 1 << 16)
+                assert (dst == 7).all()
+        for t in [*tasks, layerwise]:
+            await asyncio.wait_for(t, 30)
+        return names
+
+    names = asyncio.run(main())
+    assert "hixl-kv-task" not in names and names.count("hixl-kv-executor") <= 1, names
+    assert not [t for t in threading.enumerate() if t.name == "hixl-kv-task"]
+    assert [t.name for t in threading.enumerate()].count("hixl-kv-executor") == 1
+    for c in locals_:
+        assert c.array.tobytes() == want
+
+
 def test_kv_tasks_and_layers_are_awaitable(ranks, kv) -> None:
     """asyncio: `await syncer.wait_sync_async()` follows a layerwise pull without blocking the
     loop, and `await task` returns the task's result (or raises its LLMError)."""
