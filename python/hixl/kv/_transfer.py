@@ -14,8 +14,9 @@ import numpy as np
 from .._errors import HixlError, ParamInvalid, Status
 from .._errors import Timeout as HixlTimeout
 from .._hixl import NotifyDesc, TransferOp
+from .._kvcore._cache import block_pairs
 from .._kvcore._executor import Flight, executor
-from .._kvcore._plan import block_runs, descs, run_bytes, split
+from .._kvcore._plan import descs, split
 from .._kvcore._window import Window
 from .._wakers import Wakers
 from ._cache import Cache, CacheInfo
@@ -507,17 +508,7 @@ def _block_requests(
             f"{local.block_bytes} bytes per block, remote {remote.name!r} "
             f"{remote.block_pieces()} x {remote.block_bytes}"
         )
-    bb, runs = local.block_bytes, block_runs(lb, rb)  # (local start, remote start, count)
-    pairs = [
-        x
-        for p in range(local.block_pieces())
-        for x in run_bytes(
-            runs,
-            bb,
-            local.addr + p * local.num_blocks * bb,
-            remote.addr + p * remote.num_blocks * bb,
-        )
-    ]
+    pairs = block_pairs(local.geometry, remote.geometry, lb, rb, local.addr, remote.addr)
     return [
         Request(rank, address, op, descs(chunk), sum(x[2] for x in chunk))
         for chunk in split(pairs, parts)
