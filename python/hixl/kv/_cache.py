@@ -83,7 +83,7 @@ class CacheInfo:
 
 
 @dataclass(eq=False)
-class Cache:
+class RegisteredCache:
     """A KV cache registered with the process's engine (zero copy: the caller's memory).
 
     ``name`` is how peers address it; ``layer_ranges(k)`` are the byte ranges of layer k."""

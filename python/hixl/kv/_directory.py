@@ -10,7 +10,7 @@ unique within an engine, and only the owner registers its regions, so no peer ca
 a region under that name for it). Its header holds the magic number, the layout version and
 the owner's rank: a region of that name that is not a directory, or that names another rank,
 is an error, never a fallback. Everything read is untrusted: anything malformed is an
-LLMError naming the peer.
+KVError naming the peer.
 
 Peers may only READ a directory: it is registered with access="r", so a peer (even one with
 the cluster secret) cannot rewrite it to send other ranks to the wrong regions; a region of
@@ -32,7 +32,7 @@ from .._errors import HixlError, ParamInvalid
 from .._hixl import Hixl
 from .._layout import aligned_empty
 from ._cache import CacheInfo
-from ._errors import LLM_NOT_LINKED, LLMError
+from ._errors import LLM_NOT_LINKED, KVError
 
 #: The name a rank's directory is registered under; peers look it up by this name.
 DIR_NAME = "hixl.kv.directory"
@@ -129,11 +129,11 @@ class DirectoryReader:
 
     def _get(self, address: str, offset: int, remote: int, n: int) -> None:
         """One READ into the scratch (the caller holds the lock); engine errors become
-        LLMErrors naming the peer."""
+        KVErrors naming the peer."""
         try:
             self.engine.get(address, self.buf.ctypes.data + offset, remote, n, 5000)
         except HixlError as exc:
-            raise LLMError.from_engine(exc, f"reading the directory of {address}") from exc
+            raise KVError.from_engine(exc, f"reading the directory of {address}") from exc
 
     def locate(self, address: str, rank: int, deadline: float) -> int:
         """The address of `rank`'s directory: the region of `address` named DIR_NAME, its
@@ -147,16 +147,16 @@ class DirectoryReader:
             except ParamInvalid:
                 pass  # no region of that name (yet)
             except HixlError as exc:
-                raise LLMError.from_engine(exc, f"link to {address}") from exc
+                raise KVError.from_engine(exc, f"link to {address}") from exc
             if time.monotonic() >= deadline:
-                raise LLMError(
+                raise KVError(
                     LLM_NOT_LINKED,
                     f"{address} publishes no hixl KV-cache directory (no region named "
                     f"{DIR_NAME!r}: is it a hixl.kv.init() process?)",
                 )
             time.sleep(0.01)
         if region.len != DIR_BYTES or region.writable:
-            raise LLMError(
+            raise KVError(
                 LLM_NOT_LINKED,
                 f"{address} publishes a malformed KV-cache directory (region {DIR_NAME!r} is "
                 f"{region.len} bytes{', writable by peers' if region.writable else ''}; a "
@@ -166,14 +166,14 @@ class DirectoryReader:
             self._get(address, 0, region.addr, HEADER)
             w = [int(x) for x in self.buf[:HEADER].view(np.uint64)]
         if (w[W_MAGIC], w[W_VERSION]) != (MAGIC, VERSION):
-            raise LLMError(
+            raise KVError(
                 LLM_NOT_LINKED,
                 f"{address} publishes a malformed KV-cache directory (region {DIR_NAME!r} "
                 f"holds magic {w[W_MAGIC]:#x} version {w[W_VERSION]}, expected {MAGIC:#x} "
                 f"version {VERSION})",
             )
         if w[W_RANK] != rank:
-            raise LLMError(LLM_NOT_LINKED, f"{address} is rank {w[W_RANK]}, not cluster_id={rank}")
+            raise KVError(LLM_NOT_LINKED, f"{address} is rank {w[W_RANK]}, not cluster_id={rank}")
         return int(region.addr)
 
     def read(self, address: str, dir_addr: int, rank: int, timeout_s: float = 5.0) -> bytes:
@@ -184,7 +184,7 @@ class DirectoryReader:
                 self._get(address, 0, dir_addr, HEADER)
                 w = [int(x) for x in self.buf[:HEADER].view(np.uint64)]
                 if (w[W_MAGIC], w[W_RANK]) != (MAGIC, rank):
-                    raise LLMError(
+                    raise KVError(
                         LLM_NOT_LINKED,
                         f"{address} no longer publishes the KV-cache directory of rank {rank} "
                         f"at {dir_addr:#x}",
@@ -192,7 +192,7 @@ class DirectoryReader:
                 seq, n = w[W_SEQ], w[W_LEN]
                 if seq % 2 == 0:
                     if not 0 < n <= DIR_BYTES - HEADER:
-                        raise LLMError(
+                        raise KVError(
                             LLM_NOT_LINKED,
                             f"{address} publishes a malformed KV-cache directory "
                             f"(body length {n}, at most {DIR_BYTES - HEADER})",
@@ -203,7 +203,7 @@ class DirectoryReader:
                     if int(self.buf[:HEADER].view(np.uint64)[W_SEQ]) == seq:
                         return body
                 if time.monotonic() > deadline:
-                    raise LLMError(
+                    raise KVError(
                         LLM_NOT_LINKED,
                         f"the KV-cache directory of {address} kept changing for {timeout_s} s",
                     )
@@ -219,7 +219,7 @@ class DirectoryReader:
             )
         peer = parse(address, dir_addr, self.read(address, dir_addr, rank))
         if peer.rank != rank:
-            raise LLMError(
+            raise KVError(
                 LLM_NOT_LINKED,
                 f"{address} publishes a malformed KV-cache directory (its header says rank "
                 f"{rank}, its body rank {peer.rank})",
@@ -229,7 +229,7 @@ class DirectoryReader:
 
 def parse(address: str, dir_addr: int, body: bytes) -> PeerDirectory:
     """A peer's directory from its JSON body. The peer wrote it, so nothing in it is trusted:
-    anything malformed is an LLMError naming the peer, never a stray exception. (Addresses
+    anything malformed is an KVError naming the peer, never a stray exception. (Addresses
     in it need no check here: the engine checks every transfer against the peer's regions.)"""
     try:
         doc: dict[str, Any] = json.loads(body)
@@ -247,7 +247,7 @@ def parse(address: str, dir_addr: int, body: bytes) -> PeerDirectory:
             caches[info.name] = info
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as exc:
         why = f"{type(exc).__name__}: {exc}"
-        raise LLMError(
+        raise KVError(
             LLM_NOT_LINKED,
             f"{address} publishes a malformed KV-cache directory ({why[:200]})",
         ) from None

@@ -16,14 +16,14 @@ from .._errors import Timeout as HixlTimeout
 from .._hixl import NotifyDesc, TransferOp
 from .._kvcore._executor import executor
 from .._wakers import Wakers
-from ._cache import Cache, CacheInfo
+from ._cache import CacheInfo, RegisteredCache
 from ._context import context
-from ._errors import LLMError
+from ._errors import KVError
 from ._sender import rank_address, same_engine
 from ._transfer import (
+    CacheTransferConfig,
     Pipeline,
     Request,
-    TransferConfig,
     TransferTask,
     as_llm_error,
     check_fits,
@@ -44,7 +44,7 @@ LAYER_NOTIFY = "hixl.kv.layer"
 log = logging.getLogger("hixl.kv")
 
 
-class LayerSynchronizer:
+class LayerTracker:
     """Tracks which layers of a cache are present (consumer) or computed (producer).
 
     ``get_current_layer()`` is the index of the newest layer present (every layer before it
@@ -194,7 +194,7 @@ class LayerSynchronizer:
             return self._ready.popleft() if self._ready else None
 
 
-def _check_layers(cache: Cache, syncer: LayerSynchronizer) -> int:
+def _check_layers(cache: RegisteredCache, syncer: LayerTracker) -> int:
     """How many cache layers make one synchronizer layer."""
     if cache.num_layers % syncer.total_layers:
         raise ParamInvalid(
@@ -230,10 +230,10 @@ def _group_request(
 
 def transfer_cache_async(
     remote_rank: int,
-    local_cache: Cache,
-    synchronizer: LayerSynchronizer,
+    local_cache: RegisteredCache,
+    synchronizer: LayerTracker,
     mode: str = "pull",
-    transfer_config: TransferConfig | None = None,
+    transfer_config: CacheTransferConfig | None = None,
     remote_name: str | None = None,
 ) -> TransferTask:
     """Moves a cache layer by layer in the background and returns the task at once.
@@ -244,7 +244,7 @@ def transfer_cache_async(
     if mode not in ("pull", "push"):
         raise ParamInvalid(f"mode={mode!r} must be 'pull' or 'push'")
     per = _check_layers(local_cache, synchronizer)
-    ctx, cfg = context(), transfer_config or TransferConfig()
+    ctx, cfg = context(), transfer_config or CacheTransferConfig()
     name = remote_name or local_cache.name
 
     def pull(task: TransferTask) -> tuple[list[Request], Callable[[Request], None]]:
@@ -354,9 +354,9 @@ def transfer_cache_async(
 
 def receive_cache_async(
     remote_rank: int,
-    local_cache: Cache,
-    synchronizer: LayerSynchronizer,
-    transfer_config: TransferConfig | None = None,
+    local_cache: RegisteredCache,
+    synchronizer: LayerTracker,
+    transfer_config: CacheTransferConfig | None = None,
 ) -> TransferTask:
     """Follows a producer's layerwise push into `local_cache`: each layer counts as present
     when its notification arrives, which the producer's engine sends only after that layer's
@@ -368,7 +368,7 @@ def receive_cache_async(
     of this cache for that rank is taken as it for the rest of the receive. Others are dropped
     and logged."""
     _check_layers(local_cache, synchronizer)
-    ctx, cfg = context(), transfer_config or TransferConfig()
+    ctx, cfg = context(), transfer_config or CacheTransferConfig()
     prefix = f"{int(remote_rank)}:{local_cache.name}:"
     first: list[str] = []  # the sender taken as the rank when no address is known
 
@@ -430,7 +430,7 @@ def receive_cache_async(
             if notes:
                 gap_deadline[0] = time.monotonic() + gap_s
             elif time.monotonic() > gap_deadline[0]:
-                raise LLMError(
+                raise KVError(
                     str(int(HixlTimeout.status)),
                     f"no layer of cache {local_cache.name!r} arrived from rank "
                     f"{remote_rank} for {cfg.timeout_ms} ms ({got[0]} of {total})",

@@ -1,4 +1,4 @@
-"""Cache and block transfers: TransferConfig, tasks and their results."""
+"""Cache and block transfers: CacheTransferConfig, tasks and their results."""
 
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ from .._kvcore._executor import Flight, executor
 from .._kvcore._plan import descs, split
 from .._kvcore._window import Window
 from .._wakers import Wakers
-from ._cache import Cache, CacheInfo
+from ._cache import CacheInfo, RegisteredCache
 from ._context import Context, context
-from ._errors import LLM_SUCCESS, LLM_TOO_LARGE, LLMError
+from ._errors import LLM_SUCCESS, LLM_TOO_LARGE, KVError
 
 log = logging.getLogger("hixl.kv")
 
 
 @dataclass(frozen=True)
-class TransferConfig:
+class CacheTransferConfig:
     """How a cache transfer runs: requests in flight, each request's deadline, and whether
     the call returns at once (``async_enable=True``) or waits for the end."""
 
@@ -53,7 +53,7 @@ class TransferResult:
     bytes: int = 0
     elapsed_s: float = 0.0
     per_rank: dict[int, TransferResult] = field(default_factory=dict)
-    error: LLMError | None = None
+    error: KVError | None = None
 
     @property
     def gbps(self) -> float:
@@ -74,17 +74,17 @@ class Request:
     notify: NotifyDesc | None = None
 
 
-def as_llm_error(exc: BaseException, what: str) -> LLMError:
-    if isinstance(exc, LLMError):
+def as_llm_error(exc: BaseException, what: str) -> KVError:
+    if isinstance(exc, KVError):
         return exc
     if isinstance(exc, HixlError):
-        return LLMError.from_engine(exc, what)
+        return KVError.from_engine(exc, what)
     raise exc
 
 
 class TransferTask:
     """A running or finished cache transfer. ``wait()`` returns its TransferResult or raises
-    its LLMError (the result is on the error as ``.result``).
+    its KVError (the result is on the error as ``.result``).
 
     A synchronous call runs its body in the caller's thread before it returns the task; an
     asynchronous one (``start``) runs on the KV core's executor, whose one thread completes
@@ -121,14 +121,14 @@ class TransferTask:
 
     def _end(self, exc: BaseException | None = None, what: str = "cache transfer") -> None:
         """Ends the task (once; later calls do nothing), with `exc` as its error if given
-        (a hixl error becomes an LLMError saying `what` failed)."""
+        (a hixl error becomes an KVError saying `what` failed)."""
         if self._done.is_set():
             return
         if exc is not None:
             try:
                 self.fail(as_llm_error(exc, what))
             except BaseException as other:  # not a hixl error: keep it as is
-                self.result.error = LLMError(str(int(Status.FAILED)), repr(other), Status.FAILED)
+                self.result.error = KVError(str(int(Status.FAILED)), repr(other), Status.FAILED)
                 self.result.error.__cause__ = other
                 self.result.status_code = self.result.error.status_code
         self.result.elapsed_s = time.perf_counter() - self._t0
@@ -142,13 +142,13 @@ class TransferTask:
         self._done.set()
         self._wakers.wake(lambda: None)
 
-    def _raise_if_sync(self, cfg: TransferConfig) -> TransferTask:
+    def _raise_if_sync(self, cfg: CacheTransferConfig) -> TransferTask:
         """A synchronous call has already run the body: it raises the error right away."""
         if not cfg.async_enable:
             self.wait()
         return self
 
-    def fail(self, err: LLMError, rank: int | None = None) -> None:
+    def fail(self, err: KVError, rank: int | None = None) -> None:
         if rank is not None and rank in self.result.per_rank:
             pr = self.result.per_rank[rank]
             if pr.error is None:
@@ -164,7 +164,7 @@ class TransferTask:
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
         """``await task``: waits on the running asyncio loop (the executor thread wakes it)
-        and returns its TransferResult or raises its LLMError, like ``wait()``."""
+        and returns its TransferResult or raises its KVError, like ``wait()``."""
         return self._wait_async().__await__()
 
     async def _wait_async(self) -> TransferResult:
@@ -177,7 +177,7 @@ class TransferTask:
     def wait(self, timeout_ms: float | None = None) -> TransferResult:
         """Waits for the end (at most `timeout_ms`; the task's own requests always end within
         their timeout). Raises hixl.Timeout if the task is still running then, or the task's
-        LLMError."""
+        KVError."""
         if not self._done.wait(None if timeout_ms is None else timeout_ms / 1000):
             raise HixlTimeout(f"the transfer task is still running after {timeout_ms} ms")
         err = self.result.error
@@ -199,7 +199,7 @@ class Pipeline:
         self,
         ctx: Context,
         task: TransferTask,
-        cfg: TransferConfig,
+        cfg: CacheTransferConfig,
         on_done: Callable[[Request], None] | None = None,
         run_async: bool = False,
         after: Callable[[], None] | None = None,
@@ -236,7 +236,7 @@ class Pipeline:
 
     def _fail(self, r: Request, exc: HixlError) -> None:
         self.failed.add(r.rank)
-        self.task.fail(LLMError.from_engine(exc, f"transfer with rank {r.rank}"), r.rank)
+        self.task.fail(KVError.from_engine(exc, f"transfer with rank {r.rank}"), r.rank)
         if self.after is not None:
             self.after()
 
@@ -303,7 +303,7 @@ def run_requests(
     ctx: Context,
     task: TransferTask,
     reqs: Iterable[Request],
-    cfg: TransferConfig,
+    cfg: CacheTransferConfig,
     on_done: Callable[[Request], None] | None = None,
 ) -> None:
     """Submits `reqs` in order through a Pipeline and waits for all of them."""
@@ -320,7 +320,7 @@ Plan = Callable[[TransferTask], tuple[list[Request], Callable[[Request], None] |
 
 def start(
     ctx: Context,
-    cfg: TransferConfig,
+    cfg: CacheTransferConfig,
     ranks: Iterable[int],
     plan: Plan,
     what: str = "cache transfer",
@@ -361,7 +361,7 @@ def same_geometry(a: CacheInfo, b: CacheInfo) -> bool:
 
 def check_fits(src: CacheInfo, dst: CacheInfo, src_where: str, dst_where: str) -> None:
     if src.nbytes > dst.nbytes:
-        raise LLMError(
+        raise KVError(
             LLM_TOO_LARGE,
             f"cache {src.name!r} on {src_where} is {src.nbytes} bytes, "
             f"larger than the registered destination {dst.name!r} on {dst_where} "
@@ -423,13 +423,13 @@ def _ranks(remote_ranks: int | Iterable[int]) -> list[int]:
 
 def pull_cache(
     remote_rank: int,
-    local_cache: Cache,
-    transfer_config: TransferConfig | None = None,
+    local_cache: RegisteredCache,
+    transfer_config: CacheTransferConfig | None = None,
     remote_name: str | None = None,
 ) -> TransferTask:
     """Copies the remote rank's cache called `remote_name` (default: local_cache's name) into
     local_cache."""
-    ctx, cfg = context(), transfer_config or TransferConfig()
+    ctx, cfg = context(), transfer_config or CacheTransferConfig()
 
     def plan(task: TransferTask) -> tuple[list[Request], None]:
         peer, remote = ctx.remote_cache(remote_rank, remote_name or local_cache.name)
@@ -442,13 +442,13 @@ def pull_cache(
 
 def push_cache(
     remote_ranks: int | Iterable[int],
-    src: Cache,
-    transfer_config: TransferConfig | None = None,
+    src: RegisteredCache,
+    transfer_config: CacheTransferConfig | None = None,
     remote_name: str | None = None,
 ) -> TransferTask:
     """Writes `src` into the cache of that name (or `remote_name`) on every listed rank, all
     ranks in parallel from the one source buffer."""
-    ctx, cfg, ranks = context(), transfer_config or TransferConfig(), _ranks(remote_ranks)
+    ctx, cfg, ranks = context(), transfer_config or CacheTransferConfig(), _ranks(remote_ranks)
 
     def plan(task: TransferTask) -> tuple[list[Request], None]:
         per_rank: list[list[Request]] = []
@@ -456,7 +456,7 @@ def push_cache(
             try:
                 peer, remote = ctx.remote_cache(r, remote_name or src.name)
                 check_fits(src.info, remote, f"rank {ctx.rank}", f"rank {r}")
-            except LLMError as err:
+            except KVError as err:
                 task.fail(err, r)
                 continue
             per_rank.append(whole_requests(src.info, remote, r, peer.address, TransferOp.WRITE))
@@ -517,15 +517,15 @@ def _block_requests(
 
 def pull_blocks(
     remote_rank: int,
-    local_cache: Cache,
+    local_cache: RegisteredCache,
     src_blocks: Any,
     dst_blocks: Any,
-    transfer_config: TransferConfig | None = None,
+    transfer_config: CacheTransferConfig | None = None,
     remote_name: str | None = None,
 ) -> TransferTask:
     """Copies the remote cache's blocks `src_blocks` into local blocks `dst_blocks`, across
     all layers, K and V; runs of consecutive ids on both sides move as one segment."""
-    ctx, cfg = context(), transfer_config or TransferConfig()
+    ctx, cfg = context(), transfer_config or CacheTransferConfig()
     _check_lengths("pull_blocks", dst_blocks, src_blocks)
 
     def plan(task: TransferTask) -> tuple[list[Request], None]:
@@ -547,15 +547,15 @@ def pull_blocks(
 
 def push_blocks(
     remote_ranks: int | Iterable[int],
-    src_cache: Cache,
+    src_cache: RegisteredCache,
     src_blocks: Any,
     dst_blocks: Any,
-    transfer_config: TransferConfig | None = None,
+    transfer_config: CacheTransferConfig | None = None,
     remote_name: str | None = None,
 ) -> TransferTask:
     """Writes local blocks `src_blocks` into blocks `dst_blocks` of the cache of that name on
     every listed rank."""
-    ctx, cfg, ranks = context(), transfer_config or TransferConfig(), _ranks(remote_ranks)
+    ctx, cfg, ranks = context(), transfer_config or CacheTransferConfig(), _ranks(remote_ranks)
     _check_lengths("push_blocks", src_blocks, dst_blocks)
 
     def plan(task: TransferTask) -> tuple[list[Request], None]:

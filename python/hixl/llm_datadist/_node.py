@@ -19,7 +19,7 @@ from .._hixl import MemDesc, MemHandle, NotifyDesc, TransferOp
 from .._kvcore._plan import descs
 from .._kvcore._window import Window
 from ..kv._context import Context
-from ..kv._context import LLMClusterInfo as KvClusterInfo
+from ..kv._context import PeerRank as KvClusterInfo
 from ..kv._sender import same_engine
 from ._cache import Cache
 from ._status import LLMException, LLMStatusCode, fail, wrap
