@@ -26,15 +26,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
-
-import numpy as np
+from typing import Any, TypeVar
 
 from .. import _completions
-from .._errors import HixlError
-from .._errors import Timeout as HixlTimeout
-from .._hixl import NotifyDesc, TransferOp, TransferReq, TransferStatus, _completion_fd
-from ._window import WAIT_MARGIN_MS
+from .._hixl import TransferStatus, _completion_fd
+from ._window import WAIT_MARGIN_MS, Ask, Entry, Requests
 
 log = logging.getLogger("hixl.kv")
 
@@ -168,54 +164,21 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-class _Entry(Generic[T]):
-    __slots__ = ("item", "stuck", "h", "settled", "expires", "timer")
-
-    def __init__(self, item: T, stuck: str, h: TransferReq, expires: float) -> None:
-        self.item, self.stuck, self.h, self.expires = item, stuck, h, expires
-        self.settled = False
-        self.timer: Timer | None = None
-
-
-class Flight(Generic[T]):
+class Flight(Requests[T]):
     """The requests of one job in flight on `engine`, completed on the executor thread: at
-    most `depth` submitted and not yet ended, the rest waiting in order (``add``); they end
-    in submission order. ``on_done(item)`` follows each completed request, ``on_error(item,
-    exc)`` each failed one (a failed submit included; exc is the engine's HixlError);
-    ``on_idle()`` runs each time the last request has ended and none waits. A waiting request
-    for which ``skip(item)`` holds when its turn comes is dropped. Only the executor thread
+    most `depth` submitted and not yet ended, the rest waiting in order (``submit``); they end
+    in submission order, with the callbacks of ``Requests`` (``on_idle`` and ``skip``
+    included). Only the executor thread
     calls its methods; ``abandon()`` ends every callback (the requests still end in the
     engine)."""
 
-    def __init__(
-        self,
-        engine: Any,
-        depth: int,
-        timeout_ms: int,
-        on_done: Callable[[T], None],
-        on_error: Callable[[T, HixlError], None],
-        on_idle: Callable[[], None],
-        skip: Callable[[T], bool] | None = None,
-    ) -> None:
+    def _setup(self) -> None:
         self.ex = executor()
-        self.engine, self.depth, self.timeout_ms = engine, max(1, depth), timeout_ms
-        self.on_done, self.on_error, self.on_idle, self.skip = on_done, on_error, on_idle, skip
-        self.waiting: deque[tuple[T, str, TransferOp, np.ndarray, NotifyDesc | None, str]]
-        self.waiting = deque()
-        self.inflight: deque[_Entry[T]] = deque()
+        self.waiting: deque[Ask] = deque()
         self.abandoned = False
 
-    def add(
-        self,
-        item: T,
-        address: str,
-        op: TransferOp,
-        descs: np.ndarray,
-        notify: NotifyDesc | None = None,
-        stuck: str = "request still waiting after its timeout",
-    ) -> None:
-        """Queues one request; it is submitted as soon as the window has room."""
-        self.waiting.append((item, address, op, descs, notify, stuck))
+    def _take(self, ask: Ask) -> None:
+        self.waiting.append(ask)
         self._pump()
 
     def idle(self) -> bool:
@@ -238,34 +201,29 @@ class Flight(Generic[T]):
             self._reap()
             if not self.waiting or len(self.inflight) >= self.depth:
                 break
-            item, address, op, descs, notify, stuck = self.waiting.popleft()
-            if self.skip is not None and self.skip(item):
+            ask = self.waiting.popleft()
+            if self.skip is not None and self.skip(ask[0]):
                 continue
-            try:
-                h = self.engine.transfer_async(
-                    address, op, descs, notify=notify, timeout_ms=self.timeout_ms
-                )
-            except HixlError as exc:
-                self.on_error(item, exc)
+            e: Entry[T] | None = self._submit(ask)
+            if e is None:
                 continue
-            expires = time.monotonic() + (self.timeout_ms + WAIT_MARGIN_MS) / 1000
-            e: _Entry[T] = _Entry(item, stuck, h, expires)
+            e.expires = time.monotonic() + (self.timeout_ms + WAIT_MARGIN_MS) / 1000
             self.inflight.append(e)
-            if _completions.on_settle(h, self._poster(e)):
-                e.timer = self.ex.call_later(h._seconds_left() + 0.001, self._checker(e))
+            if _completions.on_settle(e.h, self._poster(e)):
+                e.timer = self.ex.call_later(e.h._seconds_left() + 0.001, self._checker(e))
             else:
                 e.settled = True  # it had ended already
-        if self.idle() and not self.abandoned:
+        if self.idle() and not self.abandoned and self.on_idle is not None:
             self.on_idle()
 
-    def _poster(self, e: _Entry[T]) -> Callable[[], None]:
+    def _poster(self, e: Entry[T]) -> Callable[[], None]:
         """The completion callback of `e`: it runs on the draining thread, so it only posts."""
         return lambda: self.ex.post(lambda: self._settle(e))
 
-    def _checker(self, e: _Entry[T]) -> Callable[[], None]:
+    def _checker(self, e: Entry[T]) -> Callable[[], None]:
         return lambda: self._check(e)
 
-    def _check(self, e: _Entry[T]) -> None:
+    def _check(self, e: Entry[T]) -> None:
         """The request's deadline passed: asking its status turns it TIMEOUT (and reports
         it); one still waiting `WAIT_MARGIN_MS` later is stuck."""
         if e.settled or self.abandoned:
@@ -276,7 +234,7 @@ class Flight(Generic[T]):
             later = min(e.expires, time.monotonic() + 0.005)
             e.timer = self.ex.call_at(later, self._checker(e))
 
-    def _settle(self, e: _Entry[T]) -> None:
+    def _settle(self, e: Entry[T]) -> None:
         if e.settled or self.abandoned:
             return
         e.settled = True
@@ -287,13 +245,4 @@ class Flight(Generic[T]):
     def _reap(self) -> None:
         """Ends the settled requests at the head of the window, in submission order."""
         while self.inflight and self.inflight[0].settled and not self.abandoned:
-            e = self.inflight.popleft()
-            if e.h.status() == TransferStatus.COMPLETED:
-                self.on_done(e.item)
-                continue
-            try:
-                e.h.result()
-            except HixlError as exc:
-                self.on_error(e.item, exc)
-            else:
-                self.on_error(e.item, HixlTimeout(e.stuck))
+            self._end(self.inflight.popleft(), 0)  # settled: no wait

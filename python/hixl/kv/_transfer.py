@@ -271,7 +271,7 @@ class Pipeline:
         """Queues `r` on the executor's window (asynchronous); skipped when its rank has
         failed by its turn."""
         assert self.flight is not None
-        self.flight.add(r, r.address, r.op, r.descs, r.notify, self._stuck(r))
+        self.flight.submit(r, r.address, r.op, r.descs, r.notify, self._stuck(r))
 
     def close(self, then: Callable[[], None]) -> None:
         """No more requests: `then()` once every one has ended (at once when none is left)."""

@@ -354,7 +354,7 @@ class _Transfers(_ManagerBase):
                 if not per_layer[layer]:
                     continue
                 try:
-                    flight.add(
+                    flight.submit(
                         i, address, TransferOp.WRITE, descs(per_layer[layer]), stuck=node.stuck
                     )
                 except Exception as exc:  # noqa: BLE001 - recorded on the task
