@@ -6,14 +6,20 @@ axis (a layer along the layer axis, a block along the block axis, a batch entry 
 batch axis) occupies ``prod(shape[:axis])`` contiguous pieces of ``prod(shape[axis + 1:])``
 elements in each tensor, ``shape[axis]`` such lengths apart. Faces keep their own classes
 and errors; this module raises hixl's ParamInvalid only for indices out of range.
+
+A cache's tensors are registered with the engine, one region each; ``register_tensors``
+and ``deregister`` are how both faces make and drop those regions.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from .._errors import ParamInvalid
+from .._errors import HixlError, ParamInvalid
+from .._hixl import MemDesc, MemHandle
 from ._plan import Pieces, block_runs, run_bytes
 
 
@@ -95,3 +101,30 @@ def block_pairs(
             runs, bb, src_base + p * src.block_stride, dst_base + p * dst.block_stride
         )
     ]
+
+
+def register_tensors(
+    engine: Any, addrs: Iterable[int], nbytes: int, access: str
+) -> list[MemHandle]:
+    """Registers `nbytes` at each of `addrs` (one region a tensor, peers' `access` "rw" or
+    "r") and returns the handles; on a failure those made already are dropped again and the
+    engine's HixlError is raised."""
+    out: list[MemHandle] = []
+    try:
+        for a in addrs:
+            out.append(engine.register_mem(MemDesc(a, nbytes), access=access))
+    except BaseException:
+        deregister(engine, out)
+        raise
+    return out
+
+
+def deregister(engine: Any, handles: Iterable[MemHandle], quiet: bool = True) -> None:
+    """Drops the regions of `handles`; with `quiet`, an engine finalized already (or any
+    HixlError) is no error."""
+    for h in handles:
+        try:
+            engine.deregister_mem(h)
+        except HixlError:
+            if not quiet:
+                raise

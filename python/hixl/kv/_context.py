@@ -13,6 +13,7 @@ from typing import Any
 
 from .._errors import Failed, HixlError, NotConnected, ParamInvalid, Timeout
 from .._hixl import Hixl, MemType
+from .._kvcore._cache import deregister
 from .._kvcore._links import in_parallel
 from .._kvcore._notify import Router
 from ._cache import CacheInfo, DeviceArray, RegisteredCache, as_array, as_device_array, describe
@@ -329,7 +330,7 @@ class Context:
         except BaseException:
             with self.lock:
                 del self.caches[name]
-            self.engine.deregister_mem(handle)
+            deregister(self.engine, [handle], quiet=False)
             raise
         self._publish_caches()
         return cache
@@ -340,7 +341,7 @@ class Context:
                 return
             del self.caches[cache.name]
         self.directory.remove(cache.name)
-        self.engine.deregister_mem(cache.handle)
+        deregister(self.engine, [cache.handle], quiet=False)
         self._publish_caches()
 
     def finalize(self) -> None:
