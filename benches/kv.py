@@ -59,12 +59,12 @@ def serve(layers: int, tokens: int, transport: str) -> None:
         out: dict = {}
         if cmd["cmd"] == "receive":
             dst.array[...] = 0
-            syncer = hixl.kv.LayerSynchronizer(layers)
+            syncer = hixl.kv.LayerTracker(layers)
             task = hixl.kv.receive_cache_async(
-                1, dst, syncer, hixl.kv.TransferConfig(timeout_ms=30_000)
+                1, dst, syncer, hixl.kv.CacheTransferConfig(timeout_ms=30_000)
             )
 
-            def decode(s: hixl.kv.LayerSynchronizer = syncer) -> None:
+            def decode(s: hixl.kv.LayerTracker = syncer) -> None:
                 for k in range(layers):
                     s.wait_layer(k, timeout_ms=60_000)
                     time.sleep(DECODE_MS / 1000)
@@ -151,7 +151,7 @@ def measure(transport: str, layers: int, tokens: int, iters: int, compute_ms: fl
         row["engine_read_GBps"] = med_gbps(
             lambda: e.transfer_sync(addr, R, big, 60_000), 128 * MIB, iters
         )
-        cfg = hixl.kv.TransferConfig(max_concurrent=4, timeout_ms=60_000)
+        cfg = hixl.kv.CacheTransferConfig(max_concurrent=4, timeout_ms=60_000)
         row["pull_GBps"] = med_gbps(lambda: hixl.kv.pull_cache(0, local, cfg), local.nbytes, iters)
         assert local.array.tobytes() == want.tobytes(), "pull_cache moved wrong bytes"
         row["push_GBps"] = med_gbps(
@@ -168,7 +168,7 @@ def measure(transport: str, layers: int, tokens: int, iters: int, compute_ms: fl
         row["compute_ms_per_layer"] = compute_ms
         w.call("zero")
         w.call("receive")
-        syncer = hixl.kv.LayerSynchronizer(layers)
+        syncer = hixl.kv.LayerTracker(layers)
         task = hixl.kv.transfer_cache_async(
             0, local, syncer, mode="push", transfer_config=cfg, remote_name="dst"
         )

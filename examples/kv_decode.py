@@ -53,10 +53,11 @@ def main() -> int:
     try:
         lay = layout(args)
         cache = hixl.kv.allocate_cache(lay.array(), name="kv")  # peers address it as "kv"
-        syncer = hixl.kv.LayerSynchronizer(total_layers=lay.num_layers)
+        syncer = hixl.kv.LayerTracker(total_layers=lay.num_layers)
         # Counts layer k as present when rank 0's notification for it arrives, which its
         # engine sends only after the layer's bytes are here.
-        task = hixl.kv.receive_cache_async(0, cache, syncer, hixl.kv.TransferConfig(timeout_ms=ms))
+        cfg = hixl.kv.CacheTransferConfig(timeout_ms=ms)
+        task = hixl.kv.receive_cache_async(0, cache, syncer, cfg)
         print(f"READY {me.address}", flush=True)
 
         for k in range(lay.num_layers):

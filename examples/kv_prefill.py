@@ -57,8 +57,8 @@ def main() -> int:
     try:
         lay = layout(args)
         cache = hixl.kv.allocate_cache(lay.array(), name="kv")
-        syncer = hixl.kv.LayerSynchronizer(total_layers=lay.num_layers)
-        cfg = hixl.kv.TransferConfig(timeout_ms=ms)
+        syncer = hixl.kv.LayerTracker(total_layers=lay.num_layers)
+        cfg = hixl.kv.CacheTransferConfig(timeout_ms=ms)
         # Pushes into rank 1's cache of the same name ("kv"), each layer once it is ready.
         task = hixl.kv.transfer_cache_async(1, cache, syncer, mode="push", transfer_config=cfg)
         for k in range(lay.num_layers):
@@ -66,7 +66,7 @@ def main() -> int:
             cache.array[k, ..., : lay.head_dim] = computed_layer(lay, k, args.seed)
             syncer.layer_ready(k)  # ... its transfer starts now
             print(f"layer {k}: computed, sending", flush=True)
-        res = task.wait(timeout_ms=ms)  # raises the task's LLMError if it failed
+        res = task.wait(timeout_ms=ms)  # raises the task's KVError if it failed
         print(
             f"pushed {res.bytes} bytes in {lay.num_layers} layers to rank 1 "
             f"in {res.elapsed_s * 1000:.1f} ms"

@@ -11,28 +11,16 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import _wire as w
 import numpy as np
 import pytest
 
 import hixl
 from hixl.kv._context import context
-from hixl.kv._directory import (
-    DIR_BYTES,
-    HEADER,
-    MAGIC,
-    W_LEN,
-    W_RANK,
-    W_SELF,
-    W_SEQ,
-    Directory,
-)
 
 WORKER = str(Path(__file__).with_name("_kv_worker.py"))
 SHAPE = (8, 2, 16, 4, 2, 64)  # layers, K/V, blocks, block_tokens, kv_heads, head_dim
@@ -450,178 +438,6 @@ def test_one_prompt_links_eight_decoders_at_once(ranks, kv, free_port) -> None:
         hixl.link([1, {"cluster_id": 9, "address": dead}, 2], timeout_ms=300)
     assert e.value.status_code in {"103901", "103902"}
     assert sorted(context().peers) == list(range(1, 9))
-
-
-def directories(e: hixl.Hixl, address: str, scratch: np.ndarray) -> list[hixl.MemDesc]:
-    """The regions of `address` whose first 8 bytes are the directory magic number."""
-    found = []
-    for m in e.remote_mems(address):
-        if m.len >= HEADER:
-            e.get(address, scratch.ctypes.data, m.addr, 8, 5000)
-            if int(scratch[:8].view(np.uint64)[0]) == MAGIC:
-                found.append(m)
-    return found
-
-
-@pytest.mark.parametrize("transport", ["tcp", "auto"])
-def test_directory_is_read_only_for_peers(ranks, transport: str) -> None:
-    """Security finding 11: a peer rewrites a rank's directory to send other ranks to the
-    wrong regions. Every peer may read it; none may write it, by engine or raw frame."""
-    victim = ranks(0, "prompt")
-    victim.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=9)
-    with hixl.Hixl() as e:  # the attacker: a plain engine, no KV layer
-        e.initialize("127.0.0.1", {"hixl.transport": transport})
-        mine = hixl.aligned_empty(DIR_BYTES)
-        mine[:] = 0
-        e.register(mine)
-        e.connect(victim.address, timeout_ms=5000)
-        found = directories(e, victim.address, mine)
-        assert len(found) == 1 and found[0].len == DIR_BYTES, found
-        d = found[0]
-        e.get(victim.address, mine.ctypes.data, d.addr, d.len, 5000)
-        before = mine.copy()
-        assert b'"rank":0' in before.tobytes() and b'"kv"' in before.tobytes()
-        mine[:] = 0xEE
-        for off, n in ((0, HEADER), (HEADER, 4096), (0, d.len)):
-            with pytest.raises(hixl.ParamInvalid, match="read-only") as ei:
-                e.put(victim.address, mine.ctypes.data, d.addr + off, n, 5000)
-            assert ei.value.code == hixl.Status.PARAM_INVALID
-        e.get(victim.address, mine.ctypes.data, d.addr, d.len, 5000)
-        assert (mine == before).all(), "the directory changed"
-    # A raw client skips the initiator's own check: the target must refuse the frame itself.
-    host, port = victim.address.rsplit(":", 1)
-    st, _ = w.connect((host, int(port)))
-    with st:
-        st.send(w.WRITE, w.segs([(d.addr, 64)]), tag=1, bulk=b"\xee" * 64)
-        status, message, _ = st.answer(w.ACK)
-        assert status == hixl.Status.PARAM_INVALID and "read-only" in message, message
-    # The directory still sends other ranks to the right cache.
-    decoder = ranks(1, "decoder")
-    decoder.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=None)
-    decoder.ok("link", ranks=[{"cluster_id": 0, "address": victim.address}])
-    decoder.ok("pull", rank=0, name="kv")
-    got = decoder.array("kv", (4, 512), np.uint8).tobytes()
-    assert got == filled((4, 512), 9, np.uint8).tobytes()
-
-
-def test_malformed_directory_is_an_llm_error(kv) -> None:
-    """A malicious target publishes a directory of its own making: linking to it fails with
-    an LLMError naming it, whatever the bytes, and never with a stray exception."""
-    kv(cluster_id=1, role="decoder")
-    good = {"name": "kv", "shape": [4, 8], "dtype": "uint8", "addr": 4096, "nbytes": 32}
-    bodies = [
-        b"\xee" * 64,  # not UTF-8
-        b"[" * 100_000,  # nested past the parser's depth
-        b"[1, 2]",
-        b'{"rank": 0}',
-        json.dumps({"rank": "zero", "role": "prompt", "caches": []}).encode(),
-        json.dumps({"rank": 0, "role": "prompt", "caches": "kv"}).encode(),
-        json.dumps({"rank": 0, "role": "prompt", "caches": [{"name": "kv"}]}).encode(),
-        json.dumps(
-            {"rank": 0, "role": "prompt", "caches": [{**good, "layer_axis": 5, "block_axis": 1}]}
-        ).encode(),
-        json.dumps(
-            {
-                "rank": 0,
-                "role": "prompt",
-                "caches": [{**good, "dtype": "nope", "layer_axis": 0, "block_axis": None}],
-            }
-        ).encode(),
-    ]
-    bodies.append(json.dumps({"rank": 3, "role": "prompt", "caches": []}).encode())  # header: 0
-    with hixl.Hixl() as fake:
-        fake.initialize("127.0.0.1:0")
-        buf = fake_directory(fake, 0)
-        words = buf[:HEADER].view(np.uint64)
-        for body in bodies:
-            buf[HEADER : HEADER + len(body)] = np.frombuffer(body, np.uint8)
-            words[W_SEQ], words[W_LEN] = 2, len(body)
-            with pytest.raises(hixl.LLMError, match="malformed KV-cache directory") as e:
-                hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
-            assert e.value.status_code == "LLM_002004", body[:40]
-        for n in (0, DIR_BYTES - HEADER + 1, 1 << 63):  # body lengths out of range
-            words[W_SEQ], words[W_LEN] = 4, n
-            with pytest.raises(hixl.LLMError, match="malformed KV-cache directory"):
-                hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
-
-
-def fake_directory(e: hixl.Hixl, rank: int, access: str = "r") -> np.ndarray:
-    """A directory header for `rank` in a new region of `e`, naming that region (empty body)."""
-    buf = hixl.aligned_empty(DIR_BYTES)
-    buf[:] = 0
-    words = buf[:HEADER].view(np.uint64)
-    words[0], words[W_SEQ], words[W_SELF], words[W_RANK] = MAGIC, 1, buf.ctypes.data, rank
-    e.register(buf, access=access)
-    return buf
-
-
-def test_link_waits_for_a_directory_published_after_listening(kv) -> None:
-    """A rank started at the same moment listens a little before it registers its directory:
-    a link that connects in between waits for the directory instead of failing."""
-    kv(cluster_id=1, role="decoder")
-    with hixl.Hixl() as late:
-        late.initialize("127.0.0.1:0")
-        timer = threading.Timer(0.2, lambda: Directory(late, 0, "prompt"))
-        timer.start()
-        try:
-            hixl.link([{"cluster_id": 0, "address": late.local_engine}], timeout_ms=5000)
-        finally:
-            timer.join()
-        assert sorted(context().peers) == [0]
-        hixl.unlink([0])
-
-
-def test_directory_is_the_region_that_names_itself_and_the_rank(ranks, kv) -> None:
-    """Peers find a rank's directory by its header: the magic number, its own address and the
-    rank. Copies of directories (a scratch, a cache) are skipped; another rank, and two
-    regions claiming to be the directory, are LLMErrors, never a guess."""
-    real = ranks(0, "prompt")
-    real.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=9)
-    kv(cluster_id=1, role="decoder")
-    body = json.dumps({"rank": 0, "role": "prompt", "caches": []}).encode()
-    with hixl.Hixl() as fake:
-        fake.initialize("127.0.0.1:0")
-        # A byte-exact copy of rank 0's directory, in a region of the directory's length: it
-        # names the address it was copied from, so it is not taken for a directory.
-        copy = hixl.aligned_empty(DIR_BYTES)
-        copy[:] = 0
-        h = fake.register(copy)
-        fake.connect(real.address, timeout_ms=5000)
-        found = directories(fake, real.address, copy)
-        assert len(found) == 1
-        fake.get(real.address, copy.ctypes.data, found[0].addr, DIR_BYTES, 5000)
-        assert int(copy[:HEADER].view(np.uint64)[W_SELF]) == found[0].addr != h.addr
-        t0 = time.monotonic()
-        with pytest.raises(hixl.LLMError, match="publishes no hixl KV-cache directory") as e:
-            hixl.link([{"cluster_id": 0, "address": fake.local_engine}], timeout_ms=300)
-        assert e.value.status_code == "LLM_002004" and time.monotonic() - t0 < 5
-        # Another rank's directory: refused as that rank, without waiting.
-        other = fake_directory(fake, 7)
-        other[HEADER : HEADER + len(body)] = np.frombuffer(body.replace(b":0", b":7"), np.uint8)
-        with pytest.raises(hixl.LLMError, match="is rank 7, not cluster_id=0"):
-            hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
-        # Two regions that both name themselves rank 0's directory: no guess.
-        for _ in range(2):
-            d = fake_directory(fake, 0, access="rw")
-            d[HEADER : HEADER + len(body)] = np.frombuffer(body, np.uint8)
-            w = d[:HEADER].view(np.uint64)
-            w[W_LEN], w[W_SEQ] = len(body), 2
-        with pytest.raises(hixl.LLMError, match="2 KV-cache directories for rank 0"):
-            hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
-    # A forged directory written into a writable cache of the real rank 0 (by a peer with
-    # the cluster secret) makes rank 0 ambiguous: linking refuses rather than trust it.
-    real.ok("alloc", name="big", shape=[DIR_BYTES], dtype="uint8", seed=None)
-    hixl.link([{"cluster_id": 0, "address": real.address}])
-    _, big = context().remote_cache(0, "big")
-    hixl.unlink([0])
-    with hixl.Hixl() as attacker:
-        attacker.initialize("127.0.0.1")
-        forged = fake_directory(attacker, 0, access="rw")
-        forged[:HEADER].view(np.uint64)[W_SELF] = big.addr
-        attacker.connect(real.address, timeout_ms=5000)
-        attacker.put(real.address, forged.ctypes.data, big.addr, HEADER, 5000)
-    with pytest.raises(hixl.LLMError, match="refusing to guess"):
-        hixl.link([{"cluster_id": 0, "address": real.address}])
 
 
 def test_kv_tasks_and_layers_are_awaitable(ranks, kv) -> None:

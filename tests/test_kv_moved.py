@@ -28,12 +28,39 @@ def test_importing_hixl_and_hixl_kv_warns_about_nothing() -> None:
     assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.parametrize("name", ["init", "finalize", "Cache", "allocate_cache", "HIXL_001002"])
+@pytest.mark.parametrize(
+    "name", ["init", "finalize", "pull_cache", "allocate_cache", "HIXL_001002"]
+)
 def test_a_moved_top_level_name_is_the_kv_one_with_a_deprecation_warning(name: str) -> None:
     with pytest.warns(DeprecationWarning, match=rf"hixl\.kv\.{name}"):
         old = getattr(hixl, name)
     assert old is getattr(hixl.kv, name)
     assert name not in hixl.__all__ and name in hixl.kv.__all__
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(hixl.kv.RENAMED.items()))
+def test_a_renamed_kv_class_keeps_its_old_name_for_a_release(old: str, new: str) -> None:
+    """The kv classes that shared a name with a different llm_datadist class were renamed:
+    the old name, in hixl.kv and at the top level, is the same class, with a warning."""
+    with pytest.warns(DeprecationWarning, match=rf"hixl\.kv\.{old} is deprecated.*hixl\.kv\.{new}"):
+        got = getattr(hixl.kv, old)
+    assert got is getattr(hixl.kv, new) and got.__name__ == new
+    assert new in hixl.kv.__all__ and old not in hixl.kv.__all__
+    with pytest.warns(DeprecationWarning, match=rf"hixl\.{old} is deprecated.*hixl\.kv\.{new}"):
+        assert getattr(hixl, old) is got
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AttributeError):
+            getattr(hixl, new)  # never a top-level name
+
+
+def test_no_kv_name_is_a_different_llm_datadist_class() -> None:
+    import hixl.llm_datadist as ld
+
+    shared = set(hixl.kv.__all__) & set(ld.__all__)
+    assert not [n for n in shared if getattr(hixl.kv, n) is not getattr(ld, n)], shared
+    out = _python("from hixl.kv import *; from hixl.llm_datadist import *")
+    assert out.returncode == 0, out.stderr  # neither star import warns
 
 
 def test_an_unknown_top_level_name_is_still_an_attribute_error() -> None:

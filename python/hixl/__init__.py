@@ -98,7 +98,8 @@ __all__ = [
 #: The KV-cache names that were exported here before they moved to ``hixl.kv`` (all of
 #: ``hixl.kv`` but the names that were never here): they still resolve, with a
 #: DeprecationWarning, for one release.
-_MOVED_TO_KV = frozenset(kv.__all__) - {
+_MOVED_TO_KV = (frozenset(kv.__all__) | frozenset(kv.RENAMED)) - {
+    *kv.RENAMED.values(),  # renamed in hixl.kv: the top level had them under the old names
     "KVLayout",
     "CacheInfo",
     "LLM_CACHE_NOT_FOUND",
@@ -113,10 +114,12 @@ def __getattr__(name: str) -> Any:
     """Resolves a KV-cache name that moved to ``hixl.kv`` (``hixl.init``, ``hixl.Cache``, ...),
     warning that it is deprecated here."""
     if name in _MOVED_TO_KV:
+        new = kv.RENAMED.get(name, name)
+        also = f" (hixl.kv.{name} until then)" if new != name else ""
         warnings.warn(
-            f"hixl.{name} is deprecated and goes in the next release: use hixl.kv.{name}",
+            f"hixl.{name} is deprecated and goes in the next release: use hixl.kv.{new}{also}",
             DeprecationWarning,
             stacklevel=2,
         )
-        return getattr(kv, name)
+        return getattr(kv, new)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,13 +25,14 @@ a blocking connect off the loop.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ._completions import drain as _drain_completions
+from ._completions import next_token
 from ._errors import HixlError, ResourceExhausted
 from ._hixl import (
     Hixl,
@@ -40,12 +41,10 @@ from ._hixl import (
     TransferOp,
     TransferReq,
     _completion_fd,
-    _drain_completions,
 )
 
 __all__ = ["connect", "get", "get_strided", "put", "put_strided", "submit", "transfer", "wait"]
 
-_tokens = itertools.count(1)
 _lock = threading.Lock()
 #: token -> the (loop, future, request) of every wait on that request (one token per request:
 #: a request awaited twice keeps the token of its first await).
@@ -138,7 +137,7 @@ async def wait(req: TransferReq) -> None:
     loop = asyncio.get_running_loop()
     _room_event(loop)
     fut: asyncio.Future[None] = loop.create_future()
-    token = req._report(next(_tokens))
+    token = req._report(next_token())
     if token is None:  # settled already
         _finish(fut, req)
         return await fut

@@ -1,42 +1,51 @@
-"""The KV core's layerwise engine: a cache's layers sent as they become ready, each
-layer's requests on the core's window.
+"""The KV core's layerwise feed: a face's layers handed, one at a time, from a thread that
+may block (LLM-DataDist's ``synchronize_layer`` is the user's own blocking call) to the
+executor, whose one thread completes their requests.
 
-A face says which layer is ready next (``ready``: the layer, or None when none is yet; it
-may raise, or make ``going`` false, to stop), how to submit one layer's requests
-(``submit``) and whether a layer must be complete before the next is asked for
-(``layer_at_a_time``). Requests that end while the engine waits for the next layer are
-reaped at once, so their completions are noted as they happen.
+``hixl.kv``'s push needs no thread of its own: ``layer_ready`` wakes its job on the executor
+directly (see ``hixl.kv._layerwise``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._window import Window
+from .._errors import Timeout as HixlTimeout
+from ._executor import Flight
 
 
-def send_layers(
-    window: Window[Any],
-    total: int,
-    ready: Callable[[bool], int | None],
+def feed_layers(
+    flight: Flight[Any],
+    layers: Iterable[int],
+    ready: Callable[[int], bool],
     submit: Callable[[int], None],
     going: Callable[[], bool],
-    layer_at_a_time: bool = False,
+    wait_s: float,
 ) -> int:
-    """Sends up to `total` layers: asks ``ready(busy)`` (busy: requests are in flight, so
-    it should not wait long) for the next one and submits it, while ``going()`` holds.
-    Ends every request in flight before it returns; returns how many layers it submitted."""
+    """For each of `layers` in order while ``going()`` holds: asks ``ready(layer)`` on this
+    thread (False: stop), runs ``submit(layer)`` on the executor (it adds the layer's
+    requests to `flight`) and waits until all of them have ended, at most `wait_s` (else
+    hixl.Timeout), before the next layer. Takes over ``flight.on_idle``. Returns how many
+    layers were submitted."""
     sent = 0
-    while sent < total and going():
-        while window.reap(block=False):
-            pass
-        k = ready(bool(window.inflight))
-        if k is None:
-            continue
-        submit(k)
+    for layer in layers:
+        if not going() or not ready(layer):
+            break
+        ended = threading.Event()
+        flight.on_idle = ended.set
+
+        def run(layer: int = layer, ended: threading.Event = ended) -> None:
+            try:
+                submit(layer)
+            finally:
+                if flight.idle():
+                    ended.set()
+
+        flight.ex.post(run)
         sent += 1
-        if layer_at_a_time:
-            window.drain()
-    window.drain()
+        if not ended.wait(wait_s):
+            flight.ex.post(flight.abandon)
+            raise HixlTimeout(f"the requests of layer {layer} had not ended after {wait_s:.1f} s")
     return sent

@@ -99,7 +99,7 @@ def _worker(a: argparse.Namespace) -> int:
     model = _model(a)
     prompt = model.prompt(a.prompt_len, a.seed)
     opts = {"hixl.backends": a.transport}
-    cfg = hixl.kv.TransferConfig(max_concurrent=4, timeout_ms=a.timeout_ms)
+    cfg = hixl.kv.CacheTransferConfig(max_concurrent=4, timeout_ms=a.timeout_ms)
     cache_arr = model.layout(a.prompt_len - 1).array()
     # --device cuda: the registered cache is a torch CUDA tensor; the numpy model works on
     # cache_arr, and each layer crosses between the two at the layer's boundary.
@@ -110,7 +110,7 @@ def _worker(a: argparse.Namespace) -> int:
     if a.worker == "decode":
         me = hixl.kv.init(cluster_id=1, role="decoder", listen="127.0.0.1:0", options=opts)
         cache = hixl.kv.allocate_cache(kv, mem_type=mem, name="kv")
-        syncer = hixl.kv.LayerSynchronizer(model.L)
+        syncer = hixl.kv.LayerTracker(model.L)
         task = hixl.kv.receive_cache_async(0, cache, syncer, cfg)
         print(f"READY {me.address}", flush=True)
         used: dict[int, float] = {}
@@ -135,7 +135,7 @@ def _worker(a: argparse.Namespace) -> int:
             cluster_id=0, role="prompt", listen="127.0.0.1:0", options=opts, peers={1: a.peer}
         )
         cache = hixl.kv.allocate_cache(kv, mem_type=mem, name="kv")
-        syncer = hixl.kv.LayerSynchronizer(model.L)
+        syncer = hixl.kv.LayerTracker(model.L)
         start = time.monotonic()
         task = hixl.kv.transfer_cache_async(1, cache, syncer, mode="push", transfer_config=cfg)
 

@@ -34,6 +34,12 @@ for _sub in _SUBMODULES:
     globals()[_sub] = sys.modules[f"{__name__}.{_sub}"]
 del _sub
 
+# Its names as they were: the renamed classes under their old names too (this module's one
+# warning covers them).
+for _old, _new in _kv.RENAMED.items():
+    globals()[_old] = getattr(_kv, _new)
+del _old, _new
+
 warnings.warn(
     "hixl.datadist is deprecated and goes in the next release: import hixl.kv "
     f"(the same names: {_kv.__name__}.Cache, {_kv.__name__}.init, ...)",

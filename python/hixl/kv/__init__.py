@@ -6,12 +6,23 @@ This is the home of the KV API: ``hixl.kv.init``, ``hixl.kv.allocate_cache``,
 ``hixl.kv.receive_cache_async``, ... The same names at the top level (``hixl.kv.init``, ...) and
 in ``hixl.datadist`` still work for one release, with a DeprecationWarning.
 ``hixl.llm_datadist`` is the LLM-DataDist compatible face of the same machinery.
+
+Five classes had the names of LLM-DataDist's different ones and were renamed:
+``RegisteredCache`` (was ``Cache``), ``CacheTransferConfig`` (``TransferConfig``),
+``PeerRank`` (``LLMClusterInfo``), ``LayerTracker`` (``LayerSynchronizer``) and ``KVError``
+(``LLMError``). The old names still give the same classes for one release, with a
+DeprecationWarning.
 """
 
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
 from .._layout import KVLayout
-from ._cache import Cache, CacheInfo
+from ._cache import CacheInfo, RegisteredCache
 from ._context import (
-    LLMClusterInfo,
+    PeerRank,
     allocate_cache,
     deallocate_cache,
     finalize,
@@ -29,11 +40,11 @@ from ._errors import (
     LLM_ROLE_MISMATCH,
     LLM_SUCCESS,
     LLM_TOO_LARGE,
-    LLMError,
+    KVError,
 )
-from ._layerwise import LayerSynchronizer, receive_cache_async, transfer_cache_async
+from ._layerwise import LayerTracker, receive_cache_async, transfer_cache_async
 from ._transfer import (
-    TransferConfig,
+    CacheTransferConfig,
     TransferResult,
     TransferTask,
     pull_blocks,
@@ -52,12 +63,12 @@ __all__ = [
     "LLM_ROLE_MISMATCH",
     "LLM_SUCCESS",
     "LLM_TOO_LARGE",
-    "Cache",
     "CacheInfo",
-    "LLMClusterInfo",
-    "LLMError",
-    "LayerSynchronizer",
-    "TransferConfig",
+    "CacheTransferConfig",
+    "KVError",
+    "LayerTracker",
+    "PeerRank",
+    "RegisteredCache",
     "TransferResult",
     "TransferTask",
     "allocate_cache",
@@ -74,3 +85,27 @@ __all__ = [
     "transfer_cache_async",
     "unlink",
 ]
+
+#: The old names of the renamed classes (old name -> new name): they resolve, with a
+#: DeprecationWarning, for one release.
+RENAMED = {
+    "Cache": "RegisteredCache",
+    "TransferConfig": "CacheTransferConfig",
+    "LLMClusterInfo": "PeerRank",
+    "LayerSynchronizer": "LayerTracker",
+    "LLMError": "KVError",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Resolves an old name of a renamed class, warning that it is deprecated."""
+    new = RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"hixl.kv.{name} is deprecated and goes in the next release: use hixl.kv.{new} "
+        "(the same class)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return globals()[new]

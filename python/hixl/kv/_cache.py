@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +9,7 @@ import numpy as np
 
 from .._errors import ParamInvalid
 from .._hixl import MemHandle
+from .._kvcore._cache import Geometry
 from .._kvcore._plan import block_runs as block_runs
 
 
@@ -53,18 +53,18 @@ class CacheInfo:
         return int(np.dtype(self.dtype).itemsize)
 
     @property
+    def geometry(self) -> Geometry:
+        """Its byte geometry in the KV core's model (one tensor)."""
+        return Geometry(self.shape, self.itemsize, self.layer_axis, self.block_axis)
+
+    @property
     def num_layers(self) -> int:
         return self.shape[self.layer_axis]
 
     def layer_ranges(self, layer: int) -> list[tuple[int, int]]:
         """(byte offset, length) of every contiguous piece of one layer: one piece when the
         layer axis is the first, one per index of the axes before it otherwise."""
-        if not 0 <= layer < self.num_layers:
-            raise ParamInvalid(f"layer={layer} is out of range 0..{self.num_layers - 1}")
-        inner = math.prod(self.shape[self.layer_axis + 1 :]) * self.itemsize
-        outer = math.prod(self.shape[: self.layer_axis])
-        step = self.num_layers * inner
-        return [(o * step + layer * inner, inner) for o in range(outer)]
+        return self.geometry.layer_ranges(layer)
 
     @property
     def num_blocks(self) -> int:
@@ -74,18 +74,16 @@ class CacheInfo:
 
     @property
     def block_bytes(self) -> int:
-        assert self.block_axis is not None
-        return math.prod(self.shape[self.block_axis + 1 :]) * self.itemsize
+        return self.geometry.block_bytes
 
     def block_pieces(self) -> int:
         """Contiguous pieces of one block: one per index of the axes before the block axis
         (layers x K/V for the usual paged layout)."""
-        assert self.block_axis is not None
-        return math.prod(self.shape[: self.block_axis])
+        return self.geometry.block_pieces
 
 
 @dataclass(eq=False)
-class Cache:
+class RegisteredCache:
     """A KV cache registered with the process's engine (zero copy: the caller's memory).
 
     ``name`` is how peers address it; ``layer_ranges(k)`` are the byte ranges of layer k."""

@@ -13,14 +13,15 @@ from typing import Any
 
 from .._errors import Failed, HixlError, NotConnected, ParamInvalid, Timeout
 from .._hixl import Hixl, MemType
+from .._kvcore._cache import deregister
 from .._kvcore._links import in_parallel
 from .._kvcore._notify import Router
-from ._cache import Cache, CacheInfo, DeviceArray, as_array, as_device_array, describe
+from ._cache import CacheInfo, DeviceArray, RegisteredCache, as_array, as_device_array, describe
 from ._directory import Directory, DirectoryReader, PeerDirectory
 from ._discovery import Config as DiscoveryConfig
 from ._discovery import Discovery, Member
 from ._discovery import from_init as discovery_from_init
-from ._errors import LLM_CACHE_NOT_FOUND, LLM_NOT_LINKED, LLM_ROLE_MISMATCH, LLMError
+from ._errors import LLM_CACHE_NOT_FOUND, LLM_NOT_LINKED, LLM_ROLE_MISMATCH, KVError
 
 ROLES = ("prompt", "decoder", "mix")
 
@@ -28,7 +29,7 @@ log = logging.getLogger("hixl.kv")
 
 
 @dataclass(frozen=True)
-class LLMClusterInfo:
+class PeerRank:
     """A rank to link to: its cluster_id (the rank), optionally its address ("ip:port") and
     the role it must have. Without an address, the one given for this rank in
     ``hixl.kv.init(peers=...)`` / ``HIXL_PEERS`` is used."""
@@ -39,7 +40,7 @@ class LLMClusterInfo:
     device_id: int = 0
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> LLMClusterInfo:
+    def from_dict(cls, d: Mapping[str, Any]) -> PeerRank:
         """Keys: cluster_id (required), role, device_id, and address or ip + port."""
         if "cluster_id" not in d:
             raise ParamInvalid(f"cluster info {dict(d)!r} has no cluster_id")
@@ -95,7 +96,7 @@ class Context:
         self.mailbox = Router(self.engine, log)
         self.known: dict[int, str] = {}
         self.peers: dict[int, PeerDirectory] = {}
-        self.caches: dict[str, Cache] = {}
+        self.caches: dict[str, RegisteredCache] = {}
         self.lock = threading.Lock()
         self.counter = 0
         #: etcd discovery (hixl.kv.init(discovery=...)), or None
@@ -157,17 +158,14 @@ class Context:
                 names = sorted(self.caches)
             self.discovery.update(names)
 
-    def ranks(self, role: str | None = None) -> list[LLMClusterInfo]:
+    def ranks(self, role: str | None = None) -> list[PeerRank]:
         """The other ranks this one knows: from discovery (its current view) or peers=."""
         if self.discovery is not None:
-            out = [
-                LLMClusterInfo(m.rank, m.role, m.address, m.device_id)
-                for m in self.discovery.view()
-            ]
+            out = [PeerRank(m.rank, m.role, m.address, m.device_id) for m in self.discovery.view()]
         else:
             with self.lock:
                 linked = {r: p.role for r, p in self.peers.items()}
-                out = [LLMClusterInfo(r, linked.get(r), a) for r, a in sorted(self.known.items())]
+                out = [PeerRank(r, linked.get(r), a) for r, a in sorted(self.known.items())]
         return [i for i in out if role is None or i.role == role]
 
     @property
@@ -176,12 +174,12 @@ class Context:
 
     # -- links ---------------------------------------------------------------------------
 
-    def link_all(self, infos: Iterable[LLMClusterInfo], timeout_ms: int) -> None:
+    def link_all(self, infos: Iterable[PeerRank], timeout_ms: int) -> None:
         """Links to every rank in `infos` at once: one thread per rank connects (retrying
         while the rank is not up yet), reads its directory and checks its role, so linking
         to N ranks takes about as long as linking to one. Ranks already linked are skipped.
         Every link is tried; the first failure (in the order given) is raised afterwards."""
-        todo: dict[int, tuple[LLMClusterInfo, str]] = {}
+        todo: dict[int, tuple[PeerRank, str]] = {}
         for info in infos:
             address = info.address or self.known.get(info.cluster_id)
             if address is None and self.discovery is not None:
@@ -190,7 +188,7 @@ class Context:
             if address is None:
                 raise ParamInvalid(
                     f"no address for cluster_id={info.cluster_id}: give one in "
-                    "LLMClusterInfo or in init(peers=...) / HIXL_PEERS"
+                    "PeerRank or in init(peers=...) / HIXL_PEERS"
                     + (", or start it (discovery does not know it)" if self.discovery else "")
                 )
             if info.cluster_id == self.rank:
@@ -225,17 +223,17 @@ class Context:
             if err is not None:
                 raise err
 
-    def _link_one(self, info: LLMClusterInfo, address: str, deadline: float) -> None:
+    def _link_one(self, info: PeerRank, address: str, deadline: float) -> None:
         _connect_retrying(self.engine, address, deadline)
         try:
             peer = self.reader.fetch(address, info.cluster_id, deadline=deadline)
             if info.role is not None and peer.role != info.role:
-                raise LLMError(
+                raise KVError(
                     LLM_ROLE_MISMATCH,
                     f"rank {peer.rank} at {address} has role {peer.role!r}, expected {info.role!r}",
                 )
             if peer.role == self.role and peer.role != "mix":
-                raise LLMError(
+                raise KVError(
                     LLM_ROLE_MISMATCH,
                     f"cannot link {self.role!r} rank {self.rank} "
                     f"to {peer.role!r} rank {peer.rank} at {address}: prompt and "
@@ -263,7 +261,7 @@ class Context:
         if p is None and self.discovery is not None and rank != self.rank:
             p = self._link_on_demand(rank)
         if p is None:
-            raise LLMError(
+            raise KVError(
                 LLM_NOT_LINKED,
                 f"rank {rank} is not linked to rank {self.rank}: "
                 "call hixl.kv.link() or pass it in init(peers=...)",
@@ -280,7 +278,7 @@ class Context:
             with self.lock:
                 p = self.peers.get(rank)
             if p is None:
-                self.link_all([LLMClusterInfo(rank, None, m.address)], self.link_timeout_ms)
+                self.link_all([PeerRank(rank, None, m.address)], self.link_timeout_ms)
                 with self.lock:
                     p = self.peers.get(rank)
         return p
@@ -295,7 +293,7 @@ class Context:
                 p.caches = fresh.caches
             info = p.caches.get(name)
         if info is None:
-            raise LLMError(
+            raise KVError(
                 LLM_CACHE_NOT_FOUND,
                 f"cache {name!r} does not exist on rank {rank} "
                 f"(it has: {sorted(p.caches) or 'none'})",
@@ -306,7 +304,7 @@ class Context:
 
     def allocate(
         self, obj: Any, mem_type: Any, name: str | None, layer_axis: int, block_axis: int | None
-    ) -> Cache:
+    ) -> RegisteredCache:
         if mem_type in ("device", MemType.DEVICE):
             arr: Any = as_device_array(obj)
         elif mem_type in ("host", MemType.HOST):
@@ -325,25 +323,25 @@ class Context:
                 raise ParamInvalid(f"a cache named {name!r} already exists on rank {self.rank}")
             info = describe(name, arr, layer_axis, block_axis)
             handle = self.engine.register(arr.obj if isinstance(arr, DeviceArray) else arr)
-            cache = Cache(info, arr, handle)
+            cache = RegisteredCache(info, arr, handle)
             self.caches[name] = cache
         try:
             self.directory.add(info)
         except BaseException:
             with self.lock:
                 del self.caches[name]
-            self.engine.deregister_mem(handle)
+            deregister(self.engine, [handle], quiet=False)
             raise
         self._publish_caches()
         return cache
 
-    def deallocate(self, cache: Cache) -> None:
+    def deallocate(self, cache: RegisteredCache) -> None:
         with self.lock:
             if self.caches.get(cache.name) is not cache:
                 return
             del self.caches[cache.name]
         self.directory.remove(cache.name)
-        self.engine.deregister_mem(cache.handle)
+        deregister(self.engine, [cache.handle], quiet=False)
         self._publish_caches()
 
     def finalize(self) -> None:
@@ -363,10 +361,10 @@ def _connect_retrying(engine: Hixl, address: str, deadline: float) -> None:
             return
         except (NotConnected, Timeout) as exc:
             if time.monotonic() + 0.05 >= deadline:
-                raise LLMError.from_engine(exc, f"link to {address}") from exc
+                raise KVError.from_engine(exc, f"link to {address}") from exc
             time.sleep(0.05)
         except HixlError as exc:
-            raise LLMError.from_engine(exc, f"link to {address}") from exc
+            raise KVError.from_engine(exc, f"link to {address}") from exc
 
 
 _ctx: Context | None = None
@@ -389,7 +387,7 @@ def init(
     options: Mapping[str, str] | None = None,
     link_timeout_ms: int = 10_000,
     discovery: str | None = None,
-) -> LLMClusterInfo:
+) -> PeerRank:
     """Creates this process's engine and links to `peers`. Each argument left out is read
     from the environment: HIXL_CLUSTER_ID, HIXL_ROLE, HIXL_LISTEN (default 127.0.0.1:0),
     HIXL_PEERS ("1=ip:port,2=ip:port"), HIXL_DEVICE_ID, HIXL_DISCOVERY. Returns this rank's
@@ -431,12 +429,12 @@ def init(
         try:
             if disc_cfg is not None:
                 ctx.start_discovery(disc_cfg, time.monotonic() + disc_cfg.ttl_s + 1)
-            ctx.link_all([LLMClusterInfo(_rank(r)) for r in peer_map], link_timeout_ms)
+            ctx.link_all([PeerRank(_rank(r)) for r in peer_map], link_timeout_ms)
         except BaseException:
             ctx.finalize()
             raise
         _ctx = ctx
-    return LLMClusterInfo(rank, role, ctx.address, dev)
+    return PeerRank(rank, role, ctx.address, dev)
 
 
 def finalize() -> None:
@@ -448,28 +446,28 @@ def finalize() -> None:
         ctx.finalize()
 
 
-def _infos(items: Iterable[Any] | Any) -> list[LLMClusterInfo]:
-    if isinstance(items, (LLMClusterInfo, int, dict)):
+def _infos(items: Iterable[Any] | Any) -> list[PeerRank]:
+    if isinstance(items, (PeerRank, int, dict)):
         items = [items]
     out = []
     for it in items:
-        if isinstance(it, LLMClusterInfo):
+        if isinstance(it, PeerRank):
             out.append(it)
         elif isinstance(it, Mapping):
-            out.append(LLMClusterInfo.from_dict(it))
+            out.append(PeerRank.from_dict(it))
         else:
-            out.append(LLMClusterInfo(_rank(it)))
+            out.append(PeerRank(_rank(it)))
     return out
 
 
 def link(clusters: Iterable[Any] | Any, timeout_ms: int = 10_000) -> None:
-    """Links this rank to each cluster (LLMClusterInfo, dict or rank): connects, reads its
+    """Links this rank to each cluster (PeerRank, dict or rank): connects, reads its
     directory and checks the roles, all ranks at once. Already linked ranks are skipped."""
     context().link_all(_infos(clusters), timeout_ms)
 
 
 def unlink(clusters: Iterable[Any] | Any) -> None:
-    """Disconnects from each cluster (LLMClusterInfo, dict or rank); unknown ones are ignored."""
+    """Disconnects from each cluster (PeerRank, dict or rank); unknown ones are ignored."""
     ctx = context()
     for info in _infos(clusters):
         ctx.unlink(info.cluster_id)
@@ -481,7 +479,7 @@ def allocate_cache(
     name: str | None = None,
     layer_axis: int = 0,
     block_axis: int | None = 2,
-) -> Cache:
+) -> RegisteredCache:
     """Registers `obj` (numpy array, torch CPU tensor or writable buffer; zero copy) as a KV
     cache that linked peers can address by `name` (default: allocation order "0", "1", ...).
     With `mem_type="device"`, `obj` is device memory instead (a torch CUDA tensor, a CuPy
@@ -491,12 +489,12 @@ def allocate_cache(
     return context().allocate(obj, mem_type, name, layer_axis, block_axis)
 
 
-def deallocate_cache(cache: Cache) -> None:
+def deallocate_cache(cache: RegisteredCache) -> None:
     """Deregisters a cache and removes it from this rank's directory. Idempotent."""
     context().deallocate(cache)
 
 
-def ranks(role: str | None = None) -> list[LLMClusterInfo]:
+def ranks(role: str | None = None) -> list[PeerRank]:
     """The other ranks of the cluster this rank knows, by rank (each with its role and
     address): with discovery, etcd's current view (ranks that ended or died are gone within
     their TTL); without, the ranks of peers= / HIXL_PEERS and those linked. `role` filters."""

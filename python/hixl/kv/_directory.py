@@ -5,20 +5,17 @@ again whenever they look for a cache they do not know yet. A sequence number mak
 consistent: the owner makes it odd while it rewrites the buffer and even again afterwards; a
 reader that sees an odd or changed number reads again.
 
-How a peer tells the directory from every other region (until the engine names regions):
-the directory is a region of exactly DIR_BYTES whose fixed header holds the magic number,
-the directory's own address in its owner's memory and the owner's rank. A reader takes the
-one region whose header names that very region and the rank it expects. A copy of a
-directory anywhere else (another rank's scratch, a cache that happens to hold one) names
-the address it was copied from, not its own, and is skipped; a rank that is not the one
-expected is an error, never a fallback; two regions that both claim to be the expected
-rank's directory (a peer wrote a fake header into a writable cache) are an error, never a
-guess. Everything read is untrusted: anything malformed is an LLMError naming the peer.
+How a peer finds the directory: it is the owner's region named DIR_NAME (region names are
+unique within an engine, and only the owner registers its regions, so no peer can publish
+a region under that name for it). Its header holds the magic number, the layout version and
+the owner's rank: a region of that name that is not a directory, or that names another rank,
+is an error, never a fallback. Everything read is untrusted: anything malformed is an
+KVError naming the peer.
 
 Peers may only READ a directory: it is registered with access="r", so a peer (even one with
-the cluster secret) cannot rewrite it to send other ranks to the wrong regions. The reader's
-scratch buffer is read-only for peers too (a READ into local memory needs only the local
-registration).
+the cluster secret) cannot rewrite it to send other ranks to the wrong regions; a region of
+that name that peers may write is refused. The reader's scratch buffer is read-only for
+peers too (a READ into local memory needs only the local registration).
 """
 
 from __future__ import annotations
@@ -35,19 +32,18 @@ from .._errors import HixlError, ParamInvalid
 from .._hixl import Hixl
 from .._layout import aligned_empty
 from ._cache import CacheInfo
-from ._errors import LLM_NOT_LINKED, LLMError
+from ._errors import LLM_NOT_LINKED, KVError
 
-#: Registered length of a directory: only regions of this length are looked at.
+#: The name a rank's directory is registered under; peers look it up by this name.
+DIR_NAME = "hixl.kv.directory"
+#: Registered length of a directory.
 DIR_BYTES = (1 << 20) + 4096
-#: Registered length of a reader's scratch buffer (anything else would do: the header's own
-#: address already tells a copy from the directory).
-SCRATCH_BYTES = DIR_BYTES + 4096
 MAGIC = 0x5249444C5849480A  # "\nHXLDIR": a hixl directory
-VERSION = 1
+VERSION = 2  # 2: found by its name (1: by a scan of the peer's regions)
 HEADER = 64
 # Header words (uint64, little endian): the magic number, the sequence number, the body's
-# length, the directory's own address, the owner's rank, the layout version.
-W_MAGIC, W_SEQ, W_LEN, W_SELF, W_RANK, W_VERSION = range(6)
+# length, the owner's rank, the layout version.
+W_MAGIC, W_SEQ, W_LEN, W_RANK, W_VERSION = range(5)
 
 
 @dataclass
@@ -68,11 +64,11 @@ class Directory:
         self.buf[:] = 0
         self.words = self.buf[:HEADER].view(np.uint64)
         self.words[W_SEQ] = 1  # odd until the first publish
-        self.words[W_SELF] = self.buf.ctypes.data
         self.words[W_RANK] = self.rank
         self.words[W_VERSION] = VERSION
         self.words[W_MAGIC] = MAGIC
-        self.handle = self.engine.register(self.buf, access="r")  # peers may only read it
+        # Peers may only read it, and find it by its name.
+        self.handle = self.engine.register(self.buf, access="r", name=DIR_NAME)
         self.publish()
 
     def publish(self) -> None:
@@ -126,64 +122,59 @@ class DirectoryReader:
 
     def __init__(self, engine: Hixl) -> None:
         self.engine = engine
-        self.buf = aligned_empty(SCRATCH_BYTES, np.uint8)
+        self.buf = aligned_empty(DIR_BYTES, np.uint8)
         # Only this engine's GETs land here; peers have no reason to write it.
         self.handle = engine.register(self.buf, access="r")
         self.lock = threading.Lock()
 
     def _get(self, address: str, offset: int, remote: int, n: int) -> None:
         """One READ into the scratch (the caller holds the lock); engine errors become
-        LLMErrors naming the peer."""
+        KVErrors naming the peer."""
         try:
             self.engine.get(address, self.buf.ctypes.data + offset, remote, n, 5000)
         except HixlError as exc:
-            raise LLMError.from_engine(exc, f"reading the directory of {address}") from exc
-
-    def _header(self, address: str, addr: int) -> list[int]:
-        with self.lock:
-            self._get(address, 0, addr, HEADER)
-            return [int(x) for x in self.buf[:HEADER].view(np.uint64)]
+            raise KVError.from_engine(exc, f"reading the directory of {address}") from exc
 
     def locate(self, address: str, rank: int, deadline: float) -> int:
-        """The address of `rank`'s directory among the regions of `address`. Waits until
-        `deadline` (time.monotonic()) while it is not there: a rank starting at this moment
-        listens a little before it registers its directory."""
+        """The address of `rank`'s directory: the region of `address` named DIR_NAME, its
+        length, access and header checked. Waits until `deadline` (time.monotonic()) while
+        there is none: a rank starting at this moment listens a little before it registers
+        its directory."""
         while True:
-            mine, others = [], set()
             try:
-                regions = self.engine.remote_mems(address)
+                region = self.engine.remote_region(address, DIR_NAME)
+                break
+            except ParamInvalid:
+                pass  # no region of that name (yet)
             except HixlError as exc:
-                raise LLMError.from_engine(exc, f"link to {address}") from exc
-            for m in regions:
-                if m.len != DIR_BYTES:
-                    continue
-                w = self._header(address, m.addr)
-                if w[W_MAGIC] != MAGIC or w[W_SELF] != m.addr:
-                    continue  # not a directory, or a copy of one
-                if w[W_RANK] == rank:
-                    mine.append(m.addr)
-                else:
-                    others.add(w[W_RANK])
-            if len(mine) == 1:
-                return mine[0]
-            if mine:
-                raise LLMError(
-                    LLM_NOT_LINKED,
-                    f"{address} publishes {len(mine)} KV-cache directories for rank {rank} "
-                    "(a forged one in a writable region?): refusing to guess",
-                )
-            if others:
-                raise LLMError(
-                    LLM_NOT_LINKED,
-                    f"{address} is rank {min(others)}, not cluster_id={rank}",
-                )
+                raise KVError.from_engine(exc, f"link to {address}") from exc
             if time.monotonic() >= deadline:
-                raise LLMError(
+                raise KVError(
                     LLM_NOT_LINKED,
-                    f"{address} publishes no hixl KV-cache directory "
-                    "(is it a hixl.kv.init() process?)",
+                    f"{address} publishes no hixl KV-cache directory (no region named "
+                    f"{DIR_NAME!r}: is it a hixl.kv.init() process?)",
                 )
-            time.sleep(0.002)
+            time.sleep(0.01)
+        if region.len != DIR_BYTES or region.writable:
+            raise KVError(
+                LLM_NOT_LINKED,
+                f"{address} publishes a malformed KV-cache directory (region {DIR_NAME!r} is "
+                f"{region.len} bytes{', writable by peers' if region.writable else ''}; a "
+                f"directory is {DIR_BYTES} bytes, read-only)",
+            )
+        with self.lock:
+            self._get(address, 0, region.addr, HEADER)
+            w = [int(x) for x in self.buf[:HEADER].view(np.uint64)]
+        if (w[W_MAGIC], w[W_VERSION]) != (MAGIC, VERSION):
+            raise KVError(
+                LLM_NOT_LINKED,
+                f"{address} publishes a malformed KV-cache directory (region {DIR_NAME!r} "
+                f"holds magic {w[W_MAGIC]:#x} version {w[W_VERSION]}, expected {MAGIC:#x} "
+                f"version {VERSION})",
+            )
+        if w[W_RANK] != rank:
+            raise KVError(LLM_NOT_LINKED, f"{address} is rank {w[W_RANK]}, not cluster_id={rank}")
+        return int(region.addr)
 
     def read(self, address: str, dir_addr: int, rank: int, timeout_s: float = 5.0) -> bytes:
         """The directory's JSON body, read consistently (see the sequence number above)."""
@@ -192,8 +183,8 @@ class DirectoryReader:
             while True:
                 self._get(address, 0, dir_addr, HEADER)
                 w = [int(x) for x in self.buf[:HEADER].view(np.uint64)]
-                if (w[W_MAGIC], w[W_SELF], w[W_RANK]) != (MAGIC, dir_addr, rank):
-                    raise LLMError(
+                if (w[W_MAGIC], w[W_RANK]) != (MAGIC, rank):
+                    raise KVError(
                         LLM_NOT_LINKED,
                         f"{address} no longer publishes the KV-cache directory of rank {rank} "
                         f"at {dir_addr:#x}",
@@ -201,7 +192,7 @@ class DirectoryReader:
                 seq, n = w[W_SEQ], w[W_LEN]
                 if seq % 2 == 0:
                     if not 0 < n <= DIR_BYTES - HEADER:
-                        raise LLMError(
+                        raise KVError(
                             LLM_NOT_LINKED,
                             f"{address} publishes a malformed KV-cache directory "
                             f"(body length {n}, at most {DIR_BYTES - HEADER})",
@@ -212,7 +203,7 @@ class DirectoryReader:
                     if int(self.buf[:HEADER].view(np.uint64)[W_SEQ]) == seq:
                         return body
                 if time.monotonic() > deadline:
-                    raise LLMError(
+                    raise KVError(
                         LLM_NOT_LINKED,
                         f"the KV-cache directory of {address} kept changing for {timeout_s} s",
                     )
@@ -228,7 +219,7 @@ class DirectoryReader:
             )
         peer = parse(address, dir_addr, self.read(address, dir_addr, rank))
         if peer.rank != rank:
-            raise LLMError(
+            raise KVError(
                 LLM_NOT_LINKED,
                 f"{address} publishes a malformed KV-cache directory (its header says rank "
                 f"{rank}, its body rank {peer.rank})",
@@ -238,7 +229,7 @@ class DirectoryReader:
 
 def parse(address: str, dir_addr: int, body: bytes) -> PeerDirectory:
     """A peer's directory from its JSON body. The peer wrote it, so nothing in it is trusted:
-    anything malformed is an LLMError naming the peer, never a stray exception. (Addresses
+    anything malformed is an KVError naming the peer, never a stray exception. (Addresses
     in it need no check here: the engine checks every transfer against the peer's regions.)"""
     try:
         doc: dict[str, Any] = json.loads(body)
@@ -256,7 +247,7 @@ def parse(address: str, dir_addr: int, body: bytes) -> PeerDirectory:
             caches[info.name] = info
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as exc:
         why = f"{type(exc).__name__}: {exc}"
-        raise LLMError(
+        raise KVError(
             LLM_NOT_LINKED,
             f"{address} publishes a malformed KV-cache directory ({why[:200]})",
         ) from None

@@ -1,4 +1,4 @@
-"""LLMError: what the KV-cache layer raises, with an LLM-DataDist style ``status_code``."""
+"""KVError: what the KV-cache layer raises, with an LLM-DataDist style ``status_code``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ LLM_ROLE_MISMATCH = "LLM_002003"
 LLM_NOT_LINKED = "LLM_002004"
 
 
-class LLMError(HixlError):
+class KVError(HixlError):
     """An error of the KV-cache layer. ``status_code`` is one of the ``LLM_00200x`` strings
     above, or, when the engine failed, the engine's numeric code as a string (``"103901"``
     for a timeout); ``code`` is always the numeric engine status, and ``__cause__`` is the
@@ -31,14 +31,14 @@ class LLMError(HixlError):
         return f"{self.status_code}: {self.message}"
 
     @classmethod
-    def from_engine(cls, err: HixlError, what: str) -> LLMError:
+    def from_engine(cls, err: HixlError, what: str) -> KVError:
         out = cls(str(err.code), f"{what}: {err}", err.status)
         out.__cause__ = err
         return out
 
 
 # The seed article's engine error names, as aliases of the matching status codes (compare
-# with ``err.status`` or ``err.code`` of any HixlError, an LLMError included).
+# with ``err.status`` or ``err.code`` of any HixlError, a KVError included).
 #: Registration failed (the memory overlaps a registered region, or is not usable memory).
 HIXL_001001 = Status.PARAM_INVALID
 #: Link timeout: the peer did not answer (not started, wrong address, network).

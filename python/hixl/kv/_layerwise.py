@@ -8,29 +8,34 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import replace
 
 from .._errors import HixlError, ParamInvalid
 from .._errors import Timeout as HixlTimeout
 from .._hixl import NotifyDesc, TransferOp
-from .._kvcore._layers import send_layers
+from .._kvcore._executor import executor
 from .._wakers import Wakers
-from ._cache import Cache, CacheInfo
+from ._cache import CacheInfo, RegisteredCache
 from ._context import context
-from ._errors import LLMError
+from ._errors import KVError
 from ._sender import rank_address, same_engine
 from ._transfer import (
+    CacheTransferConfig,
     Pipeline,
     Request,
-    TransferConfig,
     TransferTask,
     as_llm_error,
     check_fits,
     descs,
     layer_pairs,
     layer_request,
-    run_requests,
     same_geometry,
+    start,
 )
+
+#: How often a receive looks for the layers' notifications (on the executor thread).
+POLL_S = 0.0002
 
 #: Name of the notification a producer sends after each layer's bytes are visible; the message
 #: is "RANK:CACHE_NAME:LAYER".
@@ -39,7 +44,7 @@ LAYER_NOTIFY = "hixl.kv.layer"
 log = logging.getLogger("hixl.kv")
 
 
-class LayerSynchronizer:
+class LayerTracker:
     """Tracks which layers of a cache are present (consumer) or computed (producer).
 
     ``get_current_layer()`` is the index of the newest layer present (every layer before it
@@ -73,6 +78,8 @@ class LayerSynchronizer:
         #: monotonic times per event ("ready", "arrived") and layer, for timelines.
         self.times: dict[str, dict[int, float]] = {"ready": {}, "arrived": {}}
         self._wakers = Wakers()  # asyncio waiters (wait_sync_async, wait_layer_async)
+        #: Called (outside the lock) after each layer_ready: a push task's wake-up.
+        self._on_ready: list[Callable[[], None]] = []
 
     def get_current_layer(self) -> int:
         """The index of the newest layer present, counted from layer 0 without a gap. Before
@@ -158,6 +165,9 @@ class LayerSynchronizer:
                 raise ParamInvalid(f"layer {layer} was already marked ready")
             self._mark(layer, "ready")
             self._ready.append(layer)
+            listeners = list(self._on_ready)
+        for fn in listeners:
+            fn()
 
     def _mark(self, layer: int, event: str) -> None:
         self._present[layer] = True
@@ -178,14 +188,13 @@ class LayerSynchronizer:
             self._cond.notify_all()
         self._wakers.wake(lambda: None, err)
 
-    def _take_ready(self, timeout_s: float) -> int | None:
+    def _take_ready(self) -> int | None:
+        """The oldest layer marked ready and not taken yet, or None (at once)."""
         with self._cond:
-            if not self._ready:
-                self._cond.wait(timeout_s)
             return self._ready.popleft() if self._ready else None
 
 
-def _check_layers(cache: Cache, syncer: LayerSynchronizer) -> int:
+def _check_layers(cache: RegisteredCache, syncer: LayerTracker) -> int:
     """How many cache layers make one synchronizer layer."""
     if cache.num_layers % syncer.total_layers:
         raise ParamInvalid(
@@ -221,10 +230,10 @@ def _group_request(
 
 def transfer_cache_async(
     remote_rank: int,
-    local_cache: Cache,
-    synchronizer: LayerSynchronizer,
+    local_cache: RegisteredCache,
+    synchronizer: LayerTracker,
     mode: str = "pull",
-    transfer_config: TransferConfig | None = None,
+    transfer_config: CacheTransferConfig | None = None,
     remote_name: str | None = None,
 ) -> TransferTask:
     """Moves a cache layer by layer in the background and returns the task at once.
@@ -235,10 +244,10 @@ def transfer_cache_async(
     if mode not in ("pull", "push"):
         raise ParamInvalid(f"mode={mode!r} must be 'pull' or 'push'")
     per = _check_layers(local_cache, synchronizer)
-    ctx, cfg = context(), transfer_config or TransferConfig()
+    ctx, cfg = context(), transfer_config or CacheTransferConfig()
     name = remote_name or local_cache.name
 
-    def pull(task: TransferTask) -> None:
+    def pull(task: TransferTask) -> tuple[list[Request], Callable[[Request], None]]:
         peer, remote = ctx.remote_cache(remote_rank, name)
         if not same_geometry(local_cache.info, remote):
             raise ParamInvalid(
@@ -256,9 +265,11 @@ def transfer_cache_async(
             assert r.layer is not None
             synchronizer._arrive(r.layer)
 
-        run_requests(ctx, task, reqs, cfg, on_done=arrived)
+        return reqs, arrived
 
     def push(task: TransferTask) -> None:
+        """On the executor: sends each layer as layer_ready marks it, until all are sent, a
+        request fails, or no layer is marked ready for cfg.timeout_ms."""
         peer, remote = ctx.remote_cache(remote_rank, name)
         check_fits(local_cache.info, remote, f"rank {ctx.rank}", f"rank {remote_rank}")
         if not same_geometry(local_cache.info, remote):
@@ -266,63 +277,86 @@ def transfer_cache_async(
                 f"layerwise push needs equal shapes: local {local_cache.shape}, "
                 f"remote {remote.shape} on rank {remote_rank}"
             )
-        total = synchronizer.total_layers
-        pipe = Pipeline(ctx, task, cfg, on_done=lambda r: task.mark("sent", r.layer or 0))
-        sent = [0]
-        gap_deadline = [time.monotonic() + cfg.timeout_ms / 1000]
+        ex, total, gap_s = executor(), synchronizer.total_layers, cfg.timeout_ms / 1000
+        sent, gap_deadline = [0], [time.monotonic() + gap_s]
 
-        def ready(busy: bool) -> int | None:
-            k = synchronizer._take_ready(0.0005 if busy else 0.05)
-            if k is None:
-                if time.monotonic() > gap_deadline[0]:
-                    raise HixlTimeout(
-                        f"no layer was marked ready for {cfg.timeout_ms} ms "
-                        f"({sent[0]} of {total} sent)"
+        def pump() -> None:
+            if task.is_done() or pipe.then is not None:
+                return
+            while sent[0] < total and not pipe.failed:
+                k = synchronizer._take_ready()
+                if k is None:
+                    return
+                note = NotifyDesc(LAYER_NOTIFY, f"{ctx.rank}:{name}:{k}")
+                task.mark("submitted", k)
+                op = TransferOp.WRITE
+                pipe.add(
+                    _group_request(
+                        local_cache.info, remote, remote_rank, peer.address, op, k, per, note
                     )
-                return None
-            gap_deadline[0] = time.monotonic() + cfg.timeout_ms / 1000
-            return k
-
-        def submit(k: int) -> None:
-            note = NotifyDesc(LAYER_NOTIFY, f"{ctx.rank}:{name}:{k}")
-            task.mark("submitted", k)
-            pipe.submit(
-                _group_request(
-                    local_cache.info,
-                    remote,
-                    remote_rank,
-                    peer.address,
-                    TransferOp.WRITE,
-                    k,
-                    per,
-                    note,
                 )
+                sent[0] += 1
+                gap_deadline[0] = time.monotonic() + gap_s
+            stop()
+            pipe.close(task._end)
+
+        def gap() -> None:
+            if task.is_done() or pipe.then is not None:
+                return
+            if time.monotonic() < gap_deadline[0]:
+                ex.call_at(gap_deadline[0], gap)
+                return
+            stop()
+            pipe.abandon()
+            task._end(
+                HixlTimeout(
+                    f"no layer was marked ready for {cfg.timeout_ms} ms ({sent[0]} of {total} sent)"
+                ),
+                what,
             )
-            sent[0] += 1
 
-        send_layers(pipe.window, total, ready, submit, lambda: not pipe.failed)
+        def wake() -> None:
+            ex.post(pump)
 
-    body = pull if mode == "pull" else push
+        def stop() -> None:
+            with synchronizer._cond:
+                if wake in synchronizer._on_ready:
+                    synchronizer._on_ready.remove(wake)
 
-    def guarded(task: TransferTask) -> None:
-        try:
-            body(task)
-        except BaseException as exc:
-            err = as_llm_error(exc, f"layerwise {mode} with rank {remote_rank}")
-            if mode == "pull":
-                synchronizer._fail(err)
-            raise err from exc
+        def marked(r: Request) -> None:
+            task.mark("sent", r.layer or 0)
+
+        pipe = Pipeline(ctx, task, cfg, on_done=marked, run_async=True, after=pump)
+        with synchronizer._cond:
+            synchronizer._on_ready.append(wake)
+        pump()
+        ex.call_at(gap_deadline[0], gap)
+
+    what = f"layerwise {mode} with rank {remote_rank}"
+
+    def failed(task: TransferTask) -> None:
         if task.result.error is not None and mode == "pull":
             synchronizer._fail(task.result.error)
 
-    return TransferTask(guarded, [remote_rank], run_async=True)
+    if mode == "pull":
+        return start(ctx, replace(cfg, async_enable=True), [remote_rank], pull, what, [failed])
+    task = TransferTask(None, [remote_rank])
+
+    def begin() -> None:
+        try:
+            push(task)
+        except BaseException as exc:  # noqa: BLE001 - kept for wait()
+            task._end(exc, what)
+
+    executor().post(begin)
+    return task
 
 
 def receive_cache_async(
     remote_rank: int,
-    local_cache: Cache,
-    synchronizer: LayerSynchronizer,
-    transfer_config: TransferConfig | None = None,
+    local_cache: RegisteredCache,
+    synchronizer: LayerTracker,
+    transfer_config: CacheTransferConfig | None = None,
 ) -> TransferTask:
     """Follows a producer's layerwise push into `local_cache`: each layer counts as present
     when its notification arrives, which the producer's engine sends only after that layer's
@@ -334,7 +368,7 @@ def receive_cache_async(
     of this cache for that rank is taken as it for the rest of the receive. Others are dropped
     and logged."""
     _check_layers(local_cache, synchronizer)
-    ctx, cfg = context(), transfer_config or TransferConfig()
+    ctx, cfg = context(), transfer_config or CacheTransferConfig()
     prefix = f"{int(remote_rank)}:{local_cache.name}:"
     first: list[str] = []  # the sender taken as the rank when no address is known
 
@@ -366,38 +400,54 @@ def receive_cache_async(
         )
         return False
 
-    def body(task: TransferTask) -> None:
-        total, got = synchronizer.total_layers, 0
-        layer_bytes = local_cache.nbytes // total
-        gap_deadline = time.monotonic() + cfg.timeout_ms / 1000
+    total, layer_bytes = synchronizer.total_layers, local_cache.nbytes // synchronizer.total_layers
+    gap_s, got = cfg.timeout_ms / 1000, [0]
+    gap_deadline = [time.monotonic() + gap_s]
+    ex = executor()
+    task = TransferTask(None, [remote_rank])
+
+    def take() -> None:
+        """The layers' notifications that have come; then again in POLL_S, on the executor
+        (the engine has no descriptor for notifications to wait on)."""
+        if task.is_done():
+            return
         try:
-            while synchronizer.get_layer_count() < total:
-                notes = [n for n in ctx.mailbox.take(LAYER_NOTIFY, match) if from_rank(n)]
-                for n in notes:
-                    k = int(n.msg[len(prefix) :])
-                    if not 0 <= k < total:
-                        raise ParamInvalid(
-                            f"rank {remote_rank} announced layer {k} of a {total}-layer cache"
-                        )
-                    synchronizer._arrive(k)
-                    task.mark("arrived", k)
-                    task.result.bytes += layer_bytes
-                    task.result.per_rank[remote_rank].bytes += layer_bytes
-                    got += 1
-                if notes:
-                    gap_deadline = time.monotonic() + cfg.timeout_ms / 1000
-                elif time.monotonic() > gap_deadline:
-                    raise LLMError(
-                        str(int(HixlTimeout.status)),
-                        f"no layer of cache {local_cache.name!r} arrived from rank "
-                        f"{remote_rank} for {cfg.timeout_ms} ms ({got} of {total})",
-                        HixlTimeout.status,
+            if synchronizer.get_layer_count() >= total:
+                task._end()
+                return
+            notes = [n for n in ctx.mailbox.take(LAYER_NOTIFY, match) if from_rank(n)]
+            for n in notes:
+                k = int(n.msg[len(prefix) :])
+                if not 0 <= k < total:
+                    raise ParamInvalid(
+                        f"rank {remote_rank} announced layer {k} of a {total}-layer cache"
                     )
-                else:
-                    time.sleep(0.0002)
+                synchronizer._arrive(k)
+                task.mark("arrived", k)
+                task.result.bytes += layer_bytes
+                task.result.per_rank[remote_rank].bytes += layer_bytes
+                got[0] += 1
+            if notes:
+                gap_deadline[0] = time.monotonic() + gap_s
+            elif time.monotonic() > gap_deadline[0]:
+                raise KVError(
+                    str(int(HixlTimeout.status)),
+                    f"no layer of cache {local_cache.name!r} arrived from rank "
+                    f"{remote_rank} for {cfg.timeout_ms} ms ({got[0]} of {total})",
+                    HixlTimeout.status,
+                )
+            if synchronizer.get_layer_count() >= total:
+                task._end()
+                return
         except (HixlError, ValueError) as exc:
             err = as_llm_error(exc, f"receiving cache {local_cache.name!r}")
             synchronizer._fail(err)
-            raise err from exc
+            task._end(err)
+            return
+        except BaseException as exc:  # noqa: BLE001 - kept for wait()
+            task._end(exc)
+            return
+        ex.call_later(POLL_S, take)
 
-    return TransferTask(body, [remote_rank], run_async=True)
+    ex.post(take)
+    return task

@@ -8,7 +8,7 @@ them with ``PYTHONPATH=$(python -m hixl.llm_datadist)``. What is implemented, ig
 refused, and how each call maps to hixl: docs/LLM_DATADIST.md.
 
 This module's ``LayerSynchronizer`` is LLM-DataDist's (producer side, subclassed by the
-user); ``hixl.kv.LayerSynchronizer`` is hixl's own consumer-side class.
+user); ``hixl.kv.LayerTracker`` is hixl's own consumer-side class.
 """
 
 from __future__ import annotations

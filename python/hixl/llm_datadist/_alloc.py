@@ -9,6 +9,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
+from .._kvcore._cache import deregister
 from .._layout import aligned_empty
 from ._cache import Cache, create_tensors
 from ._keys import _ManagerBase
@@ -58,8 +59,7 @@ class _Allocation(_ManagerBase):
         try:
             node.add(loc, keys)
         except BaseException:
-            for h in handles:
-                node.engine.deregister_mem(h)
+            deregister(node.engine, handles, quiet=False)
             raise
         return cache
 

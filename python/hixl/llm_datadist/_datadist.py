@@ -13,7 +13,7 @@ from typing import Any
 from .._errors import HixlError
 from .._hixl import Hixl
 from .._kvcore._links import in_parallel
-from ..kv._context import LLMClusterInfo as KvClusterInfo
+from ..kv._context import PeerRank as KvClusterInfo
 from . import _ranktable
 from ._config import LLMClusterInfo
 from ._manager import CacheManager, KvCacheManager

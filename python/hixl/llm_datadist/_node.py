@@ -15,11 +15,12 @@ from typing import Any
 import numpy as np
 
 from .._errors import AlreadyConnected, HixlError
-from .._hixl import MemDesc, MemHandle, NotifyDesc, TransferOp
+from .._hixl import MemHandle, NotifyDesc, TransferOp
+from .._kvcore._cache import deregister, register_tensors
 from .._kvcore._plan import descs
 from .._kvcore._window import Window
 from ..kv._context import Context
-from ..kv._context import LLMClusterInfo as KvClusterInfo
+from ..kv._context import PeerRank as KvClusterInfo
 from ..kv._sender import same_engine
 from ._cache import Cache
 from ._status import LLMException, LLMStatusCode, fail, wrap
@@ -187,17 +188,10 @@ class Node:
             return cid
 
     def register(self, addrs: list[int], nbytes: int, writable: bool) -> list[MemHandle]:
-        out: list[MemHandle] = []
         try:
-            for a in addrs:
-                out.append(
-                    self.engine.register_mem(MemDesc(a, nbytes), access="rw" if writable else "r")
-                )
+            return register_tensors(self.engine, addrs, nbytes, "rw" if writable else "r")
         except BaseException as exc:
-            for h in out:
-                self.engine.deregister_mem(h)
             raise wrap(exc, "registering the cache's memory") from exc
-        return out
 
     def add(self, loc: Local, keys: Iterable[tuple[KeyIdent, int]]) -> None:
         with self.lock:
@@ -238,11 +232,7 @@ class Node:
                 del self.bkeys[loc.bkey]
             self.publish()
             loc.cache._valid = False
-        for h in loc.handles:
-            try:
-                self.engine.deregister_mem(h)
-            except HixlError:
-                pass  # finalized already
+        deregister(self.engine, loc.handles)  # quiet: it may be finalized already
 
     def remove_key(self, k: KeyIdent) -> bool:
         with self.lock:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._kvcore._plan import block_runs, run_bytes
+from .._kvcore._cache import block_pairs
 from ._status import check
 from ._types import CacheDesc, check_int, check_layer_range
 
@@ -81,7 +81,7 @@ def _block_offsets(src: CacheDesc, sbl: list[int], dst: CacheDesc, dbl: list[int
     for what, desc, ids in (("source", src, sbl), ("destination", dst, dbl)):
         bad = [b for b in ids if b >= desc.batch_size]
         check(not bad, f"{what} block {bad[:1]} is out of range (blocks: {desc.batch_size})")
-    return run_bytes(block_runs(sbl, dbl), sbb)  # sbb == dbb
+    return block_pairs(src.geometry, dst.geometry, sbl, dbl)  # one piece a block each
 
 
 def _entry_to_blocks(src: CacheDesc, sb: int, dst: CacheDesc, dbl: list[int]) -> Offsets:

@@ -10,10 +10,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._errors import HixlError
+from .._errors import Timeout as HixlTimeout
 from .._hixl import TransferOp
-from .._kvcore._layers import send_layers
+from .._kvcore._executor import Flight
+from .._kvcore._layers import feed_layers
 from .._kvcore._plan import descs
-from .._kvcore._window import Window
+from .._kvcore._window import WAIT_MARGIN_MS
 from ._cache import Cache, CacheTask
 from ._keys import _ManagerBase
 from ._plan import (
@@ -310,25 +312,23 @@ class _Transfers(_ManagerBase):
         task = CacheTask(len(plans))
         order = sorted({layer for _, _, pl in plans for layer in pl})
 
-        pending = iter(order)
         stopped = [False]
 
-        def ready(_busy: bool) -> int | None:
-            """The next layer, once synchronize_layer says it is computed; on False (or its
-            error) every destination still going gets that status, and the send stops."""
-            layer = next(pending)
+        def ready(layer: int) -> bool:
+            """Whether synchronize_layer says `layer` is computed; on False (or its error)
+            every destination still going gets that status, and the send stops."""
             why = LLMStatusCode.LLM_TIMEOUT  # synchronize_layer said False
             try:
                 ok = bool(layer_synchronizer.synchronize_layer(layer, node.timeout_ms))
             except Exception as exc:  # noqa: BLE001 - recorded on the task
                 task.error, ok, why = exc, False, code_of(exc)
             if ok:
-                return layer
+                return True
             for i in range(len(plans)):
                 if task._results[i] == LLMStatusCode.LLM_SUCCESS:
                     task._results[i] = why
             stopped[0] = True
-            return None
+            return False
 
         def failed(i: int, exc: Exception) -> None:
             err = exc
@@ -339,7 +339,12 @@ class _Transfers(_ManagerBase):
             task._results[i] = code_of(err)
             task.error = err
 
-        window: Window[int] = Window(node.engine, 1, node.timeout_ms, lambda _: None, failed)
+        # The layers' requests are completed on the KV core's executor; this task's thread
+        # only waits for the user's synchronize_layer.
+        flight: Flight[int] = Flight(
+            node.engine, 1, node.timeout_ms, lambda _: None, failed, lambda: None
+        )
+        wait_s = len(plans) * (node.timeout_ms + WAIT_MARGIN_MS) / 1000 + 1
 
         def submit(layer: int) -> None:
             """Layer `layer` to every destination that has not failed, one after the other."""
@@ -349,7 +354,7 @@ class _Transfers(_ManagerBase):
                 if not per_layer[layer]:
                     continue
                 try:
-                    window.submit(
+                    flight.submit(
                         i, address, TransferOp.WRITE, descs(per_layer[layer]), stuck=node.stuck
                     )
                 except Exception as exc:  # noqa: BLE001 - recorded on the task
@@ -357,9 +362,12 @@ class _Transfers(_ManagerBase):
 
         def run() -> None:
             try:
-                send_layers(
-                    window, len(order), ready, submit, lambda: not stopped[0], layer_at_a_time=True
-                )
+                feed_layers(flight, order, ready, submit, lambda: not stopped[0], wait_s)
+            except HixlTimeout as exc:
+                for i in range(len(plans)):
+                    if task._results[i] == LLMStatusCode.LLM_SUCCESS:
+                        task._results[i] = LLMStatusCode.LLM_TIMEOUT
+                task.error = exc
             finally:
                 task._finish()
 

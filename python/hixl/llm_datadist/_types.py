@@ -3,7 +3,6 @@ keys, transfer configurations, and the producer-side LayerSynchronizer."""
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from enum import Enum
@@ -11,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .._kvcore._cache import Geometry, axis_pieces
 from ._status import LLMStatusCode, check
 
 #: LLM-DataDist's "no id" value (a CacheKey without req_id or prefix_id).
@@ -186,7 +186,14 @@ class CacheDesc:
     @property
     def size(self) -> int:
         """Bytes of one tensor."""
-        return math.prod(self._shape) * self.np_dtype.itemsize
+        return self.geometry.nbytes
+
+    @property
+    def geometry(self) -> Geometry:
+        """hixl: one tensor's byte geometry in the KV core's model (a blocks cache's blocks
+        are its batch dimension)."""
+        b = self._batch_dim_index
+        return Geometry(tuple(self._shape), self.np_dtype.itemsize, None, b)
 
     @property
     def kv_tensor_format(self) -> str | None:
@@ -199,10 +206,9 @@ class CacheDesc:
     def batch_pieces(self, index: int) -> list[tuple[int, int]]:
         """hixl: (byte offset, length) of the contiguous pieces of one batch entry (one block
         of a blocks cache) within each tensor."""
-        b = self._batch_dim_index
-        inner = math.prod(self._shape[b + 1 :]) * self.np_dtype.itemsize
-        outer = math.prod(self._shape[:b])
-        return [(o * self._shape[b] * inner + index * inner, inner) for o in range(outer)]
+        return axis_pieces(
+            self.geometry.shape, self.geometry.itemsize, self._batch_dim_index, index
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -490,7 +496,7 @@ class LayerSynchronizer(ABC):
     ``synchronize_layer(k, timeout_in_millis)`` before it sends layer k; it returns True once
     layer k is computed (False, or an exception, fails the task).
 
-    Not hixl.kv.LayerSynchronizer, which is consumer-side (docs/LLM_DATADIST.md)."""
+    Not hixl.kv.LayerTracker, which is consumer-side (docs/LLM_DATADIST.md)."""
 
     @abstractmethod
     def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
