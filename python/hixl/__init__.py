@@ -109,12 +109,24 @@ _MOVED_TO_KV = frozenset(kv.__all__) - {
 }
 
 
+#: The moved KV names that read like an engine call, and that call: the top level is the
+#: engine's API, so the warning says that these are the KV layer's and not the engine's.
+_NOT_THE_ENGINES = {
+    "init": "Hixl.initialize",
+    "finalize": "Hixl.finalize",
+    "link": "Hixl.connect",
+    "unlink": "Hixl.disconnect",
+}
+
+
 def __getattr__(name: str) -> Any:
     """Resolves a KV-cache name that moved to ``hixl.kv`` (``hixl.init``, ``hixl.Cache``, ...),
     warning that it is deprecated here."""
     if name in _MOVED_TO_KV:
+        engines = _NOT_THE_ENGINES.get(name)
+        note = f" (the KV-cache layer's {name}, not {engines})" if engines else ""
         warnings.warn(
-            f"hixl.{name} is deprecated and goes in the next release: use hixl.kv.{name}",
+            f"hixl.{name} is deprecated and goes in the next release: use hixl.kv.{name}{note}",
             DeprecationWarning,
             stacklevel=2,
         )
