@@ -150,18 +150,18 @@ def test_a_read_only_device_array_needs_access_r() -> None:
 
 @no_gpu
 def test_a_device_kv_cache_without_cuda_is_unsupported_and_leaves_nothing_behind() -> None:
-    hixl.init(cluster_id=0, role="mix")
+    hixl.kv.init(cluster_id=0, role="mix")
     try:
         arr = FakeDeviceArray(0x7F00_0000_0000, (4, 2, 16, 64), "<f2")
         with pytest.raises(hixl.Unsupported, match="CUDA was not found"):
-            hixl.allocate_cache(arr, mem_type="device", name="kv")
+            hixl.kv.allocate_cache(arr, mem_type="device", name="kv")
         # The name is free again: the failed cache was not kept.
-        assert hixl.allocate_cache(np.zeros(64, np.uint8), name="kv").name == "kv"
+        assert hixl.kv.allocate_cache(np.zeros(64, np.uint8), name="kv").name == "kv"
         # A host array is not device memory, whatever the driver says.
         with pytest.raises(hixl.ParamInvalid, match="needs a CUDA array"):
-            hixl.allocate_cache(np.zeros(64, np.uint8), mem_type="device")
+            hixl.kv.allocate_cache(np.zeros(64, np.uint8), mem_type="device")
     finally:
-        hixl.finalize()
+        hixl.kv.finalize()
 
 
 @no_gpu

@@ -39,8 +39,8 @@ def ranks() -> Iterator:
 
 @pytest.fixture
 def kv() -> Iterator:
-    yield hixl.init
-    hixl.finalize()
+    yield hixl.kv.init
+    hixl.kv.finalize()
 
 
 def test_notifications_name_the_engine_they_came_from() -> None:
@@ -108,11 +108,11 @@ def test_forged_layer_notifications_do_not_count(ranks, kv) -> None:
         time.sleep(0.05)
     assert (progress["layers"], progress["done"]) == (0, False), progress
 
-    hixl.link([hixl.LLMClusterInfo.from_dict({"cluster_id": 1, "address": decoder.address})])
+    hixl.kv.link([hixl.kv.LLMClusterInfo.from_dict({"cluster_id": 1, "address": decoder.address})])
     want = filled(SHAPE, 31)
-    cache = hixl.allocate_cache(want.copy(), name="kv")
-    syncer = hixl.LayerSynchronizer(SHAPE[0])
-    task = hixl.transfer_cache_async(1, cache, syncer, mode="push")
+    cache = hixl.kv.allocate_cache(want.copy(), name="kv")
+    syncer = hixl.kv.LayerSynchronizer(SHAPE[0])
+    task = hixl.kv.transfer_cache_async(1, cache, syncer, mode="push")
     for k in range(SHAPE[0]):
         syncer.layer_ready(k)
     assert task.wait(60_000).bytes == cache.nbytes

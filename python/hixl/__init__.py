@@ -110,14 +110,27 @@ _MOVED_TO_KV = (frozenset(kv.__all__) | frozenset(kv.RENAMED)) - {
 }
 
 
+#: The moved KV names that read like an engine call, and that call: the top level is the
+#: engine's API, so the warning says that these are the KV layer's and not the engine's.
+_NOT_THE_ENGINES = {
+    "init": "Hixl.initialize",
+    "finalize": "Hixl.finalize",
+    "link": "Hixl.connect",
+    "unlink": "Hixl.disconnect",
+}
+
+
 def __getattr__(name: str) -> Any:
     """Resolves a KV-cache name that moved to ``hixl.kv`` (``hixl.init``, ``hixl.Cache``, ...),
     warning that it is deprecated here."""
     if name in _MOVED_TO_KV:
         new = kv.RENAMED.get(name, name)
         also = f" (hixl.kv.{name} until then)" if new != name else ""
+        engines = _NOT_THE_ENGINES.get(name)
+        note = f" (the KV-cache layer's {name}, not {engines})" if engines else ""
+        use = f"hixl.kv.{new}{also}{note}"
         warnings.warn(
-            f"hixl.{name} is deprecated and goes in the next release: use hixl.kv.{new}{also}",
+            f"hixl.{name} is deprecated and goes in the next release: use {use}",
             DeprecationWarning,
             stacklevel=2,
         )

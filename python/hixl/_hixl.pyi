@@ -8,6 +8,8 @@ import numpy.typing as npt
 from typing_extensions import disjoint_base
 
 __version__: str
+# The public names only; the underscored functions below are hixl's internals (hixl.aio,
+# hixl._logging, the `hixl` command's bench and info, benches/), importable by name.
 __all__ = [
     "AsyncConnectStatus",
     "DeviceBuffer",
@@ -24,17 +26,6 @@ __all__ = [
     "TransferReq",
     "TransferStatus",
     "__version__",
-    "_completion_fd",
-    "_drain_completions",
-    "_host_identity",
-    "_rdma_info",
-    "_gpudirect_info",
-    "_log_take",
-    "_log_wake",
-    "_raw_cma",
-    "_raw_memcpy",
-    "_raw_tcp_send",
-    "_raw_tcp_sink",
     "get_log_level",
     "log_dropped",
     "metrics_text",

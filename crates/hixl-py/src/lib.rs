@@ -11,6 +11,7 @@ mod request;
 mod types;
 
 use pyo3::prelude::*;
+use pyo3::types::{PyCFunction, PyString};
 
 /// Sets the level of hixl's log (stderr) for this process: `level` is "DEBUG", "INFO",
 /// "WARN" (or "WARNING") or "ERROR", in any case (`ParamInvalid` otherwise). The start level
@@ -102,14 +103,15 @@ fn hixl_option_keys() -> Vec<(&'static str, &'static str)> {
     hixl_core::HIXL_OPTIONS.iter().map(|c| (c.key, c.effect)).collect()
 }
 
-/// Baseline: starts a raw TCP sink (Rust recv loop) in this process; returns its address.
+/// Internal (`hixl bench`, benches/), a baseline: starts a raw TCP sink (Rust recv loop) in
+/// this process; returns its address.
 #[pyfunction]
 fn _raw_tcp_sink(listen: &str) -> PyResult<String> {
     hixl_core::bench::raw_tcp_sink(listen).map_err(errors::to_py)
 }
 
-/// Baseline: sends `iters` messages of `size` bytes to a raw sink over `streams` connections;
-/// seconds per message.
+/// Internal (`hixl bench`, benches/), a baseline: sends `iters` messages of `size` bytes to a
+/// raw sink over `streams` connections; seconds per message.
 #[pyfunction]
 #[pyo3(signature = (addr, size, iters, streams = 1))]
 fn _raw_tcp_send(
@@ -122,8 +124,8 @@ fn _raw_tcp_send(
     py.allow_threads(|| hixl_core::bench::raw_tcp_send(addr, size, iters, streams)).map_err(errors::to_py)
 }
 
-/// Baseline: raw process_vm_writev/readv of `descs` (a (N, 3) uint64 array of local, remote,
-/// length) to `pid`; seconds per round.
+/// Internal (`hixl bench`, benches/), a baseline: raw process_vm_writev/readv of `descs` (a
+/// (N, 3) uint64 array of local, remote, length) to `pid`; seconds per round.
 #[pyfunction]
 fn _raw_cma(
     py: Python<'_>,
@@ -139,13 +141,15 @@ fn _raw_cma(
     py.allow_threads(|| unsafe { hixl_core::bench::raw_cma(pid, write, &d, iters) }).map_err(errors::to_py)
 }
 
-/// Baseline: one-thread memcpy of `count` blocks of `block` bytes; seconds per round.
+/// Internal (`hixl bench`, benches/), a baseline: one-thread memcpy of `count` blocks of
+/// `block` bytes; seconds per round.
 #[pyfunction]
 fn _raw_memcpy(py: Python<'_>, block: usize, count: usize, iters: usize) -> PyResult<Vec<f64>> {
     py.allow_threads(|| hixl_core::bench::raw_memcpy(block, count, iters)).map_err(errors::to_py)
 }
 
-/// This host's identity as same-host peers compare it: "boot_id/hostname".
+/// Internal (`hixl info`): this host's identity as same-host peers compare it:
+/// "boot_id/hostname".
 #[pyfunction]
 fn _host_identity() -> String {
     hixl_core::host_id()
@@ -167,6 +171,13 @@ fn _rdma_info(py: Python<'_>, provider: &str) -> PyResult<String> {
 #[pyo3(signature = (provider = "verbs"))]
 fn _gpudirect_info(py: Python<'_>, provider: &str) -> PyResult<String> {
     py.allow_threads(|| hixl_core::gpudirect_info(provider)).map_err(errors::to_py)
+}
+
+/// Adds `f` to `m` under its own name without listing it in `__all__` (which
+/// `add_function` does): an internal of hixl, not part of the module's public API.
+fn add_internal(m: &Bound<'_, PyModule>, f: Bound<'_, PyCFunction>) -> PyResult<()> {
+    let name = f.getattr(pyo3::intern!(m.py(), "__name__"))?;
+    m.setattr(name.downcast_into::<PyString>()?, f)
 }
 
 #[pymodule]
@@ -192,23 +203,25 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(get_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(option_keys, m)?)?;
     m.add_function(wrap_pyfunction!(hixl_option_keys, m)?)?;
-    m.add_function(wrap_pyfunction!(_completion_fd, m)?)?;
     m.add_function(wrap_pyfunction!(metrics_text, m)?)?;
-    m.add_function(wrap_pyfunction!(_log_take, m)?)?;
-    m.add_function(wrap_pyfunction!(_log_wake, m)?)?;
     m.add_function(wrap_pyfunction!(log_dropped, m)?)?;
-    m.add_function(wrap_pyfunction!(_drain_completions, m)?)?;
     m.add_function(wrap_pyfunction!(status_codes, m)?)?;
     m.add_function(wrap_pyfunction!(device::cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(device::cuda_alloc, m)?)?;
     m.add_class::<device::DeviceBuffer>()?;
     m.add_function(wrap_pyfunction!(transfer_states, m)?)?;
-    m.add_function(wrap_pyfunction!(_raw_tcp_sink, m)?)?;
-    m.add_function(wrap_pyfunction!(_raw_tcp_send, m)?)?;
-    m.add_function(wrap_pyfunction!(_raw_cma, m)?)?;
-    m.add_function(wrap_pyfunction!(_raw_memcpy, m)?)?;
-    m.add_function(wrap_pyfunction!(_host_identity, m)?)?;
-    m.add_function(wrap_pyfunction!(_rdma_info, m)?)?;
-    m.add_function(wrap_pyfunction!(_gpudirect_info, m)?)?;
+    // hixl's own internals (its Python modules, `hixl bench` and benches/ import them by
+    // name), kept out of `__all__`, which lists the public names only.
+    add_internal(m, wrap_pyfunction!(_completion_fd, m)?)?;
+    add_internal(m, wrap_pyfunction!(_drain_completions, m)?)?;
+    add_internal(m, wrap_pyfunction!(_log_take, m)?)?;
+    add_internal(m, wrap_pyfunction!(_log_wake, m)?)?;
+    add_internal(m, wrap_pyfunction!(_raw_tcp_sink, m)?)?;
+    add_internal(m, wrap_pyfunction!(_raw_tcp_send, m)?)?;
+    add_internal(m, wrap_pyfunction!(_raw_cma, m)?)?;
+    add_internal(m, wrap_pyfunction!(_raw_memcpy, m)?)?;
+    add_internal(m, wrap_pyfunction!(_host_identity, m)?)?;
+    add_internal(m, wrap_pyfunction!(_rdma_info, m)?)?;
+    add_internal(m, wrap_pyfunction!(_gpudirect_info, m)?)?;
     Ok(())
 }

@@ -4,7 +4,9 @@ notifications from the engine.
 A face takes only the names it owns (every other name stays in the engine for the
 application's ``get_notifies`` / ``wait_notifies``), either by asking (``take``: the pending
 ones a waiter matches, the others kept for later waiters) or by a loop that hands each to a
-handler (``serve``: on the face's own thread, until it says stop).
+handler (``serve``: on the face's own thread, until it says stop). A face that owns its whole
+engine (the NIXL agent's: every notification is the agent's, whatever its name) takes them
+all at once (``take_all``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,15 @@ class Router:
                     self.keep,
                     self.dropped,
                 )
+            return got
+
+    def take_all(self) -> list[NotifyDesc]:
+        """Every notification, whatever its name, in arrival order: those waiting here first,
+        then every one pending in the engine. Each is handed out once; when the engine call
+        fails (finalized), those waiting here stay for the next call and the error rises."""
+        with self.lock:
+            fresh = self.engine.get_notifies()
+            got, self.pending = self.pending + fresh, []
             return got
 
     def serve(

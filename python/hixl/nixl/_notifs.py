@@ -5,14 +5,21 @@ The agent a notification is filed under comes from its connection where it can: 
 engine of a loaded agent is that agent's, whatever its name says; one that names a loaded
 agent but comes from another engine is dropped and logged. A sender that was never loaded
 (a NIXL target need not load its initiators) is known only by the name it gives.
+
+The agent owns its whole engine, so it takes every notification through the KV core's one
+router (``_kvcore._notify.Router.take_all``); what it adds is the filing by agent. Taking,
+filing and keeping (``update_notifs``) hold the agent's notification lock, so concurrent calls
+neither lose a notification nor hand one out twice, and each agent's list keeps arrival order.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from .._errors import HixlError, NotConnected
 from .._hixl import NotifyDesc
+from .._kvcore._notify import Router
 from ..kv._sender import same_engine
 from ._bindings import from_hixl
 from ._common import _NOTIF_PREFIX, _msg, _name, log
@@ -23,6 +30,8 @@ class _Notifs(_Metadata):
     """Notifications: the part of ``nixl_agent`` that sends and collects them."""
 
     notifs: dict[str, list[bytes]]
+    _router: Router  # the agent engine's notifications (all of them are the agent's)
+    _notes_lock: threading.Lock  # taking, filing and keeping them: one caller at a time
 
     # --- notifications --------------------------------------------------------------------------
 
@@ -45,8 +54,10 @@ class _Notifs(_Metadata):
         return claimed
 
     def _drain(self) -> dict[str, list[bytes]]:
+        """The notifications that came since the last call, filed by agent (the caller holds
+        ``_notes_lock``)."""
         out: dict[str, list[bytes]] = {}
-        notes = self._engine.get_notifies()
+        notes = self._router.take_all()
         with self._lock:
             loaded = [(r.name, r.engine) for r in self._remotes.values()]
         for n in notes:
@@ -65,12 +76,18 @@ class _Notifs(_Metadata):
         return out
 
     def get_new_notifs(self, backends: Any = None) -> dict[str, list[bytes]]:
-        return self._drain()
+        with self._notes_lock:
+            return self._drain()
 
     def update_notifs(self, backends: Any = None) -> dict[str, list[bytes]]:
+        with self._notes_lock:
+            self._keep()
+        return self.notifs
+
+    def _keep(self) -> None:
+        """Adds the new notifications to ``notifs`` (the caller holds ``_notes_lock``)."""
         for k, v in self._drain().items():
             self.notifs.setdefault(k, []).extend(v)
-        return self.notifs
 
     def check_remote_xfer_done(
         self,
@@ -79,16 +96,17 @@ class _Notifs(_Metadata):
         backends: Any = None,
         tag_is_prefix: bool = True,
     ) -> bool:
-        self.update_notifs()
         name, tag = _name(remote_agent_name), _msg(lookup_tag)
-        msgs = self.notifs.get(name)
-        if not msgs:
+        with self._notes_lock:
+            self._keep()
+            msgs = self.notifs.get(name)
+            if not msgs:
+                return False
+            for i, m in enumerate(msgs):
+                if m.startswith(tag) if tag_is_prefix else tag in m:
+                    del msgs[i]
+                    return True
             return False
-        for i, m in enumerate(msgs):
-            if m.startswith(tag) if tag_is_prefix else tag in m:
-                del msgs[i]
-                return True
-        return False
 
     def send_notif(self, remote_agent_name: Any, notif_msg: Any, backend: Any = None) -> None:
         if backend is not None and backend not in self.backends:
