@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex, Weak};
 use crate::backend_names as names;
 use crate::complete::Completer;
 use crate::error::{Error, Result};
+use crate::options::BackendDecl;
 use crate::queue::{Part, PartBody, SegPair, TransferOp};
 use crate::registry::{new_holder_id, Abort, Pin};
 use crate::stats::PeerStats;
@@ -25,6 +26,17 @@ use crate::transport::streams::TcpLink;
 use crate::transport::target::Server;
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
+
+/// The `self` backend's declaration: its entry in the one table (`transport::backends`).
+pub(crate) const DECL: BackendDecl = BackendDecl {
+    name: names::SELF,
+    meaning: "same process",
+    domains: "host",
+    offered: "",
+    cli: false,
+    baseline: "memcpy",
+    options: &[],
+};
 
 /// Listening engines of this process, by the name of their same-host socket.
 static LISTENING: Mutex<Option<HashMap<String, Weak<Server>>>> = Mutex::new(None);
