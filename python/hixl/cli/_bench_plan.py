@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import TransferOp
+from .. import TransferOp, backends
 from ._sizes import human, parse_count_list, parse_size, parse_size_list
 
 QUICK_BLOCKS = "4K,64K,1M,16M"
@@ -204,11 +204,20 @@ def _op_list(text: str) -> list[str]:
     return list(dict.fromkeys(ops))
 
 
+def transports() -> list[str]:
+    """The transports the CLI offers: auto, then the backends the engine's table marks `cli`,
+    in the order of auto."""
+    return ["auto", *(b["name"] for b in backends() if b["cli"])]
+
+
 def _transport_list(text: str) -> list[str]:
     ts = [t.strip().lower() for t in text.split(",")]
-    bad = [t for t in ts if t not in ("auto", "cuda_ipc", "shm", "tcp")]
+    known = transports()
+    bad = [t for t in ts if t not in known]
     if bad:
-        raise argparse.ArgumentTypeError(f"{bad[0]!r}: transports are auto, cuda_ipc, shm and tcp")
+        raise argparse.ArgumentTypeError(
+            f"{bad[0]!r}: transports are {', '.join(known[:-1])} and {known[-1]}"
+        )
     return list(dict.fromkeys(ts))
 
 
