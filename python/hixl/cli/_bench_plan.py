@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         type=_transport_list,
         metavar="LIST",
-        help="auto|shm|tcp, comma-separated for one line each (default auto; --quick: auto,tcp)",
+        help=f"{'|'.join(transports())}, comma-separated for one line each (default auto; "
+        f"--quick: auto,{transports()[-1]})",
     )
     g.add_argument(
         "--mem",
@@ -308,10 +309,11 @@ def make_plan(args: argparse.Namespace, p: argparse.ArgumentParser) -> Plan:
     shapes = [(b, n) for n in batches for b in blocks if b * n <= args.max_request]
     if not shapes:
         p.error(f"no block x batch fits --max-request {human(args.max_request)}")
-    transports = args.transport or (["auto", "tcp"] if args.quick else ["auto"])
+    # --quick adds the table's last CLI backend (tcp: any host, the slowest) beside auto.
+    chosen = args.transport or (["auto", transports()[-1]] if args.quick else ["auto"])
     return Plan(
         ops=args.op,
-        transports=transports,
+        transports=chosen,
         blocks=blocks,
         batches=batches,
         threads=args.threads,
