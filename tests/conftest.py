@@ -135,9 +135,13 @@ def make_peer() -> Iterator:
 
 @pytest.fixture
 def engine(request) -> Iterator[hixl.Hixl]:
-    """An initiator engine; TCP data path unless parametrized indirectly with a transport."""
+    """An initiator engine; TCP data path unless parametrized indirectly with a transport (a
+    name of `hixl.backends()`)."""
+    backend = getattr(request, "param", "tcp")
+    names = [b["name"] for b in hixl.backends()]
+    assert backend in names, f"engine fixture: {backend!r} is not a backend of {names}"
     e = hixl.Hixl()
-    e.initialize("127.0.0.1", {"hixl.backends": getattr(request, "param", "tcp")})
+    e.initialize("127.0.0.1", {"hixl.backends": backend})
     yield e
     e.finalize()
 

@@ -140,3 +140,29 @@ def test_the_readme_test_commands_are_what_ci_runs() -> None:
     assert "bash scripts/test.sh" in tests, "README's Tests section lacks the Python test command"
     ci = (README.parent / ".ci" / "run").read_text()
     assert "bash scripts/test.sh" in ci, ".ci/run no longer runs scripts/test.sh"
+
+
+def test_readme_has_the_backend_table_row_for_row() -> None:
+    """The README's backend table is exactly `hixl.backends()` (the engine's one table), in
+    its order; and each backend's own options have their rows in the options table."""
+    rows = []
+    for line in README.read_text().splitlines():
+        m = re.match(r"^\| `([a-z_]+)` \| (.*?) \| (.*?) \| (.*?) \| (yes|no) \|$", line)
+        if m:
+            rows.append(m.groups())
+    want = [
+        (
+            b["name"],
+            b["meaning"],
+            b["domains"],
+            b["offered"] or "always",
+            "yes" if b["cli"] else "no",
+        )
+        for b in hixl.backends()
+    ]
+    assert rows == want
+    keys = {k for k, _, _ in hixl.option_keys()}
+    for b in hixl.backends():
+        for key, _, _ in b["options"]:
+            assert key.startswith(f"hixl.{b['name']}.") and key in keys, key
+            assert f"| `{key}` |" in README.read_text(), f"{key} has no README row"

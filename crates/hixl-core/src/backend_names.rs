@@ -1,8 +1,10 @@
-//! The names of the backends this build has: the one place each is spelt. `hixl.backends`,
-//! the capabilities a Welcome advertises, the region table's backend keys, `stats()` and the
-//! logs all use these constants, and the option parser checks a list against [`BUILT`]. A leaf
-//! module, so that the options and every backend can name each other's backends without
-//! importing each other.
+//! The names of the backends this build has: the one place each is spelt. Each backend's
+//! declaration (`DECL` in its module under `transport::backends`, listed by the table there)
+//! names its constant; the capabilities a Welcome advertises, the region table's backend keys,
+//! `stats()` and the logs use them too. A leaf module, because code below the backends needs a
+//! name without importing upward: the stream link (`transport::streams`, which every backend's
+//! control channel is) labels itself `tcp`, and the deprecated `hixl.transport` maps `shm` and
+//! `tcp`. Everything else about a backend (its order, options, domains) is in its declaration.
 
 /// Two engines of one process (memcpy).
 pub const SELF: &str = "self";
@@ -14,7 +16,3 @@ pub const SHM: &str = "shm";
 pub const RDMA: &str = "rdma";
 /// Any host: TCP streams of its own.
 pub const TCP: &str = "tcp";
-
-/// Every backend of this build, fastest first (the default of `hixl.backends`). `rdma` is
-/// offered (and tried) only where its device is usable; on one host `shm` goes first.
-pub const BUILT: &[&str] = &[SELF, CUDA_IPC, SHM, RDMA, TCP];

@@ -99,6 +99,7 @@ pub use wait::MAX_WAIT;
 mod wire;
 
 pub use cuda::{info as cuda_info, CudaDevice, CudaInfo, DeviceBuffer};
+pub use engine::option_table::option_keys;
 pub use engine::{
     ConnectStatus, Engine, MemDesc, MemHandle, PeerSnapshot, RemoteRegion, StridedDesc, TransferOpDesc,
     TransferReq, Waiting,
@@ -108,11 +109,12 @@ pub use error::{Error, Result, Status};
 #[doc(hidden)]
 pub use notify::waited_for as notifies_waited_for;
 pub use options::compat::{CompatKey, COMPAT as HIXL_OPTIONS};
-pub use options::{keys as option_keys, OptionSpec, SPECS as OPTIONS};
+pub use options::{BackendDecl, OptionSpec, SPECS as OPTIONS};
 pub use queue::{Completion, CompletionQueue, NotifyDesc, Request, Telemetry, TransferOp, TransferStatus};
 pub use registry::{Access, MemType};
 pub use stats::{LatencySummary, LATENCY_BUCKETS_US};
 pub use transport::backends::shm::{host_id, SharedMem};
+pub use transport::backends::{Entry as BackendEntry, TABLE as BACKENDS};
 pub use transport::RailSnapshot;
 pub use wire::Domain;
 

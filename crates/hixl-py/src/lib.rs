@@ -70,6 +70,31 @@ fn option_keys() -> Vec<(&'static str, &'static str, &'static str)> {
     hixl_core::option_keys()
 }
 
+/// The backends of this build, in the order of `auto` (the one table in hixl-core): a list of
+/// dicts with `name`, `meaning` (what it reaches), `domains` (the memory it moves, as text),
+/// `offered` (when `auto` offers it, if not always), `cli` (whether the `hixl` command offers
+/// it as a transport), `baseline` (what `hixl bench` compares it with; empty: nothing) and
+/// `options` (its own option keys: a list of (key, default, meaning)).
+#[pyfunction]
+fn backends(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
+    hixl_core::BACKENDS
+        .iter()
+        .map(|e| {
+            let d = e.decl;
+            let out = pyo3::types::PyDict::new(py);
+            out.set_item("name", d.name)?;
+            out.set_item("meaning", d.meaning)?;
+            out.set_item("domains", d.domains)?;
+            out.set_item("offered", d.offered)?;
+            out.set_item("cli", d.cli)?;
+            out.set_item("baseline", d.baseline)?;
+            let opts: Vec<_> = d.options.iter().map(|o| (o.key, o.default, o.meaning)).collect();
+            out.set_item("options", opts)?;
+            Ok(out)
+        })
+        .collect()
+}
+
 /// Prometheus text exposition (format 0.0.4) of `engines` (engines not initialized, or
 /// finalized, are left out); every engine's peers past the `max_peers` that moved the most
 /// bytes are summed under `peer="_other"`. `hixl.metrics.serve` serves it over HTTP.
@@ -202,6 +227,7 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(get_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(option_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(backends, m)?)?;
     m.add_function(wrap_pyfunction!(hixl_option_keys, m)?)?;
     m.add_function(wrap_pyfunction!(metrics_text, m)?)?;
     m.add_function(wrap_pyfunction!(log_dropped, m)?)?;

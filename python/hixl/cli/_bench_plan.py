@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import TransferOp
+from .. import TransferOp, backends
 from ._sizes import human, parse_count_list, parse_size, parse_size_list
 
 QUICK_BLOCKS = "4K,64K,1M,16M"
@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         type=_transport_list,
         metavar="LIST",
-        help="auto|shm|tcp, comma-separated for one line each (default auto; --quick: auto,tcp)",
+        help=f"{'|'.join(transports())}, comma-separated for one line each (default auto; "
+        f"--quick: auto,{transports()[-1]})",
     )
     g.add_argument(
         "--mem",
@@ -204,11 +205,20 @@ def _op_list(text: str) -> list[str]:
     return list(dict.fromkeys(ops))
 
 
+def transports() -> list[str]:
+    """The transports the CLI offers: auto, then the backends the engine's table marks `cli`,
+    in the order of auto."""
+    return ["auto", *(b["name"] for b in backends() if b["cli"])]
+
+
 def _transport_list(text: str) -> list[str]:
     ts = [t.strip().lower() for t in text.split(",")]
-    bad = [t for t in ts if t not in ("auto", "cuda_ipc", "shm", "tcp")]
+    known = transports()
+    bad = [t for t in ts if t not in known]
     if bad:
-        raise argparse.ArgumentTypeError(f"{bad[0]!r}: transports are auto, cuda_ipc, shm and tcp")
+        raise argparse.ArgumentTypeError(
+            f"{bad[0]!r}: transports are {', '.join(known[:-1])} and {known[-1]}"
+        )
     return list(dict.fromkeys(ts))
 
 
@@ -299,10 +309,11 @@ def make_plan(args: argparse.Namespace, p: argparse.ArgumentParser) -> Plan:
     shapes = [(b, n) for n in batches for b in blocks if b * n <= args.max_request]
     if not shapes:
         p.error(f"no block x batch fits --max-request {human(args.max_request)}")
-    transports = args.transport or (["auto", "tcp"] if args.quick else ["auto"])
+    # --quick adds the table's last CLI backend (tcp: any host, the slowest) beside auto.
+    chosen = args.transport or (["auto", transports()[-1]] if args.quick else ["auto"])
     return Plan(
         ops=args.op,
-        transports=transports,
+        transports=chosen,
         blocks=blocks,
         batches=batches,
         threads=args.threads,

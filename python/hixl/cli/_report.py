@@ -11,6 +11,7 @@ import sys
 import textwrap
 from typing import Any
 
+from .. import backends
 from ._sizes import human
 
 #: Every column of a row, in table order, with its heading and format.
@@ -41,8 +42,9 @@ BASELINE_COLUMNS: list[tuple[str, str, str]] = [
     ("x_raw", "x raw", "{:.2f}"),
     ("x_raw_spread", "spread", "{}"),
 ]
-#: A row's baseline by its transport: the raw path that transport's bytes take.
-BASELINE_OF = {"self": "memcpy", "shm": "cma", "cuda_ipc": "cma", "tcp": "tcp"}
+#: A row's baseline by its transport: the raw path that transport's bytes take (each
+#: backend's `baseline` in the engine's table; backends without one are left out).
+BASELINE_OF = {b["name"]: b["baseline"] for b in backends() if b["baseline"]}
 #: Ratios of the repetitions within this share of each other are stable enough for a verdict.
 STABLE_SPREAD = 0.10
 #: The widest line `table` prints.

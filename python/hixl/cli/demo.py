@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Any, Self
 
+from ._bench_plan import transports
 from ._sizes import human
 
 NAME = "demo"
@@ -34,7 +35,7 @@ HELP = "PD-disaggregation demo: layerwise KV-cache transfer between two processe
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--transport",
-        choices=["auto", "shm", "tcp"],
+        choices=transports(),
         default="auto",
         help="hixl.backends of the push (default auto)",
     )

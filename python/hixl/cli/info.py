@@ -15,7 +15,7 @@ import subprocess
 import sys
 from typing import Any
 
-from .. import Hixl, HixlError, option_keys
+from .. import Hixl, HixlError, backends, option_keys
 from .._hixl import _gpudirect_info, _rdma_info, cuda_info
 from ._machine import describe
 
@@ -69,9 +69,20 @@ def _probe(transport: str) -> tuple[bool, str]:
 
 def gather() -> dict[str, Any]:
     transports: dict[str, dict[str, Any]] = {}
-    for t in ("tcp", "shm"):
-        ok, why = _probe(t)
-        transports[t] = {"available": ok, "detail": why}
+    cuda = cuda_info()
+    # Every backend the CLI offers, from the engine's table, by a real connection; one that
+    # `auto` offers only where CUDA is found is not probed without CUDA.
+    for b in backends():
+        if not b["cli"]:
+            continue
+        if "CUDA" in b["offered"] and not cuda["available"]:
+            transports[b["name"]] = {
+                "available": False,
+                "detail": f"CUDA not found: {cuda['reason']}",
+            }
+            continue
+        ok, why = _probe(b["name"])
+        transports[b["name"]] = {"available": ok, "detail": why}
     scope = _ptrace_scope()
     if scope not in (None, "0"):
         transports["shm"]["detail"] += (
@@ -94,14 +105,13 @@ def gather() -> dict[str, Any]:
         "path": gpudirect,
         "detail": gpudirect[4:-1] if no else gpudirect,
     }
-    cuda = cuda_info()
-    if cuda["available"]:
-        ok, why = _probe("cuda_ipc")
-        transports["cuda_ipc"] = {"available": ok, "detail": why}
-    else:
-        transports["cuda_ipc"] = {"available": False, "detail": f"CUDA not found: {cuda['reason']}"}
     transports["cuda_staging"] = {
-        "available": bool(cuda["available"]) and transports["tcp"]["available"],
+        "available": bool(cuda["available"])
+        and any(
+            transports.get(b["name"], {}).get("available")
+            for b in backends()
+            if "staged" in b["domains"]
+        ),
         "detail": (
             "device memory over tcp through pinned host buffers (hixl.cuda.stage_chunk, "
             "hixl.cuda.stage_depth)"

@@ -306,6 +306,13 @@ impl DataPath for Failover {
         }
     }
 
+    fn stages_device(&self) -> bool {
+        match &*self.state.read().unwrap() {
+            State::Up { path, .. } => path.stages_device(),
+            State::Moving { from, .. } | State::Down { from, .. } => from.stages_device(),
+        }
+    }
+
     fn parallelism(&self) -> usize {
         match &*self.state.read().unwrap() {
             State::Up { path, .. } => path.parallelism(),

@@ -29,6 +29,7 @@ use crate::wire::Domain;
 
 mod connect;
 mod failover;
+pub(crate) mod option_table;
 mod register;
 mod sides;
 mod transfer;

@@ -408,10 +408,10 @@ fn remember(conn: &PeerConn, req: &Arc<Request>) {
 }
 
 /// Whether a batch between these domain pairs touches device memory and goes over a path that
-/// moves it by staging (`tcp`); the others that serve device memory (`cuda_ipc`) copy it
-/// directly.
+/// moves it by staging ([`DataPath::stages_device`]: `tcp`); the others that serve device
+/// memory (`cuda_ipc`) copy it directly.
 fn staged(link: &Arc<dyn DataPath>, pairs: &[(Domain, Domain)]) -> bool {
-    pairs.iter().any(|(l, t)| l.is_device() || t.is_device()) && link.backend() == crate::backend_names::TCP
+    pairs.iter().any(|(l, t)| l.is_device() || t.is_device()) && link.stages_device()
 }
 
 /// The path for a batch between these domain pairs: the link's own, or a later backend that

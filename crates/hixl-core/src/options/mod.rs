@@ -1,5 +1,13 @@
 //! Engine options: a string map with documented keys. Unknown keys and bad values are
 //! `PARAM_INVALID` naming the key and the value.
+//!
+//! The rows here ([`SPECS`]) are the engine-wide options. A backend's own options
+//! (`hixl.tcp.*`, `hixl.shm.*`, `hixl.rdma.*`) are rows of its [`BackendDecl`], declared in its
+//! own module under `transport::backends` and listed by the one table there. Options must not
+//! import transport (that made a 21-file import circle), so this module never names the table:
+//! [`Options::parse_with`], [`Options::defaults_with`] and [`keys_with`] take the declarations
+//! as an argument, and the engine, which sits above both, composes them once
+//! (`engine::option_table`: `Options::parse`, `Options::default()` and `option_keys`).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -15,6 +23,45 @@ mod suggest;
 /// Environment variable that supplies the cluster secret when `hixl.secret` is not given.
 pub const SECRET_ENV: &str = "HIXL_SECRET";
 
+/// What a backend declares about itself, in its own module (`DECL` at the top of each module
+/// under `transport::backends`); the table there lists them in the order of `auto`.
+/// `hixl.backends`' help, `BUILT`, `by_name`, the backend's option rows, the README's backend
+/// table and Python's `hixl.backends()` all come from these.
+pub struct BackendDecl {
+    /// Its name, as `hixl.backends` and `stats()` spell it.
+    pub name: &'static str,
+    /// What it reaches, in a few words (`hixl.backends`' help: "same host").
+    pub meaning: &'static str,
+    /// The memory it moves, as text ("host", "host, cuda").
+    pub domains: &'static str,
+    /// When `auto` offers it, if not always ("only where CUDA is found"; empty: always).
+    pub offered: &'static str,
+    /// Whether the CLI offers it in its transport lists (`hixl bench`, `hixl demo`).
+    pub cli: bool,
+    /// What `hixl bench` measures it against (empty: nothing).
+    pub baseline: &'static str,
+    /// Its own options (`hixl.NAME.*`), in the order `hixl info` lists them.
+    pub options: &'static [OptionSpec],
+}
+
+/// `hixl.backends`' meaning, made from the declarations in the order of `auto`.
+pub fn backends_help(decls: &[&BackendDecl]) -> String {
+    let names: Vec<&str> = decls.iter().map(|d| d.name).collect();
+    let offered: Vec<String> = decls
+        .iter()
+        .filter(|d| !d.offered.is_empty())
+        .enumerate()
+        .map(|(i, d)| format!("{} {}{}", d.name, if i == 0 { "is offered " } else { "" }, d.offered))
+        .collect();
+    let listed: Vec<String> = decls.iter().map(|d| format!("{} ({})", d.name, d.meaning)).collect();
+    let offered = if offered.is_empty() { String::new() } else { format!("; {}", offered.join(", ")) };
+    format!(
+        "backends that may carry data, tried in this order: auto (= {}{offered}) or a list of {}",
+        names.join(","),
+        listed.join(", ")
+    )
+}
+
 /// Old option keys that still work, with the key that replaced each: the first use of one
 /// in a process logs a deprecation warning. `hixl.transport`'s values map onto backend lists
 /// (auto: every built backend; shm; tcp).
@@ -26,10 +73,9 @@ pub const ALIASES: &[(&str, &str)] = &[
     ("hixl.shm_threads", "hixl.shm.threads"),
 ];
 
-/// `hixl.backends` as a list of known backend names, fastest first; `auto` is every backend of
-/// this build in its default order.
-fn backends(key: &str, v: &str) -> Result<Vec<String>> {
-    let built = crate::backend_names::BUILT;
+/// `hixl.backends` as a list of this build's backends (`built`, fastest first); `auto` is every
+/// one of them in that order.
+fn backends(key: &str, v: &str, built: &[&str]) -> Result<Vec<String>> {
     if v.trim().eq_ignore_ascii_case("auto") {
         return Ok(built.iter().map(|b| b.to_string()).collect());
     }
@@ -143,17 +189,9 @@ pub struct Options {
     pub auto_connect: Vec<String>,
     /// `hixl.rdma.*`: the `rdma` backend's settings.
     pub rdma: rdma::RdmaOptions,
-}
-
-impl Default for Options {
-    /// Every option at the default of its row in [`SPECS`].
-    fn default() -> Self {
-        let mut o = Options::blank();
-        for spec in SPECS.iter().filter(|s| !s.default.is_empty()) {
-            (spec.apply)(&mut o, spec.key, spec.default).expect("every default in SPECS parses");
-        }
-        o
-    }
+    /// This build's backends, fastest first (the names of the declarations the options were
+    /// parsed with): what `auto` means and what `hixl.backends` may name.
+    pub built: Vec<&'static str>,
 }
 
 /// One engine option: its key, its default (empty: unset), what it means (for `hixl info` and
@@ -169,7 +207,8 @@ pub struct OptionSpec {
     apply: fn(&mut Options, &str, &str) -> Result<()>,
 }
 
-const fn spec(
+/// A row of an option table (here, or a backend's declaration).
+pub const fn spec(
     key: &'static str,
     default: &'static str,
     meaning: &'static str,
@@ -182,23 +221,19 @@ fn ms(k: &str, v: &str, min: u64) -> Result<Duration> {
     int(k, v, min, 86_400_000).map(Duration::from_millis)
 }
 
-/// Every option, in the order `hixl info` lists them.
+/// Every engine-wide option, in the order `hixl info` lists them (a backend's own options are
+/// in its [`BackendDecl`]).
 pub const SPECS: &[OptionSpec] = &[
     spec(
         "hixl.backends",
         "auto",
-        "backends that may carry data, tried in this order: auto (= self,cuda_ipc,shm,rdma,tcp; cuda_ipc is offered only where CUDA is found, rdma only with a usable device) or a list of self (same process), cuda_ipc (same host, CUDA memory too), shm (same host), rdma (RDMA verbs), tcp",
+        // The full text, with every backend of the table, is `backends_help`'s.
+        "backends that may carry data, tried in this order",
         |o, k, v| {
-            o.backends = backends(k, v)?;
+            o.backends = backends(k, v, &o.built)?;
             Ok(())
         },
     ),
-    spec("hixl.tcp.streams", "2", "TCP streams per peer link (1..64)", |o, k, v| {
-        {
-            o.streams = int(k, v, 1, 64)? as usize;
-            Ok(())
-        }
-    }),
     spec("hixl.queue_depth", "4096", "request-queue slots per link (1..1048576)", |o, k, v| {
         {
             o.queue_depth = int(k, v, 1, 1 << 20)? as usize;
@@ -265,78 +300,6 @@ pub const SPECS: &[OptionSpec] = &[
             Ok(())
         }
     }),
-    spec("hixl.rdma.provider", "verbs", "rdma backend: verbs (libibverbs, loaded at run time) or soft (a software RC NIC between processes of one host, for tests)", |o, k, v| {
-        o.rdma.provider = rdma::provider(k, v)?;
-        Ok(())
-    }),
-    spec("hixl.rdma.device", "", "rdma backend: the device (e.g. mlx5_0), a comma list of devices (each a rail; large requests are striped across them), or all (every device with an active port); empty: the first with an active port", |o, k, v| {
-        o.rdma.device = rdma::device(k, v)?;
-        Ok(())
-    }),
-    spec("hixl.rdma.port", "1", "rdma backend: the device port (1..255)", |o, k, v| {
-        o.rdma.port = int(k, v, 1, 255)? as u8;
-        Ok(())
-    }),
-    spec("hixl.rdma.gid_index", "0", "rdma backend: the GID table index (0..255; RoCE v2 usually needs the index of an IPv4-mapped GID, see show_gids)", |o, k, v| {
-        o.rdma.gid_index = int(k, v, 0, 255)? as u8;
-        Ok(())
-    }),
-    spec("hixl.rdma.traffic_class", "0", "rdma backend: the traffic class of its queue pairs' GRH (0..255; RoCE: DSCP << 2)", |o, k, v| {
-        o.rdma.traffic_class = int(k, v, 0, 255)? as u8;
-        Ok(())
-    }),
-    spec("hixl.rdma.service_level", "0", "rdma backend: the service level of its queue pairs (0..15)", |o, k, v| {
-        o.rdma.service_level = int(k, v, 0, 15)? as u8;
-        Ok(())
-    }),
-    spec("hixl.rdma.qps", "2", "rdma backend: RC queue pairs per peer; large requests are split across them (1..64)", |o, k, v| {
-        o.rdma.qps = int(k, v, 1, 64)? as usize;
-        Ok(())
-    }),
-    spec(
-        "hixl.rdma.busy_poll_us",
-        "50",
-        "rdma backend: a thread waiting for its own request polls the completion queue this many microseconds before it sleeps (0..100000; 0 = sleep at once)",
-        |o, k, v| {
-            o.rdma.busy_poll = Duration::from_micros(int(k, v, 0, 100_000)?);
-            Ok(())
-        },
-    ),
-    spec("hixl.rdma.max_qps", "1024", "rdma backend: most QPs a target makes for initiators in all (over it: refused)", |o, k, v| {
-        o.rdma.max_qps = int(k, v, 1, 1 << 20)? as usize;
-        Ok(())
-    }),
-    spec("hixl.rdma.max_qps_per_source", "256", "rdma backend: of those, most for one source address (over it: refused)", |o, k, v| {
-        o.rdma.max_qps_per_source = int(k, v, 1, 1 << 20)? as usize;
-        Ok(())
-    }),
-    spec(
-        "hixl.tcp.io_threads",
-        "0",
-        "I/O worker threads that run every TCP stream of the engine (0 = one per two cores, 2 to 8)",
-        |o, k, v| {
-            o.io_threads = int(k, v, 0, 64)? as usize;
-            Ok(())
-        },
-    ),
-    spec(
-        "hixl.tcp.busy_poll_us",
-        "50",
-        "I/O workers, and a thread waiting for its small request, poll this many microseconds after activity before sleeping (0..10000; 0 = sleep at once)",
-        |o, k, v| {
-            o.busy_poll = Duration::from_micros(int(k, v, 0, 10_000)?);
-            Ok(())
-        },
-    ),
-    spec(
-        "hixl.shm.threads",
-        "0",
-        "copy threads of the engine, shared by every same-host link (0 = one per two cores, 2 to 8)",
-        |o, k, v| {
-            o.shm_threads = int(k, v, 0, 64)? as usize;
-            Ok(())
-        },
-    ),
     spec("hixl.cuda.streams", "4", "CUDA streams an engine spreads device copies over (1..64)", |o, k, v| {
         {
             o.cuda_streams = int(k, v, 1, 64)? as usize;
@@ -370,21 +333,6 @@ pub const SPECS: &[OptionSpec] = &[
             Ok(())
         },
     ),
-    spec(
-        "hixl.tcp.coalesce_us",
-        "0",
-        "wait this long for more small requests to send together (0 = off)",
-        |o, k, v| {
-            o.coalesce = Duration::from_micros(int(k, v, 0, 1_000_000)?);
-            Ok(())
-        },
-    ),
-    spec("hixl.tcp.coalesce_max_ops", "64", "most requests in one coalesced batch (1..4096)", |o, k, v| {
-        {
-            o.coalesce_max_ops = int(k, v, 1, 4096)? as usize;
-            Ok(())
-        }
-    }),
     spec(
         "hixl.secret",
         "",
@@ -451,12 +399,24 @@ pub const SPECS: &[OptionSpec] = &[
     ),
 ];
 
-/// Every accepted key with its default and meaning, for docs and `hixl info` (from [`SPECS`]).
-pub fn keys() -> Vec<(&'static str, &'static str, &'static str)> {
-    SPECS.iter().map(|s| (s.key, s.default, s.meaning)).collect()
+/// Every option row: [`SPECS`], then each backend's own, in the order of `decls`.
+fn rows<'a>(decls: &'a [&'static BackendDecl]) -> impl Iterator<Item = &'static OptionSpec> + 'a {
+    SPECS.iter().chain(decls.iter().flat_map(|d| d.options.iter()))
 }
 
-fn int(key: &str, v: &str, min: u64, max: u64) -> Result<u64> {
+/// Every accepted key with its default and meaning, for docs and `hixl info`: [`SPECS`] and
+/// the backends' rows, `hixl.backends`' meaning made by [`backends_help`].
+pub fn keys_with(decls: &[&'static BackendDecl]) -> Vec<(&'static str, &'static str, String)> {
+    rows(decls)
+        .map(|s| {
+            let meaning = if s.key == "hixl.backends" { backends_help(decls) } else { s.meaning.to_string() };
+            (s.key, s.default, meaning)
+        })
+        .collect()
+}
+
+/// `v` as an integer in `min..=max`, or `PARAM_INVALID` naming `key` and `v`.
+pub fn int(key: &str, v: &str, min: u64, max: u64) -> Result<u64> {
     match v.trim().parse::<u64>() {
         Ok(n) if (min..=max).contains(&n) => Ok(n),
         _ => {
@@ -466,7 +426,6 @@ fn int(key: &str, v: &str, min: u64, max: u64) -> Result<u64> {
 }
 
 impl Options {
-    /// Every field empty; `default` fills them from [`SPECS`].
     /// The number of I/O workers to start: `hixl.tcp.io_threads`, or when 0 one per two
     /// cores, at least 2 and at most 8.
     pub fn io_workers(&self) -> usize {
@@ -487,8 +446,9 @@ impl Options {
         (cores / 2).clamp(2, 8)
     }
 
-    fn blank() -> Options {
+    fn blank(built: Vec<&'static str>) -> Options {
         Options {
+            built,
             streams: 0,
             queue_depth: 0,
             split_bytes: 0,
@@ -524,9 +484,20 @@ impl Options {
         }
     }
 
-    /// Parses a string map on top of the defaults.
-    pub fn parse(map: &HashMap<String, String>) -> Result<Options> {
-        let mut o = Options::default();
+    /// Every option at the default of its row, with these backends' rows (the engine's
+    /// `Options::default()` passes the table's).
+    pub fn defaults_with(decls: &[&'static BackendDecl]) -> Options {
+        let mut o = Options::blank(decls.iter().map(|d| d.name).collect());
+        for spec in rows(decls).filter(|s| !s.default.is_empty()) {
+            (spec.apply)(&mut o, spec.key, spec.default).expect("every default of a row parses");
+        }
+        o
+    }
+
+    /// Parses a string map on top of the defaults, with these backends' rows (the engine's
+    /// `Options::parse` passes the table's).
+    pub fn parse_with(map: &HashMap<String, String>, decls: &[&'static BackendDecl]) -> Result<Options> {
+        let mut o = Options::defaults_with(decls);
         let mut given: Vec<(String, String, &str)> = Vec::new();
         for (k, v) in map {
             if let Some(spec) = compat::check(k, v) {
@@ -556,8 +527,8 @@ impl Options {
         given.sort();
         for (key, v, k) in &given {
             // Errors name the key as the caller spelt it (an old alias included).
-            let Some(spec) = SPECS.iter().find(|s| s.key == key) else {
-                let mut known: Vec<_> = SPECS.iter().map(|s| s.key).collect();
+            let Some(spec) = rows(decls).find(|s| s.key == key) else {
+                let mut known: Vec<_> = rows(decls).map(|s| s.key).collect();
                 known.extend(ALIASES.iter().map(|a| a.0));
                 let hixl_keys = compat::COMPAT.iter().map(|c| c.key);
                 let hint = suggest::closest(k, known.iter().copied().chain(hixl_keys))

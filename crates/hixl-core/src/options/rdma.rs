@@ -1,4 +1,5 @@
-//! The `rdma` backend's options (`hixl.rdma.*`), parsed by their rows in [`super::SPECS`].
+//! The `rdma` backend's options (`hixl.rdma.*`), parsed by the rows of its declaration
+//! (`transport::backends::rdma::DECL`).
 
 use crate::error::{Error, Result};
 pub use crate::wire::rdma::MAX_RAILS;
@@ -88,7 +89,7 @@ pub enum Devices {
 
 /// Parses `hixl.rdma.device`: empty, `all`, or one device name or a comma list of them (as
 /// sysfs spells them), at most [`MAX_RAILS`], none twice.
-pub(super) fn device(key: &str, v: &str) -> Result<Devices> {
+pub(crate) fn device(key: &str, v: &str) -> Result<Devices> {
     let t = v.trim();
     if t.is_empty() {
         return Ok(Devices::First);

@@ -97,3 +97,50 @@ fn stream_caps_default_and_name_bad_values() {
     let e = Options::parse(&map(&[("hixl.rdma.max_qps_per_source", "0")])).unwrap_err();
     assert!(e.message.contains("hixl.rdma.max_qps_per_source=\"0\""), "{e}");
 }
+
+#[test]
+fn the_backend_table_gives_the_backends_help_built_and_by_name() {
+    let decls = crate::transport::backends::decls();
+    let help = keys_with(&decls).into_iter().find(|(k, _, _)| *k == "hixl.backends").unwrap().2;
+    assert_eq!(
+        help,
+        "backends that may carry data, tried in this order: auto (= self,cuda_ipc,shm,rdma,tcp; cuda_ipc \
+         is offered only where CUDA is found, rdma only with a usable device) or a list of self (same \
+         process), cuda_ipc (same host, CUDA memory too), shm (same host), rdma (RDMA verbs), tcp (any host)"
+    );
+    let names: Vec<&str> = decls.iter().map(|d| d.name).collect();
+    assert_eq!(*crate::transport::backends::BUILT, names);
+    assert_eq!(Options::default().built, names);
+    let o = Options::default();
+    for d in &decls {
+        let b = crate::transport::backends::by_name(d.name, &o).unwrap();
+        assert_eq!(b.name(), d.name, "the table's row makes the backend it declares");
+        for row in d.options {
+            assert!(row.key.starts_with(&format!("hixl.{}.", d.name)), "{} is not {}'s", row.key, d.name);
+        }
+    }
+    assert!(crate::transport::backends::by_name("ib", &o).is_none());
+}
+
+#[test]
+fn every_key_is_one_row_and_a_backends_rows_parse_only_with_its_declaration() {
+    let decls = crate::transport::backends::decls();
+    let keys: Vec<_> = keys_with(&decls).into_iter().map(|(k, _, _)| k).collect();
+    let mut unique = keys.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), keys.len(), "a key declared twice: {keys:?}");
+    for key in ["hixl.tcp.streams", "hixl.shm.threads", "hixl.rdma.qps"] {
+        assert!(keys.contains(&key), "{key}");
+    }
+    // Without the table, a backend's key is unknown and `auto` means no backend.
+    let e = Options::parse_with(&map(&[("hixl.tcp.streams", "4")]), &[]).unwrap_err();
+    assert!(e.message.contains("unknown option key \"hixl.tcp.streams\""), "{e}");
+    assert!(Options::defaults_with(&[]).backends.is_empty());
+    let only_tcp: Vec<_> = decls.iter().copied().filter(|d| d.name == "tcp").collect();
+    let o = Options::parse_with(&map(&[("hixl.tcp.streams", "4"), ("hixl.backends", "auto")]), &only_tcp)
+        .unwrap();
+    assert_eq!((o.streams, o.backends), (4, vec!["tcp".to_string()]));
+    let e = Options::parse_with(&map(&[("hixl.backends", "shm")]), &only_tcp).unwrap_err();
+    assert!(e.message.contains("a comma-separated list of tcp (this build's backends)"), "{e}");
+}

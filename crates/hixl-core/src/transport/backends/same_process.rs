@@ -16,6 +16,7 @@ use std::sync::Arc;
 use crate::backend_names as names;
 use crate::complete::Completer;
 use crate::error::{Error, Result};
+use crate::options::BackendDecl;
 use crate::queue::{Part, PartBody, SegPair, TransferOp};
 use crate::registry::{new_holder_id, Abort, Pin};
 use crate::stats::PeerStats;
@@ -24,6 +25,17 @@ use crate::transport::control::channel::ControlChannel;
 use crate::transport::target_side::{find, Server};
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
+
+/// The `self` backend's declaration: its entry in the one table (`transport::backends`).
+pub(crate) const DECL: BackendDecl = BackendDecl {
+    name: names::SELF,
+    meaning: "same process",
+    domains: "host",
+    offered: "",
+    cli: false,
+    baseline: "memcpy",
+    options: &[],
+};
 
 /// A link to an engine of this same process.
 pub struct SameProcessLink {

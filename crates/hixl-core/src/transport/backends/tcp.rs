@@ -5,11 +5,63 @@
 use std::sync::Arc;
 
 use crate::backend_names as names;
+use crate::options::{int, spec, BackendDecl};
 use crate::transport::backend::{Backend, OpenCtx};
 use crate::transport::control::channel::ControlChannel;
 use crate::transport::streams::{ConnectParams, TcpLink};
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
+
+/// The `tcp` backend's declaration: its entry in the one table (`transport::backends`).
+pub(crate) const DECL: BackendDecl = BackendDecl {
+    name: names::TCP,
+    meaning: "any host",
+    domains: "host, cuda (staged through pinned host buffers)",
+    offered: "",
+    cli: true,
+    baseline: "tcp",
+    options: &[
+        spec("hixl.tcp.streams", "2", "TCP streams per peer link (1..64)", |o, k, v| {
+            {
+                o.streams = int(k, v, 1, 64)? as usize;
+                Ok(())
+            }
+        }),
+        spec(
+            "hixl.tcp.io_threads",
+            "0",
+            "I/O worker threads that run every TCP stream of the engine (0 = one per two cores, 2 to 8)",
+            |o, k, v| {
+                o.io_threads = int(k, v, 0, 64)? as usize;
+                Ok(())
+            },
+        ),
+        spec(
+            "hixl.tcp.busy_poll_us",
+            "50",
+            "I/O workers, and a thread waiting for its small request, poll this many microseconds after activity before sleeping (0..10000; 0 = sleep at once)",
+            |o, k, v| {
+                o.busy_poll = std::time::Duration::from_micros(int(k, v, 0, 10_000)?);
+                Ok(())
+            },
+        ),
+        spec(
+            "hixl.tcp.coalesce_us",
+            "0",
+            "wait this long for more small requests to send together (0 = off)",
+            |o, k, v| {
+                o.coalesce = std::time::Duration::from_micros(int(k, v, 0, 1_000_000)?);
+                Ok(())
+            },
+        ),
+        spec("hixl.tcp.coalesce_max_ops", "64", "most requests in one coalesced batch (1..4096)", |o, k, v| {
+            {
+                o.coalesce_max_ops = int(k, v, 1, 4096)? as usize;
+                Ok(())
+            }
+        }),
+    ],
+};
 
 /// Any host: TCP streams of its own (`hixl.tcp.streams` of them), apart from the control
 /// channel's; bytes go straight between sockets and registered host memory, and device memory

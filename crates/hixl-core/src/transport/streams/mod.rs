@@ -385,6 +385,10 @@ impl DataPath for TcpLink {
         crate::backend_names::TCP
     }
 
+    fn stages_device(&self) -> bool {
+        true
+    }
+
     fn parallelism(&self) -> usize {
         self.streams.len()
     }

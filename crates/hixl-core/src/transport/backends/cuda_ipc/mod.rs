@@ -9,17 +9,30 @@ mod link;
 
 use std::sync::Arc;
 
+use crate::backend_names as names;
 use crate::cuda::driver::{Driver, IpcMemHandle};
 use crate::cuda::key::IpcKey;
 use crate::cuda::runtime::GpuSlot;
 use crate::cuda::{check, CtxGuard};
 use crate::error::{Result, Status};
+use crate::options::BackendDecl;
 use crate::transport::backend::{with_local_socket, Backend, MemorySpan, OpenCtx};
 use crate::transport::backends::shm::ShmLink;
 use crate::transport::control::channel::ControlChannel;
 use crate::transport::same_host::prove_same_host;
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
+
+/// The `cuda_ipc` backend's declaration: its entry in the one table (`transport::backends`).
+pub(crate) const DECL: BackendDecl = BackendDecl {
+    name: names::CUDA_IPC,
+    meaning: "same host, CUDA memory too",
+    domains: "host, cuda",
+    offered: "only where CUDA is found",
+    cli: true,
+    baseline: "cma",
+    options: &[],
+};
 
 /// Host and CUDA memory, in every combination (`Cuda(0)` stands for every `cuda:N`).
 const PAIRS: &[(Domain, Domain)] = &[

@@ -18,6 +18,7 @@
 //!   for tests); both behind the one-to-one `verbs::Verbs` interface.
 
 mod book;
+mod decl;
 pub mod ffi;
 pub mod gpudirect;
 mod limits;
@@ -43,6 +44,7 @@ use crate::transport::target_side::source_caps::{Cap, Counted, SourceCaps};
 use crate::transport::DataPath;
 use crate::wire::rdma::{decode_rkeys, encode_rkeys, QpAddr, RdmaOpen, MAX_QPN, MAX_QPS};
 use crate::wire::{Capability, Domain};
+pub(crate) use decl::DECL;
 pub use link::RdmaLink;
 use nic::Nic;
 use rails::Rails;

@@ -21,6 +21,7 @@ use std::time::Duration;
 use crate::backend_names as names;
 use crate::complete::Completer;
 use crate::error::{Error, Result, Status};
+use crate::options::{int, spec, BackendDecl};
 use crate::queue::{Part, PartBody, Request, SegPair, TransferOp, TransferStatus, WaitHelp, WorkQueue};
 use crate::registry::{new_holder_id, Abort, RemoteTable};
 use crate::stats::PeerStats;
@@ -38,6 +39,25 @@ use crate::wire::{Capability, Domain};
 
 pub use self::shared_mem::SharedMem;
 use self::shared_mem::REQUIRED_SEALS;
+
+/// The `shm` backend's declaration: its entry in the one table (`transport::backends`).
+pub(crate) const DECL: BackendDecl = BackendDecl {
+    name: names::SHM,
+    meaning: "same host",
+    domains: "host",
+    offered: "",
+    cli: true,
+    baseline: "cma",
+    options: &[spec(
+        "hixl.shm.threads",
+        "0",
+        "copy threads of the engine, shared by every same-host link (0 = one per two cores, 2 to 8)",
+        |o, k, v| {
+            o.shm_threads = int(k, v, 0, 64)? as usize;
+            Ok(())
+        },
+    )],
+};
 
 /// A part of up to this size is small: a copy worker busy with it looks at the run queue again
 /// within microseconds, so another small part need not wake a second worker. Fixed, like the
