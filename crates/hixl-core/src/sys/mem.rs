@@ -180,8 +180,10 @@ pub(crate) struct StridedShape {
 /// Every range that [`PinnedRanges::for_each_range`] yields (and every range of the shape
 /// [`PinnedRanges::strided`] returns, which must be the same ranges in the same order) is
 /// memory of this process, valid for reads and writes of its length, and not aliased by a live
-/// Rust reference, for as long as the value lives. The value must be built only where that is
-/// checked (constructors private to the module that checks and pins).
+/// Rust reference, for as long as the value lives, and stays where it is when the value moves
+/// (it is never the value's own inline storage: consumers move the value after taking its
+/// ranges). The value must be built only where that is checked (constructors private to the
+/// module that checks and pins).
 pub(crate) unsafe trait PinnedRanges {
     /// Calls `f` with every contiguous (address, length), in order.
     fn for_each_range(&self, f: impl FnMut(u64, u64));

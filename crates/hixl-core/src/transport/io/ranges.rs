@@ -110,7 +110,8 @@ impl PinnedFrame {
 // while a pin lives (`close_and_drain` refuses new pins, waits, aborts the holders and fails
 // if pins remain), and the application promised (at the unsafe function `register_mem*`) that
 // registered memory stays valid until its deregistration succeeds; the pins live as long as
-// the value. The strided shape is the descriptor `ranges` walks, so the two agree.
+// the value, and that memory is the application's, not the value's, so it stays put when the
+// value moves. The strided shape is the descriptor `ranges` walks, so the two agree.
 unsafe impl PinnedRanges for PinnedFrame {
     fn for_each_range(&self, f: impl FnMut(u64, u64)) {
         self.ranges.for_each(f)

@@ -548,7 +548,8 @@ struct StagedRead {
 // SAFETY: `addr` is the start of the lease's pinned host buffer, which holds at least `len`
 // bytes (`stage_read(.., total, ..)` takes a lease of at least `total` bytes, and `len` is
 // that `total`); the buffer is freed (or given back to the idle pool) only when the lease
-// drops, and the value keeps the lease.
+// drops, and the value keeps the lease. The buffer is the lease's own allocation, so it stays
+// put when the value moves.
 unsafe impl PinnedRanges for StagedRead {
     fn for_each_range(&self, mut f: impl FnMut(u64, u64)) {
         f(self.addr, self.len)
