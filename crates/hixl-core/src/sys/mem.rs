@@ -159,3 +159,49 @@ pub(crate) fn readv_iovs(fd: std::os::fd::RawFd, iovs: &[RawIov]) -> std::io::Re
     // SAFETY: every RawIov names writable memory (the promise of `RawIov::new`).
     unsafe { readv(fd, RawIov::as_iovecs(iovs)) }
 }
+
+/// The shape of ranges that are `count` elements of `size` bytes, `stride` apart from `addr`
+/// (see [`PinnedRanges::strided`]): a consumer may walk them lazily instead of one by one.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StridedShape {
+    pub(crate) addr: u64,
+    pub(crate) count: u64,
+    pub(crate) size: u64,
+    pub(crate) stride: u64,
+}
+
+/// Ranges of memory whose validity is proven by the value that yields them: the promise that
+/// raw addresses name memory is made once, by the `unsafe impl` of the type that checked the
+/// ranges (against the registry, or a buffer it owns) and holds what keeps them there (the
+/// pins, the buffer). Consumers that own such a value (an `IoJob`, a hash) then move its bytes
+/// through safe calls.
+///
+/// # Safety
+/// Every range that [`PinnedRanges::for_each_range`] yields (and every range of the shape
+/// [`PinnedRanges::strided`] returns, which must be the same ranges in the same order) is
+/// memory of this process, valid for reads and writes of its length, and not aliased by a live
+/// Rust reference, for as long as the value lives, and stays where it is when the value moves
+/// (it is never the value's own inline storage: consumers move the value after taking its
+/// ranges). The value must be built only where that is checked (constructors private to the
+/// module that checks and pins).
+pub(crate) unsafe trait PinnedRanges {
+    /// Calls `f` with every contiguous (address, length), in order.
+    fn for_each_range(&self, f: impl FnMut(u64, u64));
+
+    /// The ranges as one strided shape, when they are one (walked lazily by `IoJob`).
+    fn strided(&self) -> Option<StridedShape> {
+        None
+    }
+}
+
+/// Calls `f` with the bytes of every range of `r`, in order (the data MAC's view of pinned
+/// memory). A concurrent DMA or peer write only makes the bytes unspecified, which the MAC
+/// then reports.
+#[inline]
+pub(crate) fn for_each_slice(r: &impl PinnedRanges, mut f: impl FnMut(&[u8])) {
+    r.for_each_range(|addr, len| {
+        // SAFETY: `r` vouches that the range is valid memory while it lives, and it outlives
+        // this call (the promise of `PinnedRanges`).
+        unsafe { with_bytes(addr, len, &mut f) }
+    });
+}

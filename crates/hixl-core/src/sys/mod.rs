@@ -16,9 +16,12 @@
 //!   `process_vm_*`, raw copies) can only be as safe as the addresses. Those wrappers are
 //!   `unsafe fn`s with a `# Safety` section ([`sockio::sendmsg_iovs`], [`vm::process_vm`],
 //!   [`mem::copy`], ...), and the transports reach them through types that carry the proof:
-//!   an `IoJob` (transport/nbio.rs) takes raw ranges only through `unsafe` pushes, whose
-//!   callers name the pin that keeps the memory valid, and from then on its `send`/`recv`
-//!   (the hot path) are safe calls.
+//!   a type that checked its ranges and holds what keeps them valid implements the unsafe
+//!   trait [`mem::PinnedRanges`] (a served frame's `PinnedFrame`, checked against the registry
+//!   and pinned in transport/io/ranges.rs), and an `IoJob` (transport/io/nbio.rs) takes such a
+//!   value and keeps it, so neither needs an `unsafe` block; the initiator's parts and the
+//!   staging buffers still enter an `IoJob` through its `unsafe` pushes, whose callers name
+//!   the pin. From then on its `send`/`recv` (the hot path) are safe calls.
 //! - Hot-path wrappers are `#[inline]` and allocate nothing: they are the call they wrap plus
 //!   the `errno` translation the call sites had.
 

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::io;
 use std::os::fd::RawFd;
 
-use crate::sys::mem::RawIov;
+use crate::sys::mem::{PinnedRanges, RawIov};
 use crate::sys::sockio;
 use crate::transport::io::IOV_MAX;
 use crate::wire::StridedRanges;
@@ -79,16 +79,19 @@ pub(crate) use reader::FrameReader;
 /// A list of iovecs to move, with its position, and the buffers some of them point into
 /// (frame headers, MACs), which it owns so that they live as long as it does.
 ///
-/// Raw memory enters a job only through [`IoJob::push_raw`] and [`IoJob::push_strided`],
-/// `unsafe fn`s whose callers vouch for it (the pins the job then holds); from then on its
-/// iovecs are [`RawIov`]s, and sending and receiving them ([`IoJob::send`], [`IoJob::recv`],
-/// the hot path) are safe calls.
+/// Raw memory enters a job through [`IoJob::push_pinned`] or [`IoJob::with_owner`], which
+/// take a [`PinnedRanges`] value (whose `unsafe impl` proves its ranges valid while it lives)
+/// and keep it as long as the job: a boxed value in `held`, or the job's typed `owner` (`H`),
+/// which its holder reads back (a served WRITE hashes its ranges when the bytes are in). The
+/// initiator's parts and the staging buffers still enter through [`IoJob::push_raw`] and
+/// [`IoJob::push_strided`], unsafe functions whose callers name the pin. From then on its iovecs
+/// are [`RawIov`]s, and sending and receiving them ([`IoJob::send`], [`IoJob::recv`], the hot
+/// path) are safe calls.
 ///
 /// Strided ranges are never expanded into iovecs all at once (a peer names the count): they
 /// wait in `later`, in order with what was pushed after them, and [`IoJob::refill`] takes
 /// iovecs from them into the window as the window drains, at most [`IOV_MAX`] at a time.
-#[derive(Default)]
-pub(crate) struct IoJob {
+pub(crate) struct IoJob<H = ()> {
     /// The window: what the next system call moves, from `start` on.
     iovs: Vec<RawIov>,
     start: usize,
@@ -101,16 +104,79 @@ pub(crate) struct IoJob {
     held: Vec<Box<dyn Send>>,
     /// Bytes moved so far.
     pub(crate) moved: u64,
+    /// The pinned ranges the job was made for ([`IoJob::with_owner`]), kept until it drops.
+    owner: Option<H>,
+}
+
+impl Default for IoJob<()> {
+    fn default() -> Self {
+        IoJob::empty()
+    }
 }
 
 /// A piece of a job behind its window.
 enum Later {
     Iov(RawIov),
-    /// Ranges vouched for by the caller of [`IoJob::push_strided`].
+    /// Ranges vouched for by the caller of [`IoJob::push_strided`], or by a [`PinnedRanges`]
+    /// value the job keeps.
     Strided(StridedRanges),
 }
 
-impl IoJob {
+impl<P: PinnedRanges> IoJob<P> {
+    /// A job over the ranges of `p`, which it keeps (see [`IoJob::owner`]) until it drops.
+    pub(crate) fn with_owner(p: P) -> Self {
+        let mut job = IoJob::empty();
+        job.push_ranges_of(&p);
+        job.owner = Some(p);
+        job
+    }
+
+    /// The pinned ranges the job was made for.
+    pub(crate) fn owner(&self) -> &P {
+        self.owner.as_ref().expect("a job made by with_owner")
+    }
+}
+
+impl<H> IoJob<H> {
+    fn empty() -> Self {
+        IoJob {
+            iovs: Vec::new(),
+            start: 0,
+            later: VecDeque::new(),
+            total: 0,
+            keep: Vec::new(),
+            held: Vec::new(),
+            moved: 0,
+            owner: None,
+        }
+    }
+
+    /// Adds the ranges of `p` and keeps `p` until the job is dropped.
+    pub(crate) fn push_pinned<P: PinnedRanges + Send + 'static>(&mut self, p: P) {
+        self.push_ranges_of(&p);
+        self.held.push(Box::new(p));
+    }
+
+    /// Adds the ranges of `p` (a strided shape stays lazy). Private: both callers keep `p`
+    /// for as long as the job lives.
+    fn push_ranges_of<P: PinnedRanges>(&mut self, p: &P) {
+        match p.strided() {
+            Some(sh) => {
+                if let Some(r) = StridedRanges::new(sh.addr, sh.count, sh.size, sh.stride) {
+                    self.push_lazy(r)
+                }
+            }
+            None => p.for_each_range(|addr, len| {
+                if len > 0 {
+                    // SAFETY: `p` vouches for every range it yields while it lives (the
+                    // promise of `PinnedRanges`), and the job keeps it (in `held` or `owner`)
+                    // until it drops.
+                    self.push_iov(unsafe { RawIov::new(addr, len) })
+                }
+            }),
+        }
+    }
+
     /// Adds an owned buffer (sent as is).
     pub(crate) fn push_owned(&mut self, b: Vec<u8>) {
         if !b.is_empty() {
@@ -138,6 +204,13 @@ impl IoJob {
     /// # Safety
     /// As for [`IoJob::push_raw`], for every range of `ranges`.
     pub(crate) unsafe fn push_strided(&mut self, ranges: StridedRanges) {
+        self.push_lazy(ranges)
+    }
+
+    /// Queues strided ranges behind the window. Its callers vouch for every range (the caller
+    /// of [`IoJob::push_strided`], or the [`PinnedRanges`] value the job keeps): `refill` turns
+    /// them into iovecs.
+    fn push_lazy(&mut self, ranges: StridedRanges) {
         let bytes: u64 = match ranges.clone().next() {
             Some((_, len)) => len.saturating_mul(ranges.remaining()),
             None => return,
@@ -153,11 +226,6 @@ impl IoJob {
         } else {
             self.later.push_back(Later::Iov(v));
         }
-    }
-
-    /// Keeps `x` (a pin of the memory the job points into) until the job is dropped.
-    pub(crate) fn hold(&mut self, x: Box<dyn Send>) {
-        self.held.push(x);
     }
 
     /// Bytes left to move.
@@ -186,7 +254,9 @@ impl IoJob {
                     }
                     Later::Strided(r) => {
                         let room = IOV_MAX - self.iovs.len();
-                        // SAFETY: the caller of `push_strided` vouched for every range.
+                        // SAFETY: every range was vouched for when it was queued (`push_lazy`):
+                        // by the caller of `push_strided`, or by the `PinnedRanges` value the
+                        // job keeps until it drops.
                         self.iovs.extend(r.by_ref().take(room).map(|(a, n)| unsafe { RawIov::new(a, n) }));
                         if r.remaining() == 0 {
                             self.later.pop_front();

@@ -158,7 +158,12 @@ impl FrameReader {
 
     /// Moves the bytes read ahead into `job`, then receives the rest of it from the socket
     /// as [`IoJob::recv`] does.
-    pub(crate) fn recv_job(&mut self, fd: RawFd, job: &mut IoJob, budget: &mut u64) -> io::Result<Step> {
+    pub(crate) fn recv_job<H>(
+        &mut self,
+        fd: RawFd,
+        job: &mut IoJob<H>,
+        budget: &mut u64,
+    ) -> io::Result<Step> {
         let took = self.has_buffered();
         while self.has_buffered() && !job.is_done() {
             let k = self.copy_into(job)?;
@@ -181,7 +186,7 @@ impl FrameReader {
     /// owner that unmaps the memory between the two, while a transfer into it is under way,
     /// is not caught. Returns how many bytes moved; EFAULT (with those that did moved) when
     /// the memory refused them.
-    fn copy_into(&mut self, job: &mut IoJob) -> io::Result<usize> {
+    fn copy_into<H>(&mut self, job: &mut IoJob<H>) -> io::Result<usize> {
         let Some(zero) = zero_source() else {
             return Err(io::Error::other("bytes were read ahead without a way to check their memory"));
         };

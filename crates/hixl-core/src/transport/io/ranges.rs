@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::registry::{Abort, Pin, Registry};
-use crate::transport::io::nbio::IoJob;
+use crate::sys::mem::{PinnedRanges, StridedShape};
 use crate::wire::{self, Seg, StridedSeg};
 
 /// The target ranges of one data frame: a list of segments or one strided descriptor.
@@ -55,39 +55,75 @@ impl OwnedRanges {
             OwnedRanges::Strided(st) => st.ranges().into_iter().flatten().for_each(|(a, n)| f(a, n)),
         }
     }
+}
 
-    /// Adds the ranges to `job` (a strided descriptor stays lazy there too).
-    ///
-    /// # Safety
-    /// As for [`IoJob::push_raw`]: the ranges must lie in registered regions that stay pinned
-    /// while the job lives.
-    pub(crate) unsafe fn push_into(&self, job: &mut IoJob) {
-        // SAFETY: the caller's contract.
-        unsafe {
-            match self {
-                OwnedRanges::List(segs) => segs.iter().for_each(|s| job.push_raw(s.addr, s.len)),
-                OwnedRanges::Strided(st) => {
-                    if let Some(r) = st.ranges() {
-                        job.push_strided(r)
-                    }
-                }
-            }
-        }
+/// A frame's target ranges with the pins that keep them registered: built only by
+/// [`PinnedFrame::pin`], which checks every range against the registry before it pins, so its
+/// ranges are memory the application registered (and promised valid at `register_mem`) that
+/// cannot be deregistered while the value lives. Its bytes then move through safe calls (an
+/// `IoJob` that keeps it, [`PinnedFrame::hash`]).
+pub(crate) struct PinnedFrame {
+    ranges: OwnedRanges,
+    pins: Vec<Pin>,
+}
+
+impl PinnedFrame {
+    /// Checks `ranges` against the registry (see [`OwnedRanges::pin`]) and pins their regions
+    /// on behalf of `holder`.
+    pub(crate) fn pin(
+        ranges: OwnedRanges,
+        reg: &Registry,
+        holder: &Arc<dyn Abort>,
+        write: bool,
+    ) -> Result<Self> {
+        let pins = ranges.pin(reg, holder, write)?;
+        Ok(PinnedFrame { ranges, pins })
+    }
+
+    /// The pins.
+    pub(crate) fn pins(&self) -> &[Pin] {
+        &self.pins
+    }
+
+    /// The ranges.
+    pub(crate) fn ranges(&self) -> &OwnedRanges {
+        &self.ranges
+    }
+
+    /// Its ranges and pins, apart (for the staging path, which keeps both).
+    pub(crate) fn into_parts(self) -> (OwnedRanges, Vec<Pin>) {
+        (self.ranges, self.pins)
     }
 
     /// Feeds the bytes of the ranges to a data-MAC hasher.
-    ///
-    /// # Safety
-    /// The ranges must lie in registered regions that stay pinned during the call.
-    pub(crate) unsafe fn hash(&self, h: &mut blake3::Hasher) {
-        self.for_each(|addr, len| {
-            // SAFETY: the caller guarantees the range is pinned, registered memory.
-            unsafe {
-                crate::sys::mem::with_bytes(addr, len, |b| {
-                    h.update(b);
-                })
-            };
+    pub(crate) fn hash(&self, h: &mut blake3::Hasher) {
+        crate::sys::mem::for_each_slice(self, |b| {
+            h.update(b);
         });
+    }
+}
+
+// SAFETY: a PinnedFrame is built only by `PinnedFrame::pin` (its fields are private to this
+// module), which checks every range against the registry (`Registry::lookup_for`: each list
+// segment, or a strided frame's whole span, lies inside one registered region, writable when
+// `write`) and pins those regions, keeping the pins in `pins`. Deregistration does not succeed
+// while a pin lives (`close_and_drain` refuses new pins, waits, aborts the holders and fails
+// if pins remain), and the application promised (at the unsafe function `register_mem*`) that
+// registered memory stays valid until its deregistration succeeds; the pins live as long as
+// the value, and that memory is the application's, not the value's, so it stays put when the
+// value moves. The strided shape is the descriptor `ranges` walks, so the two agree.
+unsafe impl PinnedRanges for PinnedFrame {
+    fn for_each_range(&self, f: impl FnMut(u64, u64)) {
+        self.ranges.for_each(f)
+    }
+
+    fn strided(&self) -> Option<StridedShape> {
+        match &self.ranges {
+            OwnedRanges::List(_) => None,
+            OwnedRanges::Strided(st) => {
+                Some(StridedShape { addr: st.addr, count: st.count, size: st.size, stride: st.stride })
+            }
+        }
     }
 }
 

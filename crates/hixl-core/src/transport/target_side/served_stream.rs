@@ -11,14 +11,15 @@ use std::sync::Arc;
 
 use crate::auth::{self, FrameMac, MAC_LEN};
 use crate::error::Status;
-use crate::registry::{Abort, Pin};
+use crate::registry::Abort;
+use crate::sys::mem::PinnedRanges;
 use crate::transport::io::nbio::{FrameReader, IoJob, Outbox, Step};
-use crate::transport::io::ranges::OwnedRanges;
+use crate::transport::io::ranges::{OwnedRanges, PinnedFrame};
 use crate::transport::io::{self, Received};
 use crate::transport::reactor::{Interest, Source};
 use crate::transport::staging;
 use crate::transport::target_side::{Served, Server};
-use crate::wire::{self, Frame, Header, Seg};
+use crate::wire::{self, Frame, Header};
 
 /// Bytes a served reader takes per run before the other streams get a turn (many initiators
 /// writing at once share the target's workers fairly).
@@ -103,10 +104,9 @@ pub(crate) enum RxState {
 pub(crate) struct WriteBulk {
     tag: u64,
     bulk: u64,
-    /// Keeps the regions the bytes go into registered until they are in.
-    _pins: Vec<Pin>,
-    job: IoJob,
-    ranges: OwnedRanges,
+    /// Receives into the frame's ranges, and keeps the frame (its pins keep the regions the
+    /// bytes go into registered) until they are in.
+    job: IoJob<PinnedFrame>,
     hasher: Option<blake3::Hasher>,
     mac: [u8; MAC_LEN],
     mac_got: usize,
@@ -296,10 +296,7 @@ fn read_frames(srv: &Server, s: &Arc<Served>, rx: &mut ServedRx) -> std::io::Res
                         return Ok(Interest::Read);
                     }
                     let mut h = h;
-                    // SAFETY: every range was checked to lie inside a registered region, and
-                    // those regions stay pinned (cannot be deregistered and freed) until
-                    // `w.pins` drops.
-                    unsafe { w.ranges.hash(&mut h) };
+                    w.job.owner().hash(&mut h);
                     if !auth::constant_eq(&auth::data_mac(&h), &w.mac) {
                         let message = "the written bytes do not match their data MAC (altered on the way); \
                                        closing the stream";
@@ -437,8 +434,9 @@ fn start_write(
 ) -> RxState {
     let mac_len = if data_mac { MAC_LEN as u64 } else { 0 };
     let holder: Arc<dyn Abort> = s.clone();
-    match ranges.pin(&ctx.registry, &holder, true) {
-        Ok(pins) if staging::target::touches_device(&pins) => {
+    match PinnedFrame::pin(ranges, &ctx.registry, &holder, true) {
+        Ok(frame) if staging::target::touches_device(frame.pins()) => {
+            let (ranges, pins) = frame.into_parts();
             let peer = staging::budget::peer_key(&s.peer_addr);
             let lender = staging::target::Lender { budget: &ctx.stage_budget, peer };
             let hasher = rx_mac.data_hasher(seq);
@@ -451,22 +449,14 @@ fn start_write(
                 },
             }
         }
-        Ok(pins) => {
-            let mut job = IoJob::default();
-            // SAFETY: every range was checked to lie inside a registered region, and those
-            // regions stay pinned until the pins, kept with the job, drop.
-            unsafe { ranges.push_into(&mut job) };
-            RxState::Bulk(Box::new(WriteBulk {
-                tag: h.tag,
-                bulk: h.bulk_len,
-                _pins: pins,
-                job,
-                ranges,
-                hasher: rx_mac.data_hasher(seq),
-                mac: [0u8; MAC_LEN],
-                mac_got: 0,
-            }))
-        }
+        Ok(frame) => RxState::Bulk(Box::new(WriteBulk {
+            tag: h.tag,
+            bulk: h.bulk_len,
+            job: IoJob::with_owner(frame),
+            hasher: rx_mac.data_hasher(seq),
+            mac: [0u8; MAC_LEN],
+            mac_got: 0,
+        })),
         Err(e) => RxState::Discard {
             tag: h.tag,
             left: h.bulk_len.saturating_add(mac_len),
@@ -481,34 +471,34 @@ fn serve_read(srv: &Server, s: &Arc<Served>, h: &Header, ranges: OwnedRanges) ->
         return answer(srv, s, &resp, h.tag);
     };
     let holder: Arc<dyn Abort> = s.clone();
-    let pins = match ranges.pin(&srv.ctx.registry, &holder, false) {
-        Ok(p) => p,
+    let frame = match PinnedFrame::pin(ranges, &srv.ctx.registry, &holder, false) {
+        Ok(f) => f,
         Err(e) => return answer(srv, s, &Frame::ReadResp { status: e.code(), message: e.message }, h.tag),
     };
     // Device memory: its bytes are copied into a pinned buffer and sent from there.
-    let (ranges, staged) = if staging::target::touches_device(&pins) {
+    let staged = if staging::target::touches_device(frame.pins()) {
         let peer = staging::budget::peer_key(&s.peer_addr);
         let lender = staging::target::Lender { budget: &srv.ctx.stage_budget, peer };
-        match staging::target::stage_read(&pins, &ranges, total, &lender) {
-            Ok((addr, lease)) => (OwnedRanges::List(vec![Seg { addr, len: total }]), Some(lease)),
+        match staging::target::stage_read(frame.pins(), frame.ranges(), total, &lender) {
+            Ok((addr, lease)) => Some((addr, lease)),
             Err(e) => {
                 return answer(srv, s, &Frame::ReadResp { status: e.code(), message: e.message }, h.tag)
             }
         }
     } else {
-        (ranges, None)
+        None
     };
     // Registered memory unmapped since: refuse before the reply promises its bytes. (A page
     // made PROT_NONE is still mapped; sending from it fails mid-reply and closes the stream.)
     let host = staged.is_none();
-    if let Some(p) = pins.iter().find(|p| host && !io::is_mapped(p.region().addr, p.region().len)) {
+    if let Some(p) = frame.pins().iter().find(|p| host && !io::is_mapped(p.region().addr, p.region().len)) {
         let message = format!(
             "the target's registered region 0x{:x}+{} is no longer mapped (unmapped since it was \
              registered)",
             p.region().addr,
             p.region().len
         );
-        drop(pins);
+        drop(frame);
         return answer(srv, s, &Frame::ReadResp { status: Status::ParamInvalid.code(), message }, h.tag);
     }
     {
@@ -517,19 +507,51 @@ fn serve_read(srv: &Server, s: &Arc<Served>, h: &Header, ranges: OwnedRanges) ->
         let seq = tx.mac.seal(&mut head);
         let mut job = IoJob::default();
         job.push_owned(head);
-        // SAFETY: the ranges lie in registered regions pinned by `pins`, which the job holds
-        // (below) until it ends.
-        unsafe { ranges.push_into(&mut job) };
-        if let Some(mut hasher) = tx.mac.data_hasher(seq) {
-            // SAFETY: the ranges lie in registered regions pinned by `pins`.
-            unsafe { ranges.hash(&mut hasher) };
-            job.push_owned(auth::data_mac(&hasher).to_vec());
+        let mut hasher = tx.mac.data_hasher(seq);
+        // The job keeps what it sends from: the frame (its pins), or the staging lease.
+        match staged {
+            Some((addr, lease)) => {
+                let read = StagedRead { addr, len: total, _lease: lease, _frame: frame };
+                if let Some(h) = &mut hasher {
+                    crate::sys::mem::for_each_slice(&read, |b| {
+                        h.update(b);
+                    });
+                }
+                job.push_pinned(read);
+            }
+            None => {
+                if let Some(h) = &mut hasher {
+                    frame.hash(h);
+                }
+                job.push_pinned(frame);
+            }
         }
-        job.hold(Box::new(pins));
-        if let Some(lease) = staged {
-            job.hold(Box::new(lease));
+        if let Some(hasher) = hasher {
+            job.push_owned(auth::data_mac(&hasher).to_vec());
         }
         tx.out.push(job);
     }
     send_now(srv, s)
+}
+
+/// A staged READ's bytes: `len` bytes at `addr`, the host buffer of `_lease` that
+/// `staging::target::stage_read` filled from the frame's device ranges, with the frame's pins.
+/// Built only in `serve_read` (its fields are private to this module), from what `stage_read`
+/// returned.
+struct StagedRead {
+    addr: u64,
+    len: u64,
+    _lease: staging::target::Lease,
+    _frame: PinnedFrame,
+}
+
+// SAFETY: `addr` is the start of the lease's pinned host buffer, which holds at least `len`
+// bytes (`stage_read(.., total, ..)` takes a lease of at least `total` bytes, and `len` is
+// that `total`); the buffer is freed (or given back to the idle pool) only when the lease
+// drops, and the value keeps the lease. The buffer is the lease's own allocation, so it stays
+// put when the value moves.
+unsafe impl PinnedRanges for StagedRead {
+    fn for_each_range(&self, mut f: impl FnMut(u64, u64)) {
+        f(self.addr, self.len)
+    }
 }
