@@ -20,14 +20,13 @@ pub(crate) fn supported(ordinal: u8) -> std::result::Result<bool, String> {
     if ordinal as i32 >= Driver::device_count() {
         return Err(format!("cuda:{ordinal} does not exist ({} device(s))", Driver::device_count()));
     }
-    let mut dev = 0;
-    // SAFETY: valid out-parameter; the ordinal is below the device count.
-    d.check(unsafe { (d.device_get)(&mut dev, ordinal as c_int) }, "cuDeviceGet")?;
-    let mut v: c_int = 0;
-    // SAFETY: valid out-parameter and device; an int attribute. A driver older than the
-    // attribute answers CUDA_ERROR_INVALID_VALUE, reported as the error it is.
-    let rc = unsafe { (d.device_get_attribute)(&mut v, driver::ATTR_DMA_BUF_SUPPORTED, dev) };
-    d.check(rc, "cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)")?;
+    let dev = d.check_res(d.device(ordinal as c_int), "cuDeviceGet")?;
+    // A driver older than the attribute answers CUDA_ERROR_INVALID_VALUE, reported as the
+    // error it is.
+    let v = d.check_res(
+        d.device_attribute(driver::ATTR_DMA_BUF_SUPPORTED, dev),
+        "cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)",
+    )?;
     Ok(v == 1)
 }
 

@@ -9,17 +9,19 @@
 pub(crate) mod cache;
 pub(crate) mod dmabuf;
 pub(crate) mod driver;
+pub(crate) mod handles;
 pub(crate) mod hold;
 pub(crate) mod key;
 pub(crate) mod plan;
 pub(crate) mod runtime;
 pub(crate) mod stage_plan;
 
-use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::ffi::{c_int, c_uint};
 
 use crate::error::{Error, Result, Status};
 use crate::wire::Domain;
 use driver::{CuDevicePtr, CuHandle, Driver};
+use handles::PointerAttr;
 
 /// One GPU as the driver describes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -67,9 +69,7 @@ pub fn info() -> CudaInfo {
         Ok(d) => d,
         Err(reason) => return CudaInfo { available: false, reason, driver_version: 0, devices: vec![] },
     };
-    let mut version: c_int = 0;
-    // SAFETY: a valid out-parameter.
-    unsafe { (d.driver_get_version)(&mut version) };
+    let version = d.version();
     let devices = (0..Driver::device_count().min(Domain::MAX_CUDA_ORDINAL as i32 + 1))
         .filter_map(|i| describe(d, i).ok())
         .collect();
@@ -77,27 +77,10 @@ pub fn info() -> CudaInfo {
 }
 
 fn describe(d: &Driver, ordinal: i32) -> std::result::Result<CudaDevice, String> {
-    let mut dev = 0;
-    // SAFETY: valid out-parameter; the ordinal is below the device count.
-    d.check(unsafe { (d.device_get)(&mut dev, ordinal) }, "cuDeviceGet")?;
-    let mut name = [0 as c_char; 256];
-    // SAFETY: the buffer holds 256 bytes and the driver writes at most that many, NUL included.
-    d.check(unsafe { (d.device_get_name)(name.as_mut_ptr(), 255, dev) }, "cuDeviceGetName")?;
-    // SAFETY: NUL-terminated by the driver (and the last byte is never written).
-    let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
-    let attr = |a: c_int| {
-        let mut v: c_int = 0;
-        // SAFETY: valid out-parameter, a known attribute, a valid device.
-        let rc = unsafe { (d.device_get_attribute)(&mut v, a, dev) };
-        if rc == driver::SUCCESS {
-            v
-        } else {
-            -1
-        }
-    };
-    let mut total: usize = 0;
-    // SAFETY: valid out-parameter and device.
-    unsafe { (d.device_total_mem)(&mut total, dev) };
+    let dev = d.check_res(d.device(ordinal), "cuDeviceGet")?;
+    let name = d.check_res(d.device_name(dev), "cuDeviceGetName")?;
+    let attr = |a: c_int| d.device_attribute(a, dev).unwrap_or(-1);
+    let total = d.device_total_mem(dev);
     Ok(CudaDevice {
         ordinal: ordinal as u8,
         name,
@@ -246,41 +229,33 @@ pub(crate) fn resolve(addr: u64, len: u64, domain: Domain) -> Result<DeviceRange
     }
     // Pointer queries need a current context (any: addresses are unified); a thread without
     // one (no torch on it) gets the named device's, or cuda:0's, for the checks.
-    let mut current: CuHandle = std::ptr::null_mut();
-    // SAFETY: a valid out-parameter.
-    unsafe { (d.ctx_get_current)(&mut current) };
-    let _probe = match (current.is_null(), domain) {
+    let _probe = match (!d.has_current_context(), domain) {
         (true, Domain::Cuda(n)) => Some(CtxGuard::enter(d, n)?),
         (true, _) => Some(CtxGuard::enter(d, 0)?),
         _ => None,
     };
-    let attr_u32 = |a: c_int, what: &str| -> Result<c_uint> {
-        let mut v: c_uint = 0;
-        // SAFETY: this attribute's value is an unsigned int written to a valid out-parameter.
-        let rc = unsafe { (d.pointer_get_attribute)((&mut v as *mut c_uint).cast::<c_void>(), a, addr) };
-        check(d, rc, what, Status::ParamInvalid).map(|_| v)
+    let attr_u32 = |a: PointerAttr, what: &str| -> Result<c_uint> {
+        d.check_res(d.pointer_attribute(a, addr), what).map_err(Error::param)
     };
-    let kind = attr_u32(driver::POINTER_ATTRIBUTE_MEMORY_TYPE, "cuPointerGetAttribute(MEMORY_TYPE)")
-        .map_err(|e| {
-            Error::param(format!(
-                "0x{addr:x} is not memory CUDA knows (register host memory as host): {}",
-                e.message
-            ))
-        })?;
+    let kind = attr_u32(PointerAttr::MemoryType, "cuPointerGetAttribute(MEMORY_TYPE)").map_err(|e| {
+        Error::param(format!(
+            "0x{addr:x} is not memory CUDA knows (register host memory as host): {}",
+            e.message
+        ))
+    })?;
     if kind != driver::MEMORYTYPE_DEVICE {
         return Err(Error::param(format!(
             "0x{addr:x} is CUDA {} memory, not device memory: register it as host memory",
             if kind == driver::MEMORYTYPE_HOST { "pinned host" } else { "non-device" }
         )));
     }
-    if attr_u32(driver::POINTER_ATTRIBUTE_IS_MANAGED, "cuPointerGetAttribute(IS_MANAGED)")? != 0 {
+    if attr_u32(PointerAttr::IsManaged, "cuPointerGetAttribute(IS_MANAGED)")? != 0 {
         return Err(Error::new(
             Status::Unsupported,
             format!("0x{addr:x} is CUDA managed (unified) memory, which hixl cannot export; use cudaMalloc'd memory"),
         ));
     }
-    let ordinal =
-        attr_u32(driver::POINTER_ATTRIBUTE_DEVICE_ORDINAL, "cuPointerGetAttribute(DEVICE_ORDINAL)")?;
+    let ordinal = attr_u32(PointerAttr::DeviceOrdinal, "cuPointerGetAttribute(DEVICE_ORDINAL)")?;
     let ordinal = u8::try_from(ordinal).ok().filter(|o| *o <= Domain::MAX_CUDA_ORDINAL).ok_or_else(|| {
         Error::new(Status::Unsupported, format!("device ordinal {ordinal} is above cuda:127"))
     })?;
@@ -292,10 +267,8 @@ pub(crate) fn resolve(addr: u64, len: u64, domain: Domain) -> Result<DeviceRange
         }
     }
     let _ctx = CtxGuard::enter(d, ordinal)?;
-    let (mut base, mut size): (CuDevicePtr, usize) = (0, 0);
-    // SAFETY: valid out-parameters; the context of the pointer's device is current.
-    let rc = unsafe { (d.mem_get_address_range)(&mut base, &mut size, addr) };
-    check(d, rc, "cuMemGetAddressRange", Status::ParamInvalid)?;
+    // The context of the pointer's device is current.
+    let (base, size) = d.check_res(d.address_range(addr), "cuMemGetAddressRange").map_err(Error::param)?;
     let end = base.saturating_add(size as u64);
     if addr + len > end {
         return Err(Error::param(format!(
@@ -303,7 +276,7 @@ pub(crate) fn resolve(addr: u64, len: u64, domain: Domain) -> Result<DeviceRange
             addr + len - end
         )));
     }
-    let ipc_capable = attr_u32(driver::POINTER_ATTRIBUTE_IS_LEGACY_IPC_CAPABLE, "IS_LEGACY_CUDA_IPC_CAPABLE")
+    let ipc_capable = attr_u32(PointerAttr::IsLegacyIpcCapable, "IS_LEGACY_CUDA_IPC_CAPABLE")
         .map(|v| v != 0)
         .unwrap_or(true);
     Ok(DeviceRange { domain: Domain::Cuda(ordinal), alloc_base: base, alloc_len: size as u64, ipc_capable })

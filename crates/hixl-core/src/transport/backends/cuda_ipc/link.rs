@@ -293,17 +293,8 @@ impl CudaIpcLink {
 /// Whether `addr` is device memory (CUDA knows it as such); plain host memory is not.
 fn is_device_ptr(addr: u64) -> bool {
     let Ok(d) = crate::cuda::driver() else { return false };
-    let mut kind: std::ffi::c_uint = 0;
-    // SAFETY: an unsigned-int attribute written to a valid out-parameter; an address CUDA does
-    // not know is an error, not a fault.
-    let rc = unsafe {
-        (d.pointer_get_attribute)(
-            (&mut kind as *mut std::ffi::c_uint).cast(),
-            driver::POINTER_ATTRIBUTE_MEMORY_TYPE,
-            addr,
-        )
-    };
-    rc == driver::SUCCESS && kind == driver::MEMORYTYPE_DEVICE
+    // An address CUDA does not know is an error, not a fault.
+    d.pointer_attribute(crate::cuda::handles::PointerAttr::MemoryType, addr) == Ok(driver::MEMORYTYPE_DEVICE)
 }
 
 /// The `DataPath` of a `CudaIpcLink` (the engine holds it as `Arc<dyn DataPath>`).

@@ -10,11 +10,11 @@ mod link;
 use std::sync::Arc;
 
 use crate::backend_names as names;
-use crate::cuda::driver::{Driver, IpcMemHandle};
+use crate::cuda::driver::Driver;
 use crate::cuda::key::IpcKey;
 use crate::cuda::runtime::GpuSlot;
-use crate::cuda::{check, CtxGuard};
-use crate::error::{Result, Status};
+use crate::cuda::CtxGuard;
+use crate::error::{Error, Result, Status};
 use crate::options::BackendDecl;
 use crate::transport::backend::{with_local_socket, Backend, MemorySpan, OpenCtx};
 use crate::transport::backends::shm::ShmLink;
@@ -80,10 +80,10 @@ impl Backend for CudaIpc {
         }
         let d = crate::cuda::driver()?;
         let _ctx = CtxGuard::enter(d, ordinal)?;
-        let mut h = IpcMemHandle { reserved: [0; 64] };
-        // SAFETY: a valid out-parameter; the allocation's base, in its device's context.
-        let rc = unsafe { (d.ipc_get_mem_handle)(&mut h, r.alloc_base) };
-        check(d, rc, "cuIpcGetMemHandle", Status::Unsupported)?;
+        // The allocation's base, in its device's context.
+        let h = d
+            .ipc_mem_handle(r.alloc_base)
+            .map_err(|rc| Error::new(Status::Unsupported, d.check(rc, "cuIpcGetMemHandle").unwrap_err()))?;
         let key =
             IpcKey { ordinal, handle: h.reserved, offset: mem.addr - r.alloc_base, alloc_len: r.alloc_len };
         Ok(Some(key.encode()))
