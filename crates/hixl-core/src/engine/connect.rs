@@ -27,7 +27,6 @@ impl Engine {
             secret: r.opts.secret.clone(),
             heartbeat: r.opts.heartbeat,
             data_mac: r.opts.data_mac,
-            data_path: false,
             reactor: r.reactor.clone(),
         }
     }

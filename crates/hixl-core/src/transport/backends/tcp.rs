@@ -83,7 +83,7 @@ impl Backend for Tcp {
         control: &Arc<dyn ControlChannel>,
         _offer: &Capability,
     ) -> std::result::Result<Arc<dyn DataPath>, String> {
-        let params = ConnectParams { streams: ctx.opts.streams, data_path: true, ..ctx.params.clone() };
+        let params = ConnectParams { streams: ctx.opts.streams, ..ctx.params.clone() };
         let data = TcpLink::connect_data(control, ctx.addr, &params).map_err(|e| e.message)?;
         Ok(data)
     }

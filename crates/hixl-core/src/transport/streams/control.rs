@@ -3,10 +3,9 @@
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::sync::RwLockReadGuard;
 use std::time::{Duration, Instant};
-
-use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::queue::Part;

@@ -62,10 +62,12 @@ pub(crate) struct SentHello {
     dialled: String,
 }
 
-/// Sends Hello on a fresh stream.
+/// Sends Hello on a fresh stream; `data_path`: the stream carries a data path, not a control
+/// channel (see `wire::FLAG_DATA_PATH`).
 pub(crate) fn send_hello(
     s: &TcpStream,
     p: &ConnectParams,
+    data_path: bool,
     link_nonce: u64,
     i: usize,
     deadline: Instant,
@@ -74,7 +76,7 @@ pub(crate) fn send_hello(
     let map_io = io_error(peer);
     s.set_nodelay(true).map_err(&map_io)?;
     let dialled = addr_text(s.peer_addr().map_err(&map_io)?);
-    let flags = if p.data_mac { FLAG_DATA_MAC } else { 0 } | if p.data_path { FLAG_DATA_PATH } else { 0 };
+    let flags = if p.data_mac { FLAG_DATA_MAC } else { 0 } | if data_path { FLAG_DATA_PATH } else { 0 };
     let sent = SentHello { ni: auth::nonce()?, link_nonce, stream_index: i as u16, flags, dialled };
     let hello = Frame::Hello {
         engine_id: p.local_id.clone(),
@@ -190,8 +192,6 @@ pub struct ConnectParams {
     pub heartbeat: Duration,
     /// MAC every transfer's bytes too (sealed streams only).
     pub data_mac: bool,
-    /// These streams carry a data path, not a control channel (see `wire::FLAG_DATA_PATH`).
-    pub data_path: bool,
     /// The engine's I/O workers, which run the streams.
     pub reactor: Arc<Reactor>,
 }

@@ -200,7 +200,15 @@ impl TcpLink {
         let mut hellos = Vec::with_capacity(p.streams);
         for i in 0..p.streams {
             let s = connect_one(addr, deadline, peer)?;
-            hellos.push(handshake::send_hello(&s, p, nonce, i, deadline, peer)?);
+            hellos.push(handshake::send_hello(
+                &s,
+                p,
+                matches!(role, Role::Data(_)),
+                nonce,
+                i,
+                deadline,
+                peer,
+            )?);
             socks.push(s);
         }
         let mut info: Option<PeerInfo> = None;
