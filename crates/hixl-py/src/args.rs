@@ -5,10 +5,8 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
-use crate::types::TransferOp;
-
-/// `repr(v) (type)`, as the messages below name a value.
-fn shown(v: &Bound<'_, PyAny>) -> String {
+/// `repr(v) (type)`, as the messages of wrong arguments name a value.
+pub fn shown(v: &Bound<'_, PyAny>) -> String {
     let r = v.repr().map(|r| r.to_string()).unwrap_or_else(|_| "?".into());
     let t = v.get_type().name().map(|n| n.to_string()).unwrap_or_default();
     format!("{r} ({t})")
@@ -26,39 +24,6 @@ impl<'py> FromPyObject<'py> for Millis {
                 shown(ob)
             ))
         })
-    }
-}
-
-/// A transfer direction: `TransferOp.READ` / `TransferOp.WRITE`, or its name as a str in any
-/// case (`"WRITE"`, `"write"`), as `TransferOp.WRITE.name` gives it.
-#[derive(Clone, Copy)]
-pub struct OpArg(pub TransferOp);
-
-impl<'py> FromPyObject<'py> for OpArg {
-    fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
-        if let Ok(op) = ob.downcast::<TransferOp>() {
-            return Ok(OpArg(*op.get()));
-        }
-        if let Ok(s) = ob.downcast::<PyString>() {
-            let s = s.to_str()?;
-            if s.eq_ignore_ascii_case("READ") {
-                return Ok(OpArg(TransferOp::READ));
-            }
-            if s.eq_ignore_ascii_case("WRITE") {
-                return Ok(OpArg(TransferOp::WRITE));
-            }
-        }
-        Err(PyTypeError::new_err(format!(
-            "{} is not a TransferOp: pass TransferOp.READ or TransferOp.WRITE, or the name \"READ\" \
-             or \"WRITE\" (any case)",
-            shown(ob)
-        )))
-    }
-}
-
-impl From<OpArg> for hixl_core::TransferOp {
-    fn from(o: OpArg) -> Self {
-        o.0.into()
     }
 }
 

@@ -9,8 +9,8 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use crate::buffer::{Exported, KeepAlive};
 use crate::errors;
+use crate::keep::{Exported, KeepAlive};
 
 /// DLPack's device type of CUDA device memory.
 const KDL_CUDA: i64 = 2;

@@ -7,6 +7,7 @@ mod descs;
 mod device;
 mod engine;
 mod errors;
+mod keep;
 mod request;
 mod types;
 

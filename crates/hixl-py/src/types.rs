@@ -1,8 +1,10 @@
 //! Enums and descriptor classes, mirroring hixl-core's types.
 
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::PyInt;
+use pyo3::types::{PyInt, PyString};
 
+use crate::args::shown;
 use crate::errors;
 
 /// Reads a non-negative integer argument, naming it in the error.
@@ -479,4 +481,37 @@ member_names! {
     TransferOp { READ, WRITE }
     TransferStatus { WAITING, COMPLETED, TIMEOUT, FAILED }
     AsyncConnectStatus { NOT_CONNECT, CONNECTING, CONNECTED, CONNECT_FAILED }
+}
+
+/// A transfer direction: `TransferOp.READ` / `TransferOp.WRITE`, or its name as a str in any
+/// case (`"WRITE"`, `"write"`), as `TransferOp.WRITE.name` gives it.
+#[derive(Clone, Copy)]
+pub struct OpArg(pub TransferOp);
+
+impl<'py> FromPyObject<'py> for OpArg {
+    fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if let Ok(op) = ob.downcast::<TransferOp>() {
+            return Ok(OpArg(*op.get()));
+        }
+        if let Ok(s) = ob.downcast::<PyString>() {
+            let s = s.to_str()?;
+            if s.eq_ignore_ascii_case("READ") {
+                return Ok(OpArg(TransferOp::READ));
+            }
+            if s.eq_ignore_ascii_case("WRITE") {
+                return Ok(OpArg(TransferOp::WRITE));
+            }
+        }
+        Err(PyTypeError::new_err(format!(
+            "{} is not a TransferOp: pass TransferOp.READ or TransferOp.WRITE, or the name \"READ\" \
+             or \"WRITE\" (any case)",
+            shown(ob)
+        )))
+    }
+}
+
+impl From<OpArg> for hixl_core::TransferOp {
+    fn from(o: OpArg) -> Self {
+        o.0.into()
+    }
 }

@@ -10,11 +10,13 @@ use pyo3::types::{PyDict, PyTuple};
 
 use hixl_core::{Engine, Waiting};
 
-use crate::args::{Millis, OpArg};
-use crate::buffer::{self, KeepAlive};
+use crate::args::Millis;
+use crate::buffer;
 use crate::descs::parse_descs;
 use crate::errors::{self, to_py};
+use crate::keep::{self, KeepAlive};
 use crate::request::{connect_interruptibly, ms, wait_req, MemHandle, TransferReq, SLICE};
+use crate::types::OpArg;
 use crate::types::{
     self, AsyncConnectStatus, MemDesc, MemType, NotifyDesc, RemoteRegion, StridedDesc, TransferOp,
     TransferStatus,
@@ -345,7 +347,7 @@ impl Hixl {
         name: Option<String>,
     ) -> PyResult<MemHandle> {
         let access = hixl_core::Access::parse(access).map_err(to_py)?;
-        let buffer::Exported { addr, len, keep, read_only, domain } =
+        let keep::Exported { addr, len, keep, read_only, domain } =
             buffer::export(obj, access == hixl_core::Access::ReadWrite)?;
         // Device memory registers as such whatever `mem_type` says; host memory as `mem_type`.
         let domain = if domain.is_device() { domain } else { mem_type.into() };
@@ -431,7 +433,7 @@ impl Hixl {
         };
         drop(released);
         if let Some((storage, addr, len)) = probe {
-            if let Some(why) = buffer::moved(py, &storage, addr, len)? {
+            if let Some(why) = keep::moved(py, &storage, addr, len)? {
                 return Err(errors::failed(format!("deregistered, but {why}")));
             }
         }
@@ -465,7 +467,7 @@ impl Hixl {
                 .collect()
         };
         for (storage, addr, len) in &probes {
-            if let Some(why) = buffer::moved(py, storage, *addr, *len)? {
+            if let Some(why) = keep::moved(py, storage, *addr, *len)? {
                 return Err(errors::failed(format!("{why}; no transfer is started until it is")));
             }
         }
