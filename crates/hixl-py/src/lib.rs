@@ -96,6 +96,23 @@ fn backends(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
         .collect()
 }
 
+/// Internal (`hixl info`): what each backend of this build finds out about this host without
+/// a peer, as {name: (usable, note)}: `usable` is True or False where that is known without a
+/// connection (an RDMA device with an active port) and None where only a connection tells;
+/// `note` is a remark for its row ("" when none). GIL released (opening devices takes a while).
+#[pyfunction]
+fn _host_facts(py: Python<'_>) -> std::collections::HashMap<&'static str, (Option<bool>, String)> {
+    py.allow_threads(|| {
+        hixl_core::BACKENDS
+            .iter()
+            .map(|e| {
+                let f = (e.decl.host_facts)();
+                (e.decl.name, (f.usable, f.note))
+            })
+            .collect()
+    })
+}
+
 /// Prometheus text exposition (format 0.0.4) of `engines` (engines not initialized, or
 /// finalized, are left out); every engine's peers past the `max_peers` that moved the most
 /// bytes are summed under `peer="_other"`. `hixl.metrics.serve` serves it over HTTP.
@@ -249,6 +266,7 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     add_internal(m, wrap_pyfunction!(_raw_memcpy, m)?)?;
     add_internal(m, wrap_pyfunction!(_host_identity, m)?)?;
     add_internal(m, wrap_pyfunction!(_rdma_info, m)?)?;
+    add_internal(m, wrap_pyfunction!(_host_facts, m)?)?;
     add_internal(m, wrap_pyfunction!(_gpudirect_info, m)?)?;
     Ok(())
 }

@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from .. import Hixl, HixlError, backends, option_keys
-from .._hixl import _gpudirect_info, _rdma_info, cuda_info
+from .._hixl import _gpudirect_info, _host_facts, cuda_info
 from ._machine import describe
 
 NAME = "info"
@@ -31,14 +31,6 @@ _PEER = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-
-
-def _ptrace_scope() -> str | None:
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 def _probe(transport: str) -> tuple[bool, str]:
@@ -83,25 +75,22 @@ def gather() -> dict[str, Any]:
             continue
         ok, why = _probe(b["name"])
         transports[b["name"]] = {"available": ok, "detail": why}
-    scope = _ptrace_scope()
-    if scope not in (None, "0"):
-        transports["shm"]["detail"] += (
-            f"; kernel.yama.ptrace_scope={scope}: peers that are not this process's "
-            "descendants may fall back to tcp"
-        )
-    # libibverbs is loaded at run time: "not loadable: ..." (rdma-core missing), "no device
-    # ..." or "devices: NAME (port 1 active), ...".
-    rdma = _rdma_info("verbs")
-    transports["rdma"] = {
-        "available": rdma.startswith("devices:") and "active" in rdma,
-        "detail": rdma,
-    }
+    # What each backend finds out here without a peer (from its own declaration): a device
+    # listing where a connection cannot be probed (RDMA: "not loadable: ...", "no device ..."
+    # or "devices: NAME (port 1 active), ..."), or a remark on a probed row.
+    for name, (usable, note) in _host_facts().items():
+        if name in transports:
+            if note:
+                transports[name]["detail"] += f"; {note}"
+        elif usable is not None:
+            transports[name] = {"available": usable, "detail": note}
     # GPU memory on RDMA (docs/RDMA.md): "dmabuf", "peermem" or "no (missing: ...)"; the row
     # shows the path, or what is missing.
     gpudirect = _gpudirect_info("verbs")
     no = gpudirect.startswith("no (")
+    devices = [b["name"] for b in backends() if "GPUDirect" in b["domains"]]
     transports["gpudirect"] = {
-        "available": transports["rdma"]["available"] and not no,
+        "available": any(transports.get(n, {}).get("available") for n in devices) and not no,
         "path": gpudirect,
         "detail": gpudirect[4:-1] if no else gpudirect,
     }

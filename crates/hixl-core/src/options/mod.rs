@@ -42,6 +42,27 @@ pub struct BackendDecl {
     pub baseline: &'static str,
     /// Its own options (`hixl.NAME.*`), in the order `hixl info` lists them.
     pub options: &'static [OptionSpec],
+    /// Whether the deprecated `hixl.transport` accepts it as a value (it only ever named `shm`
+    /// and `tcp`; `hixl.backends` took its place).
+    pub legacy_transport: bool,
+    /// What this host tells about it without a peer, for `hixl info` ([`no_host_facts`] when
+    /// nothing).
+    pub host_facts: fn() -> HostFacts,
+}
+
+/// What a backend finds out about this host without connecting to a peer (`hixl info`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostFacts {
+    /// Whether it is usable here, when that is known without a peer (a device found or not);
+    /// None: only a connection tells.
+    pub usable: Option<bool>,
+    /// A remark for its row (empty: none).
+    pub note: String,
+}
+
+/// The `host_facts` of a backend with nothing to tell.
+pub fn no_host_facts() -> HostFacts {
+    HostFacts::default()
 }
 
 /// `hixl.backends`' meaning, made from the declarations in the order of `auto`.
@@ -97,7 +118,7 @@ fn backends(key: &str, v: &str, built: &[&str]) -> Result<Vec<String>> {
 }
 
 /// Translates a deprecated key (and `hixl.transport`'s value) to its replacement, logging once.
-fn canonical(key: &str, value: &str) -> Result<(String, String)> {
+fn canonical(key: &str, value: &str, decls: &[&BackendDecl]) -> Result<(String, String)> {
     let Some((_, new)) = ALIASES.iter().find(|(old, _)| *old == key) else {
         return Ok((key.to_string(), value.to_string()));
     };
@@ -110,14 +131,15 @@ fn canonical(key: &str, value: &str) -> Result<(String, String)> {
         }
     }
     let value = if key == "hixl.transport" {
-        match value.trim().to_ascii_lowercase().as_str() {
-            v @ ("auto" | crate::backend_names::SHM | crate::backend_names::TCP) => v.to_string(),
-            _ => {
-                return Err(Error::param(format!(
-                    "option hixl.transport={value:?} is invalid: expected auto, shm or tcp (or use hixl.backends)"
-                )))
-            }
+        let v = value.trim().to_ascii_lowercase();
+        let legacy: Vec<&str> = decls.iter().filter(|d| d.legacy_transport).map(|d| d.name).collect();
+        if v != "auto" && !legacy.contains(&v.as_str()) {
+            return Err(Error::param(format!(
+                "option hixl.transport={value:?} is invalid: expected auto, {} (or use hixl.backends)",
+                legacy.join(" or ")
+            )));
         }
+        v
     } else {
         value.to_string()
     };
@@ -516,7 +538,7 @@ impl Options {
                 given.push((key.to_string(), v.clone(), k.as_str()));
                 continue;
             }
-            let (key, value) = canonical(k, v)?;
+            let (key, value) = canonical(k, v, decls)?;
             if let Some((_, _, first)) = given.iter().find(|(g, _, _)| *g == key) {
                 return Err(Error::param(format!(
                     "options {first:?} and {k:?} set the same thing ({key}): give one of them"

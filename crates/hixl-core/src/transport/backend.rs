@@ -8,8 +8,8 @@
 //! the link's data, and the INFO log says which was chosen and why the ones before it were not.
 //!
 //! Adding a backend means one module under `transport/backends/` implementing [`Backend`] (and
-//! [`DataPath`]), one line in the table (`backends::by_name`) and its name in `backend_names`;
-//! nothing in the engine or the completer changes.
+//! [`DataPath`]) and one line in the table (`backends::TABLE`); nothing in the engine or the
+//! completer changes.
 
 use std::any::Any;
 use std::net::SocketAddr;

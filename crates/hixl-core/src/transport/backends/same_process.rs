@@ -13,10 +13,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::backend_names as names;
 use crate::complete::Completer;
 use crate::error::{Error, Result};
-use crate::options::BackendDecl;
+use crate::options::{no_host_facts, BackendDecl};
 use crate::queue::{Part, PartBody, SegPair, TransferOp};
 use crate::registry::{new_holder_id, Abort, Pin};
 use crate::stats::PeerStats;
@@ -26,15 +25,20 @@ use crate::transport::target_side::{find, Server};
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
 
+/// The backend's name, as `hixl.backends` and `stats()` spell it.
+pub(crate) const NAME: &str = "self";
+
 /// The `self` backend's declaration: its entry in the one table (`transport::backends`).
 pub(crate) const DECL: BackendDecl = BackendDecl {
-    name: names::SELF,
+    name: NAME,
     meaning: "same process",
     domains: "host",
     offered: "",
     cli: false,
     baseline: "memcpy",
     options: &[],
+    legacy_transport: false,
+    host_facts: no_host_facts,
 };
 
 /// A link to an engine of this same process.
@@ -61,7 +65,7 @@ impl Abort for NoAbort {
 impl SameProcessLink {
     /// Wraps a connected TCP link whose peer is `target`, an engine of this process.
     pub(crate) fn new(tcp: Arc<dyn ControlChannel>, target: Arc<Server>) -> Arc<SameProcessLink> {
-        let done = Completer::new(crate::backend_names::SELF, &tcp.peer_info().engine_id, tcp.stats());
+        let done = Completer::new(NAME, &tcp.peer_info().engine_id, tcp.stats());
         Arc::new(SameProcessLink {
             holder_id: new_holder_id(),
             tcp,
@@ -115,7 +119,7 @@ impl SameProcessLink {
 
 impl DataPath for SameProcessLink {
     fn backend(&self) -> &'static str {
-        crate::backend_names::SELF
+        NAME
     }
 
     fn parallelism(&self) -> usize {
@@ -165,7 +169,7 @@ pub(crate) struct SameProcess;
 
 impl Backend for SameProcess {
     fn name(&self) -> &'static str {
-        names::SELF
+        NAME
     }
 
     fn domains(&self) -> &'static [(Domain, Domain)] {

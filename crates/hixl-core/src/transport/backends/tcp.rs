@@ -4,17 +4,16 @@
 
 use std::sync::Arc;
 
-use crate::backend_names as names;
-use crate::options::{int, spec, BackendDecl};
+use crate::options::{int, no_host_facts, spec, BackendDecl};
 use crate::transport::backend::{Backend, OpenCtx};
 use crate::transport::control::channel::ControlChannel;
-use crate::transport::streams::{ConnectParams, TcpLink};
+use crate::transport::streams::{ConnectParams, TcpLink, NAME};
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
 
 /// The `tcp` backend's declaration: its entry in the one table (`transport::backends`).
 pub(crate) const DECL: BackendDecl = BackendDecl {
-    name: names::TCP,
+    name: NAME,
     meaning: "any host",
     domains: "host, cuda (staged through pinned host buffers)",
     offered: "",
@@ -61,6 +60,8 @@ pub(crate) const DECL: BackendDecl = BackendDecl {
             }
         }),
     ],
+    legacy_transport: true,
+    host_facts: no_host_facts,
 };
 
 /// Any host: TCP streams of its own (`hixl.tcp.streams` of them), apart from the control
@@ -70,7 +71,7 @@ pub(crate) struct Tcp;
 
 impl Backend for Tcp {
     fn name(&self) -> &'static str {
-        names::TCP
+        NAME
     }
 
     fn domains(&self) -> &'static [(Domain, Domain)] {

@@ -32,6 +32,11 @@ mod send;
 
 pub use handshake::ConnectParams;
 
+/// The `tcp` backend's name, as `hixl.backends` and `stats()` spell it: these streams are
+/// its data path (`transport::backends::tcp` declares it), and the control channel labels
+/// itself with it too.
+pub(crate) const NAME: &str = "tcp";
+
 /// Most parts a writer takes from the queue per batch. Fixed, like the constants below: they
 /// bound how much one writer takes at a time so that the other streams share the load, and
 /// they are not a user's concern; `hixl.tcp.coalesce_*` and `hixl.split_bytes` are the knobs
@@ -254,7 +259,7 @@ impl TcpLink {
             streams,
             alive: AtomicBool::new(true),
             reason: Mutex::new(None),
-            done: Completer::new(crate::backend_names::TCP, peer, stats),
+            done: Completer::new(NAME, peer, stats),
             reactor: p.reactor.clone(),
             beat: Mutex::new(Beat { every, live: Liveness::new(Instant::now()), probes_sent: 0 }),
             coalesce: p.coalesce,
@@ -390,7 +395,7 @@ impl TcpLink {
 
 impl DataPath for TcpLink {
     fn backend(&self) -> &'static str {
-        crate::backend_names::TCP
+        NAME
     }
 
     fn stages_device(&self) -> bool {

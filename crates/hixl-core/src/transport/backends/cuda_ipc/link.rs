@@ -89,8 +89,7 @@ impl CudaIpcLink {
         pid: i32,
         pidfd: OwnedFd,
     ) -> Arc<Self> {
-        let done =
-            Arc::new(Completer::new(crate::backend_names::CUDA_IPC, &tcp.peer_info().engine_id, tcp.stats()));
+        let done = Arc::new(Completer::new(super::NAME, &tcp.peer_info().engine_id, tcp.stats()));
         Arc::new(CudaIpcLink {
             holder_id: new_holder_id(),
             tcp,
@@ -183,7 +182,7 @@ impl CudaIpcLink {
 
     /// Where the peer's device region `e` starts in this process (its allocation opened once).
     fn device_mapping(&self, gpu: &Gpu, e: &RegionEntry) -> Result<u64> {
-        let key = e.key(crate::backend_names::CUDA_IPC).ok_or_else(|| {
+        let key = e.key(super::NAME).ok_or_else(|| {
             Error::new(
                 Status::Unsupported,
                 format!(
@@ -302,7 +301,7 @@ pub(crate) struct CudaIpcPath(pub(crate) Arc<CudaIpcLink>);
 
 impl DataPath for CudaIpcPath {
     fn backend(&self) -> &'static str {
-        crate::backend_names::CUDA_IPC
+        super::NAME
     }
 
     fn parallelism(&self) -> usize {

@@ -9,13 +9,12 @@ mod link;
 
 use std::sync::Arc;
 
-use crate::backend_names as names;
 use crate::cuda::driver::Driver;
 use crate::cuda::key::IpcKey;
 use crate::cuda::runtime::GpuSlot;
 use crate::cuda::CtxGuard;
 use crate::error::{Error, Result, Status};
-use crate::options::BackendDecl;
+use crate::options::{no_host_facts, BackendDecl};
 use crate::transport::backend::{with_local_socket, Backend, MemorySpan, OpenCtx};
 use crate::transport::backends::shm::ShmLink;
 use crate::transport::control::channel::ControlChannel;
@@ -23,15 +22,20 @@ use crate::transport::same_host::prove_same_host;
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
 
+/// The backend's name, as `hixl.backends` and `stats()` spell it.
+pub(crate) const NAME: &str = "cuda_ipc";
+
 /// The `cuda_ipc` backend's declaration: its entry in the one table (`transport::backends`).
 pub(crate) const DECL: BackendDecl = BackendDecl {
-    name: names::CUDA_IPC,
+    name: NAME,
     meaning: "same host, CUDA memory too",
     domains: "host, cuda",
     offered: "only where CUDA is found",
     cli: true,
     baseline: "cma",
     options: &[],
+    legacy_transport: false,
+    host_facts: no_host_facts,
 };
 
 /// Host and CUDA memory, in every combination (`Cuda(0)` stands for every `cuda:N`).
@@ -51,7 +55,7 @@ pub(crate) struct CudaIpc {
 
 impl Backend for CudaIpc {
     fn name(&self) -> &'static str {
-        crate::backend_names::CUDA_IPC
+        NAME
     }
 
     fn domains(&self) -> &'static [(Domain, Domain)] {

@@ -1,12 +1,11 @@
 //! The `rdma` backend's declaration (kept apart from `mod.rs` for its ten option rows).
 
-use crate::backend_names as names;
 use crate::options::rdma::{device, provider};
 use crate::options::{int, spec, BackendDecl};
 
 /// The `rdma` backend's declaration: its entry in the one table (`transport::backends`).
 pub(crate) const DECL: BackendDecl = BackendDecl {
-    name: names::RDMA,
+    name: super::NAME,
     meaning: "RDMA verbs",
     domains: "host, cuda (GPUDirect, where the NIC can register it)",
     offered: "only with a usable device",
@@ -59,4 +58,6 @@ pub(crate) const DECL: BackendDecl = BackendDecl {
             Ok(())
         }),
     ],
+    legacy_transport: false,
+    host_facts: super::host_facts,
 };

@@ -106,8 +106,7 @@ impl RdmaLink {
         queue_depth: usize,
         timeout: Duration,
     ) -> RdmaLink {
-        let done =
-            Completer::new(crate::backend_names::RDMA, &control.peer_info().engine_id, control.stats());
+        let done = Completer::new(super::NAME, &control.peer_info().engine_id, control.stats());
         let peer = control.peer().to_string();
         let failover = rails.nics.len() > 1;
         let mut lanes: Vec<Lane> = rails
@@ -326,7 +325,7 @@ impl RdmaLink {
 
 impl DataPath for RdmaLink {
     fn backend(&self) -> &'static str {
-        crate::backend_names::RDMA
+        super::NAME
     }
 
     fn parallelism(&self) -> usize {

@@ -50,12 +50,22 @@ use nic::Nic;
 use rails::Rails;
 use verbs::{access, QpCaps, QpCreated, QpTransition, Verbs};
 
+/// The backend's name, as `hixl.backends` and `stats()` spell it.
+pub(crate) const NAME: &str = "rdma";
+
 /// Local ACK timeout of our QPs: 4.096 us * 2^16 = 268 ms per try.
 const ACK_TIMEOUT: u8 = 16;
 /// Retries before a request fails with RETRY_EXC_ERR (7 is the most the verbs allow).
 const RETRY_COUNT: u8 = 7;
 /// Most QPs the target side of one link may hold (its own plus those it retired lazily).
 const MAX_TARGET_QPS: usize = 2 * MAX_QPS;
+
+/// What `hixl info` tells of `rdma` here, with libibverbs: usable when a device has an active
+/// port; the note is [`describe`]'s line ("not loadable: ...", "no device ..." or "devices: ...").
+fn host_facts() -> crate::options::HostFacts {
+    let note = describe("verbs").unwrap_or_else(|e| e.message);
+    crate::options::HostFacts { usable: Some(note.starts_with("devices:") && note.contains("active")), note }
+}
 
 pub(crate) fn unsupported(message: impl Into<String>) -> Error {
     Error::new(Status::Unsupported, message)
@@ -180,7 +190,7 @@ fn connect_qps(nics: &[Arc<Nic>], ours: &[Opened], theirs: &[QpAddr], send: bool
 
 /// Sends our QP addresses to the peer over the control channel and returns its answer.
 fn exchange(control: &dyn ControlChannel, open: &RdmaOpen, timeout: Duration) -> Result<RdmaOpen> {
-    let answer = control.open_backend(crate::backend_names::RDMA, open.encode(), timeout)?;
+    let answer = control.open_backend(NAME, open.encode(), timeout)?;
     RdmaOpen::decode(&answer).map_err(|e| {
         Error::not_connected(format!("{} answered RDMA QP addresses that do not decode: {e}", control.peer()))
     })
@@ -225,7 +235,7 @@ impl Rdma {
             tracing::info!(provider = n.verbs.provider(), device = %n.device, rail = n.rail, port = n.port, "RDMA device opened");
         }
         let gpu = gpudirect::Gpu::probe(rails.as_ref().ok().and_then(|r| r.nics.first()).map(|n| &**n));
-        let only = opts.backends.iter().all(|b| b == crate::backend_names::RDMA);
+        let only = opts.backends.iter().all(|b| b == NAME);
         let counted = Counted {
             what: "RDMA queue pairs",
             holder: "this engine",
@@ -272,7 +282,7 @@ impl Drop for TargetQps {
 
 impl Backend for Rdma {
     fn name(&self) -> &'static str {
-        crate::backend_names::RDMA
+        NAME
     }
 
     fn domains(&self) -> &'static [(Domain, Domain)] {

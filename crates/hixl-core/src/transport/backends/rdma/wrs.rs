@@ -61,7 +61,7 @@ impl Builder {
             let e = table.find(remote, 1).ok_or_else(|| {
                 Error::param(format!("remote range 0x{remote:x}+{left} is not registered at the peer"))
             })?;
-            let rkey = match e.key(crate::backend_names::RDMA).map(decode_rkeys) {
+            let rkey = match e.key(super::NAME).map(decode_rkeys) {
                 Some(Ok(k)) => match k.get(self.rail as usize) {
                     Some(k) => *k,
                     None => {
@@ -128,7 +128,7 @@ mod tests {
     fn table() -> RemoteTable {
         let key = |k: &[u32]| {
             vec![BackendKey {
-                backend: crate::backend_names::RDMA.into(),
+                backend: crate::transport::backends::rdma::NAME.into(),
                 key: crate::wire::rdma::encode_rkeys(k),
             }]
         };

@@ -18,10 +18,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLockReadGuard};
 use std::time::Duration;
 
-use crate::backend_names as names;
 use crate::complete::Completer;
 use crate::error::{Error, Result, Status};
-use crate::options::{int, spec, BackendDecl};
+use crate::options::{int, spec, BackendDecl, HostFacts};
 use crate::queue::{Part, PartBody, Request, SegPair, TransferOp, TransferStatus, WaitHelp, WorkQueue};
 use crate::registry::{new_holder_id, Abort, RemoteTable};
 use crate::stats::PeerStats;
@@ -40,9 +39,12 @@ use crate::wire::{Capability, Domain};
 pub use self::shared_mem::SharedMem;
 use self::shared_mem::REQUIRED_SEALS;
 
+/// The backend's name, as `hixl.backends` and `stats()` spell it.
+pub(crate) const NAME: &str = "shm";
+
 /// The `shm` backend's declaration: its entry in the one table (`transport::backends`).
 pub(crate) const DECL: BackendDecl = BackendDecl {
-    name: names::SHM,
+    name: NAME,
     meaning: "same host",
     domains: "host",
     offered: "",
@@ -57,7 +59,21 @@ pub(crate) const DECL: BackendDecl = BackendDecl {
             Ok(())
         },
     )],
+    legacy_transport: true,
+    host_facts,
 };
+/// What `hixl info` tells of `shm` here: with Yama's `ptrace_scope` above 0, cross-memory
+/// attach reaches only this process's descendants (others need a direct mapping or fall back).
+fn host_facts() -> HostFacts {
+    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").ok();
+    let note = match scope.as_deref().map(str::trim) {
+        None | Some("0") => String::new(),
+        Some(s) => format!(
+            "kernel.yama.ptrace_scope={s}: peers that are not this process's descendants may fall back to tcp"
+        ),
+    };
+    HostFacts { usable: None, note }
+}
 
 /// A part of up to this size is small: a copy worker busy with it looks at the run queue again
 /// within microseconds, so another small part need not wake a second worker. Fixed, like the
@@ -92,7 +108,7 @@ pub(crate) struct PeerMapping {
 
 /// The owner's memfd descriptor of a region it allocated: the `shm` backend's registration key.
 pub(crate) fn memfd_key(e: &RegionEntry) -> Option<i32> {
-    let fd = i32::from_le_bytes(e.key(crate::backend_names::SHM)?.try_into().ok()?);
+    let fd = i32::from_le_bytes(e.key(NAME)?.try_into().ok()?);
     (fd >= 0).then_some(fd)
 }
 
@@ -155,7 +171,7 @@ impl ShmLink {
         queue_depth: usize,
     ) -> Result<Arc<ShmLink>> {
         let Proven { pid, pidfd, .. } = proven;
-        let done = Completer::new(crate::backend_names::SHM, &tcp.peer_info().engine_id, tcp.stats());
+        let done = Completer::new(NAME, &tcp.peer_info().engine_id, tcp.stats());
         Ok(Arc::new_cyclic(|me| ShmLink {
             holder_id: new_holder_id(),
             tcp,
@@ -360,7 +376,7 @@ impl ShmLink {
 
 impl DataPath for ShmLink {
     fn backend(&self) -> &'static str {
-        crate::backend_names::SHM
+        NAME
     }
 
     fn parallelism(&self) -> usize {
@@ -489,7 +505,7 @@ pub(crate) struct Shm;
 
 impl Backend for Shm {
     fn name(&self) -> &'static str {
-        names::SHM
+        NAME
     }
 
     fn domains(&self) -> &'static [(Domain, Domain)] {
