@@ -436,11 +436,10 @@ fn start_write(
     let holder: Arc<dyn Abort> = s.clone();
     match PinnedFrame::pin(ranges, &ctx.registry, &holder, true) {
         Ok(frame) if staging::target::touches_device(frame.pins()) => {
-            let (ranges, pins) = frame.into_parts();
             let peer = staging::budget::peer_key(&s.peer_addr);
             let lender = staging::target::Lender { budget: &ctx.stage_budget, peer };
             let hasher = rx_mac.data_hasher(seq);
-            match staging::target::start_write(h.tag, h.bulk_len, pins, ranges, hasher, &lender) {
+            match staging::target::start_write(h.tag, h.bulk_len, frame, hasher, &lender) {
                 Ok(w) => RxState::Staged(Box::new(w)),
                 Err(e) => RxState::Discard {
                     tag: h.tag,
@@ -479,7 +478,7 @@ fn serve_read(srv: &Server, s: &Arc<Served>, h: &Header, ranges: OwnedRanges) ->
     let staged = if staging::target::touches_device(frame.pins()) {
         let peer = staging::budget::peer_key(&s.peer_addr);
         let lender = staging::target::Lender { budget: &srv.ctx.stage_budget, peer };
-        match staging::target::stage_read(frame.pins(), frame.ranges(), total, &lender) {
+        match staging::target::stage_read(&frame, total, &lender) {
             Ok((addr, lease)) => Some((addr, lease)),
             Err(e) => {
                 return answer(srv, s, &Frame::ReadResp { status: e.code(), message: e.message }, h.tag)
