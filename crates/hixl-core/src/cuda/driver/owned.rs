@@ -260,6 +260,28 @@ unsafe impl PinnedRanges for PinnedPrefix {
     }
 }
 
+/// A [`PinnedPrefix`] with what must live as long as its bytes are used (a staging lease and
+/// its budget, the frame's pins), dropped after the prefix's share of the buffer.
+pub(crate) struct PinnedBytes {
+    prefix: PinnedPrefix,
+    _keep: Box<dyn Send>,
+}
+
+impl PinnedBytes {
+    /// `prefix`, keeping `keep` until the value drops.
+    pub(crate) fn new(prefix: PinnedPrefix, keep: Box<dyn Send>) -> PinnedBytes {
+        PinnedBytes { prefix, _keep: keep }
+    }
+}
+
+// SAFETY: the ranges are those of `prefix`, which vouches for them (its own `PinnedRanges`)
+// and lives exactly as long as the value.
+unsafe impl PinnedRanges for PinnedBytes {
+    fn for_each_range(&self, f: impl FnMut(u64, u64)) {
+        self.prefix.for_each_range(f)
+    }
+}
+
 /// Host memory registered with the driver (`cuMemHostRegister`, portable: pinned for every
 /// context), so that a GPU copy can reach it; unregistered on drop, in the context of the
 /// device it was registered from. Registering neither reads nor writes the memory (the driver

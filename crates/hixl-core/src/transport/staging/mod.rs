@@ -13,8 +13,8 @@
 //!   device memory, and host-to-host requests never come here.
 //! - **Target** (`target.rs`): a WRITE or READ frame whose ranges lie in device regions of the
 //!   target's registry is received into (or sent from) a pinned buffer, with the copy to (or
-//!   from) the device in between; `served.rs` calls it at two points. The pinned bytes lent at
-//!   once are capped per engine and per peer (`budget.rs`).
+//!   from) the device in between; the served streams call it through their `TargetStaging`
+//!   hook. The pinned bytes lent at once are capped per engine and per peer (`budget.rs`).
 //!
 //! Where CUDA is not usable, every entry point answers `UNSUPPORTED` with "CUDA was not
 //! found: ..." (nothing panics).

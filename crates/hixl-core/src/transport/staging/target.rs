@@ -1,6 +1,7 @@
 //! The target's side of staging: a served WRITE or READ frame whose ranges lie in device
-//! regions of this engine's registry. `served.rs` asks [`touches_device`] after it checked
-//! and pinned a frame's ranges; only then does anything here run.
+//! regions of this engine's registry. The served streams ask the engine's [`DeviceStaging`]
+//! (their [`TargetStaging`] hook) after they checked and pinned a frame's ranges; only then
+//! does anything here run.
 //!
 //! - WRITE: the frame's bytes are received into a pinned buffer (across as many wake-ups as
 //!   they take, like host bytes), their data MAC is checked there, then they are copied to
@@ -20,24 +21,25 @@ use std::sync::{Arc, Mutex};
 use super::budget::{StageBudget, Ticket};
 use super::{CopyStream, PinnedBuf};
 use crate::auth::{self, MAC_LEN};
-use crate::cuda::driver::owned::PinnedPrefix;
+use crate::cuda::driver::owned::{PinnedBytes, PinnedPrefix};
 pub(crate) use crate::cuda::stage_plan::MAX_FRAME;
 use crate::error::{Error, Result, Status};
 use crate::registry::Pin;
 use crate::transport::io::nbio::{FrameReader, IoJob, Step};
 use crate::transport::io::ranges::PinnedFrame;
+use crate::transport::{StagedWrite, TargetStaging};
 use crate::wire::Frame;
 
 /// Idle buffers kept for later frames (per process); more are freed when returned.
 const KEEP: usize = 8;
 
 /// Whether any of a frame's pinned regions is device memory (then it is staged here).
-pub(crate) fn touches_device(pins: &[Pin]) -> bool {
+fn touches_device(pins: &[Pin]) -> bool {
     pins.iter().any(|p| p.region().mem_type.is_device())
 }
 
 /// A pinned buffer and a copy stream of one device, lent to one frame.
-pub(crate) struct Lease {
+struct Lease {
     /// Shared with the socket job that receives into it ([`PinnedPrefix`]); whole again
     /// when that job has dropped, and then kept for later frames.
     buf: Option<Arc<PinnedBuf>>,
@@ -47,7 +49,7 @@ pub(crate) struct Lease {
 }
 
 /// Whose budget a frame's lease counts against: the engine's, for the stream's peer.
-pub(crate) struct Lender<'a> {
+struct Lender<'a> {
     /// The engine's budget.
     pub(crate) budget: &'a Arc<StageBudget>,
     /// The peer (see [`super::budget::peer_key`]).
@@ -83,10 +85,6 @@ impl Lease {
             None => (PinnedBuf::new(size)?, CopyStream::new(ordinal, 1)?),
         };
         Ok(Lease { buf: Some(Arc::new(b)), stream: Some(s), _ticket: ticket })
-    }
-
-    fn addr(&self) -> u64 {
-        self.buf.as_ref().map_or(0, |b| b.addr())
     }
 
     /// The buffer's first `len` bytes, as ranges a socket job or a hash may take.
@@ -140,9 +138,9 @@ fn check_size(bytes: u64) -> Result<()> {
 }
 
 /// A WRITE into device memory being received.
-pub(crate) struct StagedWrite {
+pub(crate) struct DeviceWrite {
     /// The frame's tag (its answer's).
-    pub(crate) tag: u64,
+    tag: u64,
     bulk: u64,
     /// Receives into the lease's buffer, a share of which it keeps. Declared before `lease`,
     /// so that it drops first and the lease gets its buffer back whole.
@@ -157,13 +155,13 @@ pub(crate) struct StagedWrite {
 
 /// Starts receiving a WRITE of `bulk` bytes into the device ranges of `frame` (checked and
 /// pinned); Err: refuse it (the caller skips its bytes and answers with the error).
-pub(crate) fn start_write(
+fn start_write(
     tag: u64,
     bulk: u64,
     frame: PinnedFrame,
     hasher: Option<blake3::Hasher>,
     lender: &Lender,
-) -> Result<StagedWrite> {
+) -> Result<DeviceWrite> {
     // Sizes first (nothing here expands the ranges into memory: they are walked in `copy`).
     match frame.ranges().bytes() {
         Some(sum) if sum == bulk => {}
@@ -177,18 +175,17 @@ pub(crate) fn start_write(
     let mut job = IoJob::default();
     // The job receives into the buffer's first `bulk` bytes and keeps that share of it.
     job.push_pinned(lease.prefix(bulk)?);
-    Ok(StagedWrite { tag, bulk, job, frame, lease, hasher, mac: [0; MAC_LEN], mac_got: 0 })
+    Ok(DeviceWrite { tag, bulk, job, frame, lease, hasher, mac: [0; MAC_LEN], mac_got: 0 })
 }
 
-impl StagedWrite {
+impl StagedWrite for DeviceWrite {
+    fn tag(&self) -> u64 {
+        self.tag
+    }
+
     /// Receives what has arrived (bytes, then their data MAC) through the stream's frame
     /// reader (which hands out what it read ahead first), at most about `budget` bytes.
-    pub(crate) fn recv(
-        &mut self,
-        fd: RawFd,
-        frames: &mut FrameReader,
-        budget: &mut u64,
-    ) -> std::io::Result<Step> {
+    fn recv(&mut self, fd: RawFd, frames: &mut FrameReader, budget: &mut u64) -> std::io::Result<Step> {
         if frames.recv_job(fd, &mut self.job, budget)? == Step::WouldBlock {
             return Ok(Step::WouldBlock);
         }
@@ -200,7 +197,7 @@ impl StagedWrite {
 
     /// After `recv` is done: checks the data MAC, copies the bytes to the device and says how
     /// to answer. Some(error): the stream must close after the answer (altered bytes).
-    pub(crate) fn finish(self) -> (Frame, Option<std::io::Error>) {
+    fn finish(self: Box<Self>) -> (Frame, Option<std::io::Error>) {
         if let Some(mut h) = self.hasher.clone() {
             // The `bulk` bytes just received.
             match self.lease.prefix(self.bulk) {
@@ -224,12 +221,49 @@ impl StagedWrite {
 }
 
 /// The bytes of a READ from the device ranges of `frame` (checked and pinned), copied into a
-/// pinned buffer: its address, and the lease to hold until the answer's bytes were sent.
-pub(crate) fn stage_read(frame: &PinnedFrame, total: u64, lender: &Lender) -> Result<(u64, Lease)> {
+/// pinned buffer: its first `total` bytes, which keep the lease and the frame until the
+/// answer's bytes were sent.
+fn stage_read(frame: PinnedFrame, total: u64, lender: &Lender) -> Result<PinnedBytes> {
     check_size(total)?;
     let lease = Lease::take(device(frame.pins()), total, lender)?;
-    lease.copy(frame, false)?;
-    Ok((lease.addr(), lease))
+    lease.copy(&frame, false)?;
+    let bytes = lease.prefix(total)?;
+    Ok(PinnedBytes::new(bytes, Box::new((lease, frame))))
+}
+
+/// The engine's [`TargetStaging`]: device frames through pinned buffers, lent against the
+/// engine's staging budget.
+#[derive(Default)]
+pub(crate) struct DeviceStaging {
+    /// The pinned staging memory the served streams may hold at once.
+    budget: Arc<StageBudget>,
+}
+
+impl DeviceStaging {
+    fn lender<'a>(&'a self, peer_addr: &'a str) -> Lender<'a> {
+        Lender { budget: &self.budget, peer: super::budget::peer_key(peer_addr) }
+    }
+}
+
+impl TargetStaging for DeviceStaging {
+    fn stages(&self, frame: &PinnedFrame) -> bool {
+        touches_device(frame.pins())
+    }
+
+    fn start_write(
+        &self,
+        tag: u64,
+        bulk: u64,
+        frame: PinnedFrame,
+        hasher: Option<blake3::Hasher>,
+        peer_addr: &str,
+    ) -> Result<Box<dyn StagedWrite>> {
+        Ok(Box::new(start_write(tag, bulk, frame, hasher, &self.lender(peer_addr))?))
+    }
+
+    fn stage_read(&self, frame: PinnedFrame, total: u64, peer_addr: &str) -> Result<PinnedBytes> {
+        stage_read(frame, total, &self.lender(peer_addr))
+    }
 }
 
 #[cfg(test)]
@@ -274,7 +308,7 @@ mod tests {
         let (_reg, f) = frame(vec![Seg { addr: 0x1001, len: 2 }]);
         let budget = Arc::new(StageBudget::default());
         let lender = Lender { budget: &budget, peer: "p" };
-        assert!(stage_read(&f, MAX_FRAME + 1, &lender).is_err());
+        assert!(stage_read(f, MAX_FRAME + 1, &lender).is_err());
     }
 
     #[test]
