@@ -7,10 +7,11 @@
 //! Built and unit-tested without a GPU (the page arithmetic); never run on a GPU here.
 
 use std::ffi::c_int;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 
+use super::driver::handles::export_dmabuf;
 use super::driver::{self, Driver};
-use super::{check, CtxGuard};
+use super::CtxGuard;
 use crate::error::{Error, Result, Status};
 
 /// Whether device `ordinal` exports its memory as dma-bufs (the device attribute). Err: why it
@@ -43,13 +44,7 @@ pub(crate) fn page_span(addr: u64, len: u64, page: u64) -> Option<(u64, u64, u64
 
 /// The host page size.
 pub(crate) fn host_page() -> u64 {
-    // SAFETY: sysconf with a constant name has no preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as u64
-    } else {
-        4096
-    }
+    crate::sys::memfd::page_size()
 }
 
 /// Exports `[addr, addr + len)` of device `ordinal` as a dma-buf: the descriptor (owned: closed
@@ -61,26 +56,17 @@ pub(crate) fn export(ordinal: u8, addr: u64, len: u64) -> Result<(OwnedFd, u64)>
     let (base, size, offset) = page_span(addr, len, host_page())
         .ok_or_else(|| Error::param(format!("device range 0x{addr:x}+{len} wraps around")))?;
     let _ctx = CtxGuard::enter(d, ordinal)?;
-    let mut fd: c_int = -1;
-    // SAFETY: `handle` points at an int, as the dma-buf handle type requires; the range is
-    // device memory the engine resolved (`cuda::resolve`), widened to whole pages.
-    let rc = unsafe {
-        get((&mut fd as *mut c_int).cast(), base, size as usize, driver::MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)
-    };
-    check(
-        d,
-        rc,
-        &format!("{}(0x{base:x}+{size}, DMA_BUF_FD)", driver::GET_HANDLE_FOR_ADDRESS_RANGE),
-        Status::Failed,
-    )?;
-    if fd < 0 {
-        return Err(Error::failed(format!(
-            "{} returned no descriptor",
-            driver::GET_HANDLE_FOR_ADDRESS_RANGE
-        )));
+    // The range is device memory the engine resolved (`cuda::resolve`), widened to whole pages.
+    let fd = export_dmabuf(get, base, size as usize).map_err(|rc| {
+        let what = format!("{}(0x{base:x}+{size}, DMA_BUF_FD)", driver::GET_HANDLE_FOR_ADDRESS_RANGE);
+        Error::new(Status::Failed, d.check(rc, &what).expect_err("an error code"))
+    })?;
+    match fd {
+        Some(fd) => Ok((fd, offset)),
+        None => {
+            Err(Error::failed(format!("{} returned no descriptor", driver::GET_HANDLE_FOR_ADDRESS_RANGE)))
+        }
     }
-    // SAFETY: a fresh descriptor the driver made for us; we own it from here on.
-    Ok((unsafe { OwnedFd::from_raw_fd(fd) }, offset))
 }
 
 #[cfg(test)]

@@ -7,22 +7,27 @@
 //! deadlock against the submitter that still holds its own guard) and dropped when the link's
 //! last copy ended. Writers (table updates) wait for that, as they wait for `shm`'s copies.
 
-use std::any::Any;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, RwLockReadGuard};
+use std::task::{Context, Poll, Waker};
 
 /// A guard the completion thread keeps; dropping it releases the lock.
-pub(crate) type Held = Box<dyn Any>;
+pub(crate) type Held = Pin<Box<dyn Future<Output = ()>>>;
 /// Takes a guard on the completion thread; None when it cannot without waiting.
 pub(crate) type TryHold = Box<dyn FnOnce() -> Option<Held> + Send>;
 
-/// A read guard together with the `Arc` that owns its lock.
-struct Kept<O: ?Sized, T: 'static> {
-    // Declared first: dropped before `_owner`, whose lock it borrows.
-    _guard: RwLockReadGuard<'static, T>,
-    _owner: Arc<O>,
-}
-
 /// A `TryHold` that read-locks the lock `lock(owner)` when it can without waiting.
+///
+/// The kept guard borrows the lock inside `*owner`, so it must live together with the `Arc`
+/// that owns it. An `async` block is such a pair, made by the compiler: it owns `owner`, takes
+/// the guard from it and then waits forever, holding both. Polled once here, it runs up to
+/// that wait with the guard taken (or ends at once when the lock could not be had); dropping
+/// it drops the guard, then `owner`. It is never polled again, so it needs no waker, and it
+/// never leaves the completion thread (`Held` is not `Send`).
+// Holding the guard across the await is the point: the await never resumes, and the block is
+// only ever dropped, on the thread that polled it.
+#[allow(clippy::await_holding_lock)]
 pub(crate) fn try_hold<O, T>(
     owner: Arc<O>,
     lock: for<'a> fn(&'a O) -> Option<RwLockReadGuard<'a, T>>,
@@ -32,13 +37,14 @@ where
     T: 'static,
 {
     Box::new(move || {
-        let guard = lock(&owner)?;
-        // SAFETY: the guard borrows a lock inside `*owner`, which lives on the heap behind
-        // the `Arc` and so does not move; `Kept` keeps that `Arc` and drops the guard first,
-        // so the lock outlives the guard. The guard is never handed to another thread: it is
-        // made, kept and dropped on the completion thread (`Held` is not `Send`).
-        let guard: RwLockReadGuard<'static, T> = unsafe { std::mem::transmute(guard) };
-        Some(Box::new(Kept { _guard: guard, _owner: owner }) as Held)
+        let mut held: Held = Box::pin(async move {
+            let Some(_guard) = lock(&owner) else { return };
+            std::future::pending::<()>().await;
+        });
+        match held.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Pending => Some(held),
+            Poll::Ready(()) => None,
+        }
     })
 }
 

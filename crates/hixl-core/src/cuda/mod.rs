@@ -9,18 +9,20 @@
 pub(crate) mod cache;
 pub(crate) mod dmabuf;
 pub(crate) mod driver;
-pub(crate) mod handles;
 pub(crate) mod hold;
 pub(crate) mod key;
 pub(crate) mod plan;
-pub(crate) mod runtime;
 pub(crate) mod stage_plan;
+
+pub(crate) use driver::owned::CtxGuard;
+pub(crate) use driver::{handles, runtime};
 
 use std::ffi::{c_int, c_uint};
 
 use crate::error::{Error, Result, Status};
 use crate::wire::Domain;
-use driver::{CuDevicePtr, CuHandle, Driver};
+use driver::owned::{DeviceAlloc, IpcMapping};
+use driver::{CuDevicePtr, Driver};
 use handles::PointerAttr;
 
 /// One GPU as the driver describes it.
@@ -96,67 +98,13 @@ fn describe(d: &Driver, ordinal: i32) -> std::result::Result<CudaDevice, String>
     })
 }
 
-/// Makes the primary context of one device current on this thread, and puts back the
-/// caller's context when dropped (a Python thread's current device is torch's business).
-pub(crate) struct CtxGuard {
-    d: &'static Driver,
-    previous: CuHandle,
-}
-
-impl CtxGuard {
-    /// The primary context of device `ordinal`, current until the guard drops.
-    pub(crate) fn enter(d: &'static Driver, ordinal: u8) -> Result<CtxGuard> {
-        let ctx = primary_context(d, ordinal)?;
-        let mut previous: CuHandle = std::ptr::null_mut();
-        // SAFETY: a valid out-parameter.
-        check(d, unsafe { (d.ctx_get_current)(&mut previous) }, "cuCtxGetCurrent", Status::Failed)?;
-        // SAFETY: `ctx` is a retained primary context (never released: it lives as long as
-        // the process, like the runtime's).
-        check(d, unsafe { (d.ctx_set_current)(ctx) }, "cuCtxSetCurrent", Status::Failed)?;
-        Ok(CtxGuard { d, previous })
-    }
-}
-
-impl Drop for CtxGuard {
-    fn drop(&mut self) {
-        // SAFETY: `previous` was current on this thread (or null, which unsets) a moment ago.
-        unsafe { (self.d.ctx_set_current)(self.previous) };
-    }
-}
-
-/// The retained primary context of device `ordinal` (retained once per process and device,
-/// and kept: the primary context is shared with the CUDA runtime, torch and CuPy).
-pub(crate) fn primary_context(d: &'static Driver, ordinal: u8) -> Result<CuHandle> {
-    use std::sync::Mutex;
-    /// Retained contexts, by ordinal (as addresses: the handles are plain pointers).
-    static CTX: Mutex<Vec<(u8, usize)>> = Mutex::new(Vec::new());
-    let mut all = CTX.lock().unwrap();
-    if let Some((_, c)) = all.iter().find(|(o, _)| *o == ordinal) {
-        return Ok(*c as CuHandle);
-    }
-    if ordinal as i32 >= Driver::device_count() {
-        return Err(Error::param(format!(
-            "cuda:{ordinal} does not exist: this process sees {} CUDA device(s)",
-            Driver::device_count()
-        )));
-    }
-    let mut dev = 0;
-    // SAFETY: valid out-parameter; ordinal below the device count.
-    check(d, unsafe { (d.device_get)(&mut dev, ordinal as c_int) }, "cuDeviceGet", Status::Failed)?;
-    let mut ctx: CuHandle = std::ptr::null_mut();
-    // SAFETY: valid out-parameter and device.
-    check(d, unsafe { (d.primary_ctx_retain)(&mut ctx, dev) }, "cuDevicePrimaryCtxRetain", Status::Failed)?;
-    all.push((ordinal, ctx as usize));
-    Ok(ctx)
-}
-
 /// Allocations of other processes opened here by IPC handle, with their length as the driver
 /// reports it and how many users each has: a handle can be opened only once per process, and
 /// several links (a reconnect, two engines) may need the same one.
 static IPC_OPEN: std::sync::Mutex<Vec<OpenedIpc>> = std::sync::Mutex::new(Vec::new());
 
-/// One opened allocation: (handle, base address here, length the driver reports, users).
-type OpenedIpc = ([u8; 64], CuDevicePtr, u64, usize);
+/// One opened allocation: (handle, its mapping here, length the driver reports, users).
+type OpenedIpc = ([u8; 64], IpcMapping, u64, usize);
 
 /// Opens (or takes one more use of) the allocation of a peer's IPC handle: its base address
 /// here and its length as the driver reports it (`cuMemGetAddressRange`; the length in the
@@ -169,39 +117,27 @@ pub(crate) fn ipc_open(
     let mut open = IPC_OPEN.lock().unwrap();
     if let Some(e) = open.iter_mut().find(|e| e.0 == *handle) {
         e.3 += 1;
-        return Ok((e.1, e.2));
+        return Ok((e.1.addr(), e.2));
     }
-    let mut p: CuDevicePtr = 0;
-    let h = driver::IpcMemHandle { reserved: *handle };
-    // SAFETY: a valid out-parameter; a context is current (caller's contract); a bad or
-    // foreign handle is refused by the driver with an error code.
-    let rc = unsafe { (d.ipc_open_mem_handle)(&mut p, h, driver::IPC_MEM_LAZY_ENABLE_PEER_ACCESS) };
-    d.check(rc, "cuIpcOpenMemHandle")?;
-    let (mut base, mut size): (CuDevicePtr, usize) = (0, 0);
-    // SAFETY: valid out-parameters; `p` was just mapped in the current context.
-    let rc = unsafe { (d.mem_get_address_range)(&mut base, &mut size, p) };
-    let len = match d.check(rc, "cuMemGetAddressRange") {
-        // The mapping from `p` on: what a key's offset and length must fit in.
-        Ok(()) => (base + size as u64).saturating_sub(p),
-        Err(m) => {
-            // SAFETY: opened just above, used by nothing yet.
-            unsafe { (d.ipc_close_mem_handle)(p) };
-            return Err(m);
-        }
-    };
-    open.push((*handle, p, len, 1));
+    let mapping = IpcMapping::open(d, handle)?;
+    let p = mapping.addr();
+    // `p` was just mapped in the current context; on an error the mapping, used by nothing
+    // yet, is closed as it drops.
+    let (base, size) = d.check_res(d.address_range(p), "cuMemGetAddressRange")?;
+    // The mapping from `p` on: what a key's offset and length must fit in.
+    let len = (base + size as u64).saturating_sub(p);
+    open.push((*handle, mapping, len, 1));
     Ok((p, len))
 }
 
 /// Gives back one use of an opened allocation; the last closes it (no copy may use it then).
-pub(crate) fn ipc_release(d: &'static Driver, handle: &[u8; 64]) {
+pub(crate) fn ipc_release(handle: &[u8; 64]) {
     let mut open = IPC_OPEN.lock().unwrap();
     if let Some(i) = open.iter().position(|e| e.0 == *handle) {
         open[i].3 -= 1;
         if open[i].3 == 0 {
-            let (_, p, _, _) = open.swap_remove(i);
-            // SAFETY: opened by `ipc_open`; its last user is done with it.
-            unsafe { (d.ipc_close_mem_handle)(p) };
+            // Its last user is done with it: the mapping closes as it drops.
+            drop(open.swap_remove(i));
         }
     }
 }
@@ -285,7 +221,7 @@ pub(crate) fn resolve(addr: u64, len: u64, domain: Domain) -> Result<DeviceRange
 /// Device memory allocated with `cuMemAlloc` (for tools and tests that have no torch or CuPy:
 /// `hixl bench --mem cuda:N`, the GPU checks), freed on drop.
 pub struct DeviceBuffer {
-    ptr: u64,
+    mem: DeviceAlloc,
     len: u64,
     ordinal: u8,
 }
@@ -299,22 +235,15 @@ impl DeviceBuffer {
             return Err(Error::param("a device buffer of 0 bytes"));
         }
         let _ctx = CtxGuard::enter(d, ordinal)?;
-        let mut p: CuDevicePtr = 0;
-        // SAFETY: a valid out-parameter; the device's context is current.
-        check(d, unsafe { (d.mem_alloc)(&mut p, len as usize) }, "cuMemAlloc", Status::ResourceExhausted)?;
-        let b = DeviceBuffer { ptr: p, len, ordinal };
-        // SAFETY: our allocation of `len` bytes, set on the null stream, which is then waited
-        // for (the engine's streams do not wait for the null stream by themselves).
-        unsafe {
-            check(d, (d.memset_d8)(p, fill, len as usize), "cuMemsetD8", Status::Failed)?;
-            check(d, (d.stream_synchronize)(std::ptr::null_mut()), "cuStreamSynchronize", Status::Failed)?;
-        }
-        Ok(b)
+        let mem = DeviceAlloc::new(d, ordinal, len)?;
+        // Set on the null stream, which is then waited for; on an error `mem` is freed.
+        mem.fill(fill)?;
+        Ok(DeviceBuffer { mem, len, ordinal })
     }
 
     /// Start address (a device pointer).
     pub fn addr(&self) -> u64 {
-        self.ptr
+        self.mem.addr()
     }
 
     /// Length in bytes.
@@ -334,47 +263,12 @@ impl DeviceBuffer {
 
     /// Copies `data` to offset `at` (synchronously).
     pub fn write_at(&self, at: u64, data: &[u8]) -> Result<()> {
-        self.check_range(at, data.len() as u64)?;
-        // The device pointer and the host slice are both UVA addresses: cuMemcpy finds the kinds.
-        self.sync_copy(self.ptr + at, data.as_ptr() as u64, data.len())
+        self.mem.write_at(at, data)
     }
 
     /// Copies `out.len()` bytes from offset `at` into `out` (synchronously).
     pub fn read_at(&self, at: u64, out: &mut [u8]) -> Result<()> {
-        self.check_range(at, out.len() as u64)?;
-        self.sync_copy(out.as_mut_ptr() as u64, self.ptr + at, out.len())
-    }
-
-    fn check_range(&self, at: u64, n: u64) -> Result<()> {
-        match at.checked_add(n) {
-            Some(end) if end <= self.len => Ok(()),
-            _ => Err(Error::param(format!(
-                "range {at}+{n} is outside the device buffer of {} bytes",
-                self.len
-            ))),
-        }
-    }
-
-    fn sync_copy(&self, dst: u64, src: u64, n: usize) -> Result<()> {
-        let d = driver()?;
-        let _ctx = CtxGuard::enter(d, self.ordinal)?;
-        // SAFETY: both ranges were checked (the buffer's) or are the caller's slice; the null
-        // stream with a synchronize after it makes the copy complete before we return.
-        unsafe {
-            check(d, (d.memcpy_async)(dst, src, n, std::ptr::null_mut()), "cuMemcpyAsync", Status::Failed)?;
-            check(d, (d.stream_synchronize)(std::ptr::null_mut()), "cuStreamSynchronize", Status::Failed)
-        }
-    }
-}
-
-impl Drop for DeviceBuffer {
-    fn drop(&mut self) {
-        if let Ok(d) = driver() {
-            if let Ok(_ctx) = CtxGuard::enter(d, self.ordinal) {
-                // SAFETY: our allocation, freed once.
-                unsafe { (d.mem_free)(self.ptr) };
-            }
-        }
+        self.mem.read_at(at, out)
     }
 }
 

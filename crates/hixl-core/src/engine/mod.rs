@@ -202,7 +202,7 @@ impl Engine {
                 max_streams_per_source: opts.max_streams_per_source,
                 backends: backends.clone(),
                 reactor: reactor.clone(),
-                stage_budget: Default::default(),
+                staging: Arc::new(crate::transport::staging::target::DeviceStaging::default()),
             });
             if opts.secret.is_none() && !addr.ip().is_loopback() {
                 warn_open_listener(&bound);

@@ -127,3 +127,14 @@ impl Drop for Mapping {
         unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len as usize) };
     }
 }
+
+/// The host page size (4096 when the system does not say).
+pub(crate) fn page_size() -> u64 {
+    // SAFETY: sysconf with a constant name has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as u64
+    } else {
+        4096
+    }
+}

@@ -112,3 +112,52 @@ pub struct RailSnapshot {
     /// Bytes of the parts it completed.
     pub bytes: u64,
 }
+
+/// The target side's hook for served frames whose checked and pinned ranges lie in device
+/// memory: the served streams hold the engine's `Arc<dyn TargetStaging>` (the staging code's
+/// `staging::target::DeviceStaging`) and call it, so that they never name CUDA or staging.
+pub(crate) trait TargetStaging: Send + Sync {
+    /// Whether `frame` is served here (some of its pinned regions are device memory).
+    fn stages(&self, frame: &io::ranges::PinnedFrame) -> bool;
+
+    /// Starts receiving a WRITE of `bulk` bytes into `frame` from the peer at `peer_addr`
+    /// (whose staging budget it counts against); Err: refuse it (the caller skips its bytes
+    /// and answers with the error).
+    fn start_write(
+        &self,
+        tag: u64,
+        bulk: u64,
+        frame: io::ranges::PinnedFrame,
+        hasher: Option<blake3::Hasher>,
+        peer_addr: &str,
+    ) -> Result<Box<dyn StagedWrite>>;
+
+    /// The `total` bytes of a READ from `frame` for the peer at `peer_addr`, copied where a
+    /// socket can send them from: ranges that keep their buffer, its budget and `frame` until
+    /// they drop.
+    fn stage_read(
+        &self,
+        frame: io::ranges::PinnedFrame,
+        total: u64,
+        peer_addr: &str,
+    ) -> Result<crate::cuda::driver::owned::PinnedBytes>;
+}
+
+/// A WRITE being received for [`TargetStaging`].
+pub(crate) trait StagedWrite: Send {
+    /// The frame's tag (its answer's).
+    fn tag(&self) -> u64;
+
+    /// Receives what has arrived (bytes, then their data MAC) through the stream's frame
+    /// reader, at most about `budget` bytes.
+    fn recv(
+        &mut self,
+        fd: std::os::fd::RawFd,
+        frames: &mut io::nbio::FrameReader,
+        budget: &mut u64,
+    ) -> std::io::Result<io::nbio::Step>;
+
+    /// After `recv` is done: checks the data MAC, moves the bytes to their ranges and says how
+    /// to answer. Some(error): the stream must close after the answer (altered bytes).
+    fn finish(self: Box<Self>) -> (crate::wire::Frame, Option<std::io::Error>);
+}

@@ -90,11 +90,6 @@ impl PinnedFrame {
         &self.ranges
     }
 
-    /// Its ranges and pins, apart (for the staging path, which keeps both).
-    pub(crate) fn into_parts(self) -> (OwnedRanges, Vec<Pin>) {
-        (self.ranges, self.pins)
-    }
-
     /// Feeds the bytes of the ranges to a data-MAC hasher.
     pub(crate) fn hash(&self, h: &mut blake3::Hasher) {
         crate::sys::mem::for_each_slice(self, |b| {

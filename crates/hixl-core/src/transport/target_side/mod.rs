@@ -74,8 +74,9 @@ pub struct ServerCtx {
     pub backends: Vec<Arc<dyn Backend>>,
     /// The engine's I/O workers, which serve the streams after their handshake.
     pub reactor: Arc<Reactor>,
-    /// The pinned staging memory its served streams may hold at once (device frames).
-    pub(crate) stage_budget: Arc<crate::transport::staging::budget::StageBudget>,
+    /// The hook that serves frames into or out of device memory (staging through pinned
+    /// buffers, within the engine's staging budget).
+    pub(crate) staging: Arc<dyn crate::transport::TargetStaging>,
 }
 
 /// One accepted stream.

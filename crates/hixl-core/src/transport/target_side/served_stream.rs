@@ -10,15 +10,15 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::auth::{self, FrameMac, MAC_LEN};
+use crate::cuda::driver::owned::PinnedBytes;
 use crate::error::Status;
 use crate::registry::Abort;
-use crate::sys::mem::PinnedRanges;
 use crate::transport::io::nbio::{FrameReader, IoJob, Outbox, Step};
 use crate::transport::io::ranges::{OwnedRanges, PinnedFrame};
 use crate::transport::io::{self, Received};
 use crate::transport::reactor::{Interest, Source};
-use crate::transport::staging;
 use crate::transport::target_side::{Served, Server};
+use crate::transport::StagedWrite;
 use crate::wire::{self, Frame, Header};
 
 /// Bytes a served reader takes per run before the other streams get a turn (many initiators
@@ -96,8 +96,9 @@ pub(crate) enum RxState {
     Bulk(Box<WriteBulk>),
     /// A refused frame's bytes being skipped; then `ack` answers it.
     Discard { tag: u64, left: u64, ack: Frame },
-    /// A WRITE into device memory, received into a pinned buffer (see `staging::target`).
-    Staged(Box<staging::target::StagedWrite>),
+    /// A WRITE into device memory, received through the target's staging hook
+    /// (`ServerCtx::staging`).
+    Staged(Box<dyn StagedWrite>),
 }
 
 /// A WRITE being received.
@@ -258,7 +259,7 @@ fn read_frames(srv: &Server, s: &Arc<Served>, rx: &mut ServedRx) -> std::io::Res
                     rx.state = RxState::Staged(w);
                     return Ok(Interest::Read);
                 }
-                let tag = w.tag;
+                let tag = w.tag();
                 let (ack, close) = w.finish();
                 answer(srv, s, &ack, tag)?;
                 if let Some(e) = close {
@@ -435,13 +436,10 @@ fn start_write(
     let mac_len = if data_mac { MAC_LEN as u64 } else { 0 };
     let holder: Arc<dyn Abort> = s.clone();
     match PinnedFrame::pin(ranges, &ctx.registry, &holder, true) {
-        Ok(frame) if staging::target::touches_device(frame.pins()) => {
-            let (ranges, pins) = frame.into_parts();
-            let peer = staging::budget::peer_key(&s.peer_addr);
-            let lender = staging::target::Lender { budget: &ctx.stage_budget, peer };
+        Ok(frame) if ctx.staging.stages(&frame) => {
             let hasher = rx_mac.data_hasher(seq);
-            match staging::target::start_write(h.tag, h.bulk_len, pins, ranges, hasher, &lender) {
-                Ok(w) => RxState::Staged(Box::new(w)),
+            match ctx.staging.start_write(h.tag, h.bulk_len, frame, hasher, &s.peer_addr) {
+                Ok(w) => RxState::Staged(w),
                 Err(e) => RxState::Discard {
                     tag: h.tag,
                     left: h.bulk_len.saturating_add(mac_len),
@@ -475,32 +473,31 @@ fn serve_read(srv: &Server, s: &Arc<Served>, h: &Header, ranges: OwnedRanges) ->
         Ok(f) => f,
         Err(e) => return answer(srv, s, &Frame::ReadResp { status: e.code(), message: e.message }, h.tag),
     };
-    // Device memory: its bytes are copied into a pinned buffer and sent from there.
-    let staged = if staging::target::touches_device(frame.pins()) {
-        let peer = staging::budget::peer_key(&s.peer_addr);
-        let lender = staging::target::Lender { budget: &srv.ctx.stage_budget, peer };
-        match staging::target::stage_read(frame.pins(), frame.ranges(), total, &lender) {
-            Ok((addr, lease)) => Some((addr, lease)),
+    // Device memory: its bytes are copied where a socket can send them from (the target's
+    // staging hook), and sent from there.
+    let source = if srv.ctx.staging.stages(&frame) {
+        match srv.ctx.staging.stage_read(frame, total, &s.peer_addr) {
+            Ok(bytes) => ReadSource::Staged(bytes),
             Err(e) => {
                 return answer(srv, s, &Frame::ReadResp { status: e.code(), message: e.message }, h.tag)
             }
         }
     } else {
-        None
+        // Registered memory unmapped since: refuse before the reply promises its bytes. (A
+        // page made PROT_NONE is still mapped; sending from it fails mid-reply and closes the
+        // stream.)
+        if let Some(p) = frame.pins().iter().find(|p| !io::is_mapped(p.region().addr, p.region().len)) {
+            let message = format!(
+                "the target's registered region 0x{:x}+{} is no longer mapped (unmapped since it was \
+                 registered)",
+                p.region().addr,
+                p.region().len
+            );
+            drop(frame);
+            return answer(srv, s, &Frame::ReadResp { status: Status::ParamInvalid.code(), message }, h.tag);
+        }
+        ReadSource::Host(frame)
     };
-    // Registered memory unmapped since: refuse before the reply promises its bytes. (A page
-    // made PROT_NONE is still mapped; sending from it fails mid-reply and closes the stream.)
-    let host = staged.is_none();
-    if let Some(p) = frame.pins().iter().find(|p| host && !io::is_mapped(p.region().addr, p.region().len)) {
-        let message = format!(
-            "the target's registered region 0x{:x}+{} is no longer mapped (unmapped since it was \
-             registered)",
-            p.region().addr,
-            p.region().len
-        );
-        drop(frame);
-        return answer(srv, s, &Frame::ReadResp { status: Status::ParamInvalid.code(), message }, h.tag);
-    }
     {
         let mut tx = s.send.lock().unwrap();
         let mut head = wire::encode(&Frame::ReadResp { status: 0, message: String::new() }, h.tag, total);
@@ -508,18 +505,17 @@ fn serve_read(srv: &Server, s: &Arc<Served>, h: &Header, ranges: OwnedRanges) ->
         let mut job = IoJob::default();
         job.push_owned(head);
         let mut hasher = tx.mac.data_hasher(seq);
-        // The job keeps what it sends from: the frame (its pins), or the staging lease.
-        match staged {
-            Some((addr, lease)) => {
-                let read = StagedRead { addr, len: total, _lease: lease, _frame: frame };
+        // The job keeps what it sends from: the frame (its pins), or the staged bytes.
+        match source {
+            ReadSource::Staged(bytes) => {
                 if let Some(h) = &mut hasher {
-                    crate::sys::mem::for_each_slice(&read, |b| {
+                    crate::sys::mem::for_each_slice(&bytes, |b| {
                         h.update(b);
                     });
                 }
-                job.push_pinned(read);
+                job.push_pinned(bytes);
             }
-            None => {
+            ReadSource::Host(frame) => {
                 if let Some(h) = &mut hasher {
                     frame.hash(h);
                 }
@@ -534,24 +530,10 @@ fn serve_read(srv: &Server, s: &Arc<Served>, h: &Header, ranges: OwnedRanges) ->
     send_now(srv, s)
 }
 
-/// A staged READ's bytes: `len` bytes at `addr`, the host buffer of `_lease` that
-/// `staging::target::stage_read` filled from the frame's device ranges, with the frame's pins.
-/// Built only in `serve_read` (its fields are private to this module), from what `stage_read`
-/// returned.
-struct StagedRead {
-    addr: u64,
-    len: u64,
-    _lease: staging::target::Lease,
-    _frame: PinnedFrame,
-}
-
-// SAFETY: `addr` is the start of the lease's pinned host buffer, which holds at least `len`
-// bytes (`stage_read(.., total, ..)` takes a lease of at least `total` bytes, and `len` is
-// that `total`); the buffer is freed (or given back to the idle pool) only when the lease
-// drops, and the value keeps the lease. The buffer is the lease's own allocation, so it stays
-// put when the value moves.
-unsafe impl PinnedRanges for StagedRead {
-    fn for_each_range(&self, mut f: impl FnMut(u64, u64)) {
-        f(self.addr, self.len)
-    }
+/// Where a served READ's bytes are sent from.
+enum ReadSource {
+    /// The registered ranges themselves.
+    Host(PinnedFrame),
+    /// A copy the target's staging hook made (device memory), which keeps the frame.
+    Staged(PinnedBytes),
 }

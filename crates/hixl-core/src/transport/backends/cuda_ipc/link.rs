@@ -22,11 +22,12 @@ use std::time::Duration;
 
 use crate::complete::Completer;
 use crate::cuda::cache::HandleCache;
+use crate::cuda::driver::owned::HostRegistration;
 use crate::cuda::driver::{self, CuDevicePtr};
 use crate::cuda::hold::try_hold;
 use crate::cuda::key::IpcKey;
 use crate::cuda::runtime::{Gpu, GpuSlot};
-use crate::cuda::{check, ipc_open, ipc_release, CtxGuard};
+use crate::cuda::{ipc_open, ipc_release, CtxGuard};
 use crate::error::{Error, Result, Status};
 use crate::queue::{Part, PartBody, SegPair, TransferOp};
 use crate::registry::{new_holder_id, Abort, RemoteTable};
@@ -40,20 +41,11 @@ use crate::wire::{Domain, RegionEntry};
 /// the peer's mappings (they are then left open: a leak, never a use after free).
 const DRAIN: Duration = Duration::from_secs(10);
 
-/// A peer's memfd region mapped here and pinned for the GPU.
+/// A peer's memfd region mapped here and pinned for the GPU: the registration is declared
+/// first, so it is dropped (unregistered) before the mapping is unmapped.
 struct PinnedPeerHost {
-    d: &'static driver::Driver,
-    ordinal: u8,
+    _registration: HostRegistration,
     map: PeerMapping,
-}
-
-impl Drop for PinnedPeerHost {
-    fn drop(&mut self) {
-        let _ctx = CtxGuard::enter(self.d, self.ordinal);
-        // SAFETY: exactly the range registered in `host_mapping`; its copies have ended. The
-        // mapping itself is unmapped after this, when `map` drops.
-        unsafe { (self.d.mem_host_unregister)(self.map.base as *mut std::ffi::c_void) };
-    }
 }
 
 /// The data path (see the module doc).
@@ -235,27 +227,20 @@ impl CudaIpcLink {
         let map = map_peer_region(&self.pidfd, e, fd).map_err(|err| {
             Error::new(Status::Unsupported, format!("cannot map the peer's memfd region: {err}"))
         })?;
-        let d = gpu.driver();
-        // SAFETY: a fresh shared mapping of `map.len` bytes that we own until unregistered.
-        let rc = unsafe {
-            (d.mem_host_register)(
-                map.base as *mut std::ffi::c_void,
-                map.len as usize,
-                driver::MEMHOSTREGISTER_PORTABLE,
-            )
-        };
-        check(d, rc, "cuMemHostRegister", Status::Unsupported)?;
-        let h = Arc::new(PinnedPeerHost { d, ordinal: gpu.ordinal, map });
+        // A fresh shared mapping of `map.len` bytes that we own until it is unregistered.
+        let registration =
+            HostRegistration::new(gpu.driver(), gpu.ordinal, map.base, map.len, Status::Unsupported)?;
+        let h = Arc::new(PinnedPeerHost { _registration: registration, map });
         hosts.insert(e.id, h.clone());
         Ok(h.map.base)
     }
 
-    /// Closes the peer's allocations and mappings whose regions left its table.
-    fn forget_stale(&self, gpu: &Gpu, table: &RemoteTable) {
-        let d = gpu.driver();
+    /// Closes the peer's allocations and mappings whose regions left its table (in our
+    /// device's context, which the caller holds).
+    fn forget_stale(&self, table: &RemoteTable) {
         let live: std::collections::HashSet<u64> = table.regions().map(|r| r.id).collect();
         // No copy of this link is in flight (the caller checked), so nothing of ours uses them.
-        self.opened.lock().unwrap().retain(|id| live.contains(&id), |(h, _, _)| ipc_release(d, &h));
+        self.opened.lock().unwrap().retain(|id| live.contains(&id), |(h, _, _)| ipc_release(&h));
         self.hosts.lock().unwrap().retain(|id, _| live.contains(id));
     }
 
@@ -344,7 +329,7 @@ impl DataPath for CudaIpcPath {
         let table = l.tcp.table();
         if let Ok((gpu, _)) = &ready {
             if gpu.in_flight(l.holder_id) == 0 {
-                l.forget_stale(gpu, &table);
+                l.forget_stale(&table);
             }
         }
         for p in dev {
@@ -378,7 +363,7 @@ impl DataPath for CudaIpcPath {
             let d = gpu.driver();
             if let Ok(_ctx) = CtxGuard::enter(d, gpu.ordinal) {
                 // Allocations this link opened; none of its copies is in flight.
-                l.opened.lock().unwrap().clear(|(h, _, _)| ipc_release(d, &h));
+                l.opened.lock().unwrap().clear(|(h, _, _)| ipc_release(&h));
             }
             l.hosts.lock().unwrap().clear();
         } else {

@@ -9,9 +9,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::driver::{self, CuHandle, Driver};
-use super::hold::{Held, TryHold};
-use super::{check, plan, primary_context, CtxGuard};
+use super::owned::{primary_context, CtxGuard};
+use super::{self as driver, CuHandle, Driver};
+use crate::cuda::hold::{Held, TryHold};
+use crate::cuda::{check, plan};
 use crate::error::{Error, Result, Status};
 use crate::queue::SegPair;
 
@@ -93,7 +94,7 @@ impl Gpu {
     /// Creates `streams` non-blocking streams on device `ordinal` and starts the completion
     /// thread.
     pub(crate) fn new(ordinal: u8, streams: usize) -> Result<Arc<Gpu>> {
-        let d = super::driver()?;
+        let d = crate::cuda::driver()?;
         let ctx = primary_context(d, ordinal)? as usize;
         let _g = CtxGuard::enter(d, ordinal)?;
         let mut made = Vec::with_capacity(streams.max(1));

@@ -4,8 +4,9 @@
 //! The rest of the CUDA code calls these instead of the raw entry points of `driver`.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::os::fd::{FromRawFd, OwnedFd};
 
-use super::driver::{self, CuDevice, CuDevicePtr, CuHandle, CuResult, Driver, IpcMemHandle};
+use super::{self as driver, CuDevice, CuDevicePtr, CuHandle, CuResult, Driver, IpcMemHandle};
 
 /// A pointer attribute whose value is a 4-byte (unsigned) int, the only kinds hixl asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,4 +137,27 @@ impl Driver {
     pub(crate) fn check_res<T>(&self, r: Result<T, CuResult>, what: &str) -> Result<T, String> {
         r.map_err(|rc| self.check(rc, what).expect_err("an error code"))
     }
+}
+
+/// Exports `[base, base + size)` of device memory as a dma-buf through `get` (the driver's
+/// `cuMemGetHandleForAddressRange`, see [`driver::get_handle_for_address_range`]): the owned
+/// descriptor, or the result code (`what` names the call in the caller's error). The driver
+/// only looks the range up and answers a bad one with an error code; the caller has the
+/// device's context current.
+pub(crate) fn export_dmabuf(
+    get: driver::GetHandleForAddressRange,
+    base: CuDevicePtr,
+    size: usize,
+) -> Result<Option<OwnedFd>, CuResult> {
+    let mut fd: c_int = -1;
+    // SAFETY: `handle` points at an int, as the dma-buf handle type requires.
+    let rc = unsafe {
+        get((&mut fd as *mut c_int).cast(), base, size, driver::MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)
+    };
+    if rc != driver::SUCCESS {
+        return Err(rc);
+    }
+    // SAFETY: a non-negative descriptor is a fresh one the driver made for us; we own it
+    // from here on.
+    Ok((fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) }))
 }

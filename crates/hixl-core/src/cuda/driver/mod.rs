@@ -4,8 +4,16 @@
 //! why CUDA cannot be used (no library, a library without a symbol, no device) instead of
 //! panicking.
 //!
-//! Every function pointer here is called inside `unsafe` by `cuda/mod.rs` and the `cuda_ipc`
-//! backend, with the argument contract of the CUDA driver API documentation.
+//! The function pointers here are called only in this folder, the crate's CUDA FFI layer,
+//! each inside `unsafe` with the argument contract of the CUDA driver API documentation:
+//! `handles` wraps the query calls as safe methods, `owned` holds every handle hixl makes as
+//! a value that frees it on drop, and `runtime` is an engine's streams, events and completion
+//! thread. The code above it (`cuda/mod.rs`, `dmabuf`, the staging and `cuda_ipc` code) has no
+//! `unsafe` block.
+
+pub(crate) mod handles;
+pub(crate) mod owned;
+pub(crate) mod runtime;
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::sync::OnceLock;
