@@ -3,7 +3,7 @@
 use std::io;
 
 use super::cvt_size;
-use super::mem::iov;
+use super::mem::{iov, not_covered, PinnedMemory};
 use super::IOV_MAX;
 use crate::error::{Error, Result, Status};
 use crate::op::{SegPair, TransferOp};
@@ -36,11 +36,13 @@ pub(crate) unsafe fn process_vm(
 }
 
 /// Copies every segment with process_vm_writev (WRITE) or process_vm_readv (READ), at most
-/// IOV_MAX segments per call, resuming after short counts.
-///
-/// # Safety
-/// Local segments must lie in memory of this process that stays valid during the call.
-pub unsafe fn cma(pid: i32, op: TransferOp, segs: &[SegPair]) -> Result<()> {
+/// IOV_MAX segments per call, resuming after short counts. Every local range must lie in
+/// `local` (the part's pins: checked here, FAILED and nothing copied otherwise); the kernel
+/// checks the remote ranges against `pid`'s mappings.
+pub(crate) fn cma(pid: i32, op: TransferOp, local: &dyn PinnedMemory, segs: &[SegPair]) -> Result<()> {
+    if let Some(s) = segs.iter().find(|s| !local.covers(s.local, s.len)) {
+        return Err(not_covered(s.local, s.len));
+    }
     let (mut i, mut off) = (0usize, 0u64);
     let mut local = Vec::with_capacity(segs.len().min(IOV_MAX));
     let mut remote = Vec::with_capacity(segs.len().min(IOV_MAX));
@@ -52,8 +54,8 @@ pub unsafe fn cma(pid: i32, op: TransferOp, segs: &[SegPair]) -> Result<()> {
             local.push(iov(s.local + o, s.len - o));
             remote.push(iov(s.remote + o, s.len - o));
         }
-        // SAFETY: local iovecs lie in registered, pinned memory (caller's contract); remote
-        // ones were checked against the peer's table and are validated by the kernel.
+        // SAFETY: every local iovec lies in `local` (checked above), which the borrow keeps
+        // valid during the call; the kernel validates the remote ones.
         let r = match unsafe { process_vm(pid, op == TransferOp::Write, &local, &remote) } {
             Ok(r) => r,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
