@@ -1,6 +1,7 @@
 //! Cross-memory attach: process_vm_readv(2) / process_vm_writev(2).
 
 use std::io;
+use std::time::Instant;
 
 use super::cvt_size;
 use super::mem::{iov, not_covered, PinnedMemory};
@@ -80,6 +81,40 @@ pub(crate) fn cma(pid: i32, op: TransferOp, local: &dyn PinnedMemory, segs: &[Se
     Ok(())
 }
 
+/// Baseline for same-host copies: raw `process_vm_writev` (or `_readv` when `write` is false)
+/// of `descs` (local, remote, len) to process `pid`, IOV_MAX descriptors per call, with the
+/// iovec arrays built before timing. Returns each round's seconds after one warm-up round.
+///
+/// # Safety
+///
+/// Every local range of `descs` must be memory of this process that may be written (for a
+/// READ, `write == false`) or read for the whole call; the kernel checks the remote ranges.
+pub unsafe fn raw_cma(pid: u32, write: bool, descs: &[(u64, u64, u64)], iters: usize) -> Result<Vec<f64>> {
+    let local: Vec<_> = descs.iter().map(|d| iov(d.0, d.2)).collect();
+    let remote: Vec<_> = descs.iter().map(|d| iov(d.1, d.2)).collect();
+    let total: u64 = descs.iter().map(|d| d.2).sum();
+    let mut out = Vec::with_capacity(iters);
+    for i in 0..=iters {
+        let t0 = Instant::now();
+        let mut moved = 0u64;
+        for (l, r) in local.chunks(IOV_MAX).zip(remote.chunks(IOV_MAX)) {
+            // SAFETY: the local ranges are live memory of this process (this function's
+            // contract); the kernel checks the remote ranges.
+            let got = unsafe { process_vm(pid as libc::pid_t, write, l, r) }
+                .map_err(|e| Error::failed(format!("raw CMA: {e}")))?;
+            moved += got as u64;
+        }
+        if moved != total {
+            return Err(Error::failed(format!("raw CMA moved {moved} of {total} bytes")));
+        }
+        if i > 0 {
+            out.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(out)
+}
+
+/// The error of a failed CMA call to `pid`, by its errno.
 pub(crate) fn cma_error(pid: i32, e: std::io::Error) -> Error {
     match e.raw_os_error() {
         Some(libc::EFAULT) => Error::param(format!("a range is not accessible in pid {pid} (EFAULT): {e}")),
