@@ -70,7 +70,8 @@ impl PinSet {
 // SAFETY: a Pin keeps its region registered: `Registry::deregister` (and `deregister_mem`)
 // waits for the region's pins and fails while one is held, so the region's memory is still
 // what its registrant promised to keep valid until deregistration succeeds (the contract of
-// the `unsafe fn register_mem*`; the engine's own `alloc` memory is freed only after that).
+// `Engine::register_mem*`, unsafe functions; the engine's own `alloc` memory is freed only
+// after that).
 // Only host regions are covered: device memory is not this process's to touch, and a range
 // counts only inside one region (regions never overlap and each is one mapping's worth of
 // memory its registrant vouched for). The pins never change while the set lives.

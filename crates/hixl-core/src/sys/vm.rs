@@ -1,7 +1,6 @@
 //! Cross-memory attach: process_vm_readv(2) / process_vm_writev(2).
 
 use std::io;
-use std::time::Instant;
 
 use super::cvt_size;
 use super::mem::{iov, not_covered, PinnedMemory};
@@ -89,13 +88,14 @@ pub(crate) fn cma(pid: i32, op: TransferOp, local: &dyn PinnedMemory, segs: &[Se
 ///
 /// Every local range of `descs` must be memory of this process that may be written (for a
 /// READ, `write == false`) or read for the whole call; the kernel checks the remote ranges.
+#[cfg(feature = "baselines")]
 pub unsafe fn raw_cma(pid: u32, write: bool, descs: &[(u64, u64, u64)], iters: usize) -> Result<Vec<f64>> {
     let local: Vec<_> = descs.iter().map(|d| iov(d.0, d.2)).collect();
     let remote: Vec<_> = descs.iter().map(|d| iov(d.1, d.2)).collect();
     let total: u64 = descs.iter().map(|d| d.2).sum();
     let mut out = Vec::with_capacity(iters);
     for i in 0..=iters {
-        let t0 = Instant::now();
+        let t0 = std::time::Instant::now();
         let mut moved = 0u64;
         for (l, r) in local.chunks(IOV_MAX).zip(remote.chunks(IOV_MAX)) {
             // SAFETY: the local ranges are live memory of this process (this function's
