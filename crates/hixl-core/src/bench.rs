@@ -88,48 +88,7 @@ pub fn raw_tcp_send(addr: &str, size: usize, iters: usize, streams: usize) -> Re
     Ok(out)
 }
 
-/// Baseline for same-host copies: raw `process_vm_writev` (or `_readv` when `write` is false)
-/// of `descs` (local, remote, len) to process `pid`, IOV_MAX descriptors per call, with the
-/// iovec arrays built before timing. Returns each round's seconds after one warm-up round.
-///
-/// # Safety
-///
-/// Every local range of `descs` must be memory of this process that may be written (for a
-/// READ, `write == false`) or read for the whole call; the kernel checks the remote ranges.
-pub unsafe fn raw_cma(pid: u32, write: bool, descs: &[(u64, u64, u64)], iters: usize) -> Result<Vec<f64>> {
-    use crate::transport::io::{iov, IOV_MAX};
-    let local: Vec<_> = descs.iter().map(|d| iov(d.0, d.2)).collect();
-    let remote: Vec<_> = descs.iter().map(|d| iov(d.1, d.2)).collect();
-    let total: u64 = descs.iter().map(|d| d.2).sum();
-    let mut out = Vec::with_capacity(iters);
-    for i in 0..=iters {
-        let t0 = Instant::now();
-        let mut moved = 0u64;
-        for (l, r) in local.chunks(IOV_MAX).zip(remote.chunks(IOV_MAX)) {
-            let n = l.len() as libc::c_ulong;
-            // SAFETY: the local ranges are live memory of this process (this function's
-            // contract); the kernel checks the remote ranges.
-            let got = unsafe {
-                if write {
-                    libc::process_vm_writev(pid as libc::pid_t, l.as_ptr(), n, r.as_ptr(), n, 0)
-                } else {
-                    libc::process_vm_readv(pid as libc::pid_t, l.as_ptr(), n, r.as_ptr(), n, 0)
-                }
-            };
-            if got < 0 {
-                return Err(Error::failed(format!("raw CMA: {}", std::io::Error::last_os_error())));
-            }
-            moved += got as u64;
-        }
-        if moved != total {
-            return Err(Error::failed(format!("raw CMA moved {moved} of {total} bytes")));
-        }
-        if i > 0 {
-            out.push(t0.elapsed().as_secs_f64());
-        }
-    }
-    Ok(out)
-}
+pub use crate::sys::vm::raw_cma;
 
 /// Baseline for any copy: one thread copying `count` blocks of `block` bytes between two
 /// buffers of this process (`copy_from_slice`, i.e. memcpy), both touched before timing.

@@ -63,7 +63,7 @@ impl Completer {
                 // channel, whose completer settles it; the request stays this backend's).
                 req.carried_by(self.backend);
                 req.add_parts(1);
-                Next::Notify(Part { req, body: PartBody::Notify(n) })
+                Next::Notify(Part::new(req, PartBody::Notify(n)))
             }
             None => {
                 self.settle(&req, TransferStatus::Completed, None);
@@ -132,7 +132,7 @@ mod tests {
     }
 
     fn part(req: &Arc<Request>) -> Part {
-        Part { req: req.clone(), body: PartBody::Data(vec![SegPair { local: 1, remote: 2, len: 4 }]) }
+        Part::new(req.clone(), PartBody::Data(vec![SegPair { local: 1, remote: 2, len: 4 }]))
     }
 
     fn completer() -> Completer {
@@ -228,7 +228,7 @@ mod tests {
         ));
         req.track(c.stats());
         assert_eq!(c.stats().in_flight.load(Ordering::Relaxed), 1);
-        let n = Part { req: req.clone(), body: PartBody::Notify(NotifyDesc::new("n", "m")) };
+        let n = Part::new(req.clone(), PartBody::Notify(NotifyDesc::new("n", "m")));
         assert!(matches!(c.finish(n, Ok(())), Next::Settled));
         assert_eq!(c.stats().in_flight.load(Ordering::Relaxed), 0, "never below zero");
         assert_eq!(c.stats().notifies.load(Ordering::Relaxed), 1);

@@ -107,7 +107,8 @@ impl Engine {
         let submitted = if staged {
             r.stager.submit(link.clone(), conn.control.clone(), req.clone(), bodies, device)
         } else {
-            let parts: Vec<Part> = bodies.into_iter().map(|body| Part { req: req.clone(), body }).collect();
+            // Each part keeps a reference to the request's pins (see `queue::part`).
+            let parts: Vec<Part> = bodies.into_iter().map(|body| Part::new(req.clone(), body)).collect();
             link.submit(parts)
         };
         if let Err(e) = submitted {
@@ -291,8 +292,7 @@ impl Engine {
         let id = r.next_req.fetch_add(1, Ordering::Relaxed);
         let req = Arc::new(Request::new(id, TransferOp::Write, remote.into(), 0, 0, 1, left, vec![], None));
         req.track(&conn.link.stats());
-        if let Err(e) = conn.control.send_notifies(vec![Part { req: req.clone(), body: PartBody::Notify(n) }])
-        {
+        if let Err(e) = conn.control.send_notifies(vec![Part::new(req.clone(), PartBody::Notify(n))]) {
             req.refuse(e.clone());
             return Err(e);
         }

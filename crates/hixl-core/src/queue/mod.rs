@@ -16,9 +16,12 @@ use crate::wire::StridedRanges;
 
 mod completion;
 mod future;
+mod part;
 mod request;
 pub use completion::CompletionQueue;
 pub use future::Completion;
+pub(crate) use part::unpinned_part;
+pub use part::{Part, PartBody, PinSet};
 pub use request::{Request, Telemetry, WaitHelp};
 
 pub use crate::op::{SegPair, TransferOp};
@@ -181,56 +184,6 @@ impl Strided {
         }
         out
     }
-}
-
-/// What a part carries.
-#[derive(Debug)]
-pub enum PartBody {
-    /// Data segments of a READ or WRITE.
-    Data(Vec<SegPair>),
-    /// A strided READ or WRITE.
-    Strided(Strided),
-    /// A notification.
-    Notify(NotifyDesc),
-}
-
-impl PartBody {
-    /// Data bytes the part moves (0 for a notification).
-    pub fn bytes(&self) -> u64 {
-        match self {
-            PartBody::Data(segs) => segs.iter().map(|s| s.len).sum(),
-            PartBody::Strided(s) => s.bytes(),
-            PartBody::Notify(_) => 0,
-        }
-    }
-
-    /// Feeds the local bytes of the part, in wire order, to a data-MAC hasher.
-    ///
-    /// # Safety
-    /// The local segments must lie in memory that stays valid and unchanged during the call (the
-    /// request's pinned regions).
-    pub unsafe fn hash_local(&self, h: &mut blake3::Hasher) {
-        let mut feed = |segs: &[SegPair]| -> std::result::Result<(), ()> {
-            for s in segs {
-                // SAFETY: the caller guarantees the local range is valid memory.
-                h.update(unsafe { std::slice::from_raw_parts(s.local as *const u8, s.len as usize) });
-            }
-            Ok(())
-        };
-        let _ = match self {
-            PartBody::Data(segs) => feed(segs),
-            PartBody::Strided(st) => st.for_each_chunk(1024, feed),
-            PartBody::Notify(_) => Ok(()),
-        };
-    }
-}
-
-/// A unit of work for one stream: a share of a request.
-pub struct Part {
-    /// The request it belongs to.
-    pub req: std::sync::Arc<Request>,
-    /// Its content.
-    pub body: PartBody,
 }
 
 /// A bounded lock-free MPMC queue with reservations and a doorbell for sleeping workers. The

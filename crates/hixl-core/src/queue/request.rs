@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use super::{Completion, CompletionQueue, NotifyDesc, TransferOp, TransferStatus, SPIN};
+use super::{Completion, CompletionQueue, NotifyDesc, PinSet, TransferOp, TransferStatus, SPIN};
 use crate::error::{Error, Result, Status};
 use crate::registry::Pin;
 use crate::stats::{Outcome, PeerStats};
@@ -37,7 +37,9 @@ pub struct Request {
     state: AtomicU8,
     parts_left: AtomicUsize,
     error: Mutex<Option<Error>>,
-    pins: Mutex<Vec<Pin>>,
+    /// Its pins on its local regions, shared with its parts (see `queue::part`); dropped here
+    /// when it settles.
+    pins: Mutex<Option<Arc<PinSet>>>,
     notify_after: Mutex<Option<NotifyDesc>>,
     /// Whether it carries a notification after its data (counted when it completes).
     pub carries_notify: bool,
@@ -100,7 +102,7 @@ impl Request {
             state: AtomicU8::new(TransferStatus::Waiting as u8),
             parts_left: AtomicUsize::new(parts),
             error: Mutex::new(None),
-            pins: Mutex::new(pins),
+            pins: Mutex::new((!pins.is_empty()).then(|| Arc::new(PinSet::new(pins)))),
             carries_notify: notify_after.is_some(),
             first_addrs: (0, 0),
             waited_at_once: false,
@@ -436,9 +438,16 @@ impl Request {
         self.notify_after.lock().unwrap().take()
     }
 
-    /// Releases the pinned regions (all I/O for this request has stopped).
+    /// Its pins on its local regions (None once released, or when it has none), for a part
+    /// to keep (see [`super::Part::new`]).
+    pub fn pin_set(&self) -> Option<Arc<PinSet>> {
+        self.pins.lock().unwrap().clone()
+    }
+
+    /// Drops the request's reference to its pins (all I/O for this request has stopped); the
+    /// regions are released once no part or I/O job made from it holds one either.
     pub fn release_pins(&self) {
-        self.pins.lock().unwrap().clear();
+        self.pins.lock().unwrap().take();
     }
 }
 

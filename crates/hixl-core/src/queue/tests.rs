@@ -289,3 +289,53 @@ fn settled_awaited_requests_do_not_stay_with_the_deadline_thread() {
     // Other tests of this process may have a request watched at this moment: a few at most.
     assert!(watched <= 4 && due <= 2 * watched + 64, "due {due}, watched {watched}");
 }
+
+struct NoAbort(u64);
+impl crate::registry::Abort for NoAbort {
+    fn abort(&self, _: &str) {}
+
+    fn holder_id(&self) -> u64 {
+        self.0
+    }
+}
+
+#[test]
+fn a_part_proves_only_ranges_in_its_host_pins_and_keeps_them_after_the_request_lets_go() {
+    use crate::registry::{new_holder_id, Abort, MemType, Registry};
+    // Addresses only: nothing here touches the memory.
+    let reg = Registry::new();
+    let host = reg.register(0x10000, 0x1000, MemType::Host).unwrap();
+    let dev = reg.register(0x20000, 0x1000, MemType::Device).unwrap();
+    let holder: Arc<dyn Abort> = Arc::new(NoAbort(new_holder_id()));
+    let pins = vec![host.pin(&holder).unwrap(), dev.pin(&holder).unwrap()];
+    let req = Arc::new(Request::new(
+        1,
+        TransferOp::Write,
+        "p".into(),
+        16,
+        1,
+        1,
+        Duration::from_secs(5),
+        pins,
+        None,
+    ));
+    let seg = |local| PartBody::Data(vec![SegPair { local, remote: 0, len: 16 }]);
+    assert!(Part::new(req.clone(), seg(0x10010)).local().is_some());
+    assert!(Part::new(req.clone(), seg(0x10ff8)).local().is_none(), "crosses the region's end");
+    assert!(Part::new(req.clone(), seg(0x20010)).local().is_none(), "device memory");
+    let st = Strided { local: 0x10000, remote: 0, count: 4, size: 16, lstride: 0x400, rstride: 16 };
+    assert!(Part::new(req.clone(), PartBody::Strided(st)).local().is_some());
+    let past_end = Strided { lstride: 0x600, ..st };
+    assert!(Part::new(req.clone(), PartBody::Strided(past_end)).local().is_none());
+    assert!(Part::new(req.clone(), PartBody::Notify(NotifyDesc::new("n", "m"))).local().is_none());
+
+    let part = Part::new(req.clone(), seg(0x10010));
+    let share = part.share(seg(0x10020));
+    req.release_pins();
+    assert!(Part::new(req.clone(), seg(0x10010)).local().is_none(), "made after the release");
+    assert!(share.local().is_some(), "a share keeps the part's pins");
+    let removed = reg.remove_exact(0x10000, 0x1000).unwrap();
+    assert!(removed.close_and_drain(Duration::from_millis(20)).is_err(), "the parts still pin it");
+    drop((part, share));
+    assert!(removed.close_and_drain(Duration::from_millis(20)).is_ok(), "released with the last part");
+}

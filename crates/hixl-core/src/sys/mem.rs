@@ -7,7 +7,7 @@
 /// `[src, src+len)` must be readable and `[dst, dst+len)` writable memory of this process,
 /// valid during the call and not aliased by a live Rust reference to `dst`'s range.
 #[inline]
-pub(crate) unsafe fn copy(dst: u64, src: u64, len: u64) {
+unsafe fn copy(dst: u64, src: u64, len: u64) {
     // SAFETY: the caller's contract.
     unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) }
 }
@@ -192,6 +192,61 @@ pub(crate) unsafe trait PinnedRanges {
     fn strided(&self) -> Option<StridedShape> {
         None
     }
+}
+
+/// Memory that a value keeps valid while it lives: registry pins ([`crate::queue::PinSet`]), a
+/// buffer it owns, a mapping. Unlike [`PinnedRanges`], which names its ranges, it answers for
+/// any range: a consumer checks each range it is handed (`covers`) and then moves bytes through
+/// the safe calls here ([`copy_covered`], [`super::vm::cma`], `IoJob::push_kept`), holding the
+/// value (an `Arc`) for as long as it uses the range.
+///
+/// # Safety
+/// Every byte of a range for which [`PinnedMemory::covers`] returns true is host memory of
+/// this process, valid for reads and writes and not aliased by a live Rust reference, for as
+/// long as the value lives (and its answer for a range never changes while it lives).
+pub(crate) unsafe trait PinnedMemory: Send + Sync {
+    /// Whether all of `[addr, addr+len)` lies in the memory this value keeps valid.
+    fn covers(&self, addr: u64, len: u64) -> bool;
+}
+
+/// The error for a local range outside the memory that should keep it valid (never one the
+/// engine checked and pinned): nothing is moved.
+pub(crate) fn not_covered(addr: u64, len: u64) -> crate::error::Error {
+    crate::error::Error::failed(format!(
+        "local range 0x{addr:x}+{len} is not in pinned host memory of this process; nothing was copied"
+    ))
+}
+
+/// [`PinnedRanges`] whose ranges also stay valid after the value is gone, for as long as the
+/// [`PinnedMemory`] its [`KeptRanges::keeper`] returns lives: a borrowed view (a part's local
+/// side) that a consumer outliving it (an `IoJob`) keeps valid by keeping the keeper.
+///
+/// # Safety
+/// Every range the value yields lies in memory that the keeper covers (checked where the value
+/// is made).
+pub(crate) unsafe trait KeptRanges: PinnedRanges {
+    /// What keeps every range of the value valid.
+    fn keeper(&self) -> &std::sync::Arc<dyn PinnedMemory>;
+}
+
+/// Copies `len` bytes from `src` (which `src_mem` must cover) to `dst` (which `dst_mem` must
+/// cover), as memmove (the ranges may overlap); false, and nothing copied, when either is
+/// not covered. A concurrent DMA or peer copy into either range only makes bytes unspecified.
+#[inline]
+pub(crate) fn copy_covered(
+    dst_mem: &dyn PinnedMemory,
+    dst: u64,
+    src_mem: &dyn PinnedMemory,
+    src: u64,
+    len: u64,
+) -> bool {
+    if !(dst_mem.covers(dst, len) && src_mem.covers(src, len)) {
+        return false;
+    }
+    // SAFETY: both ranges were just found covered: valid memory of this process (the promise
+    // of `PinnedMemory`) while the borrowed values live, which is past this call.
+    unsafe { copy(dst, src, len) };
+    true
 }
 
 /// Calls `f` with the bytes of every range of `r`, in order (the data MAC's view of pinned

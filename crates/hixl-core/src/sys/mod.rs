@@ -15,13 +15,18 @@
 //! - Calls that move bytes to or from raw addresses (vectored `sendmsg`/`recvmsg`/`readv`,
 //!   `process_vm_*`, raw copies) can only be as safe as the addresses. Those wrappers are
 //!   `unsafe fn`s with a `# Safety` section ([`sockio::sendmsg_iovs`], [`vm::process_vm`],
-//!   [`mem::copy`], ...), and the transports reach them through types that carry the proof:
+//!   `mem::copy`, ...), and the transports reach them through types that carry the proof:
 //!   a type that checked its ranges and holds what keeps them valid implements the unsafe
 //!   trait [`mem::PinnedRanges`] (a served frame's `PinnedFrame`, checked against the registry
 //!   and pinned in transport/io/ranges.rs), and an `IoJob` (transport/io/nbio.rs) takes such a
-//!   value and keeps it, so neither needs an `unsafe` block; the initiator's parts and the
-//!   staging buffers still enter an `IoJob` through its `unsafe` pushes, whose callers name
-//!   the pin. From then on its `send`/`recv` (the hot path) are safe calls.
+//!   value and keeps it, so neither needs an `unsafe` block. The initiator's side proves
+//!   itself the same way: a part's local ranges, checked against the request's pins that the
+//!   part keeps (`queue::PinSet`, an unsafe impl of [`mem::PinnedMemory`]), are a
+//!   [`mem::KeptRanges`] value that `IoJob::push_kept` takes, and the same-host copies
+//!   ([`vm::cma`], [`mem::copy_covered`]) check every range against a `PinnedMemory` value
+//!   they borrow. Only the target's staging buffers still enter an `IoJob` through its
+//!   `unsafe` push, whose caller names what keeps the memory. From then on its `send`/`recv`
+//!   (the hot path) are safe calls.
 //! - Hot-path wrappers are `#[inline]` and allocate nothing: they are the call they wrap plus
 //!   the `errno` translation the call sites had.
 

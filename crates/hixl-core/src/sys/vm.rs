@@ -3,7 +3,7 @@
 use std::io;
 
 use super::cvt_size;
-use super::mem::iov;
+use super::mem::{iov, not_covered, PinnedMemory};
 use super::IOV_MAX;
 use crate::error::{Error, Result, Status};
 use crate::op::{SegPair, TransferOp};
@@ -36,11 +36,13 @@ pub(crate) unsafe fn process_vm(
 }
 
 /// Copies every segment with process_vm_writev (WRITE) or process_vm_readv (READ), at most
-/// IOV_MAX segments per call, resuming after short counts.
-///
-/// # Safety
-/// Local segments must lie in memory of this process that stays valid during the call.
-pub unsafe fn cma(pid: i32, op: TransferOp, segs: &[SegPair]) -> Result<()> {
+/// IOV_MAX segments per call, resuming after short counts. Every local range must lie in
+/// `local` (the part's pins: checked here, FAILED and nothing copied otherwise); the kernel
+/// checks the remote ranges against `pid`'s mappings.
+pub(crate) fn cma(pid: i32, op: TransferOp, local: &dyn PinnedMemory, segs: &[SegPair]) -> Result<()> {
+    if let Some(s) = segs.iter().find(|s| !local.covers(s.local, s.len)) {
+        return Err(not_covered(s.local, s.len));
+    }
     let (mut i, mut off) = (0usize, 0u64);
     let mut local = Vec::with_capacity(segs.len().min(IOV_MAX));
     let mut remote = Vec::with_capacity(segs.len().min(IOV_MAX));
@@ -52,8 +54,8 @@ pub unsafe fn cma(pid: i32, op: TransferOp, segs: &[SegPair]) -> Result<()> {
             local.push(iov(s.local + o, s.len - o));
             remote.push(iov(s.remote + o, s.len - o));
         }
-        // SAFETY: local iovecs lie in registered, pinned memory (caller's contract); remote
-        // ones were checked against the peer's table and are validated by the kernel.
+        // SAFETY: every local iovec lies in `local` (checked above), which the borrow keeps
+        // valid during the call; the kernel validates the remote ones.
         let r = match unsafe { process_vm(pid, op == TransferOp::Write, &local, &remote) } {
             Ok(r) => r,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -78,6 +80,41 @@ pub unsafe fn cma(pid: i32, op: TransferOp, segs: &[SegPair]) -> Result<()> {
     Ok(())
 }
 
+/// Baseline for same-host copies: raw `process_vm_writev` (or `_readv` when `write` is false)
+/// of `descs` (local, remote, len) to process `pid`, IOV_MAX descriptors per call, with the
+/// iovec arrays built before timing. Returns each round's seconds after one warm-up round.
+///
+/// # Safety
+///
+/// Every local range of `descs` must be memory of this process that may be written (for a
+/// READ, `write == false`) or read for the whole call; the kernel checks the remote ranges.
+#[cfg(feature = "baselines")]
+pub unsafe fn raw_cma(pid: u32, write: bool, descs: &[(u64, u64, u64)], iters: usize) -> Result<Vec<f64>> {
+    let local: Vec<_> = descs.iter().map(|d| iov(d.0, d.2)).collect();
+    let remote: Vec<_> = descs.iter().map(|d| iov(d.1, d.2)).collect();
+    let total: u64 = descs.iter().map(|d| d.2).sum();
+    let mut out = Vec::with_capacity(iters);
+    for i in 0..=iters {
+        let t0 = std::time::Instant::now();
+        let mut moved = 0u64;
+        for (l, r) in local.chunks(IOV_MAX).zip(remote.chunks(IOV_MAX)) {
+            // SAFETY: the local ranges are live memory of this process (this function's
+            // contract); the kernel checks the remote ranges.
+            let got = unsafe { process_vm(pid as libc::pid_t, write, l, r) }
+                .map_err(|e| Error::failed(format!("raw CMA: {e}")))?;
+            moved += got as u64;
+        }
+        if moved != total {
+            return Err(Error::failed(format!("raw CMA moved {moved} of {total} bytes")));
+        }
+        if i > 0 {
+            out.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(out)
+}
+
+/// The error of a failed CMA call to `pid`, by its errno.
 pub(crate) fn cma_error(pid: i32, e: std::io::Error) -> Error {
     match e.raw_os_error() {
         Some(libc::EFAULT) => Error::param(format!("a range is not accessible in pid {pid} (EFAULT): {e}")),

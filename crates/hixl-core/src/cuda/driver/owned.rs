@@ -205,6 +205,14 @@ unsafe impl Send for PinnedBuf {}
 // SAFETY: as above; `&PinnedBuf` only hands out the address.
 unsafe impl Sync for PinnedBuf {}
 
+// SAFETY: `[addr, addr+len)` is host memory that cuMemHostAlloc gave this value, freed only
+// when it drops; Rust holds no references into it (it is reached by address only).
+unsafe impl crate::sys::mem::PinnedMemory for PinnedBuf {
+    fn covers(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr() && addr.checked_add(len).is_some_and(|e| e <= self.addr() + self.len)
+    }
+}
+
 impl PinnedBuf {
     /// `len` bytes (at least 1) of pinned host memory. UNSUPPORTED without CUDA.
     pub(crate) fn new(len: u64) -> Result<PinnedBuf> {

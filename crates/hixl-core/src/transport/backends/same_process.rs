@@ -16,9 +16,10 @@ use std::sync::Arc;
 use crate::complete::Completer;
 use crate::error::{Error, Result};
 use crate::options::{no_host_facts, BackendDecl};
-use crate::queue::{Part, PartBody, SegPair, TransferOp};
+use crate::queue::{Part, PartBody, PinSet, SegPair, TransferOp};
 use crate::registry::{new_holder_id, Abort, Pin};
 use crate::stats::PeerStats;
+use crate::sys::mem::{copy_covered, not_covered, PinnedMemory};
 use crate::transport::backend::{with_local_socket, Backend, OpenCtx, HOST_TO_HOST};
 use crate::transport::control::channel::ControlChannel;
 use crate::transport::target_side::{find, Server};
@@ -82,7 +83,10 @@ impl SameProcessLink {
         region.pin(&self.holder)
     }
 
-    fn copy(&self, op: TransferOp, segs: &[SegPair]) -> Result<()> {
+    /// Copies the segments between `local` (the part's pins) and the target's regions, each
+    /// remote range checked against the target engine's registry and its region pinned until
+    /// the copy ends (`copy_covered` checks both sides; memmove tolerates overlap).
+    fn copy(&self, op: TransferOp, local: &dyn PinnedMemory, segs: &[SegPair]) -> Result<()> {
         let write = op == TransferOp::Write;
         let mut pins: Vec<Pin> = Vec::new();
         for s in segs {
@@ -90,12 +94,16 @@ impl SameProcessLink {
                 pins.push(self.pin_remote(s.remote, s.len, write)?);
             }
         }
+        let remote = PinSet::new(pins);
         for s in segs {
-            let (from, to) = if write { (s.local, s.remote) } else { (s.remote, s.local) };
-            // SAFETY: the local range lies in a region pinned by the request; the remote range
-            // was checked against the target engine's registry and its region is pinned in
-            // `pins` until the copy ends. `copy` (memmove) tolerates overlap.
-            unsafe { crate::sys::mem::copy(to, from, s.len) };
+            let copied = if write {
+                copy_covered(&remote, s.remote, local, s.local, s.len)
+            } else {
+                copy_covered(local, s.local, &remote, s.remote, s.len)
+            };
+            if !copied {
+                return Err(not_covered(s.local, s.len));
+            }
         }
         Ok(())
     }
@@ -105,10 +113,14 @@ impl SameProcessLink {
             let why = self.tcp.close_reason();
             return Err(Error::new(why.status, format!("the link is closed: {}", why.message)));
         }
+        if matches!(part.body, PartBody::Notify(_)) {
+            return Err(Error::failed("a notification reached the copy path"));
+        }
+        let Some(local) = part.memory() else { return Err(crate::queue::unpinned_part()) };
         match &part.body {
-            PartBody::Data(segs) => self.copy(part.req.op, segs),
-            PartBody::Strided(st) => st.for_each_chunk(1024, |c| self.copy(part.req.op, c)),
-            PartBody::Notify(_) => Err(Error::failed("a notification reached the copy path")),
+            PartBody::Data(segs) => self.copy(part.req.op, &**local, segs),
+            PartBody::Strided(st) => st.for_each_chunk(1024, |c| self.copy(part.req.op, &**local, c)),
+            PartBody::Notify(_) => Ok(()),
         }
     }
 

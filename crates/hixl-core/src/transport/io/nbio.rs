@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::io;
 use std::os::fd::RawFd;
 
-use crate::sys::mem::{PinnedRanges, RawIov};
+use crate::sys::mem::{KeptRanges, PinnedMemory, PinnedRanges, RawIov};
 use crate::sys::sockio;
 use crate::transport::io::IOV_MAX;
 use crate::wire::StridedRanges;
@@ -83,8 +83,10 @@ pub(crate) use reader::FrameReader;
 /// take a [`PinnedRanges`] value (whose `unsafe impl` proves its ranges valid while it lives)
 /// and keep it as long as the job: a boxed value in `held`, or the job's typed `owner` (`H`),
 /// which its holder reads back (a served WRITE hashes its ranges when the bytes are in). The
-/// initiator's parts and the staging buffers still enter through [`IoJob::push_raw`] and
-/// [`IoJob::push_strided`], unsafe functions whose callers name the pin. From then on its iovecs
+/// initiator's parts enter through [`IoJob::push_kept`], which takes a part's checked local
+/// view ([`KeptRanges`]) and keeps its keeper (the request's pins). The target's staging
+/// buffers still enter through [`IoJob::push_raw`], an unsafe function whose caller names what
+/// keeps the memory. From then on its iovecs
 /// are [`RawIov`]s, and sending and receiving them ([`IoJob::send`], [`IoJob::recv`], the hot
 /// path) are safe calls.
 ///
@@ -102,6 +104,8 @@ pub(crate) struct IoJob<H = ()> {
     keep: Vec<Vec<u8>>,
     /// What keeps the raw iovecs' memory valid (pins), dropped with the job.
     held: Vec<Box<dyn Send>>,
+    /// The keepers of the [`KeptRanges`] pushed (an initiator part's pins), dropped with the job.
+    kept: Vec<std::sync::Arc<dyn PinnedMemory>>,
     /// Bytes moved so far.
     pub(crate) moved: u64,
     /// The pinned ranges the job was made for ([`IoJob::with_owner`]), kept until it drops.
@@ -117,8 +121,8 @@ impl Default for IoJob<()> {
 /// A piece of a job behind its window.
 enum Later {
     Iov(RawIov),
-    /// Ranges vouched for by the caller of [`IoJob::push_strided`], or by a [`PinnedRanges`]
-    /// value the job keeps.
+    /// Ranges vouched for by a [`PinnedRanges`] value the job keeps (or its keeper), or in
+    /// tests by the caller of `IoJob::push_strided`.
     Strided(StridedRanges),
 }
 
@@ -146,6 +150,7 @@ impl<H> IoJob<H> {
             total: 0,
             keep: Vec::new(),
             held: Vec::new(),
+            kept: Vec::new(),
             moved: 0,
             owner: None,
         }
@@ -157,8 +162,18 @@ impl<H> IoJob<H> {
         self.held.push(Box::new(p));
     }
 
-    /// Adds the ranges of `p` (a strided shape stays lazy). Private: both callers keep `p`
-    /// for as long as the job lives.
+    /// Adds the ranges of `p` (a part's local side) and keeps its keeper until the job is
+    /// dropped (one reference per run of pushes with the same keeper, no allocation per push).
+    pub(crate) fn push_kept<P: KeptRanges>(&mut self, p: &P) {
+        let keeper = p.keeper();
+        if !self.kept.last().is_some_and(|k| std::sync::Arc::ptr_eq(k, keeper)) {
+            self.kept.push(keeper.clone());
+        }
+        self.push_ranges_of(p);
+    }
+
+    /// Adds the ranges of `p` (a strided shape stays lazy). Private: its callers keep `p`, or
+    /// the keeper of its ranges, for as long as the job lives.
     fn push_ranges_of<P: PinnedRanges>(&mut self, p: &P) {
         match p.strided() {
             Some(sh) => {
@@ -169,8 +184,8 @@ impl<H> IoJob<H> {
             None => p.for_each_range(|addr, len| {
                 if len > 0 {
                     // SAFETY: `p` vouches for every range it yields while it lives (the
-                    // promise of `PinnedRanges`), and the job keeps it (in `held` or `owner`)
-                    // until it drops.
+                    // promise of `PinnedRanges`), and the job keeps it (in `held` or `owner`),
+                    // or its keeper (in `kept`, the promise of `KeptRanges`), until it drops.
                     self.push_iov(unsafe { RawIov::new(addr, len) })
                 }
             }),
@@ -191,7 +206,9 @@ impl<H> IoJob<H> {
     /// # Safety
     /// As for [`RawIov::new`], until the job is dropped: the memory must stay valid (readable
     /// for a job that sends, writable for one that receives) while the job lives, usually by
-    /// a pin the job or its owner holds.
+    /// a pin the job or its owner holds. (The tests' way in; the transports push
+    /// [`PinnedRanges`] values.)
+    #[cfg(test)]
     pub(crate) unsafe fn push_raw(&mut self, addr: u64, len: u64) {
         if len > 0 {
             // SAFETY: the caller's contract.
@@ -199,17 +216,19 @@ impl<H> IoJob<H> {
         }
     }
 
-    /// Adds the ranges of a strided range, walked into iovecs only as the job gets to them.
+    /// Adds the ranges of a strided range, walked into iovecs only as the job gets to them
+    /// (the tests' way in; the transports push a [`PinnedRanges`] value's strided shape).
     ///
     /// # Safety
     /// As for [`IoJob::push_raw`], for every range of `ranges`.
+    #[cfg(test)]
     pub(crate) unsafe fn push_strided(&mut self, ranges: StridedRanges) {
         self.push_lazy(ranges)
     }
 
-    /// Queues strided ranges behind the window. Its callers vouch for every range (the caller
-    /// of [`IoJob::push_strided`], or the [`PinnedRanges`] value the job keeps): `refill` turns
-    /// them into iovecs.
+    /// Queues strided ranges behind the window. Its callers vouch for every range (the
+    /// [`PinnedRanges`] value the job keeps, or its keeper; in tests the caller of
+    /// `IoJob::push_strided`): `refill` turns them into iovecs.
     fn push_lazy(&mut self, ranges: StridedRanges) {
         let bytes: u64 = match ranges.clone().next() {
             Some((_, len)) => len.saturating_mul(ranges.remaining()),
@@ -255,8 +274,8 @@ impl<H> IoJob<H> {
                     Later::Strided(r) => {
                         let room = IOV_MAX - self.iovs.len();
                         // SAFETY: every range was vouched for when it was queued (`push_lazy`):
-                        // by the caller of `push_strided`, or by the `PinnedRanges` value the
-                        // job keeps until it drops.
+                        // by the `PinnedRanges` value the job keeps until it drops (in `held`,
+                        // `owner`, or its keeper in `kept`), or by the caller of `push_strided`.
                         self.iovs.extend(r.by_ref().take(room).map(|(a, n)| unsafe { RawIov::new(a, n) }));
                         if r.remaining() == 0 {
                             self.later.pop_front();

@@ -20,6 +20,7 @@ use crate::complete::Completer;
 use crate::cuda::stage_plan::{chunks, Act, Chunk, Flow, Pipeline};
 use crate::error::{Error, Result};
 use crate::queue::{Part, PartBody, Request, SegPair, TransferOp, TransferStatus};
+use crate::sys::mem::PinnedMemory;
 use crate::transport::control::channel::ControlChannel;
 use crate::transport::DataPath;
 use crate::wire::MAX_DESCS;
@@ -126,7 +127,8 @@ impl Drop for Stager {
 
 /// A worker's bounce slots and copy stream on one device.
 struct Ring {
-    buf: PinnedBuf,
+    /// Shared with the child parts in flight, which keep it while they may touch a slot.
+    buf: Arc<PinnedBuf>,
     stream: CopyStream,
     chunk: u64,
     depth: usize,
@@ -157,7 +159,7 @@ fn ring(rings: &mut Vec<Ring>, ordinal: u8, chunk: u64, depth: usize) -> Result<
     }
     let buf = PinnedBuf::new(chunk * depth as u64)?;
     let stream = CopyStream::new(ordinal, depth)?;
-    rings.push(Ring { buf, stream, chunk, depth });
+    rings.push(Ring { buf: Arc::new(buf), stream, chunk, depth });
     Ok(rings.last().expect("just pushed"))
 }
 
@@ -189,11 +191,11 @@ fn run(rings: &mut Vec<Ring>, job: &Job, chunk: u64, depth: usize) -> Result<()>
             Act::Copy(k) => copy(ring, &plan[k], k, job.req.op),
             Act::WaitCopy(k) => ring.map_or(Ok(()), |r| r.stream.wait(k % r.depth)),
             Act::Net(k) => {
-                let segs = match ring {
-                    Some(r) => plan[k].net_segs(r.slot(k)),
-                    None => plan[k].direct_segs(),
+                let (segs, memory) = match ring {
+                    Some(r) => (plan[k].net_segs(r.slot(k)), Some(r.buf.clone() as Arc<dyn PinnedMemory>)),
+                    None => (plan[k].direct_segs(), job.req.pin_set().map(|p| p as Arc<dyn PinnedMemory>)),
                 };
-                send(job, &plan[k], segs).map(|c| children[k] = Some(c))
+                send(job, &plan[k], segs, memory).map(|c| children[k] = Some(c))
             }
             Act::WaitNet(k) => wait_child(children[k].as_ref().expect("sent before waited for")),
         };
@@ -235,7 +237,14 @@ fn copy(ring: Option<&Ring>, c: &Chunk, k: usize, op: TransferOp) -> Result<()> 
 }
 
 /// Hands one chunk to the link as a child request.
-fn send(job: &Job, c: &Chunk, segs: Vec<SegPair>) -> Result<Arc<Request>> {
+/// `memory`: what keeps the chunk's local ranges valid (the ring's buffer, or the caller's
+/// pins); a child without it is refused by the link.
+fn send(
+    job: &Job,
+    c: &Chunk,
+    segs: Vec<SegPair>,
+    memory: Option<Arc<dyn PinnedMemory>>,
+) -> Result<Arc<Request>> {
     let req = &job.req;
     let left = req.deadline().saturating_duration_since(Instant::now());
     let child = Arc::new(Request::new(
@@ -251,7 +260,12 @@ fn send(job: &Job, c: &Chunk, segs: Vec<SegPair>) -> Result<Arc<Request>> {
     ));
     // Counted with the caller's request, not on its own.
     child.account(job.link.backend());
-    job.link.submit(vec![Part { req: child.clone(), body: PartBody::Data(segs) }])?;
+    let body = PartBody::Data(segs);
+    let part = match memory {
+        Some(m) => Part::in_memory(child.clone(), body, m),
+        None => Part::new(child.clone(), body),
+    };
+    job.link.submit(vec![part])?;
     Ok(child)
 }
 
@@ -282,6 +296,6 @@ fn drain(children: &[Option<Arc<Request>>]) {
 /// Finishes the caller's one part: settles it, or sends the notification after the data.
 fn finish(job: &Job, res: Result<()>) {
     let done = Completer::new(job.link.backend(), &job.req.peer, job.link.stats());
-    let part = Part { req: job.req.clone(), body: PartBody::Data(Vec::new()) };
+    let part = Part::new(job.req.clone(), PartBody::Data(Vec::new()));
     job.control.finish_after(&done, part, res);
 }

@@ -136,17 +136,14 @@ impl TcpLink {
                     self.finish_part(p.part, Err(err.clone()));
                     return Err(err);
                 }
+                let Some(local) = p.part.local() else {
+                    let err = crate::queue::unpinned_part();
+                    self.finish_part(p.part, Err(err.clone()));
+                    return Err(err);
+                };
+                // The job keeps the part's pins until it drops, whenever the part settles.
                 let mut job = IoJob::default();
-                // SAFETY: the local segments lie in regions pinned by the request until it
-                // completes, and it completes only after this job ends (or the link is shut,
-                // which takes this stream's receive lock first).
-                unsafe {
-                    match &p.part.body {
-                        PartBody::Data(segs) => segs.iter().for_each(|x| job.push_raw(x.local, x.len)),
-                        PartBody::Strided(st) => job.push_strided(st.local_ranges()),
-                        PartBody::Notify(_) => {}
-                    }
-                }
+                job.push_kept(&local);
                 let hasher = rx.mac.data_hasher(seq);
                 rx.bulk = Some(RxBulk { part: p.part, job, hasher, tag: [0u8; MAC_LEN], tag_got: 0 });
             }
@@ -194,9 +191,11 @@ impl TcpLink {
                 return Ok(Step::WouldBlock);
             }
             let mut h = h.clone();
-            // SAFETY: the local segments lie in regions pinned by the request until it
-            // completes, which is after this.
-            unsafe { b.part.body.hash_local(&mut h) };
+            // Checked when the job was made; a part whose body never changes passes again.
+            let Some(local) = b.part.local() else {
+                return Err(std::io::Error::other("a READ's local memory is no longer pinned"));
+            };
+            local.hash_into(&mut h);
             if !auth::constant_eq(&auth::data_mac(&h), &b.tag) {
                 return Err(std::io::Error::other(
                     "the bytes read do not match their data MAC (altered on the way)",

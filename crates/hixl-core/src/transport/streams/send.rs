@@ -65,7 +65,9 @@ impl TcpLink {
                         self.finish_part(p, Err(err));
                     }
                 }
-                self.queue_frames(s, &mut tx, batch);
+                for (p, err) in self.queue_frames(s, &mut tx, batch) {
+                    self.finish_part(p, Err(err));
+                }
             }
         };
         self.close(Error::not_connected(format!("stream to {} failed while sending: {failed}", self.peer)));
@@ -92,14 +94,23 @@ impl TcpLink {
 
     /// Turns a batch of parts into sealed frames on the stream's outbox (the caller holds its
     /// lock): each part's frame, then its bytes (for writes), then their data MAC (with
-    /// `hixl.data_mac`). The parts wait in `pending` for their answers.
-    fn queue_frames(&self, s: &Stream, tx: &mut super::Tx, batch: Vec<Part>) {
+    /// `hixl.data_mac`). The parts wait in `pending` for their answers. Returns the parts
+    /// refused before any of their frame was queued (a local range outside the memory the part
+    /// keeps: never one the engine built), for the caller to fail.
+    fn queue_frames(&self, s: &Stream, tx: &mut super::Tx, batch: Vec<Part>) -> Vec<(Part, Error)> {
+        let mut refused = Vec::new();
         if batch.is_empty() {
-            return;
+            return refused;
         }
         let mut job = IoJob::default();
         let mut pend = s.pending.lock().unwrap();
         for part in batch {
+            let data = !matches!(part.body, PartBody::Notify(_));
+            if data && part.local().is_none() {
+                let err = crate::queue::unpinned_part();
+                refused.push((part, err));
+                continue;
+            }
             let tag = s.next_tag.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let write = part.req.op == TransferOp::Write;
             let frame = match (&part.body, part.req.op) {
@@ -124,26 +135,19 @@ impl TcpLink {
             let seq = tx.mac.seal(&mut head);
             let hasher = tx.mac.data_hasher(seq);
             job.push_owned(head);
-            if write {
-                // SAFETY: local segments lie in regions pinned by their requests, which stay in
-                // `pending` until they settle; `shut` fails them only after clearing the outbox.
-                unsafe {
-                    match &part.body {
-                        PartBody::Data(segs) => segs.iter().for_each(|p| job.push_raw(p.local, p.len)),
-                        PartBody::Strided(st) => job.push_strided(st.local_ranges()),
-                        PartBody::Notify(_) => {}
-                    }
+            // The job keeps the part's pins until it drops, whenever the part settles.
+            if let Some(local) = part.local().filter(|_| write && data) {
+                job.push_kept(&local);
+                if let Some(mut h) = hasher {
+                    local.hash_into(&mut h);
+                    let tag: [u8; MAC_LEN] = auth::data_mac(&h);
+                    job.push_owned(tag.to_vec());
                 }
-            }
-            if let Some(mut h) = hasher.filter(|_| write && !matches!(part.body, PartBody::Notify(_))) {
-                // SAFETY: local segments lie in regions pinned by their requests.
-                unsafe { part.body.hash_local(&mut h) };
-                let tag: [u8; MAC_LEN] = auth::data_mac(&h);
-                job.push_owned(tag.to_vec());
             }
             pend.push_back(Pending { tag, part });
         }
         tx.out.push(job);
+        refused
     }
 
     /// Has a writer send what was queued: on this thread when the request is small (and

@@ -131,8 +131,8 @@ impl CudaIpcLink {
             (true, false) => dev.push(p),
             (false, false) => {
                 p.req.add_parts(1);
-                host.push(Part { req: p.req.clone(), body: PartBody::Data(hs) });
-                dev.push(Part { req: p.req, body: PartBody::Data(ds) });
+                host.push(p.share(PartBody::Data(hs)));
+                dev.push(p.share(PartBody::Data(ds)));
             }
         }
     }

@@ -96,7 +96,8 @@ pub fn host_id() -> String {
     format!("{}/{}", boot.trim(), node)
 }
 
-pub use crate::sys::vm::cma;
+use crate::sys::mem::PinnedMemory;
+use crate::sys::vm::cma;
 
 /// A peer's engine-allocated region mapped into this process.
 pub(crate) struct PeerMapping {
@@ -104,6 +105,17 @@ pub(crate) struct PeerMapping {
     pub(crate) len: u64,
     /// Unmapped when the last `Arc` drops.
     _map: Mapping,
+}
+
+// SAFETY: the mapping (`map_peer_region`) is of a memfd sealed against shrinking and growing
+// and at least `len` bytes long, so every byte of `[base, base+len)` stays mapped, readable
+// and writable (never SIGBUS) until the value drops and unmaps it; Rust holds no references
+// into it (peers and this process reach it only by address).
+unsafe impl PinnedMemory for PeerMapping {
+    #[inline]
+    fn covers(&self, addr: u64, len: u64) -> bool {
+        addr >= self.base && addr.checked_add(len).is_some_and(|e| e <= self.base + self.len)
+    }
 }
 
 /// The owner's memfd descriptor of a region it allocated: the `shm` backend's registration key.
@@ -221,10 +233,13 @@ impl ShmLink {
             return Err(err);
         }
         let op = part.req.op;
+        let Some(local) = part.memory() else {
+            return Err(crate::queue::unpinned_part());
+        };
         let table: RwLockReadGuard<'_, RemoteTable> = self.tcp.table();
         let res = match &part.body {
-            PartBody::Data(segs) => self.copy_segs(&table, op, segs),
-            PartBody::Strided(st) => st.for_each_chunk(IOV_MAX, |c| self.copy_segs(&table, op, c)),
+            PartBody::Data(segs) => self.copy_segs(&table, op, &**local, segs),
+            PartBody::Strided(st) => st.for_each_chunk(IOV_MAX, |c| self.copy_segs(&table, op, &**local, c)),
             PartBody::Notify(_) => Ok(()),
         };
         drop(table);
@@ -237,8 +252,15 @@ impl ShmLink {
     }
 
     /// Checks the segments against the peer's table (whose guard the caller holds), then
-    /// copies them through mappings of the peer's memory where possible, else by CMA.
-    fn copy_segs(&self, table: &RemoteTable, op: TransferOp, segs: &[SegPair]) -> Result<()> {
+    /// copies them through mappings of the peer's memory where possible, else by CMA. Each
+    /// local range must lie in `local` (the part's pins), or nothing more is copied.
+    fn copy_segs(
+        &self,
+        table: &RemoteTable,
+        op: TransferOp,
+        local: &dyn PinnedMemory,
+        segs: &[SegPair],
+    ) -> Result<()> {
         for s in segs {
             match table.find(s.remote, s.len) {
                 None => {
@@ -257,12 +279,11 @@ impl ShmLink {
         }
         match self.direct_mappings(table, segs) {
             Some(maps) => {
-                self.copy_direct(op, segs, &maps);
+                self.copy_direct(op, local, segs, &maps)?;
                 self.tcp.stats().direct_parts.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
-            // SAFETY: local segments lie in regions pinned by the request until it settles.
-            None => unsafe { cma(self.pid, op, segs) },
+            None => cma(self.pid, op, local, segs),
         }
     }
 
@@ -312,18 +333,28 @@ impl ShmLink {
         Some(out)
     }
 
-    fn copy_direct(&self, op: TransferOp, segs: &[SegPair], maps: &[(Arc<PeerMapping>, u64)]) {
+    /// Copies every segment through the mapping of its peer region (the remote range lies in
+    /// the region, checked against the table under its read guard, so in the mapping; both
+    /// sides are checked again by `copy_covered`). Memmove tolerates the odd case of both
+    /// sides naming one memfd.
+    fn copy_direct(
+        &self,
+        op: TransferOp,
+        local: &dyn PinnedMemory,
+        segs: &[SegPair],
+        maps: &[(Arc<PeerMapping>, u64)],
+    ) -> Result<()> {
         for (s, (m, base)) in segs.iter().zip(maps) {
             let remote = m.base + (s.remote - base);
-            let (dst, src) = match op {
-                TransferOp::Write => (remote, s.local),
-                TransferOp::Read => (s.local, remote),
+            let copied = match op {
+                TransferOp::Write => sys::mem::copy_covered(&**m, remote, local, s.local, s.len),
+                TransferOp::Read => sys::mem::copy_covered(local, s.local, &**m, remote, s.len),
             };
-            // SAFETY: the remote range lies inside the peer region (checked against the table
-            // under its read guard) and so inside the mapping; the local range lies in a region
-            // pinned by the request. `copy` (memmove) tolerates the odd case of both naming one memfd.
-            unsafe { sys::mem::copy(dst, src, s.len) };
+            if !copied {
+                return Err(sys::mem::not_covered(s.local, s.len));
+            }
         }
+        Ok(())
     }
 
     /// Why the link is closed, with the status of the close (FAILED after finalize,

@@ -11,7 +11,7 @@ fn request() -> Arc<Request> {
 
 fn job(n: usize) -> (Arc<Request>, Part, Vec<SendWr>) {
     let req = request();
-    let part = Part { req: req.clone(), body: PartBody::Data(vec![SegPair { local: 1, remote: 2, len: 8 }]) };
+    let part = Part::new(req.clone(), PartBody::Data(vec![SegPair { local: 1, remote: 2, len: 8 }]));
     let wr = |i: usize| SendWr {
         wr_id: 0,
         op: WrOp::Write,
