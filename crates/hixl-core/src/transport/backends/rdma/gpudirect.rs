@@ -173,7 +173,7 @@ impl Gpu {
     /// Probes `nic`'s provider and this machine (none: no device, no GPU path).
     pub(super) fn probe(nic: Option<&Nic>) -> Gpu {
         Gpu(nic.map(|n| {
-            let present = probe(&*n.verbs);
+            let present = probe(&**n.verbs());
             let path = choose(&present);
             tracing::debug!("RDMA GPUDirect: {}", path.describe());
             (present, path)

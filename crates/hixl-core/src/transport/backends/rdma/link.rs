@@ -19,9 +19,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::book::{Finished, QpBook};
-use super::nic::Nic;
+use super::nic::{Nic, RailQp};
 use super::rails::{CompletionSink, Rails};
-use super::verbs::{Qp, QpTransition, SendWr};
+use super::verbs::{QpTransition, SendWr};
 use super::{wrs, Opened};
 use crate::complete::Completer;
 use crate::error::{Error, Result, Status};
@@ -35,8 +35,9 @@ use crate::transport::{DataPath, RailSnapshot, Rescue};
 const FLUSH_WAIT: Duration = Duration::from_secs(1);
 
 struct Slot {
-    /// None once destroyed (the link closed, or its rail is out).
-    qp: Option<Qp>,
+    /// None once destroyed (the link closed, or its rail is out). First: a slot dropped with
+    /// its QP destroys it before its book's parts (and their pins) go.
+    qp: Option<RailQp>,
     qpn: u32,
     /// The peer's QP this one is connected to.
     target_qpn: u32,
@@ -45,7 +46,6 @@ struct Slot {
 
 /// One rail of the link: its QPs, whether it is up, what it carried.
 struct Lane {
-    nic: Arc<Nic>,
     /// The peer's rail its QPs are connected to (which rkey of a region they carry).
     peer_rail: AtomicU8,
     slots: Vec<Mutex<Slot>>,
@@ -55,6 +55,8 @@ struct Lane {
     out_why: Mutex<Option<String>>,
     /// Bytes of the parts it completed.
     bytes: AtomicU64,
+    /// After `slots` (fields drop in declaration order): QPs still held go before the device.
+    nic: Arc<Nic>,
 }
 
 /// An RDMA link to one peer.
@@ -126,13 +128,14 @@ impl RdmaLink {
             let lane = &mut lanes[o.addr.rail as usize];
             lane.peer_rail.store(o.remote_rail, Ordering::Relaxed);
             let i = lane.slots.len();
-            let label = format!("QP {} of {} (to {peer})", o.created.qpn, lane.nic.device);
+            let qpn = o.qp.qpn();
+            let label = format!("QP {qpn} of {} (to {peer})", lane.nic.device);
             // The depth asked for, not a larger one the device may have given: the rail's CQ
             // has room for that many of this QP's completions.
-            let depth = o.created.caps.max_send_wr.min(lane.nic.limits.sq_depth) as usize;
+            let depth = o.qp.caps().max_send_wr.min(lane.nic.limits.sq_depth) as usize;
             lane.slots.push(Mutex::new(Slot {
-                qp: Some(o.created.qp),
-                qpn: o.created.qpn,
+                qp: Some(o.qp),
+                qpn,
                 target_qpn: o.remote_qpn,
                 book: QpBook::new((id as u64) << 8 | i as u64, depth, label).with_failover(failover),
             }));
@@ -227,16 +230,16 @@ impl RdmaLink {
     /// Posts what the slot's book has ready, with one doorbell.
     fn post_now(&self, nic: &Nic, slot: &mut Slot) -> Finished {
         let mut out = slot.book.take_orphans();
-        let Some(qp) = slot.qp else { return out };
+        let Some(qp) = &slot.qp else { return out };
         let batch = slot.book.next_batch();
         if batch.is_empty() {
             return out;
         }
-        // SAFETY: every SGE was built from a local range inside a region registered on this
-        // NIC (its lkey was found), which the request pins until it settles; a request settles
-        // only after its last work request completed or its QP was destroyed.
-        if let Err(pe) = unsafe { nic.verbs.post_send(qp, &batch) } {
-            let _ = nic.verbs.modify_qp(qp, &QpTransition::Err);
+        // SAFETY: every SGE was built (`wrs::build`) from a local range inside a region
+        // registered on this NIC (its lkey was found), which the request pins until it settles;
+        // a request settles only after its last work request completed or its QP was destroyed.
+        if let Err(pe) = unsafe { qp.post_send(&batch) } {
+            let _ = qp.modify(&QpTransition::Err);
             let err = Error::failed(format!(
                 "ibv_post_send refused work request {} of {} on QP {} of {} (errno {})",
                 pe.bad_wr,
@@ -409,29 +412,27 @@ impl RdmaLink {
     fn shut(&self, why: Error) {
         if !self.closed.swap(true, Ordering::AcqRel) {
             *self.reason.lock().unwrap() = Some(why.clone());
-            let slots = || self.lanes.iter().flat_map(|l| l.slots.iter().map(move |s| (&l.nic, s)));
-            for (nic, slot) in slots() {
+            let slots = || self.lanes.iter().flat_map(|l| l.slots.iter());
+            for slot in slots() {
                 let mut s = slot.lock().unwrap();
                 s.book.kill(why.clone());
-                if let Some(q) = s.qp {
-                    let _ = nic.verbs.modify_qp(q, &QpTransition::Err);
+                if let Some(q) = &s.qp {
+                    let _ = q.modify(&QpTransition::Err);
                 }
             }
             // Flushed requests come back through the poller (unless this is the poller).
             if !self.rails.on_poller() {
                 let until = Instant::now() + FLUSH_WAIT;
-                while Instant::now() < until && slots().any(|(_, s)| !s.lock().unwrap().book.drained()) {
+                while Instant::now() < until && slots().any(|s| !s.lock().unwrap().book.drained()) {
                     std::thread::sleep(Duration::from_millis(1));
                 }
             }
             self.rails.remove_link(self.id);
             let mut done: Finished = Vec::new();
-            for (nic, slot) in slots() {
+            for slot in slots() {
                 let mut s = slot.lock().unwrap();
                 // Destroyed first: after this the device touches none of the parts' memory.
-                if let Some(q) = s.qp.take() {
-                    nic.destroy_qp(q, true);
-                }
+                drop(s.qp.take());
                 done.append(&mut s.book.fail_all(&why));
             }
             self.finish(done);

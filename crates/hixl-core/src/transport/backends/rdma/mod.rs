@@ -31,7 +31,6 @@ mod wrs;
 
 use std::any::Any;
 use std::net::IpAddr;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -46,9 +45,9 @@ use crate::wire::rdma::{decode_rkeys, encode_rkeys, QpAddr, RdmaOpen, MAX_QPN, M
 use crate::wire::{Capability, Domain};
 pub(crate) use decl::DECL;
 pub use link::RdmaLink;
-use nic::Nic;
+use nic::{Nic, RailQp};
 use rails::Rails;
-use verbs::{access, QpCaps, QpCreated, QpTransition, Verbs};
+use verbs::{access, Context, QpCaps, QpTransition, Verbs};
 
 /// The backend's name, as `hixl.backends` and `stats()` spell it.
 pub(crate) const NAME: &str = "rdma";
@@ -79,9 +78,9 @@ pub fn provider(p: Provider) -> Result<Arc<dyn Verbs>> {
     }
 }
 
-/// A QP made and moved to INIT, with its address.
+/// A QP made and moved to INIT, with its address (destroyed when dropped).
 struct Opened {
-    created: QpCreated,
+    qp: RailQp,
     addr: QpAddr,
     /// The peer QP it is connected to and the peer's rail it is on (set once connected).
     remote_qpn: u32,
@@ -92,32 +91,21 @@ struct Opened {
 /// for an initiator's: nothing may reach into its memory through them).
 fn open_qps(nic: &Nic, n: usize, remote_access: u32) -> Result<Vec<Opened>> {
     let initiator = remote_access == 0;
-    let sq = nic.limits.sq_depth as usize;
     let mut out: Vec<Opened> = Vec::with_capacity(n);
+    // Destroys the QPs made so far, in order (each gives its send-queue slots back).
     let fail = |out: &mut Vec<Opened>, e: Error| {
-        for o in out.drain(..) {
-            nic.destroy_qp(o.created.qp, initiator);
-        }
+        out.clear();
         Err(e)
     };
     for _ in 0..n {
-        if initiator {
-            let used = nic.sq_slots.fetch_add(sq, Ordering::AcqRel) + sq;
-            if used > nic.limits.cq_depth as usize {
-                nic.sq_slots.fetch_sub(sq, Ordering::AcqRel);
-                let e = Error::new(
-                    Status::ResourceExhausted,
-                    format!(
-                        "the engine's RDMA completion queue ({} entries, the device's limit) serves at \
-                         most {} QPs of {} work requests (fewer peers, or a smaller hixl.rdma.qps)",
-                        nic.limits.cq_depth,
-                        nic.limits.max_initiator_qps(),
-                        sq
-                    ),
-                );
-                return fail(&mut out, e);
+        let slots = if initiator {
+            match nic.reserve_send_slots() {
+                Ok(s) => Some(s),
+                Err(e) => return fail(&mut out, e),
             }
-        }
+        } else {
+            None
+        };
         let caps = QpCaps {
             max_send_wr: nic.limits.sq_depth,
             max_recv_wr: 1,
@@ -125,26 +113,22 @@ fn open_qps(nic: &Nic, n: usize, remote_access: u32) -> Result<Vec<Opened>> {
             max_recv_sge: 1,
             max_inline_data: 0,
         };
-        let created = match nic.verbs.create_qp(nic.pd, nic.cq, caps) {
-            Ok(c) => c,
-            Err(e) => {
-                if initiator {
-                    nic.sq_slots.fetch_sub(sq, Ordering::AcqRel);
-                }
-                return fail(&mut out, e);
-            }
+        // Unmade, its slots are given back as `create_qp` drops them.
+        let qp = match nic.create_qp(caps, slots) {
+            Ok(q) => q,
+            Err(e) => return fail(&mut out, e),
         };
         let mut rnd = [0u8; 4];
         if let Err(e) = crate::auth::random_bytes(&mut rnd) {
-            nic.destroy_qp(created.qp, initiator);
+            drop(qp);
             return fail(&mut out, e);
         }
         let psn = u32::from_le_bytes(rnd) & MAX_QPN;
-        let (gid, lid, qpn, mtu, rail) = (nic.gid, nic.attr.lid, created.qpn, nic.attr.active_mtu, nic.rail);
+        let (gid, lid, qpn, mtu, rail) = (nic.gid, nic.attr.lid, qp.qpn(), nic.attr.active_mtu, nic.rail);
         let addr = QpAddr { gid, lid, qpn, psn, mtu, rail };
-        out.push(Opened { created, addr, remote_qpn: 0, remote_rail: 0 });
+        out.push(Opened { qp, addr, remote_qpn: 0, remote_rail: 0 });
         let init = QpTransition::Init { port: nic.port, access: remote_access };
-        if let Err(e) = nic.verbs.modify_qp(created.qp, &init) {
+        if let Err(e) = out.last().expect("just pushed").qp.modify(&init) {
             return fail(&mut out, e);
         }
     }
@@ -173,7 +157,7 @@ fn connect_qps(nics: &[Arc<Nic>], ours: &[Opened], theirs: &[QpAddr], send: bool
             sl: nic.sl,
             rd_atomic: nic.limits.rd_atomic_dest,
         };
-        nic.verbs.modify_qp(o.created.qp, &rtr)?;
+        o.qp.modify(&rtr)?;
         if !send {
             continue;
         }
@@ -183,7 +167,7 @@ fn connect_qps(nics: &[Arc<Nic>], ours: &[Opened], theirs: &[QpAddr], send: bool
             retry_cnt: RETRY_COUNT,
             rd_atomic: nic.limits.rd_atomic_init,
         };
-        nic.verbs.modify_qp(o.created.qp, &rts)?;
+        o.qp.modify(&rts)?;
     }
     Ok(())
 }
@@ -194,13 +178,6 @@ fn exchange(control: &dyn ControlChannel, open: &RdmaOpen, timeout: Duration) ->
     RdmaOpen::decode(&answer).map_err(|e| {
         Error::not_connected(format!("{} answered RDMA QP addresses that do not decode: {e}", control.peer()))
     })
-}
-
-/// Destroys QPs made by `open_qps` (on their rails).
-fn destroy_all(nics: &[Arc<Nic>], qps: Vec<Opened>, initiator: bool) {
-    for o in qps {
-        nics[o.addr.rail as usize].destroy_qp(o.created.qp, initiator);
-    }
 }
 
 /// The `rdma` backend of one engine: its devices (opened when the engine starts), or why there
@@ -232,7 +209,7 @@ impl Rdma {
             }
         }
         for n in rails.iter().flat_map(|r| &r.nics) {
-            tracing::info!(provider = n.verbs.provider(), device = %n.device, rail = n.rail, port = n.port, "RDMA device opened");
+            tracing::info!(provider = n.verbs().provider(), device = %n.device, rail = n.rail, port = n.port, "RDMA device opened");
         }
         let gpu = gpudirect::Gpu::probe(rails.as_ref().ok().and_then(|r| r.nics.first()).map(|n| &**n));
         let only = opts.backends.iter().all(|b| b == NAME);
@@ -262,11 +239,12 @@ impl Drop for Rdma {
     }
 }
 
-/// The target side of one control link: the QPs it made for that initiator (at `from`), by
-/// rail, each counted in the engine's `caps` until destroyed.
+/// The target side of one control link: the QPs it made for that initiator (at `from`), with
+/// their rails and numbers, each counted in the engine's `caps` until destroyed.
 struct TargetQps {
-    rails: Arc<Rails>,
-    qps: Vec<(u8, verbs::Qp, u32)>,
+    /// Held so that the rails outlive the QPs (destroyed in `drop`, before this field goes).
+    _rails: Arc<Rails>,
+    qps: Vec<(u8, RailQp, u32)>,
     caps: Arc<SourceCaps>,
     from: IpAddr,
 }
@@ -274,9 +252,8 @@ struct TargetQps {
 impl Drop for TargetQps {
     fn drop(&mut self) {
         self.caps.release(self.from, self.qps.len());
-        for (rail, qp, _) in self.qps.drain(..) {
-            self.rails.nics[rail as usize].destroy_qp(qp, false);
-        }
+        // Destroyed in order, before the rails they were made on can go.
+        self.qps.clear();
     }
 }
 
@@ -359,7 +336,7 @@ impl Backend for Rdma {
             match open_qps(nic, self.opts.qps, 0) {
                 Ok(mut q) => qps.append(&mut q),
                 Err(e) => {
-                    destroy_all(&rails.nics, qps, true);
+                    drop(qps);
                     return Err(e.message);
                 }
             }
@@ -373,7 +350,7 @@ impl Backend for Rdma {
         let answer = match connected {
             Ok(a) => a,
             Err(e) => {
-                destroy_all(&rails.nics, qps, true);
+                drop(qps);
                 return Err(e.message);
             }
         };
@@ -421,15 +398,14 @@ impl Backend for Rdma {
         let open = RdmaOpen::decode(payload).map_err(|e| Error::param(format!("RDMA QP addresses: {e}")))?;
         let caps = &self.target_qps;
         let st = state.get_or_insert_with(|| {
-            Box::new(TargetQps { rails: rails.clone(), qps: Vec::new(), caps: caps.clone(), from })
+            Box::new(TargetQps { _rails: rails.clone(), qps: Vec::new(), caps: caps.clone(), from })
         });
         let target =
             st.downcast_mut::<TargetQps>().ok_or_else(|| Error::failed("rdma: foreign link state"))?;
         // Only QPs of this very link may be retired.
         for r in &open.retire {
             if let Some(i) = target.qps.iter().position(|(rail, _, n)| *n == r.qpn && *rail == r.rail) {
-                let (rail, qp, _) = target.qps.swap_remove(i);
-                rails.nics[rail as usize].destroy_qp(qp, false);
+                drop(target.qps.swap_remove(i));
                 caps.release(target.from, 1);
             }
         }
@@ -445,14 +421,17 @@ impl Backend for Rdma {
             match connect_qps(&rails.nics, &ours, &open.qps, false) {
                 Ok(()) => Ok(ours),
                 Err(e) => {
-                    destroy_all(&rails.nics, ours, false);
+                    drop(ours);
                     Err(e)
                 }
             }
         });
         let ours = made.inspect_err(|_| caps.release(target.from, n))?;
         let answer = RdmaOpen { retire: vec![], qps: ours.iter().map(|o| o.addr).collect() };
-        target.qps.extend(ours.iter().map(|o| (o.addr.rail, o.created.qp, o.created.qpn)));
+        target.qps.extend(ours.into_iter().map(|o| {
+            let qpn = o.qp.qpn();
+            (o.addr.rail, o.qp, qpn)
+        }));
         Ok(answer.encode())
     }
 }
@@ -466,7 +445,7 @@ fn open_for(rails: &Rails, theirs: &[QpAddr]) -> Result<Vec<Opened>> {
         match open_qps(nic, 1, access::REMOTE_READ | access::REMOTE_WRITE) {
             Ok(mut q) => out.append(&mut q),
             Err(e) => {
-                destroy_all(&rails.nics, out, false);
+                drop(out);
                 return Err(e);
             }
         }
@@ -528,12 +507,12 @@ fn describe_with(p: Provider) -> String {
         Ok(names) => {
             let mut usable = Vec::new();
             for n in &names {
-                let state = match verbs.open_device(n) {
+                let state = match Context::open(&verbs, n) {
                     Ok(ctx) => {
-                        let s = match verbs.query_port(ctx, 1) {
+                        let s = match ctx.query_port(1) {
                             Ok(a) if a.state == verbs::PORT_ACTIVE => {
-                                let sizes = verbs
-                                    .query_device(ctx)
+                                let sizes = ctx
+                                    .query_device()
                                     .and_then(|d| limits::Limits::derive(&d, &a).map(|l| l.describe(&d, &a)));
                                 match sizes {
                                     Ok(s) => format!("port 1 active; {s}"),
@@ -543,8 +522,7 @@ fn describe_with(p: Provider) -> String {
                             Ok(a) => format!("port 1 state {}", a.state),
                             Err(e) => e.message,
                         };
-                        // SAFETY: the context opened above for this report only, closed once.
-                        unsafe { verbs.close_device(ctx) };
+                        drop(ctx); // opened for this report only
                         s
                     }
                     Err(e) => e.message,

@@ -8,14 +8,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
 use super::limits::Limits;
-use super::verbs::{access, Channel, Cq, Ctx, Mr, Pd, PortAttr, Verbs, PORT_ACTIVE};
-use crate::error::Result;
+use super::verbs::{
+    access, CompletionChannel, CompletionQueue, Context, MemoryRegion, PortAttr, ProtectionDomain, QpCaps,
+    QueuePair, Verbs, PORT_ACTIVE,
+};
+use crate::error::{Error, Result, Status};
 use crate::registry::Access;
 
 struct LocalMr {
     len: u64,
-    mr: Mr,
-    lkey: u32,
+    mr: MemoryRegion,
 }
 
 /// Registrations by (address, rkey): the same range may be registered twice for a moment
@@ -24,15 +26,9 @@ type Mrs = BTreeMap<(u64, u32), LocalMr>;
 
 /// An open device and what the engine made on it.
 pub(super) struct Nic {
-    pub(super) verbs: Arc<dyn Verbs>,
     pub(super) device: String,
     /// Its index among the engine's rails.
     pub(super) rail: u8,
-    ctx: Ctx,
-    pub(super) pd: Pd,
-    pub(super) ch: Channel,
-    pub(super) ch_fd: RawFd,
-    pub(super) cq: Cq,
     pub(super) port: u8,
     pub(super) gid_index: u8,
     /// GRH traffic class and service level of every QP.
@@ -42,63 +38,78 @@ pub(super) struct Nic {
     pub(super) attr: PortAttr,
     /// The queue sizes used on it (cut to `dev` and `attr`).
     pub(super) limits: Limits,
-    mrs: RwLock<Mrs>,
     /// Send-queue slots of the initiator QPs open now (at most `limits.cq_depth`).
-    pub(super) sq_slots: AtomicUsize,
+    sq_slots: Arc<AtomicUsize>,
+    // The verbs objects, last and in this order: fields drop in declaration order, so when the
+    // Nic goes (every QP is gone by then: links and target QPs hold the Nic) its MRs are
+    // deregistered, then the CQ, the channel and the PD are released and the device closed,
+    // the order the verbs require (each object also holds those it depends on, see
+    // `verbs::owned`).
+    mrs: RwLock<Mrs>,
+    pub(super) cq: Arc<CompletionQueue>,
+    pub(super) channel: Arc<CompletionChannel>,
+    pd: Arc<ProtectionDomain>,
+    ctx: Arc<Context>,
+}
+
+/// The send-queue slots one initiator QP holds on its rail's CQ (see `Nic::sq_slots`), given
+/// back when dropped.
+pub(super) struct SendSlots {
+    slots: Arc<AtomicUsize>,
+    n: usize,
+}
+
+impl Drop for SendSlots {
+    fn drop(&mut self) {
+        self.slots.fetch_sub(self.n, Ordering::AcqRel);
+    }
+}
+
+/// A QP of a rail and, for an initiator's, the send-queue slots it holds: when dropped the QP
+/// is destroyed first, then its slots are given back (fields drop in declaration order).
+pub(super) struct RailQp {
+    qp: QueuePair,
+    _slots: Option<SendSlots>,
+}
+
+impl std::ops::Deref for RailQp {
+    type Target = QueuePair;
+
+    fn deref(&self) -> &QueuePair {
+        &self.qp
+    }
 }
 
 impl Nic {
     /// Sets up the opened device `name` (`ctx`) as rail `rail`: its port must be active and
-    /// its GID usable; makes its PD, completion channel and CQ. On error the caller closes `ctx`.
+    /// its GID usable; makes its PD, completion channel and CQ. On error what it made is
+    /// released (the CQ's channel, then the PD), then the device is closed (when `ctx` drops).
     pub(super) fn setup(
-        verbs: &Arc<dyn Verbs>,
+        ctx: Arc<Context>,
         name: &str,
-        ctx: Ctx,
         o: &crate::options::rdma::RdmaOptions,
         rail: u8,
     ) -> Result<Arc<Nic>> {
         let (port, gid_index) = (o.port, o.gid_index);
-        let attr = verbs.query_port(ctx, port)?;
+        let attr = ctx.query_port(port)?;
         if attr.state != PORT_ACTIVE {
             return Err(super::unsupported(format!("port {port} is not active (state {})", attr.state)));
         }
-        let dev = verbs.query_device(ctx)?;
+        let dev = ctx.query_device()?;
         let limits = Limits::derive(&dev, &attr)?;
-        let gid = verbs.query_gid(ctx, port, gid_index)?;
+        let gid = ctx.query_gid(port, gid_index)?;
         if attr.link_layer == 2 && gid == [0u8; 16] {
             return Err(super::unsupported(format!(
                 "GID index {gid_index} of port {port} is empty (RoCE needs a configured GID: hixl.rdma.gid_index)"
             )));
         }
-        let pd = verbs.alloc_pd(ctx)?;
-        let (ch, ch_fd) = match verbs.create_comp_channel(ctx) {
-            Ok(x) => x,
-            Err(e) => {
-                // SAFETY: the PD allocated just above, released once; nothing uses it yet.
-                unsafe { verbs.dealloc_pd(pd) };
-                return Err(e);
-            }
-        };
-        let cq = match verbs.create_cq(ctx, limits.cq_depth, Some(ch)) {
-            Ok(cq) => cq,
-            Err(e) => {
-                // SAFETY: the channel and PD made just above, released once; nothing uses them.
-                unsafe {
-                    verbs.destroy_comp_channel(ch);
-                    verbs.dealloc_pd(pd);
-                }
-                return Err(e);
-            }
-        };
+        // On an error below, the locals made so far drop in reverse order: channel, then PD.
+        let pd = ctx.alloc_pd()?;
+        let channel = ctx.create_comp_channel()?;
+        let cq = ctx.create_cq(limits.cq_depth, &channel)?;
         Ok(Arc::new(Nic {
-            verbs: verbs.clone(),
             device: name.to_string(),
             rail,
-            ctx,
-            pd,
-            ch,
-            ch_fd,
-            cq,
             port,
             gid_index,
             traffic_class: o.traffic_class,
@@ -106,14 +117,23 @@ impl Nic {
             gid,
             attr,
             limits,
+            sq_slots: Arc::new(AtomicUsize::new(0)),
             mrs: RwLock::new(BTreeMap::new()),
-            sq_slots: AtomicUsize::new(0),
+            cq,
+            channel,
+            pd,
+            ctx,
         }))
+    }
+
+    /// The provider its device was opened with.
+    pub(super) fn verbs(&self) -> &Arc<dyn Verbs> {
+        self.ctx.verbs()
     }
 
     /// Whether its port is active now (a port that went down fails sends as local errors).
     pub(super) fn port_active(&self) -> bool {
-        self.verbs.query_port(self.ctx, self.port).is_ok_and(|a| a.state == PORT_ACTIVE)
+        self.ctx.query_port(self.port).is_ok_and(|a| a.state == PORT_ACTIVE)
     }
 
     /// Registers `[addr, addr + len)`: remote read always, remote write only for a writable
@@ -122,8 +142,9 @@ impl Nic {
     pub(super) fn register(&self, addr: u64, len: u64, how: Access) -> Result<u32> {
         // SAFETY: the engine registers only memory it checked is mapped, and deregisters it
         // (this region's `deregister`) before the memory may be freed.
-        let (mr, lkey, rkey) = unsafe { self.verbs.reg_mr(self.pd, addr, len, access_bits(how)) }?;
-        self.mrs.write().unwrap().insert((addr, rkey), LocalMr { len, mr, lkey });
+        let mr = unsafe { self.pd.register(addr, len, access_bits(how)) }?;
+        let rkey = mr.rkey();
+        self.mrs.write().unwrap().insert((addr, rkey), LocalMr { len, mr });
         Ok(rkey)
     }
 
@@ -141,9 +162,9 @@ impl Nic {
         // SAFETY: `fd` is a dma-buf the driver exported for whole pages around the range
         // (`gpudirect::register`), so it holds `offset + len` bytes; the region keeps its own
         // reference to it until `deregister`.
-        let (mr, lkey, rkey) =
-            unsafe { self.verbs.reg_dmabuf_mr(self.pd, offset, len, iova, fd, access_bits(how)) }?;
-        self.mrs.write().unwrap().insert((iova, rkey), LocalMr { len, mr, lkey });
+        let mr = unsafe { self.pd.register_dmabuf(offset, len, iova, fd, access_bits(how)) }?;
+        let rkey = mr.rkey();
+        self.mrs.write().unwrap().insert((iova, rkey), LocalMr { len, mr });
         Ok(rkey)
     }
 
@@ -151,9 +172,8 @@ impl Nic {
     pub(super) fn deregister(&self, addr: u64, rkey: u32) {
         let m = self.mrs.write().unwrap().remove(&(addr, rkey));
         if let Some(m) = m {
-            // SAFETY: `m` was just taken out of the table, so this MR is deregistered once and
-            // no later lookup (`lkey`) can hand it out.
-            if let Err(e) = unsafe { self.verbs.dereg_mr(m.mr) } {
+            // Taken out of the table first: no later lookup (`lkey`) can hand it out.
+            if let Err(e) = m.mr.deregister() {
                 tracing::warn!(addr = %format_args!("0x{addr:x}"), "ibv_dereg_mr failed: {e}");
             }
         }
@@ -167,21 +187,37 @@ impl Nic {
         // or before `addr` are the only candidates.
         mrs.range(..=(addr, u32::MAX)).rev().take(4).find_map(|(&(start, _), m)| {
             let end = start + m.len;
-            (want <= end).then_some((m.lkey, end))
+            (want <= end).then_some((m.mr.lkey(), end))
         })
     }
 
-    /// Destroys a QP; an initiator's gives its send-queue slots back.
-    ///
-    /// Crate-internal and safe on purpose: its callers pass the `qp` of a `QpCreated` that this
-    /// `Nic` made and drop it after (every call site destroys a QP once, when the lane, the
-    /// target entry or the half-built setup that owned it goes away).
-    pub(super) fn destroy_qp(&self, qp: super::verbs::Qp, initiator: bool) {
-        // SAFETY: see above: a QP of this NIC, destroyed once by its one owner.
-        unsafe { self.verbs.destroy_qp(qp) };
-        if initiator {
-            self.sq_slots.fetch_sub(self.limits.sq_depth as usize, Ordering::AcqRel);
+    /// Reserves the send-queue slots of one initiator QP (`limits.sq_depth`) on the CQ, which
+    /// has room for `limits.cq_depth` completions; RESOURCE_EXHAUSTED when they do not fit.
+    pub(super) fn reserve_send_slots(&self) -> Result<SendSlots> {
+        let sq = self.limits.sq_depth as usize;
+        let used = self.sq_slots.fetch_add(sq, Ordering::AcqRel) + sq;
+        let slots = SendSlots { slots: self.sq_slots.clone(), n: sq };
+        if used > self.limits.cq_depth as usize {
+            drop(slots);
+            return Err(Error::new(
+                Status::ResourceExhausted,
+                format!(
+                    "the engine's RDMA completion queue ({} entries, the device's limit) serves at \
+                     most {} QPs of {} work requests (fewer peers, or a smaller hixl.rdma.qps)",
+                    self.limits.cq_depth,
+                    self.limits.max_initiator_qps(),
+                    sq
+                ),
+            ));
         }
+        Ok(slots)
+    }
+
+    /// Creates an RC QP on this rail's PD and CQ; `slots` (an initiator's) are held while it
+    /// lives and given back if it cannot be made.
+    pub(super) fn create_qp(&self, caps: QpCaps, slots: Option<SendSlots>) -> Result<RailQp> {
+        let qp = self.pd.create_qp(&self.cq, caps)?;
+        Ok(RailQp { qp, _slots: slots })
     }
 }
 
@@ -194,25 +230,5 @@ fn access_bits(how: Access) -> u32 {
         Access::ReadOnly => access::LOCAL_WRITE | access::REMOTE_READ,
         // Possibly read-only pages: the NIC may not even write them locally.
         Access::Immutable => access::REMOTE_READ,
-    }
-}
-
-impl Drop for Nic {
-    /// Every QP is gone by now (links and target QPs hold the `Nic`): release the rest in the
-    /// order the verbs require.
-    fn drop(&mut self) {
-        let mrs = std::mem::take(&mut *self.mrs.write().unwrap());
-        // SAFETY: the Nic owns these handles (made in `setup`, never handed out) and this is
-        // its last use of them; every QP is gone (links and target QPs hold the Nic), so
-        // nothing depends on the CQ or the PD, released in the order the verbs require.
-        unsafe {
-            for (_, m) in mrs {
-                let _ = self.verbs.dereg_mr(m.mr);
-            }
-            self.verbs.destroy_cq(self.cq);
-            self.verbs.destroy_comp_channel(self.ch);
-            self.verbs.dealloc_pd(self.pd);
-            self.verbs.close_device(self.ctx);
-        }
     }
 }

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError, Weak};
 use std::time::{Duration, Instant};
 
 use super::nic::Nic;
-use super::verbs::{Verbs, Wc};
+use super::verbs::{Context, Verbs, Wc};
 use crate::error::{Error, Result};
 use crate::options::rdma::{Devices, RdmaOptions, MAX_RAILS};
 use crate::registry::Access;
@@ -65,12 +65,10 @@ pub(super) struct Rails {
     poller: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
-/// Opens `name` and sets it up as rail `rail`; Err says why it cannot be one.
+/// Opens `name` and sets it up as rail `rail`; Err says why it cannot be one (the device is
+/// closed again then).
 fn open_one(verbs: &Arc<dyn Verbs>, name: &str, o: &RdmaOptions, rail: u8) -> Result<Arc<Nic>> {
-    let ctx = verbs.open_device(name)?;
-    // SAFETY: on failure `setup` released what it made on `ctx` and kept nothing of it; the
-    // context opened just above is closed once.
-    Nic::setup(verbs, name, ctx, o, rail).inspect_err(|_| unsafe { verbs.close_device(ctx) })
+    Nic::setup(Context::open(verbs, name)?, name, o, rail)
 }
 
 impl Rails {
@@ -188,7 +186,7 @@ impl Rails {
             return Ok(());
         }
         for nic in &self.nics {
-            nic.verbs.req_notify_cq(nic.cq)?;
+            nic.cq.req_notify()?;
         }
         let rails = self.clone();
         let h = std::thread::Builder::new()
@@ -230,7 +228,7 @@ impl Rails {
     fn drain_once(&self, r: usize, wcs: &mut [Wc], wait: bool) -> Result<usize> {
         let Some(_g) = self.drain_lock(wait) else { return Ok(0) };
         let nic = &self.nics[r];
-        let n = nic.verbs.poll_cq(nic.cq, wcs)?;
+        let n = nic.cq.poll(wcs)?;
         if n > 0 {
             let _d = Dispatching::enter();
             self.dispatch(r, &wcs[..n]);
@@ -297,7 +295,7 @@ impl Rails {
                 // (providers read the CQ's consumer index to arm it).
                 let arming = {
                     let _g = self.drain_lock(true);
-                    nic.verbs.req_notify_cq(nic.cq)
+                    nic.cq.req_notify()
                 };
                 if let Err(e) = arming {
                     tracing::error!(device = %nic.device, "ibv_req_notify_cq failed: {e}; closing every RDMA link");
@@ -313,7 +311,7 @@ impl Rails {
             let mut fds: Vec<libc::pollfd> = self
                 .nics
                 .iter()
-                .map(|n| libc::pollfd { fd: n.ch_fd, events: libc::POLLIN, revents: 0 })
+                .map(|n| libc::pollfd { fd: n.channel.fd(), events: libc::POLLIN, revents: 0 })
                 .collect();
             fds.push(libc::pollfd { fd: self.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
             if !matches!(crate::sys::poll(&mut fds, IDLE_WAIT.as_millis() as i32), Ok(1..)) {
@@ -321,7 +319,7 @@ impl Rails {
             }
             for (i, nic) in self.nics.iter().enumerate() {
                 // Consumes and acknowledges the event; the CQ must be armed again for the next.
-                if fds[i].revents & libc::POLLIN != 0 && nic.verbs.get_cq_event(nic.ch).is_ok() {
+                if fds[i].revents & libc::POLLIN != 0 && nic.channel.get_cq_event().is_ok() {
                     armed[i] = false;
                 }
             }

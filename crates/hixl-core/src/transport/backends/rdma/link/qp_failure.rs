@@ -101,8 +101,8 @@ impl RdmaLink {
         for slot in &lane.slots {
             let mut s = slot.lock().unwrap();
             s.book.kill(cause.clone());
-            if let Some(q) = s.qp {
-                let _ = lane.nic.verbs.modify_qp(q, &QpTransition::Err);
+            if let Some(q) = &s.qp {
+                let _ = q.modify(&QpTransition::Err);
             }
         }
         for idx in 0..lane.slots.len() {
@@ -119,9 +119,7 @@ impl RdmaLink {
             if self.closed.load(Ordering::Acquire) || !s.book.drained() {
                 return;
             }
-            if let Some(q) = s.qp.take() {
-                lane.nic.destroy_qp(q, true);
-            }
+            drop(s.qp.take());
             s.book.evacuate()
         };
         self.finish(ended);
@@ -166,7 +164,7 @@ impl RdmaLink {
         let lane = &self.lanes[rail];
         let (old, old_target) = {
             let s = lane.slots[idx].lock().unwrap();
-            (s.qp, s.target_qpn)
+            (s.qp.as_ref().map(|q| q.id()), s.target_qpn)
         };
         let peer_rail = lane.peer_rail.load(Ordering::Relaxed);
         let mut fresh = open_qps(&lane.nic, 1, 0)?;
@@ -175,7 +173,7 @@ impl RdmaLink {
         let answer = match exchange(self.control.as_ref(), &open, self.timeout) {
             Ok(a) if a.qps.len() == 1 && a.qps[0].rail == peer_rail => a,
             Ok(a) => {
-                lane.nic.destroy_qp(fresh[0].created.qp, true);
+                drop(fresh);
                 return Err(Error::not_connected(format!(
                     "the peer answered {} QPs (rails {:?}) for one on its rail {peer_rail}",
                     a.qps.len(),
@@ -183,30 +181,32 @@ impl RdmaLink {
                 )));
             }
             Err(e) => {
-                lane.nic.destroy_qp(fresh[0].created.qp, true);
+                drop(fresh);
                 return Err(e);
             }
         };
         let o = fresh.pop().expect("one QP");
         if let Err(e) = connect_qps(&self.rails.nics, std::slice::from_ref(&o), &answer.qps, true) {
-            lane.nic.destroy_qp(o.created.qp, true);
+            drop(o);
             return Err(e);
         }
         let mut s = lane.slots[idx].lock().unwrap();
-        if self.closed.load(Ordering::Acquire) || s.qp != old || !lane.up.load(Ordering::Acquire) {
+        if self.closed.load(Ordering::Acquire)
+            || s.qp.as_ref().map(|q| q.id()) != old
+            || !lane.up.load(Ordering::Acquire)
+        {
             // Closed, or the rail went out meanwhile (its parts moved on): not needed.
             drop(s);
-            lane.nic.destroy_qp(o.created.qp, true);
+            drop(o);
             return Ok(());
         }
-        if let Some(q) = old {
-            lane.nic.destroy_qp(q, true);
-        }
-        tracing::info!(peer = %self.control.peer(), device = %lane.nic.device, old = s.qpn, new = o.created.qpn, "RDMA QP replaced after an error");
-        s.qp = Some(o.created.qp);
-        s.qpn = o.created.qpn;
+        drop(s.qp.take()); // the failed QP, destroyed before its replacement takes its place
+        let qpn = o.qp.qpn();
+        tracing::info!(peer = %self.control.peer(), device = %lane.nic.device, old = s.qpn, new = qpn, "RDMA QP replaced after an error");
+        s.qp = Some(o.qp);
+        s.qpn = qpn;
         s.target_qpn = answer.qps[0].qpn;
-        s.book.revive(format!("QP {} of {} (to {})", o.created.qpn, lane.nic.device, self.control.peer()));
+        s.book.revive(format!("QP {qpn} of {} (to {})", lane.nic.device, self.control.peer()));
         let done = self.post_now(&lane.nic, &mut s);
         drop(s);
         self.finish(done);

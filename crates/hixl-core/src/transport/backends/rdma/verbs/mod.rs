@@ -1,10 +1,16 @@
 //! The verbs interface the `rdma` backend is written against: one method per `ibv_*` call it
 //! uses, with the same meaning, arguments and failure modes, and two providers: `verbs`
 //! (libibverbs loaded at run time, `ffi.rs`) and `soft` (a software RC NIC between processes,
-//! `soft/`). Objects are opaque handles that only the provider that made them understands.
+//! `soft/`). Objects are opaque handles that only the provider that made them understands; the
+//! backend holds them as the owned types of [`owned`], which release themselves on drop.
+
+mod owned;
 
 use crate::error::Result;
 use crate::wire::rdma::QpAddr;
+pub(crate) use owned::{
+    CompletionChannel, CompletionQueue, Context, MemoryRegion, ProtectionDomain, QueuePair,
+};
 
 /// A device context (`struct ibv_context *`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
