@@ -45,7 +45,7 @@ pub struct BackendDecl {
     /// Whether the deprecated `hixl.transport` accepts it as a value (it only ever named `shm`
     /// and `tcp`; `hixl.backends` took its place).
     pub legacy_transport: bool,
-    /// What this host tells about it without a peer, for `hixl info` ([`no_host_facts`] when
+    /// What this host tells about it without a peer, for `hixl info` (`no_host_facts` when
     /// nothing).
     pub host_facts: fn() -> HostFacts,
 }

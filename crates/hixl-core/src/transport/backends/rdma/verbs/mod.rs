@@ -2,7 +2,7 @@
 //! uses, with the same meaning, arguments and failure modes, and two providers: `verbs`
 //! (libibverbs loaded at run time, `ffi.rs`) and `soft` (a software RC NIC between processes,
 //! `soft/`). Objects are opaque handles that only the provider that made them understands; the
-//! backend holds them as the owned types of [`owned`], which release themselves on drop.
+//! backend holds them as the owned types of `owned.rs`, which release themselves on drop.
 
 mod owned;
 
