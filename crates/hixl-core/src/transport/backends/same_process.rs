@@ -113,14 +113,13 @@ impl SameProcessLink {
             let why = self.tcp.close_reason();
             return Err(Error::new(why.status, format!("the link is closed: {}", why.message)));
         }
-        if matches!(part.body, PartBody::Notify(_)) {
-            return Err(Error::failed("a notification reached the copy path"));
-        }
-        let Some(local) = part.memory() else { return Err(crate::queue::unpinned_part()) };
-        match &part.body {
-            PartBody::Data(segs) => self.copy(part.req.op, &**local, segs),
-            PartBody::Strided(st) => st.for_each_chunk(1024, |c| self.copy(part.req.op, &**local, c)),
-            PartBody::Notify(_) => Ok(()),
+        match (&part.body, part.memory()) {
+            (PartBody::Notify(_), _) => Err(Error::failed("a notification reached the copy path")),
+            (_, None) => Err(crate::queue::unpinned_part()),
+            (PartBody::Data(segs), Some(local)) => self.copy(part.req.op, &**local, segs),
+            (PartBody::Strided(st), Some(local)) => {
+                st.for_each_chunk(1024, |c| self.copy(part.req.op, &**local, c))
+            }
         }
     }
 

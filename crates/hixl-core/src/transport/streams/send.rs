@@ -105,12 +105,17 @@ impl TcpLink {
         let mut job = IoJob::default();
         let mut pend = s.pending.lock().unwrap();
         for part in batch {
-            let data = !matches!(part.body, PartBody::Notify(_));
-            if data && part.local().is_none() {
-                let err = crate::queue::unpinned_part();
-                refused.push((part, err));
-                continue;
-            }
+            // A data part's local side, checked once here (the job keeps its pins).
+            let local = match part.body {
+                PartBody::Notify(_) => None,
+                _ => match part.local() {
+                    Some(local) => Some(local),
+                    None => {
+                        refused.push((part, crate::queue::unpinned_part()));
+                        continue;
+                    }
+                },
+            };
             let tag = s.next_tag.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let write = part.req.op == TransferOp::Write;
             let frame = match (&part.body, part.req.op) {
@@ -136,7 +141,7 @@ impl TcpLink {
             let hasher = tx.mac.data_hasher(seq);
             job.push_owned(head);
             // The job keeps the part's pins until it drops, whenever the part settles.
-            if let Some(local) = part.local().filter(|_| write && data) {
+            if let Some(local) = local.filter(|_| write) {
                 job.push_kept(&local);
                 if let Some(mut h) = hasher {
                     local.hash_into(&mut h);
