@@ -1,26 +1,26 @@
 """A KV-cache rank in its own process, configured only by the environment (HIXL_CLUSTER_ID,
 HIXL_ROLE, HIXL_LISTEN, HIXL_PEERS) and driven by JSON lines on stdin.
 
-It calls a bare ``hixl.init()`` and prints "READY <address>" (with HIXL_KV_DEFER_INIT=1 it
+It calls a bare ``hixl.kv.init()`` and prints "READY <address>" (with HIXL_KV_DEFER_INIT=1 it
 prints "READY -" and waits for an "init" command instead). Each command line is a JSON
 object with "cmd"; each answer is one JSON line ({"ok": true, ...} or {"ok": false,
 "error": ..., "status_code": ...}):
   init    at, cluster_id, role, listen, peers: waits until time.monotonic() >= at (so that
-          several workers call it at the same instant), then hixl.init(...); answers the
+          several workers call it at the same instant), then hixl.kv.init(...); answers the
           ranks linked and link_ms, the time init took
-  finalize: hixl.finalize() (and forgets the caches); init may follow
+  finalize: hixl.kv.finalize() (and forgets the caches); init may follow
   linked: the ranks this rank is linked to
   alloc   name, shape, dtype, seed|null, layer_axis, block_axis: allocate (random or zeros)
   bytes   name: the cache's bytes as hex
   digest  name: the sha256 of the cache's bytes
-  link    ranks: hixl.link(ranks)
+  link    ranks: hixl.kv.link(ranks)
   pull    rank, name, remote_name|null: pull_cache into the local cache of that name
   push    ranks, name, remote_name|null: push_cache of the local cache to every rank
   receive rank, name: start receive_cache_async; answers at once
   received: wait for the receive task; answers the monotonic arrival time of every layer
   progress: the layers the receive task counts as arrived so far, without waiting
-  ranks   role|null: hixl.ranks(role) as [rank, role, address] lists
-  wait_ranks want, role|null, timeout_s: polls hixl.ranks(role) until its ranks are exactly
+  ranks   role|null: hixl.kv.ranks(role) as [rank, role, address] lists
+  wait_ranks want, role|null, timeout_s: polls hixl.kv.ranks(role) until its ranks are exactly
           `want`; answers them and "at", the monotonic time they were (ok false on timeout)
   exit
 """
@@ -43,9 +43,9 @@ def main() -> None:
     if os.environ.get("HIXL_KV_DEFER_INIT") == "1":
         print("READY -", flush=True)
     else:
-        print(f"READY {hixl.init().address}", flush=True)
-    caches: dict[str, hixl.Cache] = {}
-    receiving: tuple[hixl.TransferTask, hixl.LayerSynchronizer] | None = None
+        print(f"READY {hixl.kv.init().address}", flush=True)
+    caches: dict[str, hixl.kv.RegisteredCache] = {}
+    receiving: tuple[hixl.kv.TransferTask, hixl.kv.LayerTracker] | None = None
     for line in sys.stdin:
         c = json.loads(line)
         out: dict = {"ok": True}
@@ -54,7 +54,7 @@ def main() -> None:
                 while time.monotonic() < c["at"]:
                     time.sleep(0.0002)
                 t0 = time.monotonic()
-                hixl.init(
+                hixl.kv.init(
                     cluster_id=c["cluster_id"],
                     role=c["role"],
                     listen=c["listen"],
@@ -63,7 +63,7 @@ def main() -> None:
                 out["link_ms"] = (time.monotonic() - t0) * 1000
                 out["linked"] = sorted(context().peers)
             elif c["cmd"] == "finalize":
-                hixl.finalize()
+                hixl.kv.finalize()
                 caches.clear()
             elif c["cmd"] == "linked":
                 out["linked"] = sorted(context().peers)
@@ -75,7 +75,7 @@ def main() -> None:
                     rng = np.random.default_rng(c["seed"])
                     arr = rng.integers(0, 256, int(np.prod(shape)) * dt.itemsize, np.uint8)
                     arr = arr.view(dt).reshape(shape)
-                caches[c["name"]] = hixl.allocate_cache(
+                caches[c["name"]] = hixl.kv.allocate_cache(
                     arr,
                     name=c["name"],
                     layer_axis=c.get("layer_axis", 0),
@@ -86,17 +86,17 @@ def main() -> None:
             elif c["cmd"] == "digest":
                 out["sha256"] = hashlib.sha256(caches[c["name"]].array.tobytes()).hexdigest()
             elif c["cmd"] == "link":
-                hixl.link(c["ranks"])
+                hixl.kv.link(c["ranks"])
             elif c["cmd"] == "pull":
-                hixl.pull_cache(c["rank"], caches[c["name"]], remote_name=c.get("remote_name"))
+                hixl.kv.pull_cache(c["rank"], caches[c["name"]], remote_name=c.get("remote_name"))
             elif c["cmd"] == "push":
-                cfg = hixl.TransferConfig(max_concurrent=8)
-                hixl.push_cache(c["ranks"], caches[c["name"]], cfg, c.get("remote_name"))
+                cfg = hixl.kv.CacheTransferConfig(max_concurrent=8)
+                hixl.kv.push_cache(c["ranks"], caches[c["name"]], cfg, c.get("remote_name"))
             elif c["cmd"] == "receive":
                 cache = caches[c["name"]]
-                syncer = hixl.LayerSynchronizer(cache.num_layers)
-                cfg = hixl.TransferConfig(timeout_ms=c.get("timeout_ms", 10_000))
-                receiving = (hixl.receive_cache_async(c["rank"], cache, syncer, cfg), syncer)
+                syncer = hixl.kv.LayerTracker(cache.num_layers)
+                cfg = hixl.kv.CacheTransferConfig(timeout_ms=c.get("timeout_ms", 10_000))
+                receiving = (hixl.kv.receive_cache_async(c["rank"], cache, syncer, cfg), syncer)
             elif c["cmd"] == "received":
                 assert receiving is not None
                 task, syncer = receiving
@@ -109,18 +109,18 @@ def main() -> None:
                 out["done"] = receiving[0].is_done()
             elif c["cmd"] == "ranks":
                 out["ranks"] = [
-                    [i.cluster_id, i.role, i.address] for i in hixl.ranks(c.get("role"))
+                    [i.cluster_id, i.role, i.address] for i in hixl.kv.ranks(c.get("role"))
                 ]
             elif c["cmd"] == "wait_ranks":
                 deadline = time.monotonic() + c["timeout_s"]
                 while True:
-                    got = sorted(i.cluster_id for i in hixl.ranks(c.get("role")))
+                    got = sorted(i.cluster_id for i in hixl.kv.ranks(c.get("role")))
                     if got == sorted(c["want"]) or time.monotonic() > deadline:
                         break
                     time.sleep(0.01)
                 out = {"ok": got == sorted(c["want"]), "ranks": got, "at": time.monotonic()}
             elif c["cmd"] == "exit":
-                hixl.finalize()
+                hixl.kv.finalize()
                 print(json.dumps(out), flush=True)
                 return
         except hixl.HixlError as exc:

@@ -305,7 +305,7 @@ def test_one_prompt_three_decoders_find_each_other_on_separate_hosts(
         time.sleep(0.02)
     prompt.ok("push", ranks=[1, 2, 3], name="kv")
     assert prompt.ok("linked")["linked"] == [1, 2, 3]
-    decoders[0].ok("link", ranks=[0])  # hixl.link by rank alone: the view has the address
+    decoders[0].ok("link", ranks=[0])  # hixl.kv.link by rank alone: the view has the address
     assert decoders[0].ok("linked")["linked"] == [0]
     for d in decoders:
         assert digest(d, "kv") == digest(prompt, "kv")
@@ -377,27 +377,27 @@ def test_etcd_down_at_start_is_a_clear_error() -> None:
     port = free_port("127.0.0.1")  # nothing listens there
     t0 = time.monotonic()
     with pytest.raises(hixl.NotConnected) as err:
-        hixl.init(cluster_id=0, role="prompt", discovery=f"etcd://127.0.0.1:{port}/x")
+        hixl.kv.init(cluster_id=0, role="prompt", discovery=f"etcd://127.0.0.1:{port}/x")
     took = time.monotonic() - t0
     msg = str(err.value)
     assert f"127.0.0.1:{port}" in msg and "does not answer" in msg, msg
     assert "Start etcd" in msg, msg
     assert took < 5, took
-    hixl.init(cluster_id=0, role="prompt")  # nothing was left behind
-    hixl.finalize()
+    hixl.kv.init(cluster_id=0, role="prompt")  # nothing was left behind
+    hixl.kv.finalize()
 
 
 def test_discovery_options_are_checked() -> None:
     with pytest.raises(hixl.ParamInvalid, match="need discovery"):
-        hixl.init(cluster_id=0, options={"hixl.discovery.ttl_s": "5"})
+        hixl.kv.init(cluster_id=0, options={"hixl.discovery.ttl_s": "5"})
     with pytest.raises(hixl.ParamInvalid, match="unknown option 'hixl.discovery.ttl'"):
-        hixl.init(
+        hixl.kv.init(
             cluster_id=0, discovery="etcd://127.0.0.1:1/x", options={"hixl.discovery.ttl": "5"}
         )
     with pytest.raises(hixl.ParamInvalid, match="only etcd://"):
-        hixl.init(cluster_id=0, discovery="consul://127.0.0.1:8500/x")
+        hixl.kv.init(cluster_id=0, discovery="consul://127.0.0.1:8500/x")
     with pytest.raises(hixl.ParamInvalid, match="ttl_s"):
-        hixl.init(
+        hixl.kv.init(
             cluster_id=0, discovery="etcd://127.0.0.1:1/x", options={"hixl.discovery.ttl_s": "0"}
         )
 
@@ -413,7 +413,7 @@ def test_etcd_auth_and_a_rank_published_twice(etcd_local: Etcd) -> None:
     admin.call("auth/enable", {})
     url = f"{e.url}/auth-a"
     with pytest.raises(hixl.NotConnected, match="authentication failed"):
-        hixl.init(
+        hixl.kv.init(
             cluster_id=5,
             discovery=url,
             options={"hixl.discovery.user": "root", "hixl.discovery.password": "wrong"},
@@ -428,7 +428,7 @@ def test_etcd_auth_and_a_rank_published_twice(etcd_local: Etcd) -> None:
         "hixl.discovery.ttl_s": str(TTL),
         "hixl.secret": SECRET,  # the workers' (with a secret, ranks check each other's entries)
     }
-    hixl.init(cluster_id=5, role="prompt", discovery=url, options=opts)
+    hixl.kv.init(cluster_id=5, role="prompt", discovery=url, options=opts)
     try:
         auth = EtcdClient([("127.0.0.1", e.port)], user="root", password="rootpw")
         view, _ = auth.range_prefix(b"/auth-a/ranks/")
@@ -448,18 +448,18 @@ def test_etcd_auth_and_a_rank_published_twice(etcd_local: Etcd) -> None:
             other = Rank(None, 0, 6, "decoder", url, env=auth_env)
             try:
                 deadline = time.monotonic() + 10
-                while [i.cluster_id for i in hixl.ranks()] != [6]:
-                    assert time.monotonic() < deadline, hixl.ranks()
+                while [i.cluster_id for i in hixl.kv.ranks()] != [6]:
+                    assert time.monotonic() < deadline, hixl.kv.ranks()
                     time.sleep(0.02)
                 assert other.ok("ranks")["ranks"][0][:2] == [5, "prompt"]
             finally:
                 other.close()
-            hixl.finalize()
+            hixl.kv.finalize()
             twin.ok("init", peers={}, **init)  # free at once: finalize revoked the lease
         finally:
             twin.close()
     finally:
-        hixl.finalize()
+        hixl.kv.finalize()
 
 
 def test_etcd_restarted_without_its_data_ranks_publish_again(ranks, etcd: Etcd) -> None:
@@ -537,22 +537,22 @@ def test_etcd_over_tls_with_a_client_certificate(tmp_path: Path) -> None:
     try:
         url = f"{e.url}/tls-a"
         with pytest.raises(hixl.NotConnected, match="does not answer"):  # etcd wants a cert
-            hixl.init(cluster_id=2, discovery=url, options={"hixl.discovery.ca": certs["ca"]})
+            hixl.kv.init(cluster_id=2, discovery=url, options={"hixl.discovery.ca": certs["ca"]})
         with pytest.raises(hixl.NotConnected, match="CERTIFICATE_VERIFY_FAILED"):  # not its CA
-            hixl.init(cluster_id=2, discovery=url)
+            hixl.kv.init(cluster_id=2, discovery=url)
         with pytest.raises(hixl.ParamInvalid, match="TLS"):
-            hixl.init(cluster_id=2, discovery=url, options={"hixl.discovery.ca": "/nonexistent"})
+            hixl.kv.init(cluster_id=2, discovery=url, options={"hixl.discovery.ca": "/nonexistent"})
         opts = {
             "hixl.discovery.ca": certs["ca"],
             "hixl.discovery.cert": str(client.cert),
             "hixl.discovery.key": str(client.key),
         }
-        me = hixl.init(cluster_id=2, role="decoder", discovery=url, options=opts)
+        me = hixl.kv.init(cluster_id=2, role="decoder", discovery=url, options=opts)
         try:
             view, _ = EtcdClient([("127.0.0.1", e.port)], client).range_prefix(b"/tls-a/ranks/")
             assert json.loads(view[b"/tls-a/ranks/2"])["address"] == me.address
         finally:
-            hixl.finalize()
+            hixl.kv.finalize()
         assert EtcdClient([("127.0.0.1", e.port)], client).range_prefix(b"/tls-a/")[0] == {}
     finally:
         e.kill()
@@ -561,7 +561,7 @@ def test_etcd_over_tls_with_a_client_certificate(tmp_path: Path) -> None:
 def test_an_entry_removed_by_hand_is_published_again(etcd_local: Etcd) -> None:
     c = EtcdClient([("127.0.0.1", etcd_local.port)])
     key = b"/hand/ranks/4"
-    me = hixl.init(cluster_id=4, role="decoder", discovery=f"{etcd_local.url}/hand")
+    me = hixl.kv.init(cluster_id=4, role="decoder", discovery=f"{etcd_local.url}/hand")
     try:
         assert json.loads(c.get(key) or b"{}").get("address") == me.address
         c.call("kv/deleterange", {"key": b64(key)})
@@ -571,5 +571,5 @@ def test_an_entry_removed_by_hand_is_published_again(etcd_local: Etcd) -> None:
             time.sleep(0.02)
         assert json.loads(c.get(key) or b"{}").get("address") == me.address
     finally:
-        hixl.finalize()
+        hixl.kv.finalize()
     assert c.get(key) is None  # finalize revoked the lease: the entry went with it

@@ -116,18 +116,18 @@ def ranks() -> Iterator:
 
 @pytest.fixture
 def kv() -> Iterator:
-    """hixl.init for this (test) process; finalized afterwards whatever happens."""
-    yield hixl.init
-    hixl.finalize()
+    """hixl.kv.init for this (test) process; finalized afterwards whatever happens."""
+    yield hixl.kv.init
+    hixl.kv.finalize()
 
 
 def test_pull_cache(ranks, kv) -> None:
     prompt = ranks(0, "prompt")
     prompt.ok("alloc", name="kv", shape=SHAPE, dtype="float16", seed=1)
     kv(cluster_id=1, role="decoder", peers={0: prompt.address})
-    local = hixl.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    local = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv")
     assert (local.name, local.shape, local.num_layers) == ("kv", SHAPE, 8)
-    res = hixl.pull_cache(0, local).wait()
+    res = hixl.kv.pull_cache(0, local).wait()
     assert res.status_code == "LLM_SUCCESS" and res.bytes == local.nbytes > 0
     assert res.per_rank[0].bytes == local.nbytes and res.elapsed_s > 0
     assert local.array.tobytes() == filled(SHAPE, 1).tobytes()
@@ -136,13 +136,13 @@ def test_pull_cache(ranks, kv) -> None:
 def test_names_default_to_allocation_order_and_peers_see_new_caches(ranks, kv) -> None:
     prompt = ranks(0, "prompt")
     kv(cluster_id=1, role="decoder", peers={0: prompt.address})
-    a = hixl.allocate_cache(np.zeros(64, np.uint8))
-    b = hixl.allocate_cache(np.zeros(64, np.uint8))
+    a = hixl.kv.allocate_cache(np.zeros(64, np.uint8))
+    b = hixl.kv.allocate_cache(np.zeros(64, np.uint8))
     assert (a.name, b.name) == ("0", "1")
     # A cache the peer allocates after the link is found on first use.
     prompt.ok("alloc", name="late", shape=[4, 256], dtype="uint8", seed=5)
-    late = hixl.allocate_cache(np.zeros((4, 256), np.uint8), name="late")
-    hixl.pull_cache(0, late)
+    late = hixl.kv.allocate_cache(np.zeros((4, 256), np.uint8), name="late")
+    hixl.kv.pull_cache(0, late)
     assert late.array.tobytes() == filled((4, 256), 5, np.uint8).tobytes()
 
 
@@ -151,9 +151,9 @@ def test_push_cache_to_three_ranks_from_one_buffer(ranks, kv) -> None:
     for d in decoders:
         d.ok("alloc", name="kv", shape=SHAPE, dtype="float16", seed=None)
     kv(cluster_id=0, role="prompt", peers={d.rank: d.address for d in decoders})
-    src = hixl.allocate_cache(filled(SHAPE, 7).copy(), name="kv")
-    cfg = hixl.TransferConfig(max_concurrent=6, async_enable=True)
-    task = hixl.push_cache([1, 2, 3], src, cfg)
+    src = hixl.kv.allocate_cache(filled(SHAPE, 7).copy(), name="kv")
+    cfg = hixl.kv.CacheTransferConfig(max_concurrent=6, async_enable=True)
+    task = hixl.kv.push_cache([1, 2, 3], src, cfg)
     res = task.wait(30_000)
     assert task.is_done() and res.bytes == 3 * src.nbytes
     assert {r: pr.bytes for r, pr in res.per_rank.items()} == {r: src.nbytes for r in (1, 2, 3)}
@@ -167,20 +167,20 @@ def test_blocks_with_scattered_ids(ranks, kv) -> None:
     prompt.ok("alloc", name="dst", shape=SHAPE, dtype="float16", seed=None)
     kv(cluster_id=1, role="decoder", peers={0: prompt.address})
     big = (8, 2, 24, 4, 2, 64)  # the decoder's pool has more blocks than the prompt's
-    local = hixl.allocate_cache(np.zeros(big, DT), name="kv")
+    local = hixl.kv.allocate_cache(np.zeros(big, DT), name="kv")
     src, dst = [3, 4, 5, 9, 0, 15], [10, 11, 12, 1, 23, 2]
-    res = hixl.pull_blocks(0, local, src, dst).wait()
+    res = hixl.kv.pull_blocks(0, local, src, dst).wait()
     want = np.zeros(big, DT)
     want[:, :, dst] = filled(SHAPE, 3)[:, :, src]
     assert local.array.tobytes() == want.tobytes()
     assert res.bytes == len(src) * 8 * 2 * 4 * 2 * 64 * 2
     # push_blocks: local blocks 10..12 and 1 go back into the prompt's "dst" cache.
-    hixl.push_blocks(0, local, [10, 11, 12, 1], [0, 1, 2, 7], remote_name="dst")
+    hixl.kv.push_blocks(0, local, [10, 11, 12, 1], [0, 1, 2, 7], remote_name="dst")
     want_remote = np.zeros(SHAPE, DT)
     want_remote[:, :, [0, 1, 2, 7]] = filled(SHAPE, 3)[:, :, [3, 4, 5, 9]]
     assert prompt.array("dst", SHAPE).tobytes() == want_remote.tobytes()
-    with pytest.raises(hixl.LLMError, match="block id 16 is out of range 0..15") as e:
-        hixl.pull_blocks(0, local, [16], [0])
+    with pytest.raises(hixl.kv.KVError, match="block id 16 is out of range 0..15") as e:
+        hixl.kv.pull_blocks(0, local, [16], [0])
     assert e.value.status_code == "103900"  # the engine's PARAM_INVALID code
 
 
@@ -189,9 +189,9 @@ def test_layerwise_pull_arrives_in_order(ranks, kv) -> None:
     prompt = ranks(0, "prompt")
     prompt.ok("alloc", name="kv", shape=shape, dtype="float16", seed=11)
     kv(cluster_id=1, role="decoder", peers={0: prompt.address})
-    local = hixl.allocate_cache(np.zeros(shape, DT), name="kv")
-    syncer = hixl.LayerSynchronizer(32, sync_interval=4)
-    task = hixl.transfer_cache_async(0, local, syncer, mode="pull")
+    local = hixl.kv.allocate_cache(np.zeros(shape, DT), name="kv")
+    syncer = hixl.kv.LayerTracker(32, sync_interval=4)
+    task = hixl.kv.transfer_cache_async(0, local, syncer, mode="pull")
     seen = []
     while not seen or seen[-1] < 32:
         seen.append(syncer.wait_sync(timeout_ms=30_000))
@@ -212,9 +212,9 @@ def test_layerwise_push_overlaps_compute(ranks, kv) -> None:
     decoder.ok("receive", rank=0, name="kv")
     kv(cluster_id=0, role="prompt", peers={1: decoder.address})
     want = filled(SHAPE, 21)
-    cache = hixl.allocate_cache(np.zeros(SHAPE, DT), name="kv")
-    syncer = hixl.LayerSynchronizer(8)
-    task = hixl.transfer_cache_async(1, cache, syncer, mode="push")
+    cache = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    syncer = hixl.kv.LayerTracker(8)
+    task = hixl.kv.transfer_cache_async(1, cache, syncer, mode="push")
     for k in range(8):
         time.sleep(0.02)  # "computing" layer k
         cache.array[k] = want[k]
@@ -232,20 +232,20 @@ def test_missing_cache_and_too_large(ranks, kv) -> None:
     prompt.ok("alloc", name="small", shape=[2, 1024], dtype="uint8", seed=1)
     prompt.ok("alloc", name="big", shape=[2, 4096], dtype="uint8", seed=1)
     kv(cluster_id=1, role="decoder", peers={0: prompt.address})
-    local = hixl.allocate_cache(np.zeros((2, 2048), np.uint8), name="small")
-    cfg = hixl.TransferConfig(async_enable=True)
-    task = hixl.pull_cache(0, local, cfg, remote_name="nope")
-    with pytest.raises(hixl.LLMError) as e:
+    local = hixl.kv.allocate_cache(np.zeros((2, 2048), np.uint8), name="small")
+    cfg = hixl.kv.CacheTransferConfig(async_enable=True)
+    task = hixl.kv.pull_cache(0, local, cfg, remote_name="nope")
+    with pytest.raises(hixl.kv.KVError) as e:
         task.wait(10_000)
     assert e.value.status_code == "LLM_002001"
     assert "'nope'" in str(e.value) and "rank 0" in str(e.value)
-    with pytest.raises(hixl.LLMError) as e:
-        hixl.pull_cache(0, local, remote_name="big")  # synchronous: raises from the call
+    with pytest.raises(hixl.kv.KVError) as e:
+        hixl.kv.pull_cache(0, local, remote_name="big")  # synchronous: raises from the call
     assert e.value.status_code == "LLM_002002"
     assert "8192" in str(e.value) and "4096" in str(e.value)
     assert local.array.sum() == 0  # nothing was moved
     # The link still works for a valid transfer.
-    hixl.pull_cache(0, local, remote_name="small")
+    hixl.kv.pull_cache(0, local, remote_name="small")
     assert local.array.tobytes()[:2048] == filled((2, 1024), 1, np.uint8).tobytes()
 
 
@@ -253,21 +253,23 @@ def test_engine_errors_keep_their_codes(ranks, kv) -> None:
     decoder = ranks(1, "decoder")
     decoder.ok("alloc", name="kv", shape=SHAPE, dtype="float16", seed=None)
     kv(cluster_id=0, role="prompt", peers={1: decoder.address})
-    cache = hixl.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    cache = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv")
     decoder.proc.kill()
     decoder.proc.wait()
-    with pytest.raises(hixl.LLMError) as e:
-        hixl.push_cache(1, cache, hixl.TransferConfig(timeout_ms=2000))
+    with pytest.raises(hixl.kv.KVError) as e:
+        hixl.kv.push_cache(1, cache, hixl.kv.CacheTransferConfig(timeout_ms=2000))
     assert e.value.status_code in {"103901", "103902", "503900"}
     assert isinstance(e.value.__cause__, hixl.HixlError)
     # A receive with nothing coming times out within its timeout.
-    syncer = hixl.LayerSynchronizer(8)
+    syncer = hixl.kv.LayerTracker(8)
     t0 = time.monotonic()
-    task = hixl.receive_cache_async(5, cache, syncer, hixl.TransferConfig(timeout_ms=300))
-    with pytest.raises(hixl.LLMError) as e:
+    task = hixl.kv.receive_cache_async(
+        5, cache, syncer, hixl.kv.CacheTransferConfig(timeout_ms=300)
+    )
+    with pytest.raises(hixl.kv.KVError) as e:
         syncer.wait_sync()
     assert e.value.status_code == "103901" and time.monotonic() - t0 < 5
-    with pytest.raises(hixl.LLMError):
+    with pytest.raises(hixl.kv.KVError):
         task.wait(5000)
 
 
@@ -275,26 +277,26 @@ def test_engine_errors_keep_their_codes(ranks, kv) -> None:
 def test_same_roles_refuse_to_link(ranks, kv, mine: str) -> None:
     other = ranks(0, mine)
     kv(cluster_id=1, role=mine)
-    with pytest.raises(hixl.LLMError) as e:
-        hixl.link([hixl.LLMClusterInfo.from_dict({"cluster_id": 0, "address": other.address})])
+    with pytest.raises(hixl.kv.KVError) as e:
+        hixl.kv.link([hixl.kv.PeerRank.from_dict({"cluster_id": 0, "address": other.address})])
     assert e.value.status_code == "LLM_002003" and "not interchangeable" in str(e.value)
     mix = ranks(2, "mix")
     mix.ok("alloc", name="m", shape=[64], dtype="uint8", seed=4)
-    hixl.link([{"cluster_id": 2, "address": mix.address}])  # mix links with both
-    m = hixl.allocate_cache(np.zeros(64, np.uint8), name="m")
-    hixl.pull_cache(2, m)
+    hixl.kv.link([{"cluster_id": 2, "address": mix.address}])  # mix links with both
+    m = hixl.kv.allocate_cache(np.zeros(64, np.uint8), name="m")
+    hixl.kv.pull_cache(2, m)
     assert m.array.tobytes() == filled((64,), 4, np.uint8).tobytes()
-    hixl.unlink([2])
-    with pytest.raises(hixl.LLMError, match="LLM_002004"):
-        hixl.pull_cache(2, m)
-    with pytest.raises(hixl.LLMError, match="LLM_002004"):
-        hixl.pull_cache(0, hixl.allocate_cache(np.zeros(64, np.uint8)))
+    hixl.kv.unlink([2])
+    with pytest.raises(hixl.kv.KVError, match="LLM_002004"):
+        hixl.kv.pull_cache(2, m)
+    with pytest.raises(hixl.kv.KVError, match="LLM_002004"):
+        hixl.kv.pull_cache(0, hixl.kv.allocate_cache(np.zeros(64, np.uint8)))
 
 
 def test_init_from_environment_only(ranks, monkeypatch) -> None:
     prompt = ranks(0, "prompt")
     prompt.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=9)
-    decoder = ranks(1, "decoder", peers={0: prompt.address})  # a bare hixl.init() links
+    decoder = ranks(1, "decoder", peers={0: prompt.address})  # a bare hixl.kv.init() links
     decoder.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=None)
     decoder.ok("pull", rank=0, name="kv")
     assert (
@@ -303,28 +305,28 @@ def test_init_from_environment_only(ranks, monkeypatch) -> None:
     for var in ("HIXL_CLUSTER_ID", "HIXL_ROLE", "HIXL_PEERS"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(hixl.ParamInvalid, match="HIXL_CLUSTER_ID"):
-        hixl.init()
+        hixl.kv.init()
 
 
 def test_bad_arguments(kv) -> None:
     with pytest.raises(hixl.ParamInvalid, match="role='boss'"):
-        hixl.init(cluster_id=0, role="boss")
+        hixl.kv.init(cluster_id=0, role="boss")
     kv(cluster_id=0, role="mix")
     with pytest.raises(hixl.Failed, match="already called"):
-        hixl.init(cluster_id=1)
+        hixl.kv.init(cluster_id=1)
     with pytest.raises(hixl.ParamInvalid, match="needs a CUDA array"):
-        hixl.allocate_cache(np.zeros(64, np.uint8), mem_type="device")
+        hixl.kv.allocate_cache(np.zeros(64, np.uint8), mem_type="device")
     with pytest.raises(hixl.ParamInvalid, match="max_concurrent=0"):
-        hixl.TransferConfig(max_concurrent=0)
+        hixl.kv.CacheTransferConfig(max_concurrent=0)
     with pytest.raises(hixl.ParamInvalid, match="total_layers=0"):
-        hixl.LayerSynchronizer(0)
-    c = hixl.allocate_cache(np.zeros((4, 64), np.uint8), name="x")
+        hixl.kv.LayerTracker(0)
+    c = hixl.kv.allocate_cache(np.zeros((4, 64), np.uint8), name="x")
     with pytest.raises(hixl.ParamInvalid, match="already exists"):
-        hixl.allocate_cache(np.zeros(64, np.uint8), name="x")
+        hixl.kv.allocate_cache(np.zeros(64, np.uint8), name="x")
     with pytest.raises(hixl.ParamInvalid, match="total_layers=8"):
-        hixl.transfer_cache_async(0, c, hixl.LayerSynchronizer(8))
+        hixl.kv.transfer_cache_async(0, c, hixl.kv.LayerTracker(8))
     with pytest.raises(hixl.ParamInvalid, match="not C-contiguous"):
-        hixl.allocate_cache(np.zeros((8, 8), np.uint8)[:, ::2])
+        hixl.kv.allocate_cache(np.zeros((8, 8), np.uint8)[:, ::2])
 
 
 def test_ranks_link_both_ways_push_then_pull(ranks) -> None:
@@ -360,7 +362,7 @@ DEPLOY_SHAPE = (4, 2, 4, 4, 2, 64)  # 32 KiB of float16: rounds stay cheap
 
 
 def deploy_round(workers: list[Rank], rnd: int) -> None:
-    """One deployment-style start: every worker calls hixl.init(cluster_id, role, listen,
+    """One deployment-style start: every worker calls hixl.kv.init(cluster_id, role, listen,
     peers={every rank of the other role}) at the same instant; then each prompt rank pushes
     its cache to every decoder, each decoder pulls every prompt's cache, and every byte is
     checked; then all finalize."""
@@ -419,23 +421,23 @@ def test_ranks_started_together_link_and_move_bytes(ranks, n_prompt, n_decoder) 
 
 
 def test_one_prompt_links_eight_decoders_at_once(ranks, kv, free_port) -> None:
-    """hixl.init(peers=8 decoders) links all 8 (in parallel: benches/kv_link.py measures how
+    """hixl.kv.init(peers=8 decoders) links all 8 (in parallel: benches/kv_link.py measures how
     long it takes); a push then reaches every one of them."""
     decoders = [ranks(r, "decoder") for r in range(1, 9)]
     for d in decoders:
         d.ok("alloc", name="kv", shape=[2, 1024], dtype="uint8", seed=None)
     kv(cluster_id=0, role="prompt", peers={d.rank: d.address for d in decoders})
     assert sorted(context().peers) == list(range(1, 9))
-    src = hixl.allocate_cache(filled((2, 1024), 8, np.uint8).copy(), name="kv")
-    hixl.push_cache(list(range(1, 9)), src, hixl.TransferConfig(max_concurrent=8))
+    src = hixl.kv.allocate_cache(filled((2, 1024), 8, np.uint8).copy(), name="kv")
+    hixl.kv.push_cache(list(range(1, 9)), src, hixl.kv.CacheTransferConfig(max_concurrent=8))
     for d in decoders:
         assert d.array("kv", (2, 1024), np.uint8).tobytes() == src.array.tobytes()
     # Links that fail are reported (the first in the order given) once every link was tried;
     # the others are up.
-    hixl.unlink([1, 2])
+    hixl.kv.unlink([1, 2])
     dead = f"127.0.0.1:{free_port}"
-    with pytest.raises(hixl.LLMError, match=dead) as e:
-        hixl.link([1, {"cluster_id": 9, "address": dead}, 2], timeout_ms=300)
+    with pytest.raises(hixl.kv.KVError, match=dead) as e:
+        hixl.kv.link([1, {"cluster_id": 9, "address": dead}, 2], timeout_ms=300)
     assert e.value.status_code in {"103901", "103902"}
     assert sorted(context().peers) == list(range(1, 9))
 
@@ -449,11 +451,11 @@ def test_kv_tasks_and_layers_are_awaitable(ranks, kv) -> None:
     prompt = ranks(0, "prompt")
     prompt.ok("alloc", name="kv", shape=shape, dtype="float16", seed=13)
     kv(cluster_id=1, role="decoder", peers={0: prompt.address})
-    local = hixl.allocate_cache(np.zeros(shape, DT), name="kv")
+    local = hixl.kv.allocate_cache(np.zeros(shape, DT), name="kv")
 
     async def main() -> tuple[list[int], int]:
-        syncer = hixl.LayerSynchronizer(16, sync_interval=4)
-        task = hixl.transfer_cache_async(0, local, syncer, mode="pull")
+        syncer = hixl.kv.LayerTracker(16, sync_interval=4)
+        task = hixl.kv.transfer_cache_async(0, local, syncer, mode="pull")
         ticks = 0
 
         async def ticker() -> None:
@@ -471,7 +473,7 @@ def test_kv_tasks_and_layers_are_awaitable(ranks, kv) -> None:
         res = await task
         assert res.bytes == local.nbytes
         with pytest.raises(hixl.Timeout):
-            await hixl.LayerSynchronizer(2).wait_layer_async(1, timeout_ms=50)
+            await hixl.kv.LayerTracker(2).wait_layer_async(1, timeout_ms=50)
         t.cancel()
         return seen, ticks
 
@@ -516,9 +518,11 @@ def test_a_receive_leaves_the_applications_notifications_to_it(kv) -> None:
     application's own, sent by another engine among the layers while the receive runs, all
     reach the application's wait_notifies, in order, and the receive still completes."""
     kv(cluster_id=0, role="decoder")
-    cache = hixl.allocate_cache(np.zeros(SHAPE, DT), name="kv")
-    syncer = hixl.LayerSynchronizer(SHAPE[0])
-    task = hixl.receive_cache_async(5, cache, syncer, hixl.TransferConfig(timeout_ms=30_000))
+    cache = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    syncer = hixl.kv.LayerTracker(SHAPE[0])
+    task = hixl.kv.receive_cache_async(
+        5, cache, syncer, hixl.kv.CacheTransferConfig(timeout_ms=30_000)
+    )
     app = [(f"app.{i % 3}", f"msg {i}") for i in range(30)]
     pairs: list[str] = []
     for i, (name, msg) in enumerate(app):
@@ -554,8 +558,8 @@ def test_mismatched_block_lists_are_reported_before_the_link(kv) -> None:
     """Issue 35, item 15: block lists of different lengths are a PARAM_INVALID naming the
     lengths even when the rank is not linked (the link error used to hide it)."""
     kv(cluster_id=1, role="decoder")  # rank 0 is not linked
-    local = hixl.allocate_cache(np.zeros(SHAPE, DT), name="kv")
-    for call in (hixl.pull_blocks, hixl.push_blocks):
-        with pytest.raises(hixl.LLMError, match=r"[12] remote block ids but [12] local") as e:
+    local = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    for call in (hixl.kv.pull_blocks, hixl.kv.push_blocks):
+        with pytest.raises(hixl.kv.KVError, match=r"[12] remote block ids but [12] local") as e:
             call(0, local, [0, 1], [2]).wait()
         assert e.value.status_code == "103900"

@@ -100,8 +100,8 @@ def test_malformed_directory_is_an_llm_error(kv) -> None:
     bodies.append(json.dumps({"rank": 3, "role": "prompt", "caches": []}).encode())  # header: 0
 
     def refused(fake: hixl.Hixl, why: str) -> None:
-        with pytest.raises(hixl.LLMError, match="malformed KV-cache directory") as e:
-            hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
+        with pytest.raises(hixl.kv.KVError, match="malformed KV-cache directory") as e:
+            hixl.kv.link([{"cluster_id": 0, "address": fake.local_engine}])
         assert e.value.status_code == "LLM_002004", why
         assert fake.local_engine in str(e.value), str(e.value)  # it names the peer
 
@@ -149,11 +149,11 @@ def test_link_waits_for_a_directory_published_after_listening(kv) -> None:
         timer = threading.Timer(0.2, lambda: Directory(late, 0, "prompt"))
         timer.start()
         try:
-            hixl.link([{"cluster_id": 0, "address": late.local_engine}], timeout_ms=5000)
+            hixl.kv.link([{"cluster_id": 0, "address": late.local_engine}], timeout_ms=5000)
         finally:
             timer.join()
         assert sorted(context().peers) == [0]
-        hixl.unlink([0])
+        hixl.kv.unlink([0])
 
 
 def test_directory_is_the_region_named_so_naming_the_rank(ranks, kv) -> None:
@@ -177,23 +177,23 @@ def test_directory_is_the_region_named_so_naming_the_rank(ranks, kv) -> None:
         named, _ = fake_directory(fake, 0, name=DIR_NAME + ".copy")
         named[:] = copy
         t0 = time.monotonic()
-        with pytest.raises(hixl.LLMError, match="publishes no hixl KV-cache directory") as e:
-            hixl.link([{"cluster_id": 0, "address": fake.local_engine}], timeout_ms=300)
+        with pytest.raises(hixl.kv.KVError, match="publishes no hixl KV-cache directory") as e:
+            hixl.kv.link([{"cluster_id": 0, "address": fake.local_engine}], timeout_ms=300)
         assert e.value.status_code == "LLM_002004" and time.monotonic() - t0 < 5
         assert fake.local_engine in str(e.value)
         # The directory under that name naming another rank: refused as that rank.
         other, _ = fake_directory(fake, 7)
         other[HEADER : HEADER + len(body)] = np.frombuffer(body.replace(b":0", b":7"), np.uint8)
-        with pytest.raises(hixl.LLMError, match="is rank 7, not cluster_id=0") as e:
-            hixl.link([{"cluster_id": 0, "address": fake.local_engine}])
+        with pytest.raises(hixl.kv.KVError, match="is rank 7, not cluster_id=0") as e:
+            hixl.kv.link([{"cluster_id": 0, "address": fake.local_engine}])
         assert fake.local_engine in str(e.value)
     # A forged directory written into a writable cache of the real rank 0 (by a peer with
     # the cluster secret) is not taken for rank 0's directory: the named region is.
     real.ok("alloc", name="big", shape=[DIR_BYTES], dtype="uint8", seed=None)
-    hixl.link([{"cluster_id": 0, "address": real.address}])
+    hixl.kv.link([{"cluster_id": 0, "address": real.address}])
     peer, big = context().remote_cache(0, "big")
     assert peer.dir_addr == context().engine.remote_region(real.address, DIR_NAME).addr
-    hixl.unlink([0])
+    hixl.kv.unlink([0])
     with hixl.Hixl() as attacker:
         attacker.initialize("127.0.0.1")
         forged, _ = fake_directory(attacker, 0, access="rw", name="")
@@ -202,11 +202,11 @@ def test_directory_is_the_region_named_so_naming_the_rank(ranks, kv) -> None:
         w_[W_LEN], w_[W_SEQ] = len(body), 2
         attacker.connect(real.address, timeout_ms=5000)
         attacker.put(real.address, forged.ctypes.data, big.addr, DIR_BYTES, 5000)
-    hixl.link([{"cluster_id": 0, "address": real.address}])
+    hixl.kv.link([{"cluster_id": 0, "address": real.address}])
     peer = context().peers[0]
     assert peer.dir_addr != big.addr and sorted(peer.caches) == ["big", "kv"], peer
-    local = hixl.allocate_cache(np.zeros((4, 512), np.uint8), name="kv")
-    hixl.pull_cache(0, local).wait()
+    local = hixl.kv.allocate_cache(np.zeros((4, 512), np.uint8), name="kv")
+    hixl.kv.pull_cache(0, local).wait()
     assert local.array.tobytes() == filled((4, 512), 9, np.uint8).tobytes()
 
 
@@ -222,14 +222,14 @@ def test_async_tasks_share_one_completion_driven_thread(ranks, kv) -> None:
     prompt.ok("alloc", name="kv", shape=shape, dtype="float16", seed=21)
     kv(cluster_id=1, role="decoder", peers={0: prompt.address})
     want = filled(shape, 21).tobytes()
-    locals_ = [hixl.allocate_cache(np.zeros(shape, DT), name=f"c{i}") for i in range(6)]
-    cfg = hixl.TransferConfig(max_concurrent=2, async_enable=True)
+    locals_ = [hixl.kv.allocate_cache(np.zeros(shape, DT), name=f"c{i}") for i in range(6)]
+    cfg = hixl.kv.CacheTransferConfig(max_concurrent=2, async_enable=True)
     before = {t.ident for t in threading.enumerate()}
 
     async def main() -> list[str]:
-        tasks = [hixl.pull_cache(0, c, cfg, remote_name="kv") for c in locals_]
-        syncer = hixl.LayerSynchronizer(8)
-        layerwise = hixl.transfer_cache_async(0, locals_[0], syncer, remote_name="kv")
+        tasks = [hixl.kv.pull_cache(0, c, cfg, remote_name="kv") for c in locals_]
+        syncer = hixl.kv.LayerTracker(8)
+        layerwise = hixl.kv.transfer_cache_async(0, locals_[0], syncer, remote_name="kv")
         names = [t.name for t in threading.enumerate() if t.ident not in before]
         with hixl.Hixl() as e:  # plain engine requests awaited on this loop meanwhile
             e.initialize("127.0.0.1:0")

@@ -18,7 +18,7 @@ def test_seed_layerwise_example_runs() -> None:
     prompt = Rank(1, "prompt")
     try:
         prompt.ok("alloc", name="kv", shape=list(shape), dtype="float16", seed=7)
-        hixl.init(cluster_id=0, role="decoder", peers={1: prompt.address})
+        hixl.kv.init(cluster_id=0, role="decoder", peers={1: prompt.address})
         try:
             want = filled(shape, 7)
             decoded: list[int] = []
@@ -30,9 +30,9 @@ def test_seed_layerwise_example_runs() -> None:
 
             # The seed's example; device lines: torch NPU tensor -> host array, "device" -> "host".
             big_cache = np.zeros(shape, dtype=np.float16)
-            layers = hixl.allocate_cache(big_cache, mem_type="host", name="kv")
-            syncer = hixl.LayerSynchronizer(total_layers=32, sync_interval=1)
-            async_task = hixl.transfer_cache_async(
+            layers = hixl.kv.allocate_cache(big_cache, mem_type="host", name="kv")
+            syncer = hixl.kv.LayerTracker(total_layers=32, sync_interval=1)
+            async_task = hixl.kv.transfer_cache_async(
                 remote_rank=1, local_cache=layers, synchronizer=syncer
             )
             while not async_task.is_done():
@@ -46,13 +46,13 @@ def test_seed_layerwise_example_runs() -> None:
             assert syncer.get_current_layer() == 31 and syncer.get_layer_count() == 32
             assert big_cache.tobytes() == want.tobytes()
         finally:
-            hixl.finalize()
+            hixl.kv.finalize()
     finally:
         prompt.close()
 
 
 def test_get_current_layer_waits_for_the_first_layer() -> None:
-    s = hixl.LayerSynchronizer(4, timeout_ms=150)
+    s = hixl.kv.LayerTracker(4, timeout_ms=150)
     assert s.get_layer_count() == 0
     t0 = time.monotonic()
     with pytest.raises(hixl.Timeout, match="0 of 4 layers"):
@@ -66,34 +66,34 @@ def test_get_current_layer_waits_for_the_first_layer() -> None:
     s.layer_ready(2)
     assert (s.get_current_layer(), s.get_layer_count()) == (2, 3)
     with pytest.raises(hixl.ParamInvalid, match="timeout_ms"):
-        hixl.LayerSynchronizer(4, timeout_ms=0)
+        hixl.kv.LayerTracker(4, timeout_ms=0)
 
 
 def test_synchronizer_layers_must_divide_the_cache_layers() -> None:
-    hixl.init(cluster_id=0, role="decoder")
+    hixl.kv.init(cluster_id=0, role="decoder")
     try:
-        c = hixl.allocate_cache(np.zeros((12, 64), np.uint8), name="x")
+        c = hixl.kv.allocate_cache(np.zeros((12, 64), np.uint8), name="x")
         with pytest.raises(hixl.ParamInvalid, match="total_layers=5"):
-            hixl.transfer_cache_async(1, c, hixl.LayerSynchronizer(5))
+            hixl.kv.transfer_cache_async(1, c, hixl.kv.LayerTracker(5))
     finally:
-        hixl.finalize()
+        hixl.kv.finalize()
 
 
 def test_seed_error_names_alias_the_codes() -> None:
-    assert hixl.HIXL_001001 is hixl.Status.PARAM_INVALID
-    assert hixl.HIXL_001002 is hixl.Status.TIMEOUT
-    assert hixl.HIXL_001003 is hixl.Status.FAILED
+    assert hixl.kv.HIXL_001001 is hixl.Status.PARAM_INVALID
+    assert hixl.kv.HIXL_001002 is hixl.Status.TIMEOUT
+    assert hixl.kv.HIXL_001003 is hixl.Status.FAILED
     e = hixl.Hixl()
     e.initialize("127.0.0.1")
     buf = hixl.aligned_empty(8192)
     e.register(buf[:4096])
     with pytest.raises(hixl.HixlError) as ei:  # overlapping memory: registration fails
         e.register_mem(hixl.MemDesc(buf.ctypes.data + 2048, 4096))
-    assert ei.value.code == hixl.HIXL_001001
+    assert ei.value.code == hixl.kv.HIXL_001001
     with pytest.raises(hixl.HixlError) as ei:
-        hixl.init(cluster_id=0, role="decoder", peers={1: "127.0.0.1:9"}, link_timeout_ms=300)
-    assert ei.value.code == hixl.HIXL_001002 or ei.value.status == hixl.Status.NOT_CONNECTED
+        hixl.kv.init(cluster_id=0, role="decoder", peers={1: "127.0.0.1:9"}, link_timeout_ms=300)
+    assert ei.value.code == hixl.kv.HIXL_001002 or ei.value.status == hixl.Status.NOT_CONNECTED
     e.finalize()
     with pytest.raises(hixl.HixlError) as ei:
         e.register(np.zeros(64, np.uint8))
-    assert ei.value.code == hixl.HIXL_001003
+    assert ei.value.code == hixl.kv.HIXL_001003

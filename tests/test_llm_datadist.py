@@ -414,7 +414,7 @@ def test_config_options_and_status_codes() -> None:
     e = ld.LLMException("x", status_code=ld.LLMStatusCode.LLM_TIMEOUT)
     assert isinstance(e, RuntimeError) and e.status_code == ld.LLMStatusCode.LLM_TIMEOUT
     # The two LayerSynchronizers are different classes with different roles.
-    assert ld.LayerSynchronizer is not hixl.LayerSynchronizer
+    assert ld.LayerSynchronizer is not hixl.kv.LayerTracker
     with pytest.raises(TypeError):
         ld.LayerSynchronizer()  # type: ignore[abstract]
     info = ld.LLMClusterInfo()

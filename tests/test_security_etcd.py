@@ -228,7 +228,7 @@ def test_etcd_password_in_the_url_is_never_shown(
 
     def refused(exc: type[Exception], url: str) -> None:
         with pytest.raises(exc) as err:
-            hixl.init(cluster_id=0, discovery=url)
+            hixl.kv.init(cluster_id=0, discovery=url)
         shown.append(str(err.value))
         assert "root:***@" in str(err.value), str(err.value)
 
@@ -243,11 +243,11 @@ def test_etcd_password_in_the_url_is_never_shown(
     admin.call("auth/user/grant", {"user": "root", "role": "root"})
     admin.call("auth/enable", {})
     with pytest.raises(hixl.NotConnected, match="authentication failed") as err:
-        hixl.init(cluster_id=0, discovery=f"etcd://root:{pw}x@127.0.0.1:{e.port}/red")
+        hixl.kv.init(cluster_id=0, discovery=f"etcd://root:{pw}x@127.0.0.1:{e.port}/red")
     shown.append(str(err.value))
 
     ttl = {"hixl.discovery.ttl_s": str(TTL)}
-    hixl.init(cluster_id=3, discovery=f"etcd://root:{pw}@127.0.0.1:{e.port}/red", options=ttl)
+    hixl.kv.init(cluster_id=3, discovery=f"etcd://root:{pw}@127.0.0.1:{e.port}/red", options=ttl)
     try:
         d = context().discovery
         assert d is not None
@@ -264,7 +264,7 @@ def test_etcd_password_in_the_url_is_never_shown(
             assert time.monotonic() < deadline, caplog.text[-2000:]
             time.sleep(0.05)
     finally:
-        hixl.finalize()  # cannot revoke: logged, naming etcd
+        hixl.kv.finalize()  # cannot revoke: logged, naming etcd
     shown.append(caplog.text)
     assert "127.0.0.1" in caplog.text, caplog.text
     leaked = [s for s in shown if pw in s]
