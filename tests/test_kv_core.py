@@ -254,3 +254,26 @@ def test_async_tasks_share_one_completion_driven_thread(ranks, kv) -> None:
     assert [t.name for t in threading.enumerate()].count("hixl-kv-executor") == 1
     for c in locals_:
         assert c.array.tobytes() == want
+
+
+def test_an_idle_receive_sleeps_until_its_layers_are_announced(kv) -> None:
+    """A layerwise receive waits on the engine's notification descriptor instead of polling
+    for notifications: while nothing comes for a second the process spends almost no CPU
+    time (polling every millisecond, as it did, spent about 0.04 s), and every layer still
+    counts once its notification arrives."""
+    kv(cluster_id=0, role="decoder")
+    layers = test_kv.SHAPE[0]
+    cache = hixl.kv.allocate_cache(np.zeros(test_kv.SHAPE, DT), name="kv")
+    syncer = hixl.kv.LayerTracker(layers)
+    cfg = hixl.kv.CacheTransferConfig(timeout_ms=30_000)
+    task = hixl.kv.receive_cache_async(5, cache, syncer, cfg)
+    time.sleep(0.2)  # the executor thread is waiting by now
+    cpu = time.process_time()
+    time.sleep(1.0)
+    used = time.process_time() - cpu
+    assert used < 0.01, f"a receive with nothing coming used {used:.3f} s of CPU in 1 s"
+    assert syncer.get_layer_count() == 0 and not task.is_done()
+    pairs = [w for k in range(layers) for w in ("hixl.kv.layer", f"5:kv:{k}")]
+    test_kv.send_from_own_engine(context().address, *pairs)
+    task.wait(10_000)
+    assert syncer.get_layer_count() == layers

@@ -7,7 +7,8 @@
 //! never from the notification's text.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Condvar, Mutex};
+use std::os::fd::OwnedFd;
+use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result, Status};
@@ -41,12 +42,19 @@ pub struct NotifyStore {
     inner: Mutex<Pending>,
     /// Rung on every arrival (`wait_take` sleeps on it).
     arrived: Condvar,
+    /// An eventfd whose counter every arrival raises, made by the first [`NotifyStore::arrival_fd`].
+    signal: OnceLock<OwnedFd>,
 }
 
 impl NotifyStore {
     /// An empty store with these limits.
     pub fn new(limits: NotifyLimits) -> Self {
-        NotifyStore { limits, inner: Mutex::new(Pending::default()), arrived: Condvar::new() }
+        NotifyStore {
+            limits,
+            inner: Mutex::new(Pending::default()),
+            arrived: Condvar::new(),
+            signal: OnceLock::new(),
+        }
     }
 
     /// Adds one that arrived on connection `conn`, whose peer is the engine `peer`;
@@ -88,7 +96,26 @@ impl NotifyStore {
         g.bytes += size;
         g.queue.push_back((conn, NotifyDesc { name, msg, peer: peer.to_string() }));
         self.arrived.notify_all();
+        if let Some(fd) = self.signal.get() {
+            crate::sys::eventfd::add(fd, 1);
+        }
         Ok(())
+    }
+
+    /// A descriptor of its own (the caller closes it) that becomes readable after each arrival
+    /// from now on: an eventfd, which reading 8 bytes resets. Arrivals before the first call
+    /// do not make it readable, so a waiter asks for it first and then looks at what is
+    /// pending. Every descriptor it returns shares one counter: one reader resets it for all.
+    pub fn arrival_fd(&self) -> Result<OwnedFd> {
+        let io = |e: std::io::Error| Error::new(Status::Failed, format!("notification descriptor: {e}"));
+        let fd = match self.signal.get() {
+            Some(fd) => fd,
+            None => {
+                let made = crate::sys::eventfd::create().map_err(io)?;
+                self.signal.get_or_init(|| made)
+            }
+        };
+        fd.try_clone().map_err(io)
     }
 
     /// Returns and clears everything pending, in arrival order.
@@ -149,6 +176,22 @@ pub fn waited_for(names: &[&str]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_arrival_descriptor_wakes_after_each_arrival_and_resets_when_read() {
+        use std::os::fd::AsRawFd;
+        let s =
+            NotifyStore::new(NotifyLimits { per_conn: 8, per_conn_bytes: 1024, total: 8, total_bytes: 1024 });
+        s.push(1, "p", "early".into(), String::new()).unwrap();
+        let (a, b) = (s.arrival_fd().unwrap(), s.arrival_fd().unwrap());
+        let readable = |fd: &OwnedFd| crate::sys::poll_one(fd.as_raw_fd(), libc::POLLIN, 0).unwrap() == 1;
+        assert!(!readable(&a), "an arrival before the first call does not count");
+        s.push(1, "p", "n".into(), "m".into()).unwrap();
+        assert!(readable(&a) && readable(&b), "every descriptor shares the one counter");
+        assert_eq!(crate::sys::eventfd::take(&a), 1);
+        assert!(!readable(&b), "reading one resets it for all");
+        assert_eq!(s.take().len(), 2);
+    }
 
     #[test]
     fn quotas_are_per_connection_and_total_by_count_and_bytes() {

@@ -1,12 +1,13 @@
 """The KV core's executor: one thread per process that completes the in-flight requests of
 every asynchronous KV task, driven by the process's completion queue, not a thread per task.
 
-The thread (``hixl-kv-executor``, started on first use) waits on two descriptors, the
-completion queue's (``hixl._completions``) and its own wake pipe, at most until its next
-timer. It runs, in this order, the callbacks of settled requests, the timers that are due
-and the jobs posted to it. Everything a face runs there must be quick and must not block
-for long: a job that waits holds up every other task's completions (they still end in the
-engine; only their callbacks wait).
+The thread (``hixl-kv-executor``, started on first use) waits on the completion queue's
+descriptor (``hixl._completions``), its own wake pipe and the descriptors it watches for a face
+(``watch``: an engine's notification eventfd), at most until its next timer. It runs, in this
+order, the callbacks of settled requests, those of the watched descriptors that became readable,
+the timers that are due and the jobs posted to it. Everything a face runs there must be quick
+and must not block for long: a job that waits holds up every other task's completions (they
+still end in the engine; only their callbacks wait).
 
 ``Flight`` is the window of one job on it: at most ``depth`` requests submitted and not yet
 ended, the others waiting in order; they end in submission order, each within its own
@@ -65,6 +66,9 @@ class Executor:
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._rfd, False)
         os.set_blocking(self._wfd, False)
+        #: Watched descriptors and their callbacks; the poller follows on the thread's next turn.
+        self._watched: dict[int, Callable[[], None]] = {}
+        self._unwatched: list[int] = []
 
     def on_thread(self) -> bool:
         """Whether the caller is the executor thread."""
@@ -90,6 +94,50 @@ class Executor:
         """Runs `fn` on the executor thread in `seconds`."""
         return self.call_at(time.monotonic() + seconds, fn)
 
+    def watch(self, fd: int, fn: Callable[[], None]) -> Callable[[], None]:
+        """Runs `fn` on the executor thread each time `fd` (an eventfd, which the executor owns
+        and closes from now on) becomes readable, after reading it to reset it. Returns the
+        function that stops it (any thread; once is enough, again does nothing)."""
+        with self._lock:
+            self._watched[fd] = fn
+            self._start()
+        self._wake()
+
+        def stop() -> None:
+            with self._lock:
+                if self._watched.pop(fd, None) is not None:
+                    self._unwatched.append(fd)
+            self._wake()
+
+        return stop
+
+    def _follow_watches(self, poller: select.poll, polled: set[int]) -> None:
+        """Brings the poller in line with the watched descriptors (on the executor thread:
+        a descriptor is closed only after the poller has let it go)."""
+        with self._lock:
+            watched, gone, self._unwatched = set(self._watched), self._unwatched, []
+        for fd in gone:
+            if fd in polled:
+                poller.unregister(fd)
+                polled.discard(fd)
+            os.close(fd)
+        for fd in watched - polled:
+            poller.register(fd, select.POLLIN)
+            polled.add(fd)
+
+    def _ready_watches(self, events: list[tuple[int, int]]) -> None:
+        """Resets each watched descriptor that polled readable and runs its callback."""
+        for fd, _ in events:
+            with self._lock:
+                fn = self._watched.get(fd)
+            if fn is None:
+                continue
+            try:
+                os.read(fd, 8)
+            except BlockingIOError:
+                pass  # reset by an earlier turn
+            self._run(fn)
+
     def _start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="hixl-kv-executor", daemon=True)
@@ -106,7 +154,9 @@ class Executor:
         poller = select.poll()
         poller.register(_completion_fd(), select.POLLIN)
         poller.register(self._rfd, select.POLLIN)
+        polled: set[int] = set()
         while True:
+            self._follow_watches(poller, polled)
             with self._lock:
                 if self._jobs:
                     wait_ms = 0
@@ -115,13 +165,14 @@ class Executor:
                     wait_ms = max(0, min(IDLE_WAIT_MS, int(left) + 1))
                 else:
                     wait_ms = IDLE_WAIT_MS
-            poller.poll(wait_ms)
+            events = poller.poll(wait_ms)
             try:
                 while os.read(self._rfd, 4096):
                     pass
             except BlockingIOError:
                 pass
             self._run(_completions.drain)
+            self._ready_watches(events)
             now = time.monotonic()
             due: list[Timer] = []
             with self._lock:

@@ -10,6 +10,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from .._errors import HixlError, ParamInvalid
 from .._errors import Timeout as HixlTimeout
@@ -34,8 +35,8 @@ from ._transfer import (
     start,
 )
 
-#: How often a receive looks for the layers' notifications (on the executor thread).
-POLL_S = 0.0002
+#: How long after a receive's gap deadline its timer looks once more (a clock's rounding).
+GAP_SLACK_S = 0.001
 
 #: Name of the notification a producer sends after each layer's bytes are visible; the message
 #: is "RANK:CACHE_NAME:LAYER".
@@ -407,8 +408,8 @@ def receive_cache_async(
     task = TransferTask(None, [remote_rank])
 
     def take() -> None:
-        """The layers' notifications that have come; then again in POLL_S, on the executor
-        (the engine has no descriptor for notifications to wait on)."""
+        """The layers' notifications that have come (on the executor thread, each time the
+        engine's notification descriptor wakes it, and at the gap's deadline)."""
         if task.is_done():
             return
         try:
@@ -447,7 +448,42 @@ def receive_cache_async(
         except BaseException as exc:  # noqa: BLE001 - kept for wait()
             task._end(exc)
             return
-        ex.call_later(POLL_S, take)
 
-    ex.post(take)
+    stop: list[Callable[[], None]] = []
+    armed: list[Any] = [None, None]  # the deadline the gap timer is set for, and the timer
+
+    def turn() -> None:
+        """Takes what came; then stops watching once the task ended, or sets the gap timer
+        to the deadline the last layer moved it to."""
+        take()
+        if task.is_done():
+            for s in stop:
+                s()
+            if armed[1] is not None:
+                armed[1].cancel()
+            return
+        if armed[0] != gap_deadline[0]:
+            if armed[1] is not None:
+                armed[1].cancel()
+            armed[0] = gap_deadline[0]
+            armed[1] = ex.call_at(gap_deadline[0] + GAP_SLACK_S, at_gap)
+
+    def at_gap() -> None:
+        armed[0] = armed[1] = None  # fired: set again, should the deadline not have passed
+        turn()
+
+    def begin() -> None:
+        """Watches the engine's notification descriptor, then looks at what is pending
+        (what came before the descriptor was made does not wake it)."""
+        try:
+            fd = ctx.engine._notify_fd()
+        except HixlError as exc:
+            err = as_llm_error(exc, f"receiving cache {local_cache.name!r}")
+            synchronizer._fail(err)
+            task._end(err)
+            return
+        stop.append(ex.watch(fd, turn))
+        turn()
+
+    ex.post(begin)
     return task

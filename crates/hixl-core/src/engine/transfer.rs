@@ -316,6 +316,15 @@ impl Engine {
         notifies.wait_take(names, crate::wait::capped(timeout))
     }
 
+    /// A descriptor (the caller's to close) that becomes readable after a notification
+    /// arrives, for an event loop that waits on descriptors instead of in `wait_notifies`:
+    /// ask for it, then look at what is pending, and after each wake read it (8 bytes, an
+    /// eventfd counter) before looking again. Arrivals before the first call do not make it
+    /// readable; every descriptor it returns shares one counter.
+    pub fn notify_fd(&self) -> Result<std::os::fd::OwnedFd> {
+        self.running()?.notifies.arrival_fd()
+    }
+
     /// Returns and clears the notifications received so far.
     pub fn get_notifies(&self) -> Result<Vec<NotifyDesc>> {
         Ok(self.running()?.notifies.take())

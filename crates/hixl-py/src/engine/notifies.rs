@@ -111,6 +111,14 @@ impl Hixl {
         Ok(self.engine.get_notifies().map_err(to_py)?.into_iter().map(Into::into).collect())
     }
 
+    /// Internal (the KV executor): a new descriptor, the caller's to close, that becomes
+    /// readable after a notification arrives (an eventfd: reading 8 bytes resets it; arrivals
+    /// before this call do not count). Raises `Failed` before `initialize` or after `finalize`.
+    fn _notify_fd(&self) -> PyResult<i32> {
+        use std::os::fd::IntoRawFd;
+        Ok(self.engine.notify_fd().map_err(to_py)?.into_raw_fd())
+    }
+
     /// Counters of every peer this engine has a link to, as `{peer: {...}}`.
     ///
     /// Takes no arguments. Each peer's dict holds `backend` (the data path now: "self", "shm",
