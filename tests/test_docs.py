@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import hixl
+from hixl.nixl import NETWORK_BACKENDS
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -102,7 +103,7 @@ def test_every_page_of_docs_is_linked_from_the_readme() -> None:
 # Names spelt HIXL_* in the code that are not environment variables: the C header's constants
 # (statuses, access modes, ops, request states, the default timeout), HIXL's error names
 # (hixl.HIXL_001001, ...), the Rust table HIXL_OPTIONS and hixl.nixl's backend names.
-NOT_ENV = {"HIXL_OPTIONS", "HIXL_TCP", "HIXL_SHM", "HIXL_READ", "HIXL_WRITE", "HIXL_REQ_"}
+NOT_ENV = {"HIXL_OPTIONS", "HIXL_READ", "HIXL_WRITE", "HIXL_REQ_"} | set(NETWORK_BACKENDS)
 NOT_ENV_PREFIX = ("HIXL_ACCESS_", "HIXL_REQ_", "HIXL_TIMEOUT_DEFAULT", "HIXL_00")
 
 

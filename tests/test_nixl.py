@@ -597,6 +597,23 @@ def test_memory_types_and_backends(agents):
         none.prep_xfer_dlist("NIXL_INIT_AGENT", [], "DRAM")
 
 
+def test_each_backend_has_a_plugin_name_of_its_own(agents):
+    """hixl's own plugin names come from the backend table: HIXL_<NAME> for every backend of
+    this build forces it (a same-host one with self ahead of it), so a new backend needs no
+    line in hixl.nixl."""
+    a = agents("own", nixl_agent_config(backends=["HIXL_SHM"]))
+    plugins = a.get_plugin_list()
+    for b in hixl.backends():
+        plugin = f"HIXL_{b['name'].upper()}"
+        assert plugin in plugins, (plugin, plugins)
+        want = f"self,{b['name']}" if b["reach"] == "host" else b["name"]
+        assert a.get_plugin_params(plugin)["hixl.backends"] == want
+    reach = {b["name"]: b["reach"] for b in hixl.backends()}
+    assert (reach["self"], reach["shm"], reach["tcp"]) == ("process", "host", "network")
+    assert nixl.NETWORK_BACKENDS["HIXL_SHM"] == "self,shm"  # as before the table made it
+    assert nixl.NETWORK_BACKENDS["HIXL_TCP"] == "tcp"
+
+
 def test_metadata_from_real_nixl_or_garbage_is_refused(agents):
     a = agents("reader")
     # What NIXL's own serializer writes begins with this tag.

@@ -108,7 +108,7 @@ pub use error::{Error, Result, Status};
 #[doc(hidden)]
 pub use notify::waited_for as notifies_waited_for;
 pub use options::compat::{CompatKey, COMPAT as HIXL_OPTIONS};
-pub use options::{BackendDecl, HostFacts, OptionSpec, SPECS as OPTIONS};
+pub use options::{BackendDecl, HostFacts, OptionSpec, Reach, SPECS as OPTIONS};
 pub use queue::{Completion, CompletionQueue, NotifyDesc, Request, Telemetry, TransferOp, TransferStatus};
 pub use registry::{Access, MemType};
 pub use stats::{LatencySummary, LATENCY_BUCKETS_US};

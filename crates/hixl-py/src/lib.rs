@@ -72,7 +72,8 @@ fn option_keys() -> Vec<(&'static str, &'static str, &'static str)> {
 }
 
 /// The backends of this build, in the order of `auto` (the one table in hixl-core): a list of
-/// dicts with `name`, `meaning` (what it reaches), `domains` (the memory it moves, as text),
+/// dicts with `name`, `meaning` (what it reaches), `reach` (the engines it serves: "process",
+/// "host" or "network"), `domains` (the memory it moves, as text),
 /// `offered` (when `auto` offers it, if not always), `cli` (whether the `hixl` command offers
 /// it as a transport), `baseline` (what `hixl bench` compares it with; empty: nothing) and
 /// `options` (its own option keys: a list of (key, default, meaning)).
@@ -85,6 +86,7 @@ fn backends(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
             let out = pyo3::types::PyDict::new(py);
             out.set_item("name", d.name)?;
             out.set_item("meaning", d.meaning)?;
+            out.set_item("reach", d.reach.as_str())?;
             out.set_item("domains", d.domains)?;
             out.set_item("offered", d.offered)?;
             out.set_item("cli", d.cli)?;

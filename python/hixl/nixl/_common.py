@@ -18,12 +18,24 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._hixl import Hixl, TransferOp
+from .._hixl import Hixl, TransferOp, backends
 from ._bindings import nixlInvalidParamError
 
 log = logging.getLogger("hixl.nixl")
 
 U64 = npt.NDArray[np.uint64]
+
+
+def _own_plugins() -> dict[str, str]:
+    """hixl's own plugin names, one per backend of this build (``HIXL_TCP``, ``HIXL_SHM``,
+    ...): each forces that backend, and one that serves only this host keeps ``self`` (this
+    process's engines, served faster) ahead of it."""
+    own = {}
+    for b in backends():
+        name = b["name"]
+        own[f"HIXL_{name.upper()}"] = f"self,{name}" if b["reach"] == "host" else name
+    return own
+
 
 # NIXL plugin name -> the hixl backends (option hixl.backends) it stands for.
 NETWORK_BACKENDS = {
@@ -33,8 +45,7 @@ NETWORK_BACKENDS = {
     "UCCL": "auto",
     "Mooncake": "auto",
     "HIXL": "auto",
-    "HIXL_TCP": "tcp",
-    "HIXL_SHM": "self,shm",
+    **_own_plugins(),
 }
 # NIXL plugins hixl does not provide (storage, GPU-initiated): refused with a clear error.
 REFUSED_BACKENDS = {

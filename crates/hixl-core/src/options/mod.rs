@@ -32,6 +32,8 @@ pub struct BackendDecl {
     pub name: &'static str,
     /// What it reaches, in a few words (`hixl.backends`' help: "same host").
     pub meaning: &'static str,
+    /// Which engines it can serve.
+    pub reach: Reach,
     /// The memory it moves, as text ("host", "host, cuda").
     pub domains: &'static str,
     /// When `auto` offers it, if not always ("only where CUDA is found"; empty: always).
@@ -48,6 +50,28 @@ pub struct BackendDecl {
     /// What this host tells about it without a peer, for `hixl info` (`no_host_facts` when
     /// nothing).
     pub host_facts: fn() -> HostFacts,
+}
+
+/// Which engines a backend can serve.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reach {
+    /// Engines of this process only.
+    Process,
+    /// Engines of this host, this process's included.
+    Host,
+    /// Engines on any host the network reaches.
+    Network,
+}
+
+impl Reach {
+    /// Its name in `hixl.backends()`: "process", "host" or "network".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reach::Process => "process",
+            Reach::Host => "host",
+            Reach::Network => "network",
+        }
+    }
 }
 
 /// What a backend finds out about this host without connecting to a peer (`hixl info`).

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use crate::complete::Completer;
 use crate::error::{Error, Result};
-use crate::options::{no_host_facts, BackendDecl};
+use crate::options::{no_host_facts, BackendDecl, Reach};
 use crate::queue::{Part, PartBody, PinSet, SegPair, TransferOp};
 use crate::registry::{new_holder_id, Abort, Pin};
 use crate::stats::PeerStats;
@@ -33,6 +33,7 @@ pub(crate) const NAME: &str = "self";
 pub(crate) const DECL: BackendDecl = BackendDecl {
     name: NAME,
     meaning: "same process",
+    reach: Reach::Process,
     domains: "host",
     offered: "",
     cli: false,

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use crate::options::{int, no_host_facts, spec, BackendDecl};
+use crate::options::{int, no_host_facts, spec, BackendDecl, Reach};
 use crate::transport::backend::{Backend, OpenCtx};
 use crate::transport::control::channel::ControlChannel;
 use crate::transport::streams::{ConnectParams, TcpLink, NAME};
@@ -15,6 +15,7 @@ use crate::wire::{Capability, Domain};
 pub(crate) const DECL: BackendDecl = BackendDecl {
     name: NAME,
     meaning: "any host",
+    reach: Reach::Network,
     domains: "host, cuda (staged through pinned host buffers)",
     offered: "",
     cli: true,

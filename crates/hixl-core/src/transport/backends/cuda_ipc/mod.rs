@@ -14,7 +14,7 @@ use crate::cuda::key::IpcKey;
 use crate::cuda::runtime::GpuSlot;
 use crate::cuda::CtxGuard;
 use crate::error::{Error, Result, Status};
-use crate::options::{no_host_facts, BackendDecl};
+use crate::options::{no_host_facts, BackendDecl, Reach};
 use crate::transport::backend::{with_local_socket, Backend, MemorySpan, OpenCtx};
 use crate::transport::backends::shm::ShmLink;
 use crate::transport::control::channel::ControlChannel;
@@ -29,6 +29,7 @@ pub(crate) const NAME: &str = "cuda_ipc";
 pub(crate) const DECL: BackendDecl = BackendDecl {
     name: NAME,
     meaning: "same host, CUDA memory too",
+    reach: Reach::Host,
     domains: "host, cuda",
     offered: "only where CUDA is found",
     cli: true,

@@ -1,12 +1,13 @@
 //! The `rdma` backend's declaration (kept apart from `mod.rs` for its ten option rows).
 
 use crate::options::rdma::{device, provider};
-use crate::options::{int, spec, BackendDecl};
+use crate::options::{int, spec, BackendDecl, Reach};
 
 /// The `rdma` backend's declaration: its entry in the one table (`transport::backends`).
 pub(crate) const DECL: BackendDecl = BackendDecl {
     name: super::NAME,
     meaning: "RDMA verbs",
+    reach: Reach::Network,
     domains: "host, cuda (GPUDirect, where the NIC can register it)",
     offered: "only with a usable device",
     cli: false,

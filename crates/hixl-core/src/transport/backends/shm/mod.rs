@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use crate::complete::Completer;
 use crate::error::{Error, Result, Status};
-use crate::options::{int, spec, BackendDecl, HostFacts};
+use crate::options::{int, spec, BackendDecl, HostFacts, Reach};
 use crate::queue::{Part, PartBody, Request, SegPair, TransferOp, TransferStatus, WaitHelp, WorkQueue};
 use crate::registry::{new_holder_id, Abort, RemoteTable};
 use crate::stats::PeerStats;
@@ -46,6 +46,7 @@ pub(crate) const NAME: &str = "shm";
 pub(crate) const DECL: BackendDecl = BackendDecl {
     name: NAME,
     meaning: "same host",
+    reach: Reach::Host,
     domains: "host",
     offered: "",
     cli: true,
