@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import hixl
 from hixl import mooncake as mc
 from hixl.mooncake import TransferEngine, TransferNotify, TransferOpcode
 
@@ -190,6 +191,10 @@ def test_protocol_hint_warns_once_and_strict_fails(monkeypatch, caplog):
     te = TransferEngine()
     assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
     te.close()
+    # hixl's own backend names are protocols too, in strict mode as well (from the table).
+    for b in hixl.backends():
+        if b["name"] != "rdma":  # Mooncake's "rdma" stays a hint that needs a device
+            assert _protocol.backends_for(b["name"].upper()) == (b["name"], ""), b
     monkeypatch.setenv("HIXL_MOONCAKE_BACKENDS", "shm")
     monkeypatch.delenv("HIXL_MOONCAKE_STRICT")
     assert _protocol.backends_for("rdma") == ("shm", "")

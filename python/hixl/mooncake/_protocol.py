@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .._hixl import _rdma_info, cuda_info
+from .._hixl import _rdma_info, backends, cuda_info
 from ._codes import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_RPC_PORT,
@@ -37,15 +37,14 @@ def backends_for(protocol: str) -> tuple[str | None, str]:
     """hixl's ``hixl.backends`` for Mooncake's ``protocol``, and why (a WARNING text, or "").
 
     Returns ``(None, reason)`` when the protocol is unavailable and ``HIXL_MOONCAKE_STRICT=1``
-    is set. ``HIXL_MOONCAKE_BACKENDS`` overrides the mapping. ``"auto"`` (hixl's own name, not
-    Mooncake's) is accepted too: every backend hixl has, fastest first.
+    is set. ``HIXL_MOONCAKE_BACKENDS`` overrides the mapping. hixl's own names are accepted
+    too: ``"auto"`` (every backend hixl has, fastest first) and each backend's name (Mooncake's
+    ``"tcp"`` is hixl's ``tcp``).
     """
     forced = os.environ.get(ENV_BACKENDS, "").strip()
     if forced:
         return forced, ""
     p = (protocol or "").strip().lower()
-    if p == "tcp":
-        return "tcp", ""
     if p in ("auto", "hixl"):
         return "auto", ""
     if p in _RDMA:
@@ -57,13 +56,15 @@ def backends_for(protocol: str) -> tuple[str | None, str]:
         if cuda.get("available"):
             return "auto", ""
         why = f"protocol {protocol!r}: CUDA not usable ({cuda.get('reason', 'no device')})"
+    elif p in {b["name"] for b in backends()}:
+        return p, ""  # Mooncake's "tcp", or any other hixl backend by its own name
     elif p in _NONE:
         why = f"protocol {protocol!r} has no hixl backend"
     else:
         why = f"unknown protocol {protocol!r}"
     if strict():
         return None, why + f" and {ENV_STRICT}=1"
-    return "auto", why + "; using hixl's best available backends (auto: self, shm, tcp)"
+    return "auto", why + "; using hixl's best available backends (hixl.backends=auto)"
 
 
 def split_host(hostname: str) -> tuple[str, int | None]:
