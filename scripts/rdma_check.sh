@@ -18,7 +18,7 @@ if command -v ibv_devinfo >/dev/null; then
 fi
 echo "memlock limit: $(ulimit -l) (registrations pin memory: raise it if registering fails)"
 # The real provider's C layouts against the installed header (needs libibverbs-dev).
-HIXL_REQUIRE_IBVERBS_HEADER=1 cargo test -p hixl-core --release --lib transport::rdma::ffi
+HIXL_REQUIRE_IBVERBS_HEADER=1 cargo test -p hixl-core --release --lib rdma::verbs::ibverbs
 # The cross-process suite on the device (its software-provider-only test says it skips).
 cargo test -p hixl-core --release --test rdma --test rdma_verbs -- --test-threads=1 --nocapture
 if [ -n "${HIXL_RDMA_RAILS:-}" ]; then

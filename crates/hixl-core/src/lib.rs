@@ -141,10 +141,10 @@ pub mod unstable {
     pub use crate::engine::{push_merged, split};
     /// The RDMA backend's verbs interface and its software provider (cross-process tests).
     pub mod rdma {
-        pub use crate::transport::backends::rdma::soft::{
+        pub use crate::transport::backends::rdma::verbs;
+        pub use crate::transport::backends::rdma::verbs::soft::{
             SoftVerbs, DEVICES_ENV, FAIL_AFTER_ENV, FAULT_ENV, LATENCY_ENV,
         };
-        pub use crate::transport::backends::rdma::verbs;
         pub use crate::wire::rdma::QpAddr;
 
         /// The provider `hixl.rdma.provider` names ("verbs" or "soft").

@@ -30,9 +30,18 @@ pub(crate) fn seals(fd: &impl AsRawFd) -> io::Result<libc::c_int> {
     cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) })
 }
 
+/// The size of the file `fd` refers to (fstat's `st_size`).
+pub(crate) fn file_size(fd: &impl AsRawFd) -> io::Result<u64> {
+    // SAFETY: struct stat is plain integers: all zeroes is a valid value.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes one stat into the live `st`; it touches no other memory.
+    cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) })?;
+    Ok(st.st_size as u64)
+}
+
 /// A mapping of this process, unmapped when dropped. Its existence proves that
-/// `[addr, addr+len)` is mapped (readable and writable for the shared file mappings made
-/// here) for as long as it lives.
+/// `[addr, addr+len)` is mapped (readable, and writable unless made read-only by
+/// [`Mapping::shared_file`]) for as long as it lives.
 #[derive(Debug)]
 pub(crate) struct Mapping {
     addr: u64,
@@ -42,16 +51,16 @@ pub(crate) struct Mapping {
 impl Mapping {
     /// A new shared read-write mapping of the first `len` bytes of `fd`.
     pub(crate) fn shared(fd: &impl AsRawFd, len: u64) -> io::Result<Mapping> {
+        Mapping::shared_file(fd, len, true)
+    }
+
+    /// A new shared mapping of the first `len` bytes of `fd`: read-write when `writable`,
+    /// else read-only (a descriptor opened read-only can only be mapped so).
+    pub(crate) fn shared_file(fd: &impl AsRawFd, len: u64, writable: bool) -> io::Result<Mapping> {
+        let prot = libc::PROT_READ | if writable { libc::PROT_WRITE } else { 0 };
         // SAFETY: a new mapping at an address the kernel picks; no existing memory changes.
         let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
+            libc::mmap(std::ptr::null_mut(), len as usize, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0)
         };
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());

@@ -1,7 +1,8 @@
-//! The system-call layer: every raw `libc` call of the transports (outside the FFI modules
-//! `cuda/{driver,runtime,dmabuf}`, `transport/rdma/ffi*` and the soft RDMA provider, which
-//! emulates a C ABI) goes through a small wrapper here, so that the crate's `unsafe` blocks
-//! that are not FFI sit in one place, each with its `SAFETY` argument.
+//! The system-call layer: every raw `libc` call of the transports goes through a small
+//! wrapper here, so that the crate's `unsafe` blocks that are not FFI sit in one place, each
+//! with its `SAFETY` argument. The FFI modules `cuda/driver` and `transport/backends/rdma/verbs`
+//! call their C libraries directly; the soft RDMA provider in the latter, which emulates
+//! libibverbs, takes its sockets, eventfds, polls and mappings from here.
 //!
 //! # Design
 //!

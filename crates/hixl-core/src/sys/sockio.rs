@@ -265,6 +265,44 @@ pub unsafe fn recv_all_counted(fd: RawFd, iovs: &mut [libc::iovec], got: &mut u6
     Ok(())
 }
 
+/// Sends every byte `iovs` describe (blocking, resuming partial sends); a closed peer is an
+/// error, never SIGPIPE (MSG_NOSIGNAL).
+///
+/// # Safety
+/// Every iovec must describe readable memory that stays valid for the duration of the call.
+pub(crate) unsafe fn send_all(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Result<()> {
+    let mut start = advance(iovs, 0, 0);
+    while start < iovs.len() {
+        let n = (iovs.len() - start).min(IOV_MAX);
+        // SAFETY: the iovecs point at readable memory the caller guarantees (see above).
+        let r = match unsafe { sendmsg_iovs(fd, &iovs[start..start + n], libc::MSG_NOSIGNAL) } {
+            Ok(r) => r,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        start = advance(iovs, start, r);
+    }
+    Ok(())
+}
+
+/// Sends all of `buf` (blocking), as [`send_all`].
+pub(crate) fn send_all_bytes(fd: RawFd, buf: &[u8]) -> io::Result<()> {
+    let mut v = [super::mem::iov(buf.as_ptr() as u64, buf.len() as u64)];
+    // SAFETY: the iovec covers `buf`, borrowed (and only read) for the call.
+    unsafe { send_all(fd, &mut v) }
+}
+
+/// Reads and drops `n` bytes (blocking); EOF is an error.
+pub(crate) fn discard(fd: RawFd, mut n: u64) -> io::Result<()> {
+    let mut buf = [0u8; 64 << 10];
+    while n > 0 {
+        let k = (n as usize).min(buf.len());
+        recv_exact(fd, &mut buf[..k])?;
+        n -= k as u64;
+    }
+    Ok(())
+}
+
 /// Receives exactly `buf.len()` bytes (blocking); EOF is an error.
 pub(crate) fn recv_exact(fd: RawFd, buf: &mut [u8]) -> io::Result<()> {
     let mut v = [super::mem::iov(buf.as_mut_ptr() as u64, buf.len() as u64)];

@@ -316,7 +316,7 @@ mod tests {
 
     #[test]
     fn the_soft_provider_offers_no_gpu_path() {
-        let v = super::super::soft::SoftVerbs::new();
+        let v = crate::transport::backends::rdma::verbs::soft::SoftVerbs::new();
         let p = probe(&v);
         assert!(p.verbs_dmabuf.as_ref().unwrap_err().contains("soft"), "{p:?}");
         assert!(p.peermem.as_ref().unwrap_err().contains("soft"), "{p:?}");

@@ -235,9 +235,17 @@ impl RdmaLink {
         if batch.is_empty() {
             return out;
         }
-        // SAFETY: every SGE was built (`wrs::build`) from a local range inside a region
-        // registered on this NIC (its lkey was found), which the request pins until it settles;
-        // a request settles only after its last work request completed or its QP was destroyed.
+        // SAFETY: `post_send` needs every SGE inside memory registered under its lkey until
+        // the request's completion is polled or the QP is destroyed. `wrs::build` made every
+        // SGE from a local range that `Nic::lkey` found inside one of this NIC's MRs, each the
+        // MR of a registry region; the part that carries the request holds the request's pins
+        // on its regions (`Part` keeps the `PinSet`), the book keeps the part until the last of
+        // its requests completed or was flushed (`evacuate` runs on a drained QP, `fail_all`
+        // once the QP is destroyed), and a pinned region is not deregistered
+        // (`deregister_mem` waits for its pins before `Nic::deregister`). This is the one
+        // unsafe block of the data path: the SGEs are checked against the NIC's MRs, not
+        // against the part's pins (device memory, which a `PinSet` does not cover for host
+        // access, takes this path too), so no `KeptRanges` value proves them yet.
         if let Err(pe) = unsafe { qp.post_send(&batch) } {
             let _ = qp.modify(&QpTransition::Err);
             let err = Error::failed(format!(

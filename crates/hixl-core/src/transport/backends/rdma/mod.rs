@@ -14,18 +14,17 @@
 //!   BackendOpen over a cap is answered `RESOURCE_EXHAUSTED` naming it, and nothing is made.
 //! - Data path: `link` (work-request chains, one doorbell per batch, one poller per engine in
 //!   `nic`), bookkeeping in `book`, request building in `wrs`.
-//! - Providers: `verbs` (libibverbs loaded at run time, `ffi`) and `soft` (a software RC NIC,
-//!   for tests); both behind the one-to-one `verbs::Verbs` interface.
+//! - Providers: `verbs` (libibverbs loaded at run time, `verbs::ibverbs`) and `soft` (a
+//!   software RC NIC, for tests, `verbs::soft`); both behind the one-to-one `verbs::Verbs`
+//!   interface, and with it the whole FFI layer, in `verbs`.
 
 mod book;
 mod decl;
-pub mod ffi;
 pub mod gpudirect;
 mod limits;
 mod link;
 mod nic;
 mod rails;
-pub mod soft;
 pub mod verbs;
 mod wrs;
 
@@ -73,8 +72,8 @@ pub(crate) fn unsupported(message: impl Into<String>) -> Error {
 /// The provider a `hixl.rdma.provider` names.
 pub fn provider(p: Provider) -> Result<Arc<dyn Verbs>> {
     match p {
-        Provider::Soft => Ok(Arc::new(soft::SoftVerbs::new())),
-        Provider::Verbs => Ok(Arc::new(ffi::LibVerbs::load()?)),
+        Provider::Soft => Ok(Arc::new(verbs::soft::SoftVerbs::new())),
+        Provider::Verbs => Ok(Arc::new(verbs::ibverbs::LibVerbs::load()?)),
     }
 }
 

@@ -140,8 +140,15 @@ impl Nic {
     /// region (so the NIC refuses what the TCP target refuses), local write (a READ lands in
     /// it) unless the memory is immutable. Returns the rkey.
     pub(super) fn register(&self, addr: u64, len: u64, how: Access) -> Result<u32> {
-        // SAFETY: the engine registers only memory it checked is mapped, and deregisters it
-        // (this region's `deregister`) before the memory may be freed.
+        // SAFETY: `[addr, addr + len)` is a region the engine is registering: memory whose
+        // registrant promised it valid until `deregister_mem` succeeds (the contract of the
+        // unsafe `Engine::register_mem*`), or the engine's own `alloc` memory, freed only after
+        // that; host memory was checked to be mapped (`register_region`). `deregister_mem`
+        // waits for the region's pins and only then runs the deregistration hooks, which
+        // deregister this MR (`Nic::deregister`) before the memory may go; a failed
+        // registration releases it at once. No value carries that proof to here: backends
+        // register before the registry holds the region (so no registry pin exists yet) and
+        // the range arrives as a plain `MemorySpan`.
         let mr = unsafe { self.pd.register(addr, len, access_bits(how)) }?;
         let rkey = mr.rkey();
         self.mrs.write().unwrap().insert((addr, rkey), LocalMr { len, mr });

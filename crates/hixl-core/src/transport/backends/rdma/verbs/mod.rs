@@ -1,10 +1,16 @@
-//! The verbs interface the `rdma` backend is written against: one method per `ibv_*` call it
-//! uses, with the same meaning, arguments and failure modes, and two providers: `verbs`
-//! (libibverbs loaded at run time, `ffi.rs`) and `soft` (a software RC NIC between processes,
-//! `soft/`). Objects are opaque handles that only the provider that made them understands; the
-//! backend holds them as the owned types of `owned.rs`, which release themselves on drop.
+//! The `rdma` backend's FFI layer: everything that talks to a provider through raw handles.
+//!
+//! The verbs interface the backend is written against is here ([`Verbs`]): one method per
+//! `ibv_*` call it uses, with the same meaning, arguments and failure modes, and its two
+//! providers: `verbs` (libibverbs loaded at run time, `ibverbs.rs`) and `soft` (a software RC
+//! NIC between processes, `soft/`). Objects are opaque handles that only the provider that
+//! made them understands; the backend holds them as the owned types of `owned.rs`, which
+//! release themselves on drop. Outside this module the backend's unsafe is only where it hands
+//! the provider addresses of registered memory.
 
+pub mod ibverbs;
 mod owned;
+pub mod soft;
 
 use crate::error::Result;
 use crate::wire::rdma::QpAddr;

@@ -53,10 +53,10 @@ pub(super) fn muted() -> bool {
 pub(super) fn stay_silent(fd: RawFd, most: Duration) {
     let until = Instant::now() + most;
     while Instant::now() < until {
-        let mut p = libc::pollfd { fd, events: libc::POLLRDHUP, revents: 0 };
-        // SAFETY: one live pollfd; the descriptor stays open while this responder runs.
-        let rc = unsafe { libc::poll(&mut p, 1, 20) };
-        if rc > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0 {
+        let mut p = [libc::pollfd { fd, events: libc::POLLRDHUP, revents: 0 }];
+        let ready = crate::sys::poll(&mut p, 20).unwrap_or(0);
+        if ready > 0 && p[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0
+        {
             return;
         }
     }

@@ -23,7 +23,7 @@ use abi::{
 };
 use std::os::fd::RawFd;
 
-use super::verbs::{
+use super::{
     Channel, Cq, Ctx, DeviceAttr, Mr, Pd, PortAttr, PostError, Qp, QpCaps, QpCreated, QpTransition, SendWr,
     Verbs, Wc, WrOp,
 };
@@ -107,7 +107,7 @@ impl LibVerbs {
                 // SAFETY: non-null, NUL-terminated, valid until the next dl* call.
                 unsafe { CStr::from_ptr(why) }.to_string_lossy().into_owned()
             };
-            return Err(super::unsupported(format!(
+            return Err(crate::transport::backends::rdma::unsupported(format!(
                 "{name} cannot be loaded (rdma-core's libibverbs is not installed?): {why}"
             )));
         }
@@ -116,7 +116,10 @@ impl LibVerbs {
                 // SAFETY: a symbol lookup in a handle we hold, with a NUL-terminated name.
                 let p = unsafe { libc::dlsym(h, concat!($n, "\0").as_ptr().cast()) };
                 if p.is_null() {
-                    return Err(super::unsupported(format!("{name} has no symbol {}", $n)));
+                    return Err(crate::transport::backends::rdma::unsupported(format!(
+                        "{name} has no symbol {}",
+                        $n
+                    )));
                 }
                 // SAFETY: the symbol is the libibverbs function of that name, whose C signature
                 // the field's type spells (rdma-core's verbs.h).

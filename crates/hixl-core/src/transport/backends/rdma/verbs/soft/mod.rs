@@ -27,23 +27,23 @@ mod dmabuf;
 mod fault;
 mod qp;
 mod responder;
-mod sockio;
 
 pub use attrs::{DEVICE, DEVICES_ENV, MAX_MSG};
 pub use fault::FAULT_ENV;
 pub use responder::{FAIL_AFTER_ENV, LATENCY_ENV};
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use super::verbs::{
+use super::{
     access, Channel, Cq, Ctx, DeviceAttr, Mr, Pd, PortAttr, PostError, Qp, QpCaps, QpCreated, QpTransition,
     SendWr, Verbs, Wc, PORT_ACTIVE,
 };
 use crate::error::{Error, Result};
+use crate::sys::eventfd;
 use attrs::{device_attr, device_names};
 use qp::SoftQp;
 
@@ -178,30 +178,22 @@ struct SoftChannel {
 
 impl SoftChannel {
     fn new() -> Result<SoftChannel> {
-        // SAFETY: eventfd with constant flags returns a new descriptor or -1.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if fd < 0 {
-            return Err(Error::failed(format!("eventfd: {}", std::io::Error::last_os_error())));
-        }
-        // SAFETY: a fresh descriptor we own from here on.
-        Ok(SoftChannel { efd: unsafe { OwnedFd::from_raw_fd(fd) }, events: Mutex::new(Default::default()) })
+        let efd = eventfd::create().map_err(|e| Error::failed(format!("eventfd: {e}")))?;
+        Ok(SoftChannel { efd, events: Mutex::new(Default::default()) })
     }
 
     fn notify(&self, cq: u64) {
         let mut ev = self.events.lock().unwrap();
         ev.push_back(cq);
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live buffer to our eventfd.
-        unsafe { libc::write(self.efd.as_raw_fd(), one.as_ptr().cast(), 8) };
+        eventfd::add(&self.efd, 1);
     }
 
     fn take(&self) -> Option<u64> {
         let mut ev = self.events.lock().unwrap();
         let cq = ev.pop_front();
         if ev.is_empty() {
-            let mut b = [0u8; 8];
-            // SAFETY: reads at most 8 bytes into a live buffer (resets the counter; EAGAIN is fine).
-            unsafe { libc::read(self.efd.as_raw_fd(), b.as_mut_ptr().cast(), 8) };
+            // Resets the counter (0 when it was 0 already).
+            eventfd::take(&self.efd);
         }
         cq
     }

@@ -9,9 +9,9 @@ use std::sync::{Arc, Condvar, Mutex, RwLockReadGuard};
 use std::time::Duration;
 
 use super::responder::{self, Hello, Request, Status};
-use super::sockio::{self, iov_of};
 use super::{Device, SoftCq, SoftMr, MAX_MSG};
 use crate::error::{Error, Result};
+use crate::sys::sockio;
 use crate::transport::backends::rdma::verbs::{
     access, wc, PostError, QpCaps, QpTransition, SendWr, Wc, WrOp,
 };
@@ -328,7 +328,7 @@ impl SoftQp {
             WrOp::Read => responder::OP_READ,
         };
         let head = Request { op, rkey: wr.rkey, addr: wr.remote_addr, len }.encode();
-        let mut iovs = vec![iov_of(&head)];
+        let mut iovs = vec![iov(head.as_ptr() as u64, head.len() as u64)];
         if wr.op == WrOp::Write {
             iovs.extend(wr.sges.iter().map(|s| iov(host(&mrs, s), s.length as u64)));
         }
@@ -382,7 +382,7 @@ impl SoftQp {
         };
         let c = responder::connect(&remote.gid, wait).ok()?;
         let hello = Hello { dst_qpn: remote.qpn, src_qpn: self.qpn, psn, src_gid: self.dev.gid };
-        sockio::send_bytes(c.as_raw_fd(), &hello.encode()).ok()?;
+        sockio::send_all_bytes(c.as_raw_fd(), &hello.encode()).ok()?;
         let c = Arc::new(c);
         let mut s = self.st.lock().unwrap();
         if s.state != State::Rts {

@@ -1,6 +1,6 @@
 //! rdma-core's C ABI as far as the `verbs` provider uses it: the structures it fills or reads,
 //! the offsets of fields it reads from structures it does not define, and the constants. Checked
-//! against the installed `<infiniband/verbs.h>` by `ffi::tests::layout_matches_the_installed_header`.
+//! against the installed `<infiniband/verbs.h>` by `ibverbs::tests::layout_matches_the_installed_header`.
 
 use std::ffi::{c_int, c_uint, c_void};
 

@@ -1,9 +1,9 @@
 //! The soft devices' names and limits: how many the provider offers ([`DEVICES_ENV`]) and
 //! what `ibv_query_device` answers for them ([`LIMITS_ENV`]).
 
-use super::super::verbs::DeviceAttr;
 use super::fault;
 use crate::error::{Error, Result};
+use crate::transport::backends::rdma::verbs::DeviceAttr;
 
 /// The name of the provider's first device (`soft1`, ... follow it; see [`DEVICES_ENV`]).
 pub const DEVICE: &str = "soft0";

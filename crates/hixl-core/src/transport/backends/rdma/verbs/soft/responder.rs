@@ -13,8 +13,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{fault, sockio};
+use super::fault;
 use super::{socket_name, Device};
+use crate::sys::sockio;
 use crate::transport::backends::rdma::verbs::access;
 use crate::transport::io::{self, iov};
 
@@ -166,30 +167,12 @@ pub(super) fn connect(gid: &[u8; 16], wait: Duration) -> std::io::Result<UnixStr
     Ok(c)
 }
 
-/// The user behind a Unix socket's other end, as the kernel recorded it at connect.
-fn peer_uid(conn: &UnixStream) -> Option<libc::uid_t> {
-    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` and `len` are live and sized for SO_PEERCRED; the socket is open.
-    let rc = unsafe {
-        libc::getsockopt(
-            conn.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    (rc == 0).then_some(cred.uid)
-}
-
 /// Whether a connection may be served: only a process of this process's user or root may
 /// reach the device (the abstract socket is open to every local user otherwise), and only
 /// within the caps; a refusal is logged once per device.
 fn admit(dev: &Device, conn: &UnixStream) -> bool {
-    // SAFETY: geteuid cannot fail.
-    let me = unsafe { libc::geteuid() };
-    let why = match peer_uid(conn) {
+    let (_, me) = crate::sys::uids();
+    let why = match sockio::peer_cred(conn.as_raw_fd()).ok().map(|c| c.uid) {
         Some(uid) if uid == me || uid == 0 => {
             if dev.hello_pending.load(Ordering::Acquire) >= MAX_HELLO_PENDING {
                 format!("{MAX_HELLO_PENDING} connections have not sent their Hello yet")
@@ -289,7 +272,7 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
             if write && sockio::discard(fd, req.len).is_err() {
                 return;
             }
-            let _ = sockio::send_bytes(fd, &[status as u8, 0, 0, 0, 0, 0, 0, 0]);
+            let _ = sockio::send_all_bytes(fd, &[status as u8, 0, 0, 0, 0, 0, 0, 0]);
             qp.fail_as_responder();
         };
         if qp_access & need == 0 {
@@ -326,19 +309,20 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
                 Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
                     // Registered memory that the process unmapped since.
                     if sockio::discard(fd, req.len - got).is_ok() {
-                        let _ = sockio::send_bytes(fd, &[Status::OperationError as u8, 0, 0, 0, 0, 0, 0, 0]);
+                        let _ =
+                            sockio::send_all_bytes(fd, &[Status::OperationError as u8, 0, 0, 0, 0, 0, 0, 0]);
                     }
                     qp.fail_as_responder();
                     return;
                 }
                 Err(_) => return,
             }
-            if sockio::send_bytes(fd, &[0u8; 8]).is_err() {
+            if sockio::send_all_bytes(fd, &[0u8; 8]).is_err() {
                 return;
             }
             fault::answered();
         } else {
-            if sockio::send_bytes(fd, &[0u8; 8]).is_err() {
+            if sockio::send_all_bytes(fd, &[0u8; 8]).is_err() {
                 return;
             }
             // SAFETY: as above: a checked range of a region held registered by `alive`.
