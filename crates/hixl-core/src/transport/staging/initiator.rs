@@ -23,7 +23,7 @@ use super::{device_of, unsupported_here, CopyStream, PinnedBuf};
 use crate::complete::Completer;
 use crate::cuda::stage_plan::{chunks, Act, Chunk, Flow, Pipeline};
 use crate::error::{Error, Result};
-use crate::queue::{Part, PartBody, Request, SegPair, TransferOp, TransferStatus};
+use crate::queue::{Part, PartBody, PinSet, Request, SegPair, TransferOp, TransferStatus};
 use crate::sys::mem::PinnedMemory;
 use crate::transport::control::channel::ControlChannel;
 use crate::transport::DataPath;
@@ -43,6 +43,8 @@ struct Job {
     req: Arc<Request>,
     /// The request's parts (those this job runs), finished together when it ends.
     parts: Vec<Part>,
+    /// The request's pins (its parts hold them too): where its copies' local ranges must lie.
+    pins: Option<Arc<PinSet>>,
     segs: Vec<SegPair>,
     /// The device of the local memory; None: local memory is host memory (the peer stages).
     device: Option<u8>,
@@ -101,7 +103,7 @@ impl Stager {
         let Some(tx) = tx.as_ref() else {
             return Err((Error::not_connected("the engine is finalizing"), parts));
         };
-        tx.send(Job { link, control, req, parts, segs, device })
+        tx.send(Job { link, control, req, parts, pins, segs, device })
             .map_err(|e| (Error::not_connected("the stager has stopped"), e.0.parts))
     }
 
@@ -179,8 +181,14 @@ struct Ring {
 }
 
 impl Ring {
+    /// Where chunk `k`'s slot starts in the buffer.
+    fn slot_offset(&self, k: usize) -> u64 {
+        (k % self.depth) as u64 * self.chunk
+    }
+
+    /// The address of chunk `k`'s slot.
     fn slot(&self, k: usize) -> u64 {
-        self.buf.addr() + (k % self.depth) as u64 * self.chunk
+        self.buf.addr() + self.slot_offset(k)
     }
 }
 
@@ -232,7 +240,7 @@ fn run(rings: &mut Vec<Ring>, job: &Job, chunk: u64, depth: usize) -> Result<()>
         let act = pipe.next();
         let step = match act {
             Act::Done => break,
-            Act::Copy(k) => copy(ring, &plan[k], k, job.req.op),
+            Act::Copy(k) => copy(ring, job.pins.as_ref(), &plan[k], k, job.req.op),
             Act::WaitCopy(k) => ring.map_or(Ok(()), |r| r.stream.wait(k % r.depth)),
             Act::Net(k) => {
                 let (segs, memory) = match ring {
@@ -261,21 +269,16 @@ fn run(rings: &mut Vec<Ring>, job: &Job, chunk: u64, depth: usize) -> Result<()>
     failed.map_or(Ok(()), Err)
 }
 
-/// Issues the copies of chunk `k` between the caller's device memory and its slot, then
-/// records the slot's event.
-fn copy(ring: Option<&Ring>, c: &Chunk, k: usize, op: TransferOp) -> Result<()> {
+/// Issues the copies of chunk `k` between the caller's device memory (in the request's
+/// `pins`) and its slot, then records the slot's event. The stream keeps the ring's buffer and
+/// the pins until `run` synchronises it; the slot is used again only after its event
+/// (`Act::WaitCopy`) and its chunk's transfer ended.
+fn copy(ring: Option<&Ring>, pins: Option<&Arc<PinSet>>, c: &Chunk, k: usize, op: TransferOp) -> Result<()> {
     let Some(r) = ring else { return Ok(()) };
-    let slot = r.slot(k);
+    let Some(pins) = pins else { return Err(Error::failed("a staged request has no pinned regions")) };
+    let slot = r.slot_offset(k);
     for (local, off, len) in c.copies() {
-        let (dst, src) = match op {
-            TransferOp::Write => (slot + off, local),
-            TransferOp::Read => (local, slot + off),
-        };
-        // SAFETY: `local` lies in a region the caller's request keeps pinned until `finish`,
-        // which runs after the stream is synchronised; the slot range lies inside the ring's
-        // buffer (offsets below `chunk`), which this worker owns and reuses only after the
-        // copy's event and the chunk's transfer ended. The context is current (`run`).
-        unsafe { r.stream.copy(dst, src, len)? };
+        r.stream.copy_kept(&r.buf, slot + off, pins, local, len, op == TransferOp::Read)?;
     }
     r.stream.record(k % r.depth)
 }
@@ -401,6 +404,35 @@ mod tests {
         // Unsplit, the segments stay as they are.
         let p = parts(vec![PartBody::Data(segs.clone())]);
         assert_eq!(request_segs(&p, |_| true), segs);
+    }
+
+    struct Holder(u64);
+
+    impl crate::registry::Abort for Holder {
+        fn abort(&self, _: &str) {}
+
+        fn holder_id(&self) -> u64 {
+            self.0
+        }
+    }
+
+    #[test]
+    fn a_staged_copy_must_lie_in_the_requests_pinned_regions() {
+        // Two adjacent device regions (never touched: only their bounds count) and one apart.
+        let reg = crate::registry::Registry::new();
+        let holder: Arc<dyn crate::registry::Abort> = Arc::new(Holder(crate::registry::new_holder_id()));
+        let pins: Vec<_> = [(0x10000, 0x100), (0x10100, 0x100), (0x20000, 0x100)]
+            .iter()
+            .map(|&(a, n)| reg.register(a, n, crate::MemType::Cuda(0)).unwrap().pin(&holder).unwrap())
+            .collect();
+        let set = PinSet::new(pins);
+        assert!(set.in_regions(0x10000, 0x100));
+        assert!(set.in_regions(0x10080, 0x100), "joined across two adjacent regions");
+        assert!(set.in_regions(0x20000, 0x100));
+        assert!(!set.in_regions(0x10100, 0x101), "past the second region");
+        assert!(!set.in_regions(0xff00, 0x200), "before the first");
+        assert!(!set.in_regions(0x10180, 0xfe80 + 0x100), "across the gap");
+        assert!(!set.in_regions(u64::MAX, 2));
     }
 
     #[test]
