@@ -61,7 +61,14 @@ impl Engine {
         // The control channel needs one stream; a backend that moves data over TCP opens its own.
         let params = ConnectParams { streams: 1, ..Self::link_params(r, timeout) };
         let control: Arc<dyn ControlChannel> = TcpLink::connect(key, addr, &params)?;
-        let ctx = backend::OpenCtx { opts: &r.opts, addr, params: &params, host: &r.host, timeout };
+        let ctx = backend::OpenCtx {
+            opts: &r.opts,
+            addr,
+            params: &params,
+            host: &r.host,
+            timeout,
+            stager: &r.stager,
+        };
         let mut not_chosen: Vec<String> = Vec::new();
         for (i, b) in r.backends.iter().enumerate() {
             let offer = match control.handshake().offer(b.name()) {
@@ -87,6 +94,7 @@ impl Engine {
                         params: params.clone(),
                         host: r.host.clone(),
                         timeout,
+                        stager: r.stager.clone(),
                     };
                     let sides = sides::Sides::new(control.as_ref(), opener());
                     let failover = (!next.is_empty())

@@ -25,6 +25,7 @@ use crate::registry::{new_holder_id, Abort};
 use crate::stats::PeerStats;
 use crate::transport::backend::{Backend, OpenCtx};
 use crate::transport::control::channel::ControlChannel;
+use crate::transport::staging::Stager;
 use crate::transport::streams::ConnectParams;
 use crate::transport::{DataPath, Rescue};
 use crate::wire::Domain;
@@ -39,6 +40,8 @@ pub(super) struct Opener {
     pub(super) host: String,
     /// Bound of the whole failover (the connect's timeout).
     pub(super) timeout: Duration,
+    /// The engine's stager (see `OpenCtx::stager`).
+    pub(super) stager: Arc<Stager>,
 }
 
 /// A data path that opened, and the domain pairs it serves.
@@ -53,6 +56,7 @@ impl Opener {
             params: &self.params,
             host: &self.host,
             timeout: self.timeout,
+            stager: &self.stager,
         }
     }
 
@@ -303,13 +307,6 @@ impl DataPath for Failover {
         match &*self.state.read().unwrap() {
             State::Up { path, .. } => path.backend(),
             State::Moving { from, .. } | State::Down { from, .. } => from.backend(),
-        }
-    }
-
-    fn stages_device(&self) -> bool {
-        match &*self.state.read().unwrap() {
-            State::Up { path, .. } => path.stages_device(),
-            State::Moving { from, .. } | State::Down { from, .. } => from.stages_device(),
         }
     }
 

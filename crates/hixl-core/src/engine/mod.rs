@@ -113,8 +113,9 @@ struct Running {
     connects: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// The I/O workers and timer that run every TCP stream of the engine.
     reactor: Arc<Reactor>,
-    /// Runs requests that stage device memory over `tcp` (threads made at the first one).
-    stager: crate::transport::staging::Stager,
+    /// Runs requests that stage device memory over `tcp` (threads made at the first one); the
+    /// `tcp` paths hold it too (`transport::staging::StagedPath`).
+    stager: Arc<crate::transport::staging::Stager>,
 }
 
 /// A transfer engine (one per process is typical). All methods take `&self` and are thread-safe.
@@ -217,7 +218,7 @@ impl Engine {
         };
         tracing::info!(engine = %local, "engine initialized");
         let auto_connect = opts.auto_connect.clone();
-        let stager = crate::transport::staging::Stager::new(opts.stage_chunk, opts.stage_depth);
+        let stager = Arc::new(crate::transport::staging::Stager::new(opts.stage_chunk, opts.stage_depth));
         *st = Some(Arc::new(Running {
             local_engine: local,
             host,

@@ -68,11 +68,9 @@ impl Engine {
             validate(&r, &conn, remote, descs, write, miss, &mut pairs)
         })?;
         let link = path_for(&conn, remote, &pairs)?;
-        let staged = staged(&link, &pairs);
-        let parts =
-            if staged { vec![segs] } else { split(segs, bytes, link.parallelism(), r.opts.split_bytes) };
+        let parts = split(segs, bytes, link.parallelism(), r.opts.split_bytes);
         let bodies = parts.into_iter().map(PartBody::Data).collect();
-        let batch = Batch { bodies, staged, waiting, link };
+        let batch = Batch { bodies, device: touches_device(&pairs), waiting, link };
         self.submit(&r, &conn, remote, op, batch, bytes, descs.len(), pins, notify, timeout)
     }
 
@@ -84,7 +82,7 @@ impl Engine {
         conn: &PeerConn,
         remote: &str,
         op: TransferOp,
-        Batch { bodies, staged, waiting, link }: Batch,
+        Batch { bodies, device, waiting, link }: Batch,
         bytes: u64,
         descs: usize,
         pins: Vec<Pin>,
@@ -93,8 +91,7 @@ impl Engine {
     ) -> Result<TransferReq> {
         let timeout = timeout.unwrap_or(r.opts.transfer_timeout);
         let id = r.next_req.fetch_add(1, Ordering::Relaxed);
-        let n = if staged { 1 } else { bodies.len() };
-        let device = crate::transport::staging::device_of(&pins);
+        let n = bodies.len();
         let first = match bodies.first() {
             Some(PartBody::Data(segs)) => segs.first().map(|s| (s.local, s.remote)),
             Some(PartBody::Strided(st)) => Some((st.local, st.remote)),
@@ -102,16 +99,12 @@ impl Engine {
         };
         let (local, remote_addr) = first.unwrap_or((0, 0));
         let req = Request::new(id, op, remote.to_string(), bytes, descs, n, timeout, pins, notify);
-        let req = Arc::new(req.with_first_addrs(local, remote_addr).waited(waiting == Waiting::Now));
+        let req = req.with_first_addrs(local, remote_addr).waited(waiting == Waiting::Now);
+        let req = Arc::new(req.touching_device(device));
         req.track(&conn.link.stats());
-        let submitted = if staged {
-            r.stager.submit(link.clone(), conn.control.clone(), req.clone(), bodies, device)
-        } else {
-            // Each part keeps a reference to the request's pins (see `queue::part`).
-            let parts: Vec<Part> = bodies.into_iter().map(|body| Part::new(req.clone(), body)).collect();
-            link.submit(parts)
-        };
-        if let Err(e) = submitted {
+        // Each part keeps a reference to the request's pins (see `queue::part`).
+        let parts: Vec<Part> = bodies.into_iter().map(|body| Part::new(req.clone(), body)).collect();
+        if let Err(e) = link.submit(parts) {
             // Refused before any backend took it: not counted as an operation, no longer in
             // flight (unless a part reached the completer, which settled and counted it).
             req.refuse(e.clone());
@@ -246,13 +239,12 @@ impl Engine {
             validate_strided(&r, &conn, remote, (local_base, remote_base), d, write, miss)
         })?;
         let link = path_for(&conn, remote, &pairs)?;
-        let staged = staged(&link, &pairs);
-        let shares = if st.bytes() >= r.opts.split_bytes && !staged { link.parallelism() } else { 1 };
+        let shares = if st.bytes() >= r.opts.split_bytes { link.parallelism() } else { 1 };
         // One frame names at most MAX_STRIDED_ELEMS separate elements at the target: more
         // are sent as more parts (each its own frame), never refused.
-        let shares = if staged { 1 } else { shares.max(st.frames_needed()) };
+        let shares = shares.max(st.frames_needed());
         let bodies: Vec<PartBody> = st.split(shares).into_iter().map(PartBody::Strided).collect();
-        let batch = Batch { bodies, staged, waiting, link };
+        let batch = Batch { bodies, device: touches_device(&pairs), waiting, link };
         self.submit(&r, &conn, remote, op, batch, st.bytes(), 1, pins, notify, timeout)
     }
 
@@ -387,9 +379,9 @@ impl Engine {
 /// A validated batch on its way to the link.
 struct Batch {
     bodies: Vec<PartBody>,
-    /// The parts touch device memory over `tcp`: the engine's stager carries them as one part
-    /// (`transport::staging`).
-    staged: bool,
+    /// Some of its memory (here or at the peer) is device memory: a path that moves host
+    /// memory only stages it (the `tcp` path, see `transport::staging`).
+    device: bool,
     waiting: Waiting,
     /// The path that carries it (see `path_for`).
     link: Arc<dyn DataPath>,
@@ -416,11 +408,9 @@ fn remember(conn: &PeerConn, req: &Arc<Request>) {
     recent.push(Arc::downgrade(req));
 }
 
-/// Whether a batch between these domain pairs touches device memory and goes over a path that
-/// moves it by staging ([`DataPath::stages_device`]: `tcp`); the others that serve device
-/// memory (`cuda_ipc`) copy it directly.
-fn staged(link: &Arc<dyn DataPath>, pairs: &[(Domain, Domain)]) -> bool {
-    pairs.iter().any(|(l, t)| l.is_device() || t.is_device()) && link.stages_device()
+/// Whether a batch between these domain pairs touches device memory on either side.
+fn touches_device(pairs: &[(Domain, Domain)]) -> bool {
+    pairs.iter().any(|(l, t)| l.is_device() || t.is_device())
 }
 
 /// The path for a batch between these domain pairs: the link's own, or a later backend that

@@ -65,6 +65,20 @@ impl PinSet {
     pub fn pins(&self) -> &[Pin] {
         &self.pins
     }
+
+    /// Whether every byte of `[addr, addr+len)` lies in one of its regions, of any memory
+    /// domain (a range across two adjacent regions lies in both).
+    pub(crate) fn in_regions(&self, addr: u64, len: u64) -> bool {
+        let Some(end) = addr.checked_add(len) else { return false };
+        let mut at = addr;
+        while at < end {
+            match self.pins.iter().map(|p| p.region()).find(|r| r.contains(at, 1)) {
+                Some(r) => at = r.end(),
+                None => return false,
+            }
+        }
+        true
+    }
 }
 
 // SAFETY: a Pin keeps its region registered: `Registry::deregister` (and `deregister_mem`)

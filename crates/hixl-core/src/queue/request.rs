@@ -48,6 +48,9 @@ pub struct Request {
     /// Whether its submitter waits for it right away (`Waiting::Now`): a path may then run it
     /// on the submitting thread.
     pub waited_at_once: bool,
+    /// Whether some of its memory, here or at the peer, is device memory (its validation found
+    /// a device domain): a path that moves only host memory stages it (`tcp`).
+    pub touches_device: bool,
     sleep: Mutex<()>,
     wake: Condvar,
     sleepers: AtomicUsize,
@@ -106,6 +109,7 @@ impl Request {
             carries_notify: notify_after.is_some(),
             first_addrs: (0, 0),
             waited_at_once: false,
+            touches_device: false,
             notify_after: Mutex::new(notify_after),
             sleep: Mutex::new(()),
             wake: Condvar::new(),
@@ -132,6 +136,12 @@ impl Request {
     /// The same request, naming `(local, remote)` as the addresses of its first segment.
     pub fn with_first_addrs(mut self, local: u64, remote: u64) -> Self {
         self.first_addrs = (local, remote);
+        self
+    }
+
+    /// The same request, saying whether some of its memory is device memory.
+    pub fn touching_device(mut self, yes: bool) -> Self {
+        self.touches_device = yes;
         self
     }
 

@@ -33,6 +33,7 @@
 
 pub(crate) mod epoll;
 pub(crate) mod eventfd;
+pub(crate) mod iovs;
 pub(crate) mod mem;
 pub(crate) mod memfd;
 pub(crate) mod pidfd;

@@ -56,6 +56,9 @@ pub struct OpenCtx<'a> {
     pub host: &'a str,
     /// The connect deadline.
     pub timeout: Duration,
+    /// The engine's stager, which a path that moves host memory only runs its requests that
+    /// touch device memory through (`tcp`, see `transport::staging`).
+    pub(crate) stager: &'a Arc<crate::transport::staging::Stager>,
 }
 
 /// A way to move a link's data.

@@ -49,12 +49,6 @@ impl PeerInfo {
 pub trait DataPath: crate::registry::Abort + Send + Sync {
     /// Backend name ("tcp", ...), shown in stats and logs.
     fn backend(&self) -> &'static str;
-    /// Whether it moves device memory by staging it through pinned host buffers (`tcp`), so
-    /// that a batch touching device memory goes through `transport::staging`; the paths that
-    /// serve device memory themselves (`cuda_ipc`, `rdma` with GPUDirect) keep the default.
-    fn stages_device(&self) -> bool {
-        false
-    }
     /// How many workers can carry shares of one request in parallel.
     fn parallelism(&self) -> usize;
     /// Queues the parts of one request (data only: a notification, after the data or on its

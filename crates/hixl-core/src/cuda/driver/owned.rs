@@ -9,13 +9,18 @@
 //! one with an error code, and a freed handle is never used again: its owner is gone). What is
 //! not is a copy between raw addresses: [`CopyStream::copy`] stays an `unsafe fn`, and
 //! [`CopyStream::copy_pinned`] is the safe copy between a staging buffer and ranges whose
-//! validity a [`PinnedRanges`] value proves.
+//! validity a [`PinnedRanges`] value proves, [`CopyStream::copy_kept`] the safe asynchronous
+//! one between a slot of a staging buffer and a range of a request's pins, which it keeps
+//! until the stream is synchronised.
 
+use std::cell::RefCell;
 use std::ffi::{c_int, c_void};
+use std::sync::Arc;
 
 use super::{CuDevicePtr, CuHandle, Driver, IpcMemHandle};
 use crate::cuda::{check, driver as loaded_driver};
 use crate::error::{Error, Result, Status};
+use crate::queue::PinSet;
 use crate::sys::mem::PinnedRanges;
 
 /// Makes the primary context of one device current on this thread, and puts back the
@@ -335,10 +340,20 @@ pub(crate) struct CopyStream {
     ordinal: u8,
     stream: CuHandle,
     events: Vec<CuHandle>,
+    /// What the copies queued by `copy_kept` since the last `sync` read and write: kept until
+    /// that `sync`, by which they ended.
+    kept: RefCell<Vec<Kept>>,
+}
+
+/// A proof that [`CopyStream::copy_kept`] keeps while its copy may run.
+enum Kept {
+    Buf(Arc<PinnedBuf>),
+    Pins(Arc<PinSet>),
 }
 
 // SAFETY: CUDA streams and events may be used from any thread that has their context current
-// (every use here enters it first); one owner at a time uses them.
+// (every use here enters it first); one owner at a time uses them, and with them what they
+// keep (`Arc`s of values that are Send and Sync).
 unsafe impl Send for CopyStream {}
 
 impl CopyStream {
@@ -350,7 +365,13 @@ impl CopyStream {
         // SAFETY: a valid out-parameter; the device's context is current.
         let rc = unsafe { (d.stream_create)(&mut stream, super::STREAM_NON_BLOCKING) };
         check(d, rc, "cuStreamCreate", Status::Failed)?;
-        let mut s = CopyStream { d, ordinal, stream, events: Vec::with_capacity(events) };
+        let mut s = CopyStream {
+            d,
+            ordinal,
+            stream,
+            events: Vec::with_capacity(events),
+            kept: RefCell::new(Vec::new()),
+        };
         for _ in 0..events {
             let mut e: CuHandle = std::ptr::null_mut();
             // SAFETY: a valid out-parameter; the context is current.
@@ -419,6 +440,50 @@ impl CopyStream {
         synced
     }
 
+    /// Queues a copy of `len` bytes between offset `off` of `buf` and `addr`, every byte of
+    /// which must lie in a region of `pins` (device or host memory: unified addresses), towards
+    /// `addr` when `to_pins`; keeps `buf` and `pins` until the next [`CopyStream::sync`], by
+    /// which the copy ended. Err, nothing queued: a range outside its memory. The stream's
+    /// context must be current (`enter`).
+    pub(crate) fn copy_kept(
+        &self,
+        buf: &Arc<PinnedBuf>,
+        off: u64,
+        pins: &Arc<PinSet>,
+        addr: u64,
+        len: u64,
+        to_pins: bool,
+    ) -> Result<()> {
+        let in_buf = off.checked_add(len).is_some_and(|end| end <= buf.len());
+        if !in_buf || !pins.in_regions(addr, len) {
+            return Err(Error::failed(format!(
+                "a staged copy of 0x{addr:x}+{len} lies outside the request's pinned regions or its slot"
+            )));
+        }
+        {
+            let mut kept = self.kept.borrow_mut();
+            let has_buf = kept.iter().any(|k| matches!(k, Kept::Buf(b) if Arc::ptr_eq(b, buf)));
+            if !has_buf {
+                kept.push(Kept::Buf(buf.clone()));
+            }
+            if !kept.iter().any(|k| matches!(k, Kept::Pins(p) if Arc::ptr_eq(p, pins))) {
+                kept.push(Kept::Pins(pins.clone()));
+            }
+        }
+        let slot = buf.addr() + off;
+        let (dst, src) = if to_pins { (addr, slot) } else { (slot, addr) };
+        // SAFETY: checked just above: the slot range lies in `buf`, and every byte of
+        // `addr..addr+len` in a region of `pins`, whose registrant promised it valid memory of
+        // its domain until it is deregistered (`Engine::register_mem`), which a pin prevents (a
+        // range across two adjacent regions lies in both). The stream keeps both (`kept`) until
+        // `sync`, which returns when every queued copy ended; when the synchronisation itself
+        // fails they are let go all the same, as `copy_pinned` lets its ranges go: the one point
+        // where this relies on the driver having stopped the stream's work. The context is the
+        // caller's to make current (`enter`), as for `copy_pinned`: the driver refuses a stream
+        // whose context is not current with an error, touching no memory.
+        unsafe { self.copy(dst, src, len) }
+    }
+
     /// Records event `i` after everything queued so far.
     pub(crate) fn record(&self, i: usize) -> Result<()> {
         // SAFETY: our event and stream; the context is current (caller's use of `enter`).
@@ -433,10 +498,11 @@ impl CopyStream {
         check(self.d, rc, "cuEventSynchronize (a staging copy)", Status::Failed)
     }
 
-    /// Waits until every queued copy ended.
+    /// Waits until every queued copy ended, then lets go of what `copy_kept` kept for them.
     pub(crate) fn sync(&self) -> Result<()> {
         // SAFETY: our stream.
         let rc = unsafe { (self.d.stream_synchronize)(self.stream) };
+        self.kept.borrow_mut().clear();
         check(self.d, rc, "cuStreamSynchronize (staging copies)", Status::Failed)
     }
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use crate::options::{int, no_host_facts, spec, BackendDecl, Reach};
 use crate::transport::backend::{Backend, OpenCtx};
 use crate::transport::control::channel::ControlChannel;
+use crate::transport::staging::StagedPath;
 use crate::transport::streams::{ConnectParams, TcpLink, NAME};
 use crate::transport::DataPath;
 use crate::wire::{Capability, Domain};
@@ -87,6 +88,7 @@ impl Backend for Tcp {
     ) -> std::result::Result<Arc<dyn DataPath>, String> {
         let params = ConnectParams { streams: ctx.opts.streams, ..ctx.params.clone() };
         let data = TcpLink::connect_data(control, ctx.addr, &params).map_err(|e| e.message)?;
-        Ok(data)
+        // Requests that touch device memory are staged through pinned host buffers on it.
+        Ok(StagedPath::wrap(data, control.clone(), ctx.stager.clone()))
     }
 }

@@ -7,9 +7,11 @@ use std::collections::VecDeque;
 use std::io;
 use std::os::fd::RawFd;
 
-use crate::sys::mem::{KeptRanges, PinnedMemory, PinnedRanges, RawIov};
+use crate::sys::iovs::IovQueue;
+use crate::sys::mem::{KeptRanges, PinnedRanges, RawIov};
 use crate::sys::sockio;
 use crate::transport::io::IOV_MAX;
+#[cfg(test)]
 use crate::wire::StridedRanges;
 
 /// What one step of non-blocking I/O achieved.
@@ -76,144 +78,70 @@ pub(crate) fn fill(fd: RawFd, buf: &mut [u8], got: &mut usize) -> io::Result<Ste
 mod reader;
 pub(crate) use reader::FrameReader;
 
-/// A list of iovecs to move, with its position, and the buffers some of them point into
-/// (frame headers, MACs), which it owns so that they live as long as it does.
+/// The iovecs of one frame's bytes (a header and its bulk, straight between the socket and
+/// registered memory) with its position: what the socket takes now moves, the rest later.
 ///
-/// Raw memory enters a job through [`IoJob::push_pinned`] or [`IoJob::with_owner`], which
-/// take a [`PinnedRanges`] value (whose `unsafe impl` proves its ranges valid while it lives)
-/// and keep it as long as the job: a boxed value in `held`, or the job's typed `owner` (`H`),
-/// which its holder reads back (a served WRITE hashes its ranges when the bytes are in). The
-/// initiator's parts enter through [`IoJob::push_kept`], which takes a part's checked local
-/// view ([`KeptRanges`]) and keeps its keeper (the request's pins). The target's staging
-/// buffers still enter through [`IoJob::push_raw`], an unsafe function whose caller names what
-/// keeps the memory. From then on its iovecs
-/// are [`RawIov`]s, and sending and receiving them ([`IoJob::send`], [`IoJob::recv`], the hot
-/// path) are safe calls.
+/// Its iovecs and what keeps their memory valid are one [`IovQueue`] (sys/iovs.rs), the only
+/// place they are made: raw memory enters through [`IoJob::push_pinned`] or
+/// [`IoJob::with_owner`], which take a [`PinnedRanges`] value (whose `unsafe impl` proves its
+/// ranges valid while it lives) and keep it as long as the job (the typed `owner`, `H`, is read
+/// back by its holder: a served WRITE hashes its ranges when the bytes are in), and through
+/// [`IoJob::push_kept`], which takes a part's checked local view ([`KeptRanges`]) and keeps its
+/// keeper (the request's pins). Sending and receiving them ([`IoJob::send`], [`IoJob::recv`],
+/// the hot path) are safe calls; only the tests push raw addresses (`push_raw`, unsafe).
 ///
-/// Strided ranges are never expanded into iovecs all at once (a peer names the count): they
-/// wait in `later`, in order with what was pushed after them, and [`IoJob::refill`] takes
-/// iovecs from them into the window as the window drains, at most [`IOV_MAX`] at a time.
+/// Strided ranges stay lazy in the queue, at most [`IOV_MAX`] of their iovecs at a time.
 pub(crate) struct IoJob<H = ()> {
-    /// The window: what the next system call moves, from `start` on.
-    iovs: Vec<RawIov>,
-    start: usize,
-    /// What follows the window, walked into it lazily.
-    later: VecDeque<Later>,
-    /// Bytes pushed in all.
-    total: u64,
-    keep: Vec<Vec<u8>>,
-    /// What keeps the raw iovecs' memory valid (pins), dropped with the job.
-    held: Vec<Box<dyn Send>>,
-    /// The keepers of the [`KeptRanges`] pushed (an initiator part's pins), dropped with the job.
-    kept: Vec<std::sync::Arc<dyn PinnedMemory>>,
+    q: IovQueue<H>,
     /// Bytes moved so far.
     pub(crate) moved: u64,
-    /// The pinned ranges the job was made for ([`IoJob::with_owner`]), kept until it drops.
-    owner: Option<H>,
 }
 
 impl Default for IoJob<()> {
     fn default() -> Self {
-        IoJob::empty()
+        IoJob { q: IovQueue::default(), moved: 0 }
     }
-}
-
-/// A piece of a job behind its window.
-enum Later {
-    Iov(RawIov),
-    /// Ranges vouched for by a [`PinnedRanges`] value the job keeps (or its keeper), or in
-    /// tests by the caller of `IoJob::push_strided`.
-    Strided(StridedRanges),
 }
 
 impl<P: PinnedRanges> IoJob<P> {
     /// A job over the ranges of `p`, which it keeps (see [`IoJob::owner`]) until it drops.
     pub(crate) fn with_owner(p: P) -> Self {
-        let mut job = IoJob::empty();
-        job.push_ranges_of(&p);
-        job.owner = Some(p);
-        job
+        IoJob { q: IovQueue::with_owner(p), moved: 0 }
     }
 
     /// The pinned ranges the job was made for.
     pub(crate) fn owner(&self) -> &P {
-        self.owner.as_ref().expect("a job made by with_owner")
+        self.q.owner().expect("a job made by with_owner")
     }
 }
 
 impl<H> IoJob<H> {
-    fn empty() -> Self {
-        IoJob {
-            iovs: Vec::new(),
-            start: 0,
-            later: VecDeque::new(),
-            total: 0,
-            keep: Vec::new(),
-            held: Vec::new(),
-            kept: Vec::new(),
-            moved: 0,
-            owner: None,
-        }
-    }
-
     /// Adds the ranges of `p` and keeps `p` until the job is dropped.
     pub(crate) fn push_pinned<P: PinnedRanges + Send + 'static>(&mut self, p: P) {
-        self.push_ranges_of(&p);
-        self.held.push(Box::new(p));
+        self.q.push_pinned(p)
     }
 
     /// Adds the ranges of `p` (a part's local side) and keeps its keeper until the job is
-    /// dropped (one reference per run of pushes with the same keeper, no allocation per push).
+    /// dropped.
     pub(crate) fn push_kept<P: KeptRanges>(&mut self, p: &P) {
-        let keeper = p.keeper();
-        if !self.kept.last().is_some_and(|k| std::sync::Arc::ptr_eq(k, keeper)) {
-            self.kept.push(keeper.clone());
-        }
-        self.push_ranges_of(p);
-    }
-
-    /// Adds the ranges of `p` (a strided shape stays lazy). Private: its callers keep `p`, or
-    /// the keeper of its ranges, for as long as the job lives.
-    fn push_ranges_of<P: PinnedRanges>(&mut self, p: &P) {
-        match p.strided() {
-            Some(sh) => {
-                if let Some(r) = StridedRanges::new(sh.addr, sh.count, sh.size, sh.stride) {
-                    self.push_lazy(r)
-                }
-            }
-            None => p.for_each_range(|addr, len| {
-                if len > 0 {
-                    // SAFETY: `p` vouches for every range it yields while it lives (the
-                    // promise of `PinnedRanges`), and the job keeps it (in `held` or `owner`),
-                    // or its keeper (in `kept`, the promise of `KeptRanges`), until it drops.
-                    self.push_iov(unsafe { RawIov::new(addr, len) })
-                }
-            }),
-        }
+        self.q.push_kept(p)
     }
 
     /// Adds an owned buffer (sent as is).
     pub(crate) fn push_owned(&mut self, b: Vec<u8>) {
-        if !b.is_empty() {
-            // SAFETY: the job keeps `b` (its heap buffer never moves) until it is dropped.
-            self.push_iov(unsafe { RawIov::new(b.as_ptr() as u64, b.len() as u64) });
-            self.keep.push(b);
-        }
+        self.q.push_owned(b)
     }
 
-    /// Adds `len` bytes at `addr`.
+    /// Adds `len` bytes at `addr` (the tests' way in; the transports push [`PinnedRanges`]
+    /// values).
     ///
     /// # Safety
-    /// As for [`RawIov::new`], until the job is dropped: the memory must stay valid (readable
-    /// for a job that sends, writable for one that receives) while the job lives, usually by
-    /// a pin the job or its owner holds. (The tests' way in; the transports push
-    /// [`PinnedRanges`] values.)
+    /// As for `RawIov::new`, until the job is dropped: the memory must stay valid (readable
+    /// for a job that sends, writable for one that receives) while the job lives.
     #[cfg(test)]
     pub(crate) unsafe fn push_raw(&mut self, addr: u64, len: u64) {
-        if len > 0 {
-            // SAFETY: the caller's contract.
-            self.push_iov(unsafe { RawIov::new(addr, len) });
-        }
+        // SAFETY: the caller's contract, which is the queue's.
+        unsafe { self.q.push_raw(addr, len) }
     }
 
     /// Adds the ranges of a strided range, walked into iovecs only as the job gets to them
@@ -223,88 +151,35 @@ impl<H> IoJob<H> {
     /// As for [`IoJob::push_raw`], for every range of `ranges`.
     #[cfg(test)]
     pub(crate) unsafe fn push_strided(&mut self, ranges: StridedRanges) {
-        self.push_lazy(ranges)
-    }
-
-    /// Queues strided ranges behind the window. Its callers vouch for every range (the
-    /// [`PinnedRanges`] value the job keeps, or its keeper; in tests the caller of
-    /// `IoJob::push_strided`): `refill` turns them into iovecs.
-    fn push_lazy(&mut self, ranges: StridedRanges) {
-        let bytes: u64 = match ranges.clone().next() {
-            Some((_, len)) => len.saturating_mul(ranges.remaining()),
-            None => return,
-        };
-        self.total += bytes;
-        self.later.push_back(Later::Strided(ranges));
-    }
-
-    fn push_iov(&mut self, v: RawIov) {
-        self.total += v.len() as u64;
-        if self.later.is_empty() {
-            self.iovs.push(v);
-        } else {
-            self.later.push_back(Later::Iov(v));
-        }
+        // SAFETY: the caller's contract, which is the queue's.
+        unsafe { self.q.push_strided(ranges) }
     }
 
     /// Bytes left to move.
     pub(crate) fn left(&self) -> u64 {
-        self.total - self.moved
+        self.q.total() - self.moved
     }
 
     /// Whether every byte moved.
     pub(crate) fn is_done(&self) -> bool {
-        self.start == self.iovs.len() && self.later.is_empty()
+        self.q.is_done()
     }
 
-    /// Tops the window up from what waits behind it (when fewer than half of [`IOV_MAX`]
-    /// iovecs are left in it), so that it holds at most [`IOV_MAX`] iovecs of strided ranges;
-    /// returns what is left of it.
+    /// The window (see [`IovQueue::refill`]), topped up to at most [`IOV_MAX`] iovecs of
+    /// strided ranges.
     pub(crate) fn refill(&mut self) -> &[RawIov] {
-        if !self.later.is_empty() && self.iovs.len() - self.start < IOV_MAX / 2 {
-            self.iovs.drain(..self.start);
-            self.start = 0;
-            while self.iovs.len() < IOV_MAX {
-                let Some(next) = self.later.front_mut() else { break };
-                match next {
-                    Later::Iov(v) => {
-                        self.iovs.push(*v);
-                        self.later.pop_front();
-                    }
-                    Later::Strided(r) => {
-                        let room = IOV_MAX - self.iovs.len();
-                        // SAFETY: every range was vouched for when it was queued (`push_lazy`):
-                        // by the `PinnedRanges` value the job keeps until it drops (in `held`,
-                        // `owner`, or its keeper in `kept`), or by the caller of `push_strided`.
-                        self.iovs.extend(r.by_ref().take(room).map(|(a, n)| unsafe { RawIov::new(a, n) }));
-                        if r.remaining() == 0 {
-                            self.later.pop_front();
-                        }
-                    }
-                }
-            }
-        }
-        &self.iovs[self.start..]
+        self.q.refill(IOV_MAX)
     }
 
     /// How many iovecs the window holds now (a bound the tests check).
     #[cfg(test)]
     pub(crate) fn in_hand(&self) -> usize {
-        self.iovs.len()
+        self.q.in_hand()
     }
 
-    fn advance(&mut self, mut n: usize) {
+    fn advance(&mut self, n: usize) {
         self.moved += n as u64;
-        while n > 0 {
-            let v = &mut self.iovs[self.start];
-            if n >= v.len() {
-                n -= v.len();
-                self.start += 1;
-            } else {
-                v.skip(n);
-                n = 0;
-            }
-        }
+        self.q.advance(n);
     }
 
     /// The mid-job wait: one blocking `sendmsg` (or `recvmsg` with `MSG_WAITALL`) of at most
@@ -342,16 +217,16 @@ impl<H> IoJob<H> {
 
     /// Sends what the socket takes now, at most about `budget` bytes.
     pub(crate) fn send(&mut self, fd: RawFd, budget: &mut u64) -> io::Result<Step> {
-        while !self.refill().is_empty() {
+        loop {
+            let window = self.refill();
+            if window.is_empty() {
+                break;
+            }
             if *budget == 0 {
                 return Ok(Step::WouldBlock);
             }
-            let end = self.iovs.len().min(self.start + IOV_MAX);
-            let r = match sockio::send_iovs(
-                fd,
-                &self.iovs[self.start..end],
-                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-            ) {
+            let window = &window[..window.len().min(IOV_MAX)];
+            let r = match sockio::send_iovs(fd, window, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) {
                 Ok(r) => r,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) if would_block(&e) => {
@@ -371,12 +246,16 @@ impl<H> IoJob<H> {
     /// Receives into the iovecs what has arrived, at most about `budget` bytes; EOF is an
     /// error. After an error, `moved` says how many bytes of the stream were consumed.
     pub(crate) fn recv(&mut self, fd: RawFd, budget: &mut u64) -> io::Result<Step> {
-        while !self.refill().is_empty() {
+        loop {
+            let window = self.refill();
+            if window.is_empty() {
+                break;
+            }
             if *budget == 0 {
                 return Ok(Step::WouldBlock);
             }
-            let end = self.iovs.len().min(self.start + IOV_MAX);
-            let r = match sockio::recv_iovs(fd, &self.iovs[self.start..end], libc::MSG_DONTWAIT) {
+            let window = &window[..window.len().min(IOV_MAX)];
+            let r = match sockio::recv_iovs(fd, window, libc::MSG_DONTWAIT) {
                 Ok(r) => r,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) if would_block(&e) => {

@@ -4,13 +4,14 @@
 //! memory, so device bytes go through pinned host bounce buffers in chunks
 //! (`hixl.cuda.stage_chunk` bytes, `hixl.cuda.stage_depth` of them per request):
 //!
-//! - **Initiator** (`initiator.rs`): a request over `tcp` with device memory on either side is
-//!   handed to the engine's [`Stager`] instead of the link. Its workers cut it into chunks
-//!   (`cuda::stage_plan`) and run them as a pipeline: for a WRITE from device memory the copy
-//!   of chunk k+1 into its slot runs while chunk k is on the wire; for a READ into device
-//!   memory chunk k+1 arrives while chunk k is copied out. Each chunk is an ordinary host
-//!   transfer on the same `TcpLink` (zero-copy from the slot), so the TCP code never sees
-//!   device memory, and host-to-host requests never come here.
+//! - **Initiator** (`path.rs`, `initiator.rs`): the `tcp` backend's path is a [`StagedPath`],
+//!   chosen at connect time: it hands the parts of a request with device memory on either
+//!   side to the engine's [`Stager`] and every other part to the link. The stager's workers
+//!   cut the request into chunks (`cuda::stage_plan`) and run them as a pipeline: for a WRITE
+//!   from device memory the copy of chunk k+1 into its slot runs while chunk k is on the wire;
+//!   for a READ into device memory chunk k+1 arrives while chunk k is copied out. Each chunk
+//!   is an ordinary host transfer on the same `TcpLink` (zero-copy from the slot), so the TCP
+//!   code never sees device memory, and host-to-host requests never reach the stager.
 //! - **Target** (`target.rs`): a WRITE or READ frame whose ranges lie in device regions of the
 //!   target's registry is received into (or sent from) a pinned buffer, with the copy to (or
 //!   from) the device in between; the served streams call it through their `TargetStaging`
@@ -21,10 +22,12 @@
 
 pub(crate) mod budget;
 mod initiator;
+mod path;
 pub(crate) mod target;
 
 pub(crate) use crate::cuda::driver::owned::{CopyStream, PinnedBuf};
 pub(crate) use initiator::Stager;
+pub(crate) use path::StagedPath;
 
 use crate::cuda::driver as loaded_driver;
 use crate::error::{Error, Status};
@@ -40,7 +43,7 @@ pub(crate) const TCP_PAIRS: &[(Domain, Domain)] = &[
 ];
 
 /// The device of a staged request's local memory: the first pinned region in device memory.
-pub(crate) fn device_of(pins: &[crate::registry::Pin]) -> Option<u8> {
+fn device_of(pins: &[crate::registry::Pin]) -> Option<u8> {
     pins.iter().find_map(|p| match p.region().mem_type {
         Domain::Cuda(n) => Some(n),
         Domain::Device => Some(0),

@@ -398,10 +398,6 @@ impl DataPath for TcpLink {
         NAME
     }
 
-    fn stages_device(&self) -> bool {
-        true
-    }
-
     fn parallelism(&self) -> usize {
         self.streams.len()
     }
