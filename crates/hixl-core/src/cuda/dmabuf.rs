@@ -7,7 +7,7 @@
 //! Built and unit-tested without a GPU (the page arithmetic); never run on a GPU here.
 
 use std::ffi::c_int;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use super::driver::handles::export_dmabuf;
 use super::driver::{self, Driver};
@@ -47,10 +47,40 @@ pub(crate) fn host_page() -> u64 {
     crate::sys::memfd::page_size()
 }
 
+/// A dma-buf the CUDA driver exported for the whole pages around a device range, and where
+/// that range starts in it: it holds at least `offset + len` bytes. Made only by [`export`],
+/// so a value says so (`ibv_reg_dmabuf_mr` may register `len` bytes at `offset` of it).
+#[derive(Debug)]
+pub(crate) struct DmaBuf {
+    /// Closed when dropped (once the NICs have registered it: each region holds its own
+    /// reference).
+    fd: OwnedFd,
+    offset: u64,
+    addr: u64,
+    len: u64,
+}
+
+impl DmaBuf {
+    /// Its descriptor.
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Where the exported range starts in the dma-buf.
+    pub(crate) fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// The device range `[addr, addr + len)` it was exported for: `(addr, len)`.
+    pub(crate) fn range(&self) -> (u64, u64) {
+        (self.addr, self.len)
+    }
+}
+
 /// Exports `[addr, addr + len)` of device `ordinal` as a dma-buf: the descriptor (owned: closed
 /// when dropped, which the caller does once the NIC has registered it) and `addr`'s offset in
 /// it. UNSUPPORTED naming the entry point when the driver lacks it.
-pub(crate) fn export(ordinal: u8, addr: u64, len: u64) -> Result<(OwnedFd, u64)> {
+pub(crate) fn export(ordinal: u8, addr: u64, len: u64) -> Result<DmaBuf> {
     let d = super::driver()?;
     let get = driver::get_handle_for_address_range().map_err(|why| Error::new(Status::Unsupported, why))?;
     let (base, size, offset) = page_span(addr, len, host_page())
@@ -62,7 +92,7 @@ pub(crate) fn export(ordinal: u8, addr: u64, len: u64) -> Result<(OwnedFd, u64)>
         Error::new(Status::Failed, d.check(rc, &what).expect_err("an error code"))
     })?;
     match fd {
-        Some(fd) => Ok((fd, offset)),
+        Some(fd) => Ok(DmaBuf { fd, offset, addr, len }),
         None => {
             Err(Error::failed(format!("{} returned no descriptor", driver::GET_HANDLE_FOR_ADDRESS_RANGE)))
         }
@@ -97,15 +127,16 @@ mod tests {
         let (addr, len) = (buf.addr() + 4096 + 100, 1 << 20);
         let supported = supported(0).unwrap();
         let got = export(0, addr, len);
-        eprintln!("cuda:0 DMA_BUF_SUPPORTED={supported}; export: {:?}", got.as_ref().map(|(_, o)| o));
+        eprintln!("cuda:0 DMA_BUF_SUPPORTED={supported}; export: {:?}", got.as_ref().map(|b| b.offset()));
         if !supported {
             assert!(got.is_err(), "a device without dma-buf support exported one");
             return;
         }
-        let (fd, offset) = got.unwrap();
+        let dmabuf = got.unwrap();
         let (_, size, want_offset) = page_span(addr, len, host_page()).unwrap();
-        assert_eq!(offset, want_offset);
-        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).unwrap();
+        assert_eq!(dmabuf.offset(), want_offset);
+        assert_eq!(dmabuf.range(), (addr, len));
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", dmabuf.fd().as_raw_fd())).unwrap();
         assert!(info.contains("exp_name:"), "not a dma-buf: {info}");
         let sz = info.lines().find_map(|l| l.strip_prefix("size:")).map(|v| v.trim().parse::<u64>().unwrap());
         assert_eq!(sz, Some(size), "{info}");

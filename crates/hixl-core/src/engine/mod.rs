@@ -377,7 +377,9 @@ impl Engine {
         name: &str,
     ) -> Result<MemHandle> {
         let r = self.running()?;
-        let span = MemorySpan { addr: desc.addr, len: desc.len, domain: mem_type, memfd: None, access };
+        // SAFETY: the caller carries this function's contract (`Engine::register_mem`'s), which
+        // is the span's.
+        let span = unsafe { MemorySpan::new(desc.addr, desc.len, mem_type, access) };
         let region = register_region(&r, span, access, name)?;
         Ok(MemHandle { id: region.id, addr: region.addr, len: region.len, mem_type: region.mem_type })
     }
@@ -393,13 +395,8 @@ impl Engine {
     pub fn alloc_named(&self, size: u64, name: &str) -> Result<(MemHandle, Arc<SharedMem>)> {
         let r = self.running()?;
         let mem = Arc::new(SharedMem::new(size)?);
-        let span = MemorySpan {
-            addr: mem.addr(),
-            len: mem.len(),
-            domain: MemType::Host,
-            memfd: Some(mem.fd()),
-            access: Access::ReadWrite,
-        };
+        // The engine keeps `mem` (`allocated`, below) until the region is deregistered.
+        let span = MemorySpan::engine_owned(&mem);
         let region = register_region(&r, span, Access::ReadWrite, name)?;
         r.allocated.lock().unwrap().insert(mem.addr(), mem.clone());
         Ok((MemHandle { id: region.id, addr: region.addr, len: region.len, mem_type: MemType::Host }, mem))

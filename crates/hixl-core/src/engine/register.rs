@@ -5,7 +5,7 @@ use std::sync::Arc;
 use super::Running;
 use crate::error::{Error, Result, Status};
 use crate::registry::{Access, Region, RegionSpec};
-use crate::transport::backend::MemorySpan;
+use crate::transport::backend::{MemorySpan, ReleasedSpan};
 use crate::wire::{BackendKey, Domain};
 
 /// Registers a region: every backend's registration hook first (its key travels in the region
@@ -19,30 +19,31 @@ pub(super) fn register_region(
 ) -> Result<Arc<Region>> {
     let served =
         |d: Domain| r.backends.iter().any(|b| b.domains().iter().any(|(local, _)| local.same_kind(d)));
-    if span.domain.is_device() {
+    if span.domain().is_device() {
         // Device memory is checked by the driver (UNSUPPORTED when CUDA is not found here) and
         // takes the domain of the device that holds it (`device` becomes `cuda:N`). When no
         // backend would serve it anyway, the error says that too, with each backend's reason.
         let device_served = served(Domain::Cuda(0));
-        span.domain = match crate::cuda::resolve(span.addr, span.len, span.domain) {
-            Ok(d) => d.domain,
+        match span.resolve_device() {
+            Ok(()) => {}
             Err(e) if !device_served => {
-                return Err(Error::new(e.status, format!("{}; {}", e.message, unserved(r, span.domain))))
+                return Err(Error::new(e.status, format!("{}; {}", e.message, unserved(r, span.domain()))))
             }
             Err(e) => return Err(e),
-        };
+        }
     }
-    if !served(span.domain) {
-        return Err(Error::new(Status::Unsupported, unserved(r, span.domain)));
+    if !served(span.domain()) {
+        return Err(Error::new(Status::Unsupported, unserved(r, span.domain())));
     }
-    if span.domain == Domain::Host && span.addr != 0 && span.len != 0 {
-        check_mapped(span.addr, span.len)?;
+    if span.domain() == Domain::Host && span.addr() != 0 && span.len() != 0 {
+        check_mapped(span.addr(), span.len())?;
     }
+    let released = span.released();
     let mut keys: Vec<BackendKey> = Vec::new();
     let release = |keys: &[BackendKey]| {
         for k in keys {
             if let Some(b) = r.backends.iter().find(|b| b.name() == k.backend) {
-                b.deregister(&span, &k.key);
+                b.deregister(&released, &k.key);
             }
         }
     };
@@ -57,9 +58,9 @@ pub(super) fn register_region(
         }
     }
     let spec = RegionSpec {
-        addr: span.addr,
-        len: span.len,
-        mem_type: span.domain,
+        addr: span.addr(),
+        len: span.len(),
+        mem_type: span.domain(),
         access,
         name: name.to_string(),
         keys: keys.clone(),
@@ -99,13 +100,7 @@ fn unserved(r: &Running, domain: Domain) -> String {
 
 /// Runs the backends' deregistration hooks for a region that left the registry.
 pub(super) fn run_deregister_hooks(r: &Running, region: &Region) {
-    let span = MemorySpan {
-        addr: region.addr,
-        len: region.len,
-        domain: region.mem_type,
-        memfd: None,
-        access: region.access,
-    };
+    let span = ReleasedSpan { addr: region.addr };
     for k in &region.keys {
         if let Some(b) = r.backends.iter().find(|b| b.name() == k.backend) {
             b.deregister(&span, &k.key);

@@ -20,6 +20,7 @@ use std::time::Duration;
 use crate::error::{Error, Result, Status};
 use crate::options::Options;
 use crate::registry::Access;
+use crate::transport::backends::shm::SharedMem;
 use crate::transport::control::channel::ControlChannel;
 use crate::transport::streams::ConnectParams;
 use crate::transport::DataPath;
@@ -28,19 +29,100 @@ use crate::wire::{Capability, Domain};
 /// Host memory on both sides: the one pair today's backends serve.
 pub(crate) const HOST_TO_HOST: &[(Domain, Domain)] = &[(Domain::Host, Domain::Host)];
 
-/// Memory being registered, as a registration hook sees it.
-#[derive(Clone, Copy, Debug)]
+/// Memory being registered, as a registration hook sees it, and the proof that it may be
+/// handed to a device: a value of this type says that `[addr, addr + len)` is memory of this
+/// process of its domain that stays valid until the engine has run the backends'
+/// deregistration hooks for the region registered with it (or released the keys of a failed
+/// registration). A hook may therefore register the range with a device (a NIC) that reads and
+/// writes it on its own, provided its deregistration hook (or the failed registration's
+/// release) undoes that.
+///
+/// Made only by [`MemorySpan::new`] (unsafe: the caller promises that, as the callers of
+/// `Engine::register_mem` do) and [`MemorySpan::engine_owned`] (memory the engine allocated
+/// and keeps until the region is deregistered). Deregistration hooks get a [`ReleasedSpan`]
+/// instead, which cannot register anything.
 pub struct MemorySpan {
+    addr: u64,
+    len: u64,
+    domain: Domain,
+    /// The engine's own memory (its sealed memfd travels in the `shm` key), held while this
+    /// value lives.
+    shared: Option<Arc<SharedMem>>,
+    access: Access,
+}
+
+impl MemorySpan {
+    /// The span of `[addr, addr + len)` of `domain`, which peers may use as `access` says.
+    ///
+    /// # Safety
+    ///
+    /// The contract of `Engine::register_mem`: the range is memory of this process of
+    /// `domain`, mapped, and stays valid until the engine has run the deregistration hooks of
+    /// the region registered with this span (it is deregistered, or the engine finalized) or
+    /// released a failed registration's keys; peers, this engine's transfers and the devices
+    /// the backends register it with may read and write it at any time until then,
+    /// concurrently with the caller.
+    pub(crate) unsafe fn new(addr: u64, len: u64, domain: Domain, access: Access) -> MemorySpan {
+        MemorySpan { addr, len, domain, shared: None, access }
+    }
+
+    /// The span of memory the engine allocated (`Engine::alloc`), peers may READ and WRITE it.
+    /// Safe: the span holds `mem` while it lives, and the engine keeps it (its `allocated`
+    /// table) until the region's deregistration hooks have run.
+    pub(crate) fn engine_owned(mem: &Arc<SharedMem>) -> MemorySpan {
+        MemorySpan {
+            addr: mem.addr(),
+            len: mem.len(),
+            domain: Domain::Host,
+            shared: Some(mem.clone()),
+            access: Access::ReadWrite,
+        }
+    }
+
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Its memory domain (device memory: the device that holds it, once resolved).
+    pub fn domain(&self) -> Domain {
+        self.domain
+    }
+
+    /// The sealed memfd the memory is a mapping of, when the engine allocated it.
+    pub fn memfd(&self) -> Option<RawFd> {
+        self.shared.as_ref().map(|m| m.fd())
+    }
+
+    /// What peers may do with it (a backend whose device enforces access registers it so).
+    pub fn access(&self) -> Access {
+        self.access
+    }
+
+    /// Gives device memory the domain of the device that holds it (`device` becomes `cuda:N`),
+    /// as the driver says (`cuda::resolve`); an error leaves the domain as it was.
+    pub(crate) fn resolve_device(&mut self) -> Result<()> {
+        self.domain = crate::cuda::resolve(self.addr, self.len, self.domain)?.domain;
+        Ok(())
+    }
+
+    /// What the deregistration hooks of this span's registration see.
+    pub(crate) fn released(&self) -> ReleasedSpan {
+        ReleasedSpan { addr: self.addr }
+    }
+}
+
+/// Memory being deregistered, as a deregistration hook sees it: a plain description (what the
+/// hooks need to find what they registered), which cannot register anything.
+#[derive(Clone, Copy, Debug)]
+pub struct ReleasedSpan {
     /// Start address.
     pub addr: u64,
-    /// Length in bytes.
-    pub len: u64,
-    /// Its memory domain.
-    pub domain: Domain,
-    /// The sealed memfd the memory is a mapping of, when the engine allocated it.
-    pub memfd: Option<RawFd>,
-    /// What peers may do with it (a backend whose device enforces access registers it so).
-    pub access: Access,
 }
 
 /// What a backend may use to open a data path.
@@ -96,7 +178,7 @@ pub trait Backend: Send + Sync {
     }
 
     /// Deregistration hook: releases what `register` set up for `key`.
-    fn deregister(&self, mem: &MemorySpan, key: &[u8]) {
+    fn deregister(&self, mem: &ReleasedSpan, key: &[u8]) {
         let _ = (mem, key);
     }
 

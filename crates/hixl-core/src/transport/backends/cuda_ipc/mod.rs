@@ -70,15 +70,15 @@ impl Backend for CudaIpc {
     }
 
     fn register(&self, mem: &MemorySpan) -> Result<Option<Vec<u8>>> {
-        if !matches!(mem.domain, Domain::Cuda(_)) {
+        if !matches!(mem.domain(), Domain::Cuda(_)) {
             return Ok(None);
         }
-        let r = crate::cuda::resolve(mem.addr, mem.len, mem.domain)?;
+        let r = crate::cuda::resolve(mem.addr(), mem.len(), mem.domain())?;
         let Domain::Cuda(ordinal) = r.domain else { return Ok(None) };
         self.slot.note_device(ordinal);
         if !r.ipc_capable {
             tracing::info!(
-                addr = mem.addr,
+                addr = mem.addr(),
                 "device memory a legacy IPC handle cannot export: no cuda_ipc key"
             );
             return Ok(None);
@@ -90,7 +90,7 @@ impl Backend for CudaIpc {
             .ipc_mem_handle(r.alloc_base)
             .map_err(|rc| Error::new(Status::Unsupported, d.check(rc, "cuIpcGetMemHandle").unwrap_err()))?;
         let key =
-            IpcKey { ordinal, handle: h.reserved, offset: mem.addr - r.alloc_base, alloc_len: r.alloc_len };
+            IpcKey { ordinal, handle: h.reserved, offset: mem.addr() - r.alloc_base, alloc_len: r.alloc_len };
         Ok(Some(key.encode()))
     }
 

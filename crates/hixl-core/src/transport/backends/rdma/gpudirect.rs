@@ -16,7 +16,6 @@
 //! The chooser is pure and unit-tested; the registration paths are built but have never run on
 //! a machine with both a GPU and an RDMA NIC (docs/RDMA.md, "GPU memory (GPUDirect)").
 
-use std::os::fd::AsRawFd;
 use std::path::Path as FsPath;
 
 use super::nic::Nic;
@@ -24,7 +23,6 @@ use super::rails::Rails;
 use super::verbs::Verbs;
 use crate::cuda::{dmabuf, driver};
 use crate::error::Result;
-use crate::registry::Access;
 use crate::transport::backend::MemorySpan;
 use crate::wire::Domain;
 
@@ -138,27 +136,20 @@ pub fn device_piece(ordinal: u8) -> Piece {
     }
 }
 
-/// Registers `[addr, addr + len)` of `cuda:ordinal` with `nic` by the path `start` (what was
+/// Registers the span `mem` of `cuda:ordinal` with every rail by the path `start` (what was
 /// present when the engine started) allows once the device's attribute is known. Returns the
-/// rkey; UNSUPPORTED naming what is missing when neither path is there.
-pub(super) fn register(
-    rails: &Rails,
-    start: &Present,
-    ordinal: u8,
-    addr: u64,
-    len: u64,
-    how: Access,
-) -> Result<Vec<u32>> {
+/// rkeys; UNSUPPORTED naming what is missing when neither path is there.
+pub(super) fn register(rails: &Rails, start: &Present, ordinal: u8, mem: &MemorySpan) -> Result<Vec<u32>> {
     let mut p = start.clone();
     p.device_dmabuf = Some(device_piece(ordinal));
     match choose(&p) {
         Path::DmaBuf => {
-            let (fd, offset) = dmabuf::export(ordinal, addr, len)?;
+            let buf = dmabuf::export(ordinal, mem.addr(), mem.len())?;
             // Each rail's region takes its own reference to the dma-buf; ours is closed when
-            // `fd` drops, at the end of this arm, after every rail registered.
-            rails.register_with(addr, |nic| nic.register_dmabuf(addr, len, how, fd.as_raw_fd(), offset))
+            // `buf` drops, at the end of this arm, after every rail registered.
+            rails.register_with(mem.addr(), |nic| nic.register_dmabuf(mem, &buf))
         }
-        Path::PeerMem => rails.register(addr, len, how),
+        Path::PeerMem => rails.register(mem),
         Path::Unsupported(m) => Err(super::unsupported(format!(
             "GPU memory (cuda:{ordinal}) cannot be registered for RDMA here: {m}"
         ))),
@@ -200,11 +191,11 @@ impl Gpu {
     /// Registers `mem` when it is GPU memory this backend offers (None: not its business:
     /// host memory, or no GPU path, when another backend may serve it).
     pub(super) fn register(&self, rails: &Rails, mem: &MemorySpan) -> Option<Result<Vec<u32>>> {
-        let (Domain::Cuda(n), Some((present, start))) = (mem.domain, &self.0) else { return None };
+        let (Domain::Cuda(n), Some((present, start))) = (mem.domain(), &self.0) else { return None };
         if start.is_unsupported() {
             return None;
         }
-        Some(register(rails, present, n, mem.addr, mem.len, mem.access))
+        Some(register(rails, present, n, mem))
     }
 }
 

@@ -36,7 +36,7 @@ use std::time::Duration;
 use crate::error::{Error, Result, Status};
 use crate::options::rdma::{Provider, RdmaOptions};
 use crate::options::Options;
-use crate::transport::backend::{Backend, MemorySpan, OpenCtx, HOST_TO_HOST};
+use crate::transport::backend::{Backend, MemorySpan, OpenCtx, ReleasedSpan, HOST_TO_HOST};
 use crate::transport::control::channel::ControlChannel;
 use crate::transport::target_side::source_caps::{Cap, Counted, SourceCaps};
 use crate::transport::DataPath;
@@ -285,16 +285,16 @@ impl Backend for Rdma {
         if let Some(r) = self.gpu.register(rails, mem) {
             return r.map(|rkeys| Some(encode_rkeys(&rkeys))).or_else(|e| refused_registration(e, self.only));
         }
-        if mem.domain != Domain::Host {
+        if mem.domain() != Domain::Host {
             return Ok(None);
         }
-        match rails.register(mem.addr, mem.len, mem.access) {
+        match rails.register(mem) {
             Ok(rkeys) => Ok(Some(encode_rkeys(&rkeys))),
             Err(e) => refused_registration(e, self.only),
         }
     }
 
-    fn deregister(&self, mem: &MemorySpan, key: &[u8]) {
+    fn deregister(&self, mem: &ReleasedSpan, key: &[u8]) {
         if let (Ok(rails), Ok(rkeys)) = (&self.rails, decode_rkeys(key)) {
             rails.deregister(mem.addr, &rkeys);
         }

@@ -3,7 +3,6 @@
 //! drains every rail's CQ.
 
 use std::collections::BTreeMap;
-use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
@@ -12,8 +11,10 @@ use super::verbs::{
     access, CompletionChannel, CompletionQueue, Context, MemoryRegion, PortAttr, ProtectionDomain, QpCaps,
     QueuePair, Verbs, PORT_ACTIVE,
 };
+use crate::cuda::dmabuf::DmaBuf;
 use crate::error::{Error, Result, Status};
 use crate::registry::Access;
+use crate::transport::backend::MemorySpan;
 
 struct LocalMr {
     len: u64,
@@ -136,43 +137,28 @@ impl Nic {
         self.ctx.query_port(self.port).is_ok_and(|a| a.state == PORT_ACTIVE)
     }
 
-    /// Registers `[addr, addr + len)`: remote read always, remote write only for a writable
-    /// region (so the NIC refuses what the TCP target refuses), local write (a READ lands in
-    /// it) unless the memory is immutable. Returns the rkey.
-    pub(super) fn register(&self, addr: u64, len: u64, how: Access) -> Result<u32> {
-        // SAFETY: `[addr, addr + len)` is a region the engine is registering: memory whose
-        // registrant promised it valid until `deregister_mem` succeeds (the contract of the
-        // unsafe `Engine::register_mem*`), or the engine's own `alloc` memory, freed only after
-        // that; host memory was checked to be mapped (`register_region`). `deregister_mem`
-        // waits for the region's pins and only then runs the deregistration hooks, which
-        // deregister this MR (`Nic::deregister`) before the memory may go; a failed
-        // registration releases it at once. No value carries that proof to here: backends
-        // register before the registry holds the region (so no registry pin exists yet) and
-        // the range arrives as a plain `MemorySpan`.
-        let mr = unsafe { self.pd.register(addr, len, access_bits(how)) }?;
-        let rkey = mr.rkey();
-        self.mrs.write().unwrap().insert((addr, rkey), LocalMr { len, mr });
-        Ok(rkey)
+    /// Registers the span `mem`: remote read always, remote write only for a writable region
+    /// (so the NIC refuses what the TCP target refuses), local write (a READ lands in it)
+    /// unless the memory is immutable. Returns the rkey. The region stays until
+    /// [`Nic::deregister`], which the backend's deregistration hook calls.
+    pub(super) fn register(&self, mem: &MemorySpan) -> Result<u32> {
+        let mr = self.pd.register(mem, access_bits(mem.access()))?;
+        Ok(self.keep(mem, mr))
     }
 
-    /// Registers `len` bytes at `offset` of the dma-buf `fd` as `[iova, iova + len)`, with the
-    /// access `register` gives (`ibv_reg_dmabuf_mr`; the caller may close `fd` after). Returns
-    /// the rkey.
-    pub(super) fn register_dmabuf(
-        &self,
-        iova: u64,
-        len: u64,
-        how: Access,
-        fd: RawFd,
-        offset: u64,
-    ) -> Result<u32> {
-        // SAFETY: `fd` is a dma-buf the driver exported for whole pages around the range
-        // (`gpudirect::register`), so it holds `offset + len` bytes; the region keeps its own
-        // reference to it until `deregister`.
-        let mr = unsafe { self.pd.register_dmabuf(offset, len, iova, fd, access_bits(how)) }?;
+    /// Registers the span `mem` of device memory from `buf`, the dma-buf the driver exported
+    /// for it (`ibv_reg_dmabuf_mr`; `buf` may be closed after), with the access `register`
+    /// gives. Returns the rkey.
+    pub(super) fn register_dmabuf(&self, mem: &MemorySpan, buf: &DmaBuf) -> Result<u32> {
+        let mr = self.pd.register_dmabuf(mem, buf, access_bits(mem.access()))?;
+        Ok(self.keep(mem, mr))
+    }
+
+    /// Keeps `mr`, the region of `mem`, until [`Nic::deregister`]; returns its rkey.
+    fn keep(&self, mem: &MemorySpan, mr: MemoryRegion) -> u32 {
         let rkey = mr.rkey();
-        self.mrs.write().unwrap().insert((iova, rkey), LocalMr { len, mr });
-        Ok(rkey)
+        self.mrs.write().unwrap().insert((mem.addr(), rkey), LocalMr { len: mem.len(), mr });
+        rkey
     }
 
     /// Deregisters the region at `addr` with `rkey` (the NIC waits for operations still using it).

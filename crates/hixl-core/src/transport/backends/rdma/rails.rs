@@ -14,8 +14,8 @@ use super::nic::Nic;
 use super::verbs::{Context, Verbs, Wc};
 use crate::error::{Error, Result};
 use crate::options::rdma::{Devices, RdmaOptions, MAX_RAILS};
-use crate::registry::Access;
 use crate::sys::eventfd;
+use crate::transport::backend::MemorySpan;
 
 /// How long the poller sleeps on the channels before it looks again (it is woken at once by a
 /// completion event or by `stop`; this only bounds a missed wake-up).
@@ -129,10 +129,10 @@ impl Rails {
         }))
     }
 
-    /// Registers `[addr, addr + len)` on every rail; returns the rkeys in rail order. If one
+    /// Registers the span `mem` on every rail; returns the rkeys in rail order. If one
     /// rail refuses, those made are released and its error is returned.
-    pub(super) fn register(&self, addr: u64, len: u64, how: Access) -> Result<Vec<u32>> {
-        self.register_with(addr, |nic| nic.register(addr, len, how))
+    pub(super) fn register(&self, mem: &MemorySpan) -> Result<Vec<u32>> {
+        self.register_with(mem.addr(), |nic| nic.register(mem))
     }
 
     /// As [`Rails::register`], with `reg` making each rail's region at `addr` (from a GPU's

@@ -549,7 +549,7 @@ impl Backend for Shm {
     }
 
     fn register(&self, mem: &MemorySpan) -> Result<Option<Vec<u8>>> {
-        Ok(mem.memfd.map(|fd| fd.to_le_bytes().to_vec()))
+        Ok(mem.memfd().map(|fd| fd.to_le_bytes().to_vec()))
     }
 
     fn connect(

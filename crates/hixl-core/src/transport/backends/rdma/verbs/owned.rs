@@ -10,13 +10,15 @@
 //! PD, all of them before the context (the order `ibv_destroy_*` requires). The handles stay
 //! private to this module: nothing else can release one, or use it after its release.
 
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 
 use super::{
     Channel, Cq, Ctx, DeviceAttr, Mr, Pd, PortAttr, PostError, Qp, QpCaps, QpTransition, SendWr, Verbs, Wc,
 };
-use crate::error::Result;
+use crate::cuda::dmabuf::DmaBuf;
+use crate::error::{Error, Result};
+use crate::transport::backend::MemorySpan;
 
 /// An open device (`ibv_open_device`), closed when the last object made on it is gone.
 pub(crate) struct Context {
@@ -89,40 +91,48 @@ pub(crate) struct ProtectionDomain {
 }
 
 impl ProtectionDomain {
-    /// `ibv_reg_mr` of `[addr, addr + len)` with the `access` bits.
-    ///
-    /// # Safety
-    /// `[addr, addr + len)` must stay mapped until the region is deregistered (dropped): the
-    /// device reads and writes it on its own, as [`Verbs::reg_mr`] says.
-    pub(crate) unsafe fn register(
-        self: &Arc<Self>,
-        addr: u64,
-        len: u64,
-        access: u32,
-    ) -> Result<MemoryRegion> {
-        // SAFETY: the caller's contract is `reg_mr`'s; `pd` is live while `self` is.
-        let (mr, lkey, rkey) = unsafe { self.ctx.verbs.reg_mr(self.pd, addr, len, access) }?;
+    /// `ibv_reg_mr` of the span `mem` with the `access` bits. Safe: `mem` proves the memory
+    /// stays valid until its region's deregistration hooks run, and the caller (the `rdma`
+    /// backend) drops the region there, or at once when the registration fails.
+    pub(crate) fn register(self: &Arc<Self>, mem: &MemorySpan, access: u32) -> Result<MemoryRegion> {
+        // SAFETY: `reg_mr` needs the range mapped until the region is deregistered. A
+        // `MemorySpan` is made only by its unsafe constructor (whose contract is
+        // `Engine::register_mem`'s: valid until the region's deregistration hooks have run) or
+        // from memory the engine allocated and keeps that long; the `rdma` backend's hooks
+        // (`Nic::deregister`, and the release of a failed registration) deregister this region
+        // then, before the memory may go. `pd` is live while `self` is.
+        let (mr, lkey, rkey) = unsafe { self.ctx.verbs.reg_mr(self.pd, mem.addr(), mem.len(), access) }?;
         Ok(MemoryRegion { pd: self.clone(), mr: Some(mr), lkey, rkey })
     }
 
-    /// `ibv_reg_dmabuf_mr` of `len` bytes at `offset` of the dma-buf `fd`, addressed as
-    /// `[iova, iova + len)` (the region holds its own reference to the dma-buf).
-    ///
-    /// # Safety
-    /// As [`Verbs::reg_dmabuf_mr`]: `fd` must be a dma-buf (for the soft provider, a mappable
-    /// file) of at least `offset + len` bytes that nothing else writes through in a way the
-    /// caller did not agree to.
-    pub(crate) unsafe fn register_dmabuf(
+    /// `ibv_reg_dmabuf_mr` of the span `mem` of device memory from `buf`, the dma-buf the
+    /// driver exported for it: `mem.len()` bytes at `buf.offset()`, addressed as
+    /// `[mem.addr(), mem.addr() + mem.len())` (the region holds its own reference to the
+    /// dma-buf). PARAM_INVALID when `buf` was exported for another range. Safe as
+    /// [`ProtectionDomain::register`] is.
+    pub(crate) fn register_dmabuf(
         self: &Arc<Self>,
-        offset: u64,
-        len: u64,
-        iova: u64,
-        fd: RawFd,
+        mem: &MemorySpan,
+        buf: &DmaBuf,
         access: u32,
     ) -> Result<MemoryRegion> {
-        // SAFETY: the caller's contract is `reg_dmabuf_mr`'s; `pd` is live while `self` is.
-        let (mr, lkey, rkey) =
-            unsafe { self.ctx.verbs.reg_dmabuf_mr(self.pd, offset, len, iova, fd, access) }?;
+        let (addr, len) = (mem.addr(), mem.len());
+        if buf.range() != (addr, len) {
+            return Err(Error::param(format!(
+                "a dma-buf exported for 0x{:x}+{} cannot register 0x{addr:x}+{len}",
+                buf.range().0,
+                buf.range().1
+            )));
+        }
+        // SAFETY: `reg_dmabuf_mr` needs a dma-buf of at least `offset + len` bytes that nothing
+        // writes through in a way the caller did not agree to. `buf` is the driver's export of
+        // the whole pages around exactly this range (checked above), so it holds `offset + len`
+        // bytes; the device writes only the range, which `mem` proves the registrant gave peers
+        // and devices until its region's deregistration hooks run, where the `rdma` backend
+        // drops this region (as for `register`). `pd` is live while `self` is.
+        let (mr, lkey, rkey) = unsafe {
+            self.ctx.verbs.reg_dmabuf_mr(self.pd, buf.offset(), len, addr, buf.fd().as_raw_fd(), access)
+        }?;
         Ok(MemoryRegion { pd: self.clone(), mr: Some(mr), lkey, rkey })
     }
 
