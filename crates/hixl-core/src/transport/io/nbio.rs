@@ -88,7 +88,8 @@ pub(crate) use reader::FrameReader;
 /// back by its holder: a served WRITE hashes its ranges when the bytes are in), and through
 /// [`IoJob::push_kept`], which takes a part's checked local view ([`KeptRanges`]) and keeps its
 /// keeper (the request's pins). Sending and receiving them ([`IoJob::send`], [`IoJob::recv`],
-/// the hot path) are safe calls; only the tests push raw addresses (`push_raw`, unsafe).
+/// the hot path) are safe calls; only the tests push raw addresses (their `push_raw`, unsafe,
+/// in this module's tests).
 ///
 /// Strided ranges stay lazy in the queue, at most [`IOV_MAX`] of their iovecs at a time.
 pub(crate) struct IoJob<H = ()> {
@@ -130,29 +131,6 @@ impl<H> IoJob<H> {
     /// Adds an owned buffer (sent as is).
     pub(crate) fn push_owned(&mut self, b: Vec<u8>) {
         self.q.push_owned(b)
-    }
-
-    /// Adds `len` bytes at `addr` (the tests' way in; the transports push [`PinnedRanges`]
-    /// values).
-    ///
-    /// # Safety
-    /// As for `RawIov::new`, until the job is dropped: the memory must stay valid (readable
-    /// for a job that sends, writable for one that receives) while the job lives.
-    #[cfg(test)]
-    pub(crate) unsafe fn push_raw(&mut self, addr: u64, len: u64) {
-        // SAFETY: the caller's contract, which is the queue's.
-        unsafe { self.q.push_raw(addr, len) }
-    }
-
-    /// Adds the ranges of a strided range, walked into iovecs only as the job gets to them
-    /// (the tests' way in; the transports push a [`PinnedRanges`] value's strided shape).
-    ///
-    /// # Safety
-    /// As for [`IoJob::push_raw`], for every range of `ranges`.
-    #[cfg(test)]
-    pub(crate) unsafe fn push_strided(&mut self, ranges: StridedRanges) {
-        // SAFETY: the caller's contract, which is the queue's.
-        unsafe { self.q.push_strided(ranges) }
     }
 
     /// Bytes left to move.

@@ -7,6 +7,30 @@ use crate::wire;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 
+/// The tests' way in: raw addresses (the transports push proof values).
+impl IoJob {
+    /// Adds `len` bytes at `addr` (the tests' way in; the transports push [`PinnedRanges`]
+    /// values).
+    ///
+    /// # Safety
+    /// As for `RawIov::new`, until the job is dropped: the memory must stay valid (readable
+    /// for a job that sends, writable for one that receives) while the job lives.
+    unsafe fn push_raw(&mut self, addr: u64, len: u64) {
+        // SAFETY: the caller's contract, which is the queue's.
+        unsafe { self.q.push_raw(addr, len) }
+    }
+
+    /// Adds the ranges of a strided range, walked into iovecs only as the job gets to them
+    /// (the tests' way in; the transports push a [`PinnedRanges`] value's strided shape).
+    ///
+    /// # Safety
+    /// As for [`IoJob::push_raw`], for every range of `ranges`.
+    unsafe fn push_strided(&mut self, ranges: StridedRanges) {
+        // SAFETY: the caller's contract, which is the queue's.
+        unsafe { self.q.push_strided(ranges) }
+    }
+}
+
 #[test]
 fn frames_arrive_across_many_reads_and_jobs_resume() {
     let (a, b) = UnixStream::pair().unwrap();
