@@ -25,9 +25,9 @@
 //!   part keeps (`queue::PinSet`, an unsafe impl of [`mem::PinnedMemory`]), are a
 //!   [`mem::KeptRanges`] value that `IoJob::push_kept` takes, and the same-host copies
 //!   ([`vm::cma`], [`mem::copy_covered`]) check every range against a `PinnedMemory` value
-//!   they borrow. Only the target's staging buffers still enter an `IoJob` through its
-//!   `unsafe` push, whose caller names what keeps the memory. From then on its `send`/`recv`
-//!   (the hot path) are safe calls.
+//!   they borrow. An `IoJob`'s iovecs are made in one place, [`iovs`], from the values it
+//!   keeps (only tests push raw addresses). From then on its `send`/`recv` (the hot path)
+//!   are safe calls.
 //! - Hot-path wrappers are `#[inline]` and allocate nothing: they are the call they wrap plus
 //!   the `errno` translation the call sites had.
 
