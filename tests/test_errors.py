@@ -353,11 +353,11 @@ def test_the_kv_layer_names_a_wrong_argument_and_takes_timeout_0():
     TransferConfig refused timeout_ms=0 (">= 1") where the engine's timeout_ms takes 0."""
     with pytest.raises(hixl.ParamInvalid, match=r"peers=\['127.0.0.1:1'\] \(list\) must map each"):
         hixl.kv.init(cluster_id=0, peers=["127.0.0.1:1"])
-    assert hixl.kv.TransferConfig(timeout_ms=0).timeout_ms == 0
+    assert hixl.kv.CacheTransferConfig(timeout_ms=0).timeout_ms == 0
     with pytest.raises(hixl.ParamInvalid, match="timeout_ms=-1 must be an integer >= 0"):
-        hixl.kv.TransferConfig(timeout_ms=-1)
+        hixl.kv.CacheTransferConfig(timeout_ms=-1)
     with pytest.raises(hixl.ParamInvalid, match="max_concurrent=0 must be an integer >= 1"):
-        hixl.kv.TransferConfig(max_concurrent=0)
+        hixl.kv.CacheTransferConfig(max_concurrent=0)
 
 
 def test_stats_takes_a_url_without_a_scheme(engine):

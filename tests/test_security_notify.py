@@ -108,10 +108,10 @@ def test_forged_layer_notifications_do_not_count(ranks, kv) -> None:
         time.sleep(0.05)
     assert (progress["layers"], progress["done"]) == (0, False), progress
 
-    hixl.kv.link([hixl.kv.LLMClusterInfo.from_dict({"cluster_id": 1, "address": decoder.address})])
+    hixl.kv.link([hixl.kv.PeerRank.from_dict({"cluster_id": 1, "address": decoder.address})])
     want = filled(SHAPE, 31)
     cache = hixl.kv.allocate_cache(want.copy(), name="kv")
-    syncer = hixl.kv.LayerSynchronizer(SHAPE[0])
+    syncer = hixl.kv.LayerTracker(SHAPE[0])
     task = hixl.kv.transfer_cache_async(1, cache, syncer, mode="push")
     for k in range(SHAPE[0]):
         syncer.layer_ready(k)
