@@ -20,7 +20,7 @@ use std::time::Duration;
 use crate::error::{Error, Result, Status};
 use crate::options::Options;
 use crate::registry::Access;
-use crate::transport::backends::shm::SharedMem;
+use crate::transport::backends::shm::shared_mem::SharedMem;
 use crate::transport::control::channel::ControlChannel;
 use crate::transport::streams::ConnectParams;
 use crate::transport::DataPath;
