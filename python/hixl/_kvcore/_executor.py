@@ -18,6 +18,7 @@ thread: that is the caller's wait.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -105,7 +106,10 @@ class Executor:
 
         def stop() -> None:
             with self._lock:
-                if self._watched.pop(fd, None) is not None:
+                # Only this watch's own entry: after its fd was closed the number may be
+                # another watch's.
+                if self._watched.get(fd) is fn:
+                    del self._watched[fd]
                     self._unwatched.append(fd)
             self._wake()
 
@@ -120,9 +124,14 @@ class Executor:
             if fd in polled:
                 poller.unregister(fd)
                 polled.discard(fd)
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
         for fd in watched - polled:
-            poller.register(fd, select.POLLIN)
+            try:
+                poller.register(fd, select.POLLIN)
+            except (OSError, ValueError) as exc:
+                self._drop_broken(fd, exc)
+                continue
             polled.add(fd)
 
     def _ready_watches(self, events: list[tuple[int, int]]) -> None:
@@ -136,7 +145,18 @@ class Executor:
                 os.read(fd, 8)
             except BlockingIOError:
                 pass  # reset by an earlier turn
+            except OSError as exc:  # closed behind our back: must not stop the thread
+                self._drop_broken(fd, exc)
             self._run(fn)
+
+    def _drop_broken(self, fd: int, exc: BaseException) -> None:
+        """Stops watching a descriptor that cannot be polled or read (closed on the thread's
+        next turn), so that one broken descriptor cannot stop every task's completions. A
+        receive that watched it still ends at its gap timer."""
+        log.error("the KV executor stops watching descriptor %d: %s", fd, exc)
+        with self._lock:
+            if self._watched.pop(fd, None) is not None:
+                self._unwatched.append(fd)
 
     def _start(self) -> None:
         if self._thread is None:
