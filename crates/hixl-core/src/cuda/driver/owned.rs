@@ -476,9 +476,9 @@ impl CopyStream {
         // `addr..addr+len` in a region of `pins`, whose registrant promised it valid memory of
         // its domain until it is deregistered (`Engine::register_mem`), which a pin prevents (a
         // range across two adjacent regions lies in both). The stream keeps both (`kept`) until
-        // `sync`, which returns when every queued copy ended; when the synchronisation itself
-        // fails they are let go all the same, as `copy_pinned` lets its ranges go: the one point
-        // where this relies on the driver having stopped the stream's work. The context is the
+        // `sync` (or the stream's drop) has seen every queued copy end; when that cannot be
+        // seen (the synchronisation fails, or the context cannot be entered at drop) they are
+        // leaked, kept pinned for good, rather than let go. The context is the
         // caller's to make current (`enter`), as for `copy_pinned`: the driver refuses a stream
         // whose context is not current with an error, touching no memory.
         unsafe { self.copy(dst, src, len) }
@@ -499,25 +499,46 @@ impl CopyStream {
     }
 
     /// Waits until every queued copy ended, then lets go of what `copy_kept` kept for them.
+    /// When the wait fails, nothing says the copies ended: what they touch is leaked (kept
+    /// pinned for good) rather than let go.
     pub(crate) fn sync(&self) -> Result<()> {
         // SAFETY: our stream.
         let rc = unsafe { (self.d.stream_synchronize)(self.stream) };
-        self.kept.borrow_mut().clear();
+        self.let_go_of_kept(rc == 0);
         check(self.d, rc, "cuStreamSynchronize (staging copies)", Status::Failed)
+    }
+
+    /// Drops what `copy_kept` kept when its copies are known to have ended; leaks it otherwise.
+    fn let_go_of_kept(&self, copies_ended: bool) {
+        let kept = std::mem::take(&mut *self.kept.borrow_mut());
+        if copies_ended {
+            drop(kept);
+        } else if !kept.is_empty() {
+            tracing::error!(
+                "a CUDA staging stream could not be synchronized: {} pinned buffers and regions \
+                 its copies touch stay pinned for good",
+                kept.len()
+            );
+            std::mem::forget(kept);
+        }
     }
 }
 
 impl Drop for CopyStream {
     fn drop(&mut self) {
-        if let Ok(_ctx) = CtxGuard::enter(self.d, self.ordinal) {
-            // SAFETY: ours, destroyed once, after the copies on them ended (sync first).
-            unsafe {
-                (self.d.stream_synchronize)(self.stream);
-                for e in &self.events {
-                    (self.d.event_destroy)(*e);
-                }
-                (self.d.stream_destroy)(self.stream);
+        let Ok(_ctx) = CtxGuard::enter(self.d, self.ordinal) else {
+            self.let_go_of_kept(false);
+            return;
+        };
+        // SAFETY: ours, destroyed once, after the copies on them ended (sync first).
+        let rc = unsafe { (self.d.stream_synchronize)(self.stream) };
+        self.let_go_of_kept(rc == 0);
+        // SAFETY: as above; a failed synchronize leaves the stream to the driver's teardown.
+        unsafe {
+            for e in &self.events {
+                (self.d.event_destroy)(*e);
             }
+            (self.d.stream_destroy)(self.stream);
         }
     }
 }
