@@ -89,11 +89,16 @@ fn ptr(h: u64) -> *mut c_void {
 impl LibVerbs {
     /// Loads `libibverbs.so.1`; UNSUPPORTED naming the loader's reason when it is not there.
     pub fn load() -> Result<LibVerbs> {
-        Self::load_from(LIBRARY)
+        // SAFETY: LIBRARY is rdma-core's soname, whose ABI is the one this module declares.
+        unsafe { Self::load_from(LIBRARY) }
     }
 
     /// Loads the library `name` (a soname or a path).
-    pub fn load_from(name: &str) -> Result<LibVerbs> {
+    ///
+    /// # Safety
+    /// `name` must be a libibverbs of the ABI this module declares: its constructors run at
+    /// load, and its `ibv_*` symbols are called with the signatures of `verbs.h`.
+    pub unsafe fn load_from(name: &str) -> Result<LibVerbs> {
         let c = CString::new(name).map_err(|_| Error::param(format!("library name {name:?} has a NUL")))?;
         // SAFETY: dlopen with a NUL-terminated name; the handle is kept for the process's life
         // (never dlclose'd: providers it loads register global state).

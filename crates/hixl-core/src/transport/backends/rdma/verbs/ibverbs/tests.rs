@@ -5,7 +5,8 @@ use crate::error::Status;
 
 #[test]
 fn a_missing_library_is_unsupported_and_names_itself() {
-    let e = LibVerbs::load_from("libhixl-no-such-ibverbs.so.1").err().expect("no such library");
+    // SAFETY: no such library exists: nothing is loaded.
+    let e = unsafe { LibVerbs::load_from("libhixl-no-such-ibverbs.so.1") }.err().expect("no such library");
     assert_eq!(e.status, Status::Unsupported);
     assert!(
         e.message.contains("libhixl-no-such-ibverbs.so.1") && e.message.contains("cannot be loaded"),
@@ -154,7 +155,8 @@ fn layout_matches_the_installed_header() {
 #[test]
 fn the_real_library_loads_where_present() {
     let name = std::env::var("HIXL_TEST_LIBIBVERBS").unwrap_or_else(|_| LIBRARY.into());
-    match LibVerbs::load_from(&name) {
+    // SAFETY: the system's libibverbs, or the one HIXL_TEST_LIBIBVERBS names for this test.
+    match unsafe { LibVerbs::load_from(&name) } {
         Err(e) => {
             assert_eq!(e.status, Status::Unsupported, "{e}");
             eprintln!("library not present: {e}");
