@@ -5,8 +5,10 @@
 //! providers: `verbs` (libibverbs loaded at run time, `ibverbs.rs`) and `soft` (a software RC
 //! NIC between processes, `soft/`). Objects are opaque handles that only the provider that
 //! made them understands; the backend holds them as the owned types of `owned.rs`, which
-//! release themselves on drop. Outside this module the backend's unsafe is only where it hands
-//! the provider addresses of registered memory.
+//! release themselves on drop. A handle's value is private to this crate: only a provider
+//! makes one, so safe code outside it cannot forge one for the providers' safe methods, which
+//! dereference it. Outside this module the backend's unsafe is only where it hands the
+//! provider addresses of registered memory.
 
 pub mod ibverbs;
 mod owned;
@@ -20,22 +22,22 @@ pub(crate) use owned::{
 
 /// A device context (`struct ibv_context *`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Ctx(pub u64);
+pub struct Ctx(pub(crate) u64);
 /// A protection domain (`struct ibv_pd *`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Pd(pub u64);
+pub struct Pd(pub(crate) u64);
 /// A memory region (`struct ibv_mr *`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Mr(pub u64);
+pub struct Mr(pub(crate) u64);
 /// A completion queue (`struct ibv_cq *`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Cq(pub u64);
+pub struct Cq(pub(crate) u64);
 /// A completion channel (`struct ibv_comp_channel *`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Channel(pub u64);
+pub struct Channel(pub(crate) u64);
 /// A queue pair (`struct ibv_qp *`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Qp(pub u64);
+pub struct Qp(pub(crate) u64);
 
 /// `IBV_ACCESS_*` bits.
 pub mod access {
