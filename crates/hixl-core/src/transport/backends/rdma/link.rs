@@ -235,18 +235,12 @@ impl RdmaLink {
         if batch.is_empty() {
             return out;
         }
-        // SAFETY: `post_send` needs every SGE inside memory registered under its lkey until
-        // the request's completion is polled or the QP is destroyed. `wrs::build` made every
-        // SGE from a local range that `Nic::lkey` found inside one of this NIC's MRs, each the
-        // MR of a registry region; the part that carries the request holds the request's pins
-        // on its regions (`Part` keeps the `PinSet`), the book keeps the part until the last of
-        // its requests completed or was flushed (`evacuate` runs on a drained QP, `fail_all`
-        // once the QP is destroyed), and a pinned region is not deregistered
-        // (`deregister_mem` waits for its pins before `Nic::deregister`). This is the one
-        // unsafe block of the data path: the SGEs are checked against the NIC's MRs, not
-        // against the part's pins (device memory, which a `PinSet` does not cover for host
-        // access, takes this path too), so no `KeptRanges` value proves them yet.
-        if let Err(pe) = unsafe { qp.post_send(&batch) } {
+        // Safe (`QueuePair::post_send`): the device moves bytes only through the SGEs' lkeys,
+        // each checked against its memory region. That the bytes are the request's is the
+        // book's part: `wrs::build` made every SGE from a local range `Nic::lkey` found in one
+        // of this NIC's regions, and the book keeps the part (and so the request's pins) until
+        // its last request completed or was flushed.
+        if let Err(pe) = qp.post_send(&batch) {
             let _ = qp.modify(&QpTransition::Err);
             let err = Error::failed(format!(
                 "ibv_post_send refused work request {} of {} on QP {} of {} (errno {})",

@@ -7,8 +7,9 @@
 //! made them understands; the backend holds them as the owned types of `owned.rs`, which
 //! release themselves on drop. A handle's value is private to this crate: only a provider
 //! makes one, so safe code outside it cannot forge one for the providers' safe methods, which
-//! dereference it. Outside this module the backend's unsafe is only where it hands the
-//! provider addresses of registered memory.
+//! dereference it. The backend outside this module has no unsafe code: registering takes a
+//! `MemorySpan` (the registrant's promise, as a value) and posting is safe because the device
+//! moves bytes only through the lkeys and rkeys of registered regions.
 
 pub mod ibverbs;
 mod owned;

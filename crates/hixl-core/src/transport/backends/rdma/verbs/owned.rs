@@ -284,14 +284,20 @@ impl QueuePair {
         self.pd.ctx.verbs.modify_qp(self.qp, t)
     }
 
-    /// `ibv_post_send` of a chained list (one doorbell).
-    ///
-    /// # Safety
-    /// As [`Verbs::post_send`]: every SGE must lie in memory registered under its lkey, valid
-    /// until the request's completion (or, for an unsignaled one, a later one's) has been
-    /// polled or this QP destroyed.
-    pub(crate) unsafe fn post_send(&self, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
-        // SAFETY: the caller's contract is `post_send`'s; `qp` is live while `self` is.
+    /// `ibv_post_send` of a chained list (one doorbell). Safe whatever the work requests say:
+    /// the device moves bytes only through their lkeys and rkeys (see the SAFETY note).
+    pub(crate) fn post_send(&self, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
+        // SAFETY: `qp` is live while `self` is. [`Verbs::post_send`]'s contract is that every
+        // SGE lies in memory registered under its lkey and valid until its completion; here
+        // the provider holds it up itself. It touches local memory only through an SGE's
+        // lkey, checked against that memory region (the NIC's protection check; the soft
+        // provider's `local_regions`): an SGE outside its region completes with LOC_PROT_ERR
+        // and moves nothing. A `SendWr` carries no inline data, so nothing is read at post
+        // time. A region's memory is valid while it is registered: a `MemoryRegion` is made
+        // only from a `MemorySpan`, the registrant's promise, and deregistration stops the
+        // device from touching it (the NIC invalidates the region, the soft provider's
+        // `dereg_mr` waits for the operations moving its bytes). Remote addresses are the
+        // peer's NIC's to check against its rkeys.
         unsafe { self.pd.ctx.verbs.post_send(self.qp, wrs) }
     }
 }
