@@ -450,26 +450,23 @@ def receive_cache_async(
             return
 
     stop: list[Callable[[], None]] = []
-    armed: list[Any] = [None, None]  # the deadline the gap timer is set for, and the timer
+    gap_timer: list[Any] = [None]  # the one timer at the gap's deadline, while it is set
 
     def turn() -> None:
-        """Takes what came; then stops watching once the task ended, or sets the gap timer
-        to the deadline the last layer moved it to."""
+        """Takes what came; then stops watching once the task ended, or makes sure a timer
+        waits for the gap's deadline (a timer that finds the deadline moved sets another)."""
         take()
         if task.is_done():
             for s in stop:
                 s()
-            if armed[1] is not None:
-                armed[1].cancel()
+            if gap_timer[0] is not None:
+                gap_timer[0].cancel()
             return
-        if armed[0] != gap_deadline[0]:
-            if armed[1] is not None:
-                armed[1].cancel()
-            armed[0] = gap_deadline[0]
-            armed[1] = ex.call_at(gap_deadline[0] + GAP_SLACK_S, at_gap)
+        if gap_timer[0] is None:
+            gap_timer[0] = ex.call_at(gap_deadline[0] + GAP_SLACK_S, at_gap)
 
     def at_gap() -> None:
-        armed[0] = armed[1] = None  # fired: set again, should the deadline not have passed
+        gap_timer[0] = None
         turn()
 
     def begin() -> None:
