@@ -88,6 +88,33 @@ def test_hello_naming_another_host_is_unverified() -> None:
             assert (n.msg, n.peer) == (claim, reported)
 
 
+def test_engine_ids_with_control_characters_are_refused_at_the_handshake() -> None:
+    """A raw client whose Hello names an engine id (or host) holding a newline or an escape
+    sequence is refused before it is served: it gets no Welcome, and no notification of its
+    ever reaches the application under that id (which the Python layers would log). A clean
+    client on the same target still gets through."""
+    with hixl.Hixl() as t:
+        t.initialize("127.0.0.1:0", {"hixl.transport": "tcp"})
+        host, port = t.local_engine.rsplit(":", 1)
+        addr = (host, int(port))
+        forged = "x\nWARNING hixl: forged line\x1b[2J"
+        for kw in ({"engine": forged}, {"host": forged}):
+            with pytest.raises((w.Refused, OSError, EOFError, AssertionError)) as exc:
+                st, _ = w.connect(addr, **kw)
+                with st:
+                    st.send(w.NOTIFY, w.text("n") + w.text("forged"), tag=1)
+                    st.answer(w.ACK)
+            print(f"{sorted(kw)[0]} with control characters: {exc.value!r}")
+        with pytest.raises(hixl.Timeout):
+            t.wait_notifies(300)
+        st, _ = w.connect(addr, engine="clean-client")
+        with st:
+            st.send(w.NOTIFY, w.text("n") + w.text("clean"), tag=1)
+            assert st.answer(w.ACK)[0] == 0
+        (n,) = t.wait_notifies(10_000)
+        assert (n.msg, n.peer) == ("clean", "?clean-client")
+
+
 def test_forged_layer_notifications_do_not_count(ranks, kv) -> None:
     """A decoder waits for rank 0's layers; another engine sends a layer notification naming
     rank 0 for every layer. None counts (the cache would be zeros); when rank 0 then pushes,

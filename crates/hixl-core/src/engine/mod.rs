@@ -107,8 +107,8 @@ struct Running {
     /// Set by `finalize` (under the `peers` lock): a connect that ends later closes its link.
     closed: AtomicBool,
     /// Regions deregistered whose removal a same-host peer has not confirmed yet (their memory
-    /// must stay allocated): a retried `deregister_mem` asks again.
-    unconfirmed: Mutex<HashMap<(u64, u64), Arc<Region>>>,
+    /// must stay allocated), by region id: a retried `deregister_mem` asks again.
+    unconfirmed: Mutex<HashMap<u64, Arc<Region>>>,
     /// Threads of `connect_async` calls; `finalize` waits for them (each ends by its deadline).
     connects: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// The I/O workers and timer that run every TCP stream of the engine.
@@ -402,14 +402,16 @@ impl Engine {
         Ok((MemHandle { id: region.id, addr: region.addr, len: region.len, mem_type: MemType::Host }, mem))
     }
 
-    /// Deregisters a region, waiting for (then aborting) transfers that use it. Idempotent.
+    /// Deregisters a region, waiting for (then aborting) transfers that use it. Idempotent:
+    /// a handle already deregistered does nothing, even when the same range was registered
+    /// again since (that registration has another id, which only its own handle names).
     pub fn deregister_mem(&self, h: &MemHandle) -> Result<()> {
         let r = self.running()?;
-        let region = match r.registry.remove_exact(h.addr, h.len) {
+        let region = match r.registry.remove_exact(h.id, h.addr, h.len) {
             Some(region) => region,
             // Gone from the registry, but its pins had not drained or a same-host peer had
             // not confirmed it: try again.
-            None => match r.unconfirmed.lock().unwrap().remove(&(h.addr, h.len)) {
+            None => match r.unconfirmed.lock().unwrap().remove(&h.id) {
                 Some(region) => region,
                 None => return Ok(()),
             },
@@ -420,7 +422,7 @@ impl Engine {
             if let Some(s) = &r.server {
                 let _ = s.publish_regions(Some(r.opts.deregister_timeout));
             }
-            r.unconfirmed.lock().unwrap().insert((h.addr, h.len), region);
+            r.unconfirmed.lock().unwrap().insert(h.id, region);
             return Err(e);
         }
         if let Some(s) = &r.server {
@@ -428,7 +430,7 @@ impl Engine {
             // from their tables before its memory may be freed.
             if let Err(e) = s.publish_regions(Some(r.opts.deregister_timeout)) {
                 // A retry must fail again until they confirm (or are gone): not report success.
-                r.unconfirmed.lock().unwrap().insert((h.addr, h.len), region);
+                r.unconfirmed.lock().unwrap().insert(h.id, region);
                 return Err(e);
             }
         }

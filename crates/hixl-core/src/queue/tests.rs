@@ -334,7 +334,8 @@ fn a_part_proves_only_ranges_in_its_host_pins_and_keeps_them_after_the_request_l
     req.release_pins();
     assert!(Part::new(req.clone(), seg(0x10010)).local().is_none(), "made after the release");
     assert!(share.local().is_some(), "a share keeps the part's pins");
-    let removed = reg.remove_exact(0x10000, 0x1000).unwrap();
+    let id = reg.lookup(0x10000, 0x1000, "local").unwrap().id;
+    let removed = reg.remove_exact(id, 0x10000, 0x1000).unwrap();
     assert!(removed.close_and_drain(Duration::from_millis(20)).is_err(), "the parts still pin it");
     drop((part, share));
     assert!(removed.close_and_drain(Duration::from_millis(20)).is_ok(), "released with the last part");

@@ -324,18 +324,21 @@ impl Registry {
     /// in-flight transfers (then aborting them), and returns it. Unknown ranges are a no-op
     /// (idempotent): `None`.
     pub fn deregister(&self, addr: u64, len: u64, wait: Duration) -> Result<Option<Arc<Region>>> {
-        match self.remove_exact(addr, len) {
+        let id = self.map.read().unwrap().by_addr.get(&addr).filter(|r| r.len == len).map(|r| r.id);
+        match id.and_then(|id| self.remove_exact(id, addr, len)) {
             Some(r) => r.close_and_drain(wait).map(|_| Some(r)),
             None => Ok(None),
         }
     }
 
-    /// Removes the region registered exactly at `[addr, addr+len)` from the map (no new
-    /// transfer finds it) without waiting for its pins; see [`Region::close_and_drain`].
-    pub fn remove_exact(&self, addr: u64, len: u64) -> Option<Arc<Region>> {
+    /// Removes the region with id `id`, registered exactly at `[addr, addr+len)`, from the map
+    /// (no new transfer finds it) without waiting for its pins; see [`Region::close_and_drain`].
+    /// A region registered at the same range since (another id) stays: a stale handle removes
+    /// nothing.
+    pub fn remove_exact(&self, id: u64, addr: u64, len: u64) -> Option<Arc<Region>> {
         let mut map = self.map.write().unwrap();
         match map.by_addr.get(&addr) {
-            Some(r) if r.len == len => map.remove(addr),
+            Some(r) if r.len == len && r.id == id => map.remove(addr),
             _ => None,
         }
     }

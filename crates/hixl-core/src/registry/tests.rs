@@ -226,3 +226,15 @@ fn holders_past_the_slots_are_forgotten_once_their_pins_are_released() {
     assert!(region.pins.holders_listed() <= 8 + 1, "{}", region.pins.holders_listed());
     drop(held);
 }
+
+#[test]
+fn a_stale_id_removes_nothing_registered_at_the_same_range_since() {
+    let r = Registry::new();
+    let old = r.register(0x1000, 0x100, MemType::Host).unwrap();
+    assert!(r.remove_exact(old.id, 0x1000, 0x100).is_some());
+    let new = r.register(0x1000, 0x100, MemType::Host).unwrap();
+    assert_ne!(old.id, new.id, "a registration after a deregistration has a new id");
+    assert!(r.remove_exact(old.id, 0x1000, 0x100).is_none(), "the old id names nothing now");
+    assert_eq!(r.lookup(0x1000, 0x100, "local").unwrap().id, new.id, "the new region stays");
+    assert!(r.remove_exact(new.id, 0x1000, 0x100).is_some());
+}

@@ -12,8 +12,8 @@ pub fn decode_payload(h: &Header, payload: &[u8]) -> Result<Frame, WireError> {
     let mut r = Reader { b: payload };
     let frame = match h.kind {
         Kind::Hello => Frame::Hello {
-            engine_id: r.str("engine_id", MAX_NAME)?,
-            host: r.str("host", MAX_NAME)?,
+            engine_id: r.name("engine_id")?,
+            host: r.name("host")?,
             link_nonce: r.u64("link_nonce")?,
             stream_index: r.u16("stream_index")?,
             stream_count: r.u16("stream_count")?,
@@ -22,17 +22,17 @@ pub fn decode_payload(h: &Header, payload: &[u8]) -> Result<Frame, WireError> {
                 f if f & !KNOWN_FLAGS == 0 => f,
                 f => return Err(WireError::Invalid { field: "hello flags", value: f as u64 }),
             },
-            dialled: r.str("dialled", MAX_NAME)?,
+            dialled: r.name("dialled")?,
         },
         Kind::AuthChallenge => Frame::AuthChallenge {
             nonce: r.bytes32("auth nonce")?,
             proof: r.bytes32("auth proof")?,
-            engine_id: r.str("engine_id", MAX_NAME)?,
+            engine_id: r.name("engine_id")?,
         },
         Kind::AuthResponse => Frame::AuthResponse { proof: r.bytes32("auth proof")? },
         Kind::Welcome => Frame::Welcome {
-            engine_id: r.str("engine_id", MAX_NAME)?,
-            host: r.str("host", MAX_NAME)?,
+            engine_id: r.name("engine_id")?,
+            host: r.name("host")?,
             table_version: r.u64("table_version")?,
             capabilities: r.capabilities()?,
             regions: r.regions()?,
@@ -186,6 +186,16 @@ impl<'a> Reader<'a> {
         }
         Ok(self.take(n, f)?.to_vec())
     }
+    /// An engine id, host name or dialled address: UTF-8 of at most MAX_NAME bytes without
+    /// control characters.
+    pub(super) fn name(&mut self, f: &'static str) -> Result<String, WireError> {
+        let s = self.str(f, MAX_NAME)?;
+        match s.char_indices().find(|(_, c)| c.is_control()) {
+            Some((at, _)) => Err(WireError::Control { field: f, at }),
+            None => Ok(s),
+        }
+    }
+
     pub(super) fn str(&mut self, f: &'static str, limit: usize) -> Result<String, WireError> {
         let n = self.u32(f)? as usize;
         if n > limit {

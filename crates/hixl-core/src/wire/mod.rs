@@ -108,6 +108,9 @@ pub enum WireError {
     Invalid { field: &'static str, value: u64 },
     /// A string is not UTF-8.
     Utf8 { field: &'static str },
+    /// An engine id or host name holds a control character (at that byte): such names are
+    /// printable text, so that no peer can put a newline or an escape sequence in a log line.
+    Control { field: &'static str, at: usize },
     /// A frame of a kind this direction never carries after the handshake (see
     /// [`after_handshake`]); `to_target`: it came from an initiator.
     Direction { kind: Kind, to_target: bool },
@@ -132,6 +135,11 @@ impl fmt::Display for WireError {
             WireError::Trailing(n) => write!(f, "{n} unexpected trailing bytes in frame"),
             WireError::Invalid { field, value } => write!(f, "invalid {field}={value}"),
             WireError::Utf8 { field } => write!(f, "{field} is not valid UTF-8"),
+            WireError::Control { field, at } => write!(
+                f,
+                "{field} holds a control character at byte {at}: engine ids and host names are \
+                 printable text"
+            ),
             WireError::Direction { kind, to_target } => {
                 let (from, to) =
                     if *to_target { ("an initiator", "a target") } else { ("a target", "an initiator") };

@@ -197,3 +197,26 @@ fn region_limits_are_checked() {
     let back = Frame::RegionsDelta { from: 5, version: 5, added: vec![], removed: vec![] };
     assert!(decode(&encode(&back, 0, 0)).is_err());
 }
+
+#[test]
+fn names_with_control_characters_are_refused() {
+    let hello = |engine_id: &str, host: &str| Frame::Hello {
+        engine_id: engine_id.into(),
+        host: host.into(),
+        link_nonce: 1,
+        stream_index: 0,
+        stream_count: 1,
+        auth_nonce: [0; 32],
+        flags: 0,
+        dialled: "127.0.0.1:1".into(),
+    };
+    assert!(decode(&encode(&hello("127.0.0.1:5", "h"), 0, 0)).is_ok());
+    for (e, h, want) in
+        [("a\nb", "h", ("engine_id", 1)), ("a", "\x1b[2J", ("host", 0)), ("a\u{85}", "h", ("engine_id", 1))]
+    {
+        match decode(&encode(&hello(e, h), 0, 0)) {
+            Err(WireError::Control { field, at }) => assert_eq!((field, at), want),
+            other => panic!("{e:?}/{h:?}: {other:?}"),
+        }
+    }
+}

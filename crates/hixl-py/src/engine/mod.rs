@@ -41,7 +41,9 @@ use crate::types::{
 #[pyclass(frozen, module = "hixl._hixl", subclass)]
 pub struct Hixl {
     pub(crate) engine: Arc<Engine>,
-    keep: Mutex<HashMap<(u64, u64), KeepAlive>>,
+    /// What each registration keeps alive, by range, with the id of the registration that
+    /// holds it: only a handle with that id releases it (a stale handle releases nothing).
+    keep: Mutex<HashMap<(u64, u64), (u64, KeepAlive)>>,
     /// Which of `keep` are torch tensors whose storage can be checked for a resize.
     tensors: tensors::TensorSpans,
     /// Requests not yet reported final by the no-argument `get_transfer_status()`.
@@ -361,7 +363,7 @@ impl Hixl {
             if matches!(&keep, KeepAlive::Tensor(t) if t.checked()) {
                 self.tensors.add((addr, len));
             }
-            keep
+            (h.id, keep)
         });
         Ok(h)
     }
@@ -391,7 +393,10 @@ impl Hixl {
         let e = self.engine.clone();
         let (h, mem) = py.allow_threads(|| e.alloc_named(size, &name)).map_err(to_py)?;
         let buf = Py::new(py, buffer::ShmBuffer { mem })?;
-        self.keep.lock().unwrap().insert((h.addr, h.len), KeepAlive::Object(buf.clone_ref(py).into_any()));
+        self.keep
+            .lock()
+            .unwrap()
+            .insert((h.addr, h.len), (h.id, KeepAlive::Object(buf.clone_ref(py).into_any())));
         match py.import("numpy") {
             Ok(np) => Ok(np.call_method1("frombuffer", (buf, "uint8"))?.unbind()),
             Err(_) => Ok(buf.into_any()),
@@ -423,7 +428,13 @@ impl Hixl {
             mem_type: handle.domain,
         };
         py.allow_threads(|| e.deregister_mem(&core)).map_err(to_py)?;
-        let released = self.keep.lock().unwrap().remove(&(handle.addr, handle.len));
+        let released = {
+            let mut keep = self.keep.lock().unwrap();
+            match keep.get(&(handle.addr, handle.len)) {
+                Some((id, _)) if *id == handle.id => keep.remove(&(handle.addr, handle.len)).map(|(_, k)| k),
+                _ => None, // a stale handle: the range's keep belongs to a later registration
+            }
+        };
         let probe = match &released {
             Some(KeepAlive::Tensor(t)) if t.checked() => {
                 self.tensors.remove((handle.addr, handle.len));
@@ -461,7 +472,7 @@ impl Hixl {
             touched
                 .iter()
                 .filter_map(|key| match keep.get(key) {
-                    Some(KeepAlive::Tensor(t)) => t.probe(py),
+                    Some((_, KeepAlive::Tensor(t))) => t.probe(py),
                     _ => None,
                 })
                 .collect()
