@@ -149,3 +149,44 @@ def test_heartbeat_misses_stay_zero_on_a_healthy_link_and_climb_on_a_frozen_peer
     finally:
         srv.close()
         e.finalize()
+
+
+def test_every_failed_transfer_is_counted_with_its_status(make_peer) -> None:
+    """A put refused at submission (a local range never registered) and puts to a peer whose
+    link died are errors in `stats()` and in the metrics, by status; a put to an engine never
+    connected is counted under peer="_unlinked"."""
+    peer = make_peer(1 << 16)
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp", "hixl.heartbeat_ms": "100"})
+    srv = hixl.metrics.serve(e)
+    try:
+        e.connect(peer.engine, timeout_ms=5000)
+        src = np.ones(4096, np.uint8)
+        e.register(src)
+        stray = np.ones(4096, np.uint8)  # never registered
+        with pytest.raises(hixl.ParamInvalid):
+            e.put(peer.engine, stray.ctypes.data, peer.addr, 4096)
+        st = agree(e, srv, peer.engine)
+        assert (st["errors"], st["errors_by_status"]) == (1, {"PARAM_INVALID": 1}), st
+        lab = {"engine": e.local_engine, "peer": peer.engine}
+        assert value(scrape(srv.url), "hixl_errors_total", status="PARAM_INVALID", **lab) == 1
+        peer.proc.kill()
+        peer.proc.wait(10)
+        deadline = time.monotonic() + 30
+        while e.stats()[peer.engine]["alive"]:
+            assert time.monotonic() < deadline, "the link to a killed peer never died"
+            time.sleep(0.02)
+        for _ in range(2):
+            with pytest.raises(hixl.HixlError):
+                e.put(peer.engine, src.ctypes.data, peer.addr, 4096, timeout_ms=2000)
+        st = e.stats()[peer.engine]
+        assert st["errors"] == 3 and sum(st["errors_by_status"].values()) == 3, st
+        samples = scrape(srv.url)
+        assert value(samples, "hixl_errors_total", **lab) == 3
+        with pytest.raises(hixl.NotConnected):
+            e.put("127.0.0.1:9", src.ctypes.data, 0, 4096)
+        unlinked = {"engine": e.local_engine, "peer": "_unlinked", "status": "NOT_CONNECTED"}
+        assert value(scrape(srv.url), "hixl_errors_total", **unlinked) == 1
+    finally:
+        srv.close()
+        e.finalize()

@@ -16,6 +16,8 @@ use crate::stats::LATENCY_BUCKETS_US;
 
 /// The `peer` label of every peer past the cap.
 pub const OTHER_PEERS: &str = "_other";
+/// The `peer` label of transfers refused because no link to their peer existed.
+pub const UNLINKED_PEERS: &str = "_unlinked";
 
 /// One engine's state to expose.
 pub struct EngineMetrics {
@@ -27,6 +29,9 @@ pub struct EngineMetrics {
     pub registered_bytes: u64,
     /// Regions registered.
     pub registered_regions: usize,
+    /// Transfers refused because no link to their peer existed, by status
+    /// ([`Engine::unlinked_errors`]): `hixl_errors_total{peer="_unlinked"}`.
+    pub unlinked_errors: Vec<(crate::error::Status, u64)>,
 }
 
 impl EngineMetrics {
@@ -37,6 +42,7 @@ impl EngineMetrics {
             peers: engine.stats()?,
             registered_bytes: engine.registered_bytes()?,
             registered_regions: engine.registered_count()?,
+            unlinked_errors: engine.unlinked_errors()?,
         })
     }
 }
@@ -163,6 +169,16 @@ pub fn render(engines: &[EngineMetrics], max_peers: usize) -> String {
             let _ = writeln!(o, "hixl_errors_total{{{l},status=\"{st}\"}} {n}");
         }
     });
+    for m in engines {
+        for (st, n) in &m.unlinked_errors {
+            let (e, p) = (label(&m.engine), UNLINKED_PEERS);
+            let _ = writeln!(
+                o,
+                "hixl_errors_total{{engine=\"{e}\",peer=\"{p}\",backend=\"\",status=\"{}\"}} {n}",
+                st.name()
+            );
+        }
+    }
     header(&mut o, "hixl_notifications_total", "counter", "Notifications delivered.");
     per_series(&mut o, &all, |o, l, s| {
         let _ = writeln!(o, "hixl_notifications_total{{{l}}} {}", s.notifies);

@@ -97,11 +97,9 @@ pub(crate) enum Outcome {
     /// It completed: its bytes, operation and latency (a transfer), or its delivery (a
     /// notification) are counted.
     Completed,
-    /// It failed, or timed out (`Status::Timeout`): a transfer counts as an error.
+    /// It failed, was refused by its link, or timed out (`Status::Timeout`): a transfer
+    /// counts as an error with that status.
     Failed(Status),
-    /// Its link refused it before any backend took it: only no longer in flight (the
-    /// submitting call reported the refusal).
-    Refused,
 }
 
 impl PeerStats {
@@ -118,7 +116,7 @@ impl PeerStats {
         if outcome == Outcome::Completed && (req.descs == 0 || req.carries_notify) {
             self.notifies.fetch_add(1, Ordering::Relaxed);
         }
-        if req.descs > 0 && outcome != Outcome::Refused {
+        if req.descs > 0 {
             let failed = match outcome {
                 Outcome::Failed(st) => Some(st),
                 _ => None,

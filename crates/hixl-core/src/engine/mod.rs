@@ -109,6 +109,9 @@ struct Running {
     /// Regions deregistered whose removal a same-host peer has not confirmed yet (their memory
     /// must stay allocated), by region id: a retried `deregister_mem` asks again.
     unconfirmed: Mutex<HashMap<u64, Arc<Region>>>,
+    /// Transfers to peers this engine holds no link to (never connected, or disconnected),
+    /// refused at submission: counted here, by status, since no peer's stats can hold them.
+    unlinked: Arc<crate::stats::PeerStats>,
     /// Threads of `connect_async` calls; `finalize` waits for them (each ends by its deadline).
     connects: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// The I/O workers and timer that run every TCP stream of the engine.
@@ -233,6 +236,7 @@ impl Engine {
             allocated: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
             unconfirmed: Mutex::new(HashMap::new()),
+            unlinked: Arc::default(),
             connects: Mutex::new(Vec::new()),
             reactor,
             stager,

@@ -82,8 +82,9 @@ fn without_cuda_device_memory_over_tcp_is_unsupported_on_both_sides() {
     assert_eq!(thost, ihost);
     let s = init.stats().unwrap().into_iter().find(|s| s.peer == peer).unwrap();
     assert_eq!(s.backend, "tcp");
-    // The two refused by the target were counted once each; none is left in flight.
-    assert_eq!((s.errors, s.in_flight, s.bytes_write), (2, 0, n as u64), "{s:?}");
+    // The two refused by the target and the two refused here were counted once each; none is
+    // left in flight.
+    assert_eq!((s.errors, s.in_flight, s.bytes_write), (4, 0, n as u64), "{s:?}");
     target.finalize().unwrap();
     init.finalize().unwrap();
 }

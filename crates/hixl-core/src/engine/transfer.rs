@@ -54,23 +54,27 @@ impl Engine {
     ) -> Result<TransferReq> {
         let timeout = timeout.map(crate::wait::capped);
         let r = self.running()?;
-        let conn = Self::conn(&r, remote)?;
-        if descs.is_empty() {
-            return Err(Error::param("the descriptor list is empty"));
-        }
-        if let Some(n) = &notify {
-            check_notify(n)?;
-        }
-        let write = op == TransferOp::Write;
-        let mut pairs = Vec::new();
-        let (segs, pins, bytes) = with_fresh_table(&r, &conn, |miss| {
-            pairs.clear();
-            validate(&r, &conn, remote, descs, write, miss, &mut pairs)
-        })?;
-        let link = path_for(&conn, remote, &pairs)?;
-        let parts = split(segs, bytes, link.parallelism(), r.opts.split_bytes);
-        let bodies = parts.into_iter().map(PartBody::Data).collect();
-        let batch = Batch { bodies, device: touches_device(&pairs), waiting, link };
+        let ready = (|| {
+            let conn = Self::conn(&r, remote)?;
+            if descs.is_empty() {
+                return Err(Error::param("the descriptor list is empty"));
+            }
+            if let Some(n) = &notify {
+                check_notify(n)?;
+            }
+            let write = op == TransferOp::Write;
+            let mut pairs = Vec::new();
+            let (segs, pins, bytes) = with_fresh_table(&r, &conn, |miss| {
+                pairs.clear();
+                validate(&r, &conn, remote, descs, write, miss, &mut pairs)
+            })?;
+            let link = path_for(&conn, remote, &pairs)?;
+            let parts = split(segs, bytes, link.parallelism(), r.opts.split_bytes);
+            let bodies = parts.into_iter().map(PartBody::Data).collect();
+            let batch = Batch { bodies, device: touches_device(&pairs), waiting, link };
+            Ok((conn, batch, bytes, pins))
+        })();
+        let (conn, batch, bytes, pins) = ready.inspect_err(|e| count_refusal(&r, remote, op, e))?;
         self.submit(&r, &conn, remote, op, batch, bytes, descs.len(), pins, notify, timeout)
     }
 
@@ -105,8 +109,8 @@ impl Engine {
         // Each part keeps a reference to the request's pins (see `queue::part`).
         let parts: Vec<Part> = bodies.into_iter().map(|body| Part::new(req.clone(), body)).collect();
         if let Err(e) = link.submit(parts) {
-            // Refused before any backend took it: not counted as an operation, no longer in
-            // flight (unless a part reached the completer, which settled and counted it).
+            // Refused before any backend took it: counted as a failed request with its status,
+            // no longer in flight (unless a part reached the completer, which settled it).
             req.refuse(e.clone());
             req.release_pins();
             return Err(e);
@@ -230,22 +234,26 @@ impl Engine {
     ) -> Result<TransferReq> {
         let timeout = timeout.map(crate::wait::capped);
         let r = self.running()?;
-        let conn = Self::conn(&r, remote)?;
-        if let Some(n) = &notify {
-            check_notify(n)?;
-        }
-        let write = op == TransferOp::Write;
-        let (st, pins, pairs) = with_fresh_table(&r, &conn, |miss| {
-            validate_strided(&r, &conn, remote, (local_base, remote_base), d, write, miss)
-        })?;
-        let link = path_for(&conn, remote, &pairs)?;
-        let shares = if st.bytes() >= r.opts.split_bytes { link.parallelism() } else { 1 };
-        // One frame names at most MAX_STRIDED_ELEMS separate elements at the target: more
-        // are sent as more parts (each its own frame), never refused.
-        let shares = shares.max(st.frames_needed());
-        let bodies: Vec<PartBody> = st.split(shares).into_iter().map(PartBody::Strided).collect();
-        let batch = Batch { bodies, device: touches_device(&pairs), waiting, link };
-        self.submit(&r, &conn, remote, op, batch, st.bytes(), 1, pins, notify, timeout)
+        let ready = (|| {
+            let conn = Self::conn(&r, remote)?;
+            if let Some(n) = &notify {
+                check_notify(n)?;
+            }
+            let write = op == TransferOp::Write;
+            let (st, pins, pairs) = with_fresh_table(&r, &conn, |miss| {
+                validate_strided(&r, &conn, remote, (local_base, remote_base), d, write, miss)
+            })?;
+            let link = path_for(&conn, remote, &pairs)?;
+            let shares = if st.bytes() >= r.opts.split_bytes { link.parallelism() } else { 1 };
+            // One frame names at most MAX_STRIDED_ELEMS separate elements at the target: more
+            // are sent as more parts (each its own frame), never refused.
+            let shares = shares.max(st.frames_needed());
+            let bodies: Vec<PartBody> = st.split(shares).into_iter().map(PartBody::Strided).collect();
+            let batch = Batch { bodies, device: touches_device(&pairs), waiting, link };
+            Ok((conn, batch, st.bytes(), pins))
+        })();
+        let (conn, batch, bytes, pins) = ready.inspect_err(|e| count_refusal(&r, remote, op, e))?;
+        self.submit(&r, &conn, remote, op, batch, bytes, 1, pins, notify, timeout)
     }
 
     /// Status of a request (WAITING turns into TIMEOUT past its deadline).
@@ -365,6 +373,15 @@ impl Engine {
         Ok(out)
     }
 
+    /// Transfers refused at submission because no link to their peer existed (never
+    /// connected, or disconnected), by status; failures to a peer with a link, dead or alive,
+    /// are in its [`Engine::stats`] row instead. Statuses with no failure are left out.
+    pub fn unlinked_errors(&self) -> Result<Vec<(Status, u64)>> {
+        let r = self.running()?;
+        let counts = Status::ALL.iter().zip(&r.unlinked.errors_by_status);
+        Ok(counts.map(|(st, n)| (*st, n.load(Ordering::Relaxed))).filter(|(_, n)| *n > 0).collect())
+    }
+
     /// Bytes of memory registered (every region's length).
     pub fn registered_bytes(&self) -> Result<u64> {
         Ok(self.running()?.registry.total_bytes())
@@ -374,6 +391,17 @@ impl Engine {
     pub fn registered_count(&self) -> Result<usize> {
         Ok(self.running()?.registry.len())
     }
+}
+
+/// Counts a transfer refused before it became a request (bad descriptors, a dead or unknown
+/// peer) as a failed request with its status: in the peer's stats while a link to it exists
+/// (alive or dead), else in the engine's count of failures to peers without a link.
+fn count_refusal(r: &Running, remote: &str, op: TransferOp, e: &Error) {
+    let stats = match r.peers.lock().unwrap().get(remote) {
+        Some(PeerSlot::Connected(c)) => c.link.stats(),
+        _ => r.unlinked.clone(),
+    };
+    stats.record(op, 0, Some(e.status), Duration::ZERO);
 }
 
 /// A validated batch on its way to the link.

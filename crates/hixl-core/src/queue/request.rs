@@ -268,21 +268,21 @@ impl Request {
 
     /// Moves WAITING into a final state once; later calls are ignored. Wakes waiters.
     pub fn settle(&self, to: TransferStatus, err: Option<Error>) -> bool {
-        self.finish_as(to, err, true)
+        self.finish_as(to, err)
     }
 
     /// Settles a request that was refused before any backend took it: FAILED with `err`, no
-    /// longer in flight, but counted neither as an operation nor as an error (the submitting
-    /// call reports the refusal). False when it had settled already.
+    /// longer in flight, counted as a failed request with `err`'s status (the submitting call
+    /// reports the refusal). False when it had settled already.
     pub(crate) fn refuse(&self, err: Error) -> bool {
-        self.finish_as(TransferStatus::Failed, Some(err), false)
+        self.settle(TransferStatus::Failed, Some(err))
     }
 
     /// The one way a request settles. The first caller claims it; it records the error,
     /// counts the request in its peer's stats and only then publishes the final state, so
     /// that whoever sees the request end (a waiter, `status()`, a completion queue) reads
     /// stats that include it, and stats never count a request that is still WAITING.
-    fn finish_as(&self, to: TransferStatus, err: Option<Error>, count: bool) -> bool {
+    fn finish_as(&self, to: TransferStatus, err: Option<Error>) -> bool {
         if self.claimed.swap(true, Ordering::AcqRel) {
             return false;
         }
@@ -291,7 +291,6 @@ impl Request {
         }
         if let Some(stats) = self.counted_in.get() {
             let outcome = match to {
-                _ if !count => Outcome::Refused,
                 TransferStatus::Completed => Outcome::Completed,
                 TransferStatus::Timeout => Outcome::Failed(Status::Timeout),
                 _ => Outcome::Failed(self.error().map_or(Status::Failed, |e| e.status)),

@@ -152,6 +152,11 @@ impl Hixl {
             d.set_item("ops_write", s.ops_write)?;
             d.set_item("ops_read", s.ops_read)?;
             d.set_item("errors", s.errors)?;
+            let by_status = PyDict::new(py);
+            for (st, n) in s.errors_by_status.iter().filter(|(_, n)| *n > 0) {
+                by_status.set_item(st.name(), n)?;
+            }
+            d.set_item("errors_by_status", by_status)?;
             d.set_item("notifies", s.notifies)?;
             d.set_item("direct_parts", s.direct_parts)?;
             d.set_item("in_flight", s.in_flight)?;
