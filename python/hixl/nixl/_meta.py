@@ -91,18 +91,26 @@ def decode(md: Any, max_regions: int = ENGINE_MAX_REGIONS) -> dict[str, Any]:
         what = "hixl.nixl agent metadata"
         doc = _peertext.obj(_peertext.loads(md[len(MAGIC) :], what, frame_cap(max_regions)), what)
         name = _peertext.text(doc.get("name"), "agent name", MAX_NAME_BYTES)
-        if not name or len(name.encode()) > MAX_NAME_BYTES:
+        if not name or len(name.encode(errors="replace")) > MAX_NAME_BYTES:
             raise _peertext.Malformed(f"agent name {_peertext.shown(name)} is not 1..1019 bytes")
         engine = doc.get("engine")
         if engine is not None:
             engine = _peertext.text(engine, "engine address", 512)
+        for field, v in (("agent name", name), ("engine address", engine or "")):
+            try:
+                v.encode()
+            except UnicodeEncodeError:
+                raise _peertext.Malformed(f"{field} {_peertext.shown(v)} is not Unicode") from None
         partial = doc.get("partial", False)
         if not isinstance(partial, bool):
             raise _peertext.Malformed(
                 f"partial must be true or false, not {_peertext.shown(partial)}"
             )
         rows = []
-        for i, row in enumerate(_peertext.array(doc.get("regions"), "regions", max_regions)):
+        where = "regions"
+        if max_regions != ENGINE_MAX_REGIONS:
+            where = f"regions (hixl_listen_thread_max_regions={max_regions})"
+        for i, row in enumerate(_peertext.array(doc.get("regions"), where, max_regions)):
             row = _peertext.array(row, f"region {i}", 3)
             if len(row) != 3:
                 raise _peertext.Malformed(f"region {i} has {len(row)} items, not 3")
