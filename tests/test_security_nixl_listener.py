@@ -244,7 +244,7 @@ def _check(md: bytes) -> None:
     except nixlInvalidParamError:
         return
     assert isinstance(doc["name"], str) and doc["name"]
-    assert isinstance(doc["partial"], bool) and len(doc["regions"]) <= 16
+    assert isinstance(doc.get("partial", False), bool) and len(doc["regions"]) <= 16
     for a, n, d in doc["regions"]:
         assert 0 <= a and 0 <= n and a + n < 1 << 64 and 0 <= d < 1 << 64
 
