@@ -34,6 +34,10 @@ from ._location import mem_type
 from ._protocol import log
 from ._transfer import _Transfers
 
+# Managed buffers of engines whose finalize failed: a peer may still reach them, so they are
+# never freed (a leak rather than memory freed under a peer's WRITE).
+_LEAKED: list[np.ndarray[Any, Any]] = []
+
 # Engines not finalized yet; finalized at interpreter exit, before daemon threads stop.
 _OPEN: weakref.WeakSet[TransferEngine] = weakref.WeakSet()
 
@@ -147,15 +151,34 @@ class TransferEngine(_Transfers):
         return self._rpc_port
 
     def close(self) -> None:
-        """hixl's addition: stops the engine (idempotent). Registered memory is released."""
+        """hixl's addition: stops the engine (idempotent). Registered memory is released.
+
+        The engine is finalized first, and only then are the managed buffers released: until
+        finalize returns a peer may still WRITE into them. When finalize fails (a peer that did
+        not let go in time), the buffers are leaked, never freed, and the failure is logged and
+        raised."""
         with self._lock:
             engine, self._engine = self._engine, None
+            managed = list(self._managed.values())
             self._linked.clear()
             self._regs.clear()
             self._managed.clear()
-        if engine is not None:
-            _OPEN.discard(self)
+        if engine is None:
+            return
+        _OPEN.discard(self)
+        try:
             engine.finalize()
+        except BaseException as e:
+            _LEAKED.extend(arr for arr, _ in managed)
+            log.error(
+                "close: finalize failed (%s); %d managed buffers (%d bytes) are kept, not freed, "
+                "since a peer may still reach them",
+                e,
+                len(managed),
+                sum(arr.nbytes for arr, _ in managed),
+            )
+            raise
+        del managed  # only now: no peer reaches them any more
 
     def __del__(self) -> None:
         try:
@@ -271,7 +294,9 @@ class TransferEngine(_Transfers):
         arr = np.zeros(n, np.uint8)
         addr = int(arr.ctypes.data)
         try:
-            handle = engine.register_mem(MemDesc(addr, n))
+            # register (not register_mem): the engine too keeps the array alive until the
+            # region is deregistered or the engine finalized, and leaks it when that fails.
+            handle = engine.register(arr)
         except HixlError as e:
             log.error("allocate_managed_buffer(%d): %s", n, e.message)
             return 0
@@ -293,7 +318,11 @@ class TransferEngine(_Transfers):
         try:
             engine.deregister_mem(entry[1])
         except HixlError as e:
-            log.error("free_managed_buffer(0x%x): %s", addr, e.message)
+            # Peers may still reach it: keep the buffer rather than free it.
+            _LEAKED.append(entry[0])
+            log.error(
+                "free_managed_buffer(0x%x): %s (the buffer is kept, not freed)", addr, e.message
+            )
             return ERR_INVALID_ARGUMENT
         return OK
 

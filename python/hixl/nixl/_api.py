@@ -43,7 +43,7 @@ from .._hixl import TransferOp as TransferOp
 from .._hixl import TransferReq as TransferReq
 from .._hixl import TransferStatus as TransferStatus
 from .._kvcore._notify import Router
-from . import _meta
+from . import _auth, _meta
 from ._bindings import (
     DEFAULT_COMM_PORT,
     DRAM_SEG,
@@ -107,7 +107,13 @@ class nixl_agent_config:
     The listen thread binds ``hixl_listen_thread_ip`` (default: the engine's IP; ``"0.0.0.0"``
     for every interface, as NIXL's does), serves at most ``hixl_listen_thread_max_conns``
     connections at once (default 16) and gives each ``hixl_listen_thread_timeout_s`` seconds
-    (default 5) to send its whole request.
+    (default 5) to send its whole request. Metadata from the wire (the listen thread's ``S``
+    requests, ``fetch_remote_metadata``'s replies) may name at most
+    ``hixl_listen_thread_max_regions`` regions (default 4096; a longer frame is refused from its
+    header), and at most ``hixl_listen_thread_max_agents`` agents (default 64) are loaded from
+    the listen thread at once (``S`` for a new one over it is refused and logged). With a
+    cluster secret (``hixl.secret`` in ``hixl_options`` or ``HIXL_SECRET``) the listen thread
+    and the side-channel calls prove it to each other before any request (docs/NIXL.md).
     """
 
     def __init__(
@@ -125,6 +131,8 @@ class nixl_agent_config:
         hixl_listen_thread_ip: str | None = None,
         hixl_listen_thread_max_conns: int = _meta.MAX_CONNS,
         hixl_listen_thread_timeout_s: float = _meta.IO_TIMEOUT_S,
+        hixl_listen_thread_max_agents: int = _meta.MAX_AGENTS,
+        hixl_listen_thread_max_regions: int = _meta.MAX_REGIONS,
     ) -> None:
         if isinstance(capture_telemetry, (list, tuple)):  # older NIXL order: (..., backends)
             backends, capture_telemetry = capture_telemetry, False
@@ -140,6 +148,8 @@ class nixl_agent_config:
         self.hixl_listen_thread_ip = hixl_listen_thread_ip
         self.hixl_listen_thread_max_conns = hixl_listen_thread_max_conns
         self.hixl_listen_thread_timeout_s = hixl_listen_thread_timeout_s
+        self.hixl_listen_thread_max_agents = hixl_listen_thread_max_agents
+        self.hixl_listen_thread_max_regions = hixl_listen_thread_max_regions
 
 
 class nixl_agent(_Transfers, _Notifs):
@@ -175,6 +185,15 @@ class nixl_agent(_Transfers, _Notifs):
         self._lstarts = np.zeros(0, np.uint64)
         self._lends = np.zeros(0, np.uint64)
         self._remotes = {}
+        self._wire_agents = set()
+        self._wire_max_agents = _meta.check_count(
+            "hixl_listen_thread_max_agents", conf.hixl_listen_thread_max_agents, 1 << 20
+        )
+        self._wire_max_regions = _meta.check_count(
+            "hixl_listen_thread_max_regions",
+            conf.hixl_listen_thread_max_regions,
+            _meta.ENGINE_MAX_REGIONS,
+        )
         self._fetch_errors = {}
         self._rate = {}
         self._notif_name = _NOTIF_PREFIX + name
@@ -199,6 +218,8 @@ class nixl_agent(_Transfers, _Notifs):
         except HixlError as e:
             raise from_hixl(e, f"agent {name!r}: starting its hixl engine on {listen}") from e
         self._addr = self._engine.local_engine
+        secret = _auth.cluster_secret(options, os.environ)
+        self._side_key = _auth.Key(secret) if secret else None
         self._router = Router(self._engine, log)
         self._notes_lock = threading.Lock()
         for b in wanted:
@@ -218,6 +239,8 @@ class nixl_agent(_Transfers, _Notifs):
                     self._forget_from_peer,
                     conf.hixl_listen_thread_max_conns,
                     conf.hixl_listen_thread_timeout_s,
+                    self._wire_max_regions,
+                    self._side_key,
                 )
             except OSError as e:
                 self._engine.finalize()

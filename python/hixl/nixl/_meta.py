@@ -3,13 +3,17 @@
 Metadata is ``b"HIXLNIXL1\\n"`` followed by UTF-8 JSON: the agent's name, its hixl engine's
 address ("ip:port"), and the DRAM regions it registered as ``[addr, len, dev_id]`` rows.
 Partial metadata (``get_partial_agent_metadata``) carries only some regions, and the address
-only when asked to.
+only when asked to. `decode` reads it with the bounded parsers of ``hixl._peertext``: it returns
+the document or raises ``nixlInvalidParamError``, nothing else.
 
 The side channel is a small TCP protocol of our own (NIXL's listener speaks another one): each
 message is ``b"HXNM"``, one kind byte, a little-endian u32 length and that many payload bytes.
 Kinds: ``S`` here is my metadata (the receiver loads it), ``F`` send me yours (answered by
 ``M`` with the metadata, or ``E`` with an error text), ``I`` forget the agent named in the
-payload. Every socket operation has a timeout; one connection carries one request.
+payload. Every socket operation has a timeout; one connection carries one request. A frame is
+at most `frame_cap` of the regions the listener takes (``hixl_listen_thread_max_regions``).
+With a cluster secret the request is preceded by the challenge-response of ``_auth`` (``H``,
+``C``, ``P``) and the request and its reply end with a MAC (docs/PROTOCOL.md).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import _peertext
+from . import _auth
 from ._bindings import nixlInvalidParamError
 
 log = logging.getLogger("hixl.nixl")
@@ -32,10 +38,26 @@ MAGIC = b"HIXLNIXL1\n"
 NIXL_NATIVE_TAG = b"nixlSerDes|"
 FRAME = struct.Struct("<4scI")
 FRAME_MAGIC = b"HXNM"
-MAX_FRAME = 64 << 20
 IO_TIMEOUT_S = 5.0
 # Connections the listen thread serves at once (nixl_agent_config's hixl_listen_thread_max_conns).
 MAX_CONNS = 16
+# Agents loaded from the listener at once, and regions one of them may hold
+# (hixl_listen_thread_max_agents, hixl_listen_thread_max_regions).
+MAX_AGENTS = 64
+MAX_REGIONS = 4096
+# The most regions an engine holds (its region table): the bound on metadata a program loads.
+ENGINE_MAX_REGIONS = 65536
+# Metadata besides its regions: name (at most 1019 UTF-8 bytes, 3 JSON characters a byte at
+# worst), engine address, keys; then one row "[u64,u64,u64]," a region.
+_FIXED_BYTES = 16 << 10
+_ROW_BYTES = 72
+MAX_NAME_BYTES = 1019
+_U64 = (1 << 64) - 1
+
+
+def frame_cap(max_regions: int) -> int:
+    """The largest frame that metadata of `max_regions` regions can need (plus a MAC)."""
+    return _FIXED_BYTES + _ROW_BYTES * max_regions + _auth.LEN
 
 
 def encode(name: str, engine: str | None, regions: list[list[int]], partial: bool = False) -> bytes:
@@ -45,9 +67,10 @@ def encode(name: str, engine: str | None, regions: list[list[int]], partial: boo
     return MAGIC + json.dumps(doc, separators=(",", ":")).encode()
 
 
-def decode(md: Any) -> dict[str, Any]:
-    """The parsed metadata; anything not written by `encode` raises nixlInvalidParamError
-    saying what it looks like."""
+def decode(md: Any, max_regions: int = ENGINE_MAX_REGIONS) -> dict[str, Any]:
+    """The parsed metadata, with at most `max_regions` regions; anything else (not written by
+    `encode`, corrupt, over a bound) raises nixlInvalidParamError saying what it looks like.
+    Never raises anything else, whatever the bytes."""
     if isinstance(md, str):
         md = md.encode("latin-1", "replace")
     if not isinstance(md, (bytes, bytearray, memoryview)):
@@ -65,25 +88,42 @@ def decode(md: Any) -> dict[str, Any]:
             f"the prefix {MAGIC!r})"
         )
     try:
-        doc = json.loads(md[len(MAGIC) :])
-        name = doc["name"]
-        regions = doc["regions"]
+        what = "hixl.nixl agent metadata"
+        doc = _peertext.obj(_peertext.loads(md[len(MAGIC) :], what, frame_cap(max_regions)), what)
+        name = _peertext.text(doc.get("name"), "agent name", MAX_NAME_BYTES)
+        if not name or len(name.encode(errors="replace")) > MAX_NAME_BYTES:
+            raise _peertext.Malformed(f"agent name {_peertext.shown(name)} is not 1..1019 bytes")
         engine = doc.get("engine")
-        ok = (
-            isinstance(name, str)
-            and name
-            and (engine is None or isinstance(engine, str))
-            and isinstance(regions, list)
-            and all(
-                isinstance(r, list) and len(r) == 3 and all(isinstance(v, int) for v in r)
-                for r in regions
+        if engine is not None:
+            engine = _peertext.text(engine, "engine address", 512)
+        for field, v in (("agent name", name), ("engine address", engine or "")):
+            try:
+                v.encode()
+            except UnicodeEncodeError:
+                raise _peertext.Malformed(f"{field} {_peertext.shown(v)} is not Unicode") from None
+        partial = doc.get("partial", False)
+        if not isinstance(partial, bool):
+            raise _peertext.Malformed(
+                f"partial must be true or false, not {_peertext.shown(partial)}"
             )
-        )
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise nixlInvalidParamError(f"hixl.nixl agent metadata is corrupt: {e}") from None
-    if not ok:
-        raise nixlInvalidParamError("hixl.nixl agent metadata is corrupt: bad fields")
-    return dict(doc)
+        rows = []
+        where = "regions"
+        if max_regions != ENGINE_MAX_REGIONS:
+            where = f"regions (hixl_listen_thread_max_regions={max_regions})"
+        for i, row in enumerate(_peertext.array(doc.get("regions"), where, max_regions)):
+            row = _peertext.array(row, f"region {i}", 3)
+            if len(row) != 3:
+                raise _peertext.Malformed(f"region {i} has {len(row)} items, not 3")
+            a, n, d = row
+            a = _peertext.integer(a, f"region {i} address", 0, _U64)
+            n = _peertext.integer(n, f"region {i} length", 0, _U64 - a)
+            rows.append([a, n, _peertext.integer(d, f"region {i} device", 0, _U64)])
+    except _peertext.Malformed as e:
+        raise nixlInvalidParamError(f"hixl.nixl agent metadata is refused: {e}") from None
+    out: dict[str, Any] = {"name": name, "regions": rows, "partial": partial}
+    if engine is not None:
+        out["engine"] = engine
+    return out
 
 
 # --- side channel --------------------------------------------------------------------------
@@ -106,28 +146,97 @@ def _recv_exact(s: socket.socket, n: int, deadline: float | None = None) -> byte
     return bytes(buf)
 
 
-def send_frame(s: socket.socket, kind: bytes, payload: bytes) -> None:
+def send_frame(
+    s: socket.socket,
+    kind: bytes,
+    payload: bytes,
+    seal: _auth.Session | None = None,
+    from_client: bool = False,
+) -> None:
+    """One frame; with `seal`, its MAC appended to the payload."""
+    if seal is not None:
+        payload = payload + seal.seal(from_client, kind, payload)
     s.sendall(FRAME.pack(FRAME_MAGIC, kind, len(payload)) + payload)
 
 
-def recv_frame(s: socket.socket, deadline: float | None = None) -> tuple[bytes, bytes]:
+def recv_header(
+    s: socket.socket, deadline: float | None, max_frame: int, limit: str
+) -> tuple[bytes, int]:
+    """A frame's kind and length, refusing a length over `max_frame` (`limit` names the
+    option that sets it) before any byte of the payload is read."""
     magic, kind, n = FRAME.unpack(_recv_exact(s, FRAME.size, deadline))
     if magic != FRAME_MAGIC:
         raise ConnectionError(f"side channel: not a hixl.nixl listener (got {magic!r})")
-    if n > MAX_FRAME:
-        raise ConnectionError(f"side channel: frame of {n} bytes is over the limit")
-    return kind, _recv_exact(s, n, deadline)
+    if n > max_frame:
+        raise ConnectionError(
+            f"side channel: frame of {n} bytes is over the limit of {max_frame} ({limit})"
+        )
+    return kind, n
+
+
+def recv_frame(
+    s: socket.socket,
+    deadline: float | None = None,
+    max_frame: int = frame_cap(MAX_REGIONS),
+    limit: str = f"hixl_listen_thread_max_regions={MAX_REGIONS}",
+    seal: _auth.Session | None = None,
+    from_client: bool = False,
+) -> tuple[bytes, bytes]:
+    """One frame; with `seal`, its MAC is checked and removed (ConnectionError when wrong)."""
+    kind, n = recv_header(s, deadline, max_frame, limit)
+    payload = _recv_exact(s, n, deadline)
+    if seal is not None:
+        body, tag = payload[: -_auth.LEN], payload[-_auth.LEN :]
+        if len(payload) < _auth.LEN or not seal.same(tag, seal.seal(from_client, kind, body)):
+            raise ConnectionError("side channel: a frame's MAC does not verify")
+        payload = body
+    return kind, payload
+
+
+def handshake_client(s: socket.socket, key: _auth.Key, deadline: float | None) -> _auth.Session:
+    """The client's side of the challenge-response: raises ConnectionError unless the listener
+    proves that it has the secret; then proves it too."""
+    ni = key.nonce()
+    send_frame(s, b"H", ni)
+    try:
+        kind, n = recv_header(s, deadline, 2 * _auth.LEN, "a challenge")
+        body = _recv_exact(s, n, deadline)
+    except ConnectionError as e:
+        raise ConnectionError(
+            f"side channel: the listener did not answer the cluster-secret challenge (does it "
+            f"have the secret?): {e}"
+        ) from None
+    if kind != b"C" or n != 2 * _auth.LEN:
+        raise ConnectionError(f"side channel: expected a challenge, got {kind!r} of {n} bytes")
+    nt, proof = body[: _auth.LEN], body[_auth.LEN :]
+    sess = key.session(ni, nt, _auth.peer_of(s))
+    if not sess.same(proof, sess.listener_proof()):
+        raise ConnectionError(
+            "side channel: the listener's proof of the cluster secret does not verify (another "
+            "secret, or not the listener that was dialled)"
+        )
+    send_frame(s, b"P", sess.client_proof())
+    return sess
 
 
 def request(
-    ip: str, port: int, kind: bytes, payload: bytes, want_reply: bool
+    ip: str,
+    port: int,
+    kind: bytes,
+    payload: bytes,
+    want_reply: bool,
+    key: _auth.Key | None = None,
+    max_regions: int = MAX_REGIONS,
 ) -> tuple[bytes, bytes] | None:
-    """One request to a listener at ip:port; its reply when `want_reply`."""
+    """One request to a listener at ip:port; its reply when `want_reply`. With `key` (the
+    cluster secret's), the listener and this client prove it to each other first."""
     with socket.create_connection((ip, port), timeout=IO_TIMEOUT_S) as s:
         s.settimeout(IO_TIMEOUT_S)
-        send_frame(s, kind, payload)
+        sess = handshake_client(s, key, time.monotonic() + IO_TIMEOUT_S) if key else None
+        send_frame(s, kind, payload, sess, True)
         if want_reply:
-            return recv_frame(s)
+            limit = f"hixl_listen_thread_max_regions={max_regions}"
+            return recv_frame(s, None, frame_cap(max_regions), limit, sess, False)
         # Wait for the listener to close: it has then handled the request.
         try:
             s.recv(1)
@@ -145,13 +254,28 @@ def bind_host(engine: str) -> str:
     return host[1:-1] if host.startswith("[") else host
 
 
+class Unauthenticated(Exception):
+    """A connection that did not prove the cluster secret; the message says how."""
+
+
+def check_count(option: str, v: object, most: int) -> int:
+    """`v` when it is an int in [1, most]; else nixlInvalidParamError naming `option`."""
+    if type(v) is not int or not 1 <= v <= most:
+        raise nixlInvalidParamError(f"{option} must be an integer in [1, {most}], not {v!r}")
+    return v
+
+
 class Listener:
     """The listen thread: serves this agent's metadata and loads what peers send.
 
     At most `max_conns` connections are served at once, each by a thread of its own, and each
     must deliver its whole request within `timeout_s`. A connection over the cap closes the
     oldest one still sending its request (or, when every one is past that, is closed itself),
-    so idle connections cost at most `max_conns` threads for at most `timeout_s` each.
+    so idle connections cost at most `max_conns` threads for at most `timeout_s` each. A
+    request longer than `frame_cap(max_regions)` is refused from its header, before any of its
+    payload is read. With `key` (derived from the cluster secret) a connection must pass the
+    challenge-response of ``_auth`` before its request is read: one that sends anything else
+    first is closed after the 9 bytes of that frame's header.
     `load` and `forget` get the payload and the peer's address ("ip:port", for the log)."""
 
     def __init__(
@@ -163,7 +287,10 @@ class Listener:
         forget: Callable[[str, str], object],
         max_conns: int = MAX_CONNS,
         timeout_s: float = IO_TIMEOUT_S,
+        max_regions: int = MAX_REGIONS,
+        key: _auth.Key | None = None,
     ) -> None:
+        check_count("hixl_listen_thread_max_regions", max_regions, ENGINE_MAX_REGIONS)
         if isinstance(max_conns, bool) or not isinstance(max_conns, int) or max_conns < 1:
             raise nixlInvalidParamError(
                 f"hixl_listen_thread_max_conns must be an integer >= 1, not {max_conns!r}"
@@ -178,6 +305,10 @@ class Listener:
             )
         self._metadata, self._load, self._forget = metadata, load, forget
         self.max_conns, self.timeout_s = max_conns, float(timeout_s)
+        self.max_regions, self.max_frame = max_regions, frame_cap(max_regions)
+        self._limit = f"hixl_listen_thread_max_regions={max_regions}"
+        self._key = key
+        self._refused: dict[str, list[float]] = {}  # why -> [count, next warning at]
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -251,10 +382,48 @@ class Listener:
                 self._serving.add(t)
             t.start()
 
+    def _refuse(self, why: str, peer: str, detail: object) -> None:
+        """Logs a refused connection: one WARN per reason per 10 s, with the count."""
+        with self._lock:
+            n, at = self._refused.get(why, [0.0, 0.0])
+            now = time.monotonic()
+            self._refused[why] = [n + 1, now + 10.0 if now >= at else at]
+        if now >= at:
+            log.warning(
+                "hixl.nixl listener: %s from %s refused: %s (%d so far)",
+                why,
+                peer,
+                _peertext.shown(str(detail)),
+                n + 1,
+            )
+
+    def _authenticate(self, conn: socket.socket, deadline: float) -> _auth.Session:
+        """The listener's side of the challenge-response; ConnectionError when the client
+        does not prove the secret (nothing but the fixed-size `H` and `P` is read before)."""
+        assert self._key is not None
+        magic, kind, n = FRAME.unpack(_recv_exact(conn, FRAME.size, deadline))
+        if magic != FRAME_MAGIC or kind != b"H" or n != _auth.LEN:
+            raise Unauthenticated(
+                f"no cluster-secret hello ({kind!r} of {n} bytes first): it does not have the "
+                "secret, its request is not read"
+            )
+        ni = _recv_exact(conn, n, deadline)
+        nt = self._key.nonce()
+        sess = self._key.session(ni, nt, _auth.local_of(conn))
+        send_frame(conn, b"C", nt + sess.listener_proof())
+        magic, kind, n = FRAME.unpack(_recv_exact(conn, FRAME.size, deadline))
+        ok = magic == FRAME_MAGIC and kind == b"P" and n == _auth.LEN
+        proof = _recv_exact(conn, n, deadline) if ok else b""
+        if not sess.same(proof, sess.client_proof()):
+            raise Unauthenticated("its proof of the cluster secret does not verify")
+        return sess
+
     def _serve(self, conn: socket.socket, peer: str) -> None:
         try:
             with conn:
-                kind, payload = recv_frame(conn, time.monotonic() + self.timeout_s)
+                deadline = time.monotonic() + self.timeout_s
+                sess = self._authenticate(conn, deadline) if self._key is not None else None
+                kind, payload = recv_frame(conn, deadline, self.max_frame, self._limit, sess, True)
                 with self._lock:
                     if conn not in self._conns:
                         return  # evicted while its last bytes arrived
@@ -262,23 +431,34 @@ class Listener:
                 conn.settimeout(self.timeout_s)
                 if kind == b"F":
                     try:
-                        send_frame(conn, b"M", self._metadata())
+                        send_frame(conn, b"M", self._metadata(), sess)
                     except Exception as e:  # the agent is closing
-                        send_frame(conn, b"E", str(e).encode())
+                        send_frame(conn, b"E", str(e).encode(), sess)
                 elif kind == b"S":
-                    self._load(payload, peer)
+                    try:
+                        self._load(payload, peer)
+                    except Exception as e:  # refused: over a cap, re-pointing, corrupt
+                        self._refuse("metadata", peer, e)
                 elif kind == b"I":
                     conn.close()  # the sender need not wait for the check below
-                    self._forget(payload.decode(), peer)
+                    name = _peertext.text(
+                        payload.decode(errors="replace"), "agent name", MAX_NAME_BYTES
+                    )
+                    self._forget(name, peer)
                 else:
-                    log.warning("hixl.nixl listener: unknown request %r from %s", kind, peer)
+                    self._refuse("unknown request", peer, kind)
+        except Unauthenticated as e:
+            self._refuse("unauthenticated connection", peer, e)
         except (OSError, ConnectionError) as e:  # cut, slow or gone: the peer's doing
             with self._lock:
                 cut = conn not in self._conns
             if not cut:
-                log.info("hixl.nixl listener: connection from %s closed: %s", peer, e)
+                if "over the limit" in str(e):
+                    self._refuse("request", peer, e)
+                else:
+                    log.info("hixl.nixl listener: connection from %s closed: %s", peer, e)
         except Exception as e:
-            log.warning("hixl.nixl listener: request from %s failed: %s", peer, e)
+            log.warning("hixl.nixl listener: request from %s failed: %r", peer, e)
         finally:
             with self._lock:
                 self._conns.pop(conn, None)

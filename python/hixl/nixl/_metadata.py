@@ -13,7 +13,7 @@ import numpy as np
 
 from .._errors import HixlError, Status
 from .._hixl import AsyncConnectStatus
-from . import _meta
+from . import _auth, _meta
 from ._bindings import (
     DEFAULT_COMM_PORT,
     DRAM_SEG,
@@ -42,7 +42,11 @@ class _Remote:
         self.ends = np.zeros(0, np.uint64)
         self.add_regions(regions)
 
-    def add_regions(self, regions: list[list[int]] | list[tuple[int, int]]) -> None:
+    def add_regions(
+        self, regions: list[list[int]] | list[tuple[int, int]], most: int | None = None
+    ) -> None:
+        """Adds `regions` (one entry per start); with `most`, refuses (nixlNotAllowedError,
+        nothing changed) when the agent would then hold more regions than that."""
         if not regions:
             return
         r = np.array([[int(x[0]), int(x[0]) + int(x[1])] for x in regions], np.uint64)
@@ -53,6 +57,11 @@ class _Remote:
         starts, ends = starts[order], ends[order]
         keep = np.ones(starts.shape[0], bool)
         keep[1:] = starts[1:] != starts[:-1]
+        if most is not None and int(keep.sum()) > most:
+            raise nixlNotAllowedError(
+                f"agent {self.name!r} would hold {int(keep.sum())} regions, over the "
+                f"{most} of hixl_listen_thread_max_regions"
+            )
         self.starts, self.ends = starts[keep], ends[keep]
 
 
@@ -63,6 +72,12 @@ class _Metadata(_Memory):
     _fetch_errors: dict[str, str]
     _listener: _meta.Listener | None
     _closed: bool
+    # Agents first loaded from the listen thread, their cap and the cap on regions of metadata
+    # from the wire (hixl_listen_thread_max_agents, _max_regions); the side channel's key.
+    _wire_agents: set[str]
+    _wire_max_agents: int
+    _wire_max_regions: int
+    _side_key: _auth.Key | None
 
     # --- metadata ---------------------------------------------------------------------------
 
@@ -85,21 +100,34 @@ class _Metadata(_Memory):
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
         """Loads a peer's metadata; returns its name as bytes (as NIXL does)."""
-        doc = _meta.decode(metadata)
+        return self._add_remote(metadata, False, _meta.ENGINE_MAX_REGIONS)
+
+    def _add_remote(self, metadata: bytes, wire: bool, most: int) -> bytes:
+        """`add_remote_agent`, of metadata with at most `most` regions. `wire`: it came from
+        the listen thread, so a new agent counts against hixl_listen_thread_max_agents (over
+        it the metadata is refused) and the agent may hold at most `most` regions."""
+        doc = _meta.decode(metadata, most)
         name: str = doc["name"]
         engine: str | None = doc.get("engine")
+        cap = most if wire else None
         connect = False
         with self._lock:
             r = self._remotes.get(name)
             if name == self.name:
                 return name.encode()  # our own: loopback needs nothing loaded
+            if wire and r is None and len(self._wire_agents) >= self._wire_max_agents:
+                raise nixlNotAllowedError(
+                    f"agent {name!r} is not loaded: {len(self._wire_agents)} agents loaded from "
+                    f"the listen thread already (hixl_listen_thread_max_agents="
+                    f"{self._wire_max_agents}; remove_remote_agent frees one)"
+                )
             if engine is None:
                 if r is None:
                     raise nixlNotFoundError(
                         f"partial metadata of agent {name!r} has no connection info and the "
                         "agent is not loaded yet"
                     )
-                r.add_regions(doc["regions"])
+                r.add_regions(doc["regions"], cap if name in self._wire_agents else None)
             elif r is not None and r.engine != engine:
                 # As NIXL's loadRemoteMD: a loaded agent's connection info never changes.
                 raise nixlNotAllowedError(
@@ -113,9 +141,11 @@ class _Metadata(_Memory):
                 if r is not None:
                     nr.ready = r.ready
                 self._remotes[name] = nr
+                if wire and r is None:
+                    self._wire_agents.add(name)
                 connect = not nr.ready
             else:
-                r.add_regions(doc["regions"])
+                r.add_regions(doc["regions"], cap if name in self._wire_agents else None)
             self._fetch_errors.pop(name, None)
         if connect and engine is not None:
             try:
@@ -128,6 +158,7 @@ class _Metadata(_Memory):
         name = _name(agent)
         with self._lock:
             r = self._remotes.pop(name, None)
+            self._wire_agents.discard(name)
         if r is None:
             raise nixlNotFoundError(f"remote agent {name!r} is not loaded")
         try:
@@ -183,11 +214,9 @@ class _Metadata(_Memory):
     # --- the listen-thread side channel ---------------------------------------------------------
 
     def _load_from_peer(self, md: bytes, peer: str) -> None:
-        """An ``S`` request: loads the metadata, unless it would re-point a loaded agent."""
-        try:
-            self.add_remote_agent(md)
-        except nixlNotAllowedError as e:
-            log.warning("hixl.nixl agent %s: metadata from %s refused: %s", self.name, peer, e)
+        """An ``S`` request: loads the metadata, unless it would re-point a loaded agent or go
+        over hixl_listen_thread_max_agents / _max_regions (raises; the listener logs it)."""
+        self._add_remote(md, True, self._wire_max_regions)
 
     def _answers(self, engine: str) -> bool:
         """Whether the engine at `engine` is alive: linked, or accepting a new link."""
@@ -257,7 +286,7 @@ class _Metadata(_Memory):
         md = self.get_agent_metadata()
         self._async(
             f"sending metadata to {ip_addr}:{port}",
-            lambda: _meta.request(ip_addr, port, b"S", md, False),
+            lambda: _meta.request(ip_addr, port, b"S", md, False, self._side_key),
         )
 
     def send_partial_agent_metadata(
@@ -273,7 +302,7 @@ class _Metadata(_Memory):
         md = self.get_partial_agent_metadata(descs, inc_conn_info, backends)
         self._async(
             f"sending partial metadata to {ip_addr}:{port}",
-            lambda: _meta.request(ip_addr, port, b"S", md, False),
+            lambda: _meta.request(ip_addr, port, b"S", md, False, self._side_key),
         )
 
     def fetch_remote_metadata(
@@ -284,15 +313,18 @@ class _Metadata(_Memory):
 
         def fetch() -> None:
             try:
-                reply = _meta.request(ip_addr, port, b"F", name.encode(), True)
+                most = self._wire_max_regions
+                reply = _meta.request(
+                    ip_addr, port, b"F", name.encode(), True, self._side_key, most
+                )
                 assert reply is not None
                 kind, payload = reply
                 if kind != b"M":
-                    raise ConnectionError(payload.decode(errors="replace"))
-                got = _meta.decode(payload)["name"]
+                    raise ConnectionError(repr(payload.decode(errors="replace")))
+                got = _meta.decode(payload, most)["name"]
                 if got != name:
                     raise nixlInvalidParamError(f"asked for agent {name!r}, {got!r} answered")
-                self.add_remote_agent(payload)
+                self._add_remote(payload, False, most)
             except Exception as e:
                 self._fetch_errors[name] = str(e)
                 raise
@@ -304,7 +336,7 @@ class _Metadata(_Memory):
         me = self.name.encode()
         self._async(
             f"invalidating metadata at {ip_addr}:{port}",
-            lambda: _meta.request(ip_addr, port, b"I", me, False),
+            lambda: _meta.request(ip_addr, port, b"I", me, False, self._side_key),
         )
 
     def check_remote_metadata(self, agent: Any, descs: Any = None) -> bool:
