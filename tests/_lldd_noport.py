@@ -1,5 +1,7 @@
 """One cluster of a rank-table link whose table names no ports (as Ascend writes v1.2 tables):
-``python _lldd_noport.py prompt|decoder BASE [PORT_OF_DECODER]``. The prompt allocates a
+``python _lldd_noport.py prompt|decoder BASE [PORT_OF_DECODER] [bind]`` (bind: each
+process gives its device_ip and device id at init, llm.hixlDeviceIp, so that init listens at
+its derived address at once). The prompt allocates a
 cache and fills it; both link with the same table (prompt rank 0 at 127.0.0.2, device 0;
 decoder rank 1 at 127.0.0.3, device 1); the decoder pulls the cache; each compares its
 cache with what the prompt filled it with and prints SAME True or False. Each prints its
@@ -55,11 +57,17 @@ def table(decoder_port: str) -> str:
 def main() -> None:
     role, base = sys.argv[1], sys.argv[2]
     decoder_port = sys.argv[3] if len(sys.argv) > 3 else ""
+    bind = sys.argv[4:] == ["bind"]
     cid = PROMPT if role == "prompt" else DECODER
     datadist = LLMDataDist(LLMRole.PROMPT if cid == PROMPT else LLMRole.DECODER, cid)
     cfg = LLMConfig()
     cfg.hixl_options = {"llm.hixlDevicePortBase": base}
+    if bind:
+        cfg.device_id = cid  # the table's device_id of this rank
+        cfg.hixl_options["llm.hixlDeviceIp"] = f"127.0.0.{2 + cid}"
     datadist.init(cfg.generate_options())
+    if bind:
+        print("INIT", datadist.local_address, flush=True)
     desc = CacheDesc(2, [1, 4, 256], DataType.DT_FLOAT16, Placement.HOST)
     mgr = datadist.kv_cache_manager
     if cid == PROMPT:

@@ -284,3 +284,126 @@ def test_stats_url_password_is_never_shown() -> None:
     assert out.returncode == 1, out
     assert "admin:***@127.0.0.1" in out.stderr, out.stderr
     assert pw not in out.stdout + out.stderr, out
+
+
+#: values whose parsing raised something other than a refusal before hixl._peertext
+HOSTILE_ENTRIES = [
+    b'{"rank": 1e999, "role": "decoder", "address": "127.0.0.1:9"}',
+    b'{"rank": 5, "role": "decoder", "address": "127.0.0.1:9", "device_id": 1e999}',
+    b'{"rank": 5, "role": "decoder", "address": "127.0.0.1:9", "pid": NaN}',
+    b'{"rank": 5, "role": "decoder", "address": "127.0.0.1:9", "caches": 7}',
+    b'{"rank": 5, "role": "decoder", "address": "127.0.0.1:9", "caches": [{"a": []}]}',
+    b'{"rank": 5.0, "role": "decoder", "address": "127.0.0.1:9"}',
+    b'{"rank": true, "role": "decoder", "address": "127.0.0.1:9"}',
+    b'{"rank": 5, "role": ["x"], "address": {"y": 1}}',
+    b'{"rank": 5, "role": "decoder", "address": "127.0.0.1:9", "created": -1e999}',
+    b"[" * 50_000,
+    b"\xff\xfe not utf-8",
+    b'"just a string"',
+    b"null",
+    json.dumps(
+        {"rank": 5, "role": "d", "address": "127.0.0.1:9", "caches": ["c"] * 20_000}
+    ).encode(),
+]
+
+
+def test_hostile_entries_never_stop_discovery(etcd_local: Etcd, tmp_path: Path) -> None:
+    """Values no rank writes (1e999 where an integer belongs, NaN, wrong types, deep nesting,
+    not UTF-8, 20000 caches) put under the discovery prefix, with a lease and without: each is
+    refused and logged (escaped); rank 0's watch goes on (rank 1, SIGKILLed, leaves its view
+    within the TTL), and a rank started after them initializes and sees rank 0."""
+    url = f"{etcd_local.url}/hostile"
+    log0 = tmp_path / "rank0.log"
+    r1 = Rank(None, 0, 1, "decoder", url)
+    with log0.open("wb") as err:
+        r0 = Rank(None, 0, 0, "prompt", url, stderr=err)
+    r2 = None
+    try:
+        r0.wait_ranks([1], 10)
+        c = EtcdClient([("127.0.0.1", etcd_local.port)])
+        own_lease, _ = c.grant(60)
+        keys = []
+        for n, value in enumerate(HOSTILE_ENTRIES):
+            key = f"/hostile/ranks/{5 + n}".encode()
+            forge(c, key, value, own_lease if n % 2 == 0 else 0)
+            keys.append(key)
+        forge(c, b"/hostile/ranks/" + b"9" * 40, HOSTILE_ENTRIES[0], own_lease)
+        deadline = time.monotonic() + 20
+        while not all(f"ignoring the entry under {k.decode()!r}" in log0.read_text() for k in keys):
+            assert time.monotonic() < deadline, log0.read_text()[-3000:]
+            time.sleep(0.05)
+        assert r0.ok("ranks")["ranks"] == [[1, "decoder", r1.address]]
+        os.kill(r1.proc.pid, signal.SIGKILL)
+        r0.wait_ranks([], TTL + 5)  # the watch still applies events
+        r2 = Rank(None, 0, 2, "decoder", url)  # its hixl.kv.init reads all of them
+        assert r2.ok("ranks")["ranks"] == [[0, "prompt", r0.address]]
+        r0.wait_ranks([2], 10)
+        text = log0.read_text()
+        assert "\n[[[[" not in text and "\\xff\\xfe" in text  # shown escaped, never raw
+        assert "Traceback" not in text, text[-3000:]
+    finally:
+        r0.close()
+        r1.close()
+        if r2 is not None:
+            r2.close()
+
+
+def test_dead_ranks_entry_replayed_on_its_regranted_lease_is_refused(
+    etcd_local: Etcd, tmp_path: Path
+) -> None:
+    """Rank 1 dies and its lease expires; the attacker grants a lease with the dead one's ID
+    again (etcd lets a client choose it), puts rank 1's last signed entry back on it and keeps
+    it alive. Its MAC verifies (same key, lease ID, fields), but it names the create revision
+    of the key it was written for, and etcd created the key again at a later one: rank 0 does
+    not take rank 1 back, nor does rank 2, started after the replay."""
+    url = f"{etcd_local.url}/replay"
+    key = b"/replay/ranks/1"
+    log0, log2 = tmp_path / "rank0.log", tmp_path / "rank2.log"
+    r1 = Rank(None, 0, 1, "decoder", url)
+    with log0.open("wb") as err:
+        r0 = Rank(None, 0, 0, "prompt", url, stderr=err)
+    r2 = None
+    stop = threading.Event()
+    try:
+        r0.wait_ranks([1], 10)
+        c = EtcdClient([("127.0.0.1", etcd_local.port)])
+        got = read(c, key)
+        assert got is not None and got[1] != 0, got
+        value, lease = got
+        os.kill(r1.proc.pid, signal.SIGKILL)
+        r0.wait_ranks([], TTL + 5)
+        deadline = time.monotonic() + TTL + 5
+        while read(c, key) is not None:  # etcd deleted it with the lease
+            assert time.monotonic() < deadline, read(c, key)
+            time.sleep(0.05)
+        out = c.call("lease/grant", {"ID": str(lease), "TTL": TTL})
+        assert int(out["ID"]) == lease, out  # the dead rank's lease ID, granted again
+        forge(c, key, value, lease)
+        assert read(c, key) == (value, lease)
+
+        def keep() -> None:
+            while not stop.wait(TTL / 3):
+                c.keepalive(lease)
+
+        threading.Thread(target=keep, daemon=True).start()
+        refusal = "ignoring the entry under '/replay/ranks/1'"
+        deadline = time.monotonic() + 10
+        while refusal not in log0.read_text():
+            assert rank1_address(r0) is None, "a replayed entry brought dead rank 1 back"
+            assert time.monotonic() < deadline, log0.read_text()[-2000:]
+            time.sleep(0.05)
+        assert rank1_address(r0) is None
+        with log2.open("wb") as err:
+            r2 = Rank(None, 0, 2, "decoder", url, stderr=err)
+        assert r2.ok("ranks")["ranks"] == [[0, "prompt", r0.address]]
+        time.sleep(TTL)  # the replay is still kept alive: it is still refused
+        assert read(c, key) == (value, lease)
+        assert rank1_address(r0) is None
+        assert r2.ok("ranks")["ranks"] == [[0, "prompt", r0.address]]
+        assert refusal in log2.read_text()
+    finally:
+        stop.set()
+        r0.close()
+        r1.close()
+        if r2 is not None:
+            r2.close()

@@ -125,3 +125,15 @@ def shown(v: Any) -> str:
     SHOWN_CHARS."""
     r = repr(v)
     return r if len(r) <= SHOWN_CHARS else r[:SHOWN_CHARS] + "...(cut)"
+
+
+def decimal(v: Any, what: str, lo: int, hi: int) -> int:
+    """An integer given as an int or as a string of decimal digits (how protobuf's JSON
+    mapping writes 64-bit integers, e.g. etcd's gateway), with ``lo <= v <= hi``; else
+    Malformed."""
+    if isinstance(v, str):
+        s = v[1:] if v[:1] == "-" else v
+        if not (0 < len(s) <= 20 and s.isascii() and s.isdigit()):
+            raise Malformed(f"{what} {shown(v)} is not a decimal integer")
+        v = int(v)
+    return integer(v, what, lo, hi)

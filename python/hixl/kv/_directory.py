@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _peertext as pt
 from .._errors import HixlError, ParamInvalid
 from .._hixl import Hixl
 from .._layout import aligned_empty
@@ -232,23 +233,45 @@ def parse(address: str, dir_addr: int, body: bytes) -> PeerDirectory:
     anything malformed is an KVError naming the peer, never a stray exception. (Addresses
     in it need no check here: the engine checks every transfer against the peer's regions.)"""
     try:
-        doc: dict[str, Any] = json.loads(body)
-        rank, role = int(doc["rank"]), str(doc["role"])
-        extra = doc.get("extra", {})
-        if not isinstance(extra, dict):
-            raise ValueError("its extra field is not an object")
+        doc = pt.obj(pt.loads(body, "directory", DIR_BYTES), "directory")
+        rank = pt.integer(doc.get("rank"), "rank", 0, (1 << 63) - 1)
+        role = pt.text(doc.get("role"), "role", 64)
+        extra = dict(pt.obj(doc.get("extra", {}), "extra"))
         caches = {}
-        for c in doc["caches"]:
-            info = CacheInfo.from_json(c)
-            np.dtype(info.dtype)
-            axes = [info.layer_axis] + ([] if info.block_axis is None else [info.block_axis])
-            if not all(0 <= a < len(info.shape) for a in axes) or min(info.shape, default=0) < 0:
-                raise ValueError(f"cache {info.name!r} has axes or a shape out of range")
+        for c in pt.array(doc.get("caches"), "caches", 1 << 16):
+            info = cache_info(c)
             caches[info.name] = info
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as exc:
-        why = f"{type(exc).__name__}: {exc}"
+    except pt.Malformed as exc:
         raise KVError(
             LLM_NOT_LINKED,
-            f"{address} publishes a malformed KV-cache directory ({why[:200]})",
+            f"{address} publishes a malformed KV-cache directory ({pt.shown(str(exc))})",
         ) from None
     return PeerDirectory(address, rank, role, dir_addr, caches, extra)
+
+
+def cache_info(c: Any) -> CacheInfo:
+    """One cache of a peer's directory, every field checked; Malformed naming the first one
+    that is wrong."""
+    c = pt.obj(c, "cache")
+    name = pt.text(c.get("name"), "cache name", 1024)
+    big = (1 << 63) - 1
+    shape = tuple(pt.integer(x, "shape", 0, big) for x in pt.array(c.get("shape"), "shape", 64))
+    dtype = pt.text(c.get("dtype"), "dtype", 32)
+    try:
+        np.dtype(dtype)
+    except (TypeError, ValueError):
+        raise pt.Malformed(f"cache {name!r}: dtype {dtype!r} is not a numpy dtype") from None
+    block = c.get("block_axis")
+    info = CacheInfo(
+        name,
+        shape,
+        dtype,
+        pt.integer(c.get("addr"), "addr", 0, (1 << 64) - 1),
+        pt.integer(c.get("nbytes"), "nbytes", 0, big),
+        pt.integer(c.get("layer_axis"), "layer_axis", 0, 63),
+        None if block is None else pt.integer(block, "block_axis", 0, 63),
+    )
+    axes = [info.layer_axis] + ([] if info.block_axis is None else [info.block_axis])
+    if not all(a < len(info.shape) for a in axes):
+        raise pt.Malformed(f"cache {name!r} has axes out of range of its shape")
+    return info

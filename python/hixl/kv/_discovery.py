@@ -13,9 +13,11 @@ up, the view stays as it was. When etcd answers again, the lease is renewed (or,
 expired meanwhile, this rank publishes itself again) and the view is read afresh.
 
 etcd is not trusted to hold only what ranks wrote (``_entries``): an entry not attached to a
-lease, or naming another rank, is ignored, and with a cluster secret so is one whose MAC does
-not verify; each is logged once, and the rank stays in the view as it was (until its own
-lease ends). A rank whose own key holds anything but its own entry writes it back.
+lease, naming another rank, written for an earlier life of its key (a dead rank's, put back)
+or malformed is ignored, and with a cluster secret so is one whose MAC does not verify; each
+is logged once, and the rank stays in the view as it was (until its own lease ends). A rank
+whose own key holds anything but its own entry writes it back. No watch event can end the
+watch: one whose handling fails is logged and dropped.
 
 Options (``hixl.kv.init(options=...)``, next to the engine's; or the environment variable in
 brackets): ``hixl.discovery.ttl_s`` (HIXL_DISCOVERY_TTL_S, default 10),
@@ -39,10 +41,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from .. import _peertext as pt
 from .._errors import NotConnected, ParamInvalid
 from .._redact import redact_url
-from ._entries import EntryKey, Member, Refused, cluster_secret, open_entry, seal
-from ._etcd import EtcdClient, EtcdError, Tls
+from ._entries import EntryKey, Member, Pending, Refused, cluster_secret, open_entry, seal
+from ._etcd import KV, EtcdClient, EtcdError, Tls
 
 __all__ = ["Config", "Discovery", "Member", "advertised", "from_init", "parse"]
 
@@ -228,18 +231,41 @@ class Discovery:
     def key(self, rank: int) -> bytes:
         return self.dir + str(rank).encode()
 
-    def _entry(self, lease: int) -> bytes:
-        """This rank's entry, attached to `lease` (MACed with a secret); remembered as its
+    def _entry(self, lease: int, created: int) -> bytes:
+        """This rank's entry, attached to `lease`, for its key created at revision `created`
+        (0: the pending entry that creates the key), MACed with a secret; remembered as its
         own before it is written, so that the watch knows it when it comes back."""
         assert self.me is not None
         with self.lock:
-            value = seal(self.entry_key, self.key(self.me.rank), lease, self.me)
+            value = seal(self.entry_key, self.key(self.me.rank), lease, self.me, created)
             self.mine.append(value)
         return value
 
-    def _is_mine(self, value: bytes, lease: int) -> bool:
+    def _is_mine(self, kv: KV) -> bool:
         with self.lock:
-            return lease == self.lease and value in self.mine
+            return kv.lease == self.lease and kv.value in self.mine
+
+    def _publish(self, lease: int, only_new: bool = False) -> KV | None:
+        """Writes this rank's entry attached to `lease`, bound to its key's create revision:
+        creates the key first (with the pending entry) when it is absent. None when done;
+        with `only_new`, what the key holds when another process created it (nothing is
+        written then)."""
+        assert self.me is not None
+        key = self.key(self.me.rank)
+        for _ in range(16):
+            got = self.client.get_leased(key)
+            if got is None or got.created == 0:
+                created, _ = self.client.create(key, self._entry(lease, 0), lease)
+                if not created:
+                    continue  # someone created it meanwhile: look again
+            elif only_new and not self._is_mine(got):
+                return got
+            else:
+                created = got.created
+            if self.client.put_if_created(key, self._entry(lease, created), lease, created):
+                return None
+            # deleted or created again meanwhile: look again
+        raise EtcdError(f"the key {key!r} kept changing while this rank published it")
 
     def start(self, me: Member, deadline: float) -> None:
         """Publishes this rank (waiting until `deadline` for an earlier process of the same
@@ -250,16 +276,14 @@ class Discovery:
             if granted != self.cfg.ttl_s:
                 log.info("etcd granted a lease of %d s (asked %d s)", granted, self.cfg.ttl_s)
             while True:
-                ok, other = self.client.create(
-                    self.key(me.rank), self._entry(self.lease), self.lease
-                )
-                if ok:
+                other = self._publish(self.lease, only_new=True)
+                if other is None:
                     break
                 if time.monotonic() >= deadline:
                     raise ParamInvalid(
                         f"cluster_id={me.rank} is already published in etcd under "
-                        f"{self.cfg.prefix!r} by {(other or b'').decode(errors='replace')}: "
-                        "another process has this rank (a dead one's entry expires after its TTL)"
+                        f"{self.cfg.prefix!r} by {pt.shown(other.value)}: another process "
+                        "has this rank (a dead one's entry expires after its TTL)"
                     )
                 time.sleep(0.2)
             view, rev = self.client.range_leased(self.dir)
@@ -325,21 +349,24 @@ class Discovery:
             return None
         # not put into the view: the watch does that, in order (this read may be older
         # than a DELETE the watch has applied meanwhile)
-        return None if got is None else self._open(self.key(rank), rank, *got)
+        return None if got is None else self._open(self.key(rank), rank, got)
 
-    def _open(self, key: bytes, rank: int, value: bytes, lease: int) -> Member | None:
+    def _open(self, key: bytes, rank: int, kv: KV) -> Member | None:
         """The member an entry stands for, or None (logged once per key) if refused."""
         try:
-            m = open_entry(self.entry_key, key, rank, value, lease)
+            m = open_entry(self.entry_key, key, rank, kv.value, kv.lease, kv.created)
+        except Pending:
+            return None  # the rank writes its entry next
         except Refused as why:
             with self.lock:
                 first = key not in self.refused
                 self.refused.add(key)
             if first:
                 log.warning(
-                    "discovery: ignoring the entry under %r: %s",
+                    "discovery: ignoring the entry under %r: %s (the entry: %s)",
                     key.decode("ascii", "replace"),
                     why,
+                    pt.shown(kv.value),
                 )
             return None
         with self.lock:
@@ -354,9 +381,10 @@ class Discovery:
 
     def _rank_of(self, key: bytes) -> int | None:
         tail = key[len(self.dir) :]
-        return int(tail) if key.startswith(self.dir) and tail.isdigit() else None
+        ok = key.startswith(self.dir) and 0 < len(tail) <= 10 and tail.isdigit() and tail.isascii()
+        return int(tail) if ok else None
 
-    def _apply(self, kind: str, key: bytes, value: bytes, lease: int = 0) -> None:
+    def _apply(self, kind: str, key: bytes, kv: KV | None = None) -> None:
         rank = self._rank_of(key)
         if rank is None:
             return
@@ -365,7 +393,7 @@ class Discovery:
                 return
             if kind == "DELETE":
                 self._republish()  # someone removed this rank's entry: put it back
-            elif not self._is_mine(value, lease):
+            elif kv is not None and not self._is_mine(kv):
                 self._republish(f"under {key.decode('ascii', 'replace')!r} is not its own")
             return
         if kind == "DELETE":
@@ -377,14 +405,15 @@ class Discovery:
                 log.info("discovery: rank %d (%s) left", rank, old.address)
                 self.on_leave(old)
             return
-        m = self._open(key, rank, value, lease)
+        assert kv is not None
+        m = self._open(key, rank, kv)
         with self.lock:
             if m is None:  # the view keeps what it had, as long as that entry's lease lives
                 if rank in self.leases:
                     self.contested[rank] = self.leases[rank]
                 return
             self.contested.pop(rank, None)
-            self.leases[rank] = lease
+            self.leases[rank] = kv.lease
             old = self.members.get(rank)
             self.members[rank] = m
         if old is None or old.address != m.address:
@@ -393,7 +422,7 @@ class Discovery:
             log.info("discovery: rank %d (%s, %s) joined", rank, m.role, m.address)
             self.on_join(m)
 
-    def _replace(self, view: dict[bytes, tuple[bytes, int]]) -> None:
+    def _replace(self, view: dict[bytes, KV]) -> None:
         """Makes the view what etcd holds now (after a start or a broken watch)."""
         present = {self._rank_of(k) for k in view}
         if self.me is not None and self.me.rank not in present and self.threads:
@@ -401,9 +430,22 @@ class Discovery:
         with self.lock:
             gone = [r for r in self.members if r not in present]
         for r in gone:
-            self._apply("DELETE", self.key(r), b"")
-        for k, (v, lease) in view.items():
-            self._apply("PUT", k, v, lease)
+            self._apply("DELETE", self.key(r))
+        for k, kv in view.items():
+            self._event("PUT", k, kv)
+
+    def _event(self, kind: str, key: bytes, kv: KV | None) -> None:
+        """Applies one event; an exception while doing so is logged and the event dropped
+        (one entry, whatever etcd holds, can never end the watch)."""
+        try:
+            self._apply(kind, key, kv)
+        except Exception:  # noqa: BLE001 - logged; the watch goes on
+            log.exception(
+                "discovery: dropped the %s event of %s (its entry: %s)",
+                kind,
+                pt.shown(key),
+                pt.shown(kv.value if kv else b""),
+            )
 
     def _watch_loop(self, rev: int) -> None:
         idle = max(2.0, float(self.cfg.ttl_s))
@@ -418,8 +460,8 @@ class Discovery:
                     self.watch.close()
                     return
                 for events, _ in self.watch.batches():
-                    for kind, key, value, mod, lease in events:
-                        self._apply(kind, key, value, lease)
+                    for kind, key, kv, mod in events:
+                        self._event(kind, key, kv)
                         rev = max(rev, mod + 1)
             except TimeoutError:
                 pass  # quiet: open the watch again from where it was
@@ -454,7 +496,7 @@ class Discovery:
                     dirty, self.dirty = self.dirty, False
                 if dirty:
                     try:
-                        self.client.put(key, self._entry(self.lease), self.lease)
+                        self._publish(self.lease)
                     except EtcdError:
                         with self.lock:
                             self.dirty = True  # again, once etcd answers
@@ -469,10 +511,10 @@ class Discovery:
                     lease, _ = self.client.grant(self.cfg.ttl_s)
                     with self.lock:
                         self.lease = lease
-                    self.client.put(key, self._entry(lease), lease)
+                    self._publish(lease)
                 else:  # a PUT the watch missed (it was away) must not stand either
                     got = self.client.get_leased(key)
-                    if got is not None and not self._is_mine(*got):
+                    if got is not None and not self._is_mine(got):
                         self._republish(f"under {key.decode('ascii', 'replace')!r} is not its own")
                 self._end_contested()
                 self._etcd_back()
@@ -499,7 +541,7 @@ class Discovery:
                 "was refused",
                 rank,
             )
-            self._apply("DELETE", self.key(rank), b"")
+            self._apply("DELETE", self.key(rank))
 
     def _etcd_lost(self, exc: BaseException) -> None:
         if self.etcd_ok:

@@ -10,19 +10,35 @@ reads a prefix, and ``watch`` is one streaming POST whose response is one JSON o
 line. TLS (``etcds://``, a CA, a client certificate) and etcd's user/password auth are
 options. Several endpoints (an etcd cluster) are tried in order; the one that answered is
 tried first next time.
+
+etcd's answers are parsed strictly (``hixl._peertext``): an answer that is not what etcd
+sends (not JSON, a number that is not one, a field of the wrong type) is an EtcdError naming
+the call, never another exception, so that the threads calling etcd keep going whatever it
+answers.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import http.client
 import json
+import logging
 import socket
 import ssl
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+from .. import _peertext as pt
+
+log = logging.getLogger("hixl.discovery")
+
+#: the largest answer read from etcd (a range of a large prefix included)
+MAX_ANSWER_BYTES = 64 << 20
+MAX_ID = (1 << 63) - 1
 
 
 class EtcdError(Exception):
@@ -37,8 +53,43 @@ def b64(s: str | bytes) -> str:
     return base64.b64encode(s.encode() if isinstance(s, str) else s).decode()
 
 
-def unb64(s: str) -> bytes:
-    return base64.b64decode(s)
+def unb64(s: Any) -> bytes:
+    """The bytes of etcd's base64 field `s`; Malformed when it is not base64 text."""
+    if not isinstance(s, str):
+        raise pt.Malformed(f"{pt.shown(s)} is not base64 text")
+    try:
+        return base64.b64decode(s, validate=True)
+    except (binascii.Error, ValueError):
+        raise pt.Malformed(f"{pt.shown(s)} is not base64") from None
+
+
+@contextmanager
+def answer(what: str) -> Iterator[None]:
+    """Turns a malformed answer of etcd to `what` into an EtcdError naming it."""
+    try:
+        yield
+    except (pt.Malformed, KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise EtcdError(f"etcd {what}: malformed answer ({type(exc).__name__}: {exc})") from None
+
+
+@dataclass(frozen=True)
+class KV:
+    """A key's value as etcd reports it: the lease it is attached to (0: none) and the
+    revision at which the key was created."""
+
+    value: bytes
+    lease: int
+    created: int
+
+
+def parse_kv(kv: Any) -> tuple[bytes, KV]:
+    """(key, KV) of one of etcd's key-value objects; Malformed when it is not one."""
+    kv = pt.obj(kv, "kv")
+    return unb64(kv.get("key", "")), KV(
+        unb64(kv.get("value", "")),
+        pt.decimal(kv.get("lease", 0), "lease", 0, MAX_ID),
+        pt.decimal(kv.get("create_revision", 0), "create_revision", 0, MAX_ID),
+    )
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -126,9 +177,10 @@ class EtcdClient:
                 text = resp.read(4096).decode(errors="replace").strip()
                 conn.close()
                 try:
-                    msg = json.loads(text).get("error") or json.loads(text).get("message") or text
-                except ValueError:
-                    msg = text
+                    doc = pt.obj(pt.loads(text, "etcd's error"), "etcd's error")
+                    msg = pt.shown(doc.get("error") or doc.get("message") or text)
+                except pt.Malformed:
+                    msg = pt.shown(text)
                 raise EtcdError(f"etcd at {host}:{port} refused /v3/{path}: {msg}")
             with self.lock:  # the one that answered goes first from now on
                 if self.endpoints[0] != (host, port):
@@ -151,19 +203,21 @@ class EtcdClient:
                     continue
                 raise
             try:
-                text = resp.read()
+                text = resp.read(MAX_ANSWER_BYTES + 1)
             except (OSError, http.client.HTTPException) as exc:
                 raise EtcdError(f"etcd /v3/{path}: {exc}", unreachable=True) from exc
             finally:
                 conn.close()
-            doc = json.loads(text)
-            # a streaming method (lease/keepalive) wraps its one answer in "result"
-            return doc.get("result", doc) if isinstance(doc, dict) else doc
+            with answer(f"/v3/{path}"):
+                doc = pt.obj(pt.loads(text, "answer", MAX_ANSWER_BYTES), "answer")
+                # a streaming method (lease/keepalive) wraps its one answer in "result"
+                return pt.obj(doc.get("result", doc), "result")
         raise AssertionError("unreachable")
 
     def authenticate(self) -> None:
         out = self.call("auth/authenticate", {"name": self.user, "password": self.password or ""})
-        self.token = str(out["token"])
+        with answer("auth/authenticate"):
+            self.token = pt.text(out["token"], "token")
 
     # -- the calls discovery makes -------------------------------------------------------
 
@@ -174,63 +228,85 @@ class EtcdClient:
         """A new lease: (its id, the TTL etcd granted, at least its minimum)."""
         out = self.call("lease/grant", {"TTL": ttl_s})
         if out.get("error"):
-            raise EtcdError(f"etcd lease/grant: {out['error']}")
-        return int(out["ID"]), int(out["TTL"])
+            raise EtcdError(f"etcd lease/grant: {pt.shown(out['error'])}")
+        with answer("lease/grant"):
+            return pt.decimal(out["ID"], "ID", 1, MAX_ID), pt.decimal(out["TTL"], "TTL", 1, MAX_ID)
 
     def keepalive(self, lease: int) -> int:
         """Refreshes the lease; its TTL, 0 when the lease no longer exists."""
         out = self.call("lease/keepalive", {"ID": str(lease)})
-        return int(out.get("TTL", 0))
+        with answer("lease/keepalive"):
+            return pt.decimal(out.get("TTL", 0), "TTL", -1, MAX_ID)
 
     def revoke(self, lease: int, timeout_s: float | None = None) -> None:
         self.call("lease/revoke", {"ID": str(lease)}, timeout_s)
 
-    def create(self, key: bytes, value: bytes, lease: int) -> tuple[bool, bytes | None]:
-        """Puts the key only if it does not exist: (True, None), or (False, its value)."""
+    def create(self, key: bytes, value: bytes, lease: int) -> tuple[int, KV | None]:
+        """Puts the key only if it does not exist: (the revision that created it, None), or
+        (0, what the key holds)."""
+        return self._txn(key, "CREATE", {"create_revision": "0"}, value, lease)
+
+    def put_if_created(self, key: bytes, value: bytes, lease: int, created: int) -> bool:
+        """Puts the key only while it is the key created at revision `created`; whether it
+        did (not when the key was deleted or created again meanwhile)."""
+        done, _ = self._txn(key, "CREATE", {"create_revision": str(created)}, value, lease)
+        return done != 0
+
+    def _txn(
+        self, key: bytes, target: str, compare: dict[str, str], value: bytes, lease: int
+    ) -> tuple[int, KV | None]:
         out = self.call(
             "kv/txn",
             {
-                "compare": [{"key": b64(key), "target": "CREATE", "create_revision": "0"}],
+                "compare": [{"key": b64(key), "target": target, **compare}],
                 "success": [
                     {"request_put": {"key": b64(key), "value": b64(value), "lease": str(lease)}}
                 ],
                 "failure": [{"request_range": {"key": b64(key)}}],
             },
         )
-        if out.get("succeeded"):
-            return True, None
-        kvs = out.get("responses", [{}])[0].get("response_range", {}).get("kvs", [])
-        return False, (unb64(kvs[0].get("value", "")) if kvs else b"")
+        with answer("kv/txn"):
+            if out.get("succeeded"):
+                rev = pt.obj(out["header"], "header")["revision"]
+                return pt.decimal(rev, "revision", 1, MAX_ID), None
+            resp = pt.array(out.get("responses", []), "responses", 1)
+            rng = pt.obj(pt.obj(resp[0], "response").get("response_range", {}), "range")
+            kvs = pt.array(rng.get("kvs", []), "kvs", 1)
+            return 0, (parse_kv(kvs[0])[1] if kvs else None)
 
     def put(self, key: bytes, value: bytes, lease: int) -> None:
         self.call("kv/put", {"key": b64(key), "value": b64(value), "lease": str(lease)})
 
     def get(self, key: bytes) -> bytes | None:
         got = self.get_leased(key)
-        return got[0] if got is not None else None
+        return got.value if got is not None else None
 
-    def get_leased(self, key: bytes) -> tuple[bytes, int] | None:
-        """The key's value and the lease it is attached to (0: none), or None if absent."""
-        kvs = self.call("kv/range", {"key": b64(key)}).get("kvs", [])
-        return (unb64(kvs[0].get("value", "")), int(kvs[0].get("lease", 0))) if kvs else None
+    def get_leased(self, key: bytes) -> KV | None:
+        """The key's value, lease and create revision, or None if absent."""
+        out = self.call("kv/range", {"key": b64(key)})
+        with answer("kv/range"):
+            kvs = pt.array(out.get("kvs", []), "kvs", 1)
+            return parse_kv(kvs[0])[1] if kvs else None
 
     def range_prefix(self, prefix: bytes) -> tuple[dict[bytes, bytes], int]:
         """Every key under `prefix` with its value, and the store's revision."""
         kvs, rev = self.range_leased(prefix)
-        return {k: v for k, (v, _) in kvs.items()}, rev
+        return {k: v.value for k, v in kvs.items()}, rev
 
-    def range_leased(self, prefix: bytes) -> tuple[dict[bytes, tuple[bytes, int]], int]:
-        """Every key under `prefix` with its value and lease (0: none), and the revision."""
+    def range_leased(self, prefix: bytes) -> tuple[dict[bytes, KV], int]:
+        """Every key under `prefix` with its value, lease and create revision, and the
+        store's revision."""
         out = self.call("kv/range", {"key": b64(prefix), "range_end": b64(prefix_end(prefix))})
-        kvs = {
-            unb64(kv["key"]): (unb64(kv.get("value", "")), int(kv.get("lease", 0)))
-            for kv in out.get("kvs", [])
-        }
-        return kvs, int(out["header"]["revision"])
+        with answer("kv/range"):
+            kvs = dict(parse_kv(kv) for kv in pt.array(out.get("kvs", []), "kvs", 1 << 20))
+            rev = pt.decimal(pt.obj(out["header"], "header")["revision"], "revision", 0, MAX_ID)
+            return kvs, rev
 
     def lease_ttl(self, lease: int) -> int:
         """The seconds the lease has left; -1 when it does not exist (expired or revoked)."""
-        return int(self.call("lease/timetolive", {"ID": str(lease)}).get("TTL", -1))
+        out = self.call("lease/timetolive", {"ID": str(lease)})
+        with answer("lease/timetolive"):
+            return pt.decimal(out.get("TTL", -1), "TTL", -1, MAX_ID)
 
     def watch(self, prefix: bytes, start_revision: int, idle_s: float) -> Watch:
         """A watch of every key under `prefix` from `start_revision` on."""
@@ -247,9 +323,43 @@ class EtcdClient:
         return Watch(conn, resp)
 
 
+Event = tuple[str, bytes, KV, int]
+
+
+def parse_watch(line: bytes) -> tuple[list[Event], int]:
+    """(events, header revision) of one message of a watch stream; each event (type, key, KV,
+    mod revision). EtcdError when etcd reports an error or cancels the watch, or when the
+    message is malformed; a malformed event in a well-formed message is logged and dropped."""
+    with answer("watch"):
+        doc = pt.obj(pt.loads(line, "watch message", MAX_ANSWER_BYTES), "watch message")
+        if "error" in doc:
+            raise EtcdError(f"etcd watch: {pt.shown(doc['error'])}")
+        res = pt.obj(doc.get("result", {}), "result")
+        if res.get("canceled") or res.get("compact_revision"):
+            why = pt.shown(res.get("cancel_reason") or "compacted")
+            raise EtcdError(f"etcd cancelled the watch ({why})")
+        header = pt.obj(res.get("header", {}), "header")
+        rev = pt.decimal(header.get("revision", 0), "revision", 0, MAX_ID)
+        raw = pt.array(res.get("events", []), "events", 1 << 20)
+    events = []
+    for ev in raw:
+        try:
+            ev = pt.obj(ev, "event")
+            kind = ev.get("type", "PUT")
+            if kind not in ("PUT", "DELETE"):
+                raise pt.Malformed(f"event type {pt.shown(kind)}")
+            kv = pt.obj(ev.get("kv", {}), "kv")
+            key, value = parse_kv(kv)
+            mod = pt.decimal(kv.get("mod_revision", 0), "mod_revision", 0, MAX_ID)
+        except (pt.Malformed, KeyError, TypeError, AttributeError) as exc:
+            log.warning("discovery: dropping a malformed watch event %s: %s", pt.shown(ev), exc)
+            continue
+        events.append((kind, key, value, mod))
+    return events, rev
+
+
 class Watch:
-    """An open watch stream; iterate for lists of events (type, key, value, mod revision,
-    lease: 0 when the key is attached to none)."""
+    """An open watch stream; iterate for lists of events (type, key, KV, mod revision)."""
 
     def __init__(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
         self.conn, self.resp = conn, resp
@@ -264,13 +374,13 @@ class Watch:
                 pass
         self.conn.close()
 
-    def batches(self) -> Iterator[tuple[list[tuple[str, bytes, bytes, int, int]], int]]:
+    def batches(self) -> Iterator[tuple[list[Event], int]]:
         """Yields (events, header revision) per message; raises EtcdError when the stream
         ends or etcd cancels it (a compacted start revision: the caller reads again), and
         socket.timeout when nothing came for the idle time given to watch()."""
         while True:
             try:
-                line = self.resp.readline()
+                line = self.resp.readline(MAX_ANSWER_BYTES + 1)
             except TimeoutError:
                 raise
             except (OSError, http.client.HTTPException, ValueError, AttributeError) as exc:
@@ -278,24 +388,4 @@ class Watch:
                 raise EtcdError(f"etcd watch stream broke: {exc}", unreachable=True) from exc
             if not line:
                 raise EtcdError("etcd closed the watch stream", unreachable=True)
-            doc = json.loads(line)
-            if "error" in doc:
-                raise EtcdError(f"etcd watch: {doc['error']}")
-            res = doc.get("result", {})
-            if res.get("canceled") or res.get("compact_revision"):
-                raise EtcdError(
-                    f"etcd cancelled the watch ({res.get('cancel_reason') or 'compacted'})"
-                )
-            events = []
-            for ev in res.get("events", []):
-                kv = ev.get("kv", {})
-                events.append(
-                    (
-                        ev.get("type", "PUT"),
-                        unb64(kv.get("key", "")),
-                        unb64(kv.get("value", "")),
-                        int(kv.get("mod_revision", 0)),
-                        int(kv.get("lease", 0)),
-                    )
-                )
-            yield events, int(res.get("header", {}).get("revision", 0))
+            yield parse_watch(line)

@@ -47,6 +47,11 @@ def _int_option(options: Mapping[str, str], key: str, default: int) -> int:
     return out
 
 
+def _secret(engine_opts: Mapping[str, str]) -> bool:
+    """Whether the engine has a cluster secret (its option, else HIXL_SECRET)."""
+    return bool(engine_opts.get("hixl.secret") or os.environ.get("HIXL_SECRET"))
+
+
 def _listen(v: str) -> str:
     host, sep, port = v.rpartition(":")
     check(bool(sep) and bool(host) and port.isdigit(), f"listen_ip_info={v!r} is not ip:port")
@@ -91,8 +96,11 @@ class LLMDataDist:
         """Starts the engine. Options (LLMConfig.generate_options()): llm.listenIpInfo is
         where peers reach this process (default 127.0.0.1 on a free port, or $HIXL_LISTEN);
         llm.SyncKvCacheWaitTime bounds each transfer; llm.EnableCacheManager selects
-        cache_manager (else kv_cache_manager); hixl.* keys go to the engine; the rest are
-        accepted and ignored (docs/LLM_DATADIST.md)."""
+        cache_manager (else kv_cache_manager); llm.hixlDeviceIp (this rank's device_ip in a
+        rank table without ports) listens at once at its derived address, device_ip and
+        llm.hixlDevicePortBase + ge.exec.deviceId, and fails naming it when another process
+        holds it; hixl.* keys go to the engine; the rest are accepted and ignored
+        (docs/LLM_DATADIST.md)."""
         if self._node is not None:
             return
         check(isinstance(options, Mapping), f"options must be a dict, not {type(options).__name__}")
@@ -111,6 +119,15 @@ class LLMDataDist:
         self._switch_role = _on(opts, "llm.EnableSwitchRole")
         timeout = _int_option(opts, "llm.SyncKvCacheWaitTime", DEFAULT_TIMEOUT_MS)
         listen = opts.get("llm.listenIpInfo") or os.environ.get("HIXL_LISTEN", "127.0.0.1:0")
+        derived = _ranktable.own_address(opts)
+        if derived is not None:
+            given = opts.get("llm.listenIpInfo")
+            check(
+                given in (None, "", derived),
+                f"{_ranktable.DEVICE_IP_OPTION} puts this process at {derived}, but "
+                f"llm.listenIpInfo={given!r}: give one of them",
+            )
+            listen = derived
         dev = opts.get("ge.exec.deviceId", "0").split(";")[0]
         engine_opts = {k: v for k, v in opts.items() if k.startswith("hixl.")}
         try:
@@ -123,13 +140,31 @@ class LLMDataDist:
                 timeout,
             )
         except HixlError as exc:
+            if derived is not None:
+                raise wrap(
+                    exc,
+                    f"LLMDataDist.init: cannot listen at {derived}, the derived address of "
+                    f"{_ranktable.DEVICE_IP_OPTION} (port {derived.rpartition(':')[2]} = "
+                    f"{_ranktable.PORT_BASE_OPTION} + ge.exec.deviceId; another process may "
+                    "hold it, and would get the links meant for this rank)",
+                ) from exc
             raise wrap(exc, f"LLMDataDist.init (listen {listen})") from exc
         self._options = opts
+        if derived is not None and not _secret(engine_opts):
+            log.warning(
+                "LLMDataDist.init: listening at the derived address %s without a secret "
+                "(hixl.secret / HIXL_SECRET): peers link to whatever answers at a derived "
+                "port; give every cluster the secret",
+                derived,
+            )
         if self._enable_cache_mgr:
             self._cache_manager = CacheManager(self._node, self._remote_accessible)
         else:
             self._kv_cache_manager = KvCacheManager(self._node, self._remote_accessible)
         LLMDataDist.llm_engine_instance = self
+
+    def _engine_opts(self) -> dict[str, str]:
+        return {k: v for k, v in self._options.items() if k.startswith("hixl.")}
 
     def finalize(self) -> None:
         """Stops the engine (every cache is deregistered, every link closed). Idempotent."""
@@ -336,7 +371,24 @@ class LLMDataDist:
             f"{self._cluster_id})",
         )
         assert own is not None
-        self._listen_at(node, _ranktable.address(own, base))
+        own_addr = _ranktable.address(own, base)
+        port = own[0].get("device_port", own[0].get("port"))
+        derived = port is None or str(port) == ""
+        if derived and node.ctx.address != own_addr:
+            log.warning(
+                "link: binding this rank's derived address %s only now: a process that took "
+                "that port first gets the links meant for it; give %s at init to bind it there",
+                own_addr,
+                _ranktable.DEVICE_IP_OPTION,
+            )
+        if derived and not _secret(self._engine_opts()):
+            log.warning(
+                "link: the rank table names no ports (derived: %s + device_id) and there is no "
+                "secret (hixl.secret / HIXL_SECRET): a process holding a derived port is "
+                "linked to as that rank; give every cluster the secret",
+                _ranktable.PORT_BASE_OPTION,
+            )
+        self._listen_at(node, own_addr)
         targets = []
         for cid, rank in ranks.items():
             if cid == self._cluster_id:

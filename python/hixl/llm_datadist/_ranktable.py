@@ -19,6 +19,28 @@ from ._status import LLMStatusCode, fail
 DEFAULT_DEVICE_PORT_BASE = 16666
 #: The option (LLMConfig / init options) that moves that base.
 PORT_BASE_OPTION = "llm.hixlDevicePortBase"
+#: The option naming this process's device_ip in the rank table: init then listens at once
+#: at its derived address (device_ip, base + ge.exec.deviceId), so that no other process can
+#: take that port before link().
+DEVICE_IP_OPTION = "llm.hixlDeviceIp"
+
+
+def own_address(options: Mapping[str, str]) -> str | None:
+    """The derived address init listens at when ``llm.hixlDeviceIp`` is given (None when it
+    is not): that IP and port base + the first ``ge.exec.deviceId`` (default 0);
+    ``LLM_PARAM_INVALID`` naming a bad value."""
+    ip = str(options.get(DEVICE_IP_OPTION) or "").strip().strip("[]")
+    if not ip:
+        return None
+    dev = str(options.get("ge.exec.deviceId", "0")).split(";")[0].strip() or "0"
+    if not dev.isdigit():
+        raise fail(
+            LLMStatusCode.LLM_PARAM_INVALID,
+            f"ge.exec.deviceId={options.get('ge.exec.deviceId')!r} is not a device number to "
+            f"derive the port of {DEVICE_IP_OPTION}={ip!r} from",
+        )
+    entry = {"device_ip": ip, "device_id": dev, "rank_id": "(this process)"}
+    return address((entry, {}), port_base(options))
 
 
 def port_base(options: Mapping[str, str]) -> int:
