@@ -67,6 +67,18 @@ impl TransferStatus {
 
 /// A notification: a name and a message, and for a received one the engine it came from.
 ///
+/// Make one to send with [`NotifyDesc::new`] (a struct literal must name `peer` too, which
+/// only a received notification carries):
+///
+/// ```
+/// use hixl_core::NotifyDesc;
+/// let n = NotifyDesc::new("kv", "layer 3 done");
+/// assert_eq!((n.name.as_str(), n.msg.as_str(), n.peer.as_str()), ("kv", "layer 3 done", ""));
+/// ```
+///
+/// Send it with `Engine::send_notify`, or after a batch's bytes with `Engine::transfer_async`;
+/// take received ones with `Engine::get_notifies` or `Engine::wait_notifies`.
+///
 /// Equality compares `name` and `msg` only: `peer` says where one came from, not what it says.
 #[derive(Clone, Debug, Default)]
 pub struct NotifyDesc {
