@@ -47,10 +47,10 @@ def serve(layers: int, tokens: int, transport: str) -> None:
     )
     shp = shape(layers, tokens)
     src = np.random.default_rng(1).integers(0, 1 << 16, shp, dtype=np.uint16).view(np.float16)
-    hixl.kv.allocate_cache(src, name="src")
-    dst = hixl.kv.allocate_cache(np.zeros(shp, np.float16), name="dst")
+    hixl.kv.allocate_cache(src, name="src", layer_axis=0, block_axis=2)
+    dst = hixl.kv.allocate_cache(np.zeros(shp, np.float16), name="dst", layer_axis=0, block_axis=2)
     raw = np.ones(128 * MIB, np.uint8)
-    hixl.kv.allocate_cache(raw, name="raw")
+    hixl.kv.allocate_cache(raw, name="raw", layer_axis=0, block_axis=None)
     print(f"READY {context().address}", flush=True)
     done: dict[int, float] = {}
     rx: tuple[hixl.kv.TransferTask, threading.Thread] | None = None
@@ -138,8 +138,12 @@ def measure(transport: str, layers: int, tokens: int, iters: int, compute_ms: fl
         e, addr = ctx.engine, w.address
         shp = shape(layers, tokens)
         want = np.random.default_rng(1).integers(0, 1 << 16, shp, dtype=np.uint16).view(np.float16)
-        local = hixl.kv.allocate_cache(np.zeros(shp, np.float16), name="src")
-        scratch = hixl.kv.allocate_cache(np.ones(128 * MIB, np.uint8), name="scratch")
+        local = hixl.kv.allocate_cache(
+            np.zeros(shp, np.float16), name="src", layer_axis=0, block_axis=2
+        )
+        scratch = hixl.kv.allocate_cache(
+            np.ones(128 * MIB, np.uint8), name="scratch", layer_axis=0, block_axis=None
+        )
         _, raw = ctx.remote_cache(0, "raw")
         _, dst = ctx.remote_cache(0, "dst")
         backend = e.stats()[addr]["backend"]

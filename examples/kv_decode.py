@@ -52,7 +52,8 @@ def main() -> int:
     me = hixl.kv.init(cluster_id=1, role="decoder", listen=args.listen)
     try:
         lay = layout(args)
-        cache = hixl.kv.allocate_cache(lay.array(), name="kv")  # peers address it as "kv"
+        # Peers address it as "kv"; layout= says where its layers and blocks are.
+        cache = hixl.kv.allocate_cache(lay.array(), name="kv", layout=lay)
         syncer = hixl.kv.LayerTracker(total_layers=lay.num_layers)
         # Counts layer k as present when rank 0's notification for it arrives, which its
         # engine sends only after the layer's bytes are here.

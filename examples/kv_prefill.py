@@ -56,7 +56,7 @@ def main() -> int:
     )
     try:
         lay = layout(args)
-        cache = hixl.kv.allocate_cache(lay.array(), name="kv")
+        cache = hixl.kv.allocate_cache(lay.array(), name="kv", layout=lay)
         syncer = hixl.kv.LayerTracker(total_layers=lay.num_layers)
         cfg = hixl.kv.CacheTransferConfig(timeout_ms=ms)
         # Pushes into rank 1's cache of the same name ("kv"), each layer once it is ready.

@@ -154,12 +154,19 @@ def test_a_device_kv_cache_without_cuda_is_unsupported_and_leaves_nothing_behind
     try:
         arr = FakeDeviceArray(0x7F00_0000_0000, (4, 2, 16, 64), "<f2")
         with pytest.raises(hixl.Unsupported, match="CUDA was not found"):
-            hixl.kv.allocate_cache(arr, mem_type="device", name="kv")
+            hixl.kv.allocate_cache(arr, mem_type="device", name="kv", layer_axis=0, block_axis=2)
         # The name is free again: the failed cache was not kept.
-        assert hixl.kv.allocate_cache(np.zeros(64, np.uint8), name="kv").name == "kv"
+        assert (
+            hixl.kv.allocate_cache(
+                np.zeros(64, np.uint8), name="kv", layer_axis=0, block_axis=None
+            ).name
+            == "kv"
+        )
         # A host array is not device memory, whatever the driver says.
         with pytest.raises(hixl.ParamInvalid, match="needs a CUDA array"):
-            hixl.kv.allocate_cache(np.zeros(64, np.uint8), mem_type="device")
+            hixl.kv.allocate_cache(
+                np.zeros(64, np.uint8), mem_type="device", layer_axis=0, block_axis=None
+            )
     finally:
         hixl.kv.finalize()
 

@@ -125,7 +125,7 @@ def test_pull_cache(ranks, kv) -> None:
     prompt = ranks(0, "prompt")
     prompt.ok("alloc", name="kv", shape=SHAPE, dtype="float16", seed=1)
     kv(cluster_id=1, role="decoder", peers={0: prompt.address})
-    local = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    local = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv", layer_axis=0, block_axis=2)
     assert (local.name, local.shape, local.num_layers) == ("kv", SHAPE, 8)
     res = hixl.kv.pull_cache(0, local).wait()
     assert res.status_code == "LLM_SUCCESS" and res.bytes == local.nbytes > 0
@@ -136,12 +136,14 @@ def test_pull_cache(ranks, kv) -> None:
 def test_names_default_to_allocation_order_and_peers_see_new_caches(ranks, kv) -> None:
     prompt = ranks(0, "prompt")
     kv(cluster_id=1, role="decoder", peers={0: prompt.address})
-    a = hixl.kv.allocate_cache(np.zeros(64, np.uint8))
-    b = hixl.kv.allocate_cache(np.zeros(64, np.uint8))
+    a = hixl.kv.allocate_cache(np.zeros(64, np.uint8), layer_axis=0, block_axis=None)
+    b = hixl.kv.allocate_cache(np.zeros(64, np.uint8), layer_axis=0, block_axis=None)
     assert (a.name, b.name) == ("0", "1")
     # A cache the peer allocates after the link is found on first use.
     prompt.ok("alloc", name="late", shape=[4, 256], dtype="uint8", seed=5)
-    late = hixl.kv.allocate_cache(np.zeros((4, 256), np.uint8), name="late")
+    late = hixl.kv.allocate_cache(
+        np.zeros((4, 256), np.uint8), name="late", layer_axis=0, block_axis=None
+    )
     hixl.kv.pull_cache(0, late)
     assert late.array.tobytes() == filled((4, 256), 5, np.uint8).tobytes()
 
@@ -151,7 +153,7 @@ def test_push_cache_to_three_ranks_from_one_buffer(ranks, kv) -> None:
     for d in decoders:
         d.ok("alloc", name="kv", shape=SHAPE, dtype="float16", seed=None)
     kv(cluster_id=0, role="prompt", peers={d.rank: d.address for d in decoders})
-    src = hixl.kv.allocate_cache(filled(SHAPE, 7).copy(), name="kv")
+    src = hixl.kv.allocate_cache(filled(SHAPE, 7).copy(), name="kv", layer_axis=0, block_axis=2)
     cfg = hixl.kv.CacheTransferConfig(max_concurrent=6, async_enable=True)
     task = hixl.kv.push_cache([1, 2, 3], src, cfg)
     res = task.wait(30_000)
@@ -167,7 +169,7 @@ def test_blocks_with_scattered_ids(ranks, kv) -> None:
     prompt.ok("alloc", name="dst", shape=SHAPE, dtype="float16", seed=None)
     kv(cluster_id=1, role="decoder", peers={0: prompt.address})
     big = (8, 2, 24, 4, 2, 64)  # the decoder's pool has more blocks than the prompt's
-    local = hixl.kv.allocate_cache(np.zeros(big, DT), name="kv")
+    local = hixl.kv.allocate_cache(np.zeros(big, DT), name="kv", layer_axis=0, block_axis=2)
     src, dst = [3, 4, 5, 9, 0, 15], [10, 11, 12, 1, 23, 2]
     res = hixl.kv.pull_blocks(0, local, src, dst).wait()
     want = np.zeros(big, DT)
@@ -184,12 +186,47 @@ def test_blocks_with_scattered_ids(ranks, kv) -> None:
     assert e.value.status_code == "103900"  # the engine's PARAM_INVALID code
 
 
+def test_the_cache_layout_is_given_never_guessed(ranks, kv) -> None:
+    """A (layers, blocks, block_bytes) uint8 pool, as a new user wrote it: without a layout
+    allocate_cache refuses, naming block_axis (the old default, block_axis=2, took each byte
+    for a block and moved wrong bytes under LLM_SUCCESS); with layer_axis=0, block_axis=1 on
+    both sides the selected blocks arrive whole; a side that gives another block axis gets an
+    error naming block_axis; a layout= of another shape, or an axis the shape lacks, refused."""
+    shape = (4, 16, 64)  # layers, blocks, bytes per block
+    prompt = ranks(0, "prompt")
+    prompt.ok("alloc", name="kv", shape=shape, dtype="uint8", seed=5, layer_axis=0, block_axis=1)
+    prompt.ok("alloc", name="odd", shape=shape, dtype="uint8", seed=5, layer_axis=0, block_axis=2)
+    kv(cluster_id=1, role="decoder", peers={0: prompt.address})
+    with pytest.raises(hixl.ParamInvalid, match="block_axis"):
+        hixl.kv.allocate_cache(np.zeros(shape, np.uint8), name="c")
+    with pytest.raises(hixl.ParamInvalid, match="without layer_axis"):
+        hixl.kv.allocate_cache(np.zeros(shape, np.uint8), name="c", block_axis=1)
+    with pytest.raises(hixl.ParamInvalid, match="block_axis=3 is not an axis"):
+        hixl.kv.allocate_cache(np.zeros(shape, np.uint8), name="c", layer_axis=0, block_axis=3)
+    lay = hixl.kv.KVLayout(4, 2, 64, np.float16, 16, 8)
+    with pytest.raises(hixl.ParamInvalid, match="layout.array"):
+        hixl.kv.allocate_cache(np.zeros(shape, np.uint8), name="c", layout=lay)
+    # Nothing was kept by the refusals: the name is free.
+    c = hixl.kv.allocate_cache(np.zeros(shape, np.uint8), name="c", layer_axis=0, block_axis=1)
+    src, dst = [3, 4, 5, 9], [0, 1, 2, 7]
+    res = hixl.kv.pull_blocks(0, c, src, dst, remote_name="kv").wait()
+    want = np.zeros(shape, np.uint8)
+    want[:, dst] = filled(shape, 5, np.uint8)[:, src]
+    assert c.array.tobytes() == want.tobytes()
+    assert res.bytes == len(src) * 4 * 64
+    with pytest.raises(hixl.kv.KVError, match=r"block_axis=2\).*same layout="):
+        hixl.kv.pull_blocks(0, c, src, dst, remote_name="odd")
+    assert c.array.tobytes() == want.tobytes(), "a refused pull moved nothing"
+    lc = hixl.kv.allocate_cache(lay.array(), name="paged", layout=lay)
+    assert (lc.num_layers, lc.info.num_blocks) == (4, 8)
+
+
 def test_layerwise_pull_arrives_in_order(ranks, kv) -> None:
     shape = (32, 2, 16, 16, 8, 64)  # 32 layers of 512 KiB
     prompt = ranks(0, "prompt")
     prompt.ok("alloc", name="kv", shape=shape, dtype="float16", seed=11)
     kv(cluster_id=1, role="decoder", peers={0: prompt.address})
-    local = hixl.kv.allocate_cache(np.zeros(shape, DT), name="kv")
+    local = hixl.kv.allocate_cache(np.zeros(shape, DT), name="kv", layer_axis=0, block_axis=2)
     syncer = hixl.kv.LayerTracker(32, sync_interval=4)
     task = hixl.kv.transfer_cache_async(0, local, syncer, mode="pull")
     seen = []
@@ -212,7 +249,7 @@ def test_layerwise_push_overlaps_compute(ranks, kv) -> None:
     decoder.ok("receive", rank=0, name="kv")
     kv(cluster_id=0, role="prompt", peers={1: decoder.address})
     want = filled(SHAPE, 21)
-    cache = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    cache = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv", layer_axis=0, block_axis=2)
     syncer = hixl.kv.LayerTracker(8)
     task = hixl.kv.transfer_cache_async(1, cache, syncer, mode="push")
     for k in range(8):
@@ -232,7 +269,9 @@ def test_missing_cache_and_too_large(ranks, kv) -> None:
     prompt.ok("alloc", name="small", shape=[2, 1024], dtype="uint8", seed=1)
     prompt.ok("alloc", name="big", shape=[2, 4096], dtype="uint8", seed=1)
     kv(cluster_id=1, role="decoder", peers={0: prompt.address})
-    local = hixl.kv.allocate_cache(np.zeros((2, 2048), np.uint8), name="small")
+    local = hixl.kv.allocate_cache(
+        np.zeros((2, 2048), np.uint8), name="small", layer_axis=0, block_axis=None
+    )
     cfg = hixl.kv.CacheTransferConfig(async_enable=True)
     task = hixl.kv.pull_cache(0, local, cfg, remote_name="nope")
     with pytest.raises(hixl.kv.KVError) as e:
@@ -253,7 +292,7 @@ def test_engine_errors_keep_their_codes(ranks, kv) -> None:
     decoder = ranks(1, "decoder")
     decoder.ok("alloc", name="kv", shape=SHAPE, dtype="float16", seed=None)
     kv(cluster_id=0, role="prompt", peers={1: decoder.address})
-    cache = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    cache = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv", layer_axis=0, block_axis=2)
     decoder.proc.kill()
     decoder.proc.wait()
     with pytest.raises(hixl.kv.KVError) as e:
@@ -283,14 +322,16 @@ def test_same_roles_refuse_to_link(ranks, kv, mine: str) -> None:
     mix = ranks(2, "mix")
     mix.ok("alloc", name="m", shape=[64], dtype="uint8", seed=4)
     hixl.kv.link([{"cluster_id": 2, "address": mix.address}])  # mix links with both
-    m = hixl.kv.allocate_cache(np.zeros(64, np.uint8), name="m")
+    m = hixl.kv.allocate_cache(np.zeros(64, np.uint8), name="m", layer_axis=0, block_axis=None)
     hixl.kv.pull_cache(2, m)
     assert m.array.tobytes() == filled((64,), 4, np.uint8).tobytes()
     hixl.kv.unlink([2])
     with pytest.raises(hixl.kv.KVError, match="LLM_002004"):
         hixl.kv.pull_cache(2, m)
     with pytest.raises(hixl.kv.KVError, match="LLM_002004"):
-        hixl.kv.pull_cache(0, hixl.kv.allocate_cache(np.zeros(64, np.uint8)))
+        hixl.kv.pull_cache(
+            0, hixl.kv.allocate_cache(np.zeros(64, np.uint8), layer_axis=0, block_axis=None)
+        )
 
 
 def test_init_from_environment_only(ranks, monkeypatch) -> None:
@@ -315,18 +356,20 @@ def test_bad_arguments(kv) -> None:
     with pytest.raises(hixl.Failed, match="already called"):
         hixl.kv.init(cluster_id=1)
     with pytest.raises(hixl.ParamInvalid, match="needs a CUDA array"):
-        hixl.kv.allocate_cache(np.zeros(64, np.uint8), mem_type="device")
+        hixl.kv.allocate_cache(
+            np.zeros(64, np.uint8), mem_type="device", layer_axis=0, block_axis=None
+        )
     with pytest.raises(hixl.ParamInvalid, match="max_concurrent=0"):
         hixl.kv.CacheTransferConfig(max_concurrent=0)
     with pytest.raises(hixl.ParamInvalid, match="total_layers=0"):
         hixl.kv.LayerTracker(0)
-    c = hixl.kv.allocate_cache(np.zeros((4, 64), np.uint8), name="x")
+    c = hixl.kv.allocate_cache(np.zeros((4, 64), np.uint8), name="x", layer_axis=0, block_axis=None)
     with pytest.raises(hixl.ParamInvalid, match="already exists"):
-        hixl.kv.allocate_cache(np.zeros(64, np.uint8), name="x")
+        hixl.kv.allocate_cache(np.zeros(64, np.uint8), name="x", layer_axis=0, block_axis=None)
     with pytest.raises(hixl.ParamInvalid, match="total_layers=8"):
         hixl.kv.transfer_cache_async(0, c, hixl.kv.LayerTracker(8))
     with pytest.raises(hixl.ParamInvalid, match="not C-contiguous"):
-        hixl.kv.allocate_cache(np.zeros((8, 8), np.uint8)[:, ::2])
+        hixl.kv.allocate_cache(np.zeros((8, 8), np.uint8)[:, ::2], layer_axis=0, block_axis=None)
 
 
 def test_ranks_link_both_ways_push_then_pull(ranks) -> None:
@@ -428,7 +471,9 @@ def test_one_prompt_links_eight_decoders_at_once(ranks, kv, free_port) -> None:
         d.ok("alloc", name="kv", shape=[2, 1024], dtype="uint8", seed=None)
     kv(cluster_id=0, role="prompt", peers={d.rank: d.address for d in decoders})
     assert sorted(context().peers) == list(range(1, 9))
-    src = hixl.kv.allocate_cache(filled((2, 1024), 8, np.uint8).copy(), name="kv")
+    src = hixl.kv.allocate_cache(
+        filled((2, 1024), 8, np.uint8).copy(), name="kv", layer_axis=0, block_axis=None
+    )
     hixl.kv.push_cache(list(range(1, 9)), src, hixl.kv.CacheTransferConfig(max_concurrent=8))
     for d in decoders:
         assert d.array("kv", (2, 1024), np.uint8).tobytes() == src.array.tobytes()
@@ -451,7 +496,7 @@ def test_kv_tasks_and_layers_are_awaitable(ranks, kv) -> None:
     prompt = ranks(0, "prompt")
     prompt.ok("alloc", name="kv", shape=shape, dtype="float16", seed=13)
     kv(cluster_id=1, role="decoder", peers={0: prompt.address})
-    local = hixl.kv.allocate_cache(np.zeros(shape, DT), name="kv")
+    local = hixl.kv.allocate_cache(np.zeros(shape, DT), name="kv", layer_axis=0, block_axis=2)
 
     async def main() -> tuple[list[int], int]:
         syncer = hixl.kv.LayerTracker(16, sync_interval=4)
@@ -518,7 +563,7 @@ def test_a_receive_leaves_the_applications_notifications_to_it(kv) -> None:
     application's own, sent by another engine among the layers while the receive runs, all
     reach the application's wait_notifies, in order, and the receive still completes."""
     kv(cluster_id=0, role="decoder")
-    cache = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    cache = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv", layer_axis=0, block_axis=2)
     syncer = hixl.kv.LayerTracker(SHAPE[0])
     task = hixl.kv.receive_cache_async(
         5, cache, syncer, hixl.kv.CacheTransferConfig(timeout_ms=30_000)
@@ -558,7 +603,7 @@ def test_mismatched_block_lists_are_reported_before_the_link(kv) -> None:
     """Issue 35, item 15: block lists of different lengths are a PARAM_INVALID naming the
     lengths even when the rank is not linked (the link error used to hide it)."""
     kv(cluster_id=1, role="decoder")  # rank 0 is not linked
-    local = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    local = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv", layer_axis=0, block_axis=2)
     for call in (hixl.kv.pull_blocks, hixl.kv.push_blocks):
         with pytest.raises(hixl.kv.KVError, match=r"[12] remote block ids but [12] local") as e:
             call(0, local, [0, 1], [2]).wait()

@@ -205,7 +205,9 @@ def test_directory_is_the_region_named_so_naming_the_rank(ranks, kv) -> None:
     hixl.kv.link([{"cluster_id": 0, "address": real.address}])
     peer = context().peers[0]
     assert peer.dir_addr != big.addr and sorted(peer.caches) == ["big", "kv"], peer
-    local = hixl.kv.allocate_cache(np.zeros((4, 512), np.uint8), name="kv")
+    local = hixl.kv.allocate_cache(
+        np.zeros((4, 512), np.uint8), name="kv", layer_axis=0, block_axis=None
+    )
     hixl.kv.pull_cache(0, local).wait()
     assert local.array.tobytes() == filled((4, 512), 9, np.uint8).tobytes()
 
@@ -222,7 +224,10 @@ def test_async_tasks_share_one_completion_driven_thread(ranks, kv) -> None:
     prompt.ok("alloc", name="kv", shape=shape, dtype="float16", seed=21)
     kv(cluster_id=1, role="decoder", peers={0: prompt.address})
     want = filled(shape, 21).tobytes()
-    locals_ = [hixl.kv.allocate_cache(np.zeros(shape, DT), name=f"c{i}") for i in range(6)]
+    locals_ = [
+        hixl.kv.allocate_cache(np.zeros(shape, DT), name=f"c{i}", layer_axis=0, block_axis=2)
+        for i in range(6)
+    ]
     cfg = hixl.kv.CacheTransferConfig(max_concurrent=2, async_enable=True)
     before = {t.ident for t in threading.enumerate()}
 
@@ -263,7 +268,9 @@ def test_an_idle_receive_sleeps_until_its_layers_are_announced(kv) -> None:
     counts once its notification arrives."""
     kv(cluster_id=0, role="decoder")
     layers = test_kv.SHAPE[0]
-    cache = hixl.kv.allocate_cache(np.zeros(test_kv.SHAPE, DT), name="kv")
+    cache = hixl.kv.allocate_cache(
+        np.zeros(test_kv.SHAPE, DT), name="kv", layer_axis=0, block_axis=2
+    )
     syncer = hixl.kv.LayerTracker(layers)
     cfg = hixl.kv.CacheTransferConfig(timeout_ms=30_000)
     task = hixl.kv.receive_cache_async(5, cache, syncer, cfg)

@@ -30,7 +30,9 @@ def test_seed_layerwise_example_runs() -> None:
 
             # The seed's example; device lines: torch NPU tensor -> host array, "device" -> "host".
             big_cache = np.zeros(shape, dtype=np.float16)
-            layers = hixl.kv.allocate_cache(big_cache, mem_type="host", name="kv")
+            layers = hixl.kv.allocate_cache(
+                big_cache, mem_type="host", name="kv", layer_axis=0, block_axis=None
+            )
             syncer = hixl.kv.LayerTracker(total_layers=32, sync_interval=1)
             async_task = hixl.kv.transfer_cache_async(
                 remote_rank=1, local_cache=layers, synchronizer=syncer
@@ -72,7 +74,9 @@ def test_get_current_layer_waits_for_the_first_layer() -> None:
 def test_synchronizer_layers_must_divide_the_cache_layers() -> None:
     hixl.kv.init(cluster_id=0, role="decoder")
     try:
-        c = hixl.kv.allocate_cache(np.zeros((12, 64), np.uint8), name="x")
+        c = hixl.kv.allocate_cache(
+            np.zeros((12, 64), np.uint8), name="x", layer_axis=0, block_axis=None
+        )
         with pytest.raises(hixl.ParamInvalid, match="total_layers=5"):
             hixl.kv.transfer_cache_async(1, c, hixl.kv.LayerTracker(5))
     finally:

@@ -137,7 +137,7 @@ def test_forged_layer_notifications_do_not_count(ranks, kv) -> None:
 
     hixl.kv.link([hixl.kv.PeerRank.from_dict({"cluster_id": 1, "address": decoder.address})])
     want = filled(SHAPE, 31)
-    cache = hixl.kv.allocate_cache(want.copy(), name="kv")
+    cache = hixl.kv.allocate_cache(want.copy(), name="kv", layer_axis=0, block_axis=2)
     syncer = hixl.kv.LayerTracker(SHAPE[0])
     task = hixl.kv.transfer_cache_async(1, cache, syncer, mode="push")
     for k in range(SHAPE[0]):

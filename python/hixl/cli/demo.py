@@ -101,7 +101,8 @@ def _worker(a: argparse.Namespace) -> int:
     prompt = model.prompt(a.prompt_len, a.seed)
     opts = {"hixl.backends": a.transport}
     cfg = hixl.kv.CacheTransferConfig(max_concurrent=4, timeout_ms=a.timeout_ms)
-    cache_arr = model.layout(a.prompt_len - 1).array()
+    lay = model.layout(a.prompt_len - 1)
+    cache_arr = lay.array()
     # --device cuda: the registered cache is a torch CUDA tensor; the numpy model works on
     # cache_arr, and each layer crosses between the two at the layer's boundary.
     dev = _device_cache(cache_arr) if a.device == "cuda" else None
@@ -110,7 +111,7 @@ def _worker(a: argparse.Namespace) -> int:
     out: dict[str, Any] = {}
     if a.worker == "decode":
         me = hixl.kv.init(cluster_id=1, role="decoder", listen="127.0.0.1:0", options=opts)
-        cache = hixl.kv.allocate_cache(kv, mem_type=mem, name="kv")
+        cache = hixl.kv.allocate_cache(kv, mem_type=mem, name="kv", layout=lay)
         syncer = hixl.kv.LayerTracker(model.L)
         task = hixl.kv.receive_cache_async(0, cache, syncer, cfg)
         print(f"READY {me.address}", flush=True)
@@ -135,7 +136,7 @@ def _worker(a: argparse.Namespace) -> int:
         hixl.kv.init(
             cluster_id=0, role="prompt", listen="127.0.0.1:0", options=opts, peers={1: a.peer}
         )
-        cache = hixl.kv.allocate_cache(kv, mem_type=mem, name="kv")
+        cache = hixl.kv.allocate_cache(kv, mem_type=mem, name="kv", layout=lay)
         syncer = hixl.kv.LayerTracker(model.L)
         start = time.monotonic()
         task = hixl.kv.transfer_cache_async(1, cache, syncer, mode="push", transfer_config=cfg)

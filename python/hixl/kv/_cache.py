@@ -69,7 +69,9 @@ class CacheInfo:
     @property
     def num_blocks(self) -> int:
         if self.block_axis is None:
-            raise ParamInvalid(f"cache {self.name!r} has no block axis (shape {self.shape})")
+            raise ParamInvalid(
+                f"cache {self.name!r} has no block axis (shape {self.shape}, block_axis=None)"
+            )
         return self.shape[self.block_axis]
 
     @property
@@ -188,18 +190,60 @@ def as_device_array(obj: Any) -> DeviceArray:
     return DeviceArray(obj, shape, dtype, int(cai["data"][0]), nbytes)
 
 
+#: allocate_cache's block_axis when the caller gave none (None is a value: no block axis)
+UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<not given>"})()
+
+
+def axes(
+    shape: tuple[int, ...], dtype: Any, layout: Any, layer_axis: int | None, block_axis: Any
+) -> tuple[int, int | None]:
+    """The (layer axis, block axis) of a cache of `shape`, from `layout` (a KVLayout: axes 0
+    and 2 of its ``shape``) or from both axes given; ParamInvalid naming what is missing or
+    wrong. Nothing is guessed: a guessed block axis moves wrong bytes under a success status."""
+    from .._layout import KVLayout
+
+    if layout is not None:
+        if not isinstance(layout, KVLayout):
+            raise ParamInvalid(f"layout={layout!r} must be a hixl.kv.KVLayout")
+        if tuple(shape) != layout.shape or np.dtype(dtype) != np.dtype(layout.dtype):
+            raise ParamInvalid(
+                f"the cache ({tuple(shape)}, {np.dtype(dtype)}) is not layout's "
+                f"({layout.shape}, {np.dtype(layout.dtype)}): allocate it with layout.array()"
+            )
+        if (layer_axis, block_axis) not in ((None, UNSET), (0, 2)):
+            raise ParamInvalid(
+                f"layer_axis={layer_axis!r} and block_axis={block_axis!r} contradict layout= "
+                "(its layer axis is 0 and its block axis 2): give one or the other"
+            )
+        return 0, 2
+    if block_axis is UNSET:
+        raise ParamInvalid(
+            "allocate_cache needs the cache's layout: layout=KVLayout(...) for the shape "
+            "KVLayout.array() builds, or both layer_axis= and block_axis= (block_axis=None for "
+            "a cache without blocks); block_axis is not guessed, since a wrong guess moves the "
+            "wrong bytes"
+        )
+    if layer_axis is None:
+        raise ParamInvalid(
+            f"block_axis={block_axis!r} was given without layer_axis: give both (or layout=)"
+        )
+    nd = len(shape)
+    for what, ax in (("layer_axis", layer_axis), ("block_axis", block_axis)):
+        if ax is None and what == "block_axis":
+            continue
+        if not isinstance(ax, int) or isinstance(ax, bool) or not -nd <= ax < nd:
+            raise ParamInvalid(f"{what}={ax!r} is not an axis of shape {tuple(shape)}")
+    la = layer_axis % nd
+    ba = None if block_axis is None else block_axis % nd
+    if ba is not None and ba == la:
+        raise ParamInvalid(f"layer_axis={layer_axis} and block_axis={block_axis} are one axis")
+    return la, ba
+
+
 def describe(
     name: str, arr: np.ndarray | DeviceArray, layer_axis: int, block_axis: int | None
 ) -> CacheInfo:
-    nd = arr.ndim
-    if not -nd <= layer_axis < nd:
-        raise ParamInvalid(f"layer_axis={layer_axis} is out of range for shape {arr.shape}")
-    layer_axis %= nd
-    if block_axis is not None:
-        if not -nd <= block_axis < nd:
-            block_axis = None  # no block axis in this shape: not a paged cache
-        else:
-            block_axis %= nd
+    """What peers will know of `arr` registered as `name`, with axes checked by `axes`."""
     return CacheInfo(
         name,
         tuple(int(x) for x in arr.shape),

@@ -16,7 +16,17 @@ from .._hixl import Hixl, MemType
 from .._kvcore._cache import deregister
 from .._kvcore._links import in_parallel
 from .._kvcore._notify import Router
-from ._cache import CacheInfo, DeviceArray, RegisteredCache, as_array, as_device_array, describe
+from .._layout import KVLayout
+from ._cache import (
+    UNSET,
+    CacheInfo,
+    DeviceArray,
+    RegisteredCache,
+    as_array,
+    as_device_array,
+    axes,
+    describe,
+)
 from ._directory import Directory, DirectoryReader, PeerDirectory
 from ._discovery import Config as DiscoveryConfig
 from ._discovery import Discovery, Member
@@ -303,7 +313,13 @@ class Context:
     # -- caches --------------------------------------------------------------------------
 
     def allocate(
-        self, obj: Any, mem_type: Any, name: str | None, layer_axis: int, block_axis: int | None
+        self,
+        obj: Any,
+        mem_type: Any,
+        name: str | None,
+        layout: KVLayout | None,
+        layer_axis: int | None,
+        block_axis: Any,
     ) -> RegisteredCache:
         if mem_type in ("device", MemType.DEVICE):
             arr: Any = as_device_array(obj)
@@ -321,7 +337,8 @@ class Context:
                 raise ParamInvalid(f"name={name!r} must be a non-empty string")
             if name in self.caches:
                 raise ParamInvalid(f"a cache named {name!r} already exists on rank {self.rank}")
-            info = describe(name, arr, layer_axis, block_axis)
+            la, ba = axes(tuple(arr.shape), arr.dtype, layout, layer_axis, block_axis)
+            info = describe(name, arr, la, ba)
             handle = self.engine.register(arr.obj if isinstance(arr, DeviceArray) else arr)
             cache = RegisteredCache(info, arr, handle)
             self.caches[name] = cache
@@ -477,16 +494,22 @@ def allocate_cache(
     obj: Any,
     mem_type: Any = "host",
     name: str | None = None,
-    layer_axis: int = 0,
-    block_axis: int | None = 2,
+    *,
+    layout: KVLayout | None = None,
+    layer_axis: int | None = None,
+    block_axis: int | None = UNSET,
 ) -> RegisteredCache:
     """Registers `obj` (numpy array, torch CPU tensor or writable buffer; zero copy) as a KV
     cache that linked peers can address by `name` (default: allocation order "0", "1", ...).
     With `mem_type="device"`, `obj` is device memory instead (a torch CUDA tensor, a CuPy
     array, a `hixl.cuda_alloc` buffer: anything with `__cuda_array_interface__`); without CUDA
-    that raises Unsupported. `layer_axis` is the axis of layers, `block_axis` that of blocks
-    for paged transfers."""
-    return context().allocate(obj, mem_type, name, layer_axis, block_axis)
+    that raises Unsupported.
+
+    The cache's layout is given, never guessed: `layout=` a KVLayout (`obj` of its shape, as
+    `layout.array()` builds: layers on axis 0, blocks on axis 2), or both `layer_axis` (the
+    axis of layers) and `block_axis` (that of blocks for paged transfers; None for a cache
+    without blocks). With neither, or an axis the shape lacks, ParamInvalid names it."""
+    return context().allocate(obj, mem_type, name, layout, layer_axis, block_axis)
 
 
 def deallocate_cache(cache: RegisteredCache) -> None:

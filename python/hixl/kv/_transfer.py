@@ -504,9 +504,11 @@ def _block_requests(
             )
     if (local.block_bytes, local.block_pieces()) != (remote.block_bytes, remote.block_pieces()):
         raise ParamInvalid(
-            f"blocks differ: local {local.name!r} has {local.block_pieces()} x "
-            f"{local.block_bytes} bytes per block, remote {remote.name!r} "
-            f"{remote.block_pieces()} x {remote.block_bytes}"
+            f"blocks differ: local {local.name!r} (shape {local.shape}, block_axis="
+            f"{local.block_axis}) has {local.block_pieces()} x {local.block_bytes} bytes per "
+            f"block, remote {remote.name!r} (shape {remote.shape}, block_axis="
+            f"{remote.block_axis}) {remote.block_pieces()} x {remote.block_bytes}: both sides "
+            "must allocate_cache with the same layout= (or layer_axis= and block_axis=)"
         )
     pairs = block_pairs(local.geometry, remote.geometry, lb, rb, local.addr, remote.addr)
     return [
