@@ -42,7 +42,7 @@ from .._hixl import NotifyDesc as NotifyDesc
 from .._hixl import TransferOp as TransferOp
 from .._hixl import TransferReq as TransferReq
 from .._hixl import TransferStatus as TransferStatus
-from .._kvcore._notify import Router
+from .._kvcore._notify import Budget, Router
 from . import _meta
 from ._bindings import (
     DEFAULT_COMM_PORT,
@@ -199,7 +199,7 @@ class nixl_agent(_Transfers, _Notifs):
         except HixlError as e:
             raise from_hixl(e, f"agent {name!r}: starting its hixl engine on {listen}") from e
         self._addr = self._engine.local_engine
-        self._router = Router(self._engine, log)
+        self._router = Router(self._engine, log, Budget.of(options))
         self._notes_lock = threading.Lock()
         for b in wanted:
             if b in NETWORK_BACKENDS:
