@@ -21,7 +21,6 @@ import pytest
 
 import hixl
 from hixl.kv._context import context
-from hixl.kv._layerwise import _for_later
 
 WORKER = str(Path(__file__).with_name("_kv_worker.py"))
 SHAPE = (8, 2, 16, 4, 2, 64)  # layers, K/V, blocks, block_tokens, kv_heads, head_dim
@@ -546,6 +545,7 @@ def test_the_mailbox_counts_and_logs_what_it_drops_at_its_cap(kv, caplog) -> Non
     malformed text) are dropped at once; all counted and logged. The application's own stay
     in the engine."""
     from hixl._kvcore._notify import Budget
+    from hixl.kv._layerwise import _for_later
 
     kv(cluster_id=0, role="decoder")
     hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="other")
