@@ -16,6 +16,8 @@ object with "cmd"; each answer is one JSON line ({"ok": true, ...} or {"ok": fal
   link    ranks: hixl.kv.link(ranks)
   pull    rank, name, remote_name|null: pull_cache into the local cache of that name
   push    ranks, name, remote_name|null: push_cache of the local cache to every rank
+  push_layers rank, name: transfer_cache_async(mode="push") of the local cache to `rank`,
+          every layer marked ready at once; answers when it is done, with its bytes
   receive rank, name: start receive_cache_async; answers at once
   received: wait for the receive task; answers the monotonic arrival time of every layer
   progress: the layers the receive task counts as arrived so far, without waiting
@@ -93,6 +95,13 @@ def main() -> None:
             elif c["cmd"] == "push":
                 cfg = hixl.kv.CacheTransferConfig(max_concurrent=8)
                 hixl.kv.push_cache(c["ranks"], caches[c["name"]], cfg, c.get("remote_name"))
+            elif c["cmd"] == "push_layers":
+                cache = caches[c["name"]]
+                syncer = hixl.kv.LayerTracker(cache.num_layers)
+                task = hixl.kv.transfer_cache_async(c["rank"], cache, syncer, mode="push")
+                for k in range(cache.num_layers):
+                    syncer.layer_ready(k)
+                out["bytes"] = task.wait(60_000).bytes
             elif c["cmd"] == "receive":
                 cache = caches[c["name"]]
                 syncer = hixl.kv.LayerTracker(cache.num_layers)

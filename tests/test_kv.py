@@ -584,18 +584,28 @@ def test_a_receive_leaves_the_applications_notifications_to_it(kv) -> None:
 
 
 def test_the_mailbox_counts_and_logs_what_it_drops_at_its_cap(kv, caplog) -> None:
-    """Layer notifications no receive takes wait in the mailbox up to its cap; beyond it the
-    oldest are dropped, counted and logged. The application's own stay in the engine."""
+    """Layer notifications no receive takes wait in the mailbox, within a budget of the
+    engine's limits (per sender and in all); beyond it the newest are dropped (as the engine
+    refuses them), and those no receive here could take (a cache not registered here, a
+    malformed text) are dropped at once; all counted and logged. The application's own stay
+    in the engine."""
+    from hixl._kvcore._notify import Budget
+    from hixl.kv._layerwise import _for_later
+
     kv(cluster_id=0, role="decoder")
+    hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="other")
     box = context().mailbox
-    box.keep = 3
+    box.budget = Budget(3, 1 << 20, 100, 1 << 20)
     pairs = [p for i in range(5) for p in ("hixl.kv.layer", f"7:other:{i}")]
+    pairs += ["hixl.kv.layer", "7:nowhere:0", "hixl.kv.layer", "7:other:1e999"]
     send_from_own_engine(context().address, *pairs, "app", "mine")
     with caplog.at_level(logging.WARNING, logger="hixl.kv"):
-        assert box.take("hixl.kv.layer", lambda n: False) == []
-    assert box.dropped == 2
-    assert [n.msg for n in box.pending] == [f"7:other:{i}" for i in (2, 3, 4)]
-    assert "dropped the 2 oldest" in caplog.text
+        assert box.take("hixl.kv.layer", lambda n: False, _for_later(context())) == []
+    assert box.dropped == 4
+    assert [n.msg for n in box.pending] == [f"7:other:{i}" for i in (0, 1, 2)]
+    assert box.held_bytes == sum(len("hixl.kv.layer") + len(n.msg) for n in box.pending)
+    assert "dropped 2 notifications named 'hixl.kv.layer' that no receive" in caplog.text
+    assert "and 2 over the budget" in caplog.text
     assert [(n.name, n.msg) for n in context().engine.get_notifies()] == [("app", "mine")]
 
 

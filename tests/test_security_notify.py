@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import _wire as w
+import numpy as np
 import pytest
-from _lldd_sync import pattern
+from _lldd_sync import fill, pattern
 from test_kv import NOTIFY_PEER, SHAPE, Rank, filled, send_from_own_engine
 
 import hixl
 import hixl.llm_datadist as ld
+from hixl.kv._context import context
 
 
 @pytest.fixture
@@ -278,3 +280,156 @@ def test_nixl_notifications_are_filed_under_the_sending_agent() -> None:
         near.close()
         b.close()
         c.close()
+
+
+#: Texts no release, hello or bye may be: JSON's infinity and NaN, floats and booleans where
+#: integers belong, ids out of range, other shapes, nesting past any recursion limit, digits
+#: past int()'s limit, not JSON at all.
+HOSTILE_TEXTS = [
+    "[1e999,0,0,0]",
+    "[-1e999,0,0,0]",
+    "[NaN,0,0,0]",
+    "[Infinity,0,0,0]",
+    "[1.5,0,0,0]",
+    "[true,0,0,0]",
+    "[18446744073709551616,0,0,0]",
+    "[1,2,3]",
+    "9" * 5000,
+    "[" * 100_000,
+    '{"cluster": 1e999}',
+    '{"cluster": -1}',
+    '{"cluster": "0"}',
+    '{"cluster": 1.0}',
+    '"x"',
+    "null",
+    "",
+    "\x1b[2J\nforged",
+]
+
+
+def _pulled(prompt: Prompt, req_id: int) -> list[bytes]:
+    """Has the prompt pull the decoder's CacheKey(1, req_id) (a real release follows)."""
+    assert prompt.proc.stdin is not None and prompt.proc.stdout is not None
+    prompt.proc.stdin.write(f"pull {req_id}\n")
+    prompt.proc.stdin.flush()
+    tag, *tensors = prompt.proc.stdout.readline().split()
+    assert tag == "PULLED"
+    return [bytes.fromhex(t) for t in tensors]
+
+
+def test_hostile_lldd_texts_do_not_end_the_notification_thread(decoder: ld.LLMDataDist) -> None:
+    """Issue 46, item 1: an engine linked to nothing sends the decoder (cluster 1) releases,
+    hellos and byes whose texts are `[1e999,0,0,0]` (int() of JSON's infinity raised
+    OverflowError and ended the thread) and other hostile texts. Then cluster 0 links: its
+    hello is still applied and the decoder pulls from it (bytes compared), and cluster 0 pulls
+    the decoder's CacheKey: its real release is still applied (the key is gone)."""
+    cm = decoder.cache_manager
+    desc = ld.CacheDesc(2, [4, 64], ld.DataType.DT_FLOAT16, ld.Placement.HOST)
+    mine = cm.allocate_cache(desc, [ld.CacheKey(1, req_id=9)])
+    for i, t in enumerate(cm.get_cache_tensors(mine)):
+        fill(t, 60 + i)
+    node: Any = decoder._live()  # noqa: SLF001 - its published keys
+    key = tuple(ld.CacheKey(1, req_id=9).ident())
+    assert key in node.keys
+    pairs = [
+        x
+        for text in HOSTILE_TEXTS
+        for name in ("hixl.lldd.release", "hixl.lldd.hello", "hixl.lldd.bye")
+        for x in (name, text)
+    ]
+    send_from_own_engine(decoder.local_address, *pairs)
+    prompt = Prompt(decoder)  # waits for its hello, applied after every hostile text
+    try:
+        pull_and_compare(decoder)
+        got = _pulled(prompt, 9)
+        for i, t in enumerate(cm.get_cache_tensors(mine)):
+            assert got[i] == t[0].tobytes(), f"tensor {i}"
+        deadline = time.monotonic() + 10
+        while key in node.keys and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert key not in node.keys, "cluster 0's release was not applied"
+        assert node.thread.is_alive()
+    finally:
+        prompt.close()
+
+
+#: The engine caps of the flood test: 8 MiB per connection, 16 MiB in all.
+CAP_CONN, CAP_TOTAL = 8 << 20, 16 << 20
+FLOOD_TEXT, FLOOD_COUNT = 1 << 20, 160
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) << 10 for x in f if x.startswith("VmRSS:"))
+
+
+def _held(notes: list[hixl.NotifyDesc]) -> dict[str, int]:
+    """Bytes (name and message) of `notes` per sender."""
+    out: dict[str, int] = {}
+    for n in notes:
+        out[n.peer] = out.get(n.peer, 0) + len(n.name.encode()) + len(n.msg.encode())
+    return out
+
+
+def test_a_flood_during_a_layerwise_receive_stays_within_the_engine_caps(ranks, kv) -> None:
+    """Issue 46, item 2: while a layerwise receive runs (engine caps 8 MiB per connection,
+    16 MiB in all), an engine in another process floods 160 texts of 1 MiB named
+    hixl.kv.layer. The KV router used to move each out of the engine (freeing its budget)
+    into a list capped only by count: 160 MiB held. Now what the router and the engine hold
+    together stays within the caps, and rank 0's layerwise push to the receive that ran
+    through the flood completes with its bytes."""
+    from hixl._kvcore._notify import Router
+
+    caps = {"hixl.max_notify_bytes": str(CAP_CONN), "hixl.max_notify_bytes_total": str(CAP_TOTAL)}
+    me = kv(cluster_id=1, role="decoder", options=caps)
+    good = ranks(0, "prompt", peers={1: me.address})
+    good.ok("alloc", name="kv", shape=SHAPE, dtype="float16", seed=31)
+    hixl.kv.link([hixl.kv.PeerRank.from_dict({"cluster_id": 0, "address": good.address})])
+    cache = hixl.kv.allocate_cache(np.zeros(SHAPE, np.float16), name="kv")
+    syncer = hixl.kv.LayerTracker(SHAPE[0])
+    cfg = hixl.kv.CacheTransferConfig(timeout_ms=120_000)
+    task = hixl.kv.receive_cache_async(0, cache, syncer, cfg)
+    box: Router = context().mailbox
+    rss_before = _rss()
+    most: dict[str, int] = {}
+    flood = subprocess.Popen(
+        [sys.executable, NOTIFY_PEER, "flood", me.address, "hixl.kv.layer"]
+        + [str(FLOOD_TEXT), str(FLOOD_COUNT), "30"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent,
+    )
+    try:
+        assert flood.stdout is not None
+        tag, attacker = flood.stdout.readline().split()
+        assert tag == "STARTED"
+        while flood.poll() is None:
+            for peer, n in _held(list(box.pending)).items():
+                most[peer] = max(most.get(peer, 0), n)
+            time.sleep(0.02)
+        result = flood.stdout.read().split()
+    finally:
+        if flood.poll() is None:
+            flood.kill()
+        flood.wait(10)
+    pushed = good.call("push_layers", rank=1, name="kv")  # the receive ran all along
+    assert result[0] == "FLOOD", result
+    assert task.wait(60_000).bytes == cache.nbytes
+    assert pushed["ok"] and pushed["bytes"] == cache.nbytes, pushed
+    assert cache.array.tobytes() == good.array("kv", SHAPE).tobytes()
+    rss_after = _rss()
+    engine = _held(context().engine.get_notifies())  # the application's call: what it held
+    router = _held(list(box.pending))
+    mib = 1 / 2**20
+    report = (
+        f"flood sent {result[1]} x 1 MiB ({result[2]} refused); router held at most "
+        f"{most.get(attacker, 0) * mib:.1f} MiB of the attacker's "
+        f"({sum(most.values()) * mib:.1f} MiB in all), now {router.get(attacker, 0) * mib:.1f}"
+        f" MiB; engine holds {engine.get(attacker, 0) * mib:.1f} MiB of it; "
+        f"RSS {rss_before * mib:.1f} -> {rss_after * mib:.1f} MiB"
+    )
+    print(report)
+    worst = most.get(attacker, 0) + engine.get(attacker, 0)
+    assert worst <= CAP_CONN, report
+    assert sum(most.values()) + sum(engine.values()) <= CAP_TOTAL, report
+    assert rss_after - rss_before < 4 * CAP_TOTAL, report

@@ -15,6 +15,7 @@ sequence a peer chose reaches a log line as it is.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -90,6 +91,17 @@ def integer(v: Any, what: str, lo: int, hi: int) -> int:
     if not lo <= v <= hi:
         raise Malformed(f"{what} {v} is outside [{lo}, {hi}]")
     return v
+
+
+_DECIMAL = re.compile(r"-?[0-9]{1,40}")
+
+
+def decimal(s: str, what: str, lo: int, hi: int) -> int:
+    """`s` read as a decimal integer (ASCII digits, an optional ``-``; no sign ``+``, no
+    space, no ``_``, at most 40 digits) with ``lo <= value <= hi``; else Malformed."""
+    if not isinstance(s, str) or _DECIMAL.fullmatch(s) is None:
+        raise Malformed(f"{what} must be a decimal integer, not {shown(s)}")
+    return integer(int(s), what, lo, hi)
 
 
 def text(v: Any, what: str, max_chars: int = 4096) -> str:

@@ -15,7 +15,7 @@ from .._errors import Failed, HixlError, NotConnected, ParamInvalid, Timeout
 from .._hixl import Hixl, MemType
 from .._kvcore._cache import deregister
 from .._kvcore._links import in_parallel
-from .._kvcore._notify import Router
+from .._kvcore._notify import Budget, Router
 from .._layout import KVLayout
 from ._cache import (
     UNSET,
@@ -103,7 +103,7 @@ class Context:
         except BaseException:
             self.engine.finalize()
             raise
-        self.mailbox = Router(self.engine, log)
+        self.mailbox = Router(self.engine, log, Budget.of(options))
         self.known: dict[int, str] = {}
         self.peers: dict[int, PeerDirectory] = {}
         self.caches: dict[str, RegisteredCache] = {}

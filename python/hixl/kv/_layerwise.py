@@ -16,6 +16,7 @@ from .._errors import HixlError, ParamInvalid
 from .._errors import Timeout as HixlTimeout
 from .._hixl import NotifyDesc, TransferOp
 from .._kvcore._executor import executor
+from .._peertext import Malformed, decimal, shown
 from .._wakers import Wakers
 from ._cache import CacheInfo, RegisteredCache
 from ._context import context
@@ -41,8 +42,53 @@ GAP_SLACK_S = 0.001
 #: Name of the notification a producer sends after each layer's bytes are visible; the message
 #: is "RANK:CACHE_NAME:LAYER".
 LAYER_NOTIFY = "hixl.kv.layer"
+#: The longest layer notification text a receive reads (a cache name is a few characters).
+MAX_LAYER_TEXT = 8192
+#: The largest rank or layer a layer notification may name.
+MAX_INDEX = 2**63 - 1
 
 log = logging.getLogger("hixl.kv")
+
+
+def parse_layer(msg: str) -> tuple[int, str, int]:
+    """A layer notification's text "RANK:CACHE_NAME:LAYER" (a peer's) as (rank, cache name,
+    layer): rank and layer decimal integers in [0, MAX_INDEX], the name what lies between
+    (it may hold ':'), at most MAX_LAYER_TEXT characters in all; Malformed otherwise."""
+    if len(msg) > MAX_LAYER_TEXT:
+        raise Malformed(
+            f"layer notification of {len(msg)} characters, over the {MAX_LAYER_TEXT} accepted"
+        )
+    rank, sep, rest = msg.partition(":")
+    name, sep2, layer = rest.rpartition(":")
+    if not sep or not sep2:
+        raise Malformed(f"layer notification {shown(msg)} is not RANK:CACHE_NAME:LAYER")
+    return (
+        decimal(rank, "layer notification's rank", 0, MAX_INDEX),
+        name,
+        decimal(layer, "layer notification's layer", 0, MAX_INDEX),
+    )
+
+
+def _for_later(ctx: Any) -> Callable[[NotifyDesc], bool]:
+    """Whether a layer notification that no running receive takes could be taken by a later
+    one: well formed, naming a layer of a cache registered here, and sent by the engine of
+    the rank it names (any engine with an id while no address is known for that rank, as
+    receive_cache_async takes the first one then). The router drops the others at once."""
+
+    def keep(n: NotifyDesc) -> bool:
+        try:
+            rank, name, layer = parse_layer(n.msg)
+        except Malformed:
+            return False
+        cache = ctx.caches.get(name)
+        if cache is None or layer >= cache.num_layers:
+            return False
+        want = rank_address(ctx, rank)
+        if want is None:
+            return bool(n.peer) and not n.peer.startswith("?")
+        return same_engine(n.peer, want)
+
+    return keep
 
 
 class LayerTracker:
@@ -370,18 +416,23 @@ def receive_cache_async(
     and logged."""
     _check_layers(local_cache, synchronizer)
     ctx, cfg = context(), transfer_config or CacheTransferConfig()
-    prefix = f"{int(remote_rank)}:{local_cache.name}:"
+    want_rank, want_name = int(remote_rank), local_cache.name
     first: list[str] = []  # the sender taken as the rank when no address is known
+    keep = _for_later(ctx)
 
     def match(n: NotifyDesc) -> bool:
-        return n.msg.startswith(prefix)
+        try:
+            rank, name, _ = parse_layer(n.msg)
+        except Malformed:
+            return False
+        return rank == want_rank and name == want_name
 
     def from_rank(n: NotifyDesc) -> bool:
         want = rank_address(ctx, remote_rank)
         if want is None and not first and n.peer and not n.peer.startswith("?"):
             first.append(n.peer)
             log.info(
-                "no address is known for rank %d: taking %s, the first engine to announce a "
+                "no address is known for rank %d: taking %r, the first engine to announce a "
                 "layer of cache %r, as it",
                 remote_rank,
                 n.peer,
@@ -392,12 +443,12 @@ def receive_cache_async(
         if want is not None and same_engine(n.peer, want):
             return True
         log.warning(
-            "dropped a layer notification %r for rank %d from %s: rank %d is %s",
-            n.msg[:200],
+            "dropped a layer notification %s for rank %d from %r: rank %d is %r",
+            shown(n.msg),
             remote_rank,
-            n.peer or "an unknown sender",
+            n.peer,
             remote_rank,
-            want or "not known",
+            want,
         )
         return False
 
@@ -416,10 +467,10 @@ def receive_cache_async(
             if synchronizer.get_layer_count() >= total:
                 task._end()
                 return
-            notes = [n for n in ctx.mailbox.take(LAYER_NOTIFY, match) if from_rank(n)]
+            notes = [n for n in ctx.mailbox.take(LAYER_NOTIFY, match, keep) if from_rank(n)]
             for n in notes:
-                k = int(n.msg[len(prefix) :])
-                if not 0 <= k < total:
+                k = parse_layer(n.msg)[2]
+                if not k < total:
                     raise ParamInvalid(
                         f"rank {remote_rank} announced layer {k} of a {total}-layer cache"
                     )

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _peertext as peertext
 from .._errors import AlreadyConnected, HixlError
 from .._hixl import MemHandle, NotifyDesc, TransferOp
 from .._kvcore._cache import deregister, register_tensors
@@ -51,9 +52,35 @@ ANSWERED_S = 5.0
 #: Where a node publishes its caches and keys in its directory's ``extra``.
 EXTRA_KEY = "lldd"
 
+#: The longest release, hello or bye text this layer reads (its own are under 100 bytes).
+MAX_NOTE_BYTES = 4096
+#: The largest id a CacheKey field or a cluster id may be (LLM-DataDist's uint64).
+MAX_ID = 2**64 - 1
+
 KeyIdent = tuple[int, int, int, int]
 
 log = logging.getLogger("hixl.llm_datadist")
+
+
+def parse_release(msg: str) -> KeyIdent:
+    """A release's text (a peer's): the JSON array of the CacheKey's four fields
+    [cluster_id, req_id, model_id, prefix_id], each an integer in [0, MAX_ID]; Malformed
+    otherwise (a float such as ``1e999``, NaN, a boolean, another length, another type)."""
+    fields = peertext.array(peertext.loads(msg, "release", MAX_NOTE_BYTES), "release's CacheKey", 4)
+    if len(fields) != 4:
+        raise peertext.Malformed(f"release's CacheKey has {len(fields)} fields, not 4")
+    a, b, c, d = (peertext.integer(x, "release's CacheKey field", 0, MAX_ID) for x in fields)
+    return (a, b, c, d)
+
+
+def parse_cluster(msg: str, what: str) -> int:
+    """The cluster id of a hello's or bye's text (a peer's `what`): a JSON object whose
+    "cluster" is an integer in [0, MAX_ID] (other members, such as a hello's "address", are
+    not read); Malformed otherwise."""
+    doc = peertext.obj(peertext.loads(msg, what, MAX_NOTE_BYTES), what)
+    if "cluster" not in doc:
+        raise peertext.Malformed(f"{what} names no cluster")
+    return peertext.integer(doc["cluster"], f"{what}'s cluster", 0, MAX_ID)
 
 
 @dataclass
@@ -251,40 +278,37 @@ class Node:
     def _serve(self, engine: Any) -> None:
         """Applies what peers send to `engine`: key releases after a pull by CacheKey, and
         the hello / bye of clusters that link to this node. Takes only those names (through
-        the KV core's router): the application's own notifications stay in the engine."""
+        the KV core's router, which logs and drops a notification whose text is refused and
+        goes on): the application's own notifications stay in the engine."""
         self.ctx.mailbox.serve(
-            OWN_NOTIFIES,
-            lambda n: self._apply(n.name, json.loads(n.msg), n.peer),
-            lambda: not self.closed and self.ctx.engine is engine,
+            OWN_NOTIFIES, self._apply, lambda: not self.closed and self.ctx.engine is engine
         )
 
-    def _apply(self, name: str, msg: Any, sender: str) -> None:
-        """Acts on a peer's notification; `sender` is the engine it came from (its
-        connection's, not anything its text claims)."""
-        if name == RELEASE_NOTIFY:
-            k = tuple(int(x) for x in msg)
-            if len(k) != 4:
-                return
+    def _apply(self, n: NotifyDesc) -> None:
+        """Acts on a peer's notification; its sender is the engine it came from (its
+        connection's, never anything its text claims). A release from an engine of no linked
+        cluster is dropped before its text is read; a text that is refused raises Malformed."""
+        sender = n.peer
+        if n.name == RELEASE_NOTIFY:
             if not self._linked_engine(sender):
                 log.warning(
-                    "ignored a release of CacheKey %s from %s: no cluster linked "
-                    "with this one runs there",
-                    list(k),
+                    "ignored a CacheKey release from %r: no cluster linked with this one runs "
+                    "there",
                     sender,
                 )
                 return
-            self.remove_key(k)  # type: ignore[arg-type]
-        elif name == HELLO_NOTIFY:
-            self._hello_from(int(msg["cluster"]), sender)
-        elif name == BYE_NOTIFY:
-            cid = int(msg["cluster"])
+            self.remove_key(parse_release(n.msg))
+        elif n.name == HELLO_NOTIFY:
+            self._hello_from(parse_cluster(n.msg, "hello"), sender)
+        elif n.name == BYE_NOTIFY:
+            cid = parse_cluster(n.msg, "bye")
             with self.lock:
                 owner = self.routes.get(cid)
             if owner is None:
                 return
             if not same_engine(sender, owner):
                 log.warning(
-                    "ignored a bye for cluster %d from %s: its route is %s", cid, sender, owner
+                    "ignored a bye for cluster %d from %r: its route is %r", cid, sender, owner
                 )
                 return
             self.forget_route(cid)
@@ -300,11 +324,11 @@ class Node:
         if owner is not None and not same_engine(sender, owner):
             if p is not None or self._answers(owner):
                 log.warning(
-                    "refused a hello from %s claiming cluster %d, which is %s", sender, cid, owner
+                    "refused a hello from %r claiming cluster %d, which is %r", sender, cid, owner
                 )
                 return
             # A cluster that went away without a bye and came back on another address.
-            log.info("cluster %d at %s no longer answers: its way back is %s", cid, owner, sender)
+            log.info("cluster %d at %r no longer answers: its way back is %r", cid, owner, sender)
             self.forget_route(cid)
         with self.lock:
             self.routes.setdefault(cid, sender)

@@ -42,7 +42,7 @@ from .._hixl import NotifyDesc as NotifyDesc
 from .._hixl import TransferOp as TransferOp
 from .._hixl import TransferReq as TransferReq
 from .._hixl import TransferStatus as TransferStatus
-from .._kvcore._notify import Router
+from .._kvcore._notify import Budget, Router
 from . import _auth, _meta
 from ._bindings import (
     DEFAULT_COMM_PORT,
@@ -220,7 +220,7 @@ class nixl_agent(_Transfers, _Notifs):
         self._addr = self._engine.local_engine
         secret = _auth.cluster_secret(options, os.environ)
         self._side_key = _auth.Key(secret) if secret else None
-        self._router = Router(self._engine, log)
+        self._router = Router(self._engine, log, Budget.of(options))
         self._notes_lock = threading.Lock()
         for b in wanted:
             if b in NETWORK_BACKENDS:

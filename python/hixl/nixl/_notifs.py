@@ -26,6 +26,21 @@ from ._common import _NOTIF_PREFIX, _msg, _name, log
 from ._metadata import _Metadata
 
 
+def parse_notif(name: str, msg: str) -> tuple[str, bytes, bool]:
+    """A received hixl notification (a peer's name and text) as NIXL sees it: (the agent it
+    claims to come from, its message's bytes, whether it came as an agent's). An agent's
+    (named "nixl:" + agent) carries bytes as latin-1 text (characters above U+00FF, which no
+    agent sends, as UTF-8); a plain hixl engine's is filed under its notification name, its
+    text as UTF-8. Every text gives a value: there is nothing to refuse."""
+    if name.startswith(_NOTIF_PREFIX):
+        key = name[len(_NOTIF_PREFIX) :]
+        try:
+            return key, msg.encode("latin-1"), True
+        except UnicodeEncodeError:
+            return key, msg.encode("utf-8", "surrogatepass"), True
+    return name, msg.encode("utf-8", "surrogatepass"), False
+
+
 class _Notifs(_Metadata):
     """Notifications: the part of ``nixl_agent`` that sends and collects them."""
 
@@ -45,10 +60,10 @@ class _Notifs(_Metadata):
                 return name  # whatever it claims, plain hixl notifications included
         if any(name == claimed for name, _ in loaded):
             log.warning(
-                "hixl.nixl: dropped a notification claiming agent %r from %s, which is not "
+                "hixl.nixl: dropped a notification claiming agent %r from %r, which is not "
                 "its engine",
                 claimed,
-                peer or "an unknown sender",
+                peer,
             )
             return None
         return claimed
@@ -61,15 +76,7 @@ class _Notifs(_Metadata):
         with self._lock:
             loaded = [(r.name, r.engine) for r in self._remotes.values()]
         for n in notes:
-            agent = n.name.startswith(_NOTIF_PREFIX)
-            if agent:
-                key = n.name[len(_NOTIF_PREFIX) :]
-                try:
-                    msg = n.msg.encode("latin-1")
-                except UnicodeEncodeError:
-                    msg = n.msg.encode()
-            else:  # from a plain hixl engine: its notification name is the key
-                key, msg = n.name, n.msg.encode()
+            key, msg, agent = parse_notif(n.name, n.msg)
             filed = self._sender(key, n.peer, agent, loaded)
             if filed is not None:
                 out.setdefault(filed, []).append(msg)

@@ -15,6 +15,7 @@ import numpy as np
 
 from .._errors import HixlError, NotConnected
 from .._hixl import AsyncConnectStatus, NotifyDesc, TransferOp, TransferReq, TransferStatus
+from .._peertext import shown
 from ._bindings import (
     NIXL_INIT_AGENT,
     from_hixl,
@@ -304,7 +305,7 @@ class _Transfers(_Metadata):
                     if rr is not None:
                         rr.ready = False
             log.warning(
-                "hixl.nixl agent %s: transfer to %s failed: %s", self.name, h.remote, h.error
+                "hixl.nixl agent %r: transfer to %r failed: %s", self.name, h.remote, shown(h.error)
             )
         return "ERR"
 
