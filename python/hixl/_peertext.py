@@ -96,12 +96,16 @@ def integer(v: Any, what: str, lo: int, hi: int) -> int:
 _DECIMAL = re.compile(r"-?[0-9]{1,40}")
 
 
-def decimal(s: str, what: str, lo: int, hi: int) -> int:
-    """`s` read as a decimal integer (ASCII digits, an optional ``-``; no sign ``+``, no
-    space, no ``_``, at most 40 digits) with ``lo <= value <= hi``; else Malformed."""
-    if not isinstance(s, str) or _DECIMAL.fullmatch(s) is None:
-        raise Malformed(f"{what} must be a decimal integer, not {shown(s)}")
-    return integer(int(s), what, lo, hi)
+def decimal(v: Any, what: str, lo: int, hi: int) -> int:
+    """An integer given as an int or as a string of decimal digits (ASCII digits, an optional
+    ``-``; no ``+``, no space, no ``_``, at most 40 digits: how text such as "3:kv:7" carries
+    numbers, and how protobuf's JSON mapping writes 64-bit integers, e.g. etcd's gateway),
+    with ``lo <= value <= hi``; else Malformed."""
+    if isinstance(v, str):
+        if _DECIMAL.fullmatch(v) is None:
+            raise Malformed(f"{what} must be a decimal integer, not {shown(v)}")
+        v = int(v)
+    return integer(v, what, lo, hi)
 
 
 def text(v: Any, what: str, max_chars: int = 4096) -> str:
@@ -137,15 +141,3 @@ def shown(v: Any) -> str:
     SHOWN_CHARS."""
     r = repr(v)
     return r if len(r) <= SHOWN_CHARS else r[:SHOWN_CHARS] + "...(cut)"
-
-
-def decimal(v: Any, what: str, lo: int, hi: int) -> int:
-    """An integer given as an int or as a string of decimal digits (how protobuf's JSON
-    mapping writes 64-bit integers, e.g. etcd's gateway), with ``lo <= v <= hi``; else
-    Malformed."""
-    if isinstance(v, str):
-        s = v[1:] if v[:1] == "-" else v
-        if not (0 < len(s) <= 20 and s.isascii() and s.isdigit()):
-            raise Malformed(f"{what} {shown(v)} is not a decimal integer")
-        v = int(v)
-    return integer(v, what, lo, hi)
