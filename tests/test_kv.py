@@ -593,7 +593,7 @@ def test_the_mailbox_counts_and_logs_what_it_drops_at_its_cap(kv, caplog) -> Non
     from hixl.kv._layerwise import _for_later
 
     kv(cluster_id=0, role="decoder")
-    hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="other")
+    hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="other", layer_axis=0, block_axis=2)
     box = context().mailbox
     box.budget = Budget(3, 1 << 20, 100, 1 << 20)
     pairs = [p for i in range(5) for p in ("hixl.kv.layer", f"7:other:{i}")]

@@ -231,7 +231,9 @@ def test_layer_receive_warning_shows_the_sender_escaped(caplog) -> None:
 
         ctx = context()
         ctx.known[5] = "127.0.0.1:1"
-        cache = hixl.kv.allocate_cache(np.zeros((2, 64), np.uint8), name="kv")
+        cache = hixl.kv.allocate_cache(
+            np.zeros((2, 64), np.uint8), name="kv", layer_axis=0, block_axis=None
+        )
         ctx.mailbox.engine = Engine([Note("hixl.kv.layer", "5:kv:0", EVIL)], hixl.Timeout)
         syncer = hixl.kv.LayerTracker(2)
         cfg = hixl.kv.CacheTransferConfig(timeout_ms=100)

@@ -385,7 +385,9 @@ def test_a_flood_during_a_layerwise_receive_stays_within_the_engine_caps(ranks, 
     good = ranks(0, "prompt", peers={1: me.address})
     good.ok("alloc", name="kv", shape=SHAPE, dtype="float16", seed=31)
     hixl.kv.link([hixl.kv.PeerRank.from_dict({"cluster_id": 0, "address": good.address})])
-    cache = hixl.kv.allocate_cache(np.zeros(SHAPE, np.float16), name="kv")
+    cache = hixl.kv.allocate_cache(
+        np.zeros(SHAPE, np.float16), name="kv", layer_axis=0, block_axis=2
+    )
     syncer = hixl.kv.LayerTracker(SHAPE[0])
     cfg = hixl.kv.CacheTransferConfig(timeout_ms=120_000)
     task = hixl.kv.receive_cache_async(0, cache, syncer, cfg)
