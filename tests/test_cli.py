@@ -360,6 +360,21 @@ def test_info_reports_transports_and_options() -> None:
     )
 
 
+def test_info_says_once_why_cuda_was_not_found() -> None:
+    """`hixl info` printed `CUDA not found: CUDA was not found: ...`."""
+    from hixl.cli.info import no_cuda
+
+    why = "CUDA was not found: libcuda.so.1 could not be loaded (no such file)"
+    assert no_cuda(why) == why
+    assert no_cuda("cuInit failed (999)") == "CUDA not found: cuInit failed (999)"
+    text = hixl("info")
+    assert text.returncode == 0, text.stderr
+    assert "not found: CUDA was not found" not in text.stdout, text.stdout
+    if not json.loads(hixl("info", "--json").stdout)["cuda"]["available"]:
+        assert re.search(r"^CUDA (was )?not found: \S", text.stdout, re.M), text.stdout
+        assert re.search(r"^  cuda_staging +no +CUDA (was )?not found: \S", text.stdout, re.M)
+
+
 def test_secret_prints_a_fresh_strong_secret() -> None:
     outs = []
     for _ in range(2):
