@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from hixl import Hixl
-from hixl.cli._report import COLUMNS, MAX_WIDTH, table, verdicts
+from hixl.cli._machine import steal_share
+from hixl.cli._report import COLUMNS, MAX_WIDTH, busy_note, table, verdicts, withheld
+from hixl.cli._sizes import size_label, size_ticks
 
 HIXL = shutil.which("hixl", path=str(Path(sys.executable).parent)) or shutil.which("hixl")
 
@@ -269,6 +271,66 @@ def test_verdicts_are_true_of_stable_ratios_and_withheld_from_unstable_ones() ->
     assert verdicts(shaky) == verdicts(shaky), "the same ratios give the same words"
 
 
+def test_the_tables_say_what_reqs_x_raw_and_spread_mean() -> None:
+    """The legend once explained us and cpu only."""
+    r = hixl(
+        "bench", "--quick", "--transport", "tcp", "--block-sizes", "4K", "--baseline", "--json"
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    load = doc["load"]  # what the busy-machine line reads, in the JSON too
+    assert load["cores"] == os.cpu_count() and len(load["loadavg"]) == 3, load
+    assert load["steal_share"] is None or 0 <= load["steal_share"] <= 1, load
+    text = table(doc["rows"], load)
+    starts = ["reqs: requests timed", "us: microseconds", "cpu i/t: CPU seconds per GB"]
+    starts += ["raw GB/s: the row's own raw path", "x raw: hixl's GB/s / raw GB/s"]
+    starts += ["spread: how far those repetitions' ratios disagree"]
+    lines = text.splitlines()
+    for start in starts:
+        assert any(line.startswith(start) for line in lines), (start, text)
+    first, second = text.split("\n\n", 1)
+    assert "reqs:" in first and "x raw:" not in first and "x raw:" in second
+    assert all(len(line) <= MAX_WIDTH for line in lines), max(lines, key=len)
+
+
+def test_a_busy_machine_is_named_when_most_verdicts_are_withheld() -> None:
+    load = {"loadavg": [3.5, 2.25, 1.0], "cores": 2, "steal_share": 0.125}
+    assert busy_note(1, 2, load) is None and busy_note(0, 0, load) is None
+    note = busy_note(3, 4, load)
+    assert note is not None and note.startswith("busy machine? 3 of 4 sizes got no verdict")
+    assert "load average 3.50, 2.25, 1.00 on 2 cores; CPU steal 12.5% of the run" in note
+    assert "CPU steal" not in (busy_note(2, 3, {**load, "steal_share": None}) or "")
+    bare = busy_note(2, 3, {}) or ""
+    assert bare.endswith("as when other work shares the CPUs; run again on a quieter machine")
+    # Steal from two /proc/stat readings: user nice system idle iowait irq softirq steal.
+    assert steal_share([0] * 8, [10, 0, 10, 60, 0, 0, 0, 20]) == 0.2
+    assert steal_share([0] * 7, [1] * 7) is None and steal_share(None, [1] * 8) is None
+    shaky = _rows({4096: [0.5, 0.9, 0.7], 65536: [1.0, 1.3, 0.9], 1 << 20: [1.0, 1.01, 0.99]})
+    assert withheld(shaky) == (2, 3)
+    rows = [{**r, "requests": 500, "gbps": 1.0} for r in shaky]
+    text = table(rows, load)
+    lines = text.splitlines()
+    busy = [i for i, line in enumerate(lines) if line.startswith("busy machine? 2 of 3 sizes")]
+    assert busy and busy[0] > max(i for i, ln in enumerate(lines) if ln.startswith("verdict "))
+    assert all(len(line) <= MAX_WIDTH for line in text.splitlines())
+    steady = [{**r, "requests": 500, "gbps": 1.0} for r in _rows({4096: [1.0, 1.01, 0.99]})]
+    assert "busy machine" not in table(steady, load)
+
+
+def test_plot_ticks_read_as_sizes() -> None:
+    assert size_ticks([4096, 65536]) == [
+        (4096, "4 KiB"), (8192, "8 KiB"), (16384, "16 KiB"), (32768, "32 KiB"), (65536, "64 KiB")
+    ]  # fmt: skip
+    full = size_ticks([1 << e for e in range(12, 27)])  # 4K..64M: every second power
+    assert [label for _, label in full] == [
+        "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB", "16 MiB", "64 MiB"
+    ]  # fmt: skip
+    assert size_ticks([3000, 5000])[-1] == (8192, "8 KiB") and size_ticks([]) == []
+    assert [size_label(n) for n in (512, 1536, 1 << 30, 3 << 29)] == [
+        "512 B", "1.5 KiB", "1 GiB", "1.5 GiB"
+    ]  # fmt: skip
+
+
 def test_the_baseline_table_is_at_most_100_columns_and_one_baseline_per_row() -> None:
     row = {
         "op": "write", "strided": True, "transport": "tcp", "block": 16 << 20, "batch": 4096,
@@ -358,6 +420,21 @@ def test_info_reports_transports_and_options() -> None:
     assert re.search(r"^  gpudirect +(yes|no ) +(dmabuf|peermem|missing: )", text.stdout, re.M), (
         text.stdout
     )
+
+
+def test_info_says_once_why_cuda_was_not_found() -> None:
+    """`hixl info` printed `CUDA not found: CUDA was not found: ...`."""
+    from hixl.cli.info import no_cuda
+
+    why = "CUDA was not found: libcuda.so.1 could not be loaded (no such file)"
+    assert no_cuda(why) == why
+    assert no_cuda("cuInit failed (999)") == "CUDA not found: cuInit failed (999)"
+    text = hixl("info")
+    assert text.returncode == 0, text.stderr
+    assert "not found: CUDA was not found" not in text.stdout, text.stdout
+    if not json.loads(hixl("info", "--json").stdout)["cuda"]["available"]:
+        assert re.search(r"^CUDA (was )?not found: \S", text.stdout, re.M), text.stdout
+        assert re.search(r"^  cuda_staging +no +CUDA (was )?not found: \S", text.stdout, re.M)
 
 
 def test_secret_prints_a_fresh_strong_secret() -> None:

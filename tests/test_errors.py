@@ -311,6 +311,67 @@ def test_wrong_types_name_the_argument_and_the_value(engine):
         e.initialize("127.0.0.1", ["hixl.tcp.streams"])
 
 
+def test_an_address_that_is_not_a_str_is_named_with_what_to_pass(engine):
+    """`connect(19501)` once said `'int' object cannot be converted to 'PyString'`: every str
+    argument of the engine's methods names itself, the value and the type it wants."""
+    want = r' \(int\) is not a str: pass the address as "host:port"'
+    calls = {
+        "connect": lambda: engine.connect(19501),
+        "disconnect": lambda: engine.disconnect(19501),
+        "connect_async": lambda: engine.connect_async(19501),
+        "get_async_connect_status": lambda: engine.get_async_connect_status(19501),
+        "remote_mems": lambda: engine.remote_mems(19501),
+        "remote_regions": lambda: engine.remote_regions(19501),
+        "remote_region": lambda: engine.remote_region(19501, "kv"),
+        "put": lambda: engine.put(19501, 1, 2, 3),
+        "get_async": lambda: engine.get_async(19501, 1, 2, 3),
+        "transfer_sync": lambda: engine.transfer_sync(19501, W, [(1, 2, 3)]),
+        "send_notify": lambda: engine.send_notify(19501, hixl.NotifyDesc("n")),
+        "initialize": lambda: hixl.Hixl().initialize(19501),
+    }
+    for method, call in calls.items():
+        arg = "local_engine" if method == "initialize" else "remote"
+        with pytest.raises(TypeError, match=rf"^argument '{arg}': 19501{want}") as ei:
+            call()
+        assert "PyString" not in str(ei.value), method
+    buf = bytearray(8)
+    for call, arg, shown in [
+        (lambda: engine.remote_region("127.0.0.1:1", 5), "name", "5 (int) is not a str"),
+        (lambda: engine.register(buf, access=1), "access", "1 (int) is not a str"),
+        (lambda: engine.register(buf, name=7), "name", "7 (int) is not a str"),
+        (lambda: engine.alloc(8, name=b"kv"), "name", "b'kv' (bytes) is not a str"),
+        (lambda: hixl.set_log_level(10), "level", "10 (int) is not a str"),
+        (
+            lambda: engine.wait_notifies(0, name=1),
+            "name",
+            "1 (int) is not a str, a list or tuple of str, or None",
+        ),
+        (lambda: engine.wait_notifies(0, name=["a", 2]), "name", "item [1] 2 (int) is not a str"),
+    ]:
+        with pytest.raises(TypeError) as ei:
+            call()
+        assert str(ei.value) == f"argument '{arg}': {shown}"
+    assert engine.register(buf, access="r", name="b").name == "b"
+
+
+def test_a_host_name_that_does_not_resolve_is_named_so(engine):
+    """`connect("locahost:19501")` once said the address `is not "ip:port"`: a host name that
+    does not resolve says so, with the resolver's reason; text that is no "host:port" at all
+    still says that."""
+    for addr, host in [("locahost:19501", "locahost"), ("nohost.invalid:19501", "nohost.invalid")]:
+        with pytest.raises(hixl.ParamInvalid) as ei:
+            engine.connect(addr, timeout_ms=1000)
+        msg = ei.value.message
+        assert msg.startswith(f'address "{addr}": host name "{host}" did not resolve (')
+        assert msg.endswith(")") and len(msg) > len(addr) + len(host) + 40, msg
+        assert "ip:port" not in msg
+    for bad in ["19501", "localhost", "localhost:port", "localhost:99999", "[::1]"]:
+        with pytest.raises(hixl.ParamInvalid) as ei:
+            engine.connect(bad, timeout_ms=1000)
+        assert ei.value.message.startswith(f'address "{bad}" is not "ip:port"'), ei.value
+    hixl.Hixl().initialize("localhost:0")  # a name that resolves still works
+
+
 def test_an_unknown_option_key_suggests_the_closest_known_one():
     e = hixl.Hixl()
     with pytest.raises(

@@ -618,3 +618,30 @@ def test_mismatched_block_lists_are_reported_before_the_link(kv) -> None:
         with pytest.raises(hixl.kv.KVError, match=r"[12] remote block ids but [12] local") as e:
             call(0, local, [0, 1], [2]).wait()
         assert e.value.status_code == "103900"
+
+
+def test_bad_arguments_met_while_a_task_runs_are_param_invalid(ranks, kv) -> None:
+    """These were a KVError printed `103900: cache transfer: PARAM_INVALID (103900): ...`:
+    a bad argument is a ParamInvalid (a ValueError, as docs/KV.md says), still a KVError with
+    the task's result, and its text names the code once."""
+    prompt = ranks(0, "prompt")
+    prompt.ok("alloc", name="kv", shape=SHAPE, dtype="float16", seed=3)
+    kv(cluster_id=1, role="decoder", peers={0: prompt.address})
+    local = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    want = "PARAM_INVALID (103900): cache transfer: remote block id 16 is out of range 0..15"
+    with pytest.raises(hixl.ParamInvalid) as e:
+        hixl.kv.pull_blocks(0, local, [16], [0])  # synchronous: raises from the call
+    assert str(e.value) == f"{want} (cache 'kv')"
+    assert isinstance(e.value, ValueError) and isinstance(e.value, hixl.kv.KVError)
+    assert e.value.status_code == "103900" and e.value.code == 103900
+    task = hixl.kv.pull_blocks(0, local, [16], [0], hixl.kv.CacheTransferConfig(async_enable=True))
+    with pytest.raises(hixl.ParamInvalid) as e:
+        task.wait(10_000)
+    assert str(e.value) == f"{want} (cache 'kv')" and e.value.result.status_code == "103900"
+    with pytest.raises(ValueError, match=r"^PARAM_INVALID \(103900\): [^\d]*2 remote block ids"):
+        hixl.kv.push_blocks(0, local, [0], [1, 2])
+    # An engine error other than PARAM_INVALID stays a KVError, its code once.
+    err = hixl.kv.KVError.from_engine(hixl.Timeout("connect timed out"), "link to 10.0.0.5:1")
+    assert str(err) == "TIMEOUT (103901): link to 10.0.0.5:1: connect timed out"
+    assert not isinstance(err, ValueError) and err.status_code == "103901"
+    assert str(hixl.kv.KVError(hixl.kv.LLM_CACHE_NOT_FOUND, "no cache")) == "LLM_002001: no cache"

@@ -38,3 +38,64 @@ impl<'py> FromPyObject<'py> for Text {
         }
     }
 }
+
+impl std::ops::Deref for Text {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+/// An address argument (`remote`, `local_engine`): a str, "host:port"; another type gets a
+/// message saying what to pass.
+pub struct Addr(pub String);
+
+impl<'py> FromPyObject<'py> for Addr {
+    fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
+        match ob.downcast::<PyString>() {
+            Ok(s) => Ok(Addr(s.to_str()?.to_string())),
+            Err(_) => Err(PyTypeError::new_err(format!(
+                "{} is not a str: pass the address as \"host:port\" (\"10.0.0.5:19501\", \
+                 \"localhost:19501\")",
+                shown(ob)
+            ))),
+        }
+    }
+}
+
+impl std::ops::Deref for Addr {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+/// `wait_notifies(name=...)`: one name, or several (a list or tuple of str); anything else
+/// gets a message naming the value (or the item) that is not a str.
+pub enum Names {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl<'py> FromPyObject<'py> for Names {
+    fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if let Ok(s) = ob.downcast::<PyString>() {
+            return Ok(Names::One(s.to_str()?.to_string()));
+        }
+        let Ok(seq) = ob.downcast::<pyo3::types::PySequence>() else {
+            return Err(PyTypeError::new_err(format!(
+                "{} is not a str, a list or tuple of str, or None",
+                shown(ob)
+            )));
+        };
+        let items = seq.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+        let mut names = Vec::with_capacity(items.len());
+        for (i, it) in items.iter().enumerate() {
+            match it.downcast::<PyString>() {
+                Ok(s) => names.push(s.to_str()?.to_string()),
+                Err(_) => return Err(PyTypeError::new_err(format!("item [{i}] {} is not a str", shown(it)))),
+            }
+        }
+        Ok(Names::Many(names))
+    }
+}

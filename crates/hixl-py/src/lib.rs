@@ -18,8 +18,8 @@ use pyo3::types::{PyCFunction, PyString};
 /// "WARN" (or "WARNING") or "ERROR", in any case (`ParamInvalid` otherwise). The start level
 /// comes from `HIXL_LOG_LEVEL` (default WARN).
 #[pyfunction]
-fn set_log_level(level: &str) -> PyResult<()> {
-    hixl_core::log::set_level(level).map_err(errors::to_py)
+fn set_log_level(level: args::Text) -> PyResult<()> {
+    hixl_core::log::set_level(&level).map_err(errors::to_py)
 }
 
 /// Internal (hixl._logging): the log records queued now (waiting up to `max_wait_ms` for the

@@ -12,7 +12,7 @@ import textwrap
 from typing import Any
 
 from .. import backends
-from ._sizes import human
+from ._sizes import human, size_ticks
 
 #: Every column of a row, in table order, with its heading and format.
 COLUMNS: list[tuple[str, str, str]] = [
@@ -86,12 +86,29 @@ def _grid(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> li
     return [sep.join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in grid]
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """Aligned text table of the columns present in any row, then its footnotes; with
-    --baseline a second table (each row beside its own transport's raw baseline) and the
-    verdicts. No line is wider than MAX_WIDTH."""
+#: What the columns of the table mean, under it.
+LEGEND = [
+    "reqs: requests timed (each moves block x batch bytes); GB/s: their bytes / wall time",
+    "us: microseconds from post to completion (post us: the submitting call alone)",
+    "cpu i/t: CPU seconds per GB moved, initiator/target",
+]
+#: What the columns of the --baseline table mean, under it.
+BASELINE_LEGEND = [
+    "raw GB/s: the row's own raw path (baseline), measured in turns with hixl",
+    "x raw: hixl's GB/s / raw GB/s, the median of the repetitions (above 1: faster than raw)",
+    "spread: how far those repetitions' ratios disagree, (largest - smallest) / median;",
+    f"    over {STABLE_SPREAD:.0%} gets no verdict",
+]
+
+
+def table(rows: list[dict[str, Any]], load: dict[str, Any] | None = None) -> str:
+    """Aligned text table of the columns present in any row, then its legend and footnotes;
+    with --baseline a second table (each row beside its own transport's raw baseline), its
+    legend and the verdicts, and, when most verdicts are withheld, a line saying the machine
+    looks busy (`load`: what ``_machine.load_during`` read). No line is wider than
+    MAX_WIDTH."""
     lines = _grid(rows, COLUMNS)
-    lines.append("us: microseconds; cpu i/t: CPU seconds per GB moved, initiator/target")
+    lines += LEGEND
     if any(r["requests"] < P99_MIN_SAMPLES for r in rows):
         lines.append(
             f"~ p99: fewer than {P99_MIN_SAMPLES} requests, so the slowest one "
@@ -101,8 +118,43 @@ def table(rows: list[dict[str, Any]]) -> str:
     if based:
         lines.append("")
         lines += _grid(based, BASELINE_COLUMNS)
+        lines += BASELINE_LEGEND
         lines += verdicts(based)
+        note = busy_note(*withheld(based), load or {})
+        if note:
+            lines += textwrap.wrap(note, MAX_WIDTH, subsequent_indent="    ")
     return "\n".join(lines)
+
+
+def _unstable(ratios: list[float]) -> bool:
+    """Repetitions too few or too far apart for a verdict."""
+    return len(ratios) < 2 or spread(ratios) > STABLE_SPREAD
+
+
+def withheld(rows: list[dict[str, Any]]) -> tuple[int, int]:
+    """(sizes given no verdict, sizes measured against a baseline) over every group."""
+    reps = [r["x_raw_reps"] for r in rows if r.get("x_raw_reps")]
+    return sum(_unstable(x) for x in reps), len(reps)
+
+
+def busy_note(held: int, total: int, load: dict[str, Any]) -> str | None:
+    """When most verdicts are withheld (`held` of `total` sizes), a line saying the machine
+    looks busy, with what `load` read (``loadavg``, ``cores``, ``steal_share``: see
+    ``_machine.load_during``); None otherwise."""
+    if total == 0 or 2 * held <= total:
+        return None
+    seen = []
+    if load.get("loadavg"):
+        one, five, fifteen = load["loadavg"]
+        cores = f" on {load['cores']} cores" if load.get("cores") else ""
+        seen.append(f"load average {one:.2f}, {five:.2f}, {fifteen:.2f}{cores}")
+    if load.get("steal_share") is not None:
+        seen.append(f"CPU steal {load['steal_share']:.1%} of the run")
+    why = f" ({'; '.join(seen)})" if seen else ""
+    return (
+        f"busy machine? {held} of {total} sizes got no verdict: their repetitions disagree, "
+        f"as when other work shares the CPUs{why}; run again on a quieter machine"
+    )
 
 
 def spread(ratios: list[float]) -> float:
@@ -116,7 +168,7 @@ def verdict(ratios_by_size: list[tuple[int, list[float]]], base: str) -> str:
     sizes whose repetitions disagree by more than STABLE_SPREAD get no verdict (their spread is
     named instead); the stable ones are at or above raw (>= 1), close to raw (>= NEAR_RAW) or
     below it."""
-    unstable = [(b, r) for b, r in ratios_by_size if len(r) < 2 or spread(r) > STABLE_SPREAD]
+    unstable = [(b, r) for b, r in ratios_by_size if _unstable(r)]
     stable = [(b, statistics.median(r)) for b, r in ratios_by_size if (b, r) not in unstable]
     parts = []
     above = [b for b, x in stable if x >= 1]
@@ -187,7 +239,7 @@ def emit(
     if csv_path:
         _write(csv_path, to_csv(rows))
     if "-" not in (json_path, csv_path):
-        print(table(rows))
+        print(table(rows, meta.get("load")))
     if plot_path:
         plot(rows, plot_path, str(meta["machine"].get("cpu", "")))
 
@@ -225,7 +277,10 @@ def plot(rows: list[dict[str, Any]], path: str, subtitle: str) -> None:
         if pts:
             ax.plot(*zip(*pts, strict=True), linestyle="--", label=f"{name} ({first[0]['op']})")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("block size (bytes)")
+    ticks = size_ticks([r["block"] for r in rows])
+    ax.set_xticks([t for t, _ in ticks], [label for _, label in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("block size")
     ax.set_ylabel("GB/s (decimal)")
     ax.set_title(f"hixl bench\n{subtitle}", fontsize=10)
     ax.grid(True, alpha=0.3)

@@ -81,3 +81,28 @@ def human(n: int) -> str:
         if n >= mult and n % mult == 0:
             return f"{n // mult}{unit}"
     return str(n)
+
+
+def size_label(n: int) -> str:
+    """A size as a person reads it on an axis: 512 -> '512 B', 4096 -> '4 KiB', 1 << 20 ->
+    '1 MiB', 3 << 29 -> '1.5 GiB'."""
+    for unit, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= mult:
+            return f"{n / mult:.3g} {unit}"
+    return f"{n} B"
+
+
+def size_ticks(sizes: list[int], most: int = 9) -> list[tuple[int, str]]:
+    """Ticks for a log2 axis over `sizes`: powers of two from the smallest to the largest,
+    every second (or fourth...) one when there would be more than `most`, each with its
+    `size_label`."""
+    if not sizes:
+        return []
+    lo = max(1, min(sizes)).bit_length() - 1
+    hi = max(max(sizes), 1 << lo).bit_length() - 1
+    if (1 << hi) < max(sizes):
+        hi += 1
+    step = 1
+    while (hi - lo) // step + 1 > most:
+        step *= 2
+    return [(1 << e, size_label(1 << e)) for e in range(lo, hi + 1, step)]

@@ -43,7 +43,7 @@ from .. import Hixl, HixlError, StridedDesc, TransferOp, TransferStatus, aligned
 from .._hixl import _raw_cma, _raw_memcpy, _raw_tcp_send, cuda_alloc, cuda_info
 from . import _report
 from ._bench_plan import OPS, Plan, add_arguments, make_plan, options_of, plan_meta
-from ._machine import describe, host_hash
+from ._machine import cpu_times, describe, host_hash, load_during
 from ._report import BASELINE_OF, spread
 from ._sizes import human
 from ._target import CELL_BYTES, Cell, serve
@@ -84,12 +84,18 @@ def run(args: argparse.Namespace) -> int:
     remote = args.remote
     if args.role == "local":
         target, remote = _start_target(plan, args.mem[1])
+    before = cpu_times()
     try:
         rows = Sweep(plan, remote, args.mem[0]).run()
     finally:
         if target is not None:
             _stop_target(target)
-    meta = {"machine": describe(), "argv": sys.argv[1:], "plan": plan_meta(plan)}
+    meta = {
+        "machine": describe(),
+        "argv": sys.argv[1:],
+        "plan": plan_meta(plan),
+        "load": load_during(before),
+    }
     _report.emit(rows, meta, json_path=args.json, csv_path=args.csv, plot_path=args.plot)
     failed = [r for r in rows if r.get("check") not in (None, "ok")]
     for r in failed:

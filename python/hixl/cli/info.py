@@ -59,6 +59,13 @@ def _probe(transport: str) -> tuple[bool, str]:
             peer.kill()
 
 
+def no_cuda(reason: str) -> str:
+    """Why CUDA is not usable, said once: the engine's reason when it already says CUDA was
+    not found ("CUDA was not found: libcuda.so.1 could not be loaded ..."), else that reason
+    after "CUDA not found: "."""
+    return reason if reason.startswith("CUDA was not found") else f"CUDA not found: {reason}"
+
+
 def gather() -> dict[str, Any]:
     transports: dict[str, dict[str, Any]] = {}
     cuda = cuda_info()
@@ -70,7 +77,7 @@ def gather() -> dict[str, Any]:
         if "CUDA" in b["offered"] and not cuda["available"]:
             transports[b["name"]] = {
                 "available": False,
-                "detail": f"CUDA not found: {cuda['reason']}",
+                "detail": no_cuda(cuda["reason"]),
             }
             continue
         ok, why = _probe(b["name"])
@@ -105,7 +112,7 @@ def gather() -> dict[str, Any]:
             "device memory over tcp through pinned host buffers (hixl.cuda.stage_chunk, "
             "hixl.cuda.stage_depth)"
             if cuda["available"]
-            else f"CUDA not found: {cuda['reason']}"
+            else no_cuda(cuda["reason"])
         ),
     }
     return {
@@ -135,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                 f"pci {g['pci_bus_id']}  sm {cc}"
             )
     else:
-        print(f"CUDA not found: {cuda['reason']}")
+        print(no_cuda(cuda["reason"]))
     print("transports:")
     for name, t in info["transports"].items():
         mark = "yes" if t["available"] else "no "

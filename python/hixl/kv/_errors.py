@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._errors import HixlError, Status
+from .._errors import HixlError, ParamInvalid, Status
 
 #: The transfer succeeded.
 LLM_SUCCESS = "LLM_SUCCESS"
@@ -28,13 +28,27 @@ class KVError(HixlError):
         self.status = status
 
     def __str__(self) -> str:
+        """``"LLM_002001: message"`` for the KV layer's own codes; ``"NAME (code): message"``,
+        as every HixlError, when the engine failed (the code once)."""
+        if self.status_code == str(self.code):
+            return HixlError.__str__(self)
         return f"{self.status_code}: {self.message}"
 
     @classmethod
     def from_engine(cls, err: HixlError, what: str) -> KVError:
-        out = cls(str(err.code), f"{what}: {err}", err.status)
+        """The KVError of an engine error while doing `what` (a PARAM_INVALID one is a
+        ``KVParamInvalid``, also a ``ParamInvalid``), with `err` as its cause."""
+        make = KVParamInvalid if err.status == Status.PARAM_INVALID else cls
+        out = make(str(err.code), f"{what}: {err.message}", err.status)
         out.__cause__ = err
         return out
+
+
+class KVParamInvalid(KVError, ParamInvalid):
+    """A KVError for a bad argument (PARAM_INVALID, ``status_code`` ``"103900"``): also
+    ``hixl.ParamInvalid`` and so a ``ValueError``, whether the KV layer or the engine refused
+    it (a block id out of range, block lists of different lengths, a range outside the
+    registered regions)."""
 
 
 # The seed article's engine error names, as aliases of the matching status codes (compare

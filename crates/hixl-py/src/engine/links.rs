@@ -27,13 +27,13 @@ impl Hixl {
     /// Waits with the GIL released; Ctrl-C raises `KeyboardInterrupt` within 50 ms, and a connect
     /// given up that way is disconnected when it ends.
     #[pyo3(signature = (remote, timeout_ms = None))]
-    fn connect(&self, py: Python<'_>, remote: &str, timeout_ms: Option<Millis>) -> PyResult<()> {
+    fn connect(&self, py: Python<'_>, remote: Addr, timeout_ms: Option<Millis>) -> PyResult<()> {
         let e = self.engine.clone();
         let t = match ms("timeout_ms", timeout_ms)? {
             Some(t) => t,
             None => e.default_timeouts().map_err(to_py)?.1,
         };
-        connect_interruptibly(py, &e, remote, t)
+        connect_interruptibly(py, &e, &remote, t)
     }
 
     /// Closes the link to `remote`.
@@ -46,7 +46,7 @@ impl Hixl {
     ///
     /// New transfers to `remote` are refused (`NotConnected`) from the start of the call; requests
     /// still pending when the link closes fail with `NotConnected`. Afterwards
-    /// `get_async_connect_status(remote)` is NOT_CONNECT.
+    /// `get_async_connect_status(&remote)` is NOT_CONNECT.
     ///
     /// Returns None, also for a link whose `connect_async` had failed. Raises `NotConnected` when
     /// there is no link to `remote`; `Failed` while a connect to it is in progress, and before
@@ -54,13 +54,13 @@ impl Hixl {
     ///
     /// Blocks up to `timeout_ms` with the GIL released (no Ctrl-C check).
     #[pyo3(signature = (remote, timeout_ms = None))]
-    fn disconnect(&self, py: Python<'_>, remote: &str, timeout_ms: Option<Millis>) -> PyResult<()> {
+    fn disconnect(&self, py: Python<'_>, remote: Addr, timeout_ms: Option<Millis>) -> PyResult<()> {
         let e = self.engine.clone();
         let t = match ms("timeout_ms", timeout_ms)? {
             Some(t) => t,
             None => e.default_timeouts().map_err(to_py)?.0,
         };
-        py.allow_threads(|| e.disconnect(remote, t)).map_err(to_py)
+        py.allow_threads(|| e.disconnect(&remote, t)).map_err(to_py)
     }
 
     /// Starts a connect to `remote` in the background and returns at once.
@@ -69,14 +69,14 @@ impl Hixl {
     /// - `remote` (str): the peer's "ip:port", as for `connect`.
     ///
     /// The connect tries for the engine's `hixl.connect_timeout_ms`. Poll
-    /// `get_async_connect_status(remote)`: CONNECTING, then CONNECTED or CONNECT_FAILED (the error
+    /// `get_async_connect_status(&remote)`: CONNECTING, then CONNECTED or CONNECT_FAILED (the error
     /// is logged as a WARN). `finalize` waits for connects still under way.
     ///
     /// Returns None. Raises `ParamInvalid` for an address that does not parse; `AlreadyConnected`
     /// when a live link or a connect to `remote` exists; `Failed` before `initialize`, after
     /// `finalize`, or when no thread can be started. Does not block.
-    fn connect_async(&self, remote: &str) -> PyResult<()> {
-        self.engine.connect_async(remote).map_err(to_py)
+    fn connect_async(&self, remote: Addr) -> PyResult<()> {
+        self.engine.connect_async(&remote).map_err(to_py)
     }
 
     /// The state of this engine's link to `remote`, as an `AsyncConnectStatus`.
@@ -89,8 +89,8 @@ impl Hixl {
     /// `connect_async` failed, or the link died.
     ///
     /// Raises `Failed` before `initialize` or after `finalize`. Does not block.
-    fn get_async_connect_status(&self, remote: &str) -> PyResult<AsyncConnectStatus> {
-        self.engine.get_async_connect_status(remote).map(Into::into).map_err(to_py)
+    fn get_async_connect_status(&self, remote: Addr) -> PyResult<AsyncConnectStatus> {
+        self.engine.get_async_connect_status(&remote).map(Into::into).map_err(to_py)
     }
 
     /// The regions `remote` has registered, as a list of `MemDesc` sorted by address: the peer's
@@ -106,8 +106,8 @@ impl Hixl {
     ///
     /// Raises `NotConnected` when `remote` is not connected or its link died; `Failed` before
     /// `initialize` or after `finalize`. No network round trip; does not block.
-    fn remote_mems(&self, remote: &str) -> PyResult<Vec<MemDesc>> {
-        let v = self.engine.remote_mems(remote).map_err(to_py)?;
+    fn remote_mems(&self, remote: Addr) -> PyResult<Vec<MemDesc>> {
+        let v = self.engine.remote_mems(&remote).map_err(to_py)?;
         Ok(v.into_iter().map(|m| MemDesc { addr: m.addr, len: m.len }).collect())
     }
 
@@ -126,12 +126,12 @@ impl Hixl {
     /// `initialize` or after `finalize`. Without `refresh`: no network round trip, does not
     /// block.
     #[pyo3(signature = (remote, refresh = false))]
-    fn remote_regions(&self, py: Python<'_>, remote: &str, refresh: bool) -> PyResult<Vec<RemoteRegion>> {
+    fn remote_regions(&self, py: Python<'_>, remote: Addr, refresh: bool) -> PyResult<Vec<RemoteRegion>> {
         let e = self.engine.clone();
         let v = if refresh {
-            py.allow_threads(|| e.refresh_remote_regions(remote))
+            py.allow_threads(|| e.refresh_remote_regions(&remote))
         } else {
-            e.remote_regions(remote)
+            e.remote_regions(&remote)
         };
         Ok(v.map_err(to_py)?.into_iter().map(RemoteRegion::from).collect())
     }
@@ -149,8 +149,8 @@ impl Hixl {
     /// Raises `ParamInvalid` naming it when the peer has no region of that name; `NotConnected`
     /// when `remote` is not connected or its link died; `Failed` before `initialize` or after
     /// `finalize`. The GIL is released while it asks (no Ctrl-C check).
-    fn remote_region(&self, py: Python<'_>, remote: &str, name: &str) -> PyResult<RemoteRegion> {
+    fn remote_region(&self, py: Python<'_>, remote: Addr, name: Text) -> PyResult<RemoteRegion> {
         let e = self.engine.clone();
-        py.allow_threads(|| e.remote_region(remote, name)).map(RemoteRegion::from).map_err(to_py)
+        py.allow_threads(|| e.remote_region(&remote, &name)).map(RemoteRegion::from).map_err(to_py)
     }
 }

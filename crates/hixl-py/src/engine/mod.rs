@@ -10,7 +10,7 @@ use pyo3::types::{PyDict, PyTuple};
 
 use hixl_core::{Engine, Waiting};
 
-use crate::args::Millis;
+use crate::args::{Addr, Millis, Text};
 use crate::buffer;
 use crate::descs::parse_descs;
 use crate::errors::{self, to_py};
@@ -212,7 +212,7 @@ impl Hixl {
     fn initialize(
         &self,
         py: Python<'_>,
-        local_engine: &str,
+        local_engine: Addr,
         options: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let mut opts = HashMap::new();
@@ -222,7 +222,7 @@ impl Hixl {
             opts.insert(key.clone(), types::option_text(&key, &v)?);
         }
         let e = self.engine.clone();
-        py.allow_threads(|| e.initialize(local_engine, &opts)).map_err(to_py)
+        py.allow_threads(|| e.initialize(&local_engine, &opts)).map_err(to_py)
     }
 
     /// This engine's id, the address peers `connect` to: the bound "ip:port" of a listening
@@ -295,17 +295,20 @@ impl Hixl {
     /// after `finalize`.
     ///
     /// Does not wait for peers; the GIL is released while it registers.
-    #[pyo3(signature = (desc, mem_type = MemType::HOST, access = "rw", name = None))]
+    #[pyo3(
+        signature = (desc, mem_type = MemType::HOST, access = Text(String::from("rw")), name = None),
+        text_signature = "($self, desc, mem_type=..., access=\"rw\", name=None)"
+    )]
     fn register_mem(
         &self,
         py: Python<'_>,
         desc: MemDesc,
         mem_type: MemType,
-        access: &str,
-        name: Option<String>,
+        access: Text,
+        name: Option<Text>,
     ) -> PyResult<MemHandle> {
-        let access = hixl_core::Access::parse(access).map_err(to_py)?;
-        self.register_access(py, desc, mem_type.into(), access, name)
+        let access = hixl_core::Access::parse(&access).map_err(to_py)?;
+        self.register_access(py, desc, mem_type.into(), access, name.map(|n| n.0))
     }
 
     /// Registers the memory of a Python object, keeps the object alive until the region is
@@ -339,16 +342,19 @@ impl Hixl {
     /// `register_mem`.
     ///
     /// Does not wait for peers; the GIL is released while it registers.
-    #[pyo3(signature = (obj, mem_type = MemType::HOST, access = "rw", name = None))]
+    #[pyo3(
+        signature = (obj, mem_type = MemType::HOST, access = Text(String::from("rw")), name = None),
+        text_signature = "($self, obj, mem_type=..., access=\"rw\", name=None)"
+    )]
     fn register(
         &self,
         py: Python<'_>,
         obj: &Bound<'_, PyAny>,
         mem_type: MemType,
-        access: &str,
-        name: Option<String>,
+        access: Text,
+        name: Option<Text>,
     ) -> PyResult<MemHandle> {
-        let access = hixl_core::Access::parse(access).map_err(to_py)?;
+        let access = hixl_core::Access::parse(&access).map_err(to_py)?;
         let keep::Exported { addr, len, keep, read_only, domain } =
             buffer::export(obj, access == hixl_core::Access::ReadWrite)?;
         // Device memory registers as such whatever `mem_type` says; host memory as `mem_type`.
@@ -358,7 +364,7 @@ impl Hixl {
         }
         // Memory Python promised not to change: nothing hixl does may write it.
         let access = if read_only { hixl_core::Access::Immutable } else { access };
-        let h = self.register_access(py, MemDesc { addr, len }, domain, access, name)?;
+        let h = self.register_access(py, MemDesc { addr, len }, domain, access, name.map(|n| n.0))?;
         self.keep.lock().unwrap().entry((addr, len)).or_insert_with(|| {
             if matches!(&keep, KeepAlive::Tensor(t) if t.checked()) {
                 self.tensors.add((addr, len));
@@ -387,9 +393,9 @@ impl Hixl {
     ///
     /// The GIL is released while it allocates and registers.
     #[pyo3(signature = (size, name = None))]
-    fn alloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>, name: Option<String>) -> PyResult<Py<PyAny>> {
+    fn alloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>, name: Option<Text>) -> PyResult<Py<PyAny>> {
         let size = types::uint("size", size)?;
-        let name = name.unwrap_or_default();
+        let name = name.map(|n| n.0).unwrap_or_default();
         let e = self.engine.clone();
         let (h, mem) = py.allow_threads(|| e.alloc_named(size, &name)).map_err(to_py)?;
         let buf = Py::new(py, buffer::ShmBuffer { mem })?;

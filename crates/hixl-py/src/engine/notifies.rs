@@ -1,13 +1,7 @@
 //! `Hixl`: notifications (send, wait, collect) and per-peer stats.
 
 use super::*;
-
-/// `wait_notifies(name=...)`: one name, or several (a list or tuple of str).
-#[derive(FromPyObject)]
-enum Names {
-    One(String),
-    Many(Vec<String>),
-}
+use crate::args::{Addr, Names};
 
 #[pymethods]
 impl Hixl {
@@ -35,7 +29,7 @@ impl Hixl {
     fn send_notify(
         &self,
         py: Python<'_>,
-        remote: &str,
+        remote: Addr,
         notify: NotifyDesc,
         timeout_ms: Option<Millis>,
     ) -> PyResult<()> {
@@ -44,7 +38,7 @@ impl Hixl {
             Some(t) => t,
             None => e.default_timeouts().map_err(to_py)?.0,
         };
-        py.allow_threads(|| e.send_notify(remote, notify.into(), t)).map_err(to_py)
+        py.allow_threads(|| e.send_notify(&remote, notify.into(), t)).map_err(to_py)
     }
 
     /// Waits until a notification (named `name`, if given) is pending, then returns every pending

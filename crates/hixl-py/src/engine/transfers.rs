@@ -34,7 +34,7 @@ impl Hixl {
     fn transfer_sync(
         &self,
         py: Python<'_>,
-        remote: &str,
+        remote: Addr,
         op: OpArg,
         descs: &Bound<'_, PyAny>,
         timeout_ms: Option<Millis>,
@@ -44,7 +44,7 @@ impl Hixl {
         self.check_tensors(py, d.iter().map(|x| x.local_addr))?;
         let e = self.engine.clone();
         let req = submit_released(py, Waiting::Now, || {
-            e.submit_transfer(remote, op.into(), &d, None, t, Waiting::Now)
+            e.submit_transfer(&remote, op.into(), &d, None, t, Waiting::Now)
         })?;
         finish_sync(py, &req)
     }
@@ -73,7 +73,7 @@ impl Hixl {
     fn transfer_async(
         &self,
         py: Python<'_>,
-        remote: &str,
+        remote: Addr,
         op: OpArg,
         descs: &Bound<'_, PyAny>,
         user_data: Option<Py<PyAny>>,
@@ -85,7 +85,7 @@ impl Hixl {
         self.check_tensors(py, d.iter().map(|x| x.local_addr))?;
         let e = self.engine.clone();
         let n = notify.map(Into::into);
-        let req = py.allow_threads(|| e.transfer_async(remote, op.into(), &d, n, t)).map_err(to_py)?;
+        let req = py.allow_threads(|| e.transfer_async(&remote, op.into(), &d, n, t)).map_err(to_py)?;
         self.track(py, req, user_data)
     }
 
@@ -106,7 +106,7 @@ impl Hixl {
     fn put(
         &self,
         py: Python<'_>,
-        remote: &str,
+        remote: Addr,
         local_addr: &Bound<'_, PyAny>,
         remote_addr: &Bound<'_, PyAny>,
         length: &Bound<'_, PyAny>,
@@ -114,7 +114,7 @@ impl Hixl {
     ) -> PyResult<()> {
         let req = self.one(
             py,
-            remote,
+            &remote,
             TransferOp::WRITE,
             (local_addr, remote_addr, length),
             timeout_ms,
@@ -140,7 +140,7 @@ impl Hixl {
     fn get(
         &self,
         py: Python<'_>,
-        remote: &str,
+        remote: Addr,
         local_addr: &Bound<'_, PyAny>,
         remote_addr: &Bound<'_, PyAny>,
         length: &Bound<'_, PyAny>,
@@ -148,7 +148,7 @@ impl Hixl {
     ) -> PyResult<()> {
         let req = self.one(
             py,
-            remote,
+            &remote,
             TransferOp::READ,
             (local_addr, remote_addr, length),
             timeout_ms,
@@ -169,7 +169,7 @@ impl Hixl {
     fn put_async(
         &self,
         py: Python<'_>,
-        remote: &str,
+        remote: Addr,
         local_addr: &Bound<'_, PyAny>,
         remote_addr: &Bound<'_, PyAny>,
         length: &Bound<'_, PyAny>,
@@ -178,7 +178,7 @@ impl Hixl {
     ) -> PyResult<Py<TransferReq>> {
         let req = self.one(
             py,
-            remote,
+            &remote,
             TransferOp::WRITE,
             (local_addr, remote_addr, length),
             timeout_ms,
@@ -199,7 +199,7 @@ impl Hixl {
     fn get_async(
         &self,
         py: Python<'_>,
-        remote: &str,
+        remote: Addr,
         local_addr: &Bound<'_, PyAny>,
         remote_addr: &Bound<'_, PyAny>,
         length: &Bound<'_, PyAny>,
@@ -208,7 +208,7 @@ impl Hixl {
     ) -> PyResult<Py<TransferReq>> {
         let req = self.one(
             py,
-            remote,
+            &remote,
             TransferOp::READ,
             (local_addr, remote_addr, length),
             timeout_ms,
@@ -238,7 +238,7 @@ impl Hixl {
     fn put_strided(
         &self,
         py: Python<'_>,
-        remote: &str,
+        remote: Addr,
         local_base: &Bound<'_, PyAny>,
         remote_base: &Bound<'_, PyAny>,
         desc: StridedDesc,
@@ -246,7 +246,7 @@ impl Hixl {
     ) -> PyResult<()> {
         let req = self.strided(
             py,
-            remote,
+            &remote,
             TransferOp::WRITE,
             local_base,
             remote_base,
@@ -271,7 +271,7 @@ impl Hixl {
     fn get_strided(
         &self,
         py: Python<'_>,
-        remote: &str,
+        remote: Addr,
         local_base: &Bound<'_, PyAny>,
         remote_base: &Bound<'_, PyAny>,
         desc: StridedDesc,
@@ -279,7 +279,7 @@ impl Hixl {
     ) -> PyResult<()> {
         let req = self.strided(
             py,
-            remote,
+            &remote,
             TransferOp::READ,
             local_base,
             remote_base,
@@ -305,7 +305,7 @@ impl Hixl {
     fn put_strided_async(
         &self,
         py: Python<'_>,
-        remote: &str,
+        remote: Addr,
         local_base: &Bound<'_, PyAny>,
         remote_base: &Bound<'_, PyAny>,
         desc: StridedDesc,
@@ -315,7 +315,7 @@ impl Hixl {
     ) -> PyResult<Py<TransferReq>> {
         let req = self.strided(
             py,
-            remote,
+            &remote,
             TransferOp::WRITE,
             local_base,
             remote_base,
@@ -341,7 +341,7 @@ impl Hixl {
     fn get_strided_async(
         &self,
         py: Python<'_>,
-        remote: &str,
+        remote: Addr,
         local_base: &Bound<'_, PyAny>,
         remote_base: &Bound<'_, PyAny>,
         desc: StridedDesc,
@@ -351,7 +351,7 @@ impl Hixl {
     ) -> PyResult<Py<TransferReq>> {
         let req = self.strided(
             py,
-            remote,
+            &remote,
             TransferOp::READ,
             local_base,
             remote_base,
