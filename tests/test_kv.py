@@ -627,7 +627,7 @@ def test_bad_arguments_met_while_a_task_runs_are_param_invalid(ranks, kv) -> Non
     prompt = ranks(0, "prompt")
     prompt.ok("alloc", name="kv", shape=SHAPE, dtype="float16", seed=3)
     kv(cluster_id=1, role="decoder", peers={0: prompt.address})
-    local = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv")
+    local = hixl.kv.allocate_cache(np.zeros(SHAPE, DT), name="kv", layer_axis=0, block_axis=2)
     want = "PARAM_INVALID (103900): cache transfer: remote block id 16 is out of range 0..15"
     with pytest.raises(hixl.ParamInvalid) as e:
         hixl.kv.pull_blocks(0, local, [16], [0])  # synchronous: raises from the call
