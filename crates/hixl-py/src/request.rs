@@ -235,7 +235,10 @@ pub(crate) fn connect_interruptibly(
     let rx = Mutex::new(rx); // allow_threads needs Sync
     loop {
         match py.allow_threads(|| rx.lock().unwrap().recv_timeout(SLICE)) {
-            Ok(res) => return res.map_err(to_py),
+            // A connect that failed while Ctrl-C was pending (on a loaded machine the signal
+            // and the failure can land in one slice) raises KeyboardInterrupt, not the failure.
+            Ok(Err(e)) => return Err(py.check_signals().err().unwrap_or_else(|| to_py(e))),
+            Ok(Ok(())) => return Ok(()),
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                 if let Err(interrupt) = py.check_signals() {
                     let mut abandoned = gate.lock().unwrap();
