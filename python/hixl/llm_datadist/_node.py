@@ -335,9 +335,10 @@ class Node:
             self.route_added.notify_all()
 
     def _answers(self, address: str) -> bool:
-        """Whether an engine still listens at `address` (one connect of at most 1 s; a link
-        this node holds to it counts while it is alive). An answer stands for ANSWERED_S:
-        further hellos against the same owner in that time connect nowhere."""
+        """Whether an engine still listens at `address` (one connect of at most 1 s; over a
+        link this node holds to it, one round trip: a link not yet found dead after its peer
+        was killed proves nothing). An answer stands for ANSWERED_S: further hellos against
+        the same owner in that time connect nowhere."""
         now = time.monotonic()
         with self.lock:
             if now - self.answered.get(address, -ANSWERED_S) < ANSWERED_S:
@@ -345,7 +346,12 @@ class Node:
         try:
             self.engine.connect(address, timeout_ms=1000)
         except AlreadyConnected:
-            pass
+            try:
+                self.engine.remote_regions(address, refresh=True)
+            except HixlError:
+                with self.lock:
+                    self.answered.pop(address, None)
+                return False
         except HixlError:
             with self.lock:
                 self.answered.pop(address, None)
