@@ -18,6 +18,7 @@ import pytest
 from _lineproc import LineProc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_security_low import until
 
 from hixl.nixl import _meta, nixl_agent, nixl_agent_config
 from hixl.nixl._bindings import nixlInvalidParamError
@@ -54,15 +55,6 @@ def agents() -> Iterator[Callable[..., nixl_agent]]:
     yield make
     for a in made:
         a.close()
-
-
-def until(cond: Callable[[], object], what: str, timeout_s: float = 30.0) -> object:
-    deadline = time.monotonic() + timeout_s
-    while not (got := cond()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
-    return got
 
 
 def raw_request(port: int, kind: bytes, payload: bytes) -> None:

@@ -34,10 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .. import _peertext as pt
+from .._secret import cluster_secret as cluster_secret
 
-#: where the engine takes the cluster secret from (crates/hixl-core/src/options/mod.rs)
-SECRET_OPTION = "hixl.secret"
-SECRET_ENV = "HIXL_SECRET"
 #: domain separation: the entry key is HMAC-SHA256(secret, ENTRY_LABEL)
 ENTRY_LABEL = b"hixl-v1 etcd discovery entry key"
 
@@ -105,12 +103,6 @@ class Refused(Exception):
 class Pending(Refused):
     """A rank's first write of its key (``created`` 0): skipped quietly, the bound entry
     follows at once."""
-
-
-def cluster_secret(engine_options: Mapping[str, str], env: Mapping[str, str]) -> str | None:
-    """The secret the engine uses: the option, else the environment variable (the engine has
-    checked it already: too weak a secret fails hixl.kv.init before discovery starts)."""
-    return str(engine_options.get(SECRET_OPTION) or env.get(SECRET_ENV) or "") or None
 
 
 class EntryKey:

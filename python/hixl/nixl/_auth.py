@@ -23,11 +23,8 @@ import hashlib
 import hmac
 import os
 import socket
-from collections.abc import Mapping
 
-#: where the engine takes the cluster secret from (crates/hixl-core/src/options/mod.rs)
-SECRET_OPTION = "hixl.secret"
-SECRET_ENV = "HIXL_SECRET"
+from .._secret import cluster_secret as cluster_secret
 
 KEY_LABEL = b"hixl-v1 nixl listener key"
 LISTENER_LABEL = b"hixl-v1 nixl listener proof"
@@ -36,12 +33,6 @@ SEAL_CL_LABEL = b"hixl-v1 nixl listener seal client->listener"
 SEAL_LC_LABEL = b"hixl-v1 nixl listener seal listener->client"
 #: bytes of a nonce, a proof and a MAC
 LEN = 32
-
-
-def cluster_secret(options: Mapping[str, object], env: Mapping[str, str]) -> str | None:
-    """The secret the agent's engine uses: the option, else the environment variable (the
-    engine has checked it already: a weak one fails its initialize)."""
-    return str(options.get(SECRET_OPTION) or env.get(SECRET_ENV) or "") or None
 
 
 def address(sockaddr: tuple[object, ...]) -> str:
