@@ -40,8 +40,8 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, SupportsIndex
 
 from . import _arrivals
 from ._completions import drain as _drain_completions
@@ -223,14 +223,24 @@ async def transfer(
 
 
 async def put(
-    engine: Hixl, remote: str, local: int, remote_addr: int, n: int, timeout_ms: float | None = None
+    engine: Hixl,
+    remote: str,
+    local: SupportsIndex,
+    remote_addr: SupportsIndex,
+    n: SupportsIndex,
+    timeout_ms: float | None = None,
 ) -> None:
     """One-sided WRITE of `n` bytes, awaited (``put_async``)."""
     await submit(engine.put_async, remote, local, remote_addr, n, timeout_ms=timeout_ms)
 
 
 async def get(
-    engine: Hixl, remote: str, local: int, remote_addr: int, n: int, timeout_ms: float | None = None
+    engine: Hixl,
+    remote: str,
+    local: SupportsIndex,
+    remote_addr: SupportsIndex,
+    n: SupportsIndex,
+    timeout_ms: float | None = None,
 ) -> None:
     """One-sided READ of `n` bytes, awaited (``get_async``)."""
     await submit(engine.get_async, remote, local, remote_addr, n, timeout_ms=timeout_ms)
@@ -239,8 +249,8 @@ async def get(
 async def put_strided(
     engine: Hixl,
     remote: str,
-    local: int,
-    remote_addr: int,
+    local: SupportsIndex,
+    remote_addr: SupportsIndex,
     desc: StridedDesc,
     timeout_ms: float | None = None,
 ) -> None:
@@ -251,8 +261,8 @@ async def put_strided(
 async def get_strided(
     engine: Hixl,
     remote: str,
-    local: int,
-    remote_addr: int,
+    local: SupportsIndex,
+    remote_addr: SupportsIndex,
     desc: StridedDesc,
     timeout_ms: float | None = None,
 ) -> None:
@@ -374,7 +384,7 @@ def _millis(timeout_ms: Any) -> float:
 
 
 async def wait_notifies(
-    engine: Hixl, timeout_ms: float, name: str | list[str] | tuple[str, ...] | None = None
+    engine: Hixl, timeout_ms: float, name: str | Sequence[str] | None = None
 ) -> list[NotifyDesc]:
     """``engine.wait_notifies(timeout_ms, name)`` on the running loop, without a thread:
     waits until a notification (named `name`, or one of the names of a list or tuple; None:

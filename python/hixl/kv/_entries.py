@@ -107,7 +107,7 @@ class Pending(Refused):
     follows at once."""
 
 
-def cluster_secret(engine_options: Mapping[str, str], env: Mapping[str, str]) -> str | None:
+def cluster_secret(engine_options: Mapping[str, object], env: Mapping[str, str]) -> str | None:
     """The secret the engine uses: the option, else the environment variable (the engine has
     checked it already: too weak a secret fails hixl.kv.init before discovery starts)."""
     return str(engine_options.get(SECRET_OPTION) or env.get(SECRET_ENV) or "") or None
