@@ -241,10 +241,12 @@ def test_the_kv_executor_and_a_loop_tell_each_other_when_they_reset_the_counter(
         assert held.wait(10)
 
         async def loop_takes() -> list[str]:
-            return names(await hixl.aio.wait_notifies(target, 10_000, "two"))
+            task = asyncio.create_task(hixl.aio.wait_notifies(target, LONG_MS, "two"))
+            await asyncio.sleep(0)  # asleep: the arrival wakes it through its descriptor
+            sender.send("send", "two")
+            return names(await asyncio.wait_for(task, WOKEN_S))
 
         before = len(seen)
-        sender.send("send", "two")
         try:
             assert run(loop_takes) == ["two"]
             until(lambda: counter_reset(target), "the loop to reset the counter")
