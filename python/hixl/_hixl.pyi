@@ -1,7 +1,7 @@
 # Type stubs of the compiled module hixl._hixl (kept honest by mypy.stubtest in CI).
 
 from collections.abc import Generator, Mapping, Sequence
-from typing import Any, Literal, Self, TypeAlias, final, overload
+from typing import Any, Literal, Self, SupportsIndex, TypeAlias, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -77,7 +77,7 @@ class AsyncConnectStatus:
 
 @final
 class MemDesc:
-    def __new__(cls, addr: int, length: int) -> MemDesc: ...
+    def __new__(cls, addr: SupportsIndex, length: SupportsIndex) -> MemDesc: ...
     @property
     def addr(self) -> int: ...
     @property
@@ -87,7 +87,9 @@ class MemDesc:
 
 @final
 class TransferOpDesc:
-    def __new__(cls, local_addr: int, remote_addr: int, length: int) -> TransferOpDesc: ...
+    def __new__(
+        cls, local_addr: SupportsIndex, remote_addr: SupportsIndex, length: SupportsIndex
+    ) -> TransferOpDesc: ...
     @property
     def local_addr(self) -> int: ...
     @property
@@ -110,7 +112,11 @@ class NotifyDesc:
 @final
 class StridedDesc:
     def __new__(
-        cls, count: int, size: int, stride: int, remote_stride: int | None = None
+        cls,
+        count: SupportsIndex,
+        size: SupportsIndex,
+        stride: SupportsIndex,
+        remote_stride: SupportsIndex | None = None,
     ) -> StridedDesc: ...
     @property
     def count(self) -> int: ...
@@ -189,7 +195,8 @@ class ShmBuffer:  # exports the buffer protocol (a writable 1-D byte buffer)
     def addr(self) -> int: ...
     def __len__(self) -> int: ...
 
-_Descs: TypeAlias = Sequence[TransferOpDesc | tuple[int, int, int]] | npt.NDArray[Any]
+# Ints here are anything with __index__ (numpy integer scalars too), as the engine reads them.
+_Descs: TypeAlias = Sequence[TransferOpDesc | Sequence[SupportsIndex]] | npt.NDArray[Any]
 
 @disjoint_base
 class Hixl:
@@ -242,58 +249,58 @@ class Hixl:
     def put(
         self,
         remote: str,
-        local_addr: int,
-        remote_addr: int,
-        length: int,
+        local_addr: SupportsIndex,
+        remote_addr: SupportsIndex,
+        length: SupportsIndex,
         timeout_ms: float | None = None,
     ) -> None: ...
     def get(
         self,
         remote: str,
-        local_addr: int,
-        remote_addr: int,
-        length: int,
+        local_addr: SupportsIndex,
+        remote_addr: SupportsIndex,
+        length: SupportsIndex,
         timeout_ms: float | None = None,
     ) -> None: ...
     def put_async(
         self,
         remote: str,
-        local_addr: int,
-        remote_addr: int,
-        length: int,
+        local_addr: SupportsIndex,
+        remote_addr: SupportsIndex,
+        length: SupportsIndex,
         user_data: Any = None,
         timeout_ms: float | None = None,
     ) -> TransferReq: ...
     def get_async(
         self,
         remote: str,
-        local_addr: int,
-        remote_addr: int,
-        length: int,
+        local_addr: SupportsIndex,
+        remote_addr: SupportsIndex,
+        length: SupportsIndex,
         user_data: Any = None,
         timeout_ms: float | None = None,
     ) -> TransferReq: ...
     def put_strided(
         self,
         remote: str,
-        local_base: int,
-        remote_base: int,
+        local_base: SupportsIndex,
+        remote_base: SupportsIndex,
         desc: StridedDesc,
         timeout_ms: float | None = None,
     ) -> None: ...
     def get_strided(
         self,
         remote: str,
-        local_base: int,
-        remote_base: int,
+        local_base: SupportsIndex,
+        remote_base: SupportsIndex,
         desc: StridedDesc,
         timeout_ms: float | None = None,
     ) -> None: ...
     def put_strided_async(
         self,
         remote: str,
-        local_base: int,
-        remote_base: int,
+        local_base: SupportsIndex,
+        remote_base: SupportsIndex,
         desc: StridedDesc,
         user_data: Any = None,
         notify: NotifyDesc | None = None,
@@ -302,8 +309,8 @@ class Hixl:
     def get_strided_async(
         self,
         remote: str,
-        local_base: int,
-        remote_base: int,
+        local_base: SupportsIndex,
+        remote_base: SupportsIndex,
         desc: StridedDesc,
         user_data: Any = None,
         notify: NotifyDesc | None = None,
@@ -313,7 +320,7 @@ class Hixl:
         self, remote: str, notify: NotifyDesc, timeout_ms: float | None = None
     ) -> None: ...
     def wait_notifies(
-        self, timeout_ms: float, name: str | list[str] | tuple[str, ...] | None = None
+        self, timeout_ms: float, name: str | Sequence[str] | None = None
     ) -> list[NotifyDesc]: ...
     def get_notifies(self) -> list[NotifyDesc]: ...
     def _notify_fd(self) -> int: ...

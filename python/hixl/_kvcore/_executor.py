@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .. import _completions
+from .. import _arrivals, _completions
 from .._hixl import TransferStatus, _completion_fd
 from ._window import WAIT_MARGIN_MS, Ask, Entry, Requests
 
@@ -70,6 +70,10 @@ class Executor:
         #: Watched descriptors and their callbacks; the poller follows on the thread's next turn.
         self._watched: dict[int, Callable[[], None]] = {}
         self._unwatched: list[int] = []
+        #: Told when another reader (an asyncio loop of hixl.aio) reset a notification counter
+        #: that the watched descriptors share: the thread may have slept through an arrival.
+        self._told: Callable[[], None] = lambda: self.post(self._rerun_watches)
+        self._unlisten: Callable[[], None] | None = None
 
     def on_thread(self) -> bool:
         """Whether the caller is the executor thread."""
@@ -102,6 +106,8 @@ class Executor:
         with self._lock:
             self._watched[fd] = fn
             self._start()
+            if self._unlisten is None:
+                self._unlisten = _arrivals.listen(self._told)
         self._wake()
 
         def stop() -> None:
@@ -135,18 +141,27 @@ class Executor:
             polled.add(fd)
 
     def _ready_watches(self, events: list[tuple[int, int]]) -> None:
-        """Resets each watched descriptor that polled readable and runs its callback."""
+        """Resets each watched descriptor that polled readable and runs its callback; then
+        tells the other readers of those counters (hixl._arrivals) when it reset one."""
+        was_set = False
         for fd, _ in events:
             with self._lock:
                 fn = self._watched.get(fd)
             if fn is None:
                 continue
             try:
-                os.read(fd, 8)
-            except BlockingIOError:
-                pass  # reset by an earlier turn
+                was_set = _arrivals.reset(fd) or was_set  # False: reset by an earlier turn
             except OSError as exc:  # closed behind our back: must not stop the thread
                 self._drop_broken(fd, exc)
+            self._run(fn)
+        if was_set:
+            _arrivals.told(by=self._told)
+
+    def _rerun_watches(self) -> None:
+        """Runs every watch's callback (another reader reset the counters they share)."""
+        with self._lock:
+            fns = list(self._watched.values())
+        for fn in fns:
             self._run(fn)
 
     def _drop_broken(self, fd: int, exc: BaseException) -> None:
@@ -229,6 +244,8 @@ def executor() -> Executor:
 
 def _forget_after_fork() -> None:
     global _executor
+    if _executor is not None and _executor._unlisten is not None:
+        _executor._unlisten()
     _executor = None  # the thread did not survive the fork
 
 

@@ -17,6 +17,7 @@ from .._kvcore._cache import deregister
 from .._kvcore._links import in_parallel
 from .._kvcore._notify import Budget, Router
 from .._layout import KVLayout
+from .._typing import Options
 from ._cache import (
     UNSET,
     CacheInfo,
@@ -92,7 +93,7 @@ class Context:
     """Everything hixl.kv.init() creates."""
 
     def __init__(
-        self, rank: int, role: str, listen: str, device_id: int, options: Mapping[str, str] | None
+        self, rank: int, role: str, listen: str, device_id: int, options: Options | None
     ) -> None:
         self.rank, self.role, self.device_id = rank, role, device_id
         self.engine = Hixl()
@@ -401,7 +402,7 @@ def init(
     listen: str | None = None,
     peers: Mapping[int, str] | None = None,
     device_id: int | None = None,
-    options: Mapping[str, str] | None = None,
+    options: Options | None = None,
     link_timeout_ms: int = 10_000,
     discovery: str | None = None,
 ) -> PeerRank:
@@ -414,7 +415,8 @@ def init(
     follows the ranks that join and leave (`hixl.kv.ranks()`); a transfer to a rank of that
     view links to it on first use, so no address needs to be configured. Options starting
     with "hixl.discovery." (ttl_s, default 10; see hixl.kv._discovery) are the
-    discovery's, the others the engine's. NotConnected when etcd does not answer."""
+    discovery's, the others the engine's; values are str, int or bool, as for
+    Hixl.initialize. NotConnected when etcd does not answer."""
     global _ctx
     env = os.environ
     if cluster_id is None:

@@ -44,6 +44,7 @@ from urllib.parse import unquote, urlsplit
 from .. import _peertext as pt
 from .._errors import NotConnected, ParamInvalid
 from .._redact import redact_url
+from .._typing import Options, OptionValue
 from ._entries import EntryKey, Member, Pending, Refused, cluster_secret, open_entry, seal
 from ._etcd import KV, EtcdClient, EtcdError, Tls
 
@@ -80,9 +81,12 @@ class Config:
     secret: str | None = field(default=None, repr=False)
 
 
-def split_options(options: Mapping[str, str] | None) -> tuple[dict[str, str], dict[str, str]]:
+def split_options(
+    options: Options | None,
+) -> tuple[dict[str, OptionValue], dict[str, str]]:
     """(the engine's options, the discovery options without their prefix)."""
-    engine, disc = {}, {}
+    engine: dict[str, OptionValue] = {}
+    disc: dict[str, str] = {}
     for k, v in (options or {}).items():
         if k.startswith(OPTION_PREFIX):
             name = k[len(OPTION_PREFIX) :]
@@ -560,8 +564,8 @@ class Discovery:
 
 
 def from_init(
-    url: str | None, options: Mapping[str, str] | None, env: Mapping[str, str] | None = None
-) -> tuple[Config | None, dict[str, str]]:
+    url: str | None, options: Options | None, env: Mapping[str, str] | None = None
+) -> tuple[Config | None, dict[str, OptionValue]]:
     """hixl.kv.init's discovery= (or HIXL_DISCOVERY) and options: (the configuration or None,
     the options left for the engine)."""
     env = os.environ if env is None else env

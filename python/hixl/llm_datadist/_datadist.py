@@ -13,6 +13,7 @@ from typing import Any
 from .._errors import HixlError
 from .._hixl import Hixl
 from .._kvcore._links import in_parallel
+from .._typing import Options, OptionValue
 from ..kv._context import PeerRank as KvClusterInfo
 from . import _ranktable
 from ._config import LLMClusterInfo
@@ -29,6 +30,13 @@ MAX_CLUSTERS = 16
 DEFAULT_TIMEOUT_MS = 5000
 #: Default of llm.LinkTotalTime (ms) for the rank-table link().
 DEFAULT_LINK_MS = 30_000
+
+
+def _option_text(v: OptionValue) -> str:
+    """An option's value as the engine reads it: True and False are "1" and "0"."""
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    return str(v)
 
 
 def _on(options: Mapping[str, str], key: str) -> bool:
@@ -92,7 +100,7 @@ class LLMDataDist:
 
     # -- life cycle ------------------------------------------------------------------------
 
-    def init(self, options: Mapping[str, str]) -> None:
+    def init(self, options: Options) -> None:
         """Starts the engine. Options (LLMConfig.generate_options()): llm.listenIpInfo is
         where peers reach this process (default 127.0.0.1 on a free port, or $HIXL_LISTEN);
         llm.SyncKvCacheWaitTime bounds each transfer; llm.EnableCacheManager selects
@@ -100,7 +108,8 @@ class LLMDataDist:
         rank table without ports) listens at once at its derived address, device_ip and
         llm.hixlDevicePortBase + ge.exec.deviceId, and fails naming it when another process
         holds it; hixl.* keys go to the engine; the rest are accepted and ignored
-        (docs/LLM_DATADIST.md)."""
+        (docs/LLM_DATADIST.md). Values are str, int or bool (True and False read as "1" and
+        "0", as the engine reads them)."""
         if self._node is not None:
             return
         check(isinstance(options, Mapping), f"options must be a dict, not {type(options).__name__}")
@@ -108,7 +117,7 @@ class LLMDataDist:
             raise fail(
                 LLMStatusCode.LLM_FAILED, "an LLMDataDist is already initialized in this process"
             )
-        opts = {str(k): str(v) for k, v in options.items()}
+        opts = {str(k): _option_text(v) for k, v in options.items()}
         local_comm = "llm.LocalCommRes" in opts
         self._enable_cache_mgr = _on(opts, "llm.EnableCacheManager") or (
             local_comm and "llm.EnableCacheManager" not in opts
@@ -471,7 +480,7 @@ class LLMDataDist:
 
     # -- roles --------------------------------------------------------------------------
 
-    def switch_role(self, role: LLMRole, switch_options: Mapping[str, str] | None = None) -> None:
+    def switch_role(self, role: LLMRole, switch_options: Options | None = None) -> None:
         """Changes this process's role. Every link must be closed first (LLM_EXIST_LINK).
         The engine restarts (at switch_options' llm.listenIpInfo when given, else on a free
         port) and every cache is registered again at the same addresses."""
@@ -482,7 +491,7 @@ class LLMDataDist:
                 LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
                 "switch_role needs LLMConfig.enable_switch_role = True",
             )
-        opts = dict(switch_options or {})
+        opts = {str(k): _option_text(v) for k, v in (switch_options or {}).items()}
         linked = node.explicit_links()
         if linked:
             raise fail(LLMStatusCode.LLM_EXIST_LINK, f"unlink clusters {linked} before switch_role")

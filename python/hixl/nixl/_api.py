@@ -26,7 +26,7 @@ import os
 import threading
 import time as time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 import numpy as np
@@ -127,7 +127,7 @@ class nixl_agent_config:
         sync_mode: Any = None,
         *,
         hixl_listen: str | None = None,
-        hixl_options: dict[str, str | int | bool] | None = None,
+        hixl_options: Mapping[str, str | int | bool] | None = None,
         hixl_listen_thread_ip: str | None = None,
         hixl_listen_thread_max_conns: int = _meta.MAX_CONNS,
         hixl_listen_thread_timeout_s: float = _meta.IO_TIMEOUT_S,
@@ -325,7 +325,7 @@ class nixl_agent(_Transfers, _Notifs):
         log.warning("Backend %s not instantiated to get its parameters.", backend)
         return {}
 
-    def create_backend(self, backend: str, initParams: dict[str, str] | None = None) -> None:  # noqa: N803
+    def create_backend(self, backend: str, initParams: Mapping[str, Any] | None = None) -> None:  # noqa: N803
         if backend not in NETWORK_BACKENDS:
             if backend in REFUSED_BACKENDS:
                 raise nixlNotFoundError(
