@@ -350,7 +350,7 @@ def test_the_op_may_be_given_by_its_name_in_any_case(engine, make_peer):
 
 def test_the_kv_layer_names_a_wrong_argument_and_takes_timeout_0():
     """`hixl.kv.init(peers=[...])` once said `dictionary update sequence element #0 ...`;
-    TransferConfig refused timeout_ms=0 (">= 1") where the engine's timeout_ms takes 0."""
+    CacheTransferConfig refused timeout_ms=0 (">= 1") where the engine's timeout_ms takes 0."""
     with pytest.raises(hixl.ParamInvalid, match=r"peers=\['127.0.0.1:1'\] \(list\) must map each"):
         hixl.kv.init(cluster_id=0, peers=["127.0.0.1:1"])
     assert hixl.kv.CacheTransferConfig(timeout_ms=0).timeout_ms == 0
