@@ -39,7 +39,7 @@ def test_directory_is_read_only_for_peers(ranks, transport: str) -> None:
     victim = ranks(0, "prompt")
     victim.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=9)
     with hixl.Hixl() as e:  # the attacker: a plain engine, no KV layer
-        e.initialize("127.0.0.1", {"hixl.transport": transport})
+        e.initialize("127.0.0.1", {"hixl.backends": transport})
         mine = hixl.aligned_empty(DIR_BYTES)
         mine[:] = 0
         e.register(mine)
