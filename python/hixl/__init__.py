@@ -1,10 +1,11 @@
 """hixl: one-sided, batched, zero-copy transfers between processes and hosts.
 
 Engines register memory and then READ or WRITE each other's registered memory in batches; the
-target runs no application code. ``docs/API.md`` in the repository is the API reference (every
-call, its arguments, defaults, errors and GIL behaviour); ``help(hixl.Hixl)`` and the
-docstrings of each method say the same. README.md has the options, status codes and the
-KV-cache layer (``hixl.kv``; ``hixl.llm_datadist`` is its LLM-DataDist face).
+target runs no application code. The API reference (every call, its arguments, defaults,
+errors and GIL behaviour) is https://github.com/hixl/hixl/blob/main/docs/API.md;
+``help(hixl.Hixl)`` and the docstrings of each method say the same. The README
+(https://github.com/hixl/hixl#readme, also the package's description) has the options, status
+codes and the KV-cache layer (``hixl.kv``; ``hixl.llm_datadist`` is its LLM-DataDist face).
 """
 
 from __future__ import annotations

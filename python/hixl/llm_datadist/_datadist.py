@@ -100,7 +100,7 @@ class LLMDataDist:
         rank table without ports) listens at once at its derived address, device_ip and
         llm.hixlDevicePortBase + ge.exec.deviceId, and fails naming it when another process
         holds it; hixl.* keys go to the engine; the rest are accepted and ignored
-        (docs/LLM_DATADIST.md)."""
+        (https://github.com/hixl/hixl/blob/main/docs/LLM_DATADIST.md)."""
         if self._node is not None:
             return
         check(isinstance(options, Mapping), f"options must be a dict, not {type(options).__name__}")
