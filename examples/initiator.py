@@ -63,17 +63,13 @@ def main() -> int:
         dst = hixl.aligned_empty(kv.len)
         dst[:] = 0
         hs, hd = e.register(src), e.register(dst)
-        e.transfer_sync(
-            remote,
-            hixl.TransferOp.WRITE,
-            [hixl.TransferOpDesc(hs.addr, kv.addr, kv.len)],
-            timeout_ms=ms,
-        )
+        # A batch: a list of (local_addr, remote_addr, length) descriptors.
+        e.transfer_sync(remote, hixl.TransferOp.WRITE, [(hs.addr, kv.addr, kv.len)], timeout_ms=ms)
         e.transfer_sync(remote, hixl.TransferOp.READ, [(hd.addr, kv.addr, kv.len)], timeout_ms=ms)
         check(f"write {kv.len} bytes, read them back", np.array_equal(src, dst))
 
         # Async, with user data and a notification that reaches the target after the bytes.
-        # Descriptors may also be an (N, 3) uint64 array of (local, remote, length).
+        # A large batch is cheaper as an (N, 3) uint64 array of (local, remote, length) rows.
         req = e.transfer_async(
             remote,
             hixl.TransferOp.WRITE,

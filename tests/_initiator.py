@@ -1,6 +1,6 @@
 """An initiator in its own process (run by the tests with reduced privileges).
 
-python _initiator.py PEER REMOTE_ADDR SIZE: connects under hixl.transport=auto and =shm and
+python _initiator.py PEER REMOTE_ADDR SIZE: connects under hixl.backends=auto and =shm and
 prints one JSON object: the backend chosen under auto, whether the bytes written under auto
 arrived (read back), and the exception raised under forced shm.
 """
@@ -19,7 +19,7 @@ def main() -> None:
     peer, raddr, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     out: dict[str, object] = {}
     with hixl.Hixl() as e:
-        e.initialize("127.0.0.1", {"hixl.transport": "auto"})
+        e.initialize("127.0.0.1", {"hixl.backends": "auto"})
         src = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
         back = np.zeros(size, np.uint8)
         e.register(src)
@@ -30,7 +30,7 @@ def main() -> None:
         e.transfer_sync(peer, hixl.TransferOp.READ, [(back.ctypes.data, raddr, size)], 10_000)
         out["auto_bytes_ok"] = bool(np.array_equal(src, back))
     with hixl.Hixl() as e:
-        e.initialize("127.0.0.1", {"hixl.transport": "shm"})
+        e.initialize("127.0.0.1", {"hixl.backends": "shm"})
         try:
             e.connect(peer, timeout_ms=5000)
             out["shm_error"] = None

@@ -33,7 +33,7 @@ REQ_ID = 7
 
 def notify(addr: str, pairs: list[str]) -> None:
     with hixl.Hixl() as e:
-        e.initialize("127.0.0.1:0", {"hixl.transport": "tcp"})
+        e.initialize("127.0.0.1:0", {"hixl.backends": "tcp"})
         e.connect(addr, timeout_ms=10_000)
         me = e.local_engine
         for name, msg in zip(pairs[::2], pairs[1::2], strict=True):
@@ -43,7 +43,7 @@ def notify(addr: str, pairs: list[str]) -> None:
 
 def flood(addr: str, name: str, size: int, count: int, seconds: float) -> None:
     with hixl.Hixl() as e:
-        e.initialize("127.0.0.1:0", {"hixl.transport": "tcp"})
+        e.initialize("127.0.0.1:0", {"hixl.backends": "tcp"})
         e.connect(addr, timeout_ms=10_000)
         print(f"STARTED {e.local_engine}", flush=True)
         sent = refused = 0

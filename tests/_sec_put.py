@@ -1,7 +1,7 @@
 """An initiator in its own process, for tests/test_security.py (a crash here must not take the
 test runner with it).
 
-python _sec_put.py PEER REMOTE_ADDR LEN: connects (hixl.transport=auto), puts LEN bytes at
+python _sec_put.py PEER REMOTE_ADDR LEN: connects (hixl.backends=auto), puts LEN bytes at
 REMOTE_ADDR and prints "PUT1 <backend> <direct_parts>"; then waits for a line "go" on stdin,
 puts 20 more times (errors are counted, not fatal) and prints "DONE <ok> <errors>".
 """
@@ -18,7 +18,7 @@ import hixl
 def main() -> None:
     peer, raddr, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     with hixl.Hixl() as e:
-        e.initialize("127.0.0.1", {"hixl.transport": "auto"})
+        e.initialize("127.0.0.1", {"hixl.backends": "auto"})
         src = np.full(n, 0x5A, np.uint8)
         e.register(src)
         e.connect(peer, timeout_ms=5000)

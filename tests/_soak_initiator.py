@@ -28,7 +28,7 @@ def main() -> None:
     lock = threading.Lock()
     while time.monotonic() < end:
         e = hixl.Hixl()
-        e.initialize("127.0.0.1", {"hixl.transport": transport})
+        e.initialize("127.0.0.1", {"hixl.backends": transport})
         e.connect(target, timeout_ms=10_000)
         totals["engines"] += 1
         until = min(end, time.monotonic() + REENGINE_S)

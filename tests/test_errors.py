@@ -128,12 +128,34 @@ def test_registration_errors(engine):
     engine.deregister_mem(h)  # idempotent
 
 
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("hixl.transport", None),
+        ("hixl.streams", "hixl.tcp.streams"),
+        ("hixl.coalesce_us", "hixl.tcp.coalesce_us"),
+        ("hixl.coalesce_max_ops", "hixl.tcp.coalesce_max_ops"),
+        ("hixl.shm_threads", "hixl.shm.threads"),
+    ],
+)
+def test_an_old_option_key_is_an_unknown_key(old: str, new: str | None) -> None:
+    """The keys the backends' own keys replaced have no alias: each is refused, naming it and
+    (where one is close) its current key; hixl.backends is in the list of known keys."""
+    with hixl.Hixl() as e:
+        with pytest.raises(hixl.ParamInvalid) as got:
+            e.initialize("127.0.0.1", {old: "tcp" if old == "hixl.transport" else "2"})
+    msg = str(got.value)
+    hint = f' (did you mean "{new}"?)' if new else ""
+    assert f'unknown option key "{old}"{hint}; known keys: hixl.backends,' in msg, msg
+    assert old not in {k for k, _, _ in hixl.option_keys()}
+
+
 def test_options_are_checked():
     e = hixl.Hixl()
     with pytest.raises(hixl.ParamInvalid, match='"hixl.nope"'):
         e.initialize("127.0.0.1", {"hixl.nope": "1"})
-    with pytest.raises(hixl.ParamInvalid, match='hixl.streams="0"'):
-        e.initialize("127.0.0.1", {"hixl.streams": "0"})
+    with pytest.raises(hixl.ParamInvalid, match='hixl.tcp.streams="0"'):
+        e.initialize("127.0.0.1", {"hixl.tcp.streams": "0"})
     with pytest.raises(hixl.ParamInvalid, match="cannot listen"):
         e.initialize("8.8.8.8:1")
     keys = {k for k, _, _ in hixl.option_keys()}
@@ -245,7 +267,7 @@ def test_queue_full_is_resource_exhausted(make_peer):
     peer = make_peer(size)
     with hixl.Hixl() as e:
         e.initialize(
-            "127.0.0.1", {"hixl.queue_depth": "1", "hixl.streams": "1", "hixl.transport": "tcp"}
+            "127.0.0.1", {"hixl.queue_depth": "1", "hixl.tcp.streams": "1", "hixl.backends": "tcp"}
         )
         e.connect(peer.engine, timeout_ms=5000)
         src = np.ones(size, np.uint8)
@@ -411,7 +433,7 @@ def test_the_op_may_be_given_by_its_name_in_any_case(engine, make_peer):
 
 def test_the_kv_layer_names_a_wrong_argument_and_takes_timeout_0():
     """`hixl.kv.init(peers=[...])` once said `dictionary update sequence element #0 ...`;
-    TransferConfig refused timeout_ms=0 (">= 1") where the engine's timeout_ms takes 0."""
+    CacheTransferConfig refused timeout_ms=0 (">= 1") where the engine's timeout_ms takes 0."""
     with pytest.raises(hixl.ParamInvalid, match=r"peers=\['127.0.0.1:1'\] \(list\) must map each"):
         hixl.kv.init(cluster_id=0, peers=["127.0.0.1:1"])
     assert hixl.kv.CacheTransferConfig(timeout_ms=0).timeout_ms == 0

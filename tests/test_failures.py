@@ -48,7 +48,7 @@ def test_frozen_peer_is_declared_dead_within_three_heartbeats(make_peer) -> None
     size = 64 << 20
     peer = make_peer(size)
     e = hixl.Hixl()
-    e.initialize("127.0.0.1", {"hixl.transport": "tcp", "hixl.heartbeat_ms": "200"})
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp", "hixl.heartbeat_ms": "200"})
     try:
         src = random_bytes(size, 3)
         e.register(src)
@@ -104,7 +104,7 @@ def test_idle_link_to_a_frozen_peer_dies_and_a_busy_live_one_does_not(make_peer)
     size = 256 << 20
     live, frozen = make_peer(size), make_peer(4096)
     e = hixl.Hixl()
-    e.initialize("127.0.0.1", {"hixl.transport": "tcp", "hixl.heartbeat_ms": "100"})
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp", "hixl.heartbeat_ms": "100"})
     try:
         src = random_bytes(size, 4)
         e.register(src)
@@ -132,7 +132,7 @@ def test_sigkill_mid_transfer_then_restart_on_the_same_address(
     victim = make_peer(size, env={"HIXL_TEST_LISTEN": addr})
     bystander = make_peer(size)
     e = hixl.Hixl()
-    e.initialize("127.0.0.1", {"hixl.transport": transport})
+    e.initialize("127.0.0.1", {"hixl.backends": transport})
     try:
         src = random_bytes(size, 5)
         e.register(src)
@@ -201,7 +201,7 @@ def test_garbage_collected_request_and_buffer_while_pending(make_peer) -> None:
     size = 64 << 20
     peer = make_peer(size)
     e = hixl.Hixl()
-    e.initialize("127.0.0.1", {"hixl.transport": "tcp"})
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp"})
     try:
         src = random_bytes(size, 6)
         expected = src.copy()

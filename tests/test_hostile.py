@@ -79,7 +79,7 @@ def good_peer_works(t: Target, tmp: Path, seed: int) -> None:
     back = np.zeros(4096, np.uint8)
     off = (seed * 4096) % (t.region - 4096)
     with hixl.Hixl() as e:
-        e.initialize("127.0.0.1", {"hixl.transport": "tcp"})
+        e.initialize("127.0.0.1", {"hixl.backends": "tcp"})
         e.register(data)
         e.register(back)
         e.connect(t.engine, timeout_ms=5000)
@@ -302,7 +302,7 @@ def test_wrong_secret_gets_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             ({"hixl.secret": WRONG}, "does not know"),
         ):
             with hixl.Hixl() as e:
-                e.initialize("127.0.0.1", {"hixl.transport": "tcp", **options})
+                e.initialize("127.0.0.1", {"hixl.backends": "tcp", **options})
                 with pytest.raises(hixl.NotConnected, match=says) as err:
                     e.connect(t.engine, timeout_ms=3000)
                 assert RIGHT not in str(err.value) and WRONG not in str(err.value)
@@ -310,7 +310,7 @@ def test_wrong_secret_gets_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         monkeypatch.setenv("HIXL_SECRET", RIGHT)
         data = np.arange(4096, dtype=np.uint8)
         with hixl.Hixl() as e:
-            e.initialize("127.0.0.1", {"hixl.transport": "tcp"})
+            e.initialize("127.0.0.1", {"hixl.backends": "tcp"})
             e.register(data)
             e.connect(t.engine, timeout_ms=3000)
             e.put(t.engine, data.ctypes.data, t.rw, 4096)

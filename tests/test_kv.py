@@ -454,7 +454,7 @@ def test_one_prompt_links_eight_decoders_at_once(ranks, kv, free_port) -> None:
 
 def test_kv_tasks_and_layers_are_awaitable(ranks, kv) -> None:
     """asyncio: `await syncer.wait_sync_async()` follows a layerwise pull without blocking the
-    loop, and `await task` returns the task's result (or raises its LLMError)."""
+    loop, and `await task` returns the task's result (or raises its KVError)."""
     import asyncio
 
     shape = (16, 2, 16, 16, 8, 64)  # 16 layers of 512 KiB

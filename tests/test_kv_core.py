@@ -39,7 +39,7 @@ def test_directory_is_read_only_for_peers(ranks, transport: str) -> None:
     victim = ranks(0, "prompt")
     victim.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=9)
     with hixl.Hixl() as e:  # the attacker: a plain engine, no KV layer
-        e.initialize("127.0.0.1", {"hixl.transport": transport})
+        e.initialize("127.0.0.1", {"hixl.backends": transport})
         mine = hixl.aligned_empty(DIR_BYTES)
         mine[:] = 0
         e.register(mine)
@@ -72,9 +72,9 @@ def test_directory_is_read_only_for_peers(ranks, transport: str) -> None:
     assert got == filled((4, 512), 9, np.uint8).tobytes()
 
 
-def test_malformed_directory_is_an_llm_error(kv) -> None:
+def test_malformed_directory_is_a_kv_error(kv) -> None:
     """A malicious target publishes a directory of its own making under the directory's
-    name: linking to it fails with an LLMError naming it, whatever the bytes or the region,
+    name: linking to it fails with a KVError naming it, whatever the bytes or the region,
     and never with a stray exception."""
     kv(cluster_id=1, role="decoder")
     good = {"name": "kv", "shape": [4, 8], "dtype": "uint8", "addr": 4096, "nbytes": 32}
@@ -159,7 +159,7 @@ def test_link_waits_for_a_directory_published_after_listening(kv) -> None:
 def test_directory_is_the_region_named_so_naming_the_rank(ranks, kv) -> None:
     """Peers find a rank's directory by its region's name, and check the rank its header
     names. Copies of a directory under no name or another name are not taken for it; a
-    directory naming another rank is an LLMError; a forged header written into one of the
+    directory naming another rank is a KVError; a forged header written into one of the
     rank's writable caches changes nothing: the named region is the directory."""
     real = ranks(0, "prompt")
     real.ok("alloc", name="kv", shape=[4, 512], dtype="uint8", seed=9)

@@ -113,7 +113,7 @@ def test_deregister_during_transfer_fails_it_and_never_hangs(make_peer):
     size = 64 << 20
     peer = make_peer(size)
     with hixl.Hixl() as e:
-        e.initialize("127.0.0.1", {"hixl.deregister_timeout_ms": "200", "hixl.transport": "tcp"})
+        e.initialize("127.0.0.1", {"hixl.deregister_timeout_ms": "200", "hixl.backends": "tcp"})
         e.connect(peer.engine, timeout_ms=5000)
         src = np.ones(size, np.uint8)
         h = e.register(src)
@@ -129,7 +129,7 @@ def test_finalize_with_requests_in_flight(make_peer):
     size = 64 << 20
     peer = make_peer(size)
     e = hixl.Hixl()
-    e.initialize("127.0.0.1", {"hixl.transport": "tcp"})
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp"})
     e.connect(peer.engine, timeout_ms=5000)
     src = np.ones(size, np.uint8)
     e.register(src)

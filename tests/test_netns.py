@@ -84,7 +84,7 @@ def test_link_cut_mid_transfer_then_reconnect(net: Net, make_peer) -> None:
     size = 32 << 20
     peer = make_peer(size, env={"HIXL_TEST_LISTEN": net.there}, prefix=net.exec_prefix())
     e = hixl.Hixl()
-    e.initialize(net.here, {"hixl.transport": "tcp", "hixl.heartbeat_ms": "200"})
+    e.initialize(net.here, {"hixl.backends": "tcp", "hixl.heartbeat_ms": "200"})
     try:
         src = random_bytes(size, 8)
         e.register(src)
@@ -178,7 +178,7 @@ def test_loss_and_rate_limit_never_corrupt_data(net: Net, make_peer) -> None:
     size = 8 << 20
     peer = make_peer(size, env={"HIXL_TEST_LISTEN": net.there}, prefix=net.exec_prefix())
     e = hixl.Hixl()
-    e.initialize(net.here, {"hixl.transport": "tcp"})
+    e.initialize(net.here, {"hixl.backends": "tcp"})
     try:
         src = random_bytes(size, 10)
         back = random_bytes(size, 11)

@@ -162,7 +162,7 @@ def test_same_host_imposter(procs: Callable[..., Proc], tmp_path: Path) -> None:
     outcome: dict[str, Any] = {}
     for transport in ("auto", "shm"):
         with hixl.Hixl() as a:
-            a.initialize("127.0.0.1", opts({"hixl.transport": transport, "hixl.heartbeat_ms": "0"}))
+            a.initialize("127.0.0.1", opts({"hixl.backends": transport, "hixl.heartbeat_ms": "0"}))
             a.register(junk)
             try:
                 a.connect(m.engine, timeout_ms=5000)
@@ -217,7 +217,7 @@ def test_relay_refused(procs: Callable[..., Proc]) -> None:
         r = procs(HERE / "_sec_relay.py", t.engine, mode, t.rw, 64)
         relay = r.words[1]
         with hixl.Hixl() as a:
-            member = {"hixl.transport": "tcp", "hixl.secret": SECRET, "hixl.heartbeat_ms": "0"}
+            member = {"hixl.backends": "tcp", "hixl.secret": SECRET, "hixl.heartbeat_ms": "0"}
             a.initialize("127.0.0.1", opts(member))
             err: hixl.HixlError | None = None
             try:
@@ -322,7 +322,7 @@ def test_unsealed_memfd_refused(procs: Callable[..., Proc], tmp_path: Path) -> N
         h = Hostile(procs, "memfd", kind, regular)
         data = np.random.default_rng(len(kind)).integers(0, 256, h.len, dtype=np.uint8)
         with hixl.Hixl() as a:
-            a.initialize("127.0.0.1", {"hixl.transport": "auto"})
+            a.initialize("127.0.0.1", {"hixl.backends": "auto"})
             a.register(data)
             a.connect(h.engine, timeout_ms=5000)
             a.put(h.engine, data.ctypes.data, h.buf, h.len, timeout_ms=5000)
@@ -355,7 +355,7 @@ def test_memfd_swap_race_as_root(procs: Callable[..., Proc], tmp_path: Path) -> 
         attempts = mapped = 0
         backends: set[str] = set()
         with hixl.Hixl() as a:
-            a.initialize("127.0.0.1", opts({"hixl.transport": "auto", "hixl.heartbeat_ms": "0"}))
+            a.initialize("127.0.0.1", opts({"hixl.backends": "auto", "hixl.heartbeat_ms": "0"}))
             a.register(data)
             deadline = time.monotonic() + (3 if uid == "keep" else 0.5)
             while time.monotonic() < deadline:
@@ -542,7 +542,7 @@ def good_peer_seconds(t: Engine) -> float:
     data = np.arange(4096, dtype=np.uint32).astype(np.uint8)
     back = np.zeros(4096, np.uint8)
     with hixl.Hixl() as e:
-        e.initialize("127.0.0.1", {"hixl.transport": "tcp"})
+        e.initialize("127.0.0.1", {"hixl.backends": "tcp"})
         e.register(data)
         e.register(back)
         t0 = time.monotonic()
@@ -582,7 +582,7 @@ def test_notify_quota_per_connection(procs: Callable[..., Proc]) -> None:
         },
     )
     with hixl.Hixl() as a:
-        a.initialize("127.0.0.1", {"hixl.transport": "tcp"})
+        a.initialize("127.0.0.1", {"hixl.backends": "tcp"})
         st, _ = w.connect(t.addr, engine=a.local_engine)  # claims the real peer's id
         with st:
             accepted, status = notify_until_refused(st, 200)
@@ -678,7 +678,7 @@ def test_read_response_for_write_closes(procs: Callable[..., Proc]) -> None:
     src = np.random.default_rng(9).integers(0, 256, 4096, dtype=np.uint8)
     keep = src.copy()
     with hixl.Hixl() as a:
-        a.initialize("127.0.0.1", opts({"hixl.transport": "tcp", "hixl.heartbeat_ms": "0"}))
+        a.initialize("127.0.0.1", opts({"hixl.backends": "tcp", "hixl.heartbeat_ms": "0"}))
         a.register(src)
         a.connect(m.engine, timeout_ms=5000)
         err: hixl.HixlError | None = None
@@ -812,7 +812,7 @@ def test_forked_listener_bystander_untouched(procs: Callable[..., Proc], tmp_pat
     outcome: dict[str, Any] = {}
     for transport in ("auto", "shm"):
         with hixl.Hixl() as a:
-            a.initialize("127.0.0.1", {"hixl.transport": transport, "hixl.heartbeat_ms": "0"})
+            a.initialize("127.0.0.1", {"hixl.backends": transport, "hixl.heartbeat_ms": "0"})
             a.register(data)
             try:
                 a.connect(h.engine, timeout_ms=5000)

@@ -134,7 +134,7 @@ def good_peer_works(t: Target, tmp: Path, seed: int) -> None:
     sback[:] = 0
     base = t.addr + 4096
     with hixl.Hixl() as e:
-        e.initialize("127.0.0.1", {"hixl.transport": "tcp"})
+        e.initialize("127.0.0.1", {"hixl.backends": "tcp"})
         for b in (data, back, src, sback):
             e.register(b)
         e.connect(t.engine, timeout_ms=30_000)

@@ -49,7 +49,7 @@ def test_notifications_name_the_engine_they_came_from() -> None:
     """get_notifies and wait_notifies give each notification the engine id of the connection
     it came on: two engines in two processes, each sending the other's text."""
     with hixl.Hixl() as t:
-        t.initialize("127.0.0.1:0", {"hixl.transport": "tcp"})
+        t.initialize("127.0.0.1:0", {"hixl.backends": "tcp"})
         first = send_from_own_engine(t.local_engine, "who", "I am the second")
         got = t.wait_notifies(10_000, name="who")
         second = send_from_own_engine(t.local_engine, "who", "I am the first")
@@ -73,7 +73,7 @@ def test_hello_naming_another_host_is_unverified() -> None:
     id on every address (0.0.0.0) takes the source address; text that is no engine id is
     marked too."""
     with hixl.Hixl() as t:
-        t.initialize("127.0.0.1:0", {"hixl.transport": "tcp"})
+        t.initialize("127.0.0.1:0", {"hixl.backends": "tcp"})
         host, port = t.local_engine.rsplit(":", 1)
         addr = (host, int(port))
         cases = [
@@ -96,7 +96,7 @@ def test_engine_ids_with_control_characters_are_refused_at_the_handshake() -> No
     ever reaches the application under that id (which the Python layers would log). A clean
     client on the same target still gets through."""
     with hixl.Hixl() as t:
-        t.initialize("127.0.0.1:0", {"hixl.transport": "tcp"})
+        t.initialize("127.0.0.1:0", {"hixl.backends": "tcp"})
         host, port = t.local_engine.rsplit(":", 1)
         addr = (host, int(port))
         forged = "x\nWARNING hixl: forged line\x1b[2J"

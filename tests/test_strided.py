@@ -99,7 +99,7 @@ def test_strided_validation_errors(engine, make_peer):
 def test_relaxed_alignment(make_peer):
     peer = make_peer(4096)
     with hixl.Hixl() as e:
-        e.initialize("127.0.0.1", {"hixl.strict_alignment": "0", "hixl.transport": "tcp"})
+        e.initialize("127.0.0.1", {"hixl.strict_alignment": "0", "hixl.backends": "tcp"})
         e.connect(peer.engine, timeout_ms=5000)
         src = random_bytes(4096, 3)
         e.register(src)
@@ -160,7 +160,11 @@ def test_coalescing_keeps_individual_completion(make_peer):
     with hixl.Hixl() as e:
         e.initialize(
             "127.0.0.1",
-            {"hixl.transport": "tcp", "hixl.coalesce_us": "100", "hixl.coalesce_max_ops": "32"},
+            {
+                "hixl.backends": "tcp",
+                "hixl.tcp.coalesce_us": "100",
+                "hixl.tcp.coalesce_max_ops": "32",
+            },
         )
         e.connect(peer.engine, timeout_ms=5000)
         src = random_bytes(1 << 20, 4)

@@ -1,13 +1,14 @@
-"""The top level of ``hixl`` is the engine's API: the KV names that read like an engine call
-(``hixl.finalize``, ``hixl.link``, ...) still work for one release, warning that they are the
-KV layer's and naming the engine's call; the benchmark baselines (``_raw_*``) and the other
-internals of the extension are importable by name but listed in no ``__all__``."""
+"""The top level of ``hixl`` is the engine's API: the KV-cache layer's names are only
+``hixl.kv``'s (each under one name), ``hixl.datadist`` does not exist, and the benchmark
+baselines (``_raw_*``) and the other internals of the extension are importable by name but
+listed in no ``__all__``."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -16,33 +17,64 @@ import hixl
 import hixl.kv
 from hixl import _hixl
 
-ENGINE_CALL = {
-    "init": "Hixl.initialize",
-    "finalize": "Hixl.finalize",
-    "link": "Hixl.connect",
-    "unlink": "Hixl.disconnect",
-}
 RAW = ("_raw_tcp_sink", "_raw_tcp_send", "_raw_cma", "_raw_memcpy")
 
+#: The old names of five hixl.kv classes, renamed so that none shares a name with a different
+#: hixl.llm_datadist class (no release carries the old ones), with the new names.
+OLD_KV_NAMES = {
+    "Cache": "RegisteredCache",
+    "TransferConfig": "CacheTransferConfig",
+    "LLMClusterInfo": "PeerRank",
+    "LayerSynchronizer": "LayerTracker",
+    "LLMError": "KVError",
+}
 
-@pytest.mark.parametrize("name", sorted(ENGINE_CALL))
-def test_a_kv_name_like_an_engine_call_warns_naming_both(name: str) -> None:
-    with pytest.warns(DeprecationWarning) as got:
-        old = getattr(hixl, name)
-    msg = str(got[0].message)
-    assert f"use hixl.kv.{name}" in msg and f"not {ENGINE_CALL[name]}" in msg, msg
-    assert old is getattr(hixl.kv, name)
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60
+    )
 
 
-def test_the_old_finalize_still_ends_the_kv_layer() -> None:
-    """hixl.finalize() is hixl.kv.finalize(): it runs (idempotent with no layer up) and leaves
-    an engine made by the application alone."""
-    with hixl.Hixl() as e:
-        e.initialize("127.0.0.1:0")
-        with pytest.warns(DeprecationWarning, match="not Hixl.finalize"):
-            hixl.finalize()
-        assert e.local_engine.startswith("127.0.0.1:")
-        e.alloc(4096)  # still up: the KV layer's finalize is not the engine's
+@pytest.mark.parametrize("name", sorted(set(hixl.kv.__all__) - {"KVLayout"} | set(OLD_KV_NAMES)))
+def test_no_kv_name_is_a_top_level_name(name: str) -> None:
+    """The top level is the engine's API: hixl.init, hixl.Cache, hixl.pull_cache, ... are
+    AttributeErrors (hixl.kv has them), and asking warns about nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AttributeError, match=rf"'hixl' has no attribute '{name}'"):
+            getattr(hixl, name)
+    assert name not in hixl.__all__
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(OLD_KV_NAMES.items()))
+def test_a_kv_class_has_one_name(old: str, new: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AttributeError, match=rf"'hixl.kv' has no attribute '{old}'"):
+            getattr(hixl.kv, old)
+    assert getattr(hixl.kv, new).__name__ == new and old not in hixl.kv.__all__
+
+
+def test_hixl_datadist_is_gone() -> None:
+    """hixl.kv is the KV layer's one module path: hixl.datadist does not import."""
+    out = _python("import hixl.datadist")
+    assert out.returncode != 0
+    assert "ModuleNotFoundError: No module named 'hixl.datadist'" in out.stderr, out.stderr
+
+
+def test_importing_hixl_and_hixl_kv_warns_about_nothing() -> None:
+    out = _python("import hixl, hixl.kv, hixl.llm_datadist; hixl.kv.init; hixl.Hixl")
+    assert out.returncode == 0, out.stderr
+
+
+def test_no_kv_name_is_a_different_llm_datadist_class() -> None:
+    import hixl.llm_datadist as ld
+
+    shared = set(hixl.kv.__all__) & set(ld.__all__)
+    assert not [n for n in shared if getattr(hixl.kv, n) is not getattr(ld, n)], shared
+    out = _python("from hixl.kv import *; from hixl.llm_datadist import *")
+    assert out.returncode == 0, out.stderr  # neither star import warns
 
 
 def test_no_all_lists_a_raw_or_private_name() -> None:

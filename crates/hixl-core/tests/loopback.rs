@@ -32,13 +32,15 @@ struct Pair {
     peer: String,
     abuf: Vec<u8>,
     bbuf: Vec<u8>,
+    /// `b`'s registration of `bbuf` (deregistering needs its own handle: another id is stale).
+    bh: hixl_core::MemHandle,
 }
 
-/// Two engines; the TCP data path unless `opts` names another `hixl.transport`.
+/// Two engines; the TCP data path unless `opts` names other `hixl.backends`.
 fn pair(size: usize, opts: &[(&str, &str)]) -> Pair {
     let mut opts = opts.to_vec();
-    if !opts.iter().any(|(k, _)| *k == "hixl.transport") {
-        opts.push(("hixl.transport", "tcp"));
+    if !opts.iter().any(|(k, _)| *k == "hixl.backends") {
+        opts.push(("hixl.backends", "tcp"));
     }
     let opts = &opts[..];
     let a = engine("127.0.0.1", opts);
@@ -47,17 +49,19 @@ fn pair(size: usize, opts: &[(&str, &str)]) -> Pair {
     let mut bbuf = vec![0u8; size];
     unsafe { a.register_mem(MemDesc { addr: abuf.as_mut_ptr() as u64, len: size as u64 }, MemType::Host) }
         .unwrap();
-    unsafe { b.register_mem(MemDesc { addr: bbuf.as_mut_ptr() as u64, len: size as u64 }, MemType::Host) }
-        .unwrap();
+    let bh = unsafe {
+        b.register_mem(MemDesc { addr: bbuf.as_mut_ptr() as u64, len: size as u64 }, MemType::Host)
+    }
+    .unwrap();
     let peer = b.local_engine().unwrap();
     a.connect(&peer, T).unwrap();
-    Pair { a, b, peer, abuf, bbuf }
+    Pair { a, b, peer, abuf, bbuf, bh }
 }
 
 #[test]
 fn write_then_read_back_large_and_scattered() {
     for (size, streams) in [(64usize << 20, "2"), (3 << 20, "1"), (1, "4")] {
-        let mut p = pair(size.max(1 << 16), &[("hixl.streams", streams)]);
+        let mut p = pair(size.max(1 << 16), &[("hixl.tcp.streams", streams)]);
         fill(&mut p.abuf[..size], size as u64);
         let la = p.abuf.as_ptr() as u64;
         let rb = p.bbuf.as_ptr() as u64;
@@ -131,8 +135,7 @@ fn target_refuses_ranges_it_no_longer_has() {
     // The initiator's table is from connect time; the target checks again and refuses.
     let mut p = pair(8192, &[]);
     let rb = p.bbuf.as_ptr() as u64;
-    let bh = hixl_core::MemHandle { id: 0, addr: rb, len: 8192, mem_type: MemType::Host };
-    p.b.deregister_mem(&bh).unwrap();
+    p.b.deregister_mem(&p.bh).unwrap();
     fill(&mut p.abuf, 3);
     let la = p.abuf.as_ptr() as u64;
     let e = p.a.put(&p.peer, la, rb, 8192, T).unwrap_err();
@@ -236,7 +239,7 @@ fn notify_cap_per_peer() {
 
 #[test]
 fn full_queue_is_resource_exhausted() {
-    let mut p = pair(1 << 20, &[("hixl.queue_depth", "2"), ("hixl.streams", "1")]);
+    let mut p = pair(1 << 20, &[("hixl.queue_depth", "2"), ("hixl.tcp.streams", "1")]);
     let la = p.abuf.as_ptr() as u64;
     let rb = p.bbuf.as_ptr() as u64;
     let d = [TransferOpDesc { local_addr: la, remote_addr: rb, len: 1 << 20 }];
@@ -261,7 +264,7 @@ fn full_queue_is_resource_exhausted() {
 
 #[test]
 fn peer_finalize_fails_pending_requests() {
-    let mut p = pair(64 << 20, &[("hixl.streams", "1")]);
+    let mut p = pair(64 << 20, &[("hixl.tcp.streams", "1")]);
     let la = p.abuf.as_ptr() as u64;
     let rb = p.bbuf.as_ptr() as u64;
     let d = [TransferOpDesc { local_addr: la, remote_addr: rb, len: 64 << 20 }];
@@ -288,7 +291,7 @@ fn forced_shm_moves_bytes_and_names_the_backend() {
     // Two engines of one process: auto picks the `self` backend (memcpy) over shm.
     for (transport, backend) in [("shm", "shm"), ("auto", "self")] {
         let size = 8 << 20;
-        let mut p = pair(size, &[("hixl.transport", transport)]);
+        let mut p = pair(size, &[("hixl.backends", transport)]);
         fill(&mut p.abuf, 77);
         let la = p.abuf.as_ptr() as u64;
         let rb = p.bbuf.as_ptr() as u64;
@@ -336,7 +339,7 @@ fn forced_shm_moves_bytes_and_names_the_backend() {
 fn self_backend_checks_the_target_registry_itself() {
     // The `self` path copies without a frame, so the target's own registry must refuse what its
     // server would: ranges outside regions, writes into read-only regions, removed regions.
-    let mut p = pair(1 << 16, &[("hixl.transport", "auto")]);
+    let mut p = pair(1 << 16, &[("hixl.backends", "auto")]);
     assert_eq!(p.a.stats().unwrap()[0].backend, "self");
     let la = p.abuf.as_ptr() as u64;
     let mut ro = vec![7u8; 4096];
@@ -359,14 +362,13 @@ fn self_backend_checks_the_target_registry_itself() {
 
 #[test]
 fn deregistered_target_region_is_dropped_from_shm_tables() {
-    let mut p = pair(1 << 16, &[("hixl.transport", "shm")]);
+    let mut p = pair(1 << 16, &[("hixl.backends", "shm")]);
     let la = p.abuf.as_ptr() as u64;
     let rb = p.bbuf.as_ptr() as u64;
     let d = [TransferOpDesc { local_addr: la, remote_addr: rb, len: 4096 }];
     p.a.transfer_sync(&p.peer, TransferOp::Write, &d, T).unwrap();
     // The target deregisters: it returns only after the initiator confirmed the new table.
-    let bh = hixl_core::MemHandle { id: 0, addr: rb, len: 1 << 16, mem_type: MemType::Host };
-    p.b.deregister_mem(&bh).unwrap();
+    p.b.deregister_mem(&p.bh).unwrap();
     p.bbuf.fill(0);
     let e = p.a.transfer_sync(&p.peer, TransferOp::Write, &d, T).unwrap_err();
     assert_eq!(e.status, Status::ParamInvalid, "{e}");
@@ -390,7 +392,7 @@ fn deregistered_target_region_is_dropped_from_shm_tables() {
 
 #[test]
 fn engine_allocated_peer_memory_is_copied_through_a_mapping() {
-    let a = engine("127.0.0.1", &[("hixl.transport", "shm")]);
+    let a = engine("127.0.0.1", &[("hixl.backends", "shm")]);
     let b = engine("127.0.0.1:0", &[]);
     let peer = b.local_engine().unwrap();
     let (bh, bmem) = b.alloc(3 << 20).unwrap();
@@ -424,7 +426,7 @@ fn strided_put_get_repacks_and_leaves_padding_alone() {
     use hixl_core::StridedDesc;
     for transport in ["tcp", "shm"] {
         // Force splitting over the streams/threads too.
-        let mut p = pair(1 << 20, &[("hixl.transport", transport), ("hixl.split_bytes", "4096")]);
+        let mut p = pair(1 << 20, &[("hixl.backends", transport), ("hixl.split_bytes", "4096")]);
         fill(&mut p.abuf, 21);
         let (la, rb) = (p.abuf.as_ptr() as u64, p.bbuf.as_ptr() as u64);
         let la = la.div_ceil(64) * 64;
@@ -489,7 +491,7 @@ fn strided_validation_names_field_and_value() {
 
 #[test]
 fn coalesced_small_requests_complete_individually() {
-    let mut p = pair(1 << 20, &[("hixl.coalesce_us", "200"), ("hixl.streams", "1")]);
+    let mut p = pair(1 << 20, &[("hixl.tcp.coalesce_us", "200"), ("hixl.tcp.streams", "1")]);
     fill(&mut p.abuf, 8);
     let (la, rb) = (p.abuf.as_ptr() as u64, p.bbuf.as_ptr() as u64);
     let reqs: Vec<_> = (0..256u64)
@@ -537,7 +539,7 @@ fn connect_with_secrets(
     theirs: Option<&str>,
 ) -> (Engine, Engine, String, hixl_core::Result<()>) {
     fn opt(s: Option<&str>) -> Vec<(&str, &str)> {
-        let mut v = vec![("hixl.transport", "tcp")];
+        let mut v = vec![("hixl.backends", "tcp")];
         if let Some(s) = s {
             v.push(("hixl.secret", s));
         }
@@ -599,7 +601,7 @@ fn cluster_secret_is_mutual_and_never_shown() {
 
 #[test]
 fn read_only_regions_can_be_read_not_written() {
-    let a = engine("127.0.0.1", &[("hixl.transport", "tcp")]);
+    let a = engine("127.0.0.1", &[("hixl.backends", "tcp")]);
     let b = engine("127.0.0.1:0", &[]);
     let mut ro = vec![5u8; 8192];
     let mut local = vec![0u8; 8192];
@@ -634,7 +636,7 @@ fn read_only_regions_can_be_read_not_written() {
 #[test]
 fn lifecycle_deregister_while_a_transfer_uses_the_region() {
     for transport in ["tcp", "shm"] {
-        let mut p = pair(32 << 20, &[("hixl.transport", transport), ("hixl.deregister_timeout_ms", "50")]);
+        let mut p = pair(32 << 20, &[("hixl.backends", transport), ("hixl.deregister_timeout_ms", "50")]);
         let mut local = vec![3u8; 32 << 20];
         let h = unsafe {
             p.a.register_mem(MemDesc { addr: local.as_mut_ptr() as u64, len: 32 << 20 }, MemType::Host)
@@ -659,7 +661,7 @@ fn lifecycle_deregister_while_a_transfer_uses_the_region() {
 #[test]
 fn lifecycle_finalize_with_requests_in_flight_twice_and_after() {
     for transport in ["tcp", "shm"] {
-        let p = pair(32 << 20, &[("hixl.transport", transport)]);
+        let p = pair(32 << 20, &[("hixl.backends", transport)]);
         let d = [TransferOpDesc {
             local_addr: p.abuf.as_ptr() as u64,
             remote_addr: p.bbuf.as_ptr() as u64,
@@ -689,7 +691,7 @@ fn a_range_the_peer_registered_a_moment_ago_is_found() {
     // The initiator learns of the range "out of band" (here: directly) before the peer's
     // table update can have arrived; the engine asks the peer for its table on the miss.
     for transport in ["tcp", "shm"] {
-        let mut p = pair(4096, &[("hixl.transport", transport)]);
+        let mut p = pair(4096, &[("hixl.backends", transport)]);
         fill(&mut p.abuf[..64], 11);
         let la = p.abuf.as_ptr() as u64;
         for _ in 0..50 {

@@ -10,8 +10,8 @@ with any character other than 0-9, a-f, A-F, or one with a pattern (a repeated b
 different characters or steps, a long run counting up or down, digits or letters alone; see
 README, Options): a short or guessable secret could be found offline from a single handshake.
 What this prints is refused with probability under 1e-15. The secret authenticates both ends
-of every stream and keys the MACs of its frames (see docs/PROTOCOL.md); it is never logged or
-shown.
+of every stream and keys the MACs of its frames (see https://github.com/hixl/hixl/blob/main/docs/PROTOCOL.md);
+it is never logged or shown.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ HMAC-SHA256 over the etcd key, the lease the entry is attached to and the entry'
 JSON (rank, role, address, device id, caches, host, pid), under a key derived from the secret
 with its own label (``ENTRY_LABEL``), never the secret itself. A copy moved to another key,
 re-attached to another lease (or to none), or with any field changed does not verify. Without
-a secret nothing can be verified beyond the lease and the rank: docs/RELIABILITY.md, "etcd
-trust model", says what that leaves open.
+a secret nothing can be verified beyond the lease and the rank: "etcd trust model" in
+https://github.com/hixl/hixl/blob/main/docs/RELIABILITY.md says what that leaves open.
 
 An entry is also bound to the life of its key: it names (``created``, under the MAC) the
 revision at which etcd created the key it is under, and a reader takes it only where etcd

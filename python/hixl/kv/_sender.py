@@ -1,7 +1,7 @@
 """Who sent a notification: the engine id the engine reports for the connection it came on
 (``NotifyDesc.peer``), compared with the address this rank knows for a rank. A notification's
-text can name any rank; only its connection says who sent it (docs/RELIABILITY.md,
-"Notifications' sender")."""
+text can name any rank; only its connection says who sent it ("Notifications' sender" in
+https://github.com/hixl/hixl/blob/main/docs/RELIABILITY.md)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Programs written for LLM-DataDist port by changing ``from llm_datadist import ..
 ``Placement.DEVICE`` -> ``Placement.HOST``, device IPs -> host addresses). Unchanged
 programs can keep ``import llm_datadist``: call ``hixl.llm_datadist.install()`` first, or run
 them with ``PYTHONPATH=$(python -m hixl.llm_datadist)``. What is implemented, ignored or
-refused, and how each call maps to hixl: docs/LLM_DATADIST.md.
+refused, and how each call maps to hixl: https://github.com/hixl/hixl/blob/main/docs/LLM_DATADIST.md.
 
 This module's ``LayerSynchronizer`` is LLM-DataDist's (producer side, subclassed by the
 user); ``hixl.kv.LayerTracker`` is hixl's own consumer-side class.

@@ -33,7 +33,8 @@ _BOOL_KEYS = {
 
 class LLMConfig:
     """LLM-DataDist's configuration; ``generate_options()`` gives the options dict that
-    ``LLMDataDist.init`` takes. What each option does on hixl: docs/LLM_DATADIST.md.
+    ``LLMDataDist.init`` takes. What each option does on hixl:
+    https://github.com/hixl/hixl/blob/main/docs/LLM_DATADIST.md.
 
     hixl adds ``hixl_options``: engine options (``hixl.*`` keys, e.g. ``hixl.backends``),
     passed through to the engine."""

@@ -108,8 +108,8 @@ class LLMDataDist:
         rank table without ports) listens at once at its derived address, device_ip and
         llm.hixlDevicePortBase + ge.exec.deviceId, and fails naming it when another process
         holds it; hixl.* keys go to the engine; the rest are accepted and ignored
-        (docs/LLM_DATADIST.md). Values are str, int or bool (True and False read as "1" and
-        "0", as the engine reads them)."""
+        (https://github.com/hixl/hixl/blob/main/docs/LLM_DATADIST.md). Values are str, int or
+        bool (True and False read as "1" and "0", as the engine reads them)."""
         if self._node is not None:
             return
         check(isinstance(options, Mapping), f"options must be a dict, not {type(options).__name__}")

@@ -68,7 +68,7 @@ from ._types import check_layer_range as check_layer_range
 
 class CacheManager(_Allocation, _Transfers, _Copies):
     """Allocates, registers and moves caches. Every failure raises LLMException with an
-    LLMStatusCode; see docs/LLM_DATADIST.md for how each call maps to hixl."""
+    LLMStatusCode. How each call maps to hixl: https://github.com/hixl/hixl/blob/main/docs/LLM_DATADIST.md."""
 
 
 class KvCacheManager(CacheManager):

@@ -1,4 +1,4 @@
-"""One LLMDataDist's state on hixl: an engine (through hixl.datadist's Context: linking,
+"""One LLMDataDist's state on hixl: an engine (through hixl.kv's Context: linking,
 role checks and the directory peers read one-sidedly), its caches and keys as published in
 that directory, and the thread that applies peers' key releases."""
 

@@ -97,7 +97,7 @@ _FROM_HIXL = {
     HixlStatus.FAILED: LLMStatusCode.LLM_FAILED,
 }
 
-#: hixl.datadist's LLM_00200x status strings -> LLM-DataDist's codes.
+#: hixl.kv's LLM_00200x status strings -> LLM-DataDist's codes.
 _FROM_KV_LAYER = {
     "LLM_002001": LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
     "LLM_002002": LLMStatusCode.LLM_PARAM_INVALID,

@@ -496,7 +496,8 @@ class LayerSynchronizer(ABC):
     ``synchronize_layer(k, timeout_in_millis)`` before it sends layer k; it returns True once
     layer k is computed (False, or an exception, fails the task).
 
-    Not hixl.kv.LayerTracker, which is consumer-side (docs/LLM_DATADIST.md)."""
+    Not hixl.kv.LayerTracker, which is consumer-side
+    (https://github.com/hixl/hixl/blob/main/docs/LLM_DATADIST.md)."""
 
     @abstractmethod
     def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:

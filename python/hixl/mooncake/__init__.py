@@ -4,7 +4,7 @@
 Programs written for Mooncake (SGLang's and vLLM's Mooncake backends, ...) run on hixl with
 ``from hixl.mooncake import TransferEngine`` instead of ``from mooncake.engine import
 TransferEngine``, or unchanged through the shim: ``PYTHONPATH=$(python -m hixl.mooncake.shim)``.
-docs/MOONCAKE.md has the porting steps and what each call does here.
+The porting steps and what each call does here: https://github.com/hixl/hixl/blob/main/docs/MOONCAKE.md.
 """
 
 from __future__ import annotations

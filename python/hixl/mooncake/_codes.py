@@ -2,7 +2,8 @@
 
 Mooncake's calls return ``0`` for success and a negative code for failure; the codes below are
 the ones ``mooncake-transfer-engine`` 0.3.13 returns for the same situations (observed against
-that package; docs/MOONCAKE.md lists which call returns which).
+that package; https://github.com/hixl/hixl/blob/main/docs/MOONCAKE.md lists which call returns
+which).
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ def _int(value: Any, what: str) -> int:
 
 
 class TransferEngine(_Transfers):
-    """Mooncake's ``mooncake.engine.TransferEngine`` on hixl: see docs/MOONCAKE.md.
+    """Mooncake's ``mooncake.engine.TransferEngine`` on hixl (see
+    https://github.com/hixl/hixl/blob/main/docs/MOONCAKE.md).
 
     Make one, call ``initialize(local_hostname, metadata_server, protocol, device_name)``, then
     register memory and transfer to sessions ``"host:rpc_port"`` (a peer's hostname and its
@@ -88,8 +89,8 @@ class TransferEngine(_Transfers):
         listens on a free port (``get_rpc_port()``), as Mooncake's does; with any other value
         (``etcd://...``, ``http://...``) hixl needs no metadata service: it listens on the
         hostname's port (default 12001), where peers' sessions ``"host"`` / ``"host:port"``
-        reach it directly. ``protocol`` is a hint (docs/MOONCAKE.md); ``device_name`` is
-        accepted and ignored (hixl picks devices itself).
+        reach it directly. ``protocol`` is a hint (https://github.com/hixl/hixl/blob/main/docs/MOONCAKE.md);
+        ``device_name`` is accepted and ignored (hixl picks devices itself).
         """
         return self.initialize_ext(local_hostname, metadata_server, protocol, device_name, "")
 

@@ -4,7 +4,7 @@
 
 Unchanged programs that do ``from nixl._api import nixl_agent`` can get this implementation
 through the shim directory (``python -m hixl.nixl.shim`` prints it; put it on PYTHONPATH).
-docs/NIXL.md has the coverage table and what is not supported.
+The coverage table and what is not supported: https://github.com/hixl/hixl/blob/main/docs/NIXL.md.
 """
 
 from __future__ import annotations

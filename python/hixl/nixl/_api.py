@@ -4,8 +4,8 @@ Each ``nixl_agent`` owns one hixl engine (``hixl.Hixl``) listening on ``HIXL_NIX
 (default ``127.0.0.1:0``). Agent metadata names that engine; ``add_remote_agent`` connects to
 it in the background, and the first transfer or notification waits for the link. Transfers are
 one batched ``transfer_async`` call each, with the descriptors as one ``(N, 3)`` ``uint64``
-array; notifications are hixl notifications named ``"nixl:" + sender``. docs/NIXL.md lists what
-is implemented, accepted and ignored, or refused.
+array; notifications are hixl notifications named ``"nixl:" + sender``. What is implemented,
+accepted and ignored, or refused: https://github.com/hixl/hixl/blob/main/docs/NIXL.md.
 
 This module holds the agent's configuration, its lifetime (engine, listen thread, close) and its
 plugins and backends; the rest of ``nixl_agent`` comes from one module per responsibility:
@@ -113,7 +113,8 @@ class nixl_agent_config:
     header), and at most ``hixl_listen_thread_max_agents`` agents (default 64) are loaded from
     the listen thread at once (``S`` for a new one over it is refused and logged). With a
     cluster secret (``hixl.secret`` in ``hixl_options`` or ``HIXL_SECRET``) the listen thread
-    and the side-channel calls prove it to each other before any request (docs/NIXL.md).
+    and the side-channel calls prove it to each other before any request
+    (https://github.com/hixl/hixl/blob/main/docs/NIXL.md).
     """
 
     def __init__(
@@ -153,7 +154,7 @@ class nixl_agent_config:
 
 
 class nixl_agent(_Transfers, _Notifs):
-    """A NIXL agent backed by one hixl engine. See docs/NIXL.md for the coverage table."""
+    """A NIXL agent backed by one hixl engine. The coverage table: https://github.com/hixl/hixl/blob/main/docs/NIXL.md."""
 
     def __init__(
         self,

@@ -2,7 +2,8 @@
 
 The engine's own handshake (crates/hixl-core/src/auth.rs) is the model; this is the same idea
 for the side channel, under labels of its own, so that no proof or key of one can stand for one
-of the other (domain separation). docs/PROTOCOL.md, "The NIXL listener", has the byte layout:
+of the other (domain separation). "The NIXL listener" in
+https://github.com/hixl/hixl/blob/main/docs/PROTOCOL.md has the byte layout:
 
 1. the client sends ``H`` with a fresh 32-byte nonce ``ni``;
 2. the listener answers ``C``: a fresh nonce ``nt`` and its proof;

@@ -13,7 +13,7 @@ Kinds: ``S`` here is my metadata (the receiver loads it), ``F`` send me yours (a
 payload. Every socket operation has a timeout; one connection carries one request. A frame is
 at most `frame_cap` of the regions the listener takes (``hixl_listen_thread_max_regions``).
 With a cluster secret the request is preceded by the challenge-response of ``_auth`` (``H``,
-``C``, ``P``) and the request and its reply end with a MAC (docs/PROTOCOL.md).
+``C``, ``P``) and the request and its reply end with a MAC (https://github.com/hixl/hixl/blob/main/docs/PROTOCOL.md).
 """
 
 from __future__ import annotations

@@ -24,9 +24,6 @@ pub struct BackendDecl {
     pub baseline: &'static str,
     /// Its own options (`hixl.NAME.*`), in the order `hixl info` lists them.
     pub options: &'static [OptionSpec],
-    /// Whether the deprecated `hixl.transport` accepts it as a value (it only ever named `shm`
-    /// and `tcp`; `hixl.backends` took its place).
-    pub legacy_transport: bool,
     /// What this host tells about it without a peer, for `hixl info` (`no_host_facts` when
     /// nothing).
     pub host_facts: fn() -> HostFacts,

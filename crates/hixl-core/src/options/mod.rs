@@ -26,17 +26,6 @@ pub const SECRET_ENV: &str = "HIXL_SECRET";
 
 pub use decl::{backends_help, no_host_facts, BackendDecl, HostFacts, Reach};
 
-/// Old option keys that still work, with the key that replaced each: the first use of one
-/// in a process logs a deprecation warning. `hixl.transport`'s values map onto backend lists
-/// (auto: every built backend; shm; tcp).
-pub const ALIASES: &[(&str, &str)] = &[
-    ("hixl.transport", "hixl.backends"),
-    ("hixl.streams", "hixl.tcp.streams"),
-    ("hixl.coalesce_us", "hixl.tcp.coalesce_us"),
-    ("hixl.coalesce_max_ops", "hixl.tcp.coalesce_max_ops"),
-    ("hixl.shm_threads", "hixl.shm.threads"),
-];
-
 /// `hixl.backends` as a list of this build's backends (`built`, fastest first); `auto` is every
 /// one of them in that order.
 fn backends(key: &str, v: &str, built: &[&str]) -> Result<Vec<String>> {
@@ -58,35 +47,6 @@ fn backends(key: &str, v: &str, built: &[&str]) -> Result<Vec<String>> {
         }
     }
     Ok(out)
-}
-
-/// Translates a deprecated key (and `hixl.transport`'s value) to its replacement, logging once.
-fn canonical(key: &str, value: &str, decls: &[&BackendDecl]) -> Result<(String, String)> {
-    let Some((_, new)) = ALIASES.iter().find(|(old, _)| *old == key) else {
-        return Ok((key.to_string(), value.to_string()));
-    };
-    static WARNED: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
-    {
-        let mut w = WARNED.lock().unwrap();
-        if !w.contains(new) {
-            w.push(new);
-            tracing::warn!("option {key} is deprecated: use {new} (it keeps working)");
-        }
-    }
-    let value = if key == "hixl.transport" {
-        let v = value.trim().to_ascii_lowercase();
-        let legacy: Vec<&str> = decls.iter().filter(|d| d.legacy_transport).map(|d| d.name).collect();
-        if v != "auto" && !legacy.contains(&v.as_str()) {
-            return Err(Error::param(format!(
-                "option hixl.transport={value:?} is invalid: expected auto, {} (or use hixl.backends)",
-                legacy.join(" or ")
-            )));
-        }
-        v
-    } else {
-        value.to_string()
-    };
-    Ok((new.to_string(), value))
 }
 
 /// Parsed options with their defaults.
@@ -481,20 +441,19 @@ impl Options {
                 given.push((key.to_string(), v.clone(), k.as_str()));
                 continue;
             }
-            let (key, value) = canonical(k, v, decls)?;
-            if let Some((_, _, first)) = given.iter().find(|(g, _, _)| *g == key) {
+            // A HIXL key taken above may already set this one.
+            if let Some((_, _, first)) = given.iter().find(|(g, _, _)| g == k) {
                 return Err(Error::param(format!(
-                    "options {first:?} and {k:?} set the same thing ({key}): give one of them"
+                    "options {first:?} and {k:?} set the same thing ({k}): give one of them"
                 )));
             }
-            given.push((key, value, k.as_str()));
+            given.push((k.clone(), v.clone(), k.as_str()));
         }
         given.sort();
         for (key, v, k) in &given {
-            // Errors name the key as the caller spelt it (an old alias included).
+            // Errors name the key as the caller spelt it (a HIXL key included).
             let Some(spec) = rows(decls).find(|s| s.key == key) else {
-                let mut known: Vec<_> = rows(decls).map(|s| s.key).collect();
-                known.extend(ALIASES.iter().map(|a| a.0));
+                let known: Vec<_> = rows(decls).map(|s| s.key).collect();
                 let hixl_keys = compat::COMPAT.iter().map(|c| c.key);
                 let hint = suggest::closest(k, known.iter().copied().chain(hixl_keys))
                     .map_or(String::new(), |c| format!(" (did you mean {c:?}?)"));

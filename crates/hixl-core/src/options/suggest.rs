@@ -17,16 +17,24 @@ fn distance(a: &str, b: &str) -> usize {
     row[b.len()]
 }
 
+/// The last dotted segment of a key (`streams` of `hixl.tcp.streams`), ASCII case folded.
+fn leaf(key: &str) -> String {
+    key.rsplit('.').next().unwrap_or(key).to_ascii_lowercase()
+}
+
 /// The candidate closest to `word`, when it is close enough to be a likely misspelling (at most
-/// a third of `word`'s length apart, and at most 4 edits); ties go to the first.
+/// a third of `word`'s length apart, and at most 4 edits). Among the equally close, one that
+/// ends in `word`'s last segment goes first (`hixl.streams`: `hixl.tcp.streams`, a backend's
+/// key given without its backend, before `hixl.max_streams`); then the first.
 pub(crate) fn closest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
     let limit = (word.len() / 3).clamp(1, 4);
+    let word_leaf = leaf(word);
     candidates
         .into_iter()
-        .map(|c| (distance(word, c), c))
-        .filter(|(d, _)| *d <= limit)
-        .min_by_key(|(d, _)| *d)
-        .map(|(_, c)| c)
+        .map(|c| (distance(word, c), leaf(c) != word_leaf, c))
+        .filter(|(d, _, _)| *d <= limit)
+        .min_by_key(|(d, other_leaf, _)| (*d, *other_leaf))
+        .map(|(_, _, c)| c)
 }
 
 #[cfg(test)]
@@ -35,11 +43,17 @@ mod tests {
 
     #[test]
     fn the_closest_known_key_is_suggested_and_far_ones_are_not() {
-        let keys = ["hixl.streams", "hixl.tcp.streams", "hixl.queue_depth", "hixl.secret"];
-        assert_eq!(closest("hixl.stream", keys), Some("hixl.streams"));
+        let keys = ["hixl.max_streams", "hixl.tcp.streams", "hixl.queue_depth", "hixl.secret"];
+        assert_eq!(closest("hixl.max_stream", keys), Some("hixl.max_streams"));
         assert_eq!(closest("HIXL.QUEUE-DEPTH", keys), Some("hixl.queue_depth"));
         assert_eq!(closest("hixl.tcp.stream", keys), Some("hixl.tcp.streams"));
         assert_eq!(closest("hixl.nope", keys), None);
+        // Both 4 edits away: the one with the same last segment wins, in either order.
+        assert_eq!(closest("hixl.streams", keys), Some("hixl.tcp.streams"));
+        assert_eq!(
+            closest("hixl.streams", ["hixl.tcp.streams", "hixl.max_streams"]),
+            Some("hixl.tcp.streams")
+        );
         assert_eq!(distance("kitten", "sitting"), 3);
         assert_eq!(distance("", "abc"), 3);
     }

@@ -37,7 +37,7 @@ use crate::types::{
 /// and a negative, NaN or infinite value raises `ParamInvalid`. Left out (None), a call takes
 /// the engine's option, `hixl.transfer_timeout_ms` (default 10000) or
 /// `hixl.connect_timeout_ms` (default 3000), as each method says. Errors are subclasses of
-/// `hixl.HixlError`. The repository's docs/API.md is the full reference.
+/// `hixl.HixlError`. The full reference: <https://github.com/hixl/hixl/blob/main/docs/API.md>.
 #[pyclass(frozen, module = "hixl._hixl", subclass)]
 pub struct Hixl {
     pub(crate) engine: Arc<Engine>,
@@ -275,7 +275,8 @@ impl Hixl {
     /// - `desc` (MemDesc): the range, `MemDesc(addr, length)`.
     /// - `mem_type` (MemType, default `MemType.HOST`): where the memory lives. `MemType.DEVICE`:
     ///   CUDA device memory, checked by the driver (it becomes `cuda:N`, `MemHandle.domain`);
-    ///   without CUDA it raises `Unsupported` saying CUDA was not found (docs/DEVICE.md).
+    ///   without CUDA it raises `Unsupported` saying CUDA was not found
+    ///   (<https://github.com/hixl/hixl/blob/main/docs/DEVICE.md>).
     /// - `access` (str, default "rw"): "rw": peers may READ and WRITE it. "r": peers may only READ
     ///   it; a peer's WRITE into it is refused (`ParamInvalid`).
     /// - `name` (str or None, default None): a name, at most 255 bytes and unique within this

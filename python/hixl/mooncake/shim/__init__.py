@@ -1,6 +1,6 @@
 """The shim directory: put ``python -m hixl.mooncake.shim``'s output on PYTHONPATH and
 unchanged programs that do ``from mooncake.engine import TransferEngine`` get hixl's
-implementation (see docs/MOONCAKE.md).
+implementation (see https://github.com/hixl/hixl/blob/main/docs/MOONCAKE.md).
 
 Where the real Mooncake package is installed too, the shim steps aside and hands over to it
 unless ``HIXL_MOONCAKE_SHIM=1`` is set; ``HIXL_MOONCAKE_SHIM=0`` turns it off (``import

@@ -1,5 +1,5 @@
 """The shim directory: put ``python -m hixl.nixl.shim``'s output on PYTHONPATH and unchanged
-programs that ``import nixl`` get hixl's implementation (see docs/NIXL.md).
+programs that ``import nixl`` get hixl's implementation (see https://github.com/hixl/hixl/blob/main/docs/NIXL.md).
 
 Where the real NIXL is installed too, the shim steps aside and hands over to it unless
 ``HIXL_NIXL_SHIM=1`` is set; ``HIXL_NIXL_SHIM=0`` turns it off (``import nixl`` then fails or

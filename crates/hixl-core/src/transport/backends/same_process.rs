@@ -39,7 +39,6 @@ pub(crate) const DECL: BackendDecl = BackendDecl {
     cli: false,
     baseline: "memcpy",
     options: &[],
-    legacy_transport: false,
     host_facts: no_host_facts,
 };
 

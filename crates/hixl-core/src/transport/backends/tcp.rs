@@ -62,7 +62,6 @@ pub(crate) const DECL: BackendDecl = BackendDecl {
             }
         }),
     ],
-    legacy_transport: true,
     host_facts: no_host_facts,
 };
 

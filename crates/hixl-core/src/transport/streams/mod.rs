@@ -232,7 +232,7 @@ impl TcpLink {
                 info = Some(pi);
             }
         }
-        let info = info.ok_or_else(|| Error::param("hixl.streams must be at least 1"))?;
+        let info = info.ok_or_else(|| Error::param("hixl.tcp.streams must be at least 1"))?;
         let mut streams = Vec::with_capacity(socks.len());
         for (lane, (sock, (tx, rx))) in socks.into_iter().zip(macs).enumerate() {
             nbio::prepare(&sock).map_err(|e| Error::not_connected(format!("stream to {peer}: {e}")))?;

@@ -35,7 +35,6 @@ pub(crate) const DECL: BackendDecl = BackendDecl {
     cli: true,
     baseline: "cma",
     options: &[],
-    legacy_transport: false,
     host_facts: no_host_facts,
 };
 

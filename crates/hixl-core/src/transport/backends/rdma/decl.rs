@@ -59,6 +59,5 @@ pub(crate) const DECL: BackendDecl = BackendDecl {
             Ok(())
         }),
     ],
-    legacy_transport: false,
     host_facts: super::host_facts,
 };

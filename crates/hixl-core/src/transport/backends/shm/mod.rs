@@ -60,7 +60,6 @@ pub(crate) const DECL: BackendDecl = BackendDecl {
             Ok(())
         },
     )],
-    legacy_transport: true,
     host_facts,
 };
 /// What `hixl info` tells of `shm` here: with Yama's `ptrace_scope` above 0, cross-memory
