@@ -818,3 +818,37 @@ def test_without_the_shim_import_nixl_is_not_hixl(tmp_path):
         env={**clean, "HIXL_NIXL_SHIM": "1"},
     )
     assert "True" not in r.stdout, "hixl's nixl took effect without the shim on the path"
+
+
+def test_a_dead_remote_agent_is_reported_within_a_second(procs, agents):
+    """An agent whose process died is reported dead (nixlRemoteDisconnectError, or the
+    transfer ends ERR) within a second, not after _CONNECT_WAIT_S (10 s), as NIXL does."""
+    size = 1 << 20
+    peer = procs(HERE / "_nixl_peer.py", "victim", size, "HIXL_TCP")
+    tag, md_hex = peer.line().split()
+    md = bytes.fromhex(md_hex)
+    me = agents("survivor", nixl_agent_config(backends=["HIXL_TCP"]))
+    src = seeded((size,), 6)
+    me.register_memory(src)
+    name = me.add_remote_agent(md)
+    remote_addr = json.loads(md[len(b"HIXLNIXL1\n") :])["regions"][0][0]
+    remote = me.get_xfer_descs([(remote_addr, size, 0)], "DRAM")
+    h = me.initialize_xfer("WRITE", me.get_xfer_descs(src), remote, name, b"w")
+    me.transfer(h)
+    assert wait_done(me, h) == "DONE"
+    peer.p.kill()
+    peer.p.wait()
+    took = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        try:
+            h = me.initialize_xfer("WRITE", me.get_xfer_descs(src), remote, name, b"x")
+            state = me.transfer(h)
+            if state != "ERR":
+                state = wait_done(me, h)
+            assert state == "ERR", state
+        except nixl.nixlRemoteDisconnectError:
+            pass
+        took.append(time.monotonic() - t0)
+    print(f"nixl: dead remote agent reported after {', '.join(f'{t:.3f}' for t in took)} s")
+    assert max(took) < 1.0, took

@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 
-from . import _hixl
+from . import _hixl, _place
 
 #: hixl level rank (0 ERROR .. 3 DEBUG) -> logging level.
 LEVELS = [logging.ERROR, logging.WARNING, logging.INFO, logging.DEBUG]
@@ -74,8 +74,15 @@ _stop = threading.Event()
 
 
 def _drain_forever() -> None:
+    pinned = None
     while not _stop.is_set():
         _running.wait(0.2)
+        # Started at import, before any engine: follows the last initialized engine's CPUs
+        # (initialize wakes this thread).
+        cpus = _hixl._process_cpus()
+        if cpus != pinned:
+            _place.pin_me(cpus)
+            pinned = cpus
         if not _running.is_set():
             continue
         # A record wakes the wait at once, and _at_exit wakes it with _log_wake: an idle
@@ -121,7 +128,7 @@ def set_log_level(level: str) -> None:
 
 
 def _start_drainer() -> threading.Thread:
-    t = threading.Thread(target=_drain_forever, name="hixl-log", daemon=True)
+    t = _place.thread(_drain_forever, name="hixl-log")
     t.start()
     return t
 

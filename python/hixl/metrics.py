@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
+from . import _place
 from ._hixl import Hixl, metrics_text
 
 __all__ = ["CONTENT_TYPE", "MetricsServer", "collector", "serve", "text"]
@@ -177,9 +178,7 @@ class MetricsServer:
                 f"hixl.metrics.serve: cannot listen on {host}:{port}: {exc.strerror or exc} "
                 "(port=0 picks a free one)",
             ) from exc
-        self._thread = threading.Thread(
-            target=self._http.serve_forever, args=(0.25,), name="hixl-metrics", daemon=True
-        )
+        self._thread = _place.thread(self._http.serve_forever, args=(0.25,), name="hixl-metrics")
         self._thread.start()
 
     @property

@@ -88,6 +88,7 @@ pub mod metrics;
 mod notify;
 mod op;
 mod options;
+pub mod place;
 mod queue;
 mod registry;
 mod stats;

@@ -129,6 +129,13 @@ fn metrics_text(py: Python<'_>, engines: Vec<PyRef<'_, engine::Hixl>>, max_peers
     })
 }
 
+/// Internal (hixl's Python threads): the CPU set of the engine initialized last in this
+/// process (see `Hixl.cpus`), None before any.
+#[pyfunction]
+fn _process_cpus() -> Option<std::collections::BTreeSet<usize>> {
+    hixl_core::place::last().map(|c| c.iter().copied().collect())
+}
+
 /// Internal (hixl.aio): the completion queue's file descriptor, readable while tokens wait.
 #[pyfunction]
 fn _completion_fd() -> PyResult<i32> {
@@ -259,6 +266,7 @@ fn _hixl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // hixl's own internals (its Python modules, `hixl bench` and benches/ import them by
     // name), kept out of `__all__`, which lists the public names only.
     add_internal(m, wrap_pyfunction!(_completion_fd, m)?)?;
+    add_internal(m, wrap_pyfunction!(_process_cpus, m)?)?;
     add_internal(m, wrap_pyfunction!(_drain_completions, m)?)?;
     add_internal(m, wrap_pyfunction!(_log_take, m)?)?;
     add_internal(m, wrap_pyfunction!(_log_wake, m)?)?;

@@ -218,20 +218,18 @@ pub(crate) fn connect_interruptibly(
     let gate = Arc::new(Mutex::new(false)); // true: the caller gave up
     let (tx, rx) = std::sync::mpsc::channel();
     let (e2, gate2, peer) = (e.clone(), gate.clone(), remote.to_string());
-    std::thread::Builder::new()
-        .name("hixl-py-connect".into())
-        .spawn(move || {
-            let res = e2.connect(&peer, t);
-            let abandoned = gate2.lock().unwrap();
-            if *abandoned {
-                if res.is_ok() {
-                    let _ = e2.disconnect(&peer, Duration::ZERO);
-                }
-            } else {
-                let _ = tx.send(res);
+    hixl_core::place::spawn("hixl-py-connect".into(), move || {
+        let res = e2.connect(&peer, t);
+        let abandoned = gate2.lock().unwrap();
+        if *abandoned {
+            if res.is_ok() {
+                let _ = e2.disconnect(&peer, Duration::ZERO);
             }
-        })
-        .map_err(|err| errors::failed(format!("cannot start the connect thread: {err}")))?;
+        } else {
+            let _ = tx.send(res);
+        }
+    })
+    .map_err(|err| errors::failed(format!("cannot start the connect thread: {err}")))?;
     let rx = Mutex::new(rx); // allow_threads needs Sync
     loop {
         match py.allow_threads(|| rx.lock().unwrap().recv_timeout(SLICE)) {

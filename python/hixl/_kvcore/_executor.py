@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .. import _arrivals, _completions
+from .. import _arrivals, _completions, _place
 from .._hixl import TransferStatus, _completion_fd
 from ._window import WAIT_MARGIN_MS, Ask, Entry, Requests
 
@@ -175,7 +175,7 @@ class Executor:
 
     def _start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="hixl-kv-executor", daemon=True)
+            self._thread = _place.thread(self._loop, name="hixl-kv-executor")
             self._thread.start()
 
     def _wake(self) -> None:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
+
+from .. import _place
 
 
 def in_parallel(job: Callable[[int], None], n: int, name: str) -> None:
     """Runs ``job(0)`` ... ``job(n - 1)`` each on a daemon thread called `name` and waits for
     all of them. `job` keeps its own results and errors: one that escapes is that thread's."""
-    threads = [threading.Thread(target=job, args=(i,), name=name, daemon=True) for i in range(n)]
+    threads = [_place.thread(job, args=(i,), name=name) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _place
 from .._errors import Failed, HixlError, NotConnected, ParamInvalid, Timeout
 from .._hixl import Hixl, MemType
 from .._kvcore._cache import deregister
@@ -153,8 +154,8 @@ class Context:
                 peer = None
         if peer is not None:
             # disconnect may wait for transfers in flight: not on the watch thread
-            threading.Thread(
-                target=self._disconnect, args=(peer.address,), name="hixl-kv-unlink", daemon=True
+            _place.thread(
+                self._disconnect, args=(peer.address,), name="hixl-kv-unlink", engine=self.engine
             ).start()
 
     def _disconnect(self, address: str) -> None:

@@ -42,6 +42,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from .. import _peertext as pt
+from .. import _place
 from .._errors import NotConnected, ParamInvalid
 from .._redact import redact_url
 from .._typing import Options, OptionValue
@@ -305,7 +306,7 @@ class Discovery:
             ("hixl-discovery-lease", self._keepalive_loop),
             ("hixl-discovery-watch", lambda: self._watch_loop(rev + 1)),
         ):
-            t = threading.Thread(target=fn, name=name, daemon=True)
+            t = _place.thread(fn, name=name)
             t.start()
             self.threads.append(t)
 

@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .. import _place
 from .._errors import HixlError
 from .._hixl import Hixl
 from .._kvcore._links import in_parallel
@@ -427,7 +428,7 @@ class LLMDataDist:
             job.status = RegisterMemStatus.FAILED if bad else RegisterMemStatus.OK
 
         del node
-        threading.Thread(target=run, name="hixl-lldd-link", daemon=True).start()
+        _place.thread(run, name="hixl-lldd-link").start()
         return comm_id
 
     def _listen_at(self, node: Node, address: str) -> None:

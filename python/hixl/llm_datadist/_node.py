@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .. import _peertext as peertext
+from .. import _place
 from .._errors import AlreadyConnected, HixlError
 from .._hixl import MemHandle, NotifyDesc, TransferOp
 from .._kvcore._cache import deregister, register_tensors
@@ -149,8 +150,8 @@ class Node:
         self.thread = self._start()
 
     def _start(self) -> threading.Thread:
-        t = threading.Thread(
-            target=self._serve, args=(self.ctx.engine,), name="hixl-lldd-release", daemon=True
+        t = _place.thread(
+            self._serve, args=(self.ctx.engine,), name="hixl-lldd-release", engine=self.ctx.engine
         )
         t.start()
         return t

@@ -5,10 +5,10 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
+from .. import _place
 from .._errors import HixlError
 from .._errors import Timeout as HixlTimeout
 from .._hixl import TransferOp
@@ -371,5 +371,5 @@ class _Transfers(_ManagerBase):
             finally:
                 task._finish()
 
-        threading.Thread(target=run, name="hixl-lldd-layerwise", daemon=True).start()
+        _place.thread(run, name="hixl-lldd-layerwise").start()
         return task

@@ -30,6 +30,11 @@ from ._codes import (
 from ._protocol import log
 from ._types import TransferNotify, TransferOpcode
 
+#: How long a connect to a session linked before may take: a live session that restarted
+#: answers within it; a dead one is reported at once (the first contact waits
+#: ``HIXL_MOONCAKE_CONNECT_TIMEOUT_S`` for the peer to come up).
+_RELINK_MS = 300
+
 if TYPE_CHECKING:
     from .._hixl import Hixl
 
@@ -97,6 +102,9 @@ class _Transfers:
 
     def _init_batches(self) -> None:
         self._linked: dict[str, str] = {}
+        # hixl addresses linked once: a session whose link died since is probed briefly
+        # (_RELINK_MS) and reported dead at once, as Mooncake reports a refused connection.
+        self._was_linked: set[str] = set()
         self._connect_locks: dict[str, threading.Lock] = {}
         self._batches: dict[int, Any] = {}  # TransferReq, _DONE or _FAILED
         self._ids = itertools.count(1)
@@ -130,14 +138,18 @@ class _Transfers:
                 if status != AsyncConnectStatus.CONNECTED:
                     if status == AsyncConnectStatus.CONNECT_FAILED:
                         self._drop(engine, addr)
+                    wait_s = _protocol.connect_timeout_s()
+                    if addr in self._was_linked:
+                        wait_s = _RELINK_MS / 1000
                     try:
-                        engine.connect(addr, timeout_ms=_protocol.connect_timeout_s() * 1000)
+                        engine.connect(addr, timeout_ms=wait_s * 1000)
                     except AlreadyConnected:
                         pass
             except HixlError as e:
                 log.error("%s: session %r (%s) unreachable: %s", call, session, addr, e.message)
                 return None
             self._linked[session] = addr
+            self._was_linked.add(addr)
         return addr
 
     @staticmethod

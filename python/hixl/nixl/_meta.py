@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import _peertext
+from .. import _peertext, _place
 from . import _auth
 from ._bindings import nixlInvalidParamError
 
@@ -327,7 +327,7 @@ class Listener:
         self._conns: dict[socket.socket, bool] = {}
         self._cuts, self._warn_at = 0, 0.0
         self._serving: set[threading.Thread] = set()
-        self._thread = threading.Thread(target=self._run, name="hixl-nixl-listen", daemon=True)
+        self._thread = _place.thread(self._run, name="hixl-nixl-listen")
         self._thread.start()
 
     def _admit(self, conn: socket.socket, peer: str) -> bool:
@@ -374,9 +374,7 @@ class Listener:
             if not self._admit(conn, peer):
                 conn.close()
                 continue
-            t = threading.Thread(
-                target=self._serve, args=(conn, peer), name="hixl-nixl-serve", daemon=True
-            )
+            t = _place.thread(self._serve, args=(conn, peer), name="hixl-nixl-serve")
             with self._lock:
                 self._serving = {x for x in self._serving if x.is_alive()}
                 self._serving.add(t)

@@ -5,12 +5,12 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 import numpy as np
 
+from .. import _place
 from .._errors import HixlError, Status
 from .._hixl import AsyncConnectStatus
 from . import _auth, _meta
@@ -34,10 +34,13 @@ _PROBE_MS = 300
 
 
 class _Remote:
-    __slots__ = ("name", "engine", "starts", "ends", "ready")
+    __slots__ = ("name", "engine", "starts", "ends", "ready", "was_linked")
 
     def __init__(self, name: str, engine: str, regions: list[list[int]]) -> None:
         self.name, self.engine, self.ready = name, engine, False
+        # Linked once: a link that died since, or a refused connect, means a dead agent (NIXL
+        # reports it at once); only the first connect waits for the agent to come up.
+        self.was_linked = False
         self.starts = np.zeros(0, np.uint64)
         self.ends = np.zeros(0, np.uint64)
         self.add_regions(regions)
@@ -140,6 +143,7 @@ class _Metadata(_Memory):
                     nr.add_regions(doc["regions"])
                 if r is not None:
                     nr.ready = r.ready
+                    nr.was_linked = r.was_linked
                 self._remotes[name] = nr
                 if wire and r is None:
                     self._wire_agents.add(name)
@@ -189,23 +193,27 @@ class _Metadata(_Memory):
         """Waits for the link to r's engine (opened in the background by add_remote_agent)."""
         if r.ready:
             return
-        deadline = time.monotonic() + _CONNECT_WAIT_S
+        # An agent linked before whose link died: one short probe (a live agent that restarted
+        # answers it), else reported dead at once, as NIXL does; only the first connect to an
+        # agent waits up to _CONNECT_WAIT_S for it to come up.
+        wait_s = _PROBE_MS / 1000 if r.was_linked else _CONNECT_WAIT_S
+        deadline = time.monotonic() + wait_s
         while True:
             st = self._engine.get_async_connect_status(r.engine)
             if st == AsyncConnectStatus.CONNECTED:
-                r.ready = True
+                r.ready = r.was_linked = True
                 return
             if st == AsyncConnectStatus.CONNECTING and time.monotonic() < deadline:
                 time.sleep(0.001)
                 continue
             try:
-                left = max(deadline - time.monotonic(), 0.5)
+                left = max(deadline - time.monotonic(), min(wait_s, 0.5))
                 self._engine.connect(r.engine, timeout_ms=left * 1000)
-                r.ready = True
+                r.ready = r.was_linked = True
                 return
             except HixlError as e:
                 if e.status == Status.ALREADY_CONNECTED:
-                    r.ready = True
+                    r.ready = r.was_linked = True
                     return
                 raise from_hixl(
                     e, f"connecting to agent {r.name!r} at {r.engine}", nixlRemoteDisconnectError
@@ -275,7 +283,7 @@ class _Metadata(_Memory):
             except Exception as e:
                 log.warning("hixl.nixl agent %s: %s failed: %s", self.name, what, e)
 
-        t = threading.Thread(target=run, name="hixl-nixl-md", daemon=True)
+        t = _place.thread(run, name="hixl-nixl-md")
         with self._lock:
             self._threads = [x for x in self._threads if x.is_alive()]
             self._threads.append(t)

@@ -178,9 +178,9 @@ impl Engine {
         let r2 = r.clone();
         let mut connects = r.connects.lock().unwrap();
         connects.retain(|h| !h.is_finished());
-        let h = std::thread::Builder::new()
-            .name("hixl-connect".into())
-            .spawn(move || {
+        let h = r
+            .reactor
+            .spawn("hixl-connect".into(), move || {
                 let res = Self::open_link(&r2, &key, addr, timeout);
                 let _ = Self::finish_connect(&r2, &key, res, true);
             })

@@ -284,7 +284,7 @@ impl Rescue for Failover {
                 *st = State::Moving { from, waiting };
                 drop(st);
                 let (me, why) = (self.me.clone(), why.clone());
-                let spawned = std::thread::Builder::new().name("hixl-failover".into()).spawn(move || {
+                let spawned = crate::place::spawn("hixl-failover".into(), move || {
                     if let Some(f) = me.upgrade() {
                         f.move_on(why);
                     }

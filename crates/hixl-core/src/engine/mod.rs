@@ -172,7 +172,8 @@ impl Engine {
             return Err(Error::failed("the engine was finalized; create a new one"));
         }
         let registry = Arc::new(Registry::new());
-        let reactor = Reactor::start(opts.io_workers(), opts.busy_poll)?;
+        let cpus = crate::place::capture(opts.cpus.as_deref())?;
+        let reactor = Reactor::start(opts.io_workers(), opts.busy_poll, Some(cpus))?;
         let notifies = Arc::new(NotifyStore::new(opts.notify_limits));
         let pid = std::process::id();
         let host = shm::host_id();
@@ -250,6 +251,13 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// The CPUs every thread of the engine runs on (`hixl.cpus`, `HIXL_CPUS`, or the set the
+    /// thread calling `initialize` could use), ascending: threads the host starts for the
+    /// engine should run there too.
+    pub fn cpus(&self) -> Result<Vec<usize>> {
+        Ok(self.running()?.reactor.cpus().map(|c| c.to_vec()).unwrap_or_default())
     }
 
     /// The deadlines a call that gives none gets: (`hixl.transfer_timeout_ms`,

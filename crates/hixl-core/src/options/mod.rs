@@ -99,6 +99,9 @@ pub struct Options {
     /// `hixl.heartbeat_ms`: idle links are probed this often; a peer silent for three
     /// intervals is declared dead (zero: off).
     pub heartbeat: Duration,
+    /// `hixl.cpus`: where hixl's threads run, as given (checked and read at `initialize`,
+    /// with `HIXL_CPUS`, by `place::capture`).
+    pub cpus: Option<String>,
     /// `hixl.data_mac`: on sealed streams, MAC every transfer's bytes too (needs a secret).
     pub data_mac: bool,
     /// `hixl.max_pending_handshakes`: most accepted streams whose handshake has not ended.
@@ -322,6 +325,16 @@ pub const SPECS: &[OptionSpec] = &[
             Ok(())
         },
     ),
+    spec(
+        "hixl.cpus",
+        "",
+        "CPUs (a list such as 0-3,6) every hixl thread runs on; env HIXL_CPUS; default: those \
+         the thread calling initialize may use",
+        |o, _k, v| {
+            o.cpus = Some(v.to_string());
+            Ok(())
+        },
+    ),
 ];
 
 /// Every option row: [`SPECS`], then each backend's own, in the order of `decls`.
@@ -399,6 +412,7 @@ impl Options {
             coalesce_max_ops: 0,
             secret: None,
             heartbeat: Duration::ZERO,
+            cpus: None,
             data_mac: false,
             max_pending_handshakes: 0,
             max_pending_per_source: 0,

@@ -75,7 +75,7 @@ fn deadlines() -> &'static Deadlines {
             changed: Condvar::new(),
         }));
         // One thread for the process, asleep until the earliest deadline.
-        let _ = std::thread::Builder::new().name("hixl-deadlines".into()).spawn(move || d.run());
+        let _ = crate::place::spawn("hixl-deadlines".into(), move || d.run());
         d
     })
 }

@@ -7,7 +7,7 @@
 //! # Design
 //!
 //! - Most calls are memory-safe whatever their arguments once the wrapper owns the pointers
-//!   it passes: epoll ([`epoll`]), eventfds ([`eventfd`]), socket options, peer credentials
+//!   it passes: CPU affinity ([`affinity`]), epoll ([`epoll`]), eventfds ([`eventfd`]), socket options, peer credentials
 //!   and descriptor passing ([`sockio`]), pidfds ([`pidfd`]), memfd creation, sealing and
 //!   mapping ([`memfd`], whose [`memfd::Mapping`] unmaps itself on drop), and the small calls
 //!   below. Those wrappers are safe functions. A raw descriptor number (`RawFd`) is not a
@@ -31,6 +31,7 @@
 //! - Hot-path wrappers are `#[inline]` and allocate nothing: they are the call they wrap plus
 //!   the `errno` translation the call sites had.
 
+pub(crate) mod affinity;
 pub(crate) mod epoll;
 pub(crate) mod eventfd;
 pub(crate) mod iovs;

@@ -116,6 +116,15 @@ pub(crate) fn queued_bytes(fd: RawFd) -> Option<usize> {
     (r == 0).then_some(n as usize)
 }
 
+/// Bytes received on a socket and not read yet (FIONREAD, SIOCINQ), or None.
+#[inline]
+pub(crate) fn unread_bytes(fd: RawFd) -> Option<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD (SIOCINQ) writes one c_int to the pointer, which is live.
+    let r = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n as *mut libc::c_int) };
+    (r == 0).then_some(n as usize)
+}
+
 /// shutdown(2) in both directions; on a closed descriptor it only fails.
 pub(crate) fn shutdown(fd: RawFd) {
     // SAFETY: touches no memory.

@@ -222,7 +222,10 @@ impl Hixl {
             opts.insert(key.clone(), types::option_text(&key, &v)?);
         }
         let e = self.engine.clone();
-        py.allow_threads(|| e.initialize(&local_engine, &opts)).map_err(to_py)
+        py.allow_threads(|| e.initialize(&local_engine, &opts)).map_err(to_py)?;
+        // The log drainer (started at import, before any engine) moves to the engine's CPUs.
+        hixl_core::log::init_queue().wake();
+        Ok(())
     }
 
     /// This engine's id, the address peers `connect` to: the bound "ip:port" of a listening
@@ -232,6 +235,15 @@ impl Hixl {
     #[getter]
     fn local_engine(&self) -> PyResult<String> {
         self.engine.local_engine().map_err(to_py)
+    }
+
+    /// The CPUs every thread of the engine runs on (`hixl.cpus`, `HIXL_CPUS`, or the set the
+    /// thread calling `initialize` could use), as a set: threads the caller starts for the
+    /// engine (hixl's Python layers do) should pin themselves there.
+    ///
+    /// Raises `Failed` before `initialize` and after `finalize`. Does not block.
+    fn cpus(&self) -> PyResult<std::collections::BTreeSet<usize>> {
+        self.engine.cpus().map(|c| c.into_iter().collect()).map_err(to_py)
     }
 
     /// Stops the engine and releases what it holds.

@@ -121,9 +121,7 @@ impl Gpu {
             free_events: Mutex::new(Vec::new()),
         });
         let s2 = shared.clone();
-        let h = std::thread::Builder::new()
-            .name("hixl-cuda-done".into())
-            .spawn(move || s2.run())
+        let h = crate::place::spawn("hixl-cuda-done".into(), move || s2.run())
             .map_err(|e| Error::failed(format!("cannot start thread hixl-cuda-done: {e}")))?;
         Ok(Arc::new(Gpu {
             shared,

@@ -153,6 +153,11 @@ pub fn queued_bytes(fd: RawFd) -> Option<usize> {
     sockio::queued_bytes(fd)
 }
 
+/// Bytes a socket received that nobody read yet, or None.
+pub fn unread_bytes(fd: RawFd) -> Option<usize> {
+    sockio::unread_bytes(fd)
+}
+
 /// Turns on TCP keepalive: after `idle_s` seconds without traffic the kernel probes every
 /// `interval_s` seconds and reports the connection dead after `count` unanswered probes, so a
 /// blocked read on a connection whose peer vanished without a FIN ends.

@@ -48,8 +48,8 @@ pub struct CopyPool {
 }
 
 impl CopyPool {
-    /// Starts `workers` copy threads (at least one).
-    pub fn start(workers: usize) -> Result<Arc<CopyPool>> {
+    /// Starts `workers` copy threads (at least one), pinned to `cpus` (None: the inherited set).
+    pub fn start(workers: usize, cpus: Option<crate::place::Cpus>) -> Result<Arc<CopyPool>> {
         let workers = workers.max(1);
         let pool = Arc::new(CopyPool {
             queue: SegQueue::new(),
@@ -64,7 +64,11 @@ impl CopyPool {
         for i in 0..workers {
             let p = pool.clone();
             let name = format!("hixl-copy{i}");
-            match std::thread::Builder::new().name(name.clone()).spawn(move || p.worker()) {
+            match crate::place::spawn_on(
+                name.clone(),
+                cpus.clone().or_else(crate::place::inherited),
+                move || p.worker(),
+            ) {
                 Ok(h) => pool.threads.lock().unwrap().push(h),
                 Err(e) => {
                     pool.stop();
@@ -201,7 +205,7 @@ mod tests {
 
     #[test]
     fn tasks_run_until_done_taking_turns() {
-        let pool = CopyPool::start(2).unwrap();
+        let pool = CopyPool::start(2, None).unwrap();
         let tasks: Vec<Arc<Countdown>> =
             (0..8).map(|_| Arc::new(Countdown { left: Mutex::new(50), ran: AtomicUsize::new(0) })).collect();
         for t in &tasks {
@@ -221,7 +225,7 @@ mod tests {
     /// arrive back to back (a worker polls), while one runs, or after every worker slept.
     #[test]
     fn small_tasks_are_never_left_behind() {
-        let pool = CopyPool::start(3).unwrap();
+        let pool = CopyPool::start(3, None).unwrap();
         let task = Arc::new(Countdown { left: Mutex::new(0), ran: AtomicUsize::new(0) });
         let mut pushed = 0u32;
         for round in 0..200u32 {

@@ -126,6 +126,8 @@ pub struct Reactor {
     busy_poll: Duration,
     /// The same-host copy workers, started with the first same-host link.
     copies: Mutex<Option<Arc<CopyPool>>>,
+    /// Where the engine's threads run (captured at `initialize`; None: where started).
+    cpus: Option<crate::place::Cpus>,
 }
 
 impl std::fmt::Debug for Reactor {
@@ -149,10 +151,15 @@ fn os_error(what: &str) -> Error {
 }
 
 impl Reactor {
-    /// Starts `workers` I/O threads (at least one) and the timer thread; each worker keeps
-    /// polling its sockets for `busy_poll` after activity before it sleeps (low-latency mode;
-    /// zero: it sleeps at once).
-    pub fn start(workers: usize, busy_poll: Duration) -> Result<Arc<Reactor>> {
+    /// Starts `workers` I/O threads (at least one) and the timer thread, pinned to `cpus`
+    /// (None: they keep the caller's mask), as every thread started through the reactor later
+    /// is ([`Reactor::spawn`]); each worker keeps polling its sockets for `busy_poll` after
+    /// activity before it sleeps (low-latency mode; zero: it sleeps at once).
+    pub fn start(
+        workers: usize,
+        busy_poll: Duration,
+        cpus: Option<crate::place::Cpus>,
+    ) -> Result<Arc<Reactor>> {
         let workers = workers.max(1);
         let r = Arc::new(Reactor {
             shards: (0..workers).map(|_| Shard::new()).collect::<Result<_>>()?,
@@ -165,12 +172,13 @@ impl Reactor {
             epoch: Instant::now(),
             busy_poll,
             copies: Mutex::new(None),
+            cpus,
         });
         for i in 0..=workers {
             let me = r.clone();
             let (name, timer) =
                 if i == workers { ("hixl-timer".to_string(), true) } else { (format!("hixl-io{i}"), false) };
-            let started = std::thread::Builder::new().name(name.clone()).spawn(move || {
+            let started = r.spawn(name.clone(), move || {
                 ON_REACTOR.with(|c| c.set(true));
                 if timer {
                     me.timer_loop()
@@ -198,9 +206,23 @@ impl Reactor {
         if let Some(p) = &*c {
             return Ok(p.clone());
         }
-        let p = CopyPool::start(workers)?;
+        let p = CopyPool::start(workers, self.cpus.clone())?;
         *c = Some(p.clone());
         Ok(p)
+    }
+
+    /// Starts a named thread of the engine, pinned to the engine's CPU set (see `place`).
+    pub(crate) fn spawn<F, T>(&self, name: String, f: F) -> std::io::Result<JoinHandle<T>>
+    where
+        F: FnOnce() -> T + Send + 'static,
+        T: Send + 'static,
+    {
+        crate::place::spawn_on(name, self.cpus.clone().or_else(crate::place::inherited), f)
+    }
+
+    /// The engine's CPU set (None: not pinned by the engine).
+    pub(crate) fn cpus(&self) -> Option<crate::place::Cpus> {
+        self.cpus.clone()
     }
 
     /// The worker for the next stream's sources (each in turn).

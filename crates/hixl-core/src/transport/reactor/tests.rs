@@ -49,7 +49,7 @@ impl Source for Echo {
 
 #[test]
 fn sources_run_on_readiness_and_schedule_never_concurrently() {
-    let r = Reactor::start(3, Duration::ZERO).unwrap();
+    let r = Reactor::start(3, Duration::ZERO, None).unwrap();
     let (a, b) = UnixStream::pair().unwrap();
     a.set_nonblocking(true).unwrap();
     let src = Echo::new(a);
@@ -88,7 +88,7 @@ impl Tick for Count {
 
 #[test]
 fn the_timer_ticks_every_period_and_forgets_dropped_ticks() {
-    let r = Reactor::start(1, Duration::ZERO).unwrap();
+    let r = Reactor::start(1, Duration::ZERO, None).unwrap();
     let c = Arc::new(Count(AtomicUsize::new(0)));
     let weak: Weak<dyn Tick> = Arc::downgrade(&(c.clone() as Arc<dyn Tick>));
     r.every(Duration::from_millis(20), weak);
@@ -125,7 +125,7 @@ impl Source for Backlog {
 
 #[test]
 fn a_source_that_stops_with_work_in_hand_runs_again_without_its_socket() {
-    let r = Reactor::start(2, Duration::ZERO).unwrap();
+    let r = Reactor::start(2, Duration::ZERO, None).unwrap();
     let (a, _b) = UnixStream::pair().unwrap();
     let src = Arc::new(Backlog { _sock: a, left: AtomicUsize::new(0) });
     let fd = src._sock.as_raw_fd();
@@ -160,7 +160,7 @@ fn a_source_that_stops_with_work_in_hand_runs_again_without_its_socket() {
 
 #[test]
 fn a_source_that_always_asks_again_does_not_starve_its_worker() {
-    let r = Reactor::start(1, Duration::ZERO).unwrap();
+    let r = Reactor::start(1, Duration::ZERO, None).unwrap();
     let (a, _a2) = UnixStream::pair().unwrap();
     // Always more work in hand: it would hold its worker for ever if `Again` ran it at once.
     let greedy = Arc::new(Backlog { _sock: a, left: AtomicUsize::new(usize::MAX) });
@@ -204,7 +204,7 @@ impl Tick for Rearm {
 
 #[test]
 fn a_tick_that_stops_one_entry_keeps_the_entry_it_added_again() {
-    let r = Reactor::start(1, Duration::ZERO).unwrap();
+    let r = Reactor::start(1, Duration::ZERO, None).unwrap();
     let t = Arc::new(Rearm {
         reactor: r.clone(),
         me: Mutex::new(Weak::<Count>::new()),

@@ -67,9 +67,7 @@ impl LocalListener {
             thread: Mutex::new(None),
         });
         let l = me.clone();
-        let h = std::thread::Builder::new()
-            .name("hixl-local".into())
-            .spawn(move || l.serve(&*confirm))
+        let h = crate::place::spawn("hixl-local".into(), move || l.serve(&*confirm))
             .map_err(|e| Error::failed(format!("cannot start the same-host proof thread: {e}")))?;
         *me.thread.lock().unwrap() = Some(h);
         Ok(me)

@@ -111,9 +111,7 @@ impl Stager {
         let mut w = self.workers.lock().unwrap();
         while w.len() < WORKERS {
             let (rx, chunk, depth) = (self.rx.clone(), self.chunk, self.depth);
-            let h = std::thread::Builder::new()
-                .name(format!("hixl-stage{}", w.len()))
-                .spawn(move || work(&rx, chunk, depth))
+            let h = crate::place::spawn(format!("hixl-stage{}", w.len()), move || work(&rx, chunk, depth))
                 .map_err(|e| Error::failed(format!("cannot start a staging thread: {e}")))?;
             w.push(h);
         }

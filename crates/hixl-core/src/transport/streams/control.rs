@@ -32,11 +32,18 @@ impl Tick for TcpLink {
         }
         let mut beat = self.beat.lock().unwrap();
         let mut progress: i128 = -(beat.probes_sent as i128);
+        // Whether this process, not the peer, is behind: bytes from the peer wait unread, or
+        // our frames wait in user space while the kernel has nothing of ours left to send.
+        let mut behind = false;
         for s in &self.streams {
-            let Some((received, acked)) = liveness::tcp_progress(s.sock.as_raw_fd()) else { return false };
+            let fd = s.sock.as_raw_fd();
+            let Some((received, acked)) = liveness::tcp_progress(fd) else { return false };
             progress += received as i128 + acked as i128;
+            let unsent = s.tx.try_lock().map_or(true, |tx| !tx.out.is_empty());
+            behind |=
+                io::unread_bytes(fd).is_some_and(|n| n > 0) || (unsent && io::queued_bytes(fd) == Some(0));
         }
-        let (missed, dead) = beat.live.observe_counting(progress, now);
+        let (missed, dead) = beat.live.observe_counting(progress, now, behind);
         if missed {
             self.done.stats().heartbeat_misses.fetch_add(1, Ordering::Relaxed);
         }

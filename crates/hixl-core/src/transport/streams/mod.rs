@@ -261,7 +261,7 @@ impl TcpLink {
             reason: Mutex::new(None),
             done: Completer::new(NAME, peer, stats),
             reactor: p.reactor.clone(),
-            beat: Mutex::new(Beat { every, live: Liveness::new(Instant::now()), probes_sent: 0 }),
+            beat: Mutex::new(Beat { every, live: Liveness::new(Instant::now(), every), probes_sent: 0 }),
             coalesce: p.coalesce,
             coalesce_max_ops: p.coalesce_max_ops,
             tables: (Mutex::new(0), std::sync::Condvar::new()),

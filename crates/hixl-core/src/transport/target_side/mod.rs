@@ -413,7 +413,7 @@ impl Server {
             *self.live.lock().unwrap() += 1;
             let srv = self.clone();
             // The handshake only: the I/O workers take the stream after it (`start_serving`).
-            let spawned = std::thread::Builder::new().name("hixl-handshake".into()).spawn(move || {
+            let spawned = crate::place::spawn("hixl-handshake".into(), move || {
                 if let Err(e) = serve(&srv, id, from, &served) {
                     tracing::info!(from = %from, error = %e, "served stream ended");
                     srv.end_stream(&served);

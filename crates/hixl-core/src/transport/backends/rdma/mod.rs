@@ -376,9 +376,9 @@ impl Backend for Rdma {
             let Some(l) = weak.upgrade() else { return };
             let on_thread = l.clone();
             let why2 = why.clone();
-            let spawned = std::thread::Builder::new()
-                .name("hixl-rdma-close".into())
-                .spawn(move || crate::transport::DataPath::close(&*on_thread, why2));
+            let spawned = crate::place::spawn("hixl-rdma-close".into(), move || {
+                crate::transport::DataPath::close(&*on_thread, why2)
+            });
             if spawned.is_err() {
                 // No thread to spare: close here (it blocks this thread up to the flush wait).
                 crate::transport::DataPath::close(&*l, why);

@@ -189,9 +189,7 @@ impl Rails {
             nic.cq.req_notify()?;
         }
         let rails = self.clone();
-        let h = std::thread::Builder::new()
-            .name("hixl-rdma-cq".into())
-            .spawn(move || rails.poll_loop())
+        let h = crate::place::spawn("hixl-rdma-cq".into(), move || rails.poll_loop())
             .map_err(|e| Error::failed(format!("cannot start the RDMA completion thread: {e}")))?;
         *p = Some(h);
         Ok(())

@@ -137,7 +137,7 @@ impl RdmaLink {
             return;
         }
         let link = self.clone();
-        let spawned = std::thread::Builder::new().name(format!("hixl-rdma-fix{idx}")).spawn(move || {
+        let spawned = crate::place::spawn(format!("hixl-rdma-fix{idx}"), move || {
             if let Err(e) = link.replace_qp(rail, idx) {
                 link.die(Error::not_connected(format!(
                     "cannot replace a failed QP to {}: {}",

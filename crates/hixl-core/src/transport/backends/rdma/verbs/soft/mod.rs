@@ -138,9 +138,7 @@ impl Device {
             threads: Mutex::new(Vec::new()),
         });
         let d = dev.clone();
-        let h = std::thread::Builder::new()
-            .name("hixl-softnic".into())
-            .spawn(move || responder::listen(&d))
+        let h = crate::place::spawn("hixl-softnic".into(), move || responder::listen(&d))
             .map_err(|e| Error::failed(format!("cannot start the soft NIC thread: {e}")))?;
         dev.threads.lock().unwrap().push(h);
         Ok(dev)

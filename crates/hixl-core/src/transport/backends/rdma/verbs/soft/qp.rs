@@ -140,9 +140,7 @@ impl SoftQp {
                 let mut th = self.thread.lock().unwrap();
                 if th.is_none() {
                     let q = self.clone();
-                    let h = std::thread::Builder::new()
-                        .name(format!("hixl-softqp{}", self.qpn))
-                        .spawn(move || q.requester())
+                    let h = crate::place::spawn(format!("hixl-softqp{}", self.qpn), move || q.requester())
                         .map_err(|e| Error::failed(format!("cannot start a soft QP thread: {e}")))?;
                     *th = Some(h);
                 }

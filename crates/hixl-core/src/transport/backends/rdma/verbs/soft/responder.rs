@@ -212,7 +212,7 @@ pub(super) fn listen(dev: &Arc<Device>) {
         let conn = Arc::new(conn);
         dev.conns.lock().unwrap().push(conn.clone());
         let d = dev.clone();
-        let spawned = std::thread::Builder::new().name("hixl-softnic-r".into()).spawn(move || {
+        let spawned = crate::place::spawn("hixl-softnic-r".into(), move || {
             serve(&d, &conn);
             io::shutdown(conn.as_raw_fd());
             d.conns.lock().unwrap().retain(|c| !Arc::ptr_eq(c, &conn));

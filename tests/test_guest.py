@@ -1,0 +1,207 @@
+"""hixl as a guest in a busy process: its threads run where hixl puts them (not where the
+thread that called first happened to be pinned), a starved process does not declare live peers
+dead, and a peer known dead fails transfers at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hixl
+
+GUEST = Path(__file__).with_name("_guest.py")
+
+
+class Guest:
+    """An initiator engine in a child process (tests/_guest.py), connected to one peer."""
+
+    def __init__(self, peer, size: int, options: dict[str, str] | None = None) -> None:
+        args = [sys.executable, str(GUEST), peer.engine, str(peer.addr), str(size)]
+        args.append(json.dumps(options or {}))
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+        assert self._line() == "READY"
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the guest exited with {self.proc.wait(10)}")
+        return line.strip()
+
+    def cmd(self, *words: object) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(" ".join(map(str, words)) + "\n")
+        self.proc.stdin.flush()
+        return self._line()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            try:
+                self.cmd("exit")
+            except (RuntimeError, BrokenPipeError):
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def make_guest():
+    guests: list[Guest] = []
+
+    def make(peer, size: int, options: dict[str, str] | None = None) -> Guest:
+        g = Guest(peer, size, options)
+        guests.append(g)
+        return g
+
+    yield make
+    for g in guests:
+        g.close()
+
+
+def stopped_state(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_process_stopped_for_a_second_keeps_its_link_to_a_live_peer(
+    make_peer, make_guest
+) -> None:
+    # The peer checks no liveness of its own (heartbeat 0): it never closes the link, so only
+    # the stopped process's verdict on it is tested.
+    peer = make_peer(1 << 20, {"hixl.heartbeat_ms": "0"})
+    g = make_guest(peer, 1 << 20, {"hixl.heartbeat_ms": "100"})
+    assert g.cmd("put") == "OK"
+    for _ in range(5):
+        os.kill(g.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while not stopped_state(g.proc.pid):
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.001)
+        time.sleep(1.0)  # ten heartbeat intervals without this process running
+        os.kill(g.proc.pid, signal.SIGCONT)
+        # Several intervals after it runs again: a live peer answers each heartbeat.
+        for _ in range(5):
+            assert g.cmd("put") == "OK"
+            time.sleep(0.1)
+        assert g.cmd("alive") == "True"
+
+
+ALLOWED = sorted(os.sched_getaffinity(0))
+
+
+def cpu_list(cpus: list[int]) -> str:
+    """The kernel's Cpus_allowed_list text of a set (ascending runs: "0-3,6")."""
+    runs: list[list[int]] = []
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two CPUs")
+@pytest.mark.parametrize("cpus", [None, "0"])
+def test_hixl_threads_run_on_the_initialize_set_when_the_caller_pins_itself_later(
+    make_peer, make_guest, cpus: str | None
+) -> None:
+    # As vLLM does: the main thread pins itself to the last CPU after initialize, then the
+    # first transfers start the lazy threads (same-host copy threads, connect threads).
+    opts = {"hixl.backends": "shm"} | ({"hixl.cpus": cpus} if cpus else {})
+    peer = make_peer(1 << 20)
+    g = make_guest(peer, 1 << 20, opts)
+    want = cpu_list(ALLOWED) if cpus is None else cpus
+    assert json.loads(g.cmd("cpus")) == (ALLOWED if cpus is None else [0])
+    assert g.cmd("pin", ALLOWED[-1]) == "OK"
+    for _ in range(3):
+        assert g.cmd("put") == "OK"
+    threads = json.loads(g.cmd("threads"))
+    names = {k.split(" ", 1)[1] for k in threads}
+    assert {"hixl-io0", "hixl-timer", "hixl-copy0"} <= names, names
+    wrong = {k: v for k, v in threads.items() if v != want}
+    assert not wrong, f"hixl threads not on {want}: {wrong}"
+    py = json.loads(g.cmd("pythreads"))
+    assert any("hixl-metrics" in k for k in py), py
+    wrong = {k: v for k, v in py.items() if v != want}
+    assert not wrong, f"hixl's Python threads not on {want}: {wrong}"
+
+
+@pytest.mark.parametrize(("cpus", "why"), [("0-x", "not a CPU list"), ("4096", "not a CPU list")])
+def test_a_bad_cpu_list_is_refused_naming_it(cpus: str, why: str) -> None:
+    e = hixl.Hixl()
+    with pytest.raises(hixl.ParamInvalid, match=f'hixl.cpus="{cpus}" is {why}'):
+        e.initialize("127.0.0.1", {"hixl.cpus": cpus})
+
+
+def test_cpus_the_process_may_not_use_are_refused(monkeypatch) -> None:
+    outside = max(ALLOWED) + 1
+    e = hixl.Hixl()
+    with pytest.raises(hixl.ParamInvalid, match=f"may not run on \\({outside}\\)"):
+        e.initialize("127.0.0.1", {"hixl.cpus": str(outside)})
+    monkeypatch.setenv("HIXL_CPUS", str(outside))
+    with pytest.raises(hixl.ParamInvalid, match=f'HIXL_CPUS="{outside}"'):
+        hixl.Hixl().initialize("127.0.0.1")
+    monkeypatch.setenv("HIXL_CPUS", str(ALLOWED[0]))
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1")
+    try:
+        assert e.cpus() == {ALLOWED[0]}
+    finally:
+        e.finalize()
+
+
+def test_a_process_pinned_to_one_busy_core_keeps_its_links(make_peer, make_guest) -> None:
+    # The guest runs on one CPU beside two busy threads of its own: one holds the GIL in a
+    # Python loop, one hashes (GIL released); 5 s of transfers, heartbeat 100 ms.
+    peer = make_peer(160 << 10)
+    g = make_guest(peer, 160 << 10, {"hixl.heartbeat_ms": "100", "hixl.cpus": str(ALLOWED[0])})
+    assert g.cmd("busy", ALLOWED[0]) == "OK"
+    t0, n = time.monotonic(), 0
+    while time.monotonic() - t0 < 5:
+        assert g.cmd("put") == "OK"
+        n += 1
+    assert g.cmd("alive") == "True"
+    print(f"guest: one busy core, {n} transfers of 160 KiB in 5 s, link alive")
+
+
+def test_a_peer_known_dead_fails_at_once_until_a_connect_succeeds(make_peer, free_port) -> None:
+    addr = f"127.0.0.1:{free_port}"
+    peer = make_peer(1 << 20, env={"HIXL_TEST_LISTEN": addr})
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp"})
+    try:
+        src = np.ones(1 << 20, np.uint8)
+        e.register(src)
+        e.connect(peer.engine, timeout_ms=5000)
+        desc = [(src.ctypes.data, peer.addr, 4096)]
+        e.transfer_sync(peer.engine, hixl.TransferOp.WRITE, desc, 30_000)
+        peer.proc.kill()
+        peer.proc.wait()
+        took = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            with pytest.raises(hixl.NotConnected):
+                e.transfer_sync(peer.engine, hixl.TransferOp.WRITE, desc, 30_000)
+            took.append(time.monotonic() - t0)
+        print(f"guest: transfers to a killed peer failed after {max(took):.3f} s at most")
+        assert max(took) < 5, took  # the timeout passed is 30 s
+        again = make_peer(1 << 20, env={"HIXL_TEST_LISTEN": addr})
+        e.connect(again.engine, timeout_ms=5000)
+        desc = [(src.ctypes.data, again.addr, 4096)]
+        e.transfer_sync(again.engine, hixl.TransferOp.WRITE, desc, 30_000)
+        assert (again.read(0, 4096) == 1).all()
+    finally:
+        e.finalize()
