@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 import pytest
@@ -112,6 +113,34 @@ class Peer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
+
+
+class Lateness:
+    """How late this process runs: a thread sleeps `tick` seconds again and again and keeps the
+    worst oversleep. A timing bound in a test adds what this saw, so that it asserts what the
+    code does and not how punctually a busy machine schedules this process (the engine's own
+    timer is late by about as much)."""
+
+    def __init__(self, tick: float = 0.005) -> None:
+        import threading
+
+        self.tick, self.worst = tick, 0.0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, name="lateness-probe", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            time.sleep(self.tick)
+            self.worst = max(self.worst, time.monotonic() - t0 - self.tick)
+
+    def __enter__(self) -> Self:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(5)
 
 
 @pytest.fixture
