@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::types::{PeerSnapshot, StridedDesc, TransferOpDesc, TransferReq, Waiting};
-use super::validate::{route, split, validate, validate_strided, with_fresh_table};
+use super::validate::{
+    route, serves, split_bodies, validate, validate_strided, with_fresh_table, DomainPairs,
+};
 use super::{Engine, PeerConn, PeerSlot, Running};
 use crate::error::{Error, Result, Status};
 use crate::queue::{NotifyDesc, Part, PartBody, Request, TransferOp, TransferStatus};
@@ -63,14 +65,13 @@ impl Engine {
                 check_notify(n)?;
             }
             let write = op == TransferOp::Write;
-            let mut pairs = Vec::new();
+            let mut pairs = DomainPairs::default();
             let (segs, pins, bytes) = with_fresh_table(&r, &conn, |miss| {
                 pairs.clear();
                 validate(&r, &conn, remote, descs, write, miss, &mut pairs)
             })?;
             let link = path_for(&conn, remote, &pairs)?;
-            let parts = split(segs, bytes, link.parallelism(), r.opts.split_bytes);
-            let bodies = parts.into_iter().map(PartBody::Data).collect();
+            let bodies = split_bodies(segs, bytes, link.parallelism(), r.opts.split_bytes);
             let batch = Batch { bodies, device: touches_device(&pairs), waiting, link };
             Ok((conn, batch, bytes, pins))
         })();
@@ -444,6 +445,9 @@ fn touches_device(pairs: &[(Domain, Domain)]) -> bool {
 /// The path for a batch between these domain pairs: the link's own, or a later backend that
 /// serves them (opened now if it is not open; see `validate::route`).
 fn path_for(conn: &PeerConn, remote: &str, pairs: &[(Domain, Domain)]) -> Result<Arc<dyn DataPath>> {
+    if serves(conn.domains(), pairs) {
+        return Ok(conn.link.clone()); // (without building the list of later backends)
+    }
     match route(conn.domains(), &conn.later_domains(), pairs) {
         Some(None) => Ok(conn.link.clone()),
         Some(Some(i)) => conn.sides.path(i, &conn.control),

@@ -8,6 +8,9 @@ use super::IOV_MAX;
 use crate::error::{Error, Result, Status};
 use crate::op::{SegPair, TransferOp};
 
+/// Segments of a `cma` call described on the stack rather than in allocated vectors.
+const SMALL_IOVS: usize = 8;
+
 /// One process_vm_writev (`write`) or process_vm_readv call between `local` iovecs of this
 /// process and `remote` iovecs of process `pid`; the bytes moved.
 ///
@@ -44,19 +47,27 @@ pub(crate) fn cma(pid: i32, op: TransferOp, local: &dyn PinnedMemory, segs: &[Se
         return Err(not_covered(s.local, s.len));
     }
     let (mut i, mut off) = (0usize, 0u64);
-    let mut local = Vec::with_capacity(segs.len().min(IOV_MAX));
-    let mut remote = Vec::with_capacity(segs.len().min(IOV_MAX));
+    // A chunk of up to SMALL_IOVS segments (a small request's one) is described on the stack,
+    // larger ones in two vectors allocated once.
+    let (mut l_small, mut r_small) = ([iov(0, 0); SMALL_IOVS], [iov(0, 0); SMALL_IOVS]);
+    let (mut l_vec, mut r_vec) = (Vec::new(), Vec::new());
     while i < segs.len() {
-        local.clear();
-        remote.clear();
-        for (k, s) in segs[i..segs.len().min(i + IOV_MAX)].iter().enumerate() {
+        let chunk = &segs[i..segs.len().min(i + IOV_MAX)];
+        let (local, remote): (&mut [libc::iovec], &mut [libc::iovec]) = if chunk.len() <= SMALL_IOVS {
+            (&mut l_small[..chunk.len()], &mut r_small[..chunk.len()])
+        } else {
+            l_vec.resize(chunk.len(), iov(0, 0));
+            r_vec.resize(chunk.len(), iov(0, 0));
+            (&mut l_vec[..chunk.len()], &mut r_vec[..chunk.len()])
+        };
+        for (k, s) in chunk.iter().enumerate() {
             let o = if k == 0 { off } else { 0 };
-            local.push(iov(s.local + o, s.len - o));
-            remote.push(iov(s.remote + o, s.len - o));
+            local[k] = iov(s.local + o, s.len - o);
+            remote[k] = iov(s.remote + o, s.len - o);
         }
         // SAFETY: every local iovec lies in `local` (checked above), which the borrow keeps
         // valid during the call; the kernel validates the remote ones.
-        let r = match unsafe { process_vm(pid, op == TransferOp::Write, &local, &remote) } {
+        let r = match unsafe { process_vm(pid, op == TransferOp::Write, local, remote) } {
             Ok(r) => r,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(cma_error(pid, e)),
