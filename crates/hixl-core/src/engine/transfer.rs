@@ -103,9 +103,12 @@ impl Engine {
             _ => None,
         };
         let (local, remote_addr) = first.unwrap_or((0, 0));
-        let req = Request::new(id, op, remote.to_string(), bytes, descs, n, timeout, pins, notify);
-        let req = req.with_first_addrs(local, remote_addr).waited(waiting == Waiting::Now);
-        let req = Arc::new(req.touching_device(device));
+        let mut req = Request::new(id, op, remote.to_string(), bytes, descs, n, timeout, pins, notify);
+        // Fields set in place (the builder methods would move the request each time).
+        req.first_addrs = (local, remote_addr);
+        req.waited_at_once = waiting == Waiting::Now;
+        req.touches_device = device;
+        let req = Arc::new(req);
         req.track(&conn.link.stats());
         // Each part keeps a reference to the request's pins (see `queue::part`).
         let parts: Vec<Part> = bodies.into_iter().map(|body| Part::new(req.clone(), body)).collect();
