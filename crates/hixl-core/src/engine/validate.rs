@@ -385,6 +385,41 @@ mod tests {
         assert_eq!(route(TCP_PAIRS, &[], &[(c, c), (h, h)]), Some(None));
     }
 
+    #[test]
+    fn domain_pairs_keep_each_pair_once_in_order_past_the_inline_two() {
+        let (h, c0, c1) = (Domain::Host, Domain::Cuda(0), Domain::Cuda(1));
+        let mut p = DomainPairs::default();
+        assert!(p.is_empty());
+        for x in [(h, h), (h, h), (c0, h), (h, h)] {
+            p.insert(x);
+        }
+        assert_eq!(&*p, &[(h, h), (c0, h)]);
+        assert!(matches!(p, DomainPairs::Inline(..)), "two pairs need no allocation");
+        for x in [(c1, c0), (c0, h), (h, c1)] {
+            p.insert(x);
+        }
+        assert_eq!(&*p, &[(h, h), (c0, h), (c1, c0), (h, c1)]);
+        p.clear();
+        assert!(p.is_empty());
+    }
+
+    #[test]
+    fn split_bodies_are_the_parts_of_split() {
+        let cases = [
+            (vec![sp(0, 100, 10), sp(50, 200, 10)], 20, 2, 1 << 20),
+            (vec![sp(0, 1000, 30), sp(100, 2000, 10)], 40, 2, 16),
+            ((0..(MAX_DESCS as u64 + 5)).map(|i| sp(i * 2, i * 2, 1)).collect(), MAX_DESCS as u64 + 5, 1, u64::MAX),
+        ];
+        for (segs, bytes, streams, at) in cases {
+            let bodies = split_bodies(segs.clone(), bytes, streams, at);
+            let parts = split(segs, bytes, streams, at);
+            assert_eq!(bodies.len(), parts.len());
+            for (b, p) in bodies.iter().zip(&parts) {
+                assert!(matches!(b, PartBody::Data(s) if s == p));
+            }
+        }
+    }
+
     fn sp(local: u64, remote: u64, len: u64) -> SegPair {
         SegPair { local, remote, len }
     }

@@ -139,3 +139,51 @@ pub(crate) fn cma_error(pid: i32, e: std::io::Error) -> Error {
         _ => Error::failed(format!("cross-memory attach to pid {pid} failed: {e}")),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A vector's bytes as pinned memory (the test keeps the vector alive and unmoved).
+    struct Kept(u64, u64);
+
+    // SAFETY: each test keeps the vector that `Kept` describes alive, unmoved and unborrowed
+    // while `cma` runs.
+    unsafe impl PinnedMemory for Kept {
+        fn covers(&self, addr: u64, len: u64) -> bool {
+            addr >= self.0 && addr.checked_add(len).is_some_and(|e| e <= self.0 + self.1)
+        }
+    }
+
+    /// Segment counts on both sides of the stack iovecs and of IOV_MAX, where one call's chunk
+    /// goes on the heap and the next on the stack (1030 = 1024 + 6): every byte lands.
+    #[test]
+    fn cma_copies_every_segment_whether_its_iovecs_are_on_the_stack_or_not() {
+        for n in [1, SMALL_IOVS, SMALL_IOVS + 1, IOV_MAX + 6, IOV_MAX * 2 + 1] {
+            let blk = 16u64;
+            let src: Vec<u8> = (0..n as u64 * blk).map(|i| (i * 7 + n as u64) as u8).collect();
+            let mut dst = vec![0u8; src.len()];
+            let (s, d) = (src.as_ptr() as u64, dst.as_mut_ptr() as u64);
+            // Reversed order: no two segments merge into one range on both sides.
+            let segs: Vec<SegPair> = (0..n as u64)
+                .map(|i| SegPair { local: s + i * blk, remote: d + (n as u64 - 1 - i) * blk, len: blk })
+                .collect();
+            cma(std::process::id() as i32, TransferOp::Write, &Kept(s, src.len() as u64), &segs).unwrap();
+            for i in 0..n {
+                let j = n - 1 - i;
+                let b = blk as usize;
+                assert_eq!(dst[j * b..(j + 1) * b], src[i * b..(i + 1) * b], "{n} segments: segment {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn cma_refuses_a_local_range_outside_the_pinned_memory() {
+        let src = vec![1u8; 64];
+        let mut dst = vec![0u8; 64];
+        let s = src.as_ptr() as u64;
+        let segs = [SegPair { local: s + 32, remote: dst.as_mut_ptr() as u64, len: 64 }];
+        assert!(cma(std::process::id() as i32, TransferOp::Write, &Kept(s, 64), &segs).is_err());
+        assert_eq!(dst, vec![0u8; 64], "nothing was copied");
+    }
+}
