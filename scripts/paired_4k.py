@@ -144,7 +144,8 @@ def sittings(variants: dict[str, str], n: int, count: int) -> None:
         f"\nmedian of {count} sittings, {n} calls of each per run, "
         f"{os.cpu_count()} cores, load average {load:.2f} at the end"
     )
-    print(f"{'variant':>8} {'put us':>8} {'sync us':>8} {'raw us':>8} {'put/raw':>8} {'sync/raw':>9}")
+    head = ("variant", "put us", "sync us", "raw us", "put/raw")
+    print(" ".join(f"{h:>8}" for h in head) + f" {'sync/raw':>9}")
     for name, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         print(

@@ -408,7 +408,12 @@ mod tests {
         let cases = [
             (vec![sp(0, 100, 10), sp(50, 200, 10)], 20, 2, 1 << 20),
             (vec![sp(0, 1000, 30), sp(100, 2000, 10)], 40, 2, 16),
-            ((0..(MAX_DESCS as u64 + 5)).map(|i| sp(i * 2, i * 2, 1)).collect(), MAX_DESCS as u64 + 5, 1, u64::MAX),
+            (
+                (0..(MAX_DESCS as u64 + 5)).map(|i| sp(i * 2, i * 2, 1)).collect(),
+                MAX_DESCS as u64 + 5,
+                1,
+                u64::MAX,
+            ),
         ];
         for (segs, bytes, streams, at) in cases {
             let bodies = split_bodies(segs.clone(), bytes, streams, at);

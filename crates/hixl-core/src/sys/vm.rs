@@ -179,11 +179,11 @@ mod tests {
 
     #[test]
     fn cma_refuses_a_local_range_outside_the_pinned_memory() {
-        let src = vec![1u8; 64];
+        let src = [1u8; 64];
         let mut dst = vec![0u8; 64];
         let s = src.as_ptr() as u64;
         let segs = [SegPair { local: s + 32, remote: dst.as_mut_ptr() as u64, len: 64 }];
         assert!(cma(std::process::id() as i32, TransferOp::Write, &Kept(s, 64), &segs).is_err());
-        assert_eq!(dst, vec![0u8; 64], "nothing was copied");
+        assert_eq!(dst, [0u8; 64], "nothing was copied");
     }
 }
