@@ -3,6 +3,7 @@
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedStr;
 use pyo3::types::PyString;
 
 /// `repr(v) (type)`, as the messages of wrong arguments name a value.
@@ -47,13 +48,14 @@ impl std::ops::Deref for Text {
 }
 
 /// An address argument (`remote`, `local_engine`): a str, "host:port"; another type gets a
-/// message saying what to pass.
-pub struct Addr(pub String);
+/// message saying what to pass. The text stays in the Python str (no copy on a transfer's hot
+/// path).
+pub struct Addr(pub PyBackedStr);
 
 impl<'py> FromPyObject<'py> for Addr {
     fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
         match ob.downcast::<PyString>() {
-            Ok(s) => Ok(Addr(s.to_str()?.to_string())),
+            Ok(s) => Ok(Addr(PyBackedStr::try_from(s.clone())?)),
             Err(_) => Err(PyTypeError::new_err(format!(
                 "{} is not a str: pass the address as \"host:port\" (\"10.0.0.5:19501\", \
                  \"localhost:19501\")",

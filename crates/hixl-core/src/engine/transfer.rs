@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::types::{PeerSnapshot, StridedDesc, TransferOpDesc, TransferReq, Waiting};
-use super::validate::{route, split, validate, validate_strided, with_fresh_table};
+use super::validate::{
+    route, serves, split_bodies, validate, validate_strided, with_fresh_table, DomainPairs,
+};
 use super::{Engine, PeerConn, PeerSlot, Running};
 use crate::error::{Error, Result, Status};
 use crate::queue::{NotifyDesc, Part, PartBody, Request, TransferOp, TransferStatus};
@@ -63,14 +65,13 @@ impl Engine {
                 check_notify(n)?;
             }
             let write = op == TransferOp::Write;
-            let mut pairs = Vec::new();
+            let mut pairs = DomainPairs::default();
             let (segs, pins, bytes) = with_fresh_table(&r, &conn, |miss| {
                 pairs.clear();
                 validate(&r, &conn, remote, descs, write, miss, &mut pairs)
             })?;
             let link = path_for(&conn, remote, &pairs)?;
-            let parts = split(segs, bytes, link.parallelism(), r.opts.split_bytes);
-            let bodies = parts.into_iter().map(PartBody::Data).collect();
+            let bodies = split_bodies(segs, bytes, link.parallelism(), r.opts.split_bytes);
             let batch = Batch { bodies, device: touches_device(&pairs), waiting, link };
             Ok((conn, batch, bytes, pins))
         })();
@@ -102,9 +103,12 @@ impl Engine {
             _ => None,
         };
         let (local, remote_addr) = first.unwrap_or((0, 0));
-        let req = Request::new(id, op, remote.to_string(), bytes, descs, n, timeout, pins, notify);
-        let req = req.with_first_addrs(local, remote_addr).waited(waiting == Waiting::Now);
-        let req = Arc::new(req.touching_device(device));
+        let mut req = Request::new(id, op, remote.to_string(), bytes, descs, n, timeout, pins, notify);
+        // Fields set in place (the builder methods would move the request each time).
+        req.first_addrs = (local, remote_addr);
+        req.waited_at_once = waiting == Waiting::Now;
+        req.touches_device = device;
+        let req = Arc::new(req);
         req.track(&conn.link.stats());
         // Each part keeps a reference to the request's pins (see `queue::part`).
         let parts: Vec<Part> = bodies.into_iter().map(|body| Part::new(req.clone(), body)).collect();
@@ -444,6 +448,9 @@ fn touches_device(pairs: &[(Domain, Domain)]) -> bool {
 /// The path for a batch between these domain pairs: the link's own, or a later backend that
 /// serves them (opened now if it is not open; see `validate::route`).
 fn path_for(conn: &PeerConn, remote: &str, pairs: &[(Domain, Domain)]) -> Result<Arc<dyn DataPath>> {
+    if serves(conn.domains(), pairs) {
+        return Ok(conn.link.clone()); // (without building the list of later backends)
+    }
     match route(conn.domains(), &conn.later_domains(), pairs) {
         Some(None) => Ok(conn.link.clone()),
         Some(Some(i)) => conn.sides.path(i, &conn.control),

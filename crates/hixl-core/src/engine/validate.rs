@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::types::{StridedDesc, TransferOpDesc};
 use super::{PeerConn, Running};
 use crate::error::{Error, Result, Status};
-use crate::queue::{SegPair, Strided};
+use crate::queue::{PartBody, SegPair, Strided};
 use crate::registry::{read_only, Abort, Access, Pin};
 use crate::wire::{Domain, MAX_DESCS};
 
@@ -25,13 +25,63 @@ pub(super) fn route(
     later: &[&[(Domain, Domain)]],
     pairs: &[(Domain, Domain)],
 ) -> Option<Option<usize>> {
-    let serves = |d: &[(Domain, Domain)]| {
-        pairs.iter().all(|(local, theirs)| d.iter().any(|(l, t)| l.same_kind(*local) && t.same_kind(*theirs)))
-    };
-    if serves(own) {
+    if serves(own, pairs) {
         return Some(None);
     }
-    later.iter().position(|d| serves(d)).map(Some)
+    later.iter().position(|d| serves(d, pairs)).map(Some)
+}
+
+/// Whether a backend with domain pairs `d` moves data between every pair of `pairs`.
+pub(super) fn serves(d: &[(Domain, Domain)], pairs: &[(Domain, Domain)]) -> bool {
+    pairs.iter().all(|(local, theirs)| d.iter().any(|(l, t)| l.same_kind(*local) && t.same_kind(*theirs)))
+}
+
+/// The distinct (local, remote) domain pairs of a batch, in the order first met. A batch
+/// almost always has one: up to two are kept without an allocation.
+#[derive(Clone, Debug)]
+pub(super) enum DomainPairs {
+    /// Up to two pairs, and how many.
+    Inline([DomainPair; 2], usize),
+    /// More.
+    Heap(Vec<DomainPair>),
+}
+
+impl Default for DomainPairs {
+    fn default() -> Self {
+        DomainPairs::Inline([(Domain::Host, Domain::Host); 2], 0)
+    }
+}
+
+impl DomainPairs {
+    /// Adds `p` unless it is there.
+    pub(super) fn insert(&mut self, p: DomainPair) {
+        if self.contains(&p) {
+            return;
+        }
+        match self {
+            DomainPairs::Inline(a, n) if *n < a.len() => {
+                a[*n] = p;
+                *n += 1;
+            }
+            DomainPairs::Inline(a, _) => *self = DomainPairs::Heap(a.iter().copied().chain([p]).collect()),
+            DomainPairs::Heap(v) => v.push(p),
+        }
+    }
+
+    /// Forgets every pair.
+    pub(super) fn clear(&mut self) {
+        *self = DomainPairs::default();
+    }
+}
+
+impl std::ops::Deref for DomainPairs {
+    type Target = [DomainPair];
+    fn deref(&self) -> &[DomainPair] {
+        match self {
+            DomainPairs::Inline(a, n) => &a[..*n],
+            DomainPairs::Heap(v) => v,
+        }
+    }
 }
 
 /// Whether some path to the peer moves data between these two memory domains (see `route`);
@@ -41,12 +91,15 @@ pub(super) fn check_domains(
     remote: &str,
     local: Domain,
     theirs: Domain,
-    pairs: &mut Vec<(Domain, Domain)>,
+    pairs: &mut DomainPairs,
 ) -> Result<()> {
-    if route(conn.domains(), &conn.later_domains(), &[(local, theirs)]).is_some() {
-        if !pairs.contains(&(local, theirs)) {
-            pairs.push((local, theirs));
-        }
+    // A pair met before was checked then; the link's own backend is asked before the later
+    // ones (whose list is built only when needed).
+    if pairs.contains(&(local, theirs))
+        || serves(conn.domains(), &[(local, theirs)])
+        || route(&[], &conn.later_domains(), &[(local, theirs)]).is_some()
+    {
+        pairs.insert((local, theirs));
         return Ok(());
     }
     Err(Error::new(
@@ -94,7 +147,7 @@ pub(super) fn validate(
     descs: &[TransferOpDesc],
     write: bool,
     remote_miss: &mut bool,
-    pairs: &mut Vec<(Domain, Domain)>,
+    pairs: &mut DomainPairs,
 ) -> Result<(Vec<SegPair>, Vec<Pin>, u64)> {
     let table = conn.control.table();
     let holder: Arc<dyn Abort> = conn.link.clone();
@@ -168,7 +221,7 @@ pub(super) fn validate_strided(
     d: &StridedDesc,
     write: bool,
     remote_miss: &mut bool,
-) -> Result<(Strided, Vec<Pin>, Vec<DomainPair>)> {
+) -> Result<(Strided, Vec<Pin>, DomainPairs)> {
     let rstride = d.remote_stride.unwrap_or(d.stride);
     if d.count == 0 {
         return Err(Error::param("count=0: a strided descriptor needs at least one element"));
@@ -216,7 +269,7 @@ pub(super) fn validate_strided(
     }
     let holder: Arc<dyn Abort> = conn.link.clone();
     let pin = region.pin(&holder)?;
-    let mut pairs = Vec::new();
+    let mut pairs = DomainPairs::default();
     match conn.control.table().find(remote_base, rspan) {
         None => {
             *remote_miss = true;
@@ -254,6 +307,21 @@ pub fn push_merged(segs: &mut Vec<SegPair>, d: &TransferOpDesc) {
         Some(p) if p.local + p.len == d.local_addr && p.remote + p.len == d.remote_addr => p.len += d.len,
         _ => segs.push(SegPair { local: d.local_addr, remote: d.remote_addr, len: d.len }),
     }
+}
+
+/// `split`, as the bodies of data parts; the common small batch (one part) costs no allocation
+/// beyond the list of bodies.
+pub(super) fn split_bodies(
+    segs: Vec<SegPair>,
+    bytes: u64,
+    streams: usize,
+    split_bytes: u64,
+) -> Vec<PartBody> {
+    let shares = if bytes >= split_bytes && streams > 1 { streams } else { 1 };
+    if shares == 1 && !segs.is_empty() && segs.len() <= MAX_DESCS {
+        return vec![PartBody::Data(segs)];
+    }
+    split(segs, bytes, streams, split_bytes).into_iter().map(PartBody::Data).collect()
 }
 
 /// Cuts merged segments into parts: one per stream for large batches (splitting segments at
@@ -315,6 +383,46 @@ mod tests {
         assert_eq!(route(HOST_TO_HOST, &[HOST_TO_HOST], &[(h, c)]), None);
         // A link on tcp needs nothing else.
         assert_eq!(route(TCP_PAIRS, &[], &[(c, c), (h, h)]), Some(None));
+    }
+
+    #[test]
+    fn domain_pairs_keep_each_pair_once_in_order_past_the_inline_two() {
+        let (h, c0, c1) = (Domain::Host, Domain::Cuda(0), Domain::Cuda(1));
+        let mut p = DomainPairs::default();
+        assert!(p.is_empty());
+        for x in [(h, h), (h, h), (c0, h), (h, h)] {
+            p.insert(x);
+        }
+        assert_eq!(&*p, &[(h, h), (c0, h)]);
+        assert!(matches!(p, DomainPairs::Inline(..)), "two pairs need no allocation");
+        for x in [(c1, c0), (c0, h), (h, c1)] {
+            p.insert(x);
+        }
+        assert_eq!(&*p, &[(h, h), (c0, h), (c1, c0), (h, c1)]);
+        p.clear();
+        assert!(p.is_empty());
+    }
+
+    #[test]
+    fn split_bodies_are_the_parts_of_split() {
+        let cases = [
+            (vec![sp(0, 100, 10), sp(50, 200, 10)], 20, 2, 1 << 20),
+            (vec![sp(0, 1000, 30), sp(100, 2000, 10)], 40, 2, 16),
+            (
+                (0..(MAX_DESCS as u64 + 5)).map(|i| sp(i * 2, i * 2, 1)).collect(),
+                MAX_DESCS as u64 + 5,
+                1,
+                u64::MAX,
+            ),
+        ];
+        for (segs, bytes, streams, at) in cases {
+            let bodies = split_bodies(segs.clone(), bytes, streams, at);
+            let parts = split(segs, bytes, streams, at);
+            assert_eq!(bodies.len(), parts.len());
+            for (b, p) in bodies.iter().zip(&parts) {
+                assert!(matches!(b, PartBody::Data(s) if s == p));
+            }
+        }
     }
 
     fn sp(local: u64, remote: u64, len: u64) -> SegPair {

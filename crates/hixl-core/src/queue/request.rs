@@ -1,7 +1,7 @@
 //! One user transfer in flight: its parts' count, its one atomic state, its waiters, its pins,
 //! and the completion queue it reports to when an event loop awaits it.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -18,6 +18,9 @@ pub trait WaitHelp: Send + Sync {
     /// passed, or when there is nothing to do here (the waiter then waits as usual).
     fn help(&self, req: &Request, until: Instant);
 }
+
+/// `Request::posted_ns` before the request was posted.
+const NOT_POSTED: u64 = u64::MAX;
 
 /// A user transfer in flight.
 pub struct Request {
@@ -68,8 +71,9 @@ pub struct Request {
     /// The backend that carried its data, when its notification went on after it over the
     /// control channel (whose completer settles it): the one `account` records.
     carried_by: OnceLock<&'static str>,
-    /// When the submitting call had handed it to its backend (for telemetry).
-    posted: OnceLock<Instant>,
+    /// When the submitting call had handed it to its backend (for telemetry): nanoseconds
+    /// after `started`, `NOT_POSTED` before (an atomic store: no once-cell on the hot path).
+    posted_ns: AtomicU64,
     /// The task awaiting it (async Rust), woken when it settles.
     wakers: Mutex<Vec<std::task::Waker>>,
     /// Whether the deadline thread watches it (an awaited future asked).
@@ -120,7 +124,7 @@ impl Request {
             claimed: AtomicBool::new(false),
             ended: OnceLock::new(),
             carried_by: OnceLock::new(),
-            posted: OnceLock::new(),
+            posted_ns: AtomicU64::new(NOT_POSTED),
             wakers: Mutex::new(Vec::new()),
             watched: AtomicBool::new(false),
             has_waker: AtomicBool::new(false),
@@ -387,13 +391,17 @@ impl Request {
 
     /// Records that the submitting call has handed it to its backend.
     pub(crate) fn mark_posted(&self) {
-        let _ = self.posted.set(Instant::now());
+        let ns = self.started.elapsed().as_nanos().min(u128::from(NOT_POSTED - 1)) as u64;
+        let _ = self.posted_ns.compare_exchange(NOT_POSTED, ns, Ordering::Release, Ordering::Relaxed);
     }
 
     /// How it went, once its I/O has ended (None while in flight).
     pub fn telemetry(&self) -> Option<Telemetry> {
         let (backend, end) = *self.ended.get()?;
-        let posted = self.posted.get().copied().unwrap_or(self.started);
+        let posted = match self.posted_ns.load(Ordering::Acquire) {
+            NOT_POSTED => self.started,
+            ns => self.started + Duration::from_nanos(ns),
+        };
         Some(Telemetry {
             backend,
             post: posted.saturating_duration_since(self.started),

@@ -8,6 +8,9 @@ use super::IOV_MAX;
 use crate::error::{Error, Result, Status};
 use crate::op::{SegPair, TransferOp};
 
+/// Segments of a `cma` call described on the stack rather than in allocated vectors.
+const SMALL_IOVS: usize = 8;
+
 /// One process_vm_writev (`write`) or process_vm_readv call between `local` iovecs of this
 /// process and `remote` iovecs of process `pid`; the bytes moved.
 ///
@@ -44,19 +47,27 @@ pub(crate) fn cma(pid: i32, op: TransferOp, local: &dyn PinnedMemory, segs: &[Se
         return Err(not_covered(s.local, s.len));
     }
     let (mut i, mut off) = (0usize, 0u64);
-    let mut local = Vec::with_capacity(segs.len().min(IOV_MAX));
-    let mut remote = Vec::with_capacity(segs.len().min(IOV_MAX));
+    // A chunk of up to SMALL_IOVS segments (a small request's one) is described on the stack,
+    // larger ones in two vectors allocated once.
+    let (mut l_small, mut r_small) = ([iov(0, 0); SMALL_IOVS], [iov(0, 0); SMALL_IOVS]);
+    let (mut l_vec, mut r_vec) = (Vec::new(), Vec::new());
     while i < segs.len() {
-        local.clear();
-        remote.clear();
-        for (k, s) in segs[i..segs.len().min(i + IOV_MAX)].iter().enumerate() {
+        let chunk = &segs[i..segs.len().min(i + IOV_MAX)];
+        let (local, remote): (&mut [libc::iovec], &mut [libc::iovec]) = if chunk.len() <= SMALL_IOVS {
+            (&mut l_small[..chunk.len()], &mut r_small[..chunk.len()])
+        } else {
+            l_vec.resize(chunk.len(), iov(0, 0));
+            r_vec.resize(chunk.len(), iov(0, 0));
+            (&mut l_vec[..chunk.len()], &mut r_vec[..chunk.len()])
+        };
+        for (k, s) in chunk.iter().enumerate() {
             let o = if k == 0 { off } else { 0 };
-            local.push(iov(s.local + o, s.len - o));
-            remote.push(iov(s.remote + o, s.len - o));
+            local[k] = iov(s.local + o, s.len - o);
+            remote[k] = iov(s.remote + o, s.len - o);
         }
         // SAFETY: every local iovec lies in `local` (checked above), which the borrow keeps
         // valid during the call; the kernel validates the remote ones.
-        let r = match unsafe { process_vm(pid, op == TransferOp::Write, &local, &remote) } {
+        let r = match unsafe { process_vm(pid, op == TransferOp::Write, local, remote) } {
             Ok(r) => r,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(cma_error(pid, e)),
@@ -126,5 +137,53 @@ pub(crate) fn cma_error(pid: i32, e: std::io::Error) -> Error {
             ),
         ),
         _ => Error::failed(format!("cross-memory attach to pid {pid} failed: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A vector's bytes as pinned memory (the test keeps the vector alive and unmoved).
+    struct Kept(u64, u64);
+
+    // SAFETY: each test keeps the vector that `Kept` describes alive, unmoved and unborrowed
+    // while `cma` runs.
+    unsafe impl PinnedMemory for Kept {
+        fn covers(&self, addr: u64, len: u64) -> bool {
+            addr >= self.0 && addr.checked_add(len).is_some_and(|e| e <= self.0 + self.1)
+        }
+    }
+
+    /// Segment counts on both sides of the stack iovecs and of IOV_MAX, where one call's chunk
+    /// goes on the heap and the next on the stack (1030 = 1024 + 6): every byte lands.
+    #[test]
+    fn cma_copies_every_segment_whether_its_iovecs_are_on_the_stack_or_not() {
+        for n in [1, SMALL_IOVS, SMALL_IOVS + 1, IOV_MAX + 6, IOV_MAX * 2 + 1] {
+            let blk = 16u64;
+            let src: Vec<u8> = (0..n as u64 * blk).map(|i| (i * 7 + n as u64) as u8).collect();
+            let mut dst = vec![0u8; src.len()];
+            let (s, d) = (src.as_ptr() as u64, dst.as_mut_ptr() as u64);
+            // Reversed order: no two segments merge into one range on both sides.
+            let segs: Vec<SegPair> = (0..n as u64)
+                .map(|i| SegPair { local: s + i * blk, remote: d + (n as u64 - 1 - i) * blk, len: blk })
+                .collect();
+            cma(std::process::id() as i32, TransferOp::Write, &Kept(s, src.len() as u64), &segs).unwrap();
+            for i in 0..n {
+                let j = n - 1 - i;
+                let b = blk as usize;
+                assert_eq!(dst[j * b..(j + 1) * b], src[i * b..(i + 1) * b], "{n} segments: segment {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn cma_refuses_a_local_range_outside_the_pinned_memory() {
+        let src = [1u8; 64];
+        let mut dst = vec![0u8; 64];
+        let s = src.as_ptr() as u64;
+        let segs = [SegPair { local: s + 32, remote: dst.as_mut_ptr() as u64, len: 64 }];
+        assert!(cma(std::process::id() as i32, TransferOp::Write, &Kept(s, 64), &segs).is_err());
+        assert_eq!(dst, [0u8; 64], "nothing was copied");
     }
 }

@@ -293,6 +293,9 @@ impl ShmLink {
         if !self.direct_ok.load(Ordering::Relaxed) {
             return None;
         }
+        // Most copies go to memory the peer registered, not allocated: CMA, decided before any
+        // lock or allocation (the loop below asks every segment again).
+        memfd_key(table.find(segs.first()?.remote, segs[0].len)?)?;
         let mut maps = self.maps.lock().unwrap();
         if maps.len() > table.len() {
             let ids: std::collections::HashSet<u64> = table.regions().map(|r| r.id).collect();
