@@ -328,8 +328,7 @@ mod tests {
     /// dropping it would abandon the wait).
     fn awaited(ms: u64, w: Waker) -> (Arc<Request>, std::pin::Pin<Box<hixl_core::Completion>>) {
         let timeout = Duration::from_millis(ms);
-        let r =
-            Arc::new(Request::new(1, TransferOp::Write, "peer".into(), 0, 1, 1, timeout, Vec::new(), None));
+        let r = Arc::new(Request::new(1, TransferOp::Write, "peer", 0, 1, 1, timeout, Vec::new(), None));
         let mut f = Box::pin(r.completion());
         assert!(std::future::Future::poll(f.as_mut(), &mut Context::from_waker(&w)).is_pending());
         (r, f)

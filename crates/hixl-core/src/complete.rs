@@ -119,7 +119,7 @@ mod tests {
         let req = Arc::new(Request::new(
             1,
             TransferOp::Write,
-            "p".into(),
+            "p",
             8,
             2,
             parts,
@@ -190,8 +190,7 @@ mod tests {
     #[test]
     fn a_request_past_its_deadline_is_counted_as_a_timeout_at_once_and_only_then() {
         let c = completer();
-        let req =
-            Arc::new(Request::new(1, TransferOp::Write, "p".into(), 8, 1, 1, Duration::ZERO, vec![], None));
+        let req = Arc::new(Request::new(1, TransferOp::Write, "p", 8, 1, 1, Duration::ZERO, vec![], None));
         req.track(c.stats());
         let s = c.stats();
         assert_eq!(s.in_flight.load(Ordering::Relaxed), 1);
@@ -218,7 +217,7 @@ mod tests {
         let req = Arc::new(Request::new(
             2,
             TransferOp::Write,
-            "p".into(),
+            "p",
             0,
             0,
             1,

@@ -105,6 +105,7 @@ impl Engine {
                         None => link,
                     };
                     return Ok(PeerConn {
+                        name: Arc::from(key),
                         control,
                         link,
                         domains,

@@ -45,6 +45,8 @@ use validate::with_fresh_table;
 pub use validate::{push_merged, split};
 
 struct PeerConn {
+    /// The peer's name as `connect` was given it (the key of `peers`), shared by its requests.
+    name: Arc<str>,
     /// The control channel: the peer's region table, notifications, liveness.
     control: Arc<dyn ControlChannel>,
     /// The chosen backend's data path.

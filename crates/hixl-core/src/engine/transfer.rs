@@ -76,7 +76,7 @@ impl Engine {
             Ok((conn, batch, bytes, pins))
         })();
         let (conn, batch, bytes, pins) = ready.inspect_err(|e| count_refusal(&r, remote, op, e))?;
-        self.submit(&r, &conn, remote, op, batch, bytes, descs.len(), pins, notify, timeout)
+        self.submit(&r, &conn, op, batch, bytes, descs.len(), pins, notify, timeout)
     }
 
     /// Makes the request for a validated batch and queues its parts on the peer's link.
@@ -85,7 +85,6 @@ impl Engine {
         &self,
         r: &Running,
         conn: &PeerConn,
-        remote: &str,
         op: TransferOp,
         Batch { bodies, device, waiting, link }: Batch,
         bytes: u64,
@@ -103,7 +102,7 @@ impl Engine {
             _ => None,
         };
         let (local, remote_addr) = first.unwrap_or((0, 0));
-        let mut req = Request::new(id, op, remote.to_string(), bytes, descs, n, timeout, pins, notify);
+        let mut req = Request::new(id, op, conn.name.clone(), bytes, descs, n, timeout, pins, notify);
         // Fields set in place (the builder methods would move the request each time).
         req.first_addrs = (local, remote_addr);
         req.waited_at_once = waiting == Waiting::Now;
@@ -257,7 +256,7 @@ impl Engine {
             Ok((conn, batch, st.bytes(), pins))
         })();
         let (conn, batch, bytes, pins) = ready.inspect_err(|e| count_refusal(&r, remote, op, e))?;
-        self.submit(&r, &conn, remote, op, batch, bytes, 1, pins, notify, timeout)
+        self.submit(&r, &conn, op, batch, bytes, 1, pins, notify, timeout)
     }
 
     /// Status of a request (WAITING turns into TIMEOUT past its deadline).
@@ -294,7 +293,8 @@ impl Engine {
         }
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
         let id = r.next_req.fetch_add(1, Ordering::Relaxed);
-        let req = Arc::new(Request::new(id, TransferOp::Write, remote.into(), 0, 0, 1, left, vec![], None));
+        let req =
+            Arc::new(Request::new(id, TransferOp::Write, conn.name.clone(), 0, 0, 1, left, vec![], None));
         req.track(&conn.link.stats());
         if let Err(e) = conn.control.send_notifies(vec![Part::new(req.clone(), PartBody::Notify(n))]) {
             req.refuse(e.clone());

@@ -28,8 +28,8 @@ pub struct Request {
     pub id: u64,
     /// Direction.
     pub op: TransferOp,
-    /// Peer address.
-    pub peer: String,
+    /// Peer address (shared with the link's other requests: no copy per request).
+    pub peer: Arc<str>,
     /// Bytes moved by the whole request.
     pub bytes: u64,
     /// Number of descriptors the caller passed.
@@ -89,7 +89,7 @@ impl Request {
     pub fn new(
         id: u64,
         op: TransferOp,
-        peer: String,
+        peer: impl Into<Arc<str>>,
         bytes: u64,
         descs: usize,
         parts: usize,
@@ -101,7 +101,7 @@ impl Request {
         Request {
             id,
             op,
-            peer,
+            peer: peer.into(),
             bytes,
             descs,
             started: now,

@@ -120,7 +120,7 @@ fn workers_wake_on_push_and_stop_on_close() {
 
 #[test]
 fn request_settles_once_and_times_out() {
-    let r = Request::new(1, TransferOp::Write, "p".into(), 8, 1, 2, Duration::from_millis(30), vec![], None);
+    let r = Request::new(1, TransferOp::Write, "p", 8, 1, 2, Duration::from_millis(30), vec![], None);
     assert_eq!(r.status(), TransferStatus::Waiting);
     assert!(!r.part_done(&Ok(())));
     assert!(r.part_done(&Ok(())));
@@ -129,7 +129,7 @@ fn request_settles_once_and_times_out() {
     assert_eq!(r.wait(None), TransferStatus::Completed);
     assert!(r.error().is_none());
 
-    let t = Request::new(2, TransferOp::Read, "p".into(), 8, 1, 1, Duration::from_millis(30), vec![], None);
+    let t = Request::new(2, TransferOp::Read, "p", 8, 1, 1, Duration::from_millis(30), vec![], None);
     let t0 = Instant::now();
     assert_eq!(t.wait(Some(Duration::from_millis(5))), TransferStatus::Waiting);
     assert_eq!(t.wait(None), TransferStatus::Timeout);
@@ -142,7 +142,7 @@ fn waiter_wakes_on_settle() {
     let r = Arc::new(Request::new(
         3,
         TransferOp::Write,
-        "p".into(),
+        "p",
         1,
         1,
         1,
@@ -159,7 +159,7 @@ fn waiter_wakes_on_settle() {
 }
 
 fn waiting(id: u64) -> Arc<Request> {
-    Arc::new(Request::new(id, TransferOp::Write, "p".into(), 8, 1, 1, Duration::from_secs(5), vec![], None))
+    Arc::new(Request::new(id, TransferOp::Write, "p", 8, 1, 1, Duration::from_secs(5), vec![], None))
 }
 
 fn readable(fd: std::os::fd::RawFd) -> bool {
@@ -239,7 +239,7 @@ fn an_awaited_request_wakes_on_settle_and_at_its_deadline() {
     let slow = Arc::new(Request::new(
         3,
         TransferOp::Read,
-        "p".into(),
+        "p",
         8,
         1,
         1,
@@ -272,7 +272,7 @@ fn settled_awaited_requests_do_not_stay_with_the_deadline_thread() {
         let r = Arc::new(Request::new(
             i,
             TransferOp::Write,
-            "p".into(),
+            "p",
             8,
             1,
             1,
@@ -311,7 +311,7 @@ fn a_part_proves_only_ranges_in_its_host_pins_and_keeps_them_after_the_request_l
     let req = Arc::new(Request::new(
         1,
         TransferOp::Write,
-        "p".into(),
+        "p",
         16,
         1,
         1,

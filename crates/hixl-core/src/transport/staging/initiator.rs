@@ -364,7 +364,7 @@ mod tests {
         let req = Arc::new(Request::new(
             1,
             TransferOp::Write,
-            "p".into(),
+            "p",
             bytes,
             1,
             bodies.len(),

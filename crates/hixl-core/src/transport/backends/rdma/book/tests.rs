@@ -6,7 +6,7 @@ use crate::queue::{PartBody, Request, SegPair, TransferOp};
 use crate::transport::backends::rdma::verbs::{Sge, WrOp};
 
 fn request() -> Arc<Request> {
-    Arc::new(Request::new(1, TransferOp::Write, "p".into(), 8, 1, 1, Duration::from_secs(30), vec![], None))
+    Arc::new(Request::new(1, TransferOp::Write, "p", 8, 1, 1, Duration::from_secs(30), vec![], None))
 }
 
 fn job(n: usize) -> (Arc<Request>, Part, Vec<SendWr>) {
