@@ -116,17 +116,8 @@ mod tests {
     /// A request submitted on `c`'s link (counted in its stats).
     fn request(c: &Completer, parts: usize, notify: bool) -> Arc<Request> {
         let n = notify.then(|| NotifyDesc::new("n", "m"));
-        let req = Arc::new(Request::new(
-            1,
-            TransferOp::Write,
-            "p",
-            8,
-            2,
-            parts,
-            Duration::from_secs(5),
-            vec![],
-            n,
-        ));
+        let req =
+            Arc::new(Request::new(1, TransferOp::Write, "p", 8, 2, parts, Duration::from_secs(5), vec![], n));
         req.track(c.stats());
         req
     }
@@ -214,17 +205,8 @@ mod tests {
     #[test]
     fn a_notification_sent_alone_leaves_in_flight_where_it_was() {
         let c = completer();
-        let req = Arc::new(Request::new(
-            2,
-            TransferOp::Write,
-            "p",
-            0,
-            0,
-            1,
-            Duration::from_secs(5),
-            vec![],
-            None,
-        ));
+        let req =
+            Arc::new(Request::new(2, TransferOp::Write, "p", 0, 0, 1, Duration::from_secs(5), vec![], None));
         req.track(c.stats());
         assert_eq!(c.stats().in_flight.load(Ordering::Relaxed), 1);
         let n = Part::new(req.clone(), PartBody::Notify(NotifyDesc::new("n", "m")));

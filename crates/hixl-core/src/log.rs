@@ -78,9 +78,10 @@ pub struct Record {
 pub struct LogQueue {
     records: ArrayQueue<Record>,
     dropped: AtomicU64,
-    /// Set for good by [`LogQueue::wake`] (the host's drain is stopping): no `take` waits
-    /// after it, whichever thread takes first.
-    lock: Mutex<bool>,
+    /// `.0` set for good by [`LogQueue::wake`] (the host's drain is stopping): no `take`
+    /// waits after it, whichever thread takes first. `.1` set by [`LogQueue::nudge`] and
+    /// cleared by the one `take` it ends early.
+    lock: Mutex<(bool, bool)>,
     ready: Condvar,
 }
 
@@ -97,10 +98,11 @@ impl LogQueue {
     /// [`LogQueue::wake`]).
     pub fn take(&self, max_wait: Duration) -> Vec<Record> {
         if self.records.is_empty() {
-            let stopping = self.lock.lock().unwrap();
-            if self.records.is_empty() && !*stopping {
-                drop(self.ready.wait_timeout(stopping, max_wait).unwrap());
+            let mut st = self.lock.lock().unwrap();
+            if self.records.is_empty() && !st.0 && !st.1 {
+                st = self.ready.wait_timeout(st, max_wait).unwrap().0;
             }
+            st.1 = false;
         }
         std::iter::from_fn(|| self.records.pop()).collect()
     }
@@ -108,7 +110,14 @@ impl LogQueue {
     /// Ends a `take` that waits now, and every later one, at once (a host stopping its drain
     /// thread, which may otherwise wait long: an idle process then does not wake for it).
     pub fn wake(&self) {
-        *self.lock.lock().unwrap() = true;
+        self.lock.lock().unwrap().0 = true;
+        self.ready.notify_all();
+    }
+
+    /// Ends the `take` that waits now (or the next one) early, once: the host's drain thread
+    /// gets a turn (to move to a new engine's CPUs) and then waits as before.
+    pub fn nudge(&self) {
+        self.lock.lock().unwrap().1 = true;
         self.ready.notify_all();
     }
 
@@ -168,7 +177,7 @@ pub fn init_queue() -> &'static LogQueue {
     let q = QUEUE.get_or_init(|| LogQueue {
         records: ArrayQueue::new(LOG_QUEUE_LEN),
         dropped: AtomicU64::new(0),
-        lock: Mutex::new(false),
+        lock: Mutex::new((false, false)),
         ready: Condvar::new(),
     });
     INIT.call_once(|| {
@@ -198,3 +207,35 @@ pub fn level() -> &'static str {
 }
 
 use tracing_subscriber::Layer as _;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    fn queue() -> LogQueue {
+        LogQueue {
+            records: ArrayQueue::new(4),
+            dropped: AtomicU64::new(0),
+            lock: Mutex::new((false, false)),
+            ready: Condvar::new(),
+        }
+    }
+
+    #[test]
+    fn a_nudge_ends_one_take_early_and_later_takes_wait_again() {
+        let q = queue();
+        q.nudge();
+        let t = Instant::now();
+        assert!(q.take(Duration::from_secs(30)).is_empty());
+        assert!(t.elapsed() < Duration::from_secs(10), "the nudged take waited");
+        // The nudge is used up, and nothing stops the next take from waiting: a nudge is not
+        // a wake (which would make the drain thread spin).
+        assert_eq!(*q.lock.lock().unwrap(), (false, false));
+        q.wake();
+        let t = Instant::now();
+        assert!(q.take(Duration::from_secs(30)).is_empty());
+        assert!(q.take(Duration::from_secs(30)).is_empty());
+        assert!(t.elapsed() < Duration::from_secs(10), "takes after wake waited");
+    }
+}

@@ -139,17 +139,7 @@ fn request_settles_once_and_times_out() {
 
 #[test]
 fn waiter_wakes_on_settle() {
-    let r = Arc::new(Request::new(
-        3,
-        TransferOp::Write,
-        "p",
-        1,
-        1,
-        1,
-        Duration::from_secs(10),
-        vec![],
-        None,
-    ));
+    let r = Arc::new(Request::new(3, TransferOp::Write, "p", 1, 1, 1, Duration::from_secs(10), vec![], None));
     let r2 = r.clone();
     let t = std::thread::spawn(move || r2.wait(None));
     std::thread::sleep(Duration::from_millis(20));
@@ -236,17 +226,8 @@ fn an_awaited_request_wakes_on_settle_and_at_its_deadline() {
     std::thread::spawn(move || f2.settle(TransferStatus::Failed, Some(Error::failed("boom"))));
     assert_eq!(block_on(f.completion()).unwrap_err().message, "boom");
     // Nobody settles it: the deadline wakes it with TIMEOUT, on time.
-    let slow = Arc::new(Request::new(
-        3,
-        TransferOp::Read,
-        "p",
-        8,
-        1,
-        1,
-        Duration::from_millis(80),
-        vec![],
-        None,
-    ));
+    let slow =
+        Arc::new(Request::new(3, TransferOp::Read, "p", 8, 1, 1, Duration::from_millis(80), vec![], None));
     let t0 = Instant::now();
     let err = block_on(slow.completion()).unwrap_err();
     assert_eq!(err.status, Status::Timeout);
@@ -308,17 +289,7 @@ fn a_part_proves_only_ranges_in_its_host_pins_and_keeps_them_after_the_request_l
     let dev = reg.register(0x20000, 0x1000, MemType::Device).unwrap();
     let holder: Arc<dyn Abort> = Arc::new(NoAbort(new_holder_id()));
     let pins = vec![host.pin(&holder).unwrap(), dev.pin(&holder).unwrap()];
-    let req = Arc::new(Request::new(
-        1,
-        TransferOp::Write,
-        "p",
-        16,
-        1,
-        1,
-        Duration::from_secs(5),
-        pins,
-        None,
-    ));
+    let req = Arc::new(Request::new(1, TransferOp::Write, "p", 16, 1, 1, Duration::from_secs(5), pins, None));
     let seg = |local| PartBody::Data(vec![SegPair { local, remote: 0, len: 16 }]);
     assert!(Part::new(req.clone(), seg(0x10010)).local().is_some());
     assert!(Part::new(req.clone(), seg(0x10ff8)).local().is_none(), "crosses the region's end");

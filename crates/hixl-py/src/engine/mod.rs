@@ -223,8 +223,9 @@ impl Hixl {
         }
         let e = self.engine.clone();
         py.allow_threads(|| e.initialize(&local_engine, &opts)).map_err(to_py)?;
-        // The log drainer (started at import, before any engine) moves to the engine's CPUs.
-        hixl_core::log::init_queue().wake();
+        // The log drainer (started at import, before any engine) moves to the engine's CPUs:
+        // a nudge gives it one turn (wake would end every later wait: it would spin).
+        hixl_core::log::init_queue().nudge();
         Ok(())
     }
 
