@@ -3,7 +3,7 @@
 - On a machine without CUDA (where CI runs): registering device memory raises Unsupported
   with a message saying CUDA was not found, for a real object exposing
   `__cuda_array_interface__` (the protocol torch and CuPy implement) and for a raw pointer,
-  and nothing panics; `hixl info` says "CUDA not found".
+  and nothing panics; `hixl info` says "CUDA was not found".
 - On a machine with a GPU (scripts/gpu_check.sh): the same-host `cuda_ipc` backend between two
   processes, bytes compared on the host afterwards. These skip, with the reason, without CUDA
   or without torch.
@@ -173,11 +173,12 @@ def test_a_device_kv_cache_without_cuda_is_unsupported_and_leaves_nothing_behind
 
 @no_gpu
 def test_info_says_cuda_not_found() -> None:
+    """`hixl info` says once, in its text and its JSON, that CUDA was not found and why."""
     r = subprocess.run(
         [sys.executable, "-m", "hixl", "info"], capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0, r.stderr
-    assert "CUDA not found" in r.stdout and "libcuda.so.1" in r.stdout, r.stdout
+    assert "CUDA was not found" in r.stdout and "libcuda.so.1" in r.stdout, r.stdout
     r = subprocess.run(
         [sys.executable, "-m", "hixl", "info", "--json"],
         capture_output=True,
@@ -187,9 +188,9 @@ def test_info_says_cuda_not_found() -> None:
     info = json.loads(r.stdout)
     assert info["cuda"]["available"] is False and info["cuda"]["devices"] == []
     assert info["transports"]["cuda_ipc"]["available"] is False
-    assert "CUDA not found" in info["transports"]["cuda_ipc"]["detail"]
+    assert "CUDA was not found" in info["transports"]["cuda_ipc"]["detail"]
     assert info["transports"]["cuda_staging"]["available"] is False
-    assert "CUDA not found" in info["transports"]["cuda_staging"]["detail"]
+    assert "CUDA was not found" in info["transports"]["cuda_staging"]["detail"]
 
 
 @no_gpu
