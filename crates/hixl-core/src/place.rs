@@ -5,7 +5,7 @@
 //! its main thread to one core after `initialize` would otherwise get hixl's copy threads on
 //! that core too). Threads a hixl thread starts take its set; threads started from a caller's
 //! thread take the set of the engine that was initialized last (or their engine's, where the
-//! code knows it: [`spawn_on`]).
+//! code knows it: `spawn_on`).
 
 use std::cell::RefCell;
 use std::sync::{Arc, RwLock};
@@ -108,7 +108,7 @@ pub(crate) fn inherited() -> Option<Cpus> {
     MINE.with(|m| m.borrow().clone()).or_else(last)
 }
 
-/// Starts a named hixl thread pinned to the [`inherited`] set.
+/// Starts a named hixl thread pinned to the `inherited` set.
 pub fn spawn<F, T>(name: String, f: F) -> std::io::Result<JoinHandle<T>>
 where
     F: FnOnce() -> T + Send + 'static,
