@@ -116,7 +116,7 @@ def test_idle_link_to_a_frozen_peer_dies_and_a_busy_live_one_does_not(make_peer)
     size = 256 << 20
     live, frozen = make_peer(size), make_peer(4096)
     e = hixl.Hixl()
-    e.initialize("127.0.0.1", {"hixl.transport": "tcp", "hixl.heartbeat_ms": "250"})
+    e.initialize("127.0.0.1", {"hixl.backends": "tcp", "hixl.heartbeat_ms": "250"})
     try:
         src = random_bytes(size, 4)
         e.register(src)
