@@ -7,55 +7,29 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
+from _lineproc import LineProc
+from conftest import proc_state
 
 import hixl
 
-GUEST = Path(__file__).with_name("_guest.py")
 
-
-class Guest:
-    """An initiator engine in a child process (tests/_guest.py), connected to one peer."""
+class Guest(LineProc):
+    """An initiator engine in a child process (tests/_guest.py), connected to one peer; every
+    answer is waited for with a deadline (LineProc)."""
 
     def __init__(self, peer, size: int, options: dict[str, str] | None = None) -> None:
-        args = [sys.executable, str(GUEST), peer.engine, str(peer.addr), str(size)]
-        args.append(json.dumps(options or {}))
-        self.proc = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
-        )
-        assert self._line() == "READY"
+        super().__init__(["_guest.py", peer.engine, peer.addr, size, json.dumps(options or {})])
+        self.proc = self.p
 
-    def _line(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the guest exited with {self.proc.wait(10)}")
-        return line.strip()
-
-    def cmd(self, *words: object) -> str:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(" ".join(map(str, words)) + "\n")
-        self.proc.stdin.flush()
-        return self._line()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            try:
-                self.cmd("exit")
-            except (RuntimeError, BrokenPipeError):
-                pass
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def close(self, wait_s: float = 10) -> None:
+        """Resumes it if the test left it stopped, then asks it to exit (killed after `wait_s`)."""
+        if self.p.poll() is None:
+            os.kill(self.p.pid, signal.SIGCONT)
+        super().close(wait_s)
 
 
 @pytest.fixture
@@ -72,10 +46,6 @@ def make_guest():
         g.close()
 
 
-def stopped_state(pid: int) -> bool:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-
-
 def test_a_process_stopped_for_a_second_keeps_its_link_to_a_live_peer(
     make_peer, make_guest
 ) -> None:
@@ -87,7 +57,7 @@ def test_a_process_stopped_for_a_second_keeps_its_link_to_a_live_peer(
     for _ in range(5):
         os.kill(g.proc.pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        while not stopped_state(g.proc.pid):
+        while proc_state(g.proc.pid) != "T":
             assert time.monotonic() - t0 < 10
             time.sleep(0.001)
         time.sleep(1.0)  # ten heartbeat intervals without this process running
