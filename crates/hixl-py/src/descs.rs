@@ -35,54 +35,54 @@ fn as_uint64_rows<'py>(descs: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>>
     descs.py().import("numpy")?.call_method1("ascontiguousarray", (descs, "uint64"))
 }
 
-pub(crate) fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::TransferOpDesc>> {
-    if descs.is_instance_of::<PyList>() || descs.is_instance_of::<PyTuple>() {
-        // A list or tuple of rows, read through the sequence's own slots (no iterator object,
-        // no index object per field: the 4 KiB synchronous call spends a part of its time here).
-        let (list, tuple) = (descs.downcast::<PyList>().ok(), descs.downcast::<PyTuple>().ok());
-        let n = descs.len()?;
-        let mut out = Vec::with_capacity(n);
-        for i in 0..n {
-            let item = match (&list, &tuple) {
-                (Some(l), _) => l.get_item(i)?,
-                (None, Some(t)) => t.get_item(i)?,
-                (None, None) => return Err(errors::param("descs must be a list or a tuple of rows")),
-            };
-            // Tuples first: a type-flag test, where the class test looks up the class object.
-            if let Ok(t) = item.downcast::<PyTuple>() {
-                if t.len() != 3 {
-                    return Err(errors::param(format!("descs[{i}] must have 3 fields, got {}", t.len())));
-                }
-                out.push(hixl_core::TransferOpDesc {
-                    local_addr: types::uint_named(
-                        || format!("descs[{i}].local_addr"),
-                        &*t.get_borrowed_item(0)?,
-                    )?,
-                    remote_addr: types::uint_named(
-                        || format!("descs[{i}].remote_addr"),
-                        &*t.get_borrowed_item(1)?,
-                    )?,
-                    len: types::uint_named(|| format!("descs[{i}].length"), &*t.get_borrowed_item(2)?)?,
-                });
-            } else if item.is_instance_of::<PyList>() {
-                if item.len()? != 3 {
-                    return Err(errors::param(format!("descs[{i}] must have 3 fields, got {}", item.len()?)));
-                }
-                out.push(hixl_core::TransferOpDesc {
-                    local_addr: types::uint_named(|| format!("descs[{i}].local_addr"), &item.get_item(0)?)?,
-                    remote_addr: types::uint_named(|| format!("descs[{i}].remote_addr"), &item.get_item(1)?)?,
-                    len: types::uint_named(|| format!("descs[{i}].length"), &item.get_item(2)?)?,
-                });
-            } else if let Ok(d) = item.downcast::<types::TransferOpDesc>() {
-                out.push((*d.get()).into());
-            } else {
-                let t = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-                return Err(errors::param(format!(
-                    "descs[{i}] is a {t}; expected hixl.TransferOpDesc or (local_addr, remote_addr, length)"
-                )));
-            }
+/// One `(local_addr, remote_addr, length)` row, read through the tuple's own slots.
+fn triple(i: usize, t: &Bound<'_, PyTuple>) -> PyResult<hixl_core::TransferOpDesc> {
+    if t.len() != 3 {
+        return Err(errors::param(format!("descs[{i}] must have 3 fields, got {}", t.len())));
+    }
+    let field = |k: usize, name: &str| -> PyResult<u64> {
+        types::uint_named(|| format!("descs[{i}].{name}"), &*t.get_borrowed_item(k)?)
+    };
+    Ok(hixl_core::TransferOpDesc {
+        local_addr: field(0, "local_addr")?,
+        remote_addr: field(1, "remote_addr")?,
+        len: field(2, "length")?,
+    })
+}
+
+/// The rows of a list or tuple of descriptors, each a `(local, remote, length)` tuple (or list)
+/// or a `TransferOpDesc`.
+fn rows<'py>(
+    n: usize,
+    rows: impl Iterator<Item = Bound<'py, PyAny>>,
+) -> PyResult<Vec<hixl_core::TransferOpDesc>> {
+    let mut out = Vec::with_capacity(n);
+    for (i, item) in rows.enumerate() {
+        // Tuples first: a type-flag test, where the class test looks up the class object.
+        if let Ok(t) = item.downcast::<PyTuple>() {
+            out.push(triple(i, t)?);
+        } else if let Ok(l) = item.downcast::<PyList>() {
+            out.push(triple(i, &l.to_tuple())?);
+        } else if let Ok(d) = item.downcast::<types::TransferOpDesc>() {
+            out.push((*d.get()).into());
+        } else {
+            let t = item.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+            return Err(errors::param(format!(
+                "descs[{i}] is a {t}; expected hixl.TransferOpDesc or (local_addr, remote_addr, length)"
+            )));
         }
-        return Ok(out);
+    }
+    Ok(out)
+}
+
+pub(crate) fn parse_descs(descs: &Bound<'_, PyAny>) -> PyResult<Vec<hixl_core::TransferOpDesc>> {
+    // A list or tuple of rows, read through the sequence's own iterator (no iterator object, no
+    // index object per field: the 4 KiB synchronous call spends a part of its time here).
+    if let Ok(l) = descs.downcast::<PyList>() {
+        return rows(l.len(), l.iter());
+    }
+    if let Ok(t) = descs.downcast::<PyTuple>() {
+        return rows(t.len(), t.iter());
     }
     // Fast path: a C-contiguous uint64 array of shape (N, 3), read once.
     let buf = match PyBuffer::<u64>::get(descs) {
