@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
+import threading
 import time
 
 import numpy as np
@@ -173,5 +175,50 @@ def test_a_peer_known_dead_fails_at_once_until_a_connect_succeeds(make_peer, fre
         desc = [(src.ctypes.data, again.addr, 4096)]
         e.transfer_sync(again.engine, hixl.TransferOp.WRITE, desc, 30_000)
         assert (again.read(0, 4096) == 1).all()
+    finally:
+        e.finalize()
+
+
+def test_a_short_sync_transfer_keeps_the_gil_from_a_busy_python_thread(make_peer) -> None:
+    # transfer_sync waits its first millisecond with the GIL held. A same-host batch is copied
+    # on the calling thread while it is submitted, so it never lets a GIL-holding Python thread
+    # in: taking the GIL back from such a thread costs a switch interval (here 1 s; 5 ms by
+    # default, more on a core shared with busy threads). Before, every call let it in.
+    peer = make_peer(8 << 20, {"hixl.backends": "shm"})
+    e = hixl.Hixl()
+    e.initialize("127.0.0.1", {"hixl.backends": "shm"})
+    count, stop = [0], threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    try:
+        # 4 MiB: a copy long enough (about a millisecond) for a thread waiting for the GIL to
+        # take it whenever the call lets go of it.
+        src = np.ones(4 << 20, np.uint8)
+        e.register(src)
+        e.connect(peer.engine, timeout_ms=10_000)
+        desc = [(src.ctypes.data, peer.addr, src.nbytes)]
+        e.transfer_sync(peer.engine, hixl.TransferOp.WRITE, desc, 30_000)
+        was = sys.getswitchinterval()
+        sys.setswitchinterval(1.0)
+        busy = threading.Thread(target=spin, daemon=True)
+        try:
+            busy.start()
+            kept = 0
+            for _ in range(30):
+                before = count[0]
+                e.transfer_sync(peer.engine, hixl.TransferOp.WRITE, desc, 30_000)
+                kept += count[0] == before
+        finally:
+            stop.set()
+            sys.setswitchinterval(was)
+            busy.join(30)
+        print(f"guest: {kept} of 30 synchronous transfers ran without letting the busy thread in")
+        # The busy thread, let in by nothing, asks for the GIL only after waiting a second: the
+        # 30 calls (a copy of about a millisecond each) are over long before.
+        assert kept == 30, kept
+        assert (peer.read(0, src.nbytes) == 1).all()
     finally:
         e.finalize()

@@ -54,6 +54,36 @@ impl Engine {
         timeout: Option<Duration>,
         waiting: Waiting,
     ) -> Result<TransferReq> {
+        self.transfer_or_not(remote, op, descs, notify, timeout, waiting, Ask::Peer)?
+            .ok_or_else(|| Error::failed("a submission that may ask the peer stopped short"))
+    }
+
+    /// `submit_transfer` with `Waiting::Now`, for a caller that holds a lock its process's
+    /// other threads need (Python's GIL) while it submits and waits a moment: it submits only
+    /// where that needs nothing from the network. Where it would (a remote range missing from
+    /// the peer's region table as last received, or a backend still to open), it returns None
+    /// having done nothing, and the caller submits again with the lock released.
+    pub fn try_submit_held(
+        &self,
+        remote: &str,
+        op: TransferOp,
+        descs: &[TransferOpDesc],
+        timeout: Option<Duration>,
+    ) -> Result<Option<TransferReq>> {
+        self.transfer_or_not(remote, op, descs, None, timeout, Waiting::Now, Ask::Never)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn transfer_or_not(
+        &self,
+        remote: &str,
+        op: TransferOp,
+        descs: &[TransferOpDesc],
+        notify: Option<NotifyDesc>,
+        timeout: Option<Duration>,
+        waiting: Waiting,
+        ask: Ask,
+    ) -> Result<Option<TransferReq>> {
         let timeout = timeout.map(crate::wait::capped);
         let r = self.running()?;
         let ready = (|| {
@@ -66,17 +96,19 @@ impl Engine {
             }
             let write = op == TransferOp::Write;
             let mut pairs = DomainPairs::default();
-            let (segs, pins, bytes) = with_fresh_table(&r, &conn, |miss| {
+            let found = table_check(&r, &conn, ask, |miss| {
                 pairs.clear();
                 validate(&r, &conn, remote, descs, write, miss, &mut pairs)
             })?;
-            let link = path_for(&conn, remote, &pairs)?;
+            let Some((segs, pins, bytes)) = found else { return Ok(None) };
+            let Some(link) = path_asking(&conn, remote, &pairs, ask)? else { return Ok(None) };
             let bodies = split_bodies(segs, bytes, link.parallelism(), r.opts.split_bytes);
             let batch = Batch { bodies, device: touches_device(&pairs), waiting, link };
-            Ok((conn, batch, bytes, pins))
+            Ok(Some((conn, batch, bytes, pins)))
         })();
-        let (conn, batch, bytes, pins) = ready.inspect_err(|e| count_refusal(&r, remote, op, e))?;
-        self.submit(&r, &conn, op, batch, bytes, descs.len(), pins, notify, timeout)
+        let ready = ready.inspect_err(|e| count_refusal(&r, remote, op, e))?;
+        let Some((conn, batch, bytes, pins)) = ready else { return Ok(None) };
+        self.submit(&r, &conn, op, batch, bytes, descs.len(), pins, notify, timeout).map(Some)
     }
 
     /// Makes the request for a validated batch and queues its parts on the peer's link.
@@ -235,6 +267,36 @@ impl Engine {
         timeout: Option<Duration>,
         waiting: Waiting,
     ) -> Result<TransferReq> {
+        let bases = (local_base, remote_base);
+        self.strided_or_not(remote, op, bases, d, notify, timeout, waiting, Ask::Peer)?
+            .ok_or_else(|| Error::failed("a submission that may ask the peer stopped short"))
+    }
+
+    /// `submit_strided` with `Waiting::Now` for a caller that holds a lock its process's other
+    /// threads need: as [`Engine::try_submit_held`].
+    pub fn try_strided_held(
+        &self,
+        remote: &str,
+        op: TransferOp,
+        bases: (u64, u64),
+        d: &StridedDesc,
+        timeout: Option<Duration>,
+    ) -> Result<Option<TransferReq>> {
+        self.strided_or_not(remote, op, bases, d, None, timeout, Waiting::Now, Ask::Never)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn strided_or_not(
+        &self,
+        remote: &str,
+        op: TransferOp,
+        (local_base, remote_base): (u64, u64),
+        d: &StridedDesc,
+        notify: Option<NotifyDesc>,
+        timeout: Option<Duration>,
+        waiting: Waiting,
+        ask: Ask,
+    ) -> Result<Option<TransferReq>> {
         let timeout = timeout.map(crate::wait::capped);
         let r = self.running()?;
         let ready = (|| {
@@ -243,20 +305,22 @@ impl Engine {
                 check_notify(n)?;
             }
             let write = op == TransferOp::Write;
-            let (st, pins, pairs) = with_fresh_table(&r, &conn, |miss| {
+            let found = table_check(&r, &conn, ask, |miss| {
                 validate_strided(&r, &conn, remote, (local_base, remote_base), d, write, miss)
             })?;
-            let link = path_for(&conn, remote, &pairs)?;
+            let Some((st, pins, pairs)) = found else { return Ok(None) };
+            let Some(link) = path_asking(&conn, remote, &pairs, ask)? else { return Ok(None) };
             let shares = if st.bytes() >= r.opts.split_bytes { link.parallelism() } else { 1 };
             // One frame names at most MAX_STRIDED_ELEMS separate elements at the target: more
             // are sent as more parts (each its own frame), never refused.
             let shares = shares.max(st.frames_needed());
             let bodies: Vec<PartBody> = st.split(shares).into_iter().map(PartBody::Strided).collect();
             let batch = Batch { bodies, device: touches_device(&pairs), waiting, link };
-            Ok((conn, batch, st.bytes(), pins))
+            Ok(Some((conn, batch, st.bytes(), pins)))
         })();
-        let (conn, batch, bytes, pins) = ready.inspect_err(|e| count_refusal(&r, remote, op, e))?;
-        self.submit(&r, &conn, op, batch, bytes, 1, pins, notify, timeout)
+        let ready = ready.inspect_err(|e| count_refusal(&r, remote, op, e))?;
+        let Some((conn, batch, bytes, pins)) = ready else { return Ok(None) };
+        self.submit(&r, &conn, op, batch, bytes, 1, pins, notify, timeout).map(Some)
     }
 
     /// Status of a request (WAITING turns into TIMEOUT past its deadline).
@@ -443,6 +507,47 @@ fn remember(conn: &PeerConn, req: &Arc<Request>) {
 /// Whether a batch between these domain pairs touches device memory on either side.
 fn touches_device(pairs: &[(Domain, Domain)]) -> bool {
     pairs.iter().any(|(l, t)| l.is_device() || t.is_device())
+}
+
+/// Whether a submission may wait on the network (ask the peer for its region table, open a
+/// backend), or must stop short where it would.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ask {
+    Peer,
+    Never,
+}
+
+/// Validates with `check`: as `with_fresh_table` where the submission may ask the peer; where
+/// it may not, None when the validation failed only because a remote range is missing from
+/// the peer's table as last received.
+fn table_check<T>(
+    r: &Running,
+    conn: &PeerConn,
+    ask: Ask,
+    mut check: impl FnMut(&mut bool) -> Result<T>,
+) -> Result<Option<T>> {
+    if ask == Ask::Peer {
+        return with_fresh_table(r, conn, check).map(Some);
+    }
+    let mut miss = false;
+    match check(&mut miss) {
+        Err(_) if miss => Ok(None),
+        other => other.map(Some),
+    }
+}
+
+/// `path_for`, or, where the submission may not wait on the network, the link's own path
+/// when it serves the batch (None otherwise: a later backend may have to be opened).
+fn path_asking(
+    conn: &PeerConn,
+    remote: &str,
+    pairs: &[(Domain, Domain)],
+    ask: Ask,
+) -> Result<Option<Arc<dyn DataPath>>> {
+    match ask {
+        Ask::Peer => path_for(conn, remote, pairs).map(Some),
+        Ask::Never => Ok(serves(conn.domains(), pairs).then(|| conn.link.clone())),
+    }
 }
 
 /// The path for a batch between these domain pairs: the link's own, or a later backend that

@@ -65,6 +65,35 @@ fn finish_sync(py: Python<'_>, req: &hixl_core::TransferReq) -> PyResult<()> {
 /// One range's `(local_addr, remote_addr, length)` arguments, as Python passed them.
 type Range3<'a, 'py> = (&'a Bound<'py, PyAny>, &'a Bound<'py, PyAny>, &'a Bound<'py, PyAny>);
 
+/// How long a synchronous call waits for its request with the GIL held before it lets go: a
+/// fifth of CPython's default switch interval (5 ms).
+const HELD_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Batches up to this many bytes try the held path first (a same-host batch of this size may
+/// be copied on the calling thread, GIL held: about a millisecond).
+const HELD_BYTES: u64 = 8 << 20;
+
+/// Submits a request that its caller waits for at once. A small batch is first submitted with
+/// the GIL held (`held`, which does nothing where it would have to wait on the network) and
+/// waited for up to `HELD_WAIT` still holding it: a request that ends that soon then costs no
+/// GIL release at all. Taking the GIL back from a thread that runs Python costs a switch
+/// interval (5 ms), more on a core shared with busy threads, which is what a busy, pinned
+/// engine such as vLLM's worker is. Otherwise (or when `held` declined) as `submit_released`.
+fn submit_sync(
+    py: Python<'_>,
+    bytes: u64,
+    held: impl FnOnce() -> hixl_core::Result<Option<hixl_core::TransferReq>>,
+    released: impl FnOnce() -> hixl_core::Result<hixl_core::TransferReq> + Send,
+) -> PyResult<hixl_core::TransferReq> {
+    if bytes <= HELD_BYTES {
+        if let Some(req) = held().map_err(to_py)? {
+            req.wait(Some(HELD_WAIT));
+            return Ok(req);
+        }
+    }
+    submit_released(py, Waiting::Now, released)
+}
+
 /// Runs `submit` with the GIL released. A caller that waits at once (`Waiting::Now`) also waits
 /// its first slice there, so that a request that ends within it costs one GIL release, not two
 /// (`finish_sync` then finds it ended).
@@ -148,6 +177,12 @@ impl Hixl {
         self.check_tensors(py, [d[0].local_addr])?;
         let t = ms("timeout_ms", timeout_ms)?;
         let e = self.engine.clone();
+        if waiting == Waiting::Now {
+            let held = || e.try_submit_held(remote, op.into(), &d, t);
+            return submit_sync(py, d[0].len, held, || {
+                e.submit_transfer(remote, op.into(), &d, None, t, waiting)
+            });
+        }
         submit_released(py, waiting, || e.submit_transfer(remote, op.into(), &d, None, t, waiting))
     }
 
@@ -170,6 +205,13 @@ impl Hixl {
         let t = ms("timeout_ms", timeout_ms)?;
         let e = self.engine.clone();
         let d: hixl_core::StridedDesc = desc.into();
+        if waiting == Waiting::Now && notify.is_none() {
+            let bytes = d.count.saturating_mul(d.size);
+            let held = || e.try_strided_held(remote, op.into(), (lb, rb), &d, t);
+            let n = notify.map(Into::into);
+            let released = || e.submit_strided(remote, op.into(), (lb, rb), &d, n, t, waiting);
+            return submit_sync(py, bytes, held, released);
+        }
         let n = notify.map(Into::into);
         submit_released(py, waiting, || e.submit_strided(remote, op.into(), (lb, rb), &d, n, t, waiting))
     }

@@ -28,7 +28,9 @@ impl Hixl {
     /// (`hixl.queue_depth`); `Failed` when the engine was finalized meanwhile, before `initialize`
     /// or after `finalize`.
     ///
-    /// Waits with the GIL released; Ctrl-C raises `KeyboardInterrupt` within 50 ms, and the
+    /// Waits with the GIL released (a batch of up to 8 MiB is submitted and waited for during
+    /// its first millisecond with the GIL held: a short transfer then never has to take it back
+    /// from a busy Python thread); Ctrl-C raises `KeyboardInterrupt` within 50 ms, and the
     /// transfer goes on until it ends or its deadline passes.
     #[pyo3(signature = (remote, op, descs, timeout_ms = None))]
     fn transfer_sync(
@@ -43,9 +45,10 @@ impl Hixl {
         let d = parse_descs(descs)?;
         self.check_tensors(py, d.iter().map(|x| x.local_addr))?;
         let e = self.engine.clone();
-        let req = submit_released(py, Waiting::Now, || {
-            e.submit_transfer(&remote, op.into(), &d, None, t, Waiting::Now)
-        })?;
+        let bytes = d.iter().fold(0u64, |n, x| n.saturating_add(x.len));
+        let held = || e.try_submit_held(&remote, op.into(), &d, t);
+        let released = || e.submit_transfer(&remote, op.into(), &d, None, t, Waiting::Now);
+        let req = submit_sync(py, bytes, held, released)?;
         finish_sync(py, &req)
     }
 
