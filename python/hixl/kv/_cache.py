@@ -10,6 +10,7 @@ import numpy as np
 from .._errors import ParamInvalid
 from .._hixl import MemHandle
 from .._kvcore._cache import Geometry
+from .._kvcore._plan import Pieces
 from .._kvcore._plan import block_runs as block_runs
 
 
@@ -24,9 +25,14 @@ class CacheInfo:
     nbytes: int
     layer_axis: int
     block_axis: int | None
+    #: A cache of one tensor per layer (vLLM's): each layer's address, in layer order. Its
+    #: ``shape`` is then (layers, *one layer's shape) with layer_axis 0, and a byte offset
+    #: ``o`` of the whole is ``layer_addrs[o // layer_bytes] + o % layer_bytes``; ``addr`` is
+    #: layer 0's. Empty for a cache of one tensor.
+    layer_addrs: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "shape": list(self.shape),
             "dtype": self.dtype,
@@ -35,6 +41,9 @@ class CacheInfo:
             "layer_axis": self.layer_axis,
             "block_axis": self.block_axis,
         }
+        if self.layer_addrs:
+            out["layer_addrs"] = list(self.layer_addrs)
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> CacheInfo:
@@ -46,7 +55,23 @@ class CacheInfo:
             int(d["nbytes"]),
             int(d["layer_axis"]),
             None if d["block_axis"] is None else int(d["block_axis"]),
+            tuple(int(a) for a in d.get("layer_addrs", ())),
         )
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer of a cache of one tensor per layer (the whole otherwise)."""
+        return self.nbytes // len(self.layer_addrs) if self.layer_addrs else self.nbytes
+
+    def locate(self, offset: int) -> tuple[int, int]:
+        """The address of byte `offset` of the cache and how many bytes from there on are
+        contiguous (to the end of its layer's tensor, or of the cache)."""
+        if not 0 <= offset < self.nbytes:
+            raise ParamInvalid(f"offset {offset} is outside cache {self.name!r} ({self.nbytes} B)")
+        if not self.layer_addrs:
+            return self.addr + offset, self.nbytes - offset
+        k, o = divmod(offset, self.layer_bytes)
+        return self.layer_addrs[k] + o, self.layer_bytes - o
 
     @property
     def itemsize(self) -> int:
@@ -88,11 +113,18 @@ class CacheInfo:
 class RegisteredCache:
     """A KV cache registered with the process's engine (zero copy: the caller's memory).
 
-    ``name`` is how peers address it; ``layer_ranges(k)`` are the byte ranges of layer k."""
+    ``name`` is how peers address it; ``layer_ranges(k)`` are the byte ranges of layer k.
+    A cache given as a list of per-layer tensors has ``array`` that list and one engine
+    region (handle) a layer."""
 
     info: CacheInfo
     array: Any = field(repr=False)
-    handle: MemHandle = field(repr=False)
+    handles: tuple[MemHandle, ...] = field(repr=False)
+
+    @property
+    def handle(self) -> MemHandle:
+        """The engine region of the cache (of its first layer for a list of layers)."""
+        return self.handles[0]
 
     @property
     def name(self) -> str:
@@ -120,6 +152,21 @@ class RegisteredCache:
 
     def layer_ranges(self, layer: int) -> list[tuple[int, int]]:
         return self.info.layer_ranges(layer)
+
+
+def addr_pairs(src: CacheInfo, dst: CacheInfo, pieces: Pieces) -> Pieces:
+    """(source, destination, length) byte offsets of two caches as addresses, a piece cut
+    where either side's memory stops being contiguous (a layer's tensor ends)."""
+    if not src.layer_addrs and not dst.layer_addrs:
+        return [(src.addr + s, dst.addr + d, n) for s, d, n in pieces]
+    out: Pieces = []
+    for s, d, n in pieces:
+        while n > 0:
+            (sa, sn), (da, dn) = src.locate(s), dst.locate(d)
+            m = min(n, sn, dn)
+            out.append((sa, da, m))
+            s, d, n = s + m, d + m, n - m
+    return out
 
 
 def as_array(obj: Any) -> np.ndarray:
@@ -252,4 +299,54 @@ def describe(
         int(arr.nbytes),
         layer_axis,
         block_axis,
+    )
+
+
+def layer_axes(shape: tuple[int, ...], layout: Any, layer_axis: Any, block_axis: Any) -> int | None:
+    """The block axis of one layer's tensor (of `shape`) of a cache given as a list of
+    per-layer tensors: `block_axis` (None: no blocks); ParamInvalid for layout= or layer_axis=
+    (the list is the layer axis) or an axis the shape lacks."""
+    if layout is not None or layer_axis is not None:
+        raise ParamInvalid(
+            f"a cache given as a list of per-layer tensors has its layers as the list: give "
+            f"block_axis= only (of one layer's shape {tuple(shape)}), not layout={layout!r} "
+            f"or layer_axis={layer_axis!r}"
+        )
+    if block_axis is UNSET:
+        raise ParamInvalid(
+            f"allocate_cache of a list of per-layer tensors needs block_axis= (the axis of "
+            f"blocks in one layer's shape {tuple(shape)}; None for a cache without blocks)"
+        )
+    if block_axis is None:
+        return None
+    nd = len(shape)
+    if (
+        not isinstance(block_axis, int)
+        or isinstance(block_axis, bool)
+        or not -nd <= block_axis < nd
+    ):
+        raise ParamInvalid(f"block_axis={block_axis!r} is not an axis of shape {tuple(shape)}")
+    return block_axis % nd
+
+
+def describe_layers(name: str, arrs: list[Any], block_axis: int | None) -> CacheInfo:
+    """What peers will know of per-layer tensors `arrs` (one shape and dtype, checked here)
+    registered as one cache `name`: shape (layers, *one layer's shape), layer axis 0."""
+    first = arrs[0]
+    for k, a in enumerate(arrs):
+        if tuple(a.shape) != tuple(first.shape) or a.dtype != first.dtype:
+            raise ParamInvalid(
+                f"layer {k} of cache {name!r} is {tuple(a.shape)} {a.dtype}, layer 0 "
+                f"{tuple(first.shape)} {first.dtype}: every layer's tensor must be alike"
+            )
+    addrs = tuple(a.addr if isinstance(a, DeviceArray) else int(a.ctypes.data) for a in arrs)
+    return CacheInfo(
+        name,
+        (len(arrs), *(int(x) for x in first.shape)),
+        first.dtype.str,
+        addrs[0],
+        int(first.nbytes) * len(arrs),
+        0,
+        None if block_axis is None else block_axis + 1,
+        addrs,
     )

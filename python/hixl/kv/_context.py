@@ -28,6 +28,8 @@ from ._cache import (
     as_device_array,
     axes,
     describe,
+    describe_layers,
+    layer_axes,
 )
 from ._directory import Directory, DirectoryReader, PeerDirectory
 from ._discovery import Config as DiscoveryConfig
@@ -324,11 +326,19 @@ class Context:
         block_axis: Any,
     ) -> RegisteredCache:
         if mem_type in ("device", MemType.DEVICE):
-            arr: Any = as_device_array(obj)
+            as_mem: Any = as_device_array
         elif mem_type in ("host", MemType.HOST):
-            arr = as_array(obj)
+            as_mem = as_array
         else:
             raise ParamInvalid(f"mem_type={mem_type!r} must be 'host' or 'device'")
+        layered = isinstance(obj, (list, tuple))
+        if layered:
+            if not obj:
+                raise ParamInvalid("allocate_cache got an empty list of layers")
+            arrs = [as_mem(x) for x in obj]
+            ba = layer_axes(tuple(arrs[0].shape), layout, layer_axis, block_axis)
+        else:
+            arrs = [as_mem(obj)]
         with self.lock:
             if name is None:
                 while str(self.counter) in self.caches:
@@ -339,17 +349,27 @@ class Context:
                 raise ParamInvalid(f"name={name!r} must be a non-empty string")
             if name in self.caches:
                 raise ParamInvalid(f"a cache named {name!r} already exists on rank {self.rank}")
-            la, ba = axes(tuple(arr.shape), arr.dtype, layout, layer_axis, block_axis)
-            info = describe(name, arr, la, ba)
-            handle = self.engine.register(arr.obj if isinstance(arr, DeviceArray) else arr)
-            cache = RegisteredCache(info, arr, handle)
+            if layered:
+                info = describe_layers(name, arrs, ba)
+            else:
+                arr = arrs[0]
+                la, ba = axes(tuple(arr.shape), arr.dtype, layout, layer_axis, block_axis)
+                info = describe(name, arr, la, ba)
+            handles: list[Any] = []
+            try:
+                for a in arrs:
+                    handles.append(self.engine.register(a.obj if isinstance(a, DeviceArray) else a))
+            except BaseException:
+                deregister(self.engine, handles)
+                raise
+            cache = RegisteredCache(info, list(obj) if layered else arrs[0], tuple(handles))
             self.caches[name] = cache
         try:
             self.directory.add(info)
         except BaseException:
             with self.lock:
                 del self.caches[name]
-            deregister(self.engine, [handle], quiet=False)
+            deregister(self.engine, handles, quiet=False)
             raise
         self._publish_caches()
         return cache
@@ -360,7 +380,7 @@ class Context:
                 return
             del self.caches[cache.name]
         self.directory.remove(cache.name)
-        deregister(self.engine, [cache.handle], quiet=False)
+        deregister(self.engine, cache.handles, quiet=False)
         self._publish_caches()
 
     def finalize(self) -> None:
@@ -395,6 +415,14 @@ def context() -> Context:
     if ctx is None:
         raise Failed("the KV-cache layer is not initialized: call hixl.kv.init() first")
     return ctx
+
+
+def engine() -> Hixl:
+    """The process's engine (the ``hixl.Hixl`` that ``hixl.kv.init`` made): for its stats,
+    metrics and the application's own notifications. The KV layer owns it: ``finalize`` it
+    only through ``hixl.kv.finalize``. ``hixl.Failed`` when ``hixl.kv.init`` has not run (or
+    ``hixl.kv.finalize`` has)."""
+    return context().engine
 
 
 def init(

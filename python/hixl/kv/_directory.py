@@ -262,6 +262,10 @@ def cache_info(c: Any) -> CacheInfo:
     except (TypeError, ValueError):
         raise pt.Malformed(f"cache {name!r}: dtype {dtype!r} is not a numpy dtype") from None
     block = c.get("block_axis")
+    layers = tuple(
+        pt.integer(a, "layer address", 0, (1 << 64) - 1)
+        for a in pt.array(c.get("layer_addrs", []), "layer_addrs", 1 << 16)
+    )
     info = CacheInfo(
         name,
         shape,
@@ -270,7 +274,15 @@ def cache_info(c: Any) -> CacheInfo:
         pt.integer(c.get("nbytes"), "nbytes", 0, big),
         pt.integer(c.get("layer_axis"), "layer_axis", 0, 63),
         None if block is None else pt.integer(block, "block_axis", 0, 63),
+        layers,
     )
+    if layers and (
+        info.layer_axis != 0 or info.shape[:1] != (len(layers),) or info.nbytes % len(layers)
+    ):
+        raise pt.Malformed(
+            f"cache {name!r}: {len(layers)} layer addresses for shape {info.shape}, "
+            f"layer_axis {info.layer_axis}, {info.nbytes} bytes"
+        )
     axes = [info.layer_axis] + ([] if info.block_axis is None else [info.block_axis])
     if not all(a < len(info.shape) for a in axes):
         raise pt.Malformed(f"cache {name!r} has axes out of range of its shape")

@@ -16,11 +16,16 @@ from .._errors import HixlError, ParamInvalid
 from .._errors import Timeout as HixlTimeout
 from .._hixl import NotifyDesc, TransferOp
 from .._kvcore._executor import executor
-from .._peertext import Malformed, decimal, shown
+from .._peertext import Malformed, shown
 from .._wakers import Wakers
 from ._cache import CacheInfo, RegisteredCache
 from ._context import context
 from ._errors import KVError
+from ._handoff import check_handoff, layer_groups
+from ._notes import LAYER_NOTIFY, note_text, parse_note, request_text
+from ._notes import MAX_INDEX as MAX_INDEX  # the notification text's names, where they were
+from ._notes import MAX_LAYER_TEXT as MAX_LAYER_TEXT
+from ._notes import parse_layer as parse_layer
 from ._sender import rank_address, same_engine
 from ._transfer import (
     CacheTransferConfig,
@@ -39,34 +44,7 @@ from ._transfer import (
 #: How long after a receive's gap deadline its timer looks once more (a clock's rounding).
 GAP_SLACK_S = 0.001
 
-#: Name of the notification a producer sends after each layer's bytes are visible; the message
-#: is "RANK:CACHE_NAME:LAYER".
-LAYER_NOTIFY = "hixl.kv.layer"
-#: The longest layer notification text a receive reads (a cache name is a few characters).
-MAX_LAYER_TEXT = 8192
-#: The largest rank or layer a layer notification may name.
-MAX_INDEX = 2**63 - 1
-
 log = logging.getLogger("hixl.kv")
-
-
-def parse_layer(msg: str) -> tuple[int, str, int]:
-    """A layer notification's text "RANK:CACHE_NAME:LAYER" (a peer's) as (rank, cache name,
-    layer): rank and layer decimal integers in [0, MAX_INDEX], the name what lies between
-    (it may hold ':'), at most MAX_LAYER_TEXT characters in all; Malformed otherwise."""
-    if len(msg) > MAX_LAYER_TEXT:
-        raise Malformed(
-            f"layer notification of {len(msg)} characters, over the {MAX_LAYER_TEXT} accepted"
-        )
-    rank, sep, rest = msg.partition(":")
-    name, sep2, layer = rest.rpartition(":")
-    if not sep or not sep2:
-        raise Malformed(f"layer notification {shown(msg)} is not RANK:CACHE_NAME:LAYER")
-    return (
-        decimal(rank, "layer notification's rank", 0, MAX_INDEX),
-        name,
-        decimal(layer, "layer notification's layer", 0, MAX_INDEX),
-    )
 
 
 def _for_later(ctx: Any) -> Callable[[NotifyDesc], bool]:
@@ -77,13 +55,13 @@ def _for_later(ctx: Any) -> Callable[[NotifyDesc], bool]:
 
     def keep(n: NotifyDesc) -> bool:
         try:
-            rank, name, layer = parse_layer(n.msg)
+            note = parse_note(n.msg)
         except Malformed:
             return False
-        cache = ctx.caches.get(name)
-        if cache is None or layer >= cache.num_layers:
+        cache = ctx.caches.get(note.cache)
+        if cache is None or note.layer >= cache.num_layers:
             return False
-        want = rank_address(ctx, rank)
+        want = rank_address(ctx, note.rank)
         if want is None:
             return bool(n.peer) and not n.peer.startswith("?")
         return same_engine(n.peer, want)
@@ -282,31 +260,66 @@ def transfer_cache_async(
     mode: str = "pull",
     transfer_config: CacheTransferConfig | None = None,
     remote_name: str | None = None,
+    *,
+    src_blocks: Any = None,
+    dst_blocks: Any = None,
+    request_id: str | None = None,
 ) -> TransferTask:
     """Moves a cache layer by layer in the background and returns the task at once.
 
     pull: reads the remote cache's layers in order; the synchronizer counts arrivals.
     push: sends layer k as soon as ``synchronizer.layer_ready(k)`` is called, each followed by
-    a notification that the receiver's ``receive_cache_async`` counts."""
+    a notification that the receiver's ``receive_cache_async`` counts.
+
+    With `src_blocks` and `dst_blocks` (lists of block ids of one length), only those blocks
+    move, every layer, K and V: block ``src_blocks[i]`` of the source (local for a push, the
+    remote cache for a pull) into block ``dst_blocks[i]`` of the destination, runs of
+    consecutive ids one descriptor each; the two caches may have different numbers of
+    blocks. Ids outside either cache, or lists that are not ints or differ in length, are a
+    KVError (PARAM_INVALID) naming the value before any byte moves. With `request_id` (a
+    push), each layer's notification names the request, so that a receiver's
+    ``receive_cache_async(..., request_id=)`` counts only its own request's layers."""
     if mode not in ("pull", "push"):
         raise ParamInvalid(f"mode={mode!r} must be 'pull' or 'push'")
     per = _check_layers(local_cache, synchronizer)
     ctx, cfg = context(), transfer_config or CacheTransferConfig()
     name = remote_name or local_cache.name
+    hand = check_handoff(mode, local_cache, src_blocks, dst_blocks, request_id)
+    blocks = hand is not None and bool(hand.local)
+    rid = None if hand is None else hand.request_id
+
+    def requests(
+        remote: CacheInfo, address: str, op: TransferOp
+    ) -> Callable[[int, Callable[[int], NotifyDesc] | None], Request]:
+        """How synchronizer layer g's request is made (its notify from its byte count)."""
+        if not blocks:
+            if not same_geometry(local_cache.info, remote):
+                raise ParamInvalid(
+                    f"layerwise {mode} needs equal shapes: local {local_cache.shape}, "
+                    f"remote {remote.shape} on rank {remote_rank}"
+                )
+
+            def whole(g: int, note: Callable[[int], NotifyDesc] | None) -> Request:
+                r = _group_request(local_cache.info, remote, remote_rank, address, op, g, per)
+                r.notify = None if note is None else note(r.nbytes)
+                return r
+
+            return whole
+        assert hand is not None
+        total = synchronizer.total_layers
+        groups = layer_groups(local_cache.info, remote, hand, total, per, mode == "push")
+
+        def some(g: int, note: Callable[[int], NotifyDesc] | None) -> Request:
+            n = sum(x[2] for x in groups[g])
+            notify = None if note is None else note(n)
+            return Request(remote_rank, address, op, descs(groups[g]), n, g, notify)
+
+        return some
 
     def pull(task: TransferTask) -> tuple[list[Request], Callable[[Request], None]]:
         peer, remote = ctx.remote_cache(remote_rank, name)
-        if not same_geometry(local_cache.info, remote):
-            raise ParamInvalid(
-                f"layerwise pull needs equal shapes: local {local_cache.shape}, "
-                f"remote {remote.shape} on rank {remote_rank}"
-            )
-        reqs = [
-            _group_request(
-                local_cache.info, remote, remote_rank, peer.address, TransferOp.READ, g, per
-            )
-            for g in range(synchronizer.total_layers)
-        ]
+        make = requests(remote, peer.address, TransferOp.READ)
+        reqs = [make(g, None) for g in range(synchronizer.total_layers)]
 
         def arrived(r: Request) -> None:
             assert r.layer is not None
@@ -318,12 +331,9 @@ def transfer_cache_async(
         """On the executor: sends each layer as layer_ready marks it, until all are sent, a
         request fails, or no layer is marked ready for cfg.timeout_ms."""
         peer, remote = ctx.remote_cache(remote_rank, name)
-        check_fits(local_cache.info, remote, f"rank {ctx.rank}", f"rank {remote_rank}")
-        if not same_geometry(local_cache.info, remote):
-            raise ParamInvalid(
-                f"layerwise push needs equal shapes: local {local_cache.shape}, "
-                f"remote {remote.shape} on rank {remote_rank}"
-            )
+        if not blocks:
+            check_fits(local_cache.info, remote, f"rank {ctx.rank}", f"rank {remote_rank}")
+        make = requests(remote, peer.address, TransferOp.WRITE)
         ex, total, gap_s = executor(), synchronizer.total_layers, cfg.timeout_ms / 1000
         sent, gap_deadline = [0], [time.monotonic() + gap_s]
 
@@ -334,18 +344,16 @@ def transfer_cache_async(
                 k = synchronizer._take_ready()
                 if k is None:
                     return
-                note = NotifyDesc(LAYER_NOTIFY, f"{ctx.rank}:{name}:{k}")
                 task.mark("submitted", k)
-                op = TransferOp.WRITE
-                pipe.add(
-                    _group_request(
-                        local_cache.info, remote, remote_rank, peer.address, op, k, per, note
-                    )
-                )
+                pipe.add(make(k, notice(k)))
                 sent[0] += 1
                 gap_deadline[0] = time.monotonic() + gap_s
             stop()
             pipe.close(task._end)
+
+        def notice(k: int) -> Callable[[int], NotifyDesc]:
+            """Layer k's notification, from the bytes its request moves."""
+            return lambda n: NotifyDesc(LAYER_NOTIFY, note_text(ctx.rank, name, k, rid, n))
 
         def gap() -> None:
             if task.is_done() or pipe.then is not None:
@@ -404,10 +412,17 @@ def receive_cache_async(
     local_cache: RegisteredCache,
     synchronizer: LayerTracker,
     transfer_config: CacheTransferConfig | None = None,
+    *,
+    request_id: str | None = None,
 ) -> TransferTask:
     """Follows a producer's layerwise push into `local_cache`: each layer counts as present
     when its notification arrives, which the producer's engine sends only after that layer's
     bytes are visible here. Fails with a timeout when no layer arrives for timeout_ms.
+
+    With `request_id`, only the layer notifications of the push with that request id count
+    (and the bytes each says its layer moved), so that receives of several requests into
+    one pool run at once, each ending when its own layers have come; without, only those of
+    pushes without a request id.
 
     A layer counts only when its notification came from the engine of `remote_rank` (the
     connection it arrived on, never its text): the address of the rank's link, else the one
@@ -416,16 +431,20 @@ def receive_cache_async(
     and logged."""
     _check_layers(local_cache, synchronizer)
     ctx, cfg = context(), transfer_config or CacheTransferConfig()
+    try:
+        rid = None if request_id is None else request_text(request_id)
+    except ParamInvalid as exc:
+        raise as_llm_error(exc, f"receiving cache {local_cache.name!r}") from exc
     want_rank, want_name = int(remote_rank), local_cache.name
     first: list[str] = []  # the sender taken as the rank when no address is known
     keep = _for_later(ctx)
 
     def match(n: NotifyDesc) -> bool:
         try:
-            rank, name, _ = parse_layer(n.msg)
+            note = parse_note(n.msg)
         except Malformed:
             return False
-        return rank == want_rank and name == want_name
+        return (note.rank, note.cache, note.request) == (want_rank, want_name, rid)
 
     def from_rank(n: NotifyDesc) -> bool:
         want = rank_address(ctx, remote_rank)
@@ -469,15 +488,21 @@ def receive_cache_async(
                 return
             notes = [n for n in ctx.mailbox.take(LAYER_NOTIFY, match, keep) if from_rank(n)]
             for n in notes:
-                k = parse_layer(n.msg)[2]
+                note = parse_note(n.msg)
+                k, nbytes = note.layer, layer_bytes if note.nbytes is None else note.nbytes
                 if not k < total:
                     raise ParamInvalid(
                         f"rank {remote_rank} announced layer {k} of a {total}-layer cache"
                     )
+                if nbytes > layer_bytes:
+                    raise ParamInvalid(
+                        f"rank {remote_rank} announced {nbytes} bytes in layer {k} of cache "
+                        f"{want_name!r}, whose layers hold {layer_bytes}"
+                    )
                 synchronizer._arrive(k)
                 task.mark("arrived", k)
-                task.result.bytes += layer_bytes
-                task.result.per_rank[remote_rank].bytes += layer_bytes
+                task.result.bytes += nbytes
+                task.result.per_rank[remote_rank].bytes += nbytes
                 got[0] += 1
             if notes:
                 gap_deadline[0] = time.monotonic() + gap_s

@@ -14,12 +14,12 @@ import numpy as np
 from .._errors import HixlError, ParamInvalid, Status
 from .._errors import Timeout as HixlTimeout
 from .._hixl import NotifyDesc, TransferOp
-from .._kvcore._cache import block_pairs
 from .._kvcore._executor import Flight, executor
 from .._kvcore._plan import descs, split
 from .._kvcore._window import Window
 from .._wakers import Wakers
-from ._cache import CacheInfo, RegisteredCache
+from ._blocks import _block_ids, block_pieces
+from ._cache import CacheInfo, RegisteredCache, addr_pairs
 from ._context import Context, context
 from ._errors import LLM_SUCCESS, LLM_TOO_LARGE, KVError
 
@@ -370,7 +370,7 @@ def check_fits(src: CacheInfo, dst: CacheInfo, src_where: str, dst_where: str) -
 
 
 def layer_pairs(local: CacheInfo, remote: CacheInfo, layer: int) -> list[tuple[int, int, int]]:
-    return [(local.addr + off, remote.addr + off, n) for off, n in local.layer_ranges(layer)]
+    return addr_pairs(local, remote, [(off, off, n) for off, n in local.layer_ranges(layer)])
 
 
 def layer_request(
@@ -405,7 +405,7 @@ def whole_requests(
             rank,
             address,
             op,
-            descs([(local.addr + o, remote.addr + o, min(chunk, n - o))]),
+            descs(addr_pairs(local, remote, [(o, o, min(chunk, n - o))])),
             min(chunk, n - o),
         )
         for o in range(0, n, chunk)
@@ -467,15 +467,6 @@ def push_cache(
     return start(ctx, cfg, ranks, plan)
 
 
-def _block_ids(local_blocks: Any, remote_blocks: Any) -> tuple[list[int], list[int]]:
-    """The block id lists as ints, checked to be of one length (before any link is used)."""
-    lb = [int(b) for b in np.asarray(local_blocks).ravel()]
-    rb = [int(b) for b in np.asarray(remote_blocks).ravel()]
-    if len(lb) != len(rb):
-        raise ParamInvalid(f"{len(rb)} remote block ids but {len(lb)} local ones")
-    return lb, rb
-
-
 def _check_lengths(what: str, local_blocks: Any, remote_blocks: Any) -> None:
     """Arguments before link state: a length error is not hidden by "not linked"."""
     try:
@@ -495,22 +486,8 @@ def _block_requests(
     parts: int,
 ) -> list[Request]:
     lb, rb = _block_ids(local_blocks, remote_blocks)
-    for side, info, ids in (("local", local, lb), ("remote", remote, rb)):
-        n = info.num_blocks
-        bad = [b for b in ids if not 0 <= b < n]
-        if bad:
-            raise ParamInvalid(
-                f"{side} block id {bad[0]} is out of range 0..{n - 1} (cache {info.name!r})"
-            )
-    if (local.block_bytes, local.block_pieces()) != (remote.block_bytes, remote.block_pieces()):
-        raise ParamInvalid(
-            f"blocks differ: local {local.name!r} (shape {local.shape}, block_axis="
-            f"{local.block_axis}) has {local.block_pieces()} x {local.block_bytes} bytes per "
-            f"block, remote {remote.name!r} (shape {remote.shape}, block_axis="
-            f"{remote.block_axis}) {remote.block_pieces()} x {remote.block_bytes}: both sides "
-            "must allocate_cache with the same layout= (or layer_axis= and block_axis=)"
-        )
-    pairs = block_pairs(local.geometry, remote.geometry, lb, rb, local.addr, remote.addr)
+    pieces = block_pieces(local, remote, lb, rb)
+    pairs = addr_pairs(local, remote, [x for p in pieces for x in p])
     return [
         Request(rank, address, op, descs(chunk), sum(x[2] for x in chunk))
         for chunk in split(pairs, parts)
