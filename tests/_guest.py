@@ -5,6 +5,10 @@ Start: python _guest.py PEER_ENGINE PEER_ADDR SIZE [OPTIONS_JSON]. It initialize
 registers a SIZE-byte buffer, connects to the peer, and prints "READY". Commands (one per line),
 each answered by one line:
   put                 one SIZE-byte write to the peer (30 s timeout)  -> OK | ERR <type> <msg>
+  start               submits one SIZE-byte write to the peer and returns at once (30 s
+                      timeout)                                        -> OK | ERR <type> <msg>
+  finish              waits for the write `start` submitted           -> OK | ERR <type> <msg>
+  status              the status of the write `start` submitted       -> WAITING | COMPLETED | ...
   alive               whether the link to the peer is alive           -> True | False
   pin CPU             pins the main thread to CPU (sched_setaffinity) -> OK
   threads             this process's hixl threads and where they may run, as JSON
@@ -82,6 +86,22 @@ def main() -> None:
                 print("OK", flush=True)
             except hixl.HixlError as x:
                 print(f"ERR {type(x).__name__} {x}".replace("\n", " "), flush=True)
+        elif cmd == "start":
+            try:
+                desc = [(buf.ctypes.data, addr, size)]
+                started = e.transfer_async(peer, hixl.TransferOp.WRITE, desc, timeout_ms=30_000)
+                print("OK", flush=True)
+            except hixl.HixlError as x:
+                print(f"ERR {type(x).__name__} {x}".replace("\n", " "), flush=True)
+        elif cmd == "finish":
+            try:
+                started.wait(timeout_ms=30_000)
+                started.result()
+                print("OK", flush=True)
+            except hixl.HixlError as x:
+                print(f"ERR {type(x).__name__} {x}".replace("\n", " "), flush=True)
+        elif cmd == "status":
+            print(started.status().name, flush=True)
         elif cmd == "alive":
             print(e.stats()[peer]["alive"], flush=True)
         elif cmd == "pin":

@@ -4,6 +4,7 @@ dead, and a peer known dead fails transfers at once."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -70,6 +71,74 @@ def test_a_process_stopped_for_a_second_keeps_its_link_to_a_live_peer(
             time.sleep(0.1)
         assert g.cmd("alive") == "True"
 
+
+
+class ThreadStop:
+    """Stops single threads of a child process with ptrace (PTRACE_SEIZE + PTRACE_INTERRUPT;
+    the rest of the process runs on) and resumes them (PTRACE_DETACH)."""
+
+    SEIZE, INTERRUPT, DETACH = 0x4206, 0x4207, 17
+    WALL = 0x40000000
+
+    def __init__(self) -> None:
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.ptrace.restype = ctypes.c_long
+        self.libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+        self.stopped: list[int] = []
+
+    def _call(self, req: int, tid: int) -> None:
+        if self.libc.ptrace(req, tid, None, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"ptrace({req:#x}, {tid}): {os.strerror(err)}")
+
+    def stop(self, tid: int) -> None:
+        self._call(self.SEIZE, tid)
+        self.stopped.append(tid)
+        self._call(self.INTERRUPT, tid)
+        os.waitpid(tid, self.WALL)  # the thread is in its ptrace stop
+
+    def resume_all(self) -> None:
+        while self.stopped:
+            self._call(self.DETACH, self.stopped.pop())
+
+
+def test_a_process_whose_io_threads_starve_keeps_its_link_to_a_live_peer(
+    make_peer, make_guest
+) -> None:
+    # This process's I/O threads are stopped for a second in the middle of a big write (not
+    # scheduled: what a pinned, busy engine does to them), while its heartbeat timer runs on:
+    # the rest of the write waits in this process, unsent. The peer is alive and checks no
+    # liveness of its own. Nothing of this process reaches the peer, so nothing comes back;
+    # but the link must live, since the silence is this process's own doing (before, it died
+    # after three intervals: "no progress for 300 ms").
+    size = 64 << 20
+    peer = make_peer(size, {"hixl.heartbeat_ms": "0"})
+    g = make_guest(peer, size, {"hixl.heartbeat_ms": "100"})
+    assert g.cmd("put") == "OK"
+    threads = json.loads(g.cmd("threads"))
+    io = [int(k.split()[0]) for k in threads if k.split()[1].startswith("hixl-io")]
+    assert io, threads
+    ts = ThreadStop()
+    for attempt in range(5):
+        try:
+            assert g.cmd("start") == "OK"
+            for tid in io:
+                ts.stop(tid)
+            # The write must still be under way for the test to say anything (on a slow
+            # machine it is; a fast one may finish it first: then again).
+            under_way = g.cmd("status") == "WAITING"
+            if under_way:
+                time.sleep(1.0)  # ten heartbeat intervals of the timer, without I/O
+        finally:
+            ts.resume_all()
+        assert g.cmd("finish") == "OK"
+        assert g.cmd("alive") == "True"
+        if under_way:
+            break
+    else:
+        pytest.skip("the write ended before its I/O threads were stopped, five times")
+    print(f"guest: I/O threads stopped 1 s mid-write (attempt {attempt + 1}), link alive")
+    assert g.cmd("put") == "OK"
 
 ALLOWED = sorted(os.sched_getaffinity(0))
 
