@@ -5,6 +5,8 @@ Start: python _guest.py PEER_ENGINE PEER_ADDR SIZE [OPTIONS_JSON]. It initialize
 registers a SIZE-byte buffer, connects to the peer, and prints "READY". Commands (one per line),
 each answered by one line:
   put                 one SIZE-byte write to the peer (30 s timeout)  -> OK | ERR <type> <msg>
+  warm                writes the buffer to the peer in 4 MiB pieces, one at a time (so that
+                      the peer's pages are touched before a test's big write) -> OK | ERR ...
   start               submits one SIZE-byte write to the peer and returns at once (30 s
                       timeout)                                        -> OK | ERR <type> <msg>
   finish              waits for the write `start` submitted           -> OK | ERR <type> <msg>
@@ -83,6 +85,16 @@ def main() -> None:
                 e.transfer_sync(
                     peer, hixl.TransferOp.WRITE, [(buf.ctypes.data, addr, size)], 30_000
                 )
+                print("OK", flush=True)
+            except hixl.HixlError as x:
+                print(f"ERR {type(x).__name__} {x}".replace("\n", " "), flush=True)
+        elif cmd == "warm":
+            try:
+                step = 4 << 20
+                for off in range(0, size, step):
+                    n = min(step, size - off)
+                    desc = [(buf.ctypes.data + off, addr + off, n)]
+                    e.transfer_sync(peer, hixl.TransferOp.WRITE, desc, 30_000)
                 print("OK", flush=True)
             except hixl.HixlError as x:
                 print(f"ERR {type(x).__name__} {x}".replace("\n", " "), flush=True)
