@@ -20,41 +20,44 @@ from _lineproc import LineProc
 
 HERE = Path(__file__).parent
 PY_DIR = HERE.parent / "python"
-SHIM = PY_DIR / "hixl" / "nixl" / "shim"
 KIB, MIB = 1 << 10, 1 << 20
 # A dead sender must be reported within this (Ray's own bookkeeping included; the NIXL face's
 # and hixl.ray's probe of a dead peer is 300 ms).
 DEAD_SENDER_BOUND_S = 10.0
 
 
-def _ray_python() -> tuple[str | None, str]:
-    """A Python with Ray and torch, or None and why there is none."""
+def _ray_env() -> tuple[str | None, dict[str, str], str]:
+    """A Python with Ray and torch, the environment its driver runs in, and a word on it (why
+    there is none). hixl is this test run's own: the source tree's python/ when that is what
+    this process imports, else the one installed in that Python (CI installs the wheel there)."""
+    import hixl
+
     py = os.environ.get("HIXL_RAY_PYTHON") or sys.executable
+    own = Path(hixl.__file__).resolve().parent.parent
+    extra = [str(own)] if own == PY_DIR.resolve() else []
+    path = [*extra, str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "RAY_DISABLE_USAGE_STATS": "1"}
+    env.pop("HIXL_NIXL_LISTEN", None)
+    probe = "import ray, torch, hixl.ray, hixl.nixl.shim as s; print(ray.__version__, s.PATH)"
     try:
-        r = subprocess.run(
-            [py, "-c", "import ray, torch; print(ray.__version__)"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        r = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"{py}: {e}"
+        return None, env, f"{py}: {e}"
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["?"])[-1]
-        return None, f"Ray and torch are not importable by {py} ({last}); set HIXL_RAY_PYTHON"
-    return py, r.stdout.strip()
+        why = f"Ray, torch and hixl are not importable by {py} ({last}); set HIXL_RAY_PYTHON"
+        return None, env, why
+    version, shim = r.stdout.split()
+    # Ray's workers inherit the driver's environment: `import nixl` is hixl's there too.
+    env["PYTHONPATH"] = os.pathsep.join([shim, env["PYTHONPATH"]])
+    return py, env, version
 
 
 @pytest.fixture(scope="module")
 def driver() -> Iterator[LineProc]:
-    py, why = _ray_python()
+    py, env, why = _ray_env()
     if py is None:
         pytest.skip(why)
-    path = os.pathsep.join(
-        [str(SHIM), str(PY_DIR), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
-    )
-    env = {**os.environ, "PYTHONPATH": path, "RAY_DISABLE_USAGE_STATS": "1"}
-    env.pop("HIXL_NIXL_LISTEN", None)
     p = LineProc([HERE / "_ray_driver.py"], python=py, env=env, ready_s=180)
     try:
         yield p

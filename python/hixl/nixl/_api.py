@@ -1,11 +1,11 @@
 """NIXL's Python agent API (``nixl._api``: ``nixl_agent``, ``nixl_agent_config``) on hixl.
 
 Each ``nixl_agent`` owns one hixl engine (``hixl.Hixl``) listening on ``HIXL_NIXL_LISTEN``
-(default ``127.0.0.1:0``; Ray's node IP inside Ray). Agent metadata names that engine; ``add_remote_agent`` connects to
-it in the background, and the first transfer or notification waits for the link. Transfers are
-one batched ``transfer_async`` call each, with the descriptors as one ``(N, 3)`` ``uint64``
-array; notifications are hixl notifications named ``"nixl:" + sender``. What is implemented,
-accepted and ignored, or refused: https://github.com/hixl/hixl/blob/main/docs/NIXL.md.
+(default ``127.0.0.1:0``; Ray's node IP inside Ray). Agent metadata names that engine;
+``add_remote_agent`` connects to it in the background, and the first transfer or notification
+waits for the link. Transfers are one batched ``transfer_async`` call each, with the
+descriptors as one ``(N, 3)`` ``uint64`` array; notifications are hixl notifications named
+``"nixl:" + sender``. What is implemented, accepted and ignored, or refused: https://github.com/hixl/hixl/blob/main/docs/NIXL.md.
 
 This module holds the agent's configuration, its lifetime (engine, listen thread, close) and its
 plugins and backends; the rest of ``nixl_agent`` comes from one module per responsibility:
