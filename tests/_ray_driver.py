@@ -13,6 +13,9 @@ transport, on hixl's NIXL face through the shim) or "object" (Ray's object store
                                    receiver's task on it: {"error", "s"}
   links TRANSPORT N                N objects of 64 KiB one after another, each freed before the
                                    next; the receiver's engine stats for the sender's engine
+  abort                            hixl.ray's transport used directly in the actors: a READ
+                                   posted then aborted, and one aborted before it was posted,
+                                   each must raise; then a READ of the same tensor works
   where                            the engine addresses the actors advertise, and the node IP
   exit
 """
@@ -30,6 +33,8 @@ import ray
 import torch
 
 import hixl.ray
+
+MIB = 1 << 20
 
 
 def tensors(size: int, count: int, seed: int) -> list[torch.Tensor]:
@@ -74,6 +79,14 @@ class Sender:
     def address(self, transport: str) -> str:
         return engine_address(transport)
 
+    def hixl_meta(self, size: int, seed: int) -> Any:
+        """Registers a tensor as Ray would at extraction; the metadata a receiver needs."""
+        from ray.experimental.rdt.util import get_tensor_transport_manager
+
+        self.kept = tensors(size, 1, seed)
+        tm = get_tensor_transport_manager("HIXL")
+        return tm.extract_tensor_transport_metadata("kept", self.kept)
+
     def pid(self) -> int:
         import os
 
@@ -90,6 +103,29 @@ class Receiver:
 
     def address(self, transport: str) -> str:
         return engine_address(transport)
+
+    def abort(self, meta: Any) -> dict[str, Any]:
+        from ray.exceptions import RayDirectTransportError
+        from ray.experimental.rdt.util import get_tensor_transport_manager
+
+        tm = get_tensor_transport_manager("HIXL")
+        comm = hixl.ray.HixlCommunicatorMetadata()
+        out: dict[str, Any] = {}
+        fr = tm.fetch_multiple_tensors("posted", meta, comm)
+        tm.abort_transport("posted", comm)
+        try:
+            tm.wait_fetch_complete(fr)
+            out["posted"] = None
+        except RayDirectTransportError as e:
+            out["posted"] = str(e)
+        tm.abort_transport("early", comm)
+        try:
+            tm.recv_multiple_tensors("early", meta, comm)
+            out["early"] = None
+        except RayDirectTransportError as e:
+            out["early"] = str(e)
+        out["after"] = digest(tm.recv_multiple_tensors("after", meta, comm))
+        return out
 
 
 def make(s: Any, transport: str, size: int, count: int, seed: int) -> Any:
@@ -168,6 +204,11 @@ def run(s: Any, r: Any, words: list[str]) -> dict[str, Any]:
             del ref
             time.sleep(0.05)  # Ray frees the sender's copy in the background
         return {"ok": ok, "peer": peer, "stats": ray.get(r.stats.remote(t), timeout=60).get(peer)}
+    if cmd == "abort":
+        meta = ray.get(s.hixl_meta.remote(MIB, 31), timeout=60)
+        out = ray.get(r.abort.remote(meta), timeout=60)
+        out["ok"] = out["after"] == digest(tensors(MIB, 1, 31))
+        return out
     if cmd == "where":
         out: dict[str, Any] = {"node_ip": ray.util.get_node_ip_address()}
         for t in ("hixl", "nixl"):

@@ -127,6 +127,21 @@ def test_dead_agent_after_remove_and_add_is_reported_within_a_second(procs, agen
     assert time.monotonic() - t0 < 1.0
 
 
+def test_agent_gone_before_the_first_connect_is_reported_within_a_second(procs, agents):
+    """An agent whose metadata arrived but whose process died before any link: its port
+    refuses connects, so it is reported dead within a second (NIXL reports it at once), not
+    after the 10 s a first connect gives an agent that is slow to answer."""
+    p, md, _ = peer(procs, "sender")
+    os.kill(p.p.pid, signal.SIGKILL)
+    p.p.wait(10)
+    me = agents("receiver", nixl_agent_config(backends=["HIXL_TCP"]))
+    name = me.add_remote_agent(md)
+    t0 = time.monotonic()
+    with pytest.raises(nixl.nixlRemoteDisconnectError, match="refused"):
+        me.make_connection(name)
+    assert time.monotonic() - t0 < 1.0
+
+
 def test_vram_without_cuda_is_refused_naming_why(agents):
     """Registering VRAM where CUDA is missing raises NIXL's not-supported error with the reason
     the CUDA driver could not be used (hixl.cuda_info())."""

@@ -21,9 +21,10 @@ from _lineproc import LineProc
 HERE = Path(__file__).parent
 PY_DIR = HERE.parent / "python"
 KIB, MIB = 1 << 10, 1 << 20
-# A dead sender must be reported within this (Ray's own bookkeeping included; the NIXL face's
-# and hixl.ray's probe of a dead peer is 300 ms).
-DEAD_SENDER_BOUND_S = 10.0
+# A dead sender must be reported within this, from ray.kill to the receiving task's error: the
+# NIXL face's and hixl.ray's probe of a dead peer is 300 ms (measured here: 0.1-0.4 s), the rest
+# is slack for Ray's scheduling on a loaded machine. Before the fix the face waited 10 s.
+DEAD_SENDER_BOUND_S = 3.0
 
 
 def _ray_env() -> tuple[str | None, dict[str, str], str]:
@@ -38,7 +39,7 @@ def _ray_env() -> tuple[str | None, dict[str, str], str]:
     path = [*extra, str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "RAY_DISABLE_USAGE_STATS": "1"}
     env.pop("HIXL_NIXL_LISTEN", None)
-    probe = "import ray, torch, hixl.ray, hixl.nixl.shim as s; print(ray.__version__, s.PATH)"
+    probe = "import ray, torch, hixl.nixl.shim as s; print(ray.__version__, s.PATH)"
     try:
         r = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -124,6 +125,7 @@ def test_dead_sender_is_reported_and_the_receiver_keeps_working(
     assert out["error"], out
     assert "RayDirectTransportError" in out["error"] or "ActorDied" in out["error"], out
     assert out["s"] < DEAD_SENDER_BOUND_S, out
+    print(f"{transport}: dead sender reported after {out['s']:.2f} s")
     after = ask(driver, "send", transport, 4 * KIB, 1, 21)
     assert after["ok"], after
 
@@ -137,6 +139,16 @@ def test_one_link_carries_every_object(driver: LineProc, transport: str) -> None
     assert out["ok"], out
     assert out["stats"] is not None and out["stats"]["alive"], out
     assert out["stats"]["ops_read"] >= 10, out
+
+
+def test_abort_ends_a_receive_and_the_next_one_works(driver: LineProc) -> None:
+    """hixl.ray's abort_transport (Ray calls it after a failure or its own timeout) ends a
+    receive that is waiting, and one not started yet, with RayDirectTransportError; the same
+    receiver then reads the same tensor byte-exact."""
+    out = ask(driver, "abort")
+    assert out["posted"] and "aborted" in out["posted"], out
+    assert out["early"] and "aborted" in out["early"], out
+    assert out["ok"], out
 
 
 def test_engines_advertise_the_ray_node_ip(driver: LineProc) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _place
+from .. import _place, _probe
 from .._errors import HixlError, Status
 from .._hixl import AsyncConnectStatus
 from . import _auth, _meta
@@ -260,13 +260,33 @@ class _Metadata(_Memory):
         # agent waits up to _CONNECT_WAIT_S for it to come up.
         known = r.was_linked or r.engine in self._linked_engines
         wait_s = _PROBE_MS / 1000 if known else _CONNECT_WAIT_S
-        deadline = time.monotonic() + wait_s
+        start = time.monotonic()
+        deadline = start + wait_s
+        probed = False
         while True:
             st = self._engine.get_async_connect_status(r.engine)
             if st == AsyncConnectStatus.CONNECTED:
                 r.ready = r.was_linked = True
                 self._linked_engines.add(r.engine)
                 return
+            # An agent's metadata names its engine only once that engine listens: a refused
+            # connect means the agent is gone, reported now rather than after the first-connect
+            # wait (which is for engines slow to answer, not for closed ports).
+            if (
+                not known
+                and not probed
+                and (
+                    st != AsyncConnectStatus.CONNECTING
+                    or time.monotonic() - start >= _PROBE_MS / 1000
+                )
+            ):
+                probed = True
+                if _probe.refuses(r.engine):
+                    raise nixlRemoteDisconnectError(
+                        f"connecting to agent {r.name!r} at {r.engine}: connection refused, "
+                        "nothing listens there any more (the agent is gone)",
+                        Status.NOT_CONNECTED,
+                    )
             if st == AsyncConnectStatus.CONNECTING:
                 # A connect in progress (add_remote_agent's) is not a link: wait for it, up to
                 # the deadline, then report the agent unreachable.

@@ -27,7 +27,7 @@ from ray.experimental.rdt.tensor_transport_manager import (  # type: ignore[impo
 
 import hixl
 
-from .. import _raynode
+from .. import _probe, _raynode
 
 if TYPE_CHECKING:
     import ray  # type: ignore[import-not-found]
@@ -328,16 +328,36 @@ class HixlTensorTransport(TensorTransportManager):  # type: ignore[misc]
         return tensors, [base + o for o in offsets], handles
 
     def _link(self, engine: hixl.Hixl, peer: str) -> None:
-        """Makes sure a link to `peer` is up: kept from the last object, or opened now (a peer
-        whose link died is given one short probe, then reported dead)."""
+        """Makes sure a link to `peer` is up: kept from the last object, or opened now. A peer
+        whose link died, or whose port refuses connects (its address reached us only after it
+        listened, so it is gone), is reported within a short probe; only a first connect to a
+        peer that is slow to answer waits longer."""
         if engine.get_async_connect_status(peer) == hixl.AsyncConnectStatus.CONNECTED:
             return
-        wait_s = _PROBE_S if peer in self._linked else _FIRST_CONNECT_S
+        known = peer in self._linked
         try:
-            engine.connect(peer, timeout_ms=wait_s * 1000)
+            engine.connect(peer, timeout_ms=_PROBE_S * 1000)
         except hixl.AlreadyConnected:
-            pass
+            self._await_link(engine, peer)  # another thread's connect is in progress
+        except hixl.HixlError:
+            if known or _probe.refuses(peer):
+                raise
+            try:
+                engine.connect(peer, timeout_ms=_FIRST_CONNECT_S * 1000)
+            except hixl.AlreadyConnected:
+                self._await_link(engine, peer)
         self._linked.add(peer)
+
+    @staticmethod
+    def _await_link(engine: hixl.Hixl, peer: str) -> None:
+        deadline = time.monotonic() + _FIRST_CONNECT_S
+        while True:
+            st = engine.get_async_connect_status(peer)
+            if st == hixl.AsyncConnectStatus.CONNECTED:
+                return
+            if st != hixl.AsyncConnectStatus.CONNECTING or time.monotonic() >= deadline:
+                raise hixl.NotConnected(f"no link to {peer} ({st.name})")
+            time.sleep(0.001)
 
     def wait_fetch_complete(self, fetch_request: FetchRequest, timeout: float = -1) -> list[Any]:
         """Waits for the READ (at most `timeout` seconds, -1: until it ends); raises
