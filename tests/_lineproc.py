@@ -18,10 +18,20 @@ HERE = Path(__file__).parent
 class LineProc:
     """`python ARGS...` in tests/, answering one line per command."""
 
-    def __init__(self, args: list[object], ready: str = "READY") -> None:
+    def __init__(
+        self,
+        args: list[object],
+        ready: str = "READY",
+        python: str | None = None,
+        env: dict[str, str] | None = None,
+        ready_s: float = 60,
+    ) -> None:
+        """`python` (default: this interpreter) runs ARGS with `env` (default: this one's); its
+        first line must come within `ready_s` seconds."""
         self.name = Path(str(args[0])).name
         self.p = subprocess.Popen(
-            [sys.executable, *map(str, args)],
+            [python or sys.executable, *map(str, args)],
+            env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -30,7 +40,7 @@ class LineProc:
         )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
-        first = self.line(60)
+        first = self.line(ready_s)
         assert first.startswith(ready), f"{self.name} said {first!r}"
         self.words = first.split()
 

@@ -1,11 +1,11 @@
 """NIXL's Python agent API (``nixl._api``: ``nixl_agent``, ``nixl_agent_config``) on hixl.
 
 Each ``nixl_agent`` owns one hixl engine (``hixl.Hixl``) listening on ``HIXL_NIXL_LISTEN``
-(default ``127.0.0.1:0``). Agent metadata names that engine; ``add_remote_agent`` connects to
-it in the background, and the first transfer or notification waits for the link. Transfers are
-one batched ``transfer_async`` call each, with the descriptors as one ``(N, 3)`` ``uint64``
-array; notifications are hixl notifications named ``"nixl:" + sender``. What is implemented,
-accepted and ignored, or refused: https://github.com/hixl/hixl/blob/main/docs/NIXL.md.
+(default ``127.0.0.1:0``; Ray's node IP inside Ray). Agent metadata names that engine;
+``add_remote_agent`` connects to it in the background, and the first transfer or notification
+waits for the link. Transfers are one batched ``transfer_async`` call each, with the
+descriptors as one ``(N, 3)`` ``uint64`` array; notifications are hixl notifications named
+``"nixl:" + sender``. What is implemented, accepted and ignored, or refused: https://github.com/hixl/hixl/blob/main/docs/NIXL.md.
 
 This module holds the agent's configuration, its lifetime (engine, listen thread, close) and its
 plugins and backends; the rest of ``nixl_agent`` comes from one module per responsibility:
@@ -32,6 +32,7 @@ from typing import Any, Self
 import numpy as np
 import numpy.typing as npt  # noqa: F401  (re-exported, as before the split)
 
+from .. import _raynode
 from .._errors import HixlError, Status
 from .._errors import NotConnected as NotConnected
 from .._hixl import AsyncConnectStatus as AsyncConnectStatus
@@ -82,6 +83,9 @@ from ._xfer import _Transfers
 from ._xfer import nixl_prepped_dlist_handle as nixl_prepped_dlist_handle
 from ._xfer import nixl_xfer_handle as nixl_xfer_handle
 
+# How long a link stays up after remove_remote_agent, unused, for the agent to be added again.
+LINK_IDLE_S = 60.0
+
 # Agents not closed yet; closed at interpreter exit, before daemon threads are stopped.
 _OPEN: weakref.WeakSet[nixl_agent] = weakref.WeakSet()
 
@@ -95,6 +99,23 @@ def _close_all() -> None:
             pass
 
 
+def _idle_seconds(v: Any) -> float:
+    """hixl_link_idle_s checked: seconds in [0, 1e6] (0: close at remove_remote_agent)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1e6:
+        raise nixlInvalidParamError(
+            f"hixl_link_idle_s must be a number of seconds in [0, 1e6], not {v!r}"
+        )
+    return float(v)
+
+
+def _default_listen() -> str:
+    """Where an agent's engine listens unless told: Ray's node IP inside a Ray worker or
+    driver (ray imported and initialized here), so agents on other nodes reach it; else
+    loopback."""
+    ip = _raynode.ray_node_ip()
+    return f"{_raynode.listen_host(ip)}:0" if ip else "127.0.0.1:0"
+
+
 class nixl_agent_config:
     """Agent settings, as NIXL names them; the ``hixl_*`` keywords are hixl's own.
 
@@ -103,7 +124,10 @@ class nixl_agent_config:
     ``sync_mode`` is accepted and ignored (every agent call is thread-safe). ``listen_port`` is
     the listen thread's port (NIXL's default 8888); 0 lets the OS choose, and the chosen one is
     ``agent.listen_port``. ``hixl_listen`` ("ip:port") is where the hixl engine listens
-    (default ``$HIXL_NIXL_LISTEN`` or ``127.0.0.1:0``), ``hixl_options`` are engine options.
+    (default ``$HIXL_NIXL_LISTEN``, else Ray's node IP inside a Ray worker or driver, else
+    ``127.0.0.1:0``), ``hixl_options`` are engine options. ``hixl_link_idle_s`` (default 60)
+    is how long the link to a removed agent's engine stays up unused, so that adding the agent
+    again (Ray's NIXL transport does so for every object) reuses it; 0 closes it at once.
     The listen thread binds ``hixl_listen_thread_ip`` (default: the engine's IP; ``"0.0.0.0"``
     for every interface, as NIXL's does), serves at most ``hixl_listen_thread_max_conns``
     connections at once (default 16) and gives each ``hixl_listen_thread_timeout_s`` seconds
@@ -134,6 +158,7 @@ class nixl_agent_config:
         hixl_listen_thread_timeout_s: float = _meta.IO_TIMEOUT_S,
         hixl_listen_thread_max_agents: int = _meta.MAX_AGENTS,
         hixl_listen_thread_max_regions: int = _meta.MAX_REGIONS,
+        hixl_link_idle_s: float = LINK_IDLE_S,
     ) -> None:
         if isinstance(capture_telemetry, (list, tuple)):  # older NIXL order: (..., backends)
             backends, capture_telemetry = capture_telemetry, False
@@ -151,6 +176,7 @@ class nixl_agent_config:
         self.hixl_listen_thread_timeout_s = hixl_listen_thread_timeout_s
         self.hixl_listen_thread_max_agents = hixl_listen_thread_max_agents
         self.hixl_listen_thread_max_regions = hixl_listen_thread_max_regions
+        self.hixl_link_idle_s = hixl_link_idle_s
 
 
 class nixl_agent(_Transfers, _Notifs):
@@ -196,6 +222,11 @@ class nixl_agent(_Transfers, _Notifs):
             _meta.ENGINE_MAX_REGIONS,
         )
         self._fetch_errors = {}
+        self._link_idle_s = _idle_seconds(conf.hixl_link_idle_s)
+        self._idle = {}
+        self._reaper = None
+        self._reaper_wake = threading.Event()
+        self._linked_engines = set()
         self._rate = {}
         self._notif_name = _NOTIF_PREFIX + name
         self._listener: _meta.Listener | None = None
@@ -212,7 +243,7 @@ class nixl_agent(_Transfers, _Notifs):
         mapped = [NETWORK_BACKENDS[b] for b in wanted if b in NETWORK_BACKENDS]
         options: dict[str, str | int | bool] = {"hixl.backends": mapped[0] if mapped else "auto"}
         options.update(conf.hixl_options)
-        listen = conf.hixl_listen or os.environ.get("HIXL_NIXL_LISTEN") or "127.0.0.1:0"
+        listen = conf.hixl_listen or os.environ.get("HIXL_NIXL_LISTEN") or _default_listen()
         self._engine = Hixl()
         try:
             self._engine.initialize(listen, options)
@@ -276,6 +307,7 @@ class nixl_agent(_Transfers, _Notifs):
         if self._closed:
             return
         self._closed = True
+        self._reaper_wake.set()
         _OPEN.discard(self)
         if self._listener is not None:
             self._listener.close()

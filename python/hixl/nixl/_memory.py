@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import HixlError
-from .._hixl import MemDesc, MemHandle
+from .._hixl import MemDesc, MemHandle, MemType, cuda_info
 from ._bindings import (
     DRAM_SEG,
     MEM_NAMES,
@@ -177,10 +177,16 @@ class _Memory(_AgentBase):
 
     @staticmethod
     def _dram_only(seg: int, what: str) -> None:
+        """DRAM, or VRAM where this process has CUDA (the engine's ``cuda:N`` domain); refuses
+        VRAM without CUDA, naming why, and storage."""
         if seg == VRAM_SEG:
-            raise nixlNotSupportedError(
-                f"{what}: VRAM (device memory) is not supported by hixl yet; only DRAM"
-            )
+            info = cuda_info()
+            if not info.get("available"):
+                raise nixlNotSupportedError(
+                    f"{what}: VRAM (device memory) needs CUDA in this process: "
+                    f"{info.get('reason') or 'CUDA was not found'}"
+                )
+            return
         if seg != DRAM_SEG:
             raise nixlNotSupportedError(
                 f"{what}: {MEM_NAMES[seg]} is storage; hixl has no storage backends (DRAM only)"
@@ -208,7 +214,8 @@ class _Memory(_AgentBase):
                     a, n = int(descs.arr[i, 0]), int(descs.arr[i, 1])
                     if n == 0:
                         raise nixlInvalidParamError(f"descriptor {i}: length 0")
-                    self._register_one(a, n, objs[i] if objs is not None else None)
+                    obj = objs[i] if objs is not None else None
+                    self._register_one(a, n, obj, descs.getType() == VRAM_SEG)
                     done.append((a, n))
             except BaseException:
                 for key in reversed(done):
@@ -218,7 +225,7 @@ class _Memory(_AgentBase):
                 self._refresh_local()
         return descs
 
-    def _register_one(self, a: int, n: int, obj: Any) -> None:
+    def _register_one(self, a: int, n: int, obj: Any, device: bool = False) -> None:
         key = (a, n)
         r = self._regs.get(key)
         if r is not None:
@@ -233,9 +240,11 @@ class _Memory(_AgentBase):
             return
         try:
             if obj is not None:
-                h = self._engine.register(obj)
+                h = self._engine.register(obj)  # a CUDA tensor lands in its cuda:N domain
             else:
-                h = self._engine.register_mem(MemDesc(a, n))
+                h = self._engine.register_mem(
+                    MemDesc(a, n), MemType.DEVICE if device else MemType.HOST
+                )
         except HixlError as e:
             raise from_hixl(e, f"registering 0x{a:x}+{n}") from e
         self._regs[key] = _Region(h, None)

@@ -5,12 +5,13 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import numpy as np
 
-from .. import _place
+from .. import _place, _probe
 from .._errors import HixlError, Status
 from .._hixl import AsyncConnectStatus
 from . import _auth, _meta
@@ -81,6 +82,14 @@ class _Metadata(_Memory):
     _wire_max_agents: int
     _wire_max_regions: int
     _side_key: _auth.Key | None
+    # Links kept after remove_remote_agent (Ray removes and re-adds a sender's agent for each
+    # object): engine address -> (when it is closed if still unused, the agent it served).
+    _idle: dict[str, tuple[float, str]]
+    _link_idle_s: float
+    _reaper: threading.Thread | None
+    _reaper_wake: threading.Event
+    # Engines this agent was linked to once: a dead link to one is probed, not waited for.
+    _linked_engines: set[str]
 
     # --- metadata ---------------------------------------------------------------------------
 
@@ -151,6 +160,14 @@ class _Metadata(_Memory):
             else:
                 r.add_regions(doc["regions"], cap if name in self._wire_agents else None)
             self._fetch_errors.pop(name, None)
+            moved = []
+            if engine is not None:
+                self._idle.pop(engine, None)  # loaded again: its kept link serves it
+                moved = [e for e, (_, n) in self._idle.items() if n == name]
+                for e in moved:
+                    del self._idle[e]
+        for e in moved:  # the agent's address changed: its old link goes now
+            self._disconnect(e, name)
         if connect and engine is not None:
             try:
                 self._engine.connect_async(engine)
@@ -165,10 +182,55 @@ class _Metadata(_Memory):
             self._wire_agents.discard(name)
         if r is None:
             raise nixlNotFoundError(f"remote agent {name!r} is not loaded")
+        with self._lock:
+            if any(x.engine == r.engine for x in self._remotes.values()):
+                return  # another loaded agent still uses that engine's link
+            keep = self._link_idle_s > 0 and not self._in_flight(r.engine)
+            if keep:
+                self._idle[r.engine] = (time.monotonic() + self._link_idle_s, name)
+        if keep:
+            self._start_reaper()
+            return
+        self._disconnect(r.engine, name)
+
+    def _in_flight(self, engine: str) -> bool:
+        """Whether requests to `engine` are in flight (remove_remote_agent then cuts them)."""
         try:
-            self._engine.disconnect(r.engine, timeout_ms=2000)
+            return bool(self._engine.stats().get(engine, {}).get("in_flight", 0))
+        except HixlError:
+            return True
+
+    def _disconnect(self, engine: str, name: str) -> None:
+        try:
+            self._engine.disconnect(engine, timeout_ms=2000)
         except HixlError as e:
-            log.info("hixl.nixl: disconnecting from %s (%s): %s", name, r.engine, e)
+            log.info("hixl.nixl: disconnecting from %s (%s): %s", name, engine, e)
+
+    def _start_reaper(self) -> None:
+        with self._lock:
+            if self._reaper is not None and self._reaper.is_alive():
+                self._reaper_wake.set()
+                return
+            self._reaper = _place.thread(self._reap, name="hixl-nixl-idle", engine=self._engine)
+            self._reaper.start()
+
+    def _reap(self) -> None:
+        """Closes the links kept after remove_remote_agent once unused for hixl_link_idle_s."""
+        while not self._closed:
+            now = time.monotonic()
+            with self._lock:
+                due = [(e, n) for e, (t, n) in self._idle.items() if t <= now]
+                for e, _ in due:
+                    del self._idle[e]
+                nxt = min((t for t, _ in self._idle.values()), default=None)
+                if nxt is None:
+                    self._reaper = None
+            for e, n in due:
+                self._disconnect(e, n)
+            if nxt is None:
+                return
+            self._reaper_wake.wait(max(nxt - now, 0.001))
+            self._reaper_wake.clear()
 
     def make_connection(self, remote_agent: Any, backends: Any = None) -> None:
         self._ready(self._remote(remote_agent))
@@ -196,25 +258,58 @@ class _Metadata(_Memory):
         # An agent linked before whose link died: one short probe (a live agent that restarted
         # answers it), else reported dead at once, as NIXL does; only the first connect to an
         # agent waits up to _CONNECT_WAIT_S for it to come up.
-        wait_s = _PROBE_MS / 1000 if r.was_linked else _CONNECT_WAIT_S
-        deadline = time.monotonic() + wait_s
+        known = r.was_linked or r.engine in self._linked_engines
+        wait_s = _PROBE_MS / 1000 if known else _CONNECT_WAIT_S
+        start = time.monotonic()
+        deadline = start + wait_s
+        probed = False
         while True:
             st = self._engine.get_async_connect_status(r.engine)
             if st == AsyncConnectStatus.CONNECTED:
                 r.ready = r.was_linked = True
+                self._linked_engines.add(r.engine)
                 return
-            if st == AsyncConnectStatus.CONNECTING and time.monotonic() < deadline:
-                time.sleep(0.001)
-                continue
+            # An agent's metadata names its engine only once that engine listens: a refused
+            # connect means the agent is gone, reported now rather than after the first-connect
+            # wait (which is for engines slow to answer, not for closed ports).
+            if (
+                not known
+                and not probed
+                and (
+                    st != AsyncConnectStatus.CONNECTING
+                    or time.monotonic() - start >= _PROBE_MS / 1000
+                )
+            ):
+                probed = True
+                if _probe.refuses(r.engine):
+                    raise nixlRemoteDisconnectError(
+                        f"connecting to agent {r.name!r} at {r.engine}: connection refused, "
+                        "nothing listens there any more (the agent is gone)",
+                        Status.NOT_CONNECTED,
+                    )
+            if st == AsyncConnectStatus.CONNECTING:
+                # A connect in progress (add_remote_agent's) is not a link: wait for it, up to
+                # the deadline, then report the agent unreachable.
+                if time.monotonic() < deadline:
+                    time.sleep(0.001)
+                    continue
+                raise nixlRemoteDisconnectError(
+                    f"connecting to agent {r.name!r} at {r.engine}: no link within {wait_s:g} s",
+                    Status.NOT_CONNECTED,
+                )
             try:
                 left = max(deadline - time.monotonic(), min(wait_s, 0.5))
                 self._engine.connect(r.engine, timeout_ms=left * 1000)
                 r.ready = r.was_linked = True
+                self._linked_engines.add(r.engine)
                 return
             except HixlError as e:
-                if e.status == Status.ALREADY_CONNECTED:
-                    r.ready = r.was_linked = True
-                    return
+                if e.status == Status.ALREADY_CONNECTED and (
+                    time.monotonic() < deadline
+                    or self._engine.get_async_connect_status(r.engine)
+                    == AsyncConnectStatus.CONNECTED
+                ):
+                    continue  # linked or being linked meanwhile: the status says which
                 raise from_hixl(
                     e, f"connecting to agent {r.name!r} at {r.engine}", nixlRemoteDisconnectError
                 ) from e
