@@ -1,15 +1,17 @@
 """A real vLLM engine with hixl's own KV connector (hixl.vllm.HixlConnector), in a process of
 its own, driven by lines on stdin (the connector tests' peer):
 
-    python _vllm_hixl_engine.py ROLE MODEL_DIR [EXTRA_JSON]
+    python _vllm_hixl_engine.py ROLE MODEL_DIR [EXTRA_JSON [CONNECTOR [MAX_MODEL_LEN]]]
 
 ROLE is ``prefill`` (kv_producer) or ``decode`` (kv_consumer); EXTRA_JSON is the
-connector's kv_connector_extra_config. The first line is ``READY <pid> <nixl>``, where
-<nixl> says whether a ``nixl`` package is importable here ("no-nixl" or "nixl"). Then one
-JSON line answers each ``generate {"requests": [{"ids", "max_tokens", "params"}]}`` (all
-submitted at once, then stepped until each ends) with ``{"outputs": [{"tokens",
-"finish_reason", "kv_transfer_params"}]}``; ``exit`` ends it. Everything vLLM prints goes to
-stderr."""
+connector's kv_connector_extra_config; CONNECTOR is ``HixlConnector`` (the default, loaded
+from hixl.vllm) or one of vLLM's own (``NixlConnector``: benches/vllm_pd.py). The first
+line is ``READY <pid> <nixl>``, where <nixl> says whether a ``nixl`` package is importable
+here ("no-nixl" or "nixl"). Then one JSON line answers each ``generate {"requests": [...]}``
+(each request ``{"ids", "max_tokens", "params"}``; all submitted at once, then stepped
+until each ends) with ``{"outputs": [{"tokens", "finish_reason", "kv_transfer_params",
+"ttft_s"}]}`` (ttft_s: from submitting the requests to the request's first token);
+``exit`` ends it. Everything vLLM prints goes to stderr."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ BLOCK_SIZE = 32
 def main() -> None:
     role, model = sys.argv[1], sys.argv[2]
     extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    connector = sys.argv[4] if len(sys.argv) > 4 else "HixlConnector"
+    max_len = int(sys.argv[5]) if len(sys.argv) > 5 else 2048
     fd = os.dup(1)
     os.dup2(2, 1)
     answers = os.fdopen(fd, "w", buffering=1)
@@ -34,8 +38,8 @@ def main() -> None:
     from vllm.config import KVTransferConfig
 
     kv = KVTransferConfig(
-        kv_connector="HixlConnector",
-        kv_connector_module_path="hixl.vllm",
+        kv_connector=connector,
+        kv_connector_module_path="hixl.vllm" if connector == "HixlConnector" else None,
         kv_role="kv_producer" if role == "prefill" else "kv_consumer",
         kv_connector_extra_config=extra,
     )
@@ -45,7 +49,8 @@ def main() -> None:
         enforce_eager=True,
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         block_size=BLOCK_SIZE,
-        max_model_len=2048,
+        max_model_len=max_len,
+        **({"max_num_batched_tokens": max_len} if max_len > 2048 else {}),
         kv_transfer_config=kv,
         seed=0,
     )
@@ -57,7 +62,8 @@ def main() -> None:
         if cmd != "generate":
             break
         try:
-            ids, done = [], {}
+            ids, done, first = [], {}, {}
+            start = time.perf_counter()
             for i, r in enumerate(json.loads(arg)["requests"]):
                 extra_args = {"kv_transfer_params": r["params"]} if r.get("params") else None
                 sp = SamplingParams(
@@ -71,6 +77,8 @@ def main() -> None:
                 ids.append(rid)
             while len(done) < len(ids):
                 for out in engine.step():
+                    if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
+                        first[out.request_id] = time.perf_counter() - start
                     if out.finished:
                         done[out.request_id] = out
             reply: dict = {
@@ -79,6 +87,7 @@ def main() -> None:
                         "tokens": list(done[r].outputs[0].token_ids),
                         "finish_reason": done[r].outputs[0].finish_reason,
                         "kv_transfer_params": done[r].kv_transfer_params,
+                        "ttft_s": first.get(r),
                     }
                     for r in ids
                 ]

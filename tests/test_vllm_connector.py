@@ -9,10 +9,12 @@ skipped with the reason. The handshake checks that need no engine run everywhere
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -68,16 +70,37 @@ class Engine:
     """One _vllm_hixl_engine.py process; its stderr (vLLM's and the connector's logs) goes
     to `log`."""
 
-    def __init__(self, role: str, model: Path, log: Path, extra: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        role: str,
+        model: Path,
+        log: Path,
+        extra: dict[str, Any],
+        connector: str = "HixlConnector",
+        extra_path: str | None = None,
+        max_model_len: int = 2048,
+    ) -> None:
         self.log = log
+        env = _env()
+        if extra_path:  # hixl.nixl's shim, for vLLM's NixlConnector (benches/vllm_pd.py)
+            env["PYTHONPATH"] = f"{extra_path}{os.pathsep}{env['PYTHONPATH']}"
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = "5601" if role == "prefill" else "5611"
         self.p = subprocess.Popen(
-            [VLLM_PY, str(HERE / "_vllm_hixl_engine.py"), role, str(model), json.dumps(extra)],
+            [
+                VLLM_PY,
+                str(HERE / "_vllm_hixl_engine.py"),
+                role,
+                str(model),
+                json.dumps(extra),
+                connector,
+                str(max_model_len),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log.open("w"),
             text=True,
             bufsize=1,
-            env=_env(),
+            env=env,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -141,6 +164,24 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
         pre.close()
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from each process's parent in /proc)."""
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        parent[int(stat.parent.name)] = int(text.rsplit(")", 1)[1].split()[1])
+    out, todo = [], [pid]
+    while todo:
+        top = todo.pop()
+        kids = [c for c, p in parent.items() if p == top]
+        out += kids
+        todo += kids
+    return out
+
+
 def _prompt(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1, 512) for _ in range(n)]
@@ -200,7 +241,7 @@ def test_two_requests_at_once(engines: Any) -> None:
 
 def test_local_prefix_blocks_are_not_read_again(engines: Any) -> None:
     """A decode that already holds the prompt's first 2 blocks (its own prefix cache) reads
-    only the other 3 from the prefill."""
+    only the other 4 from the prefill."""
     pre, dec = engines
     head = _prompt(64, 11)
     dec.generate({"ids": head + _prompt(10, 12), "max_tokens": 1})  # fills 2 blocks locally
@@ -271,9 +312,14 @@ def test_killed_prefill_engine_does_not_hang_the_decode(engines: Any) -> None:
     pre, dec = engines
     prompt = _prompt(60, 51)
     (params,) = _prefill(pre, prompt)
-    pre.p.kill()
+    tree = _descendants(pre.p.pid)  # vLLM's engine core and the worker holding the pool
+    for pid in [pre.p.pid, *tree]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     pre.p.wait()
-    subprocess.run(["pkill", "-KILL", "-P", str(pre.p.pid)], check=False)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.1)  # reaped by init once their parents are gone
     (out,) = dec.generate({"ids": prompt, "max_tokens": 4, "params": params}, timeout=120)
     assert out["finish_reason"] == "error", out
 

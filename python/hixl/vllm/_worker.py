@@ -54,6 +54,7 @@ class Worker:
         self._failed: set[int] = set()
         self._holds: dict[str, float] = {}  # request id -> monotonic deadline
         self._early: dict[str, None] = {}  # read notifications before their hold
+        self._linked: dict[int, str] = {}  # hixl rank -> the address it was linked at
         self._lock = threading.Lock()
 
     # -- setup -----------------------------------------------------------------------
@@ -61,7 +62,7 @@ class Worker:
     def register(self, kv_caches: dict[str, Any]) -> None:
         """Starts this rank's hixl engine and registers vLLM's KV tensors (one a layer,
         those shared by several layers once) as one cache of per-layer tensors."""
-        import torch  # vLLM's; needed only here
+        import torch  # type: ignore[import-not-found]  # vLLM's; needed only here
 
         layers, seen = [], set()
         for t in kv_caches.values():
@@ -129,7 +130,7 @@ class Worker:
             remote = parse_remote(ld.params)
             addr, rank = handshake(remote, self.tp_size, self.tp_rank)
             limit_ms = int(self.settings.load_timeout_s * 1000)
-            kv.link([kv.PeerRank(rank, None, addr)], timeout_ms=limit_ms)
+            self._link(rank, addr, limit_ms)
             if ld.src:
                 left = max(1, limit_ms - int((time.monotonic() - t0) * 1000))
                 task = kv.transfer_cache_async(
@@ -168,6 +169,18 @@ class Worker:
         self._results.put((ld.request_id, ld.dst, ok))
         if addr is not None:
             self._tell(addr, str(ld.params.get("remote_request_id")))
+
+    def _link(self, rank: int, addr: str, timeout_ms: int) -> None:
+        """Links to hixl rank `rank` at `addr`; a rank linked at another address before (a
+        prefill restarted elsewhere with that rank) is unlinked first, so that its blocks are
+        never read from the engine that had it."""
+        with self._lock:
+            was = self._linked.get(rank)
+        if was is not None and was != addr:
+            kv.unlink([rank])
+        kv.link([kv.PeerRank(rank, None, addr)], timeout_ms=timeout_ms)
+        with self._lock:
+            self._linked[rank] = addr
 
     def _tell(self, addr: str, remote_request_id: str) -> None:
         """Tells the prefill that its request's blocks may go (best effort: a prefill that
