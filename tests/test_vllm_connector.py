@@ -310,7 +310,11 @@ def test_killed_prefill_engine_does_not_hang_the_decode(engines: Any) -> None:
     """Last (it ends the prefill engine): a prefill engine killed after its handoff, before
     the decode reads; the decode is linked to it from the earlier tests."""
     pre, dec = engines
-    prompt = _prompt(60, 51)
+    first, prompt = _prompt(45, 50), _prompt(60, 51)
+    (ref,) = _reference(pre, first)
+    (params,) = _prefill(pre, first)
+    (out,) = dec.generate({"ids": first, "max_tokens": 8, "params": params})
+    assert out["tokens"] == ref  # linked to it now
     (params,) = _prefill(pre, prompt)
     tree = _descendants(pre.p.pid)  # vLLM's engine core and the worker holding the pool
     for pid in [pre.p.pid, *tree]:
