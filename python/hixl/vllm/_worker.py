@@ -166,7 +166,8 @@ class Worker:
                 type(exc).__name__,
                 exc,
             )
-        self._results.put((ld.request_id, ld.dst, ok))
+        if ld.dst:  # a full local hit never waited for a load: nothing to report to vLLM
+            self._results.put((ld.request_id, ld.dst, ok))
         if addr is not None:
             self._tell(addr, str(ld.params.get("remote_request_id")))
 
