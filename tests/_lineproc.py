@@ -4,7 +4,9 @@ first line starts with a ready word (READY unless told otherwise) and the words 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -16,22 +18,49 @@ HERE = Path(__file__).parent
 
 
 class LineProc:
-    """`python ARGS...` in tests/, answering one line per command."""
+    """`python ARGS...` in tests/, answering one line per command.
 
-    def __init__(self, args: list[object], ready: str = "READY") -> None:
+    ``python`` is another interpreter (default this one), ``env`` its environment and
+    ``stderr`` a file for its stderr. ``wait=False`` returns at once: call ``await_ready``
+    before the first command (so that several slow helpers start side by side). A helper
+    with ``session=True`` leads a process group of its own, and ``close`` ends the group:
+    the processes it started die with it."""
+
+    def __init__(
+        self,
+        args: list[object],
+        ready: str = "READY",
+        *,
+        python: str | None = None,
+        env: dict[str, str] | None = None,
+        stderr: object = None,
+        wait: bool = True,
+        session: bool = False,
+    ) -> None:
         self.name = Path(str(args[0])).name
+        self.ready_word = ready
+        self.session = session
         self.p = subprocess.Popen(
-            [sys.executable, *map(str, args)],
+            [python or sys.executable, *map(str, args)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=stderr,  # type: ignore[arg-type]
             text=True,
             bufsize=1,
             cwd=HERE,
+            env=env,
+            start_new_session=session,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
-        first = self.line(60)
-        assert first.startswith(ready), f"{self.name} said {first!r}"
+        self.words: list[str] = []
+        if wait:
+            self.await_ready(60)
+
+    def await_ready(self, timeout: float) -> None:
+        """Waits up to ``timeout`` seconds for the first line, which must be the ready word."""
+        first = self.line(timeout)
+        assert first.startswith(self.ready_word), f"{self.name} said {first!r}"
         self.words = first.split()
 
     def _pump(self) -> None:
@@ -66,3 +95,12 @@ class LineProc:
             except subprocess.TimeoutExpired:
                 self.p.kill()
                 self.p.wait(10)
+        if self.session:
+            self.kill_group()
+
+    def kill_group(self) -> None:
+        """SIGKILL to the helper's process group (``session=True``): it and all it started."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.p.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.p.wait(10)
