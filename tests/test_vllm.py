@@ -55,7 +55,8 @@ def _vllm_missing() -> str:
 
 
 _MISSING = _vllm_missing()
-pytestmark = pytest.mark.skipif(bool(_MISSING), reason=_MISSING)
+#: The engines start in the first test's setup: up to START_S, beyond pytest's usual 300 s.
+pytestmark = [pytest.mark.skipif(bool(_MISSING), reason=_MISSING), pytest.mark.timeout(1200)]
 
 
 def _free_port() -> int:
