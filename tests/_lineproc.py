@@ -52,7 +52,8 @@ class LineProc:
             start_new_session=session,
         )
         self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self.pump = threading.Thread(target=self._pump, daemon=True)
+        self.pump.start()
         self.words: list[str] = []
         if wait:
             self.await_ready(60)
@@ -97,6 +98,10 @@ class LineProc:
                 self.p.wait(10)
         if self.session:
             self.kill_group()
+        self.pump.join(10)  # it read the end of the output: the pipes may close now
+        for f in (self.p.stdin, self.p.stdout):
+            with contextlib.suppress(OSError, ValueError):
+                f.close()  # type: ignore[union-attr]
 
     def kill_group(self) -> None:
         """SIGKILL to the helper's process group (``session=True``): it and all it started."""
