@@ -17,12 +17,14 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _hixl_link import hixl_dir
 
 from hixl.vllm._params import (
     Handshake,
@@ -40,17 +42,6 @@ VLLM_PY = os.environ.get("HIXL_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" 
 START_S = 900  # two engines starting at once on a small CI machine
 STEP_S = 300
 
-MODEL = """
-import sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-torch.manual_seed(1234)
-cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                  torch_dtype="float32")
-LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])
-"""
-
-
 def _vllm_missing() -> str | None:
     if not Path(VLLM_PY).exists():
         return f"no vLLM interpreter at {VLLM_PY} (HIXL_VLLM_PYTHON; scripts/install_vllm.sh)"
@@ -61,7 +52,10 @@ def _vllm_missing() -> str | None:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), VLLM_LOGGING_LEVEL="INFO")
+    """The engines' environment: this run's own hixl (the source tree's or the wheel's) on the
+    path, and nothing else of this environment."""
+    path = str(hixl_dir(Path(tempfile.gettempdir()) / f"hixl-vllm-{os.getpid()}"))
+    env = dict(os.environ, PYTHONPATH=path, VLLM_LOGGING_LEVEL="INFO")
     env.pop("HIXL_SECRET", None)
     return env
 
@@ -149,7 +143,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
     if why:
         pytest.skip(why)
     d = tmp_path_factory.mktemp("vllm-hixl")
-    subprocess.run([VLLM_PY, "-c", MODEL, str(d / "model")], check=True, timeout=300)
+    subprocess.run([VLLM_PY, HERE / "_tiny_llama.py", d / "model"], check=True, timeout=300)
     extra = {"load_timeout_s": 20, "lease_s": 600}
     pre = Engine("prefill", d / "model", d / "prefill.log", extra)
     dec = Engine("decode", d / "model", d / "decode.log", extra)
