@@ -7,7 +7,7 @@
 Built on hixl.kv's request handoff (a pool of vLLM's per-layer KV tensors, block lists
 read one-sidedly). ``HixlConnector`` needs vLLM and is imported on first use, so that the
 parts without vLLM (``_params``: the extra config, kv_transfer_params, the handshake)
-import anywhere. https://github.com/hixl/hixl/blob/main/docs/VLLM_CONNECTOR.md has the keys
+import anywhere. https://github.com/hixl/hixl/blob/main/docs/VLLM.md has the keys
 and the flow."""
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class HixlConnector(KVConnectorBase_V1):  # type: ignore[misc]
     keeps them until then or for lease_s. Select it with
     ``KVTransferConfig(kv_connector="HixlConnector", kv_connector_module_path="hixl.vllm",
     kv_role=..., kv_connector_extra_config={...})`` (the keys:
-    https://github.com/hixl/hixl/blob/main/docs/VLLM_CONNECTOR.md)."""
+    https://github.com/hixl/hixl/blob/main/docs/VLLM.md)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
