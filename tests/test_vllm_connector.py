@@ -42,6 +42,7 @@ VLLM_PY = os.environ.get("HIXL_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" 
 START_S = 900  # two engines starting at once on a small CI machine
 STEP_S = 300
 
+
 def _vllm_missing() -> str | None:
     if not Path(VLLM_PY).exists():
         return f"no vLLM interpreter at {VLLM_PY} (HIXL_VLLM_PYTHON; scripts/install_vllm.sh)"
