@@ -29,7 +29,7 @@ from _lineproc import HERE, LineProc
 
 from hixl.nixl import shim
 
-VLLM_PY = os.environ.get("HIXL_VLLM_PYTHON", "")
+VLLM_PY = os.environ.get("HIXL_VLLM_PYTHON") or str(HERE.parent / ".venv-vllm" / "bin" / "python")
 NEW_TOKENS = 8
 #: Seconds an engine may take to start (imports, model load, warm-up) on a loaded machine.
 START_S = 600
@@ -38,8 +38,8 @@ GEN_S = 180
 
 
 def _vllm_missing() -> str:
-    if not VLLM_PY:
-        return "HIXL_VLLM_PYTHON is not set (a python with vLLM: scripts/install_vllm.sh)"
+    if not Path(VLLM_PY).exists():
+        return f"no vLLM interpreter at {VLLM_PY} (HIXL_VLLM_PYTHON; scripts/install_vllm.sh)"
     try:
         r = subprocess.run(
             [VLLM_PY, "-c", "import importlib.util as u; print(u.find_spec('vllm') is not None)"],
