@@ -17,8 +17,11 @@
 //! operations using the region. The responder's bytes go straight between the socket and the
 //! registered memory (readv / sendmsg), never through a buffer.
 //!
-//! What it does not model: the wire (it copies through the kernel, one request at a time per
-//! QP), a NIC that answers while its process is stopped (this one is a thread of the target
+//! READ depth: up to `max_rd_atomic` READs outstanding per QP, and a responder QP sent more
+//! than its `max_dest_rd_atomic` refuses them (REM_INV_REQ_ERR) and goes to ERR.
+//!
+//! What it does not model: the wire (it copies through the kernel, one WRITE or up to
+//! `max_rd_atomic` READs at a time per QP), a NIC that answers while its process is stopped (this one is a thread of the target
 //! process), memory pinning, atomics, sends and receives A test can make the NIC go silent (`fault`:
 //! [`FAULT_ENV`]), as a NIC whose link went down.
 
@@ -513,7 +516,9 @@ impl Verbs for SoftVerbs {
         let cq = o.cqs.get(&cq.0).cloned().ok_or_else(|| no("CQ", cq.0))?;
         let qpn = dev.next_qpn.fetch_add(1, Ordering::Relaxed) & crate::wire::rdma::MAX_QPN;
         let caps = QpCaps { max_send_sge: caps.max_send_sge.max(1), ..caps };
-        let q = SoftQp::new(qpn, pd.0, dev.clone(), cq, caps)?;
+        let rd = |v: i32| v.clamp(1, u8::MAX as i32) as u8;
+        let rd_max = (rd(d.max_qp_init_rd_atom), rd(d.max_qp_rd_atom));
+        let q = SoftQp::new(qpn, pd.0, dev.clone(), cq, caps, rd_max)?;
         dev.qps.lock().unwrap().insert(qpn, q.clone());
         let h = o.handle();
         o.qps.insert(h, q);

@@ -4,8 +4,10 @@
 //! socket and the registered memory. The target process's application takes no part.
 //!
 //! Between soft NICs: a Hello `{magic, dst_qpn, src_qpn, psn, src_gid}` once per connection,
-//! then per request a 32-byte header `{op, rkey, addr, len}` (WRITE: followed by its bytes),
-//! answered by 8 bytes `{status}` (READ, on success: followed by its bytes). Little endian.
+//! then per request a 32-byte header `{op, rkey, addr, len, depth}` (WRITE: followed by its
+//! bytes), answered by 8 bytes `{status}` (READ, on success: followed by its bytes). Little
+//! endian. A READ's `depth` is how many READs its QP has outstanding with it (a NIC's responder
+//! counts them by PSN): over the responder QP's `max_dest_rd_atomic` it is refused.
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -114,6 +116,8 @@ pub(super) struct Request {
     pub(super) rkey: u32,
     pub(super) addr: u64,
     pub(super) len: u64,
+    /// READ: this QP's READs outstanding, this one included (0 for a WRITE).
+    pub(super) depth: u32,
 }
 
 impl Request {
@@ -123,6 +127,7 @@ impl Request {
         b[4..8].copy_from_slice(&self.rkey.to_le_bytes());
         b[8..16].copy_from_slice(&self.addr.to_le_bytes());
         b[16..24].copy_from_slice(&self.len.to_le_bytes());
+        b[24..28].copy_from_slice(&self.depth.to_le_bytes());
         b
     }
 
@@ -132,6 +137,7 @@ impl Request {
             rkey: u32::from_le_bytes(b[4..8].try_into().unwrap()),
             addr: u64::from_le_bytes(b[8..16].try_into().unwrap()),
             len: u64::from_le_bytes(b[16..24].try_into().unwrap()),
+            depth: u32::from_le_bytes(b[24..28].try_into().unwrap()),
         }
     }
 }
@@ -262,7 +268,7 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
             return;
         }
         let req = Request::decode(&rb);
-        let Some(qp_access) = qp.responder_access() else { return };
+        let Some((qp_access, rd_in)) = qp.responder_access() else { return };
         let (need, write) = match req.op {
             OP_WRITE => (access::REMOTE_WRITE, true),
             OP_READ => (access::REMOTE_READ, false),
@@ -275,7 +281,17 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
             let _ = sockio::send_all_bytes(fd, &[status as u8, 0, 0, 0, 0, 0, 0, 0]);
             qp.fail_as_responder();
         };
-        if qp_access & need == 0 {
+        // More READs at once than this QP answers (`max_dest_rd_atomic`): a NIC's responder has
+        // no resources for it and NAKs it as an invalid request.
+        if qp_access & need == 0 || (!write && req.depth > rd_in as u32) {
+            if !write && req.depth > rd_in as u32 {
+                tracing::debug!(
+                    qpn = qp.qpn,
+                    depth = req.depth,
+                    max = rd_in,
+                    "soft NIC: READ over max_dest_rd_atomic"
+                );
+            }
             refuse(Status::InvalidRequest);
             return;
         }

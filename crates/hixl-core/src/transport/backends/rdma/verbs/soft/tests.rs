@@ -41,11 +41,16 @@ impl Dev {
     }
 
     fn up(&self, q: Qp, ours: &QpAddr, theirs: &QpAddr) {
+        self.up_rd(q, ours, theirs, 16, 16)
+    }
+
+    /// RTR with `max_dest_rd_atomic` = `dest`, then RTS with `max_rd_atomic` = `out`.
+    fn up_rd(&self, q: Qp, ours: &QpAddr, theirs: &QpAddr, dest: u8, out: u8) {
         self.v
             .modify_qp(
                 q,
                 &QpTransition::Rtr {
-                    rd_atomic: 16,
+                    rd_atomic: dest,
                     remote: *theirs,
                     mtu: 5,
                     port: 1,
@@ -56,7 +61,7 @@ impl Dev {
             )
             .unwrap();
         self.v
-            .modify_qp(q, &QpTransition::Rts { psn: ours.psn, timeout: 16, retry_cnt: 7, rd_atomic: 16 })
+            .modify_qp(q, &QpTransition::Rts { psn: ours.psn, timeout: 16, retry_cnt: 7, rd_atomic: out })
             .unwrap();
     }
 
@@ -246,4 +251,57 @@ fn a_deregistered_region_is_refused_after_the_writes_before_landed() {
     post(&a.v, qa, &[wr(2, WrOp::Read, &src[..64], lkey, remote, rkey)]).unwrap();
     assert_eq!(a.wait(1), [(2, wc::REM_ACCESS_ERR)], "a deregistered rkey is refused");
     assert_eq!(dst, src, "the first write had landed");
+}
+
+/// READs outstanding at once: a requester keeps up to its `max_rd_atomic` in flight, and a
+/// responder QP sent more than its `max_dest_rd_atomic` refuses the one over it
+/// (REM_INV_REQ_ERR) and goes to ERR, as a NIC does; a QP asked for more than the device has
+/// is EINVAL.
+#[test]
+fn reads_over_the_responders_max_dest_rd_atomic_are_refused_as_by_a_nic() {
+    let reads = |dest: u8, out: u8, n: usize| -> Vec<u32> {
+        let (a, b) = (dev(64), dev(64));
+        let (qa, aa) = a.qp(16, 0);
+        let (qb, ab) = b.qp(16, ALL);
+        b.up_rd(qb, &ab, &aa, dest, 16);
+        a.up_rd(qa, &aa, &ab, 16, out);
+        let mut src: Vec<u8> = (0..8192u32).map(|i| i as u8).collect();
+        let (_, rkey) = b.mr(&mut src, ALL);
+        let mut dst = vec![0u8; 8192];
+        let (lkey, _) = a.mr(&mut dst, ALL);
+        let at = src.as_ptr() as u64;
+        let wrs: Vec<SendWr> = (0..n)
+            .map(|i| {
+                wr(i as u64, WrOp::Read, &dst[i * 1024..(i + 1) * 1024], lkey, at + i as u64 * 1024, rkey)
+            })
+            .collect();
+        post(&a.v, qa, &wrs).unwrap();
+        let got = a.wait(n);
+        assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), (0..n as u64).collect::<Vec<_>>());
+        let ok = got.iter().take_while(|g| g.1 == wc::SUCCESS).count();
+        assert_eq!(dst[..ok * 1024], src[..ok * 1024], "the READs answered landed");
+        got.into_iter().map(|g| g.1).collect()
+    };
+    assert_eq!(reads(2, 2, 6), vec![wc::SUCCESS; 6], "never more than 2 outstanding");
+    assert_eq!(reads(16, 16, 6), vec![wc::SUCCESS; 6]);
+    let over = reads(2, 16, 6);
+    assert_eq!(&over[..3], &[wc::SUCCESS, wc::SUCCESS, wc::REM_INV_REQ_ERR], "{over:?}");
+    assert!(over[3..].iter().all(|s| *s == wc::WR_FLUSH_ERR), "{over:?}");
+
+    let d = dev(8);
+    let (q, a) = d.qp(4, 0);
+    let rtr = |rd_atomic| QpTransition::Rtr {
+        remote: a,
+        mtu: 5,
+        port: 1,
+        gid_index: 0,
+        traffic_class: 0,
+        sl: 0,
+        rd_atomic,
+    };
+    assert!(d.v.modify_qp(q, &rtr(129)).is_err(), "over the device's max_qp_rd_atom (128)");
+    d.v.modify_qp(q, &rtr(128)).unwrap();
+    let rts = |rd_atomic| QpTransition::Rts { psn: 1, timeout: 1, retry_cnt: 1, rd_atomic };
+    assert!(d.v.modify_qp(q, &rts(129)).is_err(), "over the device's max_qp_init_rd_atom (128)");
+    d.v.modify_qp(q, &rts(128)).unwrap();
 }
