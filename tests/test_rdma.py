@@ -196,3 +196,41 @@ def test_sync_requests_complete_whether_the_waiter_or_the_poller_takes_the_compl
 def test_busy_poll_option_is_bounded() -> None:
     with pytest.raises(hixl.ParamInvalid, match=r"hixl.rdma.busy_poll_us.*100001"):
         hixl.Hixl().initialize("127.0.0.1", {"hixl.rdma.busy_poll_us": "100001"})
+
+
+@pytest.mark.skipif(
+    bool(DEVICE), reason="the soft device's limits are set by an environment variable"
+)
+@pytest.mark.parametrize("qps", ["1", "4"])
+def test_reads_outstanding_follow_the_peer_that_answers_fewer(make_peer, monkeypatch, qps):
+    """The target's device answers 2 READs per QP, the initiator's issues 16: the initiator
+    learns the target's depth in the QP exchange and keeps at most 2 READs outstanding per QP.
+    A QP that sent a third would fail on the target's responder (as on a NIC), and the READ with
+    it. Every READ is compared byte for byte."""
+    peer = make_peer(
+        1 << 20, SOFT, env={"HIXL_SOFT_RDMA_LIMITS": "max_qp_rd_atom=2,max_qp_init_rd_atom=2"}
+    )
+    monkeypatch.delenv("HIXL_SOFT_RDMA_LIMITS", raising=False)
+    assert "READs 16/16" in _rdma_info("soft")
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1", {"hixl.backends": "rdma", "hixl.rdma.qps": qps, **SOFT})
+        e.connect(peer.engine, timeout_ms=5000)
+        src = random_bytes(1 << 20, 17)
+        e.register(src)
+        e.transfer_sync(peer.engine, W, [(src.ctypes.data, peer.addr, 1 << 20)], 30_000)
+        back = np.zeros(1 << 20, np.uint8)
+        e.register(back)
+        # 256 remote ranges of 4 KiB, scattered: 256 READ work requests posted together.
+        count, slot = 256, 4096
+        order = np.random.default_rng(4).permutation(count)
+        rows = np.stack(
+            [back.ctypes.data + order * slot, peer.addr + order * slot, np.full(count, slot - 1)],
+            axis=1,
+        ).astype(np.uint64)
+        for _ in range(4):
+            back[:] = 0
+            req = e.transfer_async(peer.engine, R, rows)
+            req.wait(30_000)
+            req.result()  # raises the request's error, naming the work completion's status
+            got = back.reshape(count, slot)[:, : slot - 1]
+            assert np.array_equal(got, src.reshape(count, slot)[:, : slot - 1])

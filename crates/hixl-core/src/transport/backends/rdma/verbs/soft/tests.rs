@@ -37,7 +37,19 @@ impl Dev {
         };
         let q = self.v.create_qp(self.pd, self.cq, caps).unwrap();
         self.v.modify_qp(q.qp, &QpTransition::Init { port: 1, access: remote }).unwrap();
-        (q.qp, QpAddr { gid: self.gid, lid: 0, qpn: q.qpn, psn: 100 + q.qpn, mtu: 5, rail: 0 })
+        (
+            q.qp,
+            QpAddr {
+                gid: self.gid,
+                lid: 0,
+                qpn: q.qpn,
+                psn: 100 + q.qpn,
+                mtu: 5,
+                rail: 0,
+                reads_out: 16,
+                reads_in: 16,
+            },
+        )
     }
 
     fn up(&self, q: Qp, ours: &QpAddr, theirs: &QpAddr) {
@@ -120,7 +132,7 @@ fn the_state_machine_refuses_skipped_steps_and_posts_before_rts() {
     let caps =
         QpCaps { max_send_wr: 4, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
     let q = d.v.create_qp(d.pd, d.cq, caps).unwrap();
-    let remote = QpAddr { gid: d.gid, lid: 0, qpn: 5, psn: 1, mtu: 5, rail: 0 };
+    let remote = QpAddr { gid: d.gid, lid: 0, qpn: 5, psn: 1, mtu: 5, rail: 0, reads_out: 16, reads_in: 16 };
     let rtr =
         QpTransition::Rtr { remote, mtu: 5, port: 1, gid_index: 0, traffic_class: 0, sl: 0, rd_atomic: 16 };
     let e = d.v.modify_qp(q.qp, &rtr).unwrap_err();
