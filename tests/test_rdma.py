@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 import numpy as np
 import pytest
 from conftest import random_bytes
 
 import hixl
+import hixl.metrics
 from hixl._hixl import _rdma_info
 
 W, R = hixl.TransferOp.WRITE, hixl.TransferOp.READ
@@ -234,3 +236,62 @@ def test_reads_outstanding_follow_the_peer_that_answers_fewer(make_peer, monkeyp
             req.result()  # raises the request's error, naming the work completion's status
             got = back.reshape(count, slot)[:, : slot - 1]
             assert np.array_equal(got, src.reshape(count, slot)[:, : slot - 1])
+
+
+@pytest.mark.skipif(bool(DEVICE), reason="the rail's fault is the soft device's")
+def test_a_rail_that_failed_comes_back_when_it_works_again(make_peer, monkeypatch):
+    """The target's soft1 goes dark after 20 requests and answers again 1.5 s later: the
+    initiator leaves that rail out (its parts complete on soft0), probes it, and puts it back
+    in the rotation once a fresh QP answers; stats() says so and the rail carries bytes again.
+    Every transfer's bytes are compared, before, during and after."""
+    size = 2 << 20
+    rails = {"hixl.backends": "rdma", "hixl.rdma.device": "soft0,soft1", **SOFT}
+    env = {"HIXL_SOFT_RDMA_DEVICES": "2", "HIXL_SOFT_RDMA_FAIL_AFTER": "soft1:20:1500"}
+    peer = make_peer(size, rails, env=env)
+    monkeypatch.setenv("HIXL_SOFT_RDMA_DEVICES", "2")
+    monkeypatch.delenv("HIXL_SOFT_RDMA_FAIL_AFTER", raising=False)
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1", {**rails, "hixl.rdma.qps": "2"})
+        e.connect(peer.engine, timeout_ms=5000)
+        src = np.zeros(size, np.uint8)
+        back = np.zeros(size, np.uint8)
+        e.register(src)
+        e.register(back)
+        seed = [0]
+
+        def round_trip() -> dict:
+            seed[0] += 1
+            src[:] = random_bytes(size, seed[0])
+            e.transfer_sync(peer.engine, W, [(src.ctypes.data, peer.addr, size)], 30_000)
+            assert np.array_equal(peer.read(), src), f"WRITE {seed[0]}"
+            back[:] = 0
+            e.transfer_sync(peer.engine, R, [(back.ctypes.data, peer.addr, size)], 30_000)
+            assert np.array_equal(back, src), f"READ {seed[0]}"
+            st = e.stats()[peer.engine]
+            assert st["errors"] == 0 and st["backend"] == "rdma", st
+            return st["rails"][1]
+
+        def until(cond, what: str) -> dict:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                r = round_trip()
+                if cond(r):
+                    return r
+            raise AssertionError(f"{what} within 30 s: {r}")
+
+        out = until(lambda r: not r["up"], "soft1 left out")
+        assert out["out_why"] and out["returns"] == 0, out
+        carried = out["bytes"]
+        back_in = until(lambda r: r["up"], "soft1 back in the rotation")
+        assert back_in["returns"] == 1 and back_in["out_why"] == "", back_in
+        for _ in range(4):
+            last = round_trip()
+        assert last["up"] and last["bytes"] > carried, f"soft1 carries bytes again: {last}"
+        prom = hixl.metrics.text(e)
+        for name, value in [
+            ("hixl_rdma_rail_up", 1),
+            ("hixl_rdma_rail_returns_total", 1),
+            ("hixl_rdma_rail_bytes_total", last["bytes"]),
+        ]:
+            m = re.search(rf'^{name}{{[^}}]*device="soft1"}} (\d+)$', prom, re.M)
+            assert m and int(m.group(1)) == value, (name, prom)

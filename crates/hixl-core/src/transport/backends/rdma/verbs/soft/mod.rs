@@ -93,7 +93,9 @@ struct Device {
     gid: [u8; 16],
     /// Requests its responder served, and after how many it goes dark ([`FAIL_AFTER_ENV`]).
     served: std::sync::atomic::AtomicU64,
-    fail_after: Option<u64>,
+    fail_after: Option<responder::FailAfter>,
+    /// When it went dark.
+    dark_since: std::sync::OnceLock<std::time::Instant>,
     mrs: RwLock<HashMap<u32, Arc<SoftMr>>>,
     qps: Mutex<HashMap<u32, Arc<SoftQp>>>,
     next_key: AtomicU32,
@@ -128,6 +130,7 @@ impl Device {
             gid,
             served: std::sync::atomic::AtomicU64::new(0),
             fail_after: responder::fail_after(dev_name)?,
+            dark_since: std::sync::OnceLock::new(),
             mrs: RwLock::new(HashMap::new()),
             qps: Mutex::new(HashMap::new()),
             // Keys are an index and a random byte, like a NIC's; QPNs start at a random point.
