@@ -111,11 +111,11 @@ impl RdmaLink {
         for o in &fresh {
             self.probe_qp(rail, o)?;
         }
-        if self.closed.load(Ordering::Acquire) {
-            return Ok(()); // the QPs go with `fresh`
-        }
         for ((slot, o), t) in lane.slots.iter().zip(fresh).zip(&answer.qps) {
             let mut s = slot.lock().unwrap();
+            if self.closed.load(Ordering::Acquire) {
+                return Ok(()); // `shut` destroys what it found; the rest go with `fresh`
+            }
             let qpn = o.qp.qpn();
             s.qp = Some(o.qp);
             s.qpn = qpn;
@@ -149,13 +149,12 @@ impl RdmaLink {
         o.qp.post_send(std::slice::from_ref(&wr)).map_err(|pe| {
             Error::not_connected(format!("ibv_post_send refused the probe (errno {})", pe.errno))
         })?;
+        // The engine's poller hands the completion over (`on_completions`). This thread never
+        // polls itself: a close on the poller's thread joins it.
         let answered = || lane.probe_done.load(Ordering::Acquire) >> 32 == seq as u64;
         let until = Instant::now() + self.timeout;
         while !answered() && Instant::now() < until && !self.closed.load(Ordering::Acquire) {
-            self.rails.poll_until(&answered, until.min(Instant::now() + Duration::from_millis(10)));
-            if !answered() {
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            std::thread::sleep(Duration::from_millis(1));
         }
         if !answered() {
             let _ = o.qp.modify(&QpTransition::Err);
