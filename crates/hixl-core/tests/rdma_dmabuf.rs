@@ -178,6 +178,7 @@ fn wr(id: u64, op: WrOp, local: u64, len: u32, lkey: u32, remote: u64, rkey: u32
         signaled: true,
         remote_addr: remote,
         rkey,
+        inline: false,
     }
 }
 

@@ -216,6 +216,7 @@ fn write_wr(id: u64, local: &[u8], lkey: u32, remote: u64, rkey: u32, signaled: 
         signaled,
         remote_addr: remote,
         rkey,
+        inline: false,
     }
 }
 

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use super::book::{Finished, QpBook};
 use super::nic::{Nic, RailQp};
 use super::rails::{CompletionSink, Rails};
-use super::verbs::{QpTransition, SendWr};
+use super::verbs::{QpTransition, SendWr, WrOp};
 use super::{wrs, Opened};
 use crate::complete::Completer;
 use crate::error::{Error, Result, Status};
@@ -244,9 +244,14 @@ impl RdmaLink {
     fn post_now(&self, nic: &Nic, slot: &mut Slot) -> Finished {
         let mut out = slot.book.take_orphans();
         let Some(qp) = &slot.qp else { return out };
-        let batch = slot.book.next_batch();
+        let mut batch = slot.book.next_batch();
         if batch.is_empty() {
             return out;
+        }
+        // Small WRITEs go inline (their bytes copied at post time: no DMA read of them later).
+        let inline = qp.caps().max_inline_data as u64;
+        for w in batch.iter_mut() {
+            w.inline = w.op == WrOp::Write && w.bytes() <= inline;
         }
         // Safe (`QueuePair::post_send`): the device moves bytes only through the SGEs' lkeys,
         // each checked against its memory region. That the bytes are the request's is the

@@ -144,6 +144,7 @@ impl RdmaLink {
             signaled: true,
             remote_addr: 0,
             rkey: 0,
+            inline: false,
         };
         // Safe (`QueuePair::post_send`): a request with no SGE moves no local byte.
         o.qp.post_send(std::slice::from_ref(&wr)).map_err(|pe| {

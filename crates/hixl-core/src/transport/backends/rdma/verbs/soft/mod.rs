@@ -17,6 +17,9 @@
 //! operations using the region. The responder's bytes go straight between the socket and the
 //! registered memory (readv / sendmsg), never through a buffer.
 //!
+//! Inline WRITEs (up to a QP's `max_inline_data`, at most 256 bytes): their bytes are copied
+//! at post time, with no lkey check.
+//!
 //! READ depth: up to `max_rd_atomic` READs outstanding per QP, and a responder QP sent more
 //! than its `max_dest_rd_atomic` refuses them (REM_INV_REQ_ERR) and goes to ERR.
 //!
@@ -52,6 +55,8 @@ use qp::SoftQp;
 
 /// `IBV_MTU_4096`.
 const MTU_4096: u8 = 5;
+/// Most inline bytes a QP may ask for (`max_inline_data`; rdma_rxe allows about this much).
+const MAX_INLINE: u32 = 256;
 
 /// The abstract socket a device with `gid` listens on.
 fn socket_name(gid: &[u8; 16]) -> String {
@@ -509,9 +514,11 @@ impl Verbs for SoftVerbs {
         if caps.max_send_wr == 0
             || caps.max_send_wr > d.max_qp_wr.max(0) as u32
             || caps.max_send_sge > d.max_sge.max(0) as u32
+            || caps.max_inline_data > MAX_INLINE
         {
             return Err(Error::param(format!(
-                "soft verbs: QP capabilities {caps:?} exceed the device's ({} WRs, {} SGEs)",
+                "soft verbs: QP capabilities {caps:?} exceed the device's ({} WRs, {} SGEs, {MAX_INLINE} \
+                 inline bytes)",
                 d.max_qp_wr, d.max_sge
             )));
         }
@@ -542,7 +549,8 @@ impl Verbs for SoftVerbs {
 
     unsafe fn post_send(&self, qp: Qp, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
         let q = self.qp(qp).map_err(|_| PostError { bad_wr: 0, errno: libc::EINVAL })?;
-        q.post(wrs)
+        // SAFETY: this function's contract is the one `post` needs.
+        unsafe { q.post(wrs) }
     }
 }
 

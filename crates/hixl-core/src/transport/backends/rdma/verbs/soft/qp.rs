@@ -41,8 +41,8 @@ struct Inner {
     /// How long one try waits without progress, and how many tries there are.
     timeout: Duration,
     retries: u32,
-    /// Posted, not started.
-    sq: VecDeque<SendWr>,
+    /// Posted, not started (an inline WRITE with the bytes copied when it was posted).
+    sq: VecDeque<(SendWr, Option<Vec<u8>>)>,
     /// Requests being carried out (several READs at once, one WRITE).
     busy: u32,
     /// `max_rd_atomic` (RTS): READs this QP has outstanding at once.
@@ -189,23 +189,43 @@ impl SoftQp {
         Ok(())
     }
 
-    /// `ibv_post_send`: EINVAL before RTS or for too many SGEs, ENOMEM once the send queue
+    /// `ibv_post_send`: EINVAL before RTS, for too many SGEs, or for an inline request that is
+    /// not a WRITE or is longer than the QP's `max_inline_data`, ENOMEM once the send queue
     /// (posted, running, and executed unsignaled requests not yet reclaimed) is full. In ERR the
-    /// requests are accepted and flushed.
-    pub(super) fn post(&self, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
+    /// requests are accepted and flushed. An inline request's bytes are copied here, as a NIC
+    /// copies them at post time (no lkey is checked for them).
+    ///
+    /// # Safety
+    /// As [`crate::transport::backends::rdma::verbs::Verbs::post_send`]: an inline request's
+    /// SGEs must be readable memory now.
+    pub(super) unsafe fn post(&self, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
         let mut s = self.st.lock().unwrap();
         if !matches!(s.state, State::Rts | State::Err) {
             return Err(PostError { bad_wr: 0, errno: libc::EINVAL });
         }
         for (i, wr) in wrs.iter().enumerate() {
-            if wr.sges.len() > self.caps.max_send_sge as usize {
+            if wr.sges.len() > self.caps.max_send_sge as usize
+                || (wr.inline && (wr.op != WrOp::Write || wr.bytes() > self.caps.max_inline_data as u64))
+            {
                 return Err(PostError { bad_wr: i, errno: libc::EINVAL });
             }
             let used = s.sq.len() as u32 + s.busy + s.unreclaimed;
             if used >= self.caps.max_send_wr {
                 return Err(PostError { bad_wr: i, errno: libc::ENOMEM });
             }
-            s.sq.push_back(wr.clone());
+            let data = wr.inline.then(|| {
+                let mut d = Vec::with_capacity(wr.bytes() as usize);
+                for sge in &wr.sges {
+                    // SAFETY: the caller's contract: an inline request's SGEs are readable now
+                    // (`QueuePair::post_send` checked each lies in a registered host region
+                    // and holds it registered during this call).
+                    d.extend_from_slice(unsafe {
+                        std::slice::from_raw_parts(sge.addr as *const u8, sge.length as usize)
+                    });
+                }
+                d
+            });
+            s.sq.push_back((wr.clone(), data));
         }
         self.cv.notify_all();
         Ok(())
@@ -274,10 +294,10 @@ impl SoftQp {
                 }
                 let mut wrs = vec![s.sq.pop_front().expect("not empty")];
                 // Consecutive READs go out together, at most max_rd_atomic of them.
-                while wrs[0].op == WrOp::Read
+                while wrs[0].0.op == WrOp::Read
                     && s.state == State::Rts
                     && wrs.len() < s.rd_out as usize
-                    && s.sq.front().is_some_and(|w| w.op == WrOp::Read)
+                    && s.sq.front().is_some_and(|w| w.0.op == WrOp::Read)
                 {
                     wrs.push(s.sq.pop_front().expect("not empty"));
                 }
@@ -286,17 +306,17 @@ impl SoftQp {
             };
             let statuses = if state == State::Err {
                 vec![wc::WR_FLUSH_ERR; wrs.len()]
-            } else if wrs[0].op == WrOp::Read {
-                self.execute_reads(&wrs)
+            } else if wrs[0].0.op == WrOp::Read {
+                self.execute_reads(&wrs.iter().map(|w| w.0.clone()).collect::<Vec<_>>())
             } else {
-                vec![self.execute(&wrs[0])]
+                vec![self.execute(&wrs[0].0, wrs[0].1.as_deref())]
             };
             let mut s = self.st.lock().unwrap();
             s.busy = 0;
             if s.epoch != epoch {
                 continue; // RESET discarded them: no completion
             }
-            for (wr, status) in wrs.iter().zip(statuses) {
+            for ((wr, _), status) in wrs.iter().zip(statuses) {
                 self.complete(&mut s, wr, status, state);
             }
         }
@@ -348,10 +368,11 @@ impl SoftQp {
         true
     }
 
-    /// One WRITE: its header and bytes, then the responder's answer.
-    fn execute(&self, wr: &SendWr) -> u32 {
+    /// One WRITE: its header and bytes (`inline`: those copied when it was posted; else read
+    /// from its SGEs now), then the responder's answer.
+    fn execute(&self, wr: &SendWr, inline: Option<&[u8]>) -> u32 {
         let mut mrs = Vec::with_capacity(wr.sges.len());
-        if !self.local_regions(wr, &mut mrs) {
+        if inline.is_none() && !self.local_regions(wr, &mut mrs) {
             return wc::LOC_PROT_ERR;
         }
         let guards: Vec<RwLockReadGuard<'_, bool>> = mrs.iter().map(|m| m.busy.read().unwrap()).collect();
@@ -367,9 +388,13 @@ impl SoftQp {
         let head = Request { op: responder::OP_WRITE, rkey: wr.rkey, addr: wr.remote_addr, len, depth: 0 };
         let head = head.encode();
         let mut iovs = vec![iov(head.as_ptr() as u64, head.len() as u64)];
-        iovs.extend(wr.sges.iter().map(|s| iov(host(&mrs, s), s.length as u64)));
-        // SAFETY: the header lives on this frame; every SGE was checked to lie in a registered
-        // region, held registered by `guards` for the whole operation.
+        match inline {
+            Some(d) => iovs.push(iov(d.as_ptr() as u64, d.len() as u64)),
+            None => iovs.extend(wr.sges.iter().map(|s| iov(host(&mrs, s), s.length as u64))),
+        }
+        // SAFETY: the header and the inline copy live on this frame; every other SGE was
+        // checked to lie in a registered region, held registered by `guards` for the whole
+        // operation.
         if let Err(e) = unsafe { sockio::send_all(fd, &mut iovs) } {
             return self.io_failed(&e);
         }

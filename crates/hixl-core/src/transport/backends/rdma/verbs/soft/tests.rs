@@ -113,6 +113,7 @@ fn wr(id: u64, op: WrOp, local: &[u8], lkey: u32, remote: u64, rkey: u32) -> Sen
         signaled: true,
         remote_addr: remote,
         rkey,
+        inline: false,
     }
 }
 
@@ -316,4 +317,47 @@ fn reads_over_the_responders_max_dest_rd_atomic_are_refused_as_by_a_nic() {
     let rts = |rd_atomic| QpTransition::Rts { psn: 1, timeout: 1, retry_cnt: 1, rd_atomic };
     assert!(d.v.modify_qp(q, &rts(129)).is_err(), "over the device's max_qp_init_rd_atom (128)");
     d.v.modify_qp(q, &rts(128)).unwrap();
+}
+
+/// An inline WRITE carries the bytes its source held when it was posted (the provider copies
+/// them then, as a NIC does), with no lkey; a QP asking for more inline bytes than the device
+/// has is refused, and an inline request over the QP's `max_inline_data` is EINVAL.
+#[test]
+fn an_inline_write_carries_the_bytes_of_when_it_was_posted() {
+    let (a, b) = (dev(64), dev(64));
+    let caps = |inline| QpCaps {
+        max_send_wr: 16,
+        max_recv_wr: 1,
+        max_send_sge: 2,
+        max_recv_sge: 1,
+        max_inline_data: inline,
+    };
+    assert!(a.v.create_qp(a.pd, a.cq, caps(4096)).is_err(), "more inline bytes than the device has");
+    let q = a.v.create_qp(a.pd, a.cq, caps(64)).unwrap();
+    a.v.modify_qp(q.qp, &QpTransition::Init { port: 1, access: 0 }).unwrap();
+    let aa = QpAddr {
+        gid: a.gid,
+        lid: 0,
+        qpn: q.qpn,
+        psn: 100 + q.qpn,
+        mtu: 5,
+        rail: 0,
+        reads_out: 16,
+        reads_in: 16,
+    };
+    let (qb, ab) = b.qp(16, ALL);
+    b.up(qb, &ab, &aa);
+    a.up(q.qp, &aa, &ab);
+    let mut dst = vec![0u8; 128];
+    let (_, rkey) = b.mr(&mut dst, ALL);
+    let mut src = vec![1u8; 64];
+    let inline = SendWr { inline: true, ..wr(1, WrOp::Write, &src, 0, dst.as_ptr() as u64, rkey) };
+    post(&a.v, q.qp, std::slice::from_ref(&inline)).unwrap();
+    src.fill(2); // after the post: what was posted is what lands
+    assert_eq!(a.wait(1), vec![(1, wc::SUCCESS)]);
+    assert_eq!(&dst[..64], &[1u8; 64][..]);
+    assert!(dst[64..].iter().all(|b| *b == 0));
+    let big = vec![3u8; 65];
+    let over = SendWr { inline: true, ..wr(2, WrOp::Write, &big, 0, dst.as_ptr() as u64, rkey) };
+    assert_eq!(post(&a.v, q.qp, &[over]), Err(PostError { bad_wr: 0, errno: libc::EINVAL }));
 }
