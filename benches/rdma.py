@@ -10,7 +10,10 @@ ib_read_bw, ib_write_lat) runs between two processes on the same device first. R
 WRITE and READ throughput (a window of requests in flight) against ib_write_bw / ib_read_bw at
 1 MiB, 8192 x 16 KiB scattered WRITE in one batch against ib_write_bw at 16 KiB, 4 KiB
 synchronous WRITE latency against ib_write_lat's typical latency (with hixl.rdma.busy_poll_us
-at its default, 0 and 5 ms), and the CPU an idle engine
+at its default, 0 and 5 ms) and against a raw post-send/poll-CQ loop on one QP of the same
+device with no hixl at all (`crates/hixl-core/examples/rdma_raw_lat.rs`, `--raw-bin`; built
+with `cargo build --release --example rdma_raw_lat`, the row is skipped saying so where it is
+missing), and the CPU an idle engine
 with an RDMA link uses. Under the VM's emulated CPU (TCG) absolute figures mean little; the
 ratios, measured in the same run on the same device, are the result.
 
@@ -35,6 +38,7 @@ import hixl
 
 W, R = hixl.TransferOp.WRITE, hixl.TransferOp.READ
 KIB = 1024
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Latency rows beside the default (hixl.rdma.busy_poll_us=50): the waiter's CQ polling off,
 #: and on for 5 ms (longer than the emulated round trip).
 LATENCY_MODES = [("hixl_write_4KiB_sync_busy0", "0"), ("hixl_write_4KiB_sync_busy5ms", "5000")]
@@ -89,6 +93,21 @@ def perftest_lat(out: str) -> float:
         if len(f) >= 6 and f[0].isdigit() and f[1].isdigit():
             return float(f[4]) / 1e6  # t_min t_max t_typical: the 5th column, usec
     raise SystemExit(f"no latency line in:\n{out}")
+
+
+def raw_latency(binary: str, device: str, gid: str, size: int, iters: int) -> dict | None:
+    """The raw verbs baseline: `rdma_raw_lat` (one QP, post one signaled WRITE, poll the CQ
+    until it completes, no hixl) on the same device and size; None, saying why, where the
+    program is not built."""
+    if not os.access(binary, os.X_OK):
+        print(f"raw baseline skipped: {binary} is missing (cargo build --release --example "
+              "rdma_raw_lat, or --raw-bin)", file=sys.stderr)  # fmt: skip
+        return None
+    args = ["--device", device, "--gid-index", gid, "--size", str(size), "--iters", str(iters)]
+    out = subprocess.run([binary, *args], capture_output=True, text=True, timeout=600, check=True)
+    last = out.stdout.strip().splitlines()[-1]
+    fields = dict(f.split("=", 1) for f in last.split()[1:])
+    return {"median_s": float(fields["median_us"]) / 1e6, "p99_s": float(fields["p99_us"]) / 1e6}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -154,6 +173,14 @@ def main() -> None:
     ap.add_argument("--device", default=os.environ.get("HIXL_RDMA_DEVICE", "rxe0"))
     ap.add_argument("--gid-index", default=os.environ.get("HIXL_RDMA_GID_INDEX", "1"))
     ap.add_argument("--rails", metavar="A,B", help="multi-rail rows only: one rail against these")
+    ap.add_argument(
+        "--raw-bin",
+        default=os.path.join(
+            os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")),
+            "release/examples/rdma_raw_lat",
+        ),
+        help="the raw verbs latency loop (cargo build --release --example rdma_raw_lat)",
+    )
     a = ap.parse_args()
     if a.serve:
         return serve(a.serve)
@@ -177,6 +204,9 @@ def main() -> None:
     rows["ib_write_lat_4KiB"] = {
         "s": perftest_lat(perftest("ib_write_lat", dev, gid, 4 * KIB, n_lat, 18518))
     }
+    raw = raw_latency(a.raw_bin, dev, gid, 4 * KIB, n_lat)
+    if raw is not None:
+        rows["raw_write_lat_4KiB"] = raw
 
     nblk, blk = 8192, 16 * KIB
     span = max(64 * MIB, nblk * blk)
@@ -257,6 +287,12 @@ def main() -> None:
         print(
             f"{name + ' (us)':34} {hl * 1e6:11.1f} {base:>18} {bl * 1e6:6.1f} {hl / bl:6.2f} <=1.3"
         )
+    if "raw_write_lat_4KiB" in rows:
+        rl, base = rows["raw_write_lat_4KiB"]["median_s"], "raw_write_lat_4KiB"
+        hl = rows["hixl_write_4KiB_sync"]["median_s"]
+        rows["hixl_write_4KiB_sync"]["ratio_raw"] = hl / rl
+        name = "hixl_write_4KiB_sync (us)"
+        print(f"{name:34} {hl * 1e6:11.1f} {base:>18} {rl * 1e6:6.1f} {hl / rl:6.2f}")
     ini, tgt = rows["idle_cpu_share"]["initiator"] * 100, rows["idle_cpu_share"]["target"] * 100
     print(f"idle CPU with an RDMA link: initiator {ini:.3f} %, target {tgt:.3f} % of a core")
     write_json(a.json, rows)

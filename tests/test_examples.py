@@ -209,6 +209,30 @@ def test_rust_examples(example: str) -> None:
     assert "read back and verified" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.skipif(
+    os.environ.get("HIXL_EXAMPLES_RUST") != "1" or shutil.which("cargo") is None,
+    reason="the Rust example builds with cargo (minutes): set HIXL_EXAMPLES_RUST=1, as CI "
+    "does, with cargo on the PATH",
+)
+@pytest.mark.timeout(900)
+def test_rdma_raw_latency_example_runs_on_the_soft_provider() -> None:
+    """benches/rdma.py's raw baseline (one QP, post a WRITE, poll the CQ) between two
+    processes; its last line is what the bench parses."""
+    args = ["--provider", "soft", "--size", "4096", "--iters", "50"]
+    proc = subprocess.run(
+        ["cargo", "run", "--release", "-q", "-p", "hixl-core", "--example", "rdma_raw_lat", "--"]
+        + args,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=850,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    want = r"raw_write_lat size=4096 iters=50 median_us=[\d.]+ p99_us=[\d.]+"
+    assert re.fullmatch(want, last), last
+
+
 RUST_SNIPPET_MAIN = """#![allow(unused)]
 fn main() -> Result<(), Box<dyn std::error::Error>> {
 %s

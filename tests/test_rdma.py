@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 import numpy as np
 import pytest
 from conftest import random_bytes
 
 import hixl
+import hixl.metrics
 from hixl._hixl import _rdma_info
 
 W, R = hixl.TransferOp.WRITE, hixl.TransferOp.READ
@@ -196,3 +198,100 @@ def test_sync_requests_complete_whether_the_waiter_or_the_poller_takes_the_compl
 def test_busy_poll_option_is_bounded() -> None:
     with pytest.raises(hixl.ParamInvalid, match=r"hixl.rdma.busy_poll_us.*100001"):
         hixl.Hixl().initialize("127.0.0.1", {"hixl.rdma.busy_poll_us": "100001"})
+
+
+@pytest.mark.skipif(
+    bool(DEVICE), reason="the soft device's limits are set by an environment variable"
+)
+@pytest.mark.parametrize("qps", ["1", "4"])
+def test_reads_outstanding_follow_the_peer_that_answers_fewer(make_peer, monkeypatch, qps):
+    """The target's device answers 2 READs per QP, the initiator's issues 16: the initiator
+    learns the target's depth in the QP exchange and keeps at most 2 READs outstanding per QP.
+    A QP that sent a third would fail on the target's responder (as on a NIC), and the READ with
+    it. Every READ is compared byte for byte."""
+    peer = make_peer(
+        1 << 20, SOFT, env={"HIXL_SOFT_RDMA_LIMITS": "max_qp_rd_atom=2,max_qp_init_rd_atom=2"}
+    )
+    monkeypatch.delenv("HIXL_SOFT_RDMA_LIMITS", raising=False)
+    assert "READs 16/16" in _rdma_info("soft")
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1", {"hixl.backends": "rdma", "hixl.rdma.qps": qps, **SOFT})
+        e.connect(peer.engine, timeout_ms=5000)
+        src = random_bytes(1 << 20, 17)
+        e.register(src)
+        e.transfer_sync(peer.engine, W, [(src.ctypes.data, peer.addr, 1 << 20)], 30_000)
+        back = np.zeros(1 << 20, np.uint8)
+        e.register(back)
+        # 256 remote ranges of 4 KiB, scattered: 256 READ work requests posted together.
+        count, slot = 256, 4096
+        order = np.random.default_rng(4).permutation(count)
+        rows = np.stack(
+            [back.ctypes.data + order * slot, peer.addr + order * slot, np.full(count, slot - 1)],
+            axis=1,
+        ).astype(np.uint64)
+        for _ in range(4):
+            back[:] = 0
+            req = e.transfer_async(peer.engine, R, rows)
+            req.wait(30_000)
+            req.result()  # raises the request's error, naming the work completion's status
+            got = back.reshape(count, slot)[:, : slot - 1]
+            assert np.array_equal(got, src.reshape(count, slot)[:, : slot - 1])
+
+
+@pytest.mark.skipif(bool(DEVICE), reason="the rail's fault is the soft device's")
+def test_a_rail_that_failed_comes_back_when_it_works_again(make_peer, monkeypatch):
+    """The target's soft1 goes dark after 20 requests and answers again 1.5 s later: the
+    initiator leaves that rail out (its parts complete on soft0), probes it, and puts it back
+    in the rotation once a fresh QP answers; stats() says so and the rail carries bytes again.
+    Every transfer's bytes are compared, before, during and after."""
+    size = 2 << 20
+    rails = {"hixl.backends": "rdma", "hixl.rdma.device": "soft0,soft1", **SOFT}
+    env = {"HIXL_SOFT_RDMA_DEVICES": "2", "HIXL_SOFT_RDMA_FAIL_AFTER": "soft1:20:1500"}
+    peer = make_peer(size, rails, env=env)
+    monkeypatch.setenv("HIXL_SOFT_RDMA_DEVICES", "2")
+    monkeypatch.delenv("HIXL_SOFT_RDMA_FAIL_AFTER", raising=False)
+    with hixl.Hixl() as e:
+        e.initialize("127.0.0.1", {**rails, "hixl.rdma.qps": "2"})
+        e.connect(peer.engine, timeout_ms=5000)
+        src = np.zeros(size, np.uint8)
+        back = np.zeros(size, np.uint8)
+        e.register(src)
+        e.register(back)
+        seed = [0]
+
+        def round_trip() -> dict:
+            seed[0] += 1
+            src[:] = random_bytes(size, seed[0])
+            e.transfer_sync(peer.engine, W, [(src.ctypes.data, peer.addr, size)], 30_000)
+            assert np.array_equal(peer.read(), src), f"WRITE {seed[0]}"
+            back[:] = 0
+            e.transfer_sync(peer.engine, R, [(back.ctypes.data, peer.addr, size)], 30_000)
+            assert np.array_equal(back, src), f"READ {seed[0]}"
+            st = e.stats()[peer.engine]
+            assert st["errors"] == 0 and st["backend"] == "rdma", st
+            return st["rails"][1]
+
+        def until(cond, what: str) -> dict:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                r = round_trip()
+                if cond(r):
+                    return r
+            raise AssertionError(f"{what} within 30 s: {r}")
+
+        out = until(lambda r: not r["up"], "soft1 left out")
+        assert out["out_why"] and out["returns"] == 0, out
+        carried = out["bytes"]
+        back_in = until(lambda r: r["up"], "soft1 back in the rotation")
+        assert back_in["returns"] == 1 and back_in["out_why"] == "", back_in
+        for _ in range(4):
+            last = round_trip()
+        assert last["up"] and last["bytes"] > carried, f"soft1 carries bytes again: {last}"
+        prom = hixl.metrics.text(e)
+        for name, value in [
+            ("hixl_rdma_rail_up", 1),
+            ("hixl_rdma_rail_returns_total", 1),
+            ("hixl_rdma_rail_bytes_total", last["bytes"]),
+        ]:
+            m = re.search(rf'^{name}{{[^}}]*device="soft1"}} (\d+)$', prom, re.M)
+            assert m and int(m.group(1)) == value, (name, prom)

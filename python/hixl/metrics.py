@@ -6,11 +6,13 @@
 
 The exposition (Prometheus text format 0.0.4) has, per engine, peer and backend:
 ``hixl_link_up``, ``hixl_bytes_total{op}``, ``hixl_operations_total{op}``,
-``hixl_errors_total{status}``, ``hixl_notifications_total``, ``hixl_requests_in_flight`` and
-the histogram ``hixl_request_duration_seconds``; per engine: ``hixl_registered_bytes``,
-``hixl_registered_regions`` and ``hixl_peers``. Peer labels are capped: the `max_peers` peers
-that moved the most bytes keep their own label, the others are summed under
-``peer="_other"``, so a fleet of thousands of peers stays a bounded number of series.
+``hixl_errors_total{status}``, ``hixl_notifications_total``, ``hixl_requests_in_flight``,
+per RDMA rail ``hixl_rdma_rail_up{device}``, ``hixl_rdma_rail_bytes_total{device}`` and
+``hixl_rdma_rail_returns_total{device}``, and the histogram ``hixl_request_duration_seconds``;
+per engine: ``hixl_registered_bytes``, ``hixl_registered_regions`` and ``hixl_peers``. Peer
+labels are capped: the `max_peers` peers that moved the most bytes keep their own label, the
+others are summed under ``peer="_other"``, so a fleet of thousands of peers stays a bounded
+number of series.
 """
 
 from __future__ import annotations

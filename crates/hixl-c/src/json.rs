@@ -30,12 +30,13 @@ pub(crate) fn stats(peers: &[PeerSnapshot]) -> String {
             o.push(',');
         }
         let l = &p.latency;
+        let rails = rails(&p.rails);
         let _ = write!(
             o,
             "{}:{{\"backend\":{},\"not_chosen\":{},\"alive\":{},\"bytes_write\":{},\"bytes_read\":{},\
              \"ops_write\":{},\"ops_read\":{},\"errors\":{},\"notifies\":{},\"direct_parts\":{},\
              \"in_flight\":{},\"queue_slots_used\":{},\"queue_slots\":{},\"heartbeat_misses\":{},\
-             \"latency_us\":{{\"count\":{},\"avg\":{},\"p50\":{},\"p99\":{},\"max\":{}}}}}",
+             \"rails\":[{}],\"latency_us\":{{\"count\":{},\"avg\":{},\"p50\":{},\"p99\":{},\"max\":{}}}}}",
             string(&p.peer),
             string(p.backend),
             string(&p.not_chosen),
@@ -51,6 +52,7 @@ pub(crate) fn stats(peers: &[PeerSnapshot]) -> String {
             p.queue_slots.0,
             p.queue_slots.1,
             p.heartbeat_misses,
+            rails,
             l.count,
             l.avg_us,
             l.p50_us,
@@ -62,10 +64,37 @@ pub(crate) fn stats(peers: &[PeerSnapshot]) -> String {
     o
 }
 
+/// The rails of an rdma link, as JSON objects separated by commas (`stats()`'s `rails`).
+fn rails(rails: &[hixl_core::RailSnapshot]) -> String {
+    let one = |r: &hixl_core::RailSnapshot| {
+        format!(
+            "{{\"device\":{},\"up\":{},\"out_why\":{},\"bytes\":{},\"returns\":{}}}",
+            string(&r.device),
+            r.up,
+            string(&r.out_why),
+            r.bytes,
+            r.returns
+        )
+    };
+    rails.iter().map(one).collect::<Vec<_>>().join(",")
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
     fn strings_are_escaped() {
         assert_eq!(super::string("a\"b\\c\n"), "\"a\\\"b\\\\c\\u000a\"");
+    }
+
+    #[test]
+    fn rails_are_listed_with_their_returns() {
+        let r = hixl_core::RailSnapshot {
+            device: "soft1".into(),
+            up: true,
+            out_why: String::new(),
+            bytes: 7,
+            returns: 1,
+        };
+        assert_eq!(super::rails(&[r]), r#"{"device":"soft1","up":true,"out_why":"","bytes":7,"returns":1}"#);
     }
 }

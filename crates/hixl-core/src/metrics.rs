@@ -1,6 +1,6 @@
 //! Prometheus text exposition (format 0.0.4) of engines' counters: bytes and operations by
-//! peer, backend and op; failed requests by status; requests in flight; link state; a latency
-//! histogram; registered memory. Pure formatting of snapshots: serving it is the caller's
+//! peer, backend and op; failed requests by status; requests in flight; link state; RDMA
+//! rails (up, bytes, returns); a latency histogram; registered memory. Pure formatting of snapshots: serving it is the caller's
 //! (the Python package's `hixl.metrics.serve`, or a Rust service's own HTTP endpoint).
 //!
 //! Per-peer labels are capped: a fleet has thousands of peers, and a time series per peer and
@@ -62,6 +62,8 @@ struct Series {
     queue_slots: u64,
     heartbeat_misses: u64,
     failovers: u64,
+    /// RDMA rails by device: links with it up, bytes it completed, times it came back.
+    rails: BTreeMap<String, [u64; 3]>,
 }
 
 impl Series {
@@ -87,6 +89,12 @@ impl Series {
         self.queue_slots += p.queue_slots.1 as u64;
         self.heartbeat_misses += p.heartbeat_misses;
         self.failovers += p.failovers;
+        for r in &p.rails {
+            let e = self.rails.entry(r.device.clone()).or_default();
+            e[0] += u64::from(r.up);
+            e[1] += r.bytes;
+            e[2] += r.returns;
+        }
     }
 }
 
@@ -209,6 +217,19 @@ pub fn render(engines: &[EngineMetrics], max_peers: usize) -> String {
     per_series(&mut o, &all, |o, l, s| {
         let _ = writeln!(o, "hixl_failovers_total{{{l}}} {}", s.failovers);
     });
+    let rails = [
+        ("hixl_rdma_rail_up", "gauge", "RDMA rails carrying parts (1; 0: left out after a failure; for _other, how many links have it up)."),
+        ("hixl_rdma_rail_bytes_total", "counter", "Bytes of the parts an RDMA rail completed."),
+        ("hixl_rdma_rail_returns_total", "counter", "Times an RDMA rail came back into the rotation after being left out."),
+    ];
+    for (k, (name, kind, help)) in rails.iter().enumerate() {
+        header(&mut o, name, kind, help);
+        per_series(&mut o, &all, |o, l, s| {
+            for (dev, v) in &s.rails {
+                let _ = writeln!(o, "{name}{{{l},device=\"{}\"}} {}", label(dev), v[k]);
+            }
+        });
+    }
     let h = "hixl_request_duration_seconds";
     header(&mut o, h, "histogram", "Completed requests, from submission to completion.");
     per_series(&mut o, &all, |o, l, s| {

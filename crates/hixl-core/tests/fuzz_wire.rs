@@ -101,8 +101,20 @@ fn seed_frames() -> Vec<Vec<u8>> {
 }
 
 fn rdma_open() -> RdmaOpen {
-    let q = QpAddr { gid: [0xfe; 16], lid: 0, qpn: 0x11, psn: 0x123, mtu: 5, rail: 0 };
-    RdmaOpen { retire: vec![QpRef { rail: 1, qpn: 0x10 }], qps: vec![q, QpAddr { qpn: 0x12, rail: 1, ..q }] }
+    let q = QpAddr {
+        gid: [0xfe; 16],
+        lid: 0,
+        qpn: 0x11,
+        psn: 0x123,
+        mtu: 5,
+        rail: 0,
+        reads_out: 16,
+        reads_in: 16,
+    };
+    RdmaOpen {
+        retire: vec![QpRef { rail: 1, qpn: 0x10 }],
+        qps: vec![q, QpAddr { qpn: 0x12, rail: 1, reads_in: 2, ..q }],
+    }
 }
 
 /// The rdma backend's payload inside a BackendOpen is peer input too: it must decode to

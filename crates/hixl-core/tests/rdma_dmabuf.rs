@@ -78,7 +78,19 @@ impl Side {
             QpCaps { max_send_wr: 8, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
         let q = self.v.create_qp(self.pd, self.cq, caps).unwrap();
         self.v.modify_qp(q.qp, &QpTransition::Init { port: 1, access: remote_access }).unwrap();
-        (q.qp, QpAddr { gid: self.gid, lid: 0, qpn: q.qpn, psn: 0x100 + q.qpn % 4096, mtu: 5, rail: 0 })
+        (
+            q.qp,
+            QpAddr {
+                gid: self.gid,
+                lid: 0,
+                qpn: q.qpn,
+                psn: 0x100 + q.qpn % 4096,
+                mtu: 5,
+                rail: 0,
+                reads_out: 16,
+                reads_in: 16,
+            },
+        )
     }
 
     fn connect(&self, qp: verbs::Qp, ours: &QpAddr, theirs: &QpAddr) {
@@ -118,7 +130,16 @@ fn parse_qp(w: &[&str]) -> QpAddr {
     for (i, b) in gid.iter_mut().enumerate() {
         *b = u8::from_str_radix(&w[0][2 * i..2 * i + 2], 16).unwrap();
     }
-    QpAddr { gid, lid: 0, qpn: w[1].parse().unwrap(), psn: w[2].parse().unwrap(), mtu: 5, rail: 0 }
+    QpAddr {
+        gid,
+        lid: 0,
+        qpn: w[1].parse().unwrap(),
+        psn: w[2].parse().unwrap(),
+        mtu: 5,
+        rail: 0,
+        reads_out: 16,
+        reads_in: 16,
+    }
 }
 
 #[test]
@@ -157,6 +178,7 @@ fn wr(id: u64, op: WrOp, local: u64, len: u32, lkey: u32, remote: u64, rkey: u32
         signaled: true,
         remote_addr: remote,
         rkey,
+        inline: false,
     }
 }
 

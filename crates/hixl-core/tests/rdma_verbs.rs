@@ -84,6 +84,8 @@ impl Nic {
             psn: 0x1000 + q.qpn % 4096,
             mtu: self.attr.active_mtu,
             rail: 0,
+            reads_out: 16,
+            reads_in: 16,
         };
         (q.qp, addr, q.caps.max_send_wr)
     }
@@ -135,6 +137,8 @@ fn parse_qp(w: &[&str]) -> QpAddr {
         psn: w[3].parse().unwrap(),
         mtu: w[4].parse().unwrap(),
         rail: 0,
+        reads_out: 16,
+        reads_in: 16,
     }
 }
 
@@ -212,6 +216,7 @@ fn write_wr(id: u64, local: &[u8], lkey: u32, remote: u64, rkey: u32, signaled: 
         signaled,
         remote_addr: remote,
         rkey,
+        inline: false,
     }
 }
 

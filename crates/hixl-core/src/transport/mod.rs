@@ -105,6 +105,8 @@ pub struct RailSnapshot {
     pub out_why: String,
     /// Bytes of the parts it completed.
     pub bytes: u64,
+    /// Times it came back into the rotation after being left out (a probe found it working).
+    pub returns: u64,
 }
 
 /// The target side's hook for served frames whose checked and pinned ranges lie in device

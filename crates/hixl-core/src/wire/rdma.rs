@@ -6,6 +6,13 @@
 //! rails existed (a 4-byte key; QP addresses with no rail section), so single-rail peers of
 //! either age interoperate. A QP on another rail than 0 adds a rail section after the QP
 //! addresses: [`RAILS_TAG`], one rail index per retired QP, one per QP address.
+//!
+//! READ depth: a QP address carries how many RDMA READs its QP keeps outstanding and how many
+//! of its peer's it answers at once (its device's `max_qp_init_rd_atom` and `max_qp_rd_atom`,
+//! cut to [`MAX_READS`]), so that an initiator never has more READs in flight than the
+//! target's QP accepts. Where every QP's pair is the default ([`MAX_READS`] both ways, what
+//! engines of before this section assumed) the section is left out, so such peers
+//! interoperate byte for byte; otherwise [`READS_TAG`] and one pair per QP address follow.
 
 use super::{Reader, WireError};
 
@@ -17,6 +24,11 @@ pub const MAX_QPN: u32 = (1 << 24) - 1;
 pub const MAX_RAILS: usize = 8;
 /// The byte that opens the rail section of an `rdma` BackendOpen(ed) payload.
 pub const RAILS_TAG: u8 = 1;
+/// The byte that opens the READ-depth section (after the rail section, if any).
+pub const READS_TAG: u8 = 2;
+/// Most RDMA READs a QP keeps outstanding or answers (what the backend asks of a device), and
+/// the depth a QP address without a READ-depth section stands for.
+pub const MAX_READS: u8 = 16;
 
 /// The address of one RC queue pair: what its peer needs to move its own QP to RTR.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -33,6 +45,18 @@ pub struct QpAddr {
     pub mtu: u8,
     /// The rail (index into the sender's devices) the QP is on; below [`MAX_RAILS`].
     pub rail: u8,
+    /// RDMA READs this QP keeps outstanding (its `max_rd_atomic` at most), 1 to [`MAX_READS`].
+    pub reads_out: u8,
+    /// RDMA READs of its peer this QP answers at once (its `max_dest_rd_atomic`), 1 to
+    /// [`MAX_READS`].
+    pub reads_in: u8,
+}
+
+impl QpAddr {
+    /// Whether its READ depths are those a payload without a READ-depth section stands for.
+    pub fn default_reads(&self) -> bool {
+        (self.reads_out, self.reads_in) == (MAX_READS, MAX_READS)
+    }
 }
 
 /// A QP of the target's side of a link, by rail and number (QP numbers are per device, so the
@@ -76,12 +100,17 @@ impl RdmaOpen {
             p.push(RAILS_TAG);
             p.extend(rails);
         }
+        if !self.qps.iter().all(QpAddr::default_reads) {
+            p.push(READS_TAG);
+            p.extend(self.qps.iter().flat_map(|q| [q.reads_out, q.reads_in]));
+        }
         p
     }
 
     /// Decodes and checks a payload: counts within [`MAX_QPS`], 24-bit numbers, a known MTU,
-    /// rails below [`MAX_RAILS`] (a rail section only where one rail is not 0), nothing left
-    /// over.
+    /// rails below [`MAX_RAILS`] (a rail section only where one rail is not 0), READ depths of
+    /// 1 to [`MAX_READS`] (a READ-depth section only where one is not the default), nothing
+    /// left over.
     pub fn decode(b: &[u8]) -> Result<RdmaOpen, WireError> {
         let mut r = Reader { b };
         let count = |r: &mut Reader<'_>, field| -> Result<usize, WireError> {
@@ -110,13 +139,15 @@ impl RdmaOpen {
             if !(1..=5).contains(&mtu) {
                 return Err(WireError::Invalid { field: "qp mtu", value: mtu as u64 });
             }
-            qps.push(QpAddr { gid, lid, qpn, psn, mtu, rail: 0 });
+            qps.push(QpAddr { gid, lid, qpn, psn, mtu, rail: 0, reads_out: MAX_READS, reads_in: MAX_READS });
         }
-        if !r.b.is_empty() {
-            let tag = r.u8("rail section")?;
-            if tag != RAILS_TAG {
-                return Err(WireError::Invalid { field: "rail section", value: tag as u64 });
+        if let Some(&tag) = r.b.first() {
+            if tag != RAILS_TAG && tag != READS_TAG {
+                return Err(WireError::Invalid { field: "section tag", value: tag as u64 });
             }
+        }
+        if r.b.first() == Some(&RAILS_TAG) {
+            r.u8("rail section")?;
             let rail = |r: &mut Reader<'_>| -> Result<u8, WireError> {
                 let v = r.u8("qp rail")?;
                 if v as usize >= MAX_RAILS {
@@ -137,6 +168,24 @@ impl RdmaOpen {
             if retire.iter().all(|q| q.rail == 0) && qps.iter().all(|q| q.rail == 0) {
                 // Only a payload with a QP off rail 0 has the section (one encoding per payload).
                 return Err(WireError::Invalid { field: "rail section", value: 0 });
+            }
+        }
+        if let Some(&tag) = r.b.first() {
+            if tag != READS_TAG {
+                return Err(WireError::Invalid { field: "section tag", value: tag as u64 });
+            }
+            r.u8("read depth section")?;
+            for q in &mut qps {
+                for (v, field) in [(&mut q.reads_out, "qp reads out"), (&mut q.reads_in, "qp reads in")] {
+                    *v = r.u8(field)?;
+                    if !(1..=MAX_READS).contains(v) {
+                        return Err(WireError::Invalid { field, value: *v as u64 });
+                    }
+                }
+            }
+            if qps.iter().all(QpAddr::default_reads) {
+                // Only a payload with a QP of another depth has the section.
+                return Err(WireError::Invalid { field: "read depth section", value: MAX_READS as u64 });
             }
         }
         if !r.b.is_empty() {
@@ -172,7 +221,16 @@ mod tests {
     use super::*;
 
     fn sample() -> RdmaOpen {
-        let q = |qpn| QpAddr { gid: [qpn as u8; 16], lid: 3, qpn, psn: 0xABCDE, mtu: 3, rail: 0 };
+        let q = |qpn| QpAddr {
+            gid: [qpn as u8; 16],
+            lid: 3,
+            qpn,
+            psn: 0xABCDE,
+            mtu: 3,
+            rail: 0,
+            reads_out: MAX_READS,
+            reads_in: MAX_READS,
+        };
         RdmaOpen { retire: vec![QpRef { rail: 0, qpn: 17 }], qps: vec![q(5), q(MAX_QPN)] }
     }
 
@@ -211,7 +269,7 @@ mod tests {
         let with = |tail: &[u8]| [&base[..], tail].concat();
         assert_eq!(
             RdmaOpen::decode(&with(&[7, 0, 0, 1])),
-            Err(WireError::Invalid { field: "rail section", value: 7 })
+            Err(WireError::Invalid { field: "section tag", value: 7 })
         );
         assert_eq!(
             RdmaOpen::decode(&with(&[RAILS_TAG, 0, 0, 0])),
@@ -223,7 +281,11 @@ mod tests {
             Err(WireError::TooLarge { field: "qp rail", .. })
         ));
         assert!(RdmaOpen::decode(&with(&[RAILS_TAG, 0, 1])).is_err(), "one rail short");
-        assert_eq!(RdmaOpen::decode(&with(&[RAILS_TAG, 0, 0, 1, 0])), Err(WireError::Trailing(1)));
+        assert_eq!(
+            RdmaOpen::decode(&with(&[RAILS_TAG, 0, 0, 1, 0])),
+            Err(WireError::Invalid { field: "section tag", value: 0 }),
+            "a byte after the rail section is no READ-depth section"
+        );
         for bad in [&[][..], &[1, 2, 3], &[0; 36]] {
             assert!(decode_rkeys(bad).is_err(), "{} bytes", bad.len());
         }
@@ -237,7 +299,7 @@ mod tests {
         }
         let mut long = good.clone();
         long.push(0);
-        assert_eq!(RdmaOpen::decode(&long), Err(WireError::Invalid { field: "rail section", value: 0 }));
+        assert_eq!(RdmaOpen::decode(&long), Err(WireError::Invalid { field: "section tag", value: 0 }));
         let mut bad_mtu = good.clone();
         *bad_mtu.last_mut().unwrap() = 6;
         assert_eq!(RdmaOpen::decode(&bad_mtu), Err(WireError::Invalid { field: "qp mtu", value: 6 }));
@@ -247,5 +309,55 @@ mod tests {
         let too_many = [0u8, (MAX_QPS + 1) as u8];
         assert!(matches!(RdmaOpen::decode(&too_many), Err(WireError::TooLarge { field: "qp count", .. })));
         assert!(decode_rkeys(&[1, 2, 3]).is_err());
+    }
+
+    fn shallow() -> RdmaOpen {
+        let mut o = railed();
+        o.qps[0].reads_out = 4;
+        o.qps[1].reads_in = 2;
+        o
+    }
+
+    /// READ depths: left out where every QP has the default (the bytes of before the section),
+    /// otherwise one pair per QP address after the rail section; round trips with and without
+    /// rails.
+    #[test]
+    fn read_depths_travel_only_where_one_is_not_the_default() {
+        assert_eq!(RdmaOpen::decode(&shallow().encode()), Ok(shallow()));
+        let railed_bytes = railed().encode();
+        let b = shallow().encode();
+        assert_eq!(&b[..railed_bytes.len()], &railed_bytes[..], "the section comes last");
+        assert_eq!(&b[railed_bytes.len()..], &[READS_TAG, 4, MAX_READS, MAX_READS, 2]);
+        let mut flat = sample();
+        flat.qps[1].reads_out = 1;
+        assert_eq!(RdmaOpen::decode(&flat.encode()), Ok(flat.clone()));
+        assert_eq!(flat.encode()[sample().encode().len()], READS_TAG, "no rail section before it");
+    }
+
+    #[test]
+    fn hostile_read_depth_sections_are_refused_naming_the_field() {
+        let base = sample().encode();
+        let with = |tail: &[u8]| [&base[..], tail].concat();
+        assert_eq!(
+            RdmaOpen::decode(&with(&[READS_TAG, 16, 16, 16, 16])),
+            Err(WireError::Invalid { field: "read depth section", value: 16 }),
+            "all defaults is not the canonical encoding"
+        );
+        assert_eq!(
+            RdmaOpen::decode(&with(&[READS_TAG, 0, 16, 16, 16])),
+            Err(WireError::Invalid { field: "qp reads out", value: 0 })
+        );
+        assert_eq!(
+            RdmaOpen::decode(&with(&[READS_TAG, 16, 17, 16, 16])),
+            Err(WireError::Invalid { field: "qp reads in", value: 17 })
+        );
+        assert!(RdmaOpen::decode(&with(&[READS_TAG, 2, 2, 2])).is_err(), "one depth short");
+        assert_eq!(RdmaOpen::decode(&with(&[READS_TAG, 2, 2, 2, 2, 0])), Err(WireError::Trailing(1)));
+        // The rail section after the depths: the order is fixed (one encoding per payload).
+        let rails_after = with(&[READS_TAG, 2, 2, 2, 2, RAILS_TAG, 1, 0, 0]);
+        assert!(RdmaOpen::decode(&rails_after).is_err());
+        let mut twice = shallow().encode();
+        twice.extend_from_slice(&[READS_TAG, 2, 2, 2, 2]);
+        assert!(RdmaOpen::decode(&twice).is_err(), "a second section");
     }
 }

@@ -126,7 +126,8 @@ impl Hixl {
     /// and not settled; never negative), `queue_slots_used` / `queue_slots` (the link's
     /// request queue; 0 / 0 for "self"), `heartbeat_misses` (intervals in which nothing came
     /// from the peer and it acknowledged nothing but our probes: 0 on a healthy link), `rails`
-    /// (rdma over several devices: a list of `device`, `up`, `out_why`, `bytes` per rail;
+    /// (rdma over several devices: a list of `device`, `up`, `out_why`, `bytes`, `returns` (times
+    /// it came back after being left out) per rail;
     /// empty for other backends) and
     /// `latency_us` (`count`, `avg`, `p50`, `p99`, `max` of recent requests, in
     /// microseconds). `hixl.metrics` exposes the same for Prometheus.
@@ -164,6 +165,7 @@ impl Hixl {
                 rd.set_item("up", r.up)?;
                 rd.set_item("out_why", &r.out_why)?;
                 rd.set_item("bytes", r.bytes)?;
+                rd.set_item("returns", r.returns)?;
                 rails.append(rd)?;
             }
             d.set_item("rails", rails)?;

@@ -13,7 +13,7 @@ pub(super) const WANT_SQ: u32 = 512;
 /// Scatter/gather entries per work request wanted.
 pub(super) const WANT_SGE: u32 = 16;
 /// Outstanding RDMA READs per QP wanted (as initiator and as responder).
-pub(super) const WANT_RD_ATOMIC: u32 = 16;
+pub(super) const WANT_RD_ATOMIC: u32 = crate::wire::rdma::MAX_READS as u32;
 /// The smallest queues the backend works with; a device offering less is not used.
 const MIN_CQE: u32 = 64;
 const MIN_SQ: u32 = 16;

@@ -13,6 +13,7 @@
 //! ends and the parts that did not land go to the rescuer.
 
 mod qp_failure;
+mod rail_probe;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -21,7 +22,7 @@ use std::time::{Duration, Instant};
 use super::book::{Finished, QpBook};
 use super::nic::{Nic, RailQp};
 use super::rails::{CompletionSink, Rails};
-use super::verbs::{QpTransition, SendWr};
+use super::verbs::{QpTransition, SendWr, WrOp};
 use super::{wrs, Opened};
 use crate::complete::Completer;
 use crate::error::{Error, Result, Status};
@@ -55,6 +56,11 @@ struct Lane {
     out_why: Mutex<Option<String>>,
     /// Bytes of the parts it completed.
     bytes: AtomicU64,
+    /// Times it came back after being left out.
+    returns: AtomicU64,
+    /// The last probe's completion (`rail_probe`): its sequence number << 32 | status.
+    probe_done: AtomicU64,
+    probe_seq: AtomicU64,
     /// After `slots` (fields drop in declaration order): QPs still held go before the device.
     nic: Arc<Nic>,
 }
@@ -76,7 +82,10 @@ pub struct RdmaLink {
     timeout: Duration,
     /// `hixl.rdma.busy_poll_us`: how long a thread waiting for its request polls the CQ.
     busy_poll: Duration,
-    /// Threads replacing failed QPs (at most one per QP at a time), joined by `close`.
+    /// A thread probes the rails that are out (`rail_probe`).
+    probing: AtomicBool,
+    /// Threads replacing failed QPs (at most one per QP at a time) and the prober, joined by
+    /// `close`.
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// Set (and rung) when the first `close` has destroyed the QPs and failed the parts: a
     /// second `close` (finalize while a dead control channel's close runs) waits for it, so
@@ -122,6 +131,9 @@ impl RdmaLink {
                 up: AtomicBool::new(true),
                 out_why: Mutex::new(None),
                 bytes: AtomicU64::new(0),
+                returns: AtomicU64::new(0),
+                probe_done: AtomicU64::new(u64::MAX),
+                probe_seq: AtomicU64::new(0),
             })
             .collect();
         for o in qps {
@@ -154,6 +166,7 @@ impl RdmaLink {
             queue_depth,
             timeout,
             busy_poll: Duration::ZERO,
+            probing: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
             closed_done: (Mutex::new(false), std::sync::Condvar::new()),
             rescue: std::sync::OnceLock::new(),
@@ -231,9 +244,14 @@ impl RdmaLink {
     fn post_now(&self, nic: &Nic, slot: &mut Slot) -> Finished {
         let mut out = slot.book.take_orphans();
         let Some(qp) = &slot.qp else { return out };
-        let batch = slot.book.next_batch();
+        let mut batch = slot.book.next_batch();
         if batch.is_empty() {
             return out;
+        }
+        // Small WRITEs go inline (their bytes copied at post time: no DMA read of them later).
+        let inline = qp.caps().max_inline_data as u64;
+        for w in batch.iter_mut() {
+            w.inline = w.op == WrOp::Write && w.bytes() <= inline;
         }
         // Safe (`QueuePair::post_send`): the device moves bytes only through the SGEs' lkeys,
         // each checked against its memory region. That the bytes are the request's is the
@@ -323,6 +341,7 @@ impl RdmaLink {
                 up: l.up.load(Ordering::Acquire),
                 out_why: l.out_why.lock().unwrap().clone().unwrap_or_default(),
                 bytes: l.bytes.load(Ordering::Relaxed),
+                returns: l.returns.load(Ordering::Relaxed),
             })
             .collect()
     }

@@ -77,6 +77,11 @@ pub fn provider(p: Provider) -> Result<Arc<dyn Verbs>> {
     }
 }
 
+/// Bytes of inline data an initiator QP asks for: WRITEs up to the QP's `max_inline_data` (it
+/// may get more) are posted inline, the device copying their bytes at post time instead of
+/// reading them by DMA afterwards (a round trip on the PCIe bus less for a small WRITE).
+const WANT_INLINE: u32 = 128;
+
 /// A QP made and moved to INIT, with its address (destroyed when dropped).
 struct Opened {
     qp: RailQp,
@@ -110,7 +115,8 @@ fn open_qps(nic: &Nic, n: usize, remote_access: u32) -> Result<Vec<Opened>> {
             max_recv_wr: 1,
             max_send_sge: nic.limits.sge_write,
             max_recv_sge: 1,
-            max_inline_data: 0,
+            // Initiator QPs post small WRITEs inline (`RdmaLink::post_now`); targets never send.
+            max_inline_data: if initiator { WANT_INLINE } else { 0 },
         };
         // Unmade, its slots are given back as `create_qp` drops them.
         let qp = match nic.create_qp(caps, slots) {
@@ -124,7 +130,10 @@ fn open_qps(nic: &Nic, n: usize, remote_access: u32) -> Result<Vec<Opened>> {
         }
         let psn = u32::from_le_bytes(rnd) & MAX_QPN;
         let (gid, lid, qpn, mtu, rail) = (nic.gid, nic.attr.lid, qp.qpn(), nic.attr.active_mtu, nic.rail);
-        let addr = QpAddr { gid, lid, qpn, psn, mtu, rail };
+        // The READ depths this QP may have, as the device allows (the pair's smaller one is set
+        // when it is connected: `connect_qps`).
+        let (reads_out, reads_in) = (nic.limits.rd_atomic_init, nic.limits.rd_atomic_dest);
+        let addr = QpAddr { gid, lid, qpn, psn, mtu, rail, reads_out, reads_in };
         out.push(Opened { qp, addr, remote_qpn: 0, remote_rail: 0 });
         let init = QpTransition::Init { port: nic.port, access: remote_access };
         if let Err(e) = out.last().expect("just pushed").qp.modify(&init) {
@@ -136,7 +145,8 @@ fn open_qps(nic: &Nic, n: usize, remote_access: u32) -> Result<Vec<Opened>> {
 
 /// Moves our INIT QPs (each on the rail its address names) to RTR (towards the peer's QP of the
 /// same index) and, for QPs that send (`send`: the initiator's), to RTS. A target's QPs only
-/// answer: RTR is enough.
+/// answer: RTR is enough. READ depths come from the pair: a QP answers at most as many READs
+/// as its peer keeps outstanding, and keeps outstanding at most as many as its peer answers.
 fn connect_qps(nics: &[Arc<Nic>], ours: &[Opened], theirs: &[QpAddr], send: bool) -> Result<()> {
     if ours.len() != theirs.len() {
         return Err(Error::not_connected(format!(
@@ -154,7 +164,7 @@ fn connect_qps(nics: &[Arc<Nic>], ours: &[Opened], theirs: &[QpAddr], send: bool
             gid_index: nic.gid_index,
             traffic_class: nic.traffic_class,
             sl: nic.sl,
-            rd_atomic: nic.limits.rd_atomic_dest,
+            rd_atomic: o.addr.reads_in.min(t.reads_out),
         };
         o.qp.modify(&rtr)?;
         if !send {
@@ -164,7 +174,7 @@ fn connect_qps(nics: &[Arc<Nic>], ours: &[Opened], theirs: &[QpAddr], send: bool
             psn: o.addr.psn,
             timeout: ACK_TIMEOUT,
             retry_cnt: RETRY_COUNT,
-            rd_atomic: nic.limits.rd_atomic_init,
+            rd_atomic: o.addr.reads_out.min(t.reads_in),
         };
         o.qp.modify(&rts)?;
     }
@@ -416,7 +426,11 @@ impl Backend for Rdma {
         }
         let n = open.qps.len();
         caps.admit(target.from, n).map_err(|m| Error::new(Status::ResourceExhausted, m))?;
-        let made = open_for(rails, &open.qps).and_then(|ours| {
+        let made = open_for(rails, &open.qps).and_then(|mut ours| {
+            // Each QP answers as many READs as its initiator keeps outstanding, and says so.
+            for (o, t) in ours.iter_mut().zip(&open.qps) {
+                o.addr.reads_in = o.addr.reads_in.min(t.reads_out);
+            }
             match connect_qps(&rails.nics, &ours, &open.qps, false) {
                 Ok(()) => Ok(ours),
                 Err(e) => {

@@ -209,7 +209,13 @@ impl Nic {
     /// Creates an RC QP on this rail's PD and CQ; `slots` (an initiator's) are held while it
     /// lives and given back if it cannot be made.
     pub(super) fn create_qp(&self, caps: QpCaps, slots: Option<SendSlots>) -> Result<RailQp> {
-        let qp = self.pd.create_qp(&self.cq, caps)?;
+        // A device that cannot carry the inline data asked for makes the QP without any.
+        let qp = match self.pd.create_qp(&self.cq, caps) {
+            Err(_) if caps.max_inline_data > 0 => {
+                self.pd.create_qp(&self.cq, QpCaps { max_inline_data: 0, ..caps })?
+            }
+            r => r?,
+        };
         Ok(RailQp { qp, _slots: slots })
     }
 }

@@ -30,7 +30,8 @@ fn target_qps_are_capped_per_source_and_per_engine() {
     use crate::transport::backend::{answer_open, Accepted};
     let backends =
         vec![soft_backend_with(&[("hixl.rdma.max_qps", "6"), ("hixl.rdma.max_qps_per_source", "4")])];
-    let q = |qpn| QpAddr { gid: [0xfe; 16], lid: 0, qpn, psn: 7, mtu: 5, rail: 0 };
+    let q =
+        |qpn| QpAddr { gid: [0xfe; 16], lid: 0, qpn, psn: 7, mtu: 5, rail: 0, reads_out: 16, reads_in: 16 };
     let ask = |n: u32| RdmaOpen { retire: vec![], qps: (0..n).map(|i| q(0x40 + i)).collect() }.encode();
     let other = IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 2));
     let (mut a, mut b, mut c) = (Accepted::new(), Accepted::new(), Accepted::new());
@@ -65,7 +66,8 @@ fn the_target_answers_backend_open_and_bounds_what_a_link_makes() {
     let (status, msg, _) = opened(answer_open(&backends, true, LOCAL, "rdma", &[1, 2, 3], &mut link));
     assert_eq!(Status::from_code(status), Status::ParamInvalid, "{msg}");
     assert!(msg.contains("RDMA QP addresses"), "{msg}");
-    let q = |qpn| QpAddr { gid: [0xfe; 16], lid: 0, qpn, psn: 7, mtu: 5, rail: 0 };
+    let q =
+        |qpn| QpAddr { gid: [0xfe; 16], lid: 0, qpn, psn: 7, mtu: 5, rail: 0, reads_out: 16, reads_in: 16 };
     let ask = RdmaOpen { retire: vec![], qps: vec![q(0x41), q(0x42)] }.encode();
     let (status, msg, _) = opened(answer_open(&backends, false, LOCAL, "rdma", &ask, &mut link));
     assert_eq!(Status::from_code(status), Status::ParamInvalid, "a data-path stream: {msg}");
@@ -93,4 +95,30 @@ fn the_target_answers_backend_open_and_bounds_what_a_link_makes() {
     let (status, msg, _) = opened(answer_open(&backends, true, LOCAL, "rdma", &many, &mut link));
     assert_eq!(Status::from_code(status), Status::ResourceExhausted, "{msg}");
     assert_eq!(held(&mut link).len(), 2 + MAX_QPS);
+}
+
+/// The target answers each QP with the READs it accepts from it: no more than its initiator
+/// keeps outstanding (nor its own device answers), and says its own outstanding depth.
+#[test]
+fn the_target_answers_with_the_read_depth_of_each_pair() {
+    use crate::transport::backend::{answer_open, Accepted};
+    let backends = vec![soft_backend()];
+    let q = |qpn, reads_out| QpAddr {
+        gid: [0xfe; 16],
+        lid: 0,
+        qpn,
+        psn: 7,
+        mtu: 5,
+        rail: 0,
+        reads_out,
+        reads_in: 16,
+    };
+    let ask = RdmaOpen { retire: vec![], qps: vec![q(0x41, 3), q(0x42, 16)] }.encode();
+    let mut link = Accepted::new();
+    let (status, msg, payload) = opened(answer_open(&backends, true, LOCAL, "rdma", &ask, &mut link));
+    assert_eq!(status, 0, "{msg}");
+    let ours = RdmaOpen::decode(&payload).unwrap();
+    let depths: Vec<(u8, u8)> = ours.qps.iter().map(|a| (a.reads_out, a.reads_in)).collect();
+    // The soft device allows 128 each way, cut to the 16 the backend asks for.
+    assert_eq!(depths, vec![(16, 3), (16, 16)]);
 }

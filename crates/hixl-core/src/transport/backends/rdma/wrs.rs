@@ -116,6 +116,7 @@ impl Builder {
             signaled: false,
             remote_addr: remote,
             rkey,
+            inline: false,
         });
     }
 }

@@ -19,6 +19,7 @@ fn job(n: usize) -> (Arc<Request>, Part, Vec<SendWr>) {
         signaled: false,
         remote_addr: 0x2000 + i as u64,
         rkey: 9,
+        inline: false,
     };
     (req, part, (0..n).map(wr).collect())
 }

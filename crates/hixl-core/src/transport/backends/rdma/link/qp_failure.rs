@@ -6,7 +6,7 @@
 //!   gone) on a link with another rail up: its rail is left out. Every QP of the rail is moved
 //!   to the error state, and once each drained its parts, the failed and flushed ones
 //!   included, are placed on the rails that are up (a READ or WRITE may run again: the same
-//!   bytes land in the same place);
+//!   bytes land in the same place); a prober brings it back once it works (`rail_probe`);
 //! - on the last rail up: retries exceeded (or the port down) ends the RDMA path (the peer is
 //!   unreachable): the link closes, or fails over (see `die`); another cause replaces the QP,
 //!   as a range does.
@@ -31,6 +31,10 @@ impl RdmaLink {
         let mut port_down: Option<bool> = None;
         for w in wcs {
             let idx = ((w.wr_id >> 32) & 0xFF) as usize;
+            if idx == super::rail_probe::PROBE_IDX {
+                lane.probe_done.store((w.wr_id & 0xFFFF_FFFF) << 32 | w.status as u64, Ordering::Release);
+                continue;
+            }
             let Some(slot) = lane.slots.get(idx) else { continue };
             if w.status != wc::SUCCESS && w.status != wc::WR_FLUSH_ERR {
                 tracing::warn!(
@@ -88,7 +92,7 @@ impl RdmaLink {
 
     /// Leaves rail `rail` out (once): every QP of it goes to the error state (its requests
     /// come back flushed) and the parts of each drained QP move to the other rails.
-    fn rail_out(&self, rail: usize, cause: Error) {
+    fn rail_out(self: &Arc<Self>, rail: usize, cause: Error) {
         let lane = &self.lanes[rail];
         if !lane.up.swap(false, Ordering::AcqRel) {
             return;
@@ -108,6 +112,7 @@ impl RdmaLink {
         for idx in 0..lane.slots.len() {
             self.evacuate(rail, idx);
         }
+        self.start_probe();
     }
 
     /// Moves the parts of QP `idx` of an out rail to the rails that are up, once it drained

@@ -18,8 +18,8 @@ mod abi;
 mod dmabuf;
 pub use abi::*;
 use abi::{
-    mask, IBV_QPT_RC, IBV_SEND_SIGNALED, IBV_WR_RDMA_READ, IBV_WR_RDMA_WRITE, QPS_ERR, QPS_INIT, QPS_RESET,
-    QPS_RTR, QPS_RTS,
+    mask, IBV_QPT_RC, IBV_SEND_INLINE, IBV_SEND_SIGNALED, IBV_WR_RDMA_READ, IBV_WR_RDMA_WRITE, QPS_ERR,
+    QPS_INIT, QPS_RESET, QPS_RTR, QPS_RTS,
 };
 use std::os::fd::RawFd;
 
@@ -543,7 +543,8 @@ impl Verbs for LibVerbs {
                     WrOp::Write => IBV_WR_RDMA_WRITE,
                     WrOp::Read => IBV_WR_RDMA_READ,
                 },
-                send_flags: if w.signaled { IBV_SEND_SIGNALED } else { 0 },
+                send_flags: if w.signaled { IBV_SEND_SIGNALED } else { 0 }
+                    | if w.inline { IBV_SEND_INLINE } else { 0 },
                 imm_data: 0,
                 remote_addr: w.remote_addr,
                 rkey: w.rkey,

@@ -10,8 +10,9 @@
 //! PD, all of them before the context (the order `ibv_destroy_*` requires). The handles stay
 //! private to this module: nothing else can release one, or use it after its release.
 
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use super::{
     Channel, Cq, Ctx, DeviceAttr, Mr, Pd, PortAttr, PostError, Qp, QpCaps, QpTransition, SendWr, Verbs, Wc,
@@ -56,7 +57,7 @@ impl Context {
     /// `ibv_alloc_pd`.
     pub(crate) fn alloc_pd(self: &Arc<Self>) -> Result<Arc<ProtectionDomain>> {
         let pd = self.verbs.alloc_pd(self.ctx)?;
-        Ok(Arc::new(ProtectionDomain { ctx: self.clone(), pd }))
+        Ok(Arc::new(ProtectionDomain { ctx: self.clone(), pd, host_spans: RwLock::default() }))
     }
 
     /// `ibv_create_comp_channel`.
@@ -88,6 +89,11 @@ impl Drop for Context {
 pub(crate) struct ProtectionDomain {
     ctx: Arc<Context>,
     pd: Pd,
+    /// Its registered host memory, by lkey: `[addr, addr + len)` of each region made from a
+    /// host `MemorySpan`. Inline data is read only from these ([`QueuePair::post_send`]); a
+    /// region leaves this map (under the write lock, which waits for a post reading it) before
+    /// it is deregistered.
+    host_spans: RwLock<HashMap<u32, (u64, u64)>>,
 }
 
 impl ProtectionDomain {
@@ -102,6 +108,9 @@ impl ProtectionDomain {
         // (`Nic::deregister`, and the release of a failed registration) deregister this region
         // then, before the memory may go. `pd` is live while `self` is.
         let (mr, lkey, rkey) = unsafe { self.ctx.verbs.reg_mr(self.pd, mem.addr(), mem.len(), access) }?;
+        if mem.domain() == crate::wire::Domain::Host {
+            self.host_spans.write().unwrap().insert(lkey, (mem.addr(), mem.len()));
+        }
         Ok(MemoryRegion { pd: self.clone(), mr: Some(mr), lkey, rkey })
     }
 
@@ -185,6 +194,8 @@ impl MemoryRegion {
 
     fn release(&mut self) -> Result<()> {
         let Some(mr) = self.mr.take() else { return Ok(()) };
+        // No post reads it inline any more: one that is reading it holds the read lock.
+        self.pd.host_spans.write().unwrap().remove(&self.lkey);
         // SAFETY: made by `register*` and never handed out; taken out of `self.mr` just above,
         // so it is deregistered once; nothing depends on an MR.
         unsafe { self.pd.ctx.verbs.dereg_mr(mr) }
@@ -285,20 +296,44 @@ impl QueuePair {
     }
 
     /// `ibv_post_send` of a chained list (one doorbell). Safe whatever the work requests say:
-    /// the device moves bytes only through their lkeys and rkeys (see the SAFETY note).
+    /// the device moves bytes only through their lkeys and rkeys, and an inline request's
+    /// bytes are read only where they lie in a registered host region of this QP's PD under
+    /// the SGE's lkey (checked here; EINVAL naming the request and nothing posted otherwise),
+    /// at most the QP's `max_inline_data` of them, WRITEs only (see the SAFETY note).
     pub(crate) fn post_send(&self, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
+        let spans = wrs.iter().any(|w| w.inline).then(|| self.pd.host_spans.read().unwrap());
+        if let Some(spans) = &spans {
+            for (i, w) in wrs.iter().enumerate().filter(|(_, w)| w.inline) {
+                let inside = |s: &super::Sge| {
+                    spans.get(&s.lkey).is_some_and(|&(at, len)| {
+                        s.addr >= at && s.addr.checked_add(s.length as u64).is_some_and(|e| e <= at + len)
+                    })
+                };
+                let fits = w.op == super::WrOp::Write && w.bytes() <= self.caps.max_inline_data as u64;
+                if !fits || !w.sges.iter().all(inside) {
+                    return Err(PostError { bad_wr: i, errno: libc::EINVAL });
+                }
+            }
+        }
         // SAFETY: `qp` is live while `self` is. [`Verbs::post_send`]'s contract is that every
-        // SGE lies in memory registered under its lkey and valid until its completion; here
-        // the provider holds it up itself. It touches local memory only through an SGE's
-        // lkey, checked against that memory region (the NIC's protection check; the soft
+        // SGE lies in memory registered under its lkey and valid until its completion (for an
+        // inline request: while it is posted); here the provider holds it up itself. A
+        // request that is not inline touches local memory only through an SGE's lkey, checked
+        // by the device against that memory region (the NIC's protection check; the soft
         // provider's `local_regions`): an SGE outside its region completes with LOC_PROT_ERR
-        // and moves nothing. A `SendWr` carries no inline data, so nothing is read at post
-        // time. A region's memory is valid while it is registered: a `MemoryRegion` is made
-        // only from a `MemorySpan`, the registrant's promise, and deregistration stops the
-        // device from touching it (the NIC invalidates the region, the soft provider's
-        // `dereg_mr` waits for the operations moving its bytes). Remote addresses are the
-        // peer's NIC's to check against its rkeys.
-        unsafe { self.pd.ctx.verbs.post_send(self.qp, wrs) }
+        // and moves nothing. An inline request's bytes are read by the provider during this
+        // call, with no such check: each of its SGEs was checked above to lie inside a host
+        // region registered on this PD under that lkey, and `spans` (the read lock) keeps every
+        // such region registered until the call returns (`MemoryRegion::release` takes the
+        // write lock before deregistering); device memory (GPUDirect) is never in `host_spans`.
+        // A region's memory is valid while it is registered: a `MemoryRegion` is made only
+        // from a `MemorySpan`, the registrant's promise, and deregistration stops the device
+        // from touching it (the NIC invalidates the region, the soft provider's `dereg_mr`
+        // waits for the operations moving its bytes). Remote addresses are the peer's NIC's to
+        // check against its rkeys.
+        let r = unsafe { self.pd.ctx.verbs.post_send(self.qp, wrs) };
+        drop(spans);
+        r
     }
 }
 
@@ -307,5 +342,75 @@ impl Drop for QueuePair {
         // SAFETY: made by `create_qp` and never handed out: live, released once, here; nothing
         // depends on a QP.
         unsafe { self.pd.ctx.verbs.destroy_qp(self.qp) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::soft::SoftVerbs;
+    use super::super::{access, Sge, WrOp};
+    use super::*;
+    use crate::wire::rdma::QpAddr;
+
+    /// An inline request is posted only where each of its SGEs lies in a registered host
+    /// region of the QP's PD under that lkey, it is a WRITE, and it fits the QP's
+    /// `max_inline_data`; anything else is EINVAL naming it, and nothing of the list is posted.
+    #[test]
+    fn inline_sources_are_checked_against_registered_host_spans() {
+        let verbs: Arc<dyn Verbs> = Arc::new(SoftVerbs::new());
+        let ctx = Context::open(&verbs, "soft0").unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(64, &ctx.create_comp_channel().unwrap()).unwrap();
+        let caps =
+            QpCaps { max_send_wr: 16, max_recv_wr: 1, max_send_sge: 2, max_recv_sge: 1, max_inline_data: 64 };
+        let qp = pd.create_qp(&cq, caps).unwrap();
+        assert_eq!(qp.caps().max_inline_data, 64);
+        let remote =
+            QpAddr { gid: [0xfe; 16], lid: 0, qpn: 5, psn: 1, mtu: 5, rail: 0, reads_out: 16, reads_in: 16 };
+        qp.modify(&QpTransition::Init { port: 1, access: 0 }).unwrap();
+        let rtr = QpTransition::Rtr {
+            remote,
+            mtu: 5,
+            port: 1,
+            gid_index: 0,
+            traffic_class: 0,
+            sl: 0,
+            rd_atomic: 1,
+        };
+        qp.modify(&rtr).unwrap();
+        qp.modify(&QpTransition::Rts { psn: 1, timeout: 1, retry_cnt: 0, rd_atomic: 1 }).unwrap();
+        let buf = vec![7u8; 256];
+        let other = [1u8; 64];
+        let at = buf.as_ptr() as u64;
+        // SAFETY: `buf` outlives the region (`mr` is dropped first, below).
+        let span = unsafe {
+            MemorySpan::new(at, 256, crate::wire::Domain::Host, crate::registry::Access::ReadWrite)
+        };
+        let mr = pd.register(&span, access::LOCAL_WRITE).unwrap();
+        let wr = |addr: u64, length: u32, lkey: u32, op: WrOp| SendWr {
+            wr_id: 1,
+            op,
+            sges: vec![Sge { addr, length, lkey }],
+            signaled: true,
+            remote_addr: 0x1000,
+            rkey: 1,
+            inline: true,
+        };
+        let lkey = mr.lkey();
+        let ok = wr(at + 16, 64, lkey, WrOp::Write);
+        assert_eq!(qp.post_send(std::slice::from_ref(&ok)), Ok(()), "inside the span, 64 bytes");
+        let refused = |bad: SendWr| qp.post_send(&[ok.clone(), bad]).unwrap_err();
+        let einval = PostError { bad_wr: 1, errno: libc::EINVAL };
+        assert_eq!(refused(wr(at + 200, 64, lkey, WrOp::Write)), einval, "past the span's end");
+        assert_eq!(refused(wr(other.as_ptr() as u64, 64, lkey, WrOp::Write)), einval, "not registered");
+        assert_eq!(refused(wr(at, 64, lkey ^ 0x100, WrOp::Write)), einval, "another lkey");
+        assert_eq!(refused(wr(at, 65, lkey, WrOp::Write)), einval, "over max_inline_data");
+        assert_eq!(refused(wr(at, 64, lkey, WrOp::Read)), einval, "a READ cannot be inline");
+        drop(mr);
+        assert_eq!(
+            qp.post_send(std::slice::from_ref(&ok)),
+            Err(PostError { bad_wr: 0, errno: libc::EINVAL }),
+            "deregistered"
+        );
     }
 }

@@ -262,6 +262,7 @@ pub(super) const IBV_QPT_RC: c_uint = 2;
 pub(super) const IBV_WR_RDMA_WRITE: c_uint = 0;
 pub(super) const IBV_WR_RDMA_READ: c_uint = 4;
 pub(super) const IBV_SEND_SIGNALED: c_uint = 2;
+pub(super) const IBV_SEND_INLINE: c_uint = 8;
 pub(super) const QPS_RESET: c_uint = 0;
 pub(super) const QPS_INIT: c_uint = 1;
 pub(super) const QPS_RTR: c_uint = 2;

@@ -95,6 +95,7 @@ fn layout_matches_the_installed_header() {
         ("IBV_WR_RDMA_WRITE", IBV_WR_RDMA_WRITE as usize),
         ("IBV_WR_RDMA_READ", IBV_WR_RDMA_READ as usize),
         ("IBV_SEND_SIGNALED", IBV_SEND_SIGNALED as usize),
+        ("IBV_SEND_INLINE", IBV_SEND_INLINE as usize),
         ("IBV_QPT_RC", IBV_QPT_RC as usize),
         ("IBV_QPS_ERR", QPS_ERR as usize),
         ("IBV_QP_DEST_QPN", mask::DEST_QPN as usize),

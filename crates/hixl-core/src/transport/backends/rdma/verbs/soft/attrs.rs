@@ -36,8 +36,11 @@ const MAX_QP_WR: i32 = 16384;
 const MAX_SGE: i32 = 30;
 const MAX_QP_RD_ATOM: i32 = 128;
 /// Environment variable: other limits for the soft device, as `max_cqe=N,max_qp_wr=N,
-/// max_sge=N,max_qp_rd_atom=N` (any of them), so that tests can run the backend on a device
-/// smaller than any real one. The device enforces `max_cqe`, `max_qp_wr` and `max_sge`.
+/// max_sge=N,max_qp_rd_atom=N,max_qp_init_rd_atom=N` (any of them), so that tests can run the
+/// backend on a device smaller than any real one, or give two processes different devices.
+/// `max_qp_rd_atom` also sets `max_qp_init_rd_atom` unless that is given. The device enforces
+/// them all: the READ depths as a NIC does (a QP asked for more is EINVAL; a responder QP sent
+/// more READs at once than its `max_dest_rd_atomic` fails them and goes to ERR).
 pub const LIMITS_ENV: &str = "HIXL_SOFT_RDMA_LIMITS";
 
 /// The soft device's limits: the defaults above, changed by [`LIMITS_ENV`].
@@ -55,10 +58,12 @@ pub(super) fn device_attr() -> Result<DeviceAttr> {
     };
     fault::mute_after()?;
     let Ok(spec) = std::env::var(LIMITS_ENV) else { return Ok(d) };
+    let mut init = None;
     for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let bad = || {
             Error::param(format!(
-                "{LIMITS_ENV}: {item:?} is not NAME=N (max_cqe, max_qp_wr, max_sge, max_qp_rd_atom)"
+                "{LIMITS_ENV}: {item:?} is not NAME=N (max_cqe, max_qp_wr, max_sge, max_qp_rd_atom, \
+                 max_qp_init_rd_atom)"
             ))
         };
         let (k, v) = item.split_once('=').ok_or_else(bad)?;
@@ -68,8 +73,12 @@ pub(super) fn device_attr() -> Result<DeviceAttr> {
             "max_qp_wr" => d.max_qp_wr = v,
             "max_sge" => (d.max_sge, d.max_sge_rd) = (v, v),
             "max_qp_rd_atom" => (d.max_qp_rd_atom, d.max_qp_init_rd_atom) = (v, v),
+            "max_qp_init_rd_atom" => init = Some(v),
             _ => return Err(bad()),
         }
+    }
+    if let Some(v) = init {
+        d.max_qp_init_rd_atom = v;
     }
     Ok(d)
 }

@@ -17,8 +17,14 @@
 //! operations using the region. The responder's bytes go straight between the socket and the
 //! registered memory (readv / sendmsg), never through a buffer.
 //!
-//! What it does not model: the wire (it copies through the kernel, one request at a time per
-//! QP), a NIC that answers while its process is stopped (this one is a thread of the target
+//! Inline WRITEs (up to a QP's `max_inline_data`, at most 256 bytes): their bytes are copied
+//! at post time, with no lkey check.
+//!
+//! READ depth: up to `max_rd_atomic` READs outstanding per QP, and a responder QP sent more
+//! than its `max_dest_rd_atomic` refuses them (REM_INV_REQ_ERR) and goes to ERR.
+//!
+//! What it does not model: the wire (it copies through the kernel, one WRITE or up to
+//! `max_rd_atomic` READs at a time per QP), a NIC that answers while its process is stopped (this one is a thread of the target
 //! process), memory pinning, atomics, sends and receives A test can make the NIC go silent (`fault`:
 //! [`FAULT_ENV`]), as a NIC whose link went down.
 
@@ -49,6 +55,8 @@ use qp::SoftQp;
 
 /// `IBV_MTU_4096`.
 const MTU_4096: u8 = 5;
+/// Most inline bytes a QP may ask for (`max_inline_data`; rdma_rxe allows about this much).
+const MAX_INLINE: u32 = 256;
 
 /// The abstract socket a device with `gid` listens on.
 fn socket_name(gid: &[u8; 16]) -> String {
@@ -90,7 +98,9 @@ struct Device {
     gid: [u8; 16],
     /// Requests its responder served, and after how many it goes dark ([`FAIL_AFTER_ENV`]).
     served: std::sync::atomic::AtomicU64,
-    fail_after: Option<u64>,
+    fail_after: Option<responder::FailAfter>,
+    /// When it went dark.
+    dark_since: std::sync::OnceLock<std::time::Instant>,
     mrs: RwLock<HashMap<u32, Arc<SoftMr>>>,
     qps: Mutex<HashMap<u32, Arc<SoftQp>>>,
     next_key: AtomicU32,
@@ -125,6 +135,7 @@ impl Device {
             gid,
             served: std::sync::atomic::AtomicU64::new(0),
             fail_after: responder::fail_after(dev_name)?,
+            dark_since: std::sync::OnceLock::new(),
             mrs: RwLock::new(HashMap::new()),
             qps: Mutex::new(HashMap::new()),
             // Keys are an index and a random byte, like a NIC's; QPNs start at a random point.
@@ -503,9 +514,11 @@ impl Verbs for SoftVerbs {
         if caps.max_send_wr == 0
             || caps.max_send_wr > d.max_qp_wr.max(0) as u32
             || caps.max_send_sge > d.max_sge.max(0) as u32
+            || caps.max_inline_data > MAX_INLINE
         {
             return Err(Error::param(format!(
-                "soft verbs: QP capabilities {caps:?} exceed the device's ({} WRs, {} SGEs)",
+                "soft verbs: QP capabilities {caps:?} exceed the device's ({} WRs, {} SGEs, {MAX_INLINE} \
+                 inline bytes)",
                 d.max_qp_wr, d.max_sge
             )));
         }
@@ -513,7 +526,9 @@ impl Verbs for SoftVerbs {
         let cq = o.cqs.get(&cq.0).cloned().ok_or_else(|| no("CQ", cq.0))?;
         let qpn = dev.next_qpn.fetch_add(1, Ordering::Relaxed) & crate::wire::rdma::MAX_QPN;
         let caps = QpCaps { max_send_sge: caps.max_send_sge.max(1), ..caps };
-        let q = SoftQp::new(qpn, pd.0, dev.clone(), cq, caps)?;
+        let rd = |v: i32| v.clamp(1, u8::MAX as i32) as u8;
+        let rd_max = (rd(d.max_qp_init_rd_atom), rd(d.max_qp_rd_atom));
+        let q = SoftQp::new(qpn, pd.0, dev.clone(), cq, caps, rd_max)?;
         dev.qps.lock().unwrap().insert(qpn, q.clone());
         let h = o.handle();
         o.qps.insert(h, q);
@@ -534,7 +549,8 @@ impl Verbs for SoftVerbs {
 
     unsafe fn post_send(&self, qp: Qp, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
         let q = self.qp(qp).map_err(|_| PostError { bad_wr: 0, errno: libc::EINVAL })?;
-        q.post(wrs)
+        // SAFETY: this function's contract is the one `post` needs.
+        unsafe { q.post(wrs) }
     }
 }
 

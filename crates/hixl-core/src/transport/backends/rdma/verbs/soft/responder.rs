@@ -4,8 +4,10 @@
 //! socket and the registered memory. The target process's application takes no part.
 //!
 //! Between soft NICs: a Hello `{magic, dst_qpn, src_qpn, psn, src_gid}` once per connection,
-//! then per request a 32-byte header `{op, rkey, addr, len}` (WRITE: followed by its bytes),
-//! answered by 8 bytes `{status}` (READ, on success: followed by its bytes). Little endian.
+//! then per request a 32-byte header `{op, rkey, addr, len, depth}` (WRITE: followed by its
+//! bytes), answered by 8 bytes `{status}` (READ, on success: followed by its bytes). Little
+//! endian. A READ's `depth` is how many READs its QP has outstanding with it (a NIC's responder
+//! counts them by PSN): over the responder QP's `max_dest_rd_atomic` it is refused.
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -39,28 +41,62 @@ pub const LATENCY_ENV: &str = "HIXL_SOFT_RDMA_LATENCY_US";
 /// Environment variable: `NAME:N` makes this process's soft device NAME go dark once its
 /// responder has served N requests: it answers nothing more, drops every connection and
 /// refuses new ones, as a NIC whose link went down (its peers' requests end RETRY_EXC_ERR).
+/// `NAME:N:MS`: dark for MS milliseconds, then it answers again (a link that came back).
 /// Tests use it to fail one rail mid-transfer. Unset: never.
 pub const FAIL_AFTER_ENV: &str = "HIXL_SOFT_RDMA_FAIL_AFTER";
 
-/// What [`FAIL_AFTER_ENV`] says for the device `name`.
-pub(super) fn fail_after(name: &str) -> crate::error::Result<Option<u64>> {
-    let Ok(v) = std::env::var(FAIL_AFTER_ENV) else { return Ok(None) };
-    let bad = || crate::error::Error::param(format!("{FAIL_AFTER_ENV}={v:?} is not NAME:N (e.g. soft1:100)"));
-    let (dev, n) = v.split_once(':').ok_or_else(bad)?;
-    let n: u64 = n.trim().parse().map_err(|_| bad())?;
-    Ok((dev.trim() == name).then_some(n))
+/// What [`FAIL_AFTER_ENV`] asks of one device.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct FailAfter {
+    /// Requests served before it goes dark.
+    after: u64,
+    /// How long it stays dark (None: for good).
+    dark: Option<Duration>,
 }
 
-/// Counts one request about to be served; false once the device went dark (it then drops
-/// every connection and its listener).
+/// What [`FAIL_AFTER_ENV`] says for the device `name`.
+pub(super) fn fail_after(name: &str) -> crate::error::Result<Option<FailAfter>> {
+    let Ok(v) = std::env::var(FAIL_AFTER_ENV) else { return Ok(None) };
+    let bad = || {
+        crate::error::Error::param(format!(
+            "{FAIL_AFTER_ENV}={v:?} is not NAME:N or NAME:N:MS (e.g. soft1:100 or soft1:100:2000)"
+        ))
+    };
+    let mut it = v.split(':');
+    let (dev, n) = (it.next().ok_or_else(bad)?, it.next().ok_or_else(bad)?);
+    let after: u64 = n.trim().parse().map_err(|_| bad())?;
+    let dark = match it.next() {
+        None => None,
+        Some(ms) => Some(Duration::from_millis(ms.trim().parse().map_err(|_| bad())?)),
+    };
+    if it.next().is_some() {
+        return Err(bad());
+    }
+    Ok((dev.trim() == name).then_some(FailAfter { after, dark }))
+}
+
+/// Whether the device is dark now ([`FAIL_AFTER_ENV`]).
+fn dark(dev: &Device) -> bool {
+    let (Some(f), Some(at)) = (dev.fail_after, dev.dark_since.get()) else { return false };
+    f.dark.is_none_or(|d| at.elapsed() < d)
+}
+
+/// Counts one request about to be served; false while the device is dark (it then drops
+/// every connection; for good, its listener too).
 fn still_up(dev: &Device) -> bool {
-    let Some(limit) = dev.fail_after else { return true };
-    if dev.served.fetch_add(1, Ordering::AcqRel) < limit {
+    let Some(f) = dev.fail_after else { return true };
+    if dev.dark_since.get().is_some() {
+        return !dark(dev);
+    }
+    if dev.served.fetch_add(1, Ordering::AcqRel) < f.after {
         return true;
     }
-    if !dev.stopping.swap(true, Ordering::AcqRel) {
-        tracing::warn!(device = %dev.name, "soft RDMA NIC goes dark ({FAIL_AFTER_ENV})");
-        io::shutdown(dev.listener().as_raw_fd());
+    if dev.dark_since.set(std::time::Instant::now()).is_ok() {
+        tracing::warn!(device = %dev.name, "soft RDMA NIC goes dark ({FAIL_AFTER_ENV}, for {:?})", f.dark);
+        if f.dark.is_none() {
+            dev.stopping.store(true, Ordering::Release);
+            io::shutdown(dev.listener().as_raw_fd());
+        }
         for c in dev.conns.lock().unwrap().iter() {
             io::shutdown(c.as_raw_fd());
         }
@@ -114,6 +150,8 @@ pub(super) struct Request {
     pub(super) rkey: u32,
     pub(super) addr: u64,
     pub(super) len: u64,
+    /// READ: this QP's READs outstanding, this one included (0 for a WRITE).
+    pub(super) depth: u32,
 }
 
 impl Request {
@@ -123,6 +161,7 @@ impl Request {
         b[4..8].copy_from_slice(&self.rkey.to_le_bytes());
         b[8..16].copy_from_slice(&self.addr.to_le_bytes());
         b[16..24].copy_from_slice(&self.len.to_le_bytes());
+        b[24..28].copy_from_slice(&self.depth.to_le_bytes());
         b
     }
 
@@ -132,6 +171,7 @@ impl Request {
             rkey: u32::from_le_bytes(b[4..8].try_into().unwrap()),
             addr: u64::from_le_bytes(b[8..16].try_into().unwrap()),
             len: u64::from_le_bytes(b[16..24].try_into().unwrap()),
+            depth: u32::from_le_bytes(b[24..28].try_into().unwrap()),
         }
     }
 }
@@ -205,6 +245,9 @@ pub(super) fn listen(dev: &Arc<Device>) {
         if dev.stopping.load(Ordering::Acquire) {
             return;
         }
+        if dark(dev) {
+            continue; // dropped unanswered: a NIC whose link is down
+        }
         if !admit(dev, &conn) {
             continue;
         }
@@ -262,7 +305,7 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
             return;
         }
         let req = Request::decode(&rb);
-        let Some(qp_access) = qp.responder_access() else { return };
+        let Some((qp_access, rd_in)) = qp.responder_access() else { return };
         let (need, write) = match req.op {
             OP_WRITE => (access::REMOTE_WRITE, true),
             OP_READ => (access::REMOTE_READ, false),
@@ -275,9 +318,27 @@ fn serve(dev: &Arc<Device>, conn: &Arc<UnixStream>) {
             let _ = sockio::send_all_bytes(fd, &[status as u8, 0, 0, 0, 0, 0, 0, 0]);
             qp.fail_as_responder();
         };
-        if qp_access & need == 0 {
+        // More READs at once than this QP answers (`max_dest_rd_atomic`): a NIC's responder has
+        // no resources for it and NAKs it as an invalid request.
+        if qp_access & need == 0 || (!write && req.depth > rd_in as u32) {
+            if !write && req.depth > rd_in as u32 {
+                tracing::debug!(
+                    qpn = qp.qpn,
+                    depth = req.depth,
+                    max = rd_in,
+                    "soft NIC: READ over max_dest_rd_atomic"
+                );
+            }
             refuse(Status::InvalidRequest);
             return;
+        }
+        if req.len == 0 {
+            // A zero-length READ or WRITE carries no R_Key to check (IB spec; rdma_rxe alike):
+            // it only proves the path. The backend's probe of a rail that was left out is one.
+            if sockio::send_all_bytes(fd, &[0u8; 8]).is_err() {
+                return;
+            }
+            continue;
         }
         let mr =
             dev.mr(req.rkey).filter(|m| m.pd == qp.pd && m.covers(req.addr, req.len) && m.access & need != 0);

@@ -37,15 +37,32 @@ impl Dev {
         };
         let q = self.v.create_qp(self.pd, self.cq, caps).unwrap();
         self.v.modify_qp(q.qp, &QpTransition::Init { port: 1, access: remote }).unwrap();
-        (q.qp, QpAddr { gid: self.gid, lid: 0, qpn: q.qpn, psn: 100 + q.qpn, mtu: 5, rail: 0 })
+        (
+            q.qp,
+            QpAddr {
+                gid: self.gid,
+                lid: 0,
+                qpn: q.qpn,
+                psn: 100 + q.qpn,
+                mtu: 5,
+                rail: 0,
+                reads_out: 16,
+                reads_in: 16,
+            },
+        )
     }
 
     fn up(&self, q: Qp, ours: &QpAddr, theirs: &QpAddr) {
+        self.up_rd(q, ours, theirs, 16, 16)
+    }
+
+    /// RTR with `max_dest_rd_atomic` = `dest`, then RTS with `max_rd_atomic` = `out`.
+    fn up_rd(&self, q: Qp, ours: &QpAddr, theirs: &QpAddr, dest: u8, out: u8) {
         self.v
             .modify_qp(
                 q,
                 &QpTransition::Rtr {
-                    rd_atomic: 16,
+                    rd_atomic: dest,
                     remote: *theirs,
                     mtu: 5,
                     port: 1,
@@ -56,7 +73,7 @@ impl Dev {
             )
             .unwrap();
         self.v
-            .modify_qp(q, &QpTransition::Rts { psn: ours.psn, timeout: 16, retry_cnt: 7, rd_atomic: 16 })
+            .modify_qp(q, &QpTransition::Rts { psn: ours.psn, timeout: 16, retry_cnt: 7, rd_atomic: out })
             .unwrap();
     }
 
@@ -96,6 +113,7 @@ fn wr(id: u64, op: WrOp, local: &[u8], lkey: u32, remote: u64, rkey: u32) -> Sen
         signaled: true,
         remote_addr: remote,
         rkey,
+        inline: false,
     }
 }
 
@@ -115,7 +133,7 @@ fn the_state_machine_refuses_skipped_steps_and_posts_before_rts() {
     let caps =
         QpCaps { max_send_wr: 4, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
     let q = d.v.create_qp(d.pd, d.cq, caps).unwrap();
-    let remote = QpAddr { gid: d.gid, lid: 0, qpn: 5, psn: 1, mtu: 5, rail: 0 };
+    let remote = QpAddr { gid: d.gid, lid: 0, qpn: 5, psn: 1, mtu: 5, rail: 0, reads_out: 16, reads_in: 16 };
     let rtr =
         QpTransition::Rtr { remote, mtu: 5, port: 1, gid_index: 0, traffic_class: 0, sl: 0, rd_atomic: 16 };
     let e = d.v.modify_qp(q.qp, &rtr).unwrap_err();
@@ -246,4 +264,100 @@ fn a_deregistered_region_is_refused_after_the_writes_before_landed() {
     post(&a.v, qa, &[wr(2, WrOp::Read, &src[..64], lkey, remote, rkey)]).unwrap();
     assert_eq!(a.wait(1), [(2, wc::REM_ACCESS_ERR)], "a deregistered rkey is refused");
     assert_eq!(dst, src, "the first write had landed");
+}
+
+/// READs outstanding at once: a requester keeps up to its `max_rd_atomic` in flight, and a
+/// responder QP sent more than its `max_dest_rd_atomic` refuses the one over it
+/// (REM_INV_REQ_ERR) and goes to ERR, as a NIC does; a QP asked for more than the device has
+/// is EINVAL.
+#[test]
+fn reads_over_the_responders_max_dest_rd_atomic_are_refused_as_by_a_nic() {
+    let reads = |dest: u8, out: u8, n: usize| -> Vec<u32> {
+        let (a, b) = (dev(64), dev(64));
+        let (qa, aa) = a.qp(16, 0);
+        let (qb, ab) = b.qp(16, ALL);
+        b.up_rd(qb, &ab, &aa, dest, 16);
+        a.up_rd(qa, &aa, &ab, 16, out);
+        let mut src: Vec<u8> = (0..8192u32).map(|i| i as u8).collect();
+        let (_, rkey) = b.mr(&mut src, ALL);
+        let mut dst = vec![0u8; 8192];
+        let (lkey, _) = a.mr(&mut dst, ALL);
+        let at = src.as_ptr() as u64;
+        let wrs: Vec<SendWr> = (0..n)
+            .map(|i| {
+                wr(i as u64, WrOp::Read, &dst[i * 1024..(i + 1) * 1024], lkey, at + i as u64 * 1024, rkey)
+            })
+            .collect();
+        post(&a.v, qa, &wrs).unwrap();
+        let got = a.wait(n);
+        assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), (0..n as u64).collect::<Vec<_>>());
+        let ok = got.iter().take_while(|g| g.1 == wc::SUCCESS).count();
+        assert_eq!(dst[..ok * 1024], src[..ok * 1024], "the READs answered landed");
+        got.into_iter().map(|g| g.1).collect()
+    };
+    assert_eq!(reads(2, 2, 6), vec![wc::SUCCESS; 6], "never more than 2 outstanding");
+    assert_eq!(reads(16, 16, 6), vec![wc::SUCCESS; 6]);
+    let over = reads(2, 16, 6);
+    assert_eq!(&over[..3], &[wc::SUCCESS, wc::SUCCESS, wc::REM_INV_REQ_ERR], "{over:?}");
+    assert!(over[3..].iter().all(|s| *s == wc::WR_FLUSH_ERR), "{over:?}");
+
+    let d = dev(8);
+    let (q, a) = d.qp(4, 0);
+    let rtr = |rd_atomic| QpTransition::Rtr {
+        remote: a,
+        mtu: 5,
+        port: 1,
+        gid_index: 0,
+        traffic_class: 0,
+        sl: 0,
+        rd_atomic,
+    };
+    assert!(d.v.modify_qp(q, &rtr(129)).is_err(), "over the device's max_qp_rd_atom (128)");
+    d.v.modify_qp(q, &rtr(128)).unwrap();
+    let rts = |rd_atomic| QpTransition::Rts { psn: 1, timeout: 1, retry_cnt: 1, rd_atomic };
+    assert!(d.v.modify_qp(q, &rts(129)).is_err(), "over the device's max_qp_init_rd_atom (128)");
+    d.v.modify_qp(q, &rts(128)).unwrap();
+}
+
+/// An inline WRITE carries the bytes its source held when it was posted (the provider copies
+/// them then, as a NIC does), with no lkey; a QP asking for more inline bytes than the device
+/// has is refused, and an inline request over the QP's `max_inline_data` is EINVAL.
+#[test]
+fn an_inline_write_carries_the_bytes_of_when_it_was_posted() {
+    let (a, b) = (dev(64), dev(64));
+    let caps = |inline| QpCaps {
+        max_send_wr: 16,
+        max_recv_wr: 1,
+        max_send_sge: 2,
+        max_recv_sge: 1,
+        max_inline_data: inline,
+    };
+    assert!(a.v.create_qp(a.pd, a.cq, caps(4096)).is_err(), "more inline bytes than the device has");
+    let q = a.v.create_qp(a.pd, a.cq, caps(64)).unwrap();
+    a.v.modify_qp(q.qp, &QpTransition::Init { port: 1, access: 0 }).unwrap();
+    let aa = QpAddr {
+        gid: a.gid,
+        lid: 0,
+        qpn: q.qpn,
+        psn: 100 + q.qpn,
+        mtu: 5,
+        rail: 0,
+        reads_out: 16,
+        reads_in: 16,
+    };
+    let (qb, ab) = b.qp(16, ALL);
+    b.up(qb, &ab, &aa);
+    a.up(q.qp, &aa, &ab);
+    let mut dst = vec![0u8; 128];
+    let (_, rkey) = b.mr(&mut dst, ALL);
+    let mut src = vec![1u8; 64];
+    let inline = SendWr { inline: true, ..wr(1, WrOp::Write, &src, 0, dst.as_ptr() as u64, rkey) };
+    post(&a.v, q.qp, std::slice::from_ref(&inline)).unwrap();
+    src.fill(2); // after the post: what was posted is what lands
+    assert_eq!(a.wait(1), vec![(1, wc::SUCCESS)]);
+    assert_eq!(&dst[..64], &[1u8; 64][..]);
+    assert!(dst[64..].iter().all(|b| *b == 0));
+    let big = vec![3u8; 65];
+    let over = SendWr { inline: true, ..wr(2, WrOp::Write, &big, 0, dst.as_ptr() as u64, rkey) };
+    assert_eq!(post(&a.v, q.qp, &[over]), Err(PostError { bad_wr: 0, errno: libc::EINVAL }));
 }
