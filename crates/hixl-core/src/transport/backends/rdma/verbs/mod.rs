@@ -240,7 +240,7 @@ pub struct SendWr {
     pub rkey: u32,
     /// IBV_SEND_INLINE (a WRITE of at most the QP's `max_inline_data`): the provider copies the
     /// SGEs' bytes when it is posted, without the lkey check a NIC makes when it reads them
-    /// itself; [`QueuePair::post_send`] checks them against the registered spans instead.
+    /// itself; `QueuePair::post_send` checks them against the registered spans instead.
     pub inline: bool,
 }
 
