@@ -140,6 +140,21 @@ def object_size(ref: Any) -> int | None:
     return loc.get(ref, {}).get("object_size")
 
 
+def gone(pid: int, deadline_s: float) -> None:
+    """Waits until process `pid` has ended (no longer exists, or is a zombie), up to
+    `deadline_s` seconds."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} was still running {deadline_s} s after ray.kill")
+
+
 def main() -> None:
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     hixl.ray.register()
@@ -184,10 +199,11 @@ def run(s: Any, r: Any, words: list[str]) -> dict[str, Any]:
     if cmd == "kill":
         t = args[0]
         victim = Sender.remote()
-        ray.get(victim.pid.remote(), timeout=60)
+        pid = ray.get(victim.pid.remote(), timeout=60)
         ref = make(victim, t, 1 << 20, 1, 7)
         ray.wait([ref], timeout=60)
         ray.kill(victim, no_restart=True)
+        gone(pid, 60)  # ray.kill returns before the process has ended
         t0 = time.monotonic()
         try:
             ray.get(r.digest.remote(ref), timeout=120)
