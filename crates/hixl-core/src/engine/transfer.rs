@@ -261,13 +261,12 @@ impl Engine {
         &self,
         remote: &str,
         op: TransferOp,
-        (local_base, remote_base): (u64, u64),
+        bases: (u64, u64),
         d: &StridedDesc,
         notify: Option<NotifyDesc>,
         timeout: Option<Duration>,
         waiting: Waiting,
     ) -> Result<TransferReq> {
-        let bases = (local_base, remote_base);
         self.strided_or_not(remote, op, bases, d, notify, timeout, waiting, Ask::Peer)?
             .ok_or_else(|| Error::failed("a submission that may ask the peer stopped short"))
     }

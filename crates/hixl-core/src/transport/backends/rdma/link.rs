@@ -101,6 +101,14 @@ pub struct RdmaLink {
 }
 
 impl RdmaLink {
+    /// Keeps a thread the link started (a QP repair, the rail prober) for `close` to join,
+    /// forgetting those that have ended.
+    fn keep_thread(&self, h: std::thread::JoinHandle<()>) {
+        let mut t = self.threads.lock().unwrap();
+        t.retain(|h| !h.is_finished());
+        t.push(h);
+    }
+
     /// The same link, whose waiters poll the CQs for `busy_poll` (`hixl.rdma.busy_poll_us`).
     pub(super) fn with_busy_poll(mut self, busy_poll: Duration) -> RdmaLink {
         self.busy_poll = busy_poll;

@@ -153,11 +153,7 @@ impl RdmaLink {
             link.lanes[rail].repairing[idx].store(false, Ordering::Release);
         });
         match spawned {
-            Ok(h) => {
-                let mut t = self.threads.lock().unwrap();
-                t.retain(|h| !h.is_finished());
-                t.push(h);
-            }
+            Ok(h) => self.keep_thread(h),
             Err(e) => {
                 lane.repairing[idx].store(false, Ordering::Release);
                 self.close(Error::failed(format!("cannot start a thread to replace a failed QP: {e}")));

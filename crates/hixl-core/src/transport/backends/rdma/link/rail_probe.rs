@@ -41,11 +41,7 @@ impl RdmaLink {
             }
         });
         match spawned {
-            Ok(h) => {
-                let mut t = self.threads.lock().unwrap();
-                t.retain(|h| !h.is_finished());
-                t.push(h);
-            }
+            Ok(h) => self.keep_thread(h),
             Err(e) => {
                 self.probing.store(false, Ordering::Release);
                 tracing::warn!(peer = %self.control.peer(), "cannot start a thread to probe RDMA rails that are out: {e}");
